@@ -1,0 +1,33 @@
+"""ckpt-doctor: open, diagnose, repair and verify PyTorch checkpoints without running code from them.
+
+Names are imported on first use, so `ckpt-doctor inspect` starts fast and never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ._version import __version__
+
+_EXPORTS = {
+    "read_checkpoint": "readers",
+    "inspect_checkpoint": "report", "InspectReport": "report",
+    "Checkpoint": "records", "Format": "records", "GlobalRef": "records", "StorageRecord": "records",
+    "TensorRecord": "records", "Verdict": "records",
+    "CkptDoctorError": "errors", "ReadError": "errors", "UsageError": "errors", "ModelSpecError": "errors",
+    "PlanError": "errors", "WriteError": "errors", "VerifyError": "errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckpt_doctor' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"ckpt_doctor.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,5 @@
+"""`python -m ckpt_doctor`."""
+
+from .cli import main
+
+main(prog_name="ckpt-doctor")

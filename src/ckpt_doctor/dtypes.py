@@ -1,0 +1,59 @@
+"""Dtype names and sizes, without importing torch: torch's names, storage classes and safetensors codes."""
+
+from __future__ import annotations
+
+# dtype name (as torch prints it, without `torch.`) -> element size in bytes
+ELEMENT_SIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
+    "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
+}
+for _n in range(1, 8):
+    ELEMENT_SIZE.setdefault(f"int{_n}", 1)
+    ELEMENT_SIZE.setdefault(f"uint{_n}", 1)
+
+# Legacy typed storage class (torch.FloatStorage, ...) -> dtype name
+STORAGE_CLASS_DTYPE: dict[str, str] = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "ComplexDoubleStorage": "complex128", "ComplexFloatStorage": "complex64",
+    "QInt8Storage": "qint8", "QUInt8Storage": "quint8", "QInt32Storage": "qint32",
+    "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
+    "UntypedStorage": "uint8",
+}
+
+# Aliases torch accepts as attributes of the torch module.
+DTYPE_ALIASES: dict[str, str] = {
+    "float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32",
+    "short": "int16", "cfloat": "complex64", "cdouble": "complex128", "chalf": "complex32",
+}
+
+FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+                      "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"})
+
+# safetensors dtype code <-> torch dtype name
+SAFETENSORS_TO_TORCH: dict[str, str] = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "C64": "complex64", "C128": "complex128",
+}
+TORCH_TO_SAFETENSORS: dict[str, str] = {v: k for k, v in SAFETENSORS_TO_TORCH.items()}
+
+
+def torch_dtype_name(name: str) -> str | None:
+    """`float`/`float32`/`torch.float32` -> `float32`; None when it is not a dtype torch has."""
+    name = name.removeprefix("torch.")
+    name = DTYPE_ALIASES.get(name, name)
+    return name if name in ELEMENT_SIZE else None
+
+
+def element_size(dtype: str) -> int:
+    return ELEMENT_SIZE[dtype]

@@ -1,0 +1,45 @@
+"""The one error hierarchy: every failure a user can cause is a CkptDoctorError with a message that says the way out."""
+
+from __future__ import annotations
+
+
+class CkptDoctorError(Exception):
+    """Base class. The CLI prints `Error: <message>` and exits 2 (could not do what was asked)."""
+
+    exit_code = 2
+
+
+class UsageError(CkptDoctorError):
+    """The arguments do not make sense together."""
+
+
+class ReadError(CkptDoctorError):
+    """A checkpoint is missing, unreadable, corrupt or of a kind no reader opens.
+
+    `dangerous` holds the dangerous globals (qualified names) read before the file broke off: a broken file
+    that also names `os.system` is reported as unsafe (exit 1), not merely as corrupt.
+    """
+
+    def __init__(self, message: str, dangerous: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.dangerous = dangerous
+
+    @property
+    def exit_code(self) -> int:  # type: ignore[override]
+        return 1 if self.dangerous else 2
+
+
+class ModelSpecError(CkptDoctorError):
+    """A --model SPEC cannot be imported or built."""
+
+
+class PlanError(CkptDoctorError):
+    """A requested transform cannot be applied safely (e.g. two keys would collide)."""
+
+
+class WriteError(CkptDoctorError):
+    """The output cannot be written, or did not read back identical."""
+
+
+class VerifyError(CkptDoctorError):
+    """verify could not be run at all (as opposed to running and failing)."""

@@ -1,0 +1,97 @@
+"""What the pickle-based readers share: running the safe unpickler and turning its tree into a Checkpoint."""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..dtypes import element_size
+from ..errors import CkptDoctorError, ReadError
+from ..records import Checkpoint, Format, GlobalRef, StorageRecord, TensorRecord, fast_new
+from ..tree import Flat, TorchScriptMembers, find_state_dict_root, flatten
+from ..unpickler import RawTensor, SafeUnpickler, StorageRef
+
+# What a corrupt or hostile pickle can raise from inside the C unpickler; each becomes one ReadError.
+PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+                 OverflowError, UnicodeDecodeError, RecursionError, MemoryError, struct.error, ImportError)
+
+
+def run_unpickler(unpickler: SafeUnpickler, path: Path) -> Any:
+    try:
+        return unpickler.load()
+    except CkptDoctorError:
+        raise
+    except PICKLE_ERRORS as exc:
+        raise ReadError(f"{path}: {unpickler.source} is not a valid pickle "
+                        f"({type(exc).__name__}: {str(exc)[:120]})") from exc
+
+
+def with_dangerous(exc: ReadError, unpicklers: list[SafeUnpickler]) -> ReadError:
+    """The same error, carrying the dangerous globals the pickles read so far named."""
+    from ..records import Verdict
+
+    names = tuple(dict.fromkeys(g.qualname for up in unpicklers for g in up.globals
+                                if g.verdict is Verdict.DANGEROUS))
+    if names and not exc.dangerous:
+        return ReadError(f"{exc} — and it names dangerous globals: {', '.join(names)}", names)
+    return exc
+
+
+def _storage_record(ref: StorageRef) -> StorageRecord | None:
+    if ref.view_of is not None:
+        base = ref.view_of.resolved
+        if base is None:
+            return None
+        return replace(base, offset=base.offset + ref.view_offset, nbytes=ref.numel * element_size(ref.dtype))
+    return ref.resolved
+
+
+def tensor_record(path: Path, key: str, raw: RawTensor) -> TensorRecord:
+    storage = _storage_record(raw.storage) if raw.storage is not None else None
+    if raw.storage is not None and storage is None:
+        raise ReadError(f"{path}: tensor {key} names storage {raw.storage.key}, which the file does not hold")
+    record = fast_new(
+        TensorRecord, key=key, dtype=raw.dtype, shape=raw.shape, stride=raw.stride, storage_offset=raw.offset,
+        storage=storage, device=raw.device or (raw.storage.location if raw.storage else "cpu"),
+        requires_grad=raw.requires_grad, is_parameter=raw.is_parameter)
+    if storage is not None:
+        if len(raw.shape) != len(raw.stride) or min(raw.shape, default=0) < 0 or min(raw.stride, default=0) < 0:
+            end = storage.nbytes + 1
+        else:
+            end = raw.offset * element_size(raw.dtype) + record.span_bytes
+        if end > storage.nbytes:
+            raise ReadError(f"{path}: tensor {key} ({list(raw.shape)}, {raw.dtype}) reads past the end of its "
+                            f"storage {storage.key} ({storage.nbytes} bytes): the file is corrupt")
+    return record
+
+
+def build_checkpoint(path: Path, fmt: Format, root: Any, unpicklers: list[SafeUnpickler],
+                     ts_members: TorchScriptMembers | None = None, notes: tuple[str, ...] = (),
+                     extra_globals: tuple[GlobalRef, ...] = ()) -> Checkpoint:
+    try:
+        flat: Flat = flatten(root, ts_members)
+    except RecursionError as exc:
+        raise ReadError(f"{path}: the pickle nests too deeply to be a checkpoint") from exc
+    tensors = tuple(tensor_record(path, key, raw) for key, raw in flat.tensors)
+    sd_root, others = find_state_dict_root(flat)
+    model_class = flat.module_classes.get(sd_root) if sd_root is not None else None
+    all_notes = list(notes)
+    for up in unpicklers:
+        all_notes.extend(up.notes)
+        all_notes.extend(f"{key}: {raw.note}" for key, raw in flat.tensors if raw.note)
+    if flat.metadata_truncated:
+        all_notes.append(f"{flat.metadata_truncated} more metadata entries not listed")
+    globals_ = _dedupe([g for up in unpicklers for g in up.globals] + list(extra_globals))
+    return Checkpoint(path=path, format=fmt, tensors=tensors, metadata=dict(flat.metadata), globals=globals_,
+                      state_dict_root=sd_root, other_state_dicts=others, root=root, model_class=model_class,
+                      notes=tuple(dict.fromkeys(all_notes)), files=(path,), non_persistent=tuple(flat.non_persistent))
+
+
+def _dedupe(refs: list[GlobalRef]) -> tuple[GlobalRef, ...]:
+    seen: dict[tuple[str, str], GlobalRef] = {}
+    for ref in refs:
+        seen.setdefault((ref.module, ref.name), ref)
+    return tuple(seen.values())

@@ -1,0 +1,94 @@
+"""Reads a safetensors header and checks it by the reference parser's rules, without reading tensor data."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+from ..dtypes import SAFETENSORS_TO_TORCH, element_size
+from ..errors import ReadError
+from ..records import Checkpoint, Format, StorageRecord, TensorRecord
+
+MAX_HEADER = 100_000_000
+
+
+def looks_like_safetensors(head: bytes, size: int) -> bool:
+    if len(head) < 9:
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return 0 < n <= min(MAX_HEADER, size - 8) and head[8:9] == b"{"
+
+
+def read_safetensors(path: Path, fd: int, size: int) -> Checkpoint:
+    if size < 8:
+        raise ReadError(f"{path}: safetensors file shorter than its 8-byte header length")
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    if n > MAX_HEADER:
+        raise ReadError(f"{path}: safetensors header length {n} is over the 100 MB limit (corrupt file)")
+    if 8 + n > size:
+        raise ReadError(f"{path}: safetensors header length {n} runs past the end of the file (truncated)")
+    raw = os.pread(fd, n, 8)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ReadError(f"{path}: safetensors header is not UTF-8") from exc
+    except json.JSONDecodeError as exc:
+        raise ReadError(f"{path}: safetensors header is not valid JSON ({exc.msg} at {exc.pos})") from exc
+    if not isinstance(header, dict):
+        raise ReadError(f"{path}: safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ReadError(f"{path}: safetensors __metadata__ must map strings to strings")
+    data_start = 8 + n
+    data_len = size - data_start
+    spans = []
+    tensors = []
+    for key, info in header.items():
+        tensors.append(_record(path, key, info, data_start, data_len))
+        spans.append((tensors[-1].storage.offset - data_start, tensors[-1].nbytes, key))
+    spans.sort()
+    cursor = 0
+    for begin, nbytes, key in spans:
+        if begin < cursor:
+            raise ReadError(f"{path}: safetensors tensor {key} overlaps the tensor before it (corrupt header)")
+        if begin > cursor:
+            raise ReadError(f"{path}: safetensors data has a gap before tensor {key} (corrupt header)")
+        cursor = begin + nbytes
+    if cursor != data_len:
+        raise ReadError(f"{path}: safetensors data is {data_len} bytes but the tensors cover {cursor} "
+                        "(trailing or missing bytes)")
+    tensors.sort(key=lambda t: (t.storage.offset, t.key))
+    return Checkpoint(path=path, format=Format.SAFETENSORS, tensors=tuple(tensors), metadata=dict(metadata),
+                      globals=(), state_dict_root="" if tensors else None, files=(path,))
+
+
+def _record(path: Path, key: str, info: object, data_start: int, data_len: int) -> TensorRecord:
+    if not isinstance(info, dict):
+        raise ReadError(f"{path}: safetensors entry {key} is not an object")
+    dtype = SAFETENSORS_TO_TORCH.get(info.get("dtype"))  # type: ignore[arg-type]
+    shape = info.get("shape")
+    offsets = info.get("data_offsets")
+    if dtype is None:
+        raise ReadError(f"{path}: safetensors entry {key} has unknown dtype {info.get('dtype')!r}")
+    if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
+        raise ReadError(f"{path}: safetensors entry {key} has a bad shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        raise ReadError(f"{path}: safetensors entry {key} has bad data_offsets {offsets!r}")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_len:
+        raise ReadError(f"{path}: safetensors entry {key} has offsets {offsets} outside the data ({data_len} bytes)")
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel * element_size(dtype) != end - begin:
+        raise ReadError(f"{path}: safetensors entry {key}: {dtype}{shape} needs {numel * element_size(dtype)} "
+                        f"bytes, its offsets give {end - begin}")
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    storage = StorageRecord(key, dtype, end - begin, "cpu", path, data_start + begin)
+    return TensorRecord(key=key, dtype=dtype, shape=tuple(shape), stride=tuple(reversed(stride)),
+                        storage_offset=0, storage=storage, device="cpu")

@@ -1,0 +1,89 @@
+"""Reads the pre-1.6 torch format (a run of pickles, then each storage as a count and raw bytes) and bare pickles."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+from ..dtypes import element_size
+from ..errors import ReadError
+from ..records import Checkpoint, Format, StorageRecord
+from ..unpickler import SafeUnpickler
+from ._pickled import build_checkpoint, run_unpickler, with_dangerous
+
+MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+PROTOCOL_VERSION = 1001
+
+
+def read_torch_legacy(path: Path, size: int) -> Checkpoint:
+    unpicklers: list[SafeUnpickler] = []
+    try:
+        return _read(path, size, unpicklers)
+    except ReadError as exc:
+        raise with_dangerous(exc, unpicklers) from exc
+
+
+def _read(path: Path, size: int, unpicklers: list[SafeUnpickler]) -> Checkpoint:
+    def unpickler(f, source: str) -> SafeUnpickler:
+        up = SafeUnpickler(f, source)
+        unpicklers.append(up)
+        return up
+
+    with open(path, "rb") as f:
+        first = unpickler(f, "pickle 1 (magic number)")
+        magic = run_unpickler(first, path)
+        if magic != MAGIC_NUMBER:
+            # A bare pickle (pickle.dump): the first object is the content.
+            notes = ("a bare pickle, not written by torch.save",)
+            return build_checkpoint(path, Format.PICKLE, magic, [first], notes=notes + _trailing(f, size))
+        second = unpickler(f, "pickle 2 (protocol version)")
+        version = run_unpickler(second, path)
+        if version != PROTOCOL_VERSION:
+            raise ReadError(f"{path}: legacy torch file with protocol version {version!r}; only "
+                            f"{PROTOCOL_VERSION} exists")
+        third = unpickler(f, "pickle 3 (system info)")
+        sys_info = run_unpickler(third, path)
+        notes: list[str] = []
+        if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
+            notes.append("saved on a big-endian machine: tensor bytes are big-endian")
+        body = unpickler(f, "pickle 4 (object)")
+        root = run_unpickler(body, path)
+        keys_up = unpickler(f, "pickle 5 (storage keys)")
+        keys = run_unpickler(keys_up, path)
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise ReadError(f"{path}: legacy torch file whose storage key list is not a list of strings")
+        offset = f.tell()
+        for key in keys:
+            ref = body.storages.get(key)
+            head = _read_at(f, offset, 8)
+            if ref is None or len(head) != 8:
+                what = "is not named by the object pickle" if ref is None else "is cut short"
+                raise ReadError(f"{path}: storage {key} {what} (the file is corrupt or truncated)")
+            (count,) = struct.unpack("<q", head)
+            nbytes = count * element_size(ref.dtype)
+            if count < 0 or offset + 8 + nbytes > size:
+                raise ReadError(f"{path}: storage {key} needs {nbytes} bytes past offset {offset + 8}, "
+                                f"the file has {size} (truncated)")
+            ref.resolved = StorageRecord(key, ref.dtype, nbytes, ref.location, path, offset + 8)
+            offset += 8 + nbytes
+        missing = set(body.storages) - set(keys)
+        if missing:
+            raise ReadError(f"{path}: storages {sorted(missing)[:3]} are named but not stored (corrupt file)")
+        f.seek(offset)
+        notes.extend(_trailing(f, size))
+    return build_checkpoint(path, Format.TORCH_LEGACY, root, [first, second, third, body, keys_up],
+                            notes=tuple(notes))
+
+
+def _read_at(f, offset: int, size: int) -> bytes:
+    f.seek(offset)
+    return f.read(size)
+
+
+def _trailing(f, size: int) -> tuple[str, ...]:
+    left = size - f.tell()
+    if left <= 0:
+        return ()
+    head = f.read(4)
+    kind = "a zip archive" if head == b"PK\x03\x04" else "bytes"
+    return (f"{left} trailing bytes after the last pickle ({kind}); torch never reads them",)

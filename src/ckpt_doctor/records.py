@@ -1,0 +1,162 @@
+"""The frozen result types every stage passes on: tensor and storage records, globals, the Checkpoint."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+from typing import Any
+
+from .dtypes import element_size
+
+
+class Format(str, enum.Enum):
+    """How a checkpoint is laid out on disk, found from its bytes."""
+
+    TORCH_ZIP = "torch-zip"
+    TORCH_LEGACY = "torch-legacy"
+    TORCHSCRIPT = "torchscript"
+    SAFETENSORS = "safetensors"
+    PICKLE = "pickle"
+    SHARDED = "sharded"
+
+
+class Verdict(str, enum.Enum):
+    """What ckpt-doctor thinks of a global a pickle names. None is ever imported."""
+
+    SAFE = "safe"
+    UNKNOWN = "unknown"
+    DANGEROUS = "dangerous"
+
+
+@dataclass(frozen=True)
+class GlobalRef:
+    module: str
+    name: str
+    verdict: Verdict
+    reason: str = ""
+    source: str = ""  # the pickle that names it, e.g. `archive/data.pkl`
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+def fast_new(cls: type, **fields: Any) -> Any:
+    """Build a frozen dataclass without its per-field __setattr__ guard: the readers make one per tensor, and
+    the guarded __init__ costs ~1.4 µs against 0.3 µs, a third of the time to list 20,000 tensors."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """One block of tensor bytes in a file: where it is and what it was saved as."""
+
+    key: str
+    dtype: str
+    nbytes: int
+    device: str
+    file: Path
+    offset: int  # absolute byte offset of the storage's first byte in `file`
+    entry: str = ""  # zip member name, for writers that copy whole entries
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # in elements
+    storage: StorageRecord | None
+    device: str
+    requires_grad: bool = False
+    is_parameter: bool = False
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * element_size(self.dtype)
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes of its storage the tensor can touch, from its storage offset on."""
+        last = 0
+        for size, stride in zip(self.shape, self.stride):
+            if size == 0:
+                return 0
+            last += (size - 1) * stride
+        return (last + 1) * element_size(self.dtype)
+
+    @property
+    def file_offset(self) -> int | None:
+        if self.storage is None:
+            return None
+        return self.storage.offset + self.storage_offset * element_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class SharedGroup:
+    """Tensors that read the same storage (tied weights, views)."""
+
+    storage_key: str
+    keys: tuple[str, ...]
+    same_bytes: bool  # True when every tensor covers exactly the same bytes (tied weights)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    format: Format
+    tensors: tuple[TensorRecord, ...]
+    metadata: dict[str, Any]
+    globals: tuple[GlobalRef, ...]
+    state_dict_root: str | None
+    other_state_dicts: tuple[str, ...] = ()
+    root: Any = None  # the unpickled tree of plain containers and records (torch formats)
+    model_class: str | None = None  # whole-model pickle: the class it names (never imported)
+    notes: tuple[str, ...] = ()
+    files: tuple[Path, ...] = ()
+    non_persistent: tuple[str, ...] = field(default=())  # buffers a whole-model pickle marks non-persistent
+
+    @property
+    def unsafe_globals(self) -> tuple[GlobalRef, ...]:
+        return tuple(g for g in self.globals if g.verdict is Verdict.DANGEROUS)
+
+    @property
+    def unknown_globals(self) -> tuple[GlobalRef, ...]:
+        return tuple(g for g in self.globals if g.verdict is Verdict.UNKNOWN)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(sorted({t.device for t in self.tensors}))
+
+    def state_dict_tensors(self) -> tuple[TensorRecord, ...]:
+        """Tensors under the state_dict root, keyed relative to it."""
+        return tuple(relative_to_root(self.tensors, self.state_dict_root))
+
+
+def relative_to_root(tensors, root: str | None):
+    if root is None:
+        return []
+    if root == "":
+        return list(tensors)
+    prefix = root + "."
+    from dataclasses import replace
+
+    return [replace(t, key=t.key[len(prefix):]) for t in tensors if t.key.startswith(prefix)]

@@ -1,0 +1,87 @@
+"""JSON renderings of result objects, with the stable field names of DESIGN.md."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ..records import GlobalRef
+from ..report import InspectReport
+
+
+def _num(x: float | None) -> float | str | None:
+    if x is None:
+        return None
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    return x
+
+
+def global_json(g: GlobalRef) -> dict[str, Any]:
+    return {"global": g.qualname, "verdict": g.verdict.value, "reason": g.reason, "source": g.source}
+
+
+def inspect_json(report: InspectReport) -> dict[str, Any]:
+    ckpt = report.checkpoint
+    tensors = []
+    for t in report.tensors:
+        item: dict[str, Any] = {"key": t.key, "shape": list(t.shape), "dtype": t.dtype, "device": t.device,
+                                "nbytes": t.nbytes}
+        if t.storage is not None:
+            item["storage"] = t.storage.key
+        if report.stats is not None:
+            s = report.stats.get(t.key)
+            item["stats"] = None if s is None else {
+                "min": _num(s.min), "max": _num(s.max), "mean": _num(s.mean), "std": _num(s.std),
+                "nan": s.nan, "inf": s.inf}
+        tensors.append(item)
+    out: dict[str, Any] = {
+        "path": str(ckpt.path),
+        "format": ckpt.format.value,
+        "tensors": tensors,
+        "state_dict_root": ckpt.state_dict_root,
+        "prefixes": list(dict.fromkeys(p.prefix for p in report.prefixes)),
+        "prefix_details": [{"prefix": p.prefix, "where": p.where, "count": p.count, "of": p.total}
+                           for p in report.prefixes],
+        "metadata": ckpt.metadata,
+        "unsafe_globals": [g.qualname for g in ckpt.unsafe_globals],
+        "globals": [global_json(g) for g in ckpt.globals if g.verdict.value != "safe"],
+        "tensor_count": len(ckpt.tensors),
+        "parameter_count": report.parameter_count,
+        "total_bytes": report.total_bytes,
+        "devices": list(ckpt.devices),
+        "shared": [{"storage": g.storage_key, "keys": list(g.keys), "tied": g.same_bytes} for g in report.shared],
+        "other_state_dicts": list(ckpt.other_state_dicts),
+        "model_class": ckpt.model_class,
+        "non_persistent_buffers": list(ckpt.non_persistent),
+        "notes": list(ckpt.notes) + list(report.extra_notes),
+    }
+    if len(ckpt.files) > 1:
+        out["files"] = [str(f) for f in ckpt.files]
+    if report.stats is not None:
+        out["batchnorm_at_init"] = list(report.batchnorm_at_init)
+    if report.filter:
+        out["filter"] = report.filter
+    if report.missing_devices:
+        out["missing_devices"] = list(report.missing_devices)
+    if report.comparison is not None:
+        from .compare_out import comparison_json
+
+        out["comparison"] = comparison_json(report.comparison)
+    return out
+
+
+def dumps(data: Any) -> str:
+    """Indented at the top two levels, each list item on one line: readable, and fast (C encoder) on 20k tensors."""
+    def enc(value: Any) -> str:
+        return json.dumps(value, ensure_ascii=False, default=str)
+
+    parts = []
+    for key, value in data.items():
+        if isinstance(value, list) and value:
+            inner = ",\n    ".join(enc(v) for v in value)
+            parts.append(f"  {enc(key)}: [\n    {inner}\n  ]")
+        else:
+            parts.append(f"  {enc(key)}: {enc(value)}")
+    return "{\n" + ",\n".join(parts) + "\n}"

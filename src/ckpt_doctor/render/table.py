@@ -1,0 +1,100 @@
+"""Human renderings: the tensor table for stdout and the summary lines for stderr."""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from ..analyze import Row, collapse, human_bytes
+from ..report import InspectReport
+
+
+def _fmt(x: float | None) -> str:
+    return "" if x is None else f"{x:.4g}"
+
+
+def inspect_table(report: InspectReport, full: bool = False) -> str:
+    rows = [Row(t.key, (t,)) for t in report.tensors] if full else collapse(list(report.tensors))
+    headers = ["key", "shape", "dtype", "device", "size"]
+    with_stats = report.stats is not None
+    if with_stats:
+        headers += ["min", "max", "mean", "std", "nan/inf"]
+    body = []
+    for row in rows:
+        t = row.first
+        size = human_bytes(t.nbytes)
+        if len(row.tensors) > 1:
+            size = f"{len(row.tensors)} × {size}"
+        line = [row.label, str(list(t.shape)), t.dtype, t.device, size]
+        if with_stats:
+            stats = [report.stats.get(x.key) for x in row.tensors]  # type: ignore[union-attr]
+            s = stats[0]
+            if s is None:
+                line += ["", "", "", "", ""]
+            else:
+                lo = min((x.min for x in stats if x and x.min is not None), default=None)
+                hi = max((x.max for x in stats if x and x.max is not None), default=None)
+                bad = sum(x.nan + x.inf for x in stats if x)
+                mean, std = (s.mean, s.std) if len(stats) == 1 else (None, None)
+                line += [_fmt(lo), _fmt(hi), _fmt(mean), _fmt(std), str(bad) if bad else ""]
+        body.append(line)
+    if not body:
+        return "(no tensors)" if not report.filter else f"(no tensor key matches --filter {report.filter!r})"
+    return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
+
+
+def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
+    """Lines for stderr, each `label  text`; the CLI colours the UNSAFE ones."""
+    ckpt = report.checkpoint
+    lines: list[tuple[str, str]] = []
+    kind = "whole-model pickle of " + ckpt.model_class if ckpt.model_class else None
+    lines.append(("format", ckpt.format.value + (f" ({kind})" if kind else "")))
+    n_storages = len({(str(t.storage.file), t.storage.key) for t in ckpt.tensors if t.storage})
+    shown = f" ({len(report.tensors)} shown by --filter)" if report.filter else ""
+    lines.append(("tensors", f"{len(ckpt.tensors):,}{shown} in {n_storages:,} storages · "
+                             f"{report.parameter_count:,} parameters · {human_bytes(report.total_bytes)}"))
+    if ckpt.state_dict_root is not None:
+        root = ckpt.state_dict_root or "(the file's root)"
+        others = f" (other state_dicts: {', '.join(ckpt.other_state_dicts)})" if ckpt.other_state_dicts else ""
+        lines.append(("state_dict", root + others))
+    elif ckpt.tensors:
+        lines.append(("state_dict", "not found (no container holds mostly tensors)"))
+    for p in report.prefixes:
+        where = "leading" if p.leading else f"after {p.where!r}"
+        lines.append(("prefix", f"{p.prefix} ({where}) on {p.count:,} of {p.total:,} keys"))
+    devices = ckpt.devices
+    if devices:
+        counts = {d: sum(t.device == d for t in ckpt.tensors) for d in devices}
+        lines.append(("saved on", ", ".join(f"{d} ({n:,} tensors)" for d, n in counts.items())))
+    for d in report.missing_devices:
+        lines.append(("devices", f"{d} does not exist on this machine: load with map_location, or rewrite for "
+                                 f"good with `ckpt-doctor fix {ckpt.path} -o OUT --map-location cpu`"))
+    if ckpt.metadata:
+        items = list(ckpt.metadata.items())
+        limit = len(items) if full else 8
+        text = ", ".join(f"{k}={v!r}" if not isinstance(v, str) else f"{k}={v}" for k, v in items[:limit])
+        if len(items) > limit:
+            text += f", … {len(items) - limit} more (--json or --full lists all)"
+        lines.append(("metadata", text))
+    for g in report.shared[: None if full else 5]:
+        how = "tied, same bytes" if g.same_bytes else "views of one storage"
+        lines.append(("shared", f"{' = '.join(g.keys)} ({how})"))
+    if not full and len(report.shared) > 5:
+        lines.append(("shared", f"… {len(report.shared) - 5} more groups (--full)"))
+    if ckpt.non_persistent:
+        lines.append(("non-persistent", ", ".join(ckpt.non_persistent) + " (in the pickle, not in state_dict)"))
+    unknown = ckpt.unknown_globals
+    if unknown:
+        names = ", ".join(g.qualname for g in unknown[:6]) + (f", … {len(unknown) - 6} more" if len(unknown) > 6 else "")
+        lines.append(("globals", f"{names} — named by the file, not imported"))
+    for g in ckpt.unsafe_globals:
+        lines.append(("UNSAFE", f"{g.qualname} in {g.source}: {g.reason}; torch.load(weights_only=False) would run it"))
+    for layer in report.batchnorm_at_init:
+        lines.append(("batchnorm", f"{layer}: running stats at their initial values (mean 0, var 1, never updated)"))
+    if report.stats:
+        bad = [k for k, s in report.stats.items() if s is not None and (s.nan or s.inf)]
+        if bad:
+            lines.append(("values", f"NaN/Inf in {len(bad)} tensors: {', '.join(bad[:5])}"))
+    for note in ckpt.notes + report.extra_notes:
+        lines.append(("note", note))
+    width = max(len(label) for label, _ in lines)
+    return [f"{label:<{width}}  {text}" for label, text in lines]

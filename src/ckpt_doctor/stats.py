@@ -1,0 +1,70 @@
+"""Per-tensor statistics read one tensor at a time, and BatchNorm running stats left at their initial values."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .records import TensorRecord
+from .tensordata import load_tensor
+
+CHUNK = 1 << 24
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    min: float | None
+    max: float | None
+    mean: float | None
+    std: float | None
+    nan: int
+    inf: int
+
+
+def tensor_stats(record: TensorRecord) -> TensorStats | None:
+    """None for dtypes without an order (bool, complex, quantized)."""
+    import torch
+
+    if record.dtype == "bool" or record.dtype.startswith(("complex", "q", "bits", "float4")):
+        return None
+    tensor = load_tensor(record).reshape(-1)
+    if tensor.numel() == 0:
+        return TensorStats(None, None, None, None, 0, 0)
+    total = total_sq = 0.0
+    lo, hi = math.inf, -math.inf
+    nan = inf = finite_count = 0
+    for start in range(0, tensor.numel(), CHUNK):
+        chunk = tensor[start:start + CHUNK].to(torch.float64)
+        is_nan = torch.isnan(chunk)
+        is_inf = torch.isinf(chunk)
+        nan += int(is_nan.sum())
+        inf += int(is_inf.sum())
+        finite = chunk[~(is_nan | is_inf)]
+        if finite.numel():
+            finite_count += finite.numel()
+            total += float(finite.sum())
+            total_sq += float((finite * finite).sum())
+            lo = min(lo, float(finite.min()))
+            hi = max(hi, float(finite.max()))
+    if not finite_count:
+        return TensorStats(None, None, None, None, nan, inf)
+    mean = total / finite_count
+    var = max(total_sq / finite_count - mean * mean, 0.0) * finite_count / max(finite_count - 1, 1)
+    return TensorStats(lo, hi, mean, math.sqrt(var), nan, inf)
+
+
+def batchnorm_at_init(tensors: list[TensorRecord], stats: dict[str, TensorStats | None]) -> list[str]:
+    """Layers whose running_mean is all 0, running_var all 1 and num_batches_tracked 0 (never trained)."""
+    keys = {t.key for t in tensors}
+    flagged = []
+    for key in keys:
+        if not key.endswith(".running_mean"):
+            continue
+        layer = key[: -len(".running_mean")]
+        mean, var = stats.get(key), stats.get(layer + ".running_var")
+        tracked = stats.get(layer + ".num_batches_tracked")
+        if mean is None or var is None:
+            continue
+        if (mean.min, mean.max, var.min, var.max) == (0.0, 0.0, 1.0, 1.0) and (tracked is None or tracked.max == 0):
+            flagged.append(layer)
+    return sorted(flagged)

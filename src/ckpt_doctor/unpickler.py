@@ -1,0 +1,331 @@
+"""A pickle reader that never imports or calls what a file names: known globals become inert records."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .dtypes import STORAGE_CLASS_DTYPE, element_size, torch_dtype_name
+from .records import GlobalRef, Verdict
+from .safety import TENSOR_REBUILDERS, classify_global
+
+
+class Opaque:
+    """An object of a class the file names, or the result of calling a global the file names.
+
+    Nothing is called: the constructor arguments, the state given by BUILD and the items appended or
+    set are only recorded, so the tree can still be walked (e.g. a whole-model pickle's `_modules`).
+    """
+
+    __ref__: GlobalRef | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Opaque":
+        self = object.__new__(cls)
+        object.__setattr__(self, "_ckd", _OpaqueData(cls.__ref__, args, kwargs))
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "Opaque":
+        return _opaque_class(self._ckd.ref)(*args, **kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        self._ckd.state = state
+
+    def append(self, item: Any) -> None:
+        self._ckd.items.append(item)
+
+    def extend(self, items: Any) -> None:
+        self._ckd.items.extend(items)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._ckd.dictitems.append((key, value))
+
+    def add(self, item: Any) -> None:
+        self._ckd.items.append(item)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __repr__(self) -> str:
+        ref = self._ckd.ref
+        return f"<{ref.qualname if ref else 'object'}>"
+
+    @property
+    def ckd(self) -> "_OpaqueData":
+        return self._ckd
+
+
+@dataclass
+class _OpaqueData:
+    ref: GlobalRef | None
+    args: tuple
+    kwargs: dict
+    state: Any = None
+    items: list = field(default_factory=list)
+    dictitems: list = field(default_factory=list)
+
+
+_OPAQUE_CLASSES: dict[GlobalRef | None, type] = {}
+
+
+def _opaque_class(ref: GlobalRef | None) -> type:
+    cls = _OPAQUE_CLASSES.get(ref)
+    if cls is None:
+        cls = type("Opaque", (Opaque,), {"__ref__": ref})
+        _OPAQUE_CLASSES[ref] = cls
+    return cls
+
+
+@dataclass
+class StorageRef:
+    """A storage named through persistent_load; where its bytes are is settled by the reader."""
+
+    key: str
+    dtype: str
+    numel: int
+    location: str
+    resolved: Any = None  # the reader's StorageRecord
+    view_of: "StorageRef | None" = None  # legacy storage views into a bigger storage
+    view_offset: int = 0  # bytes into `view_of`
+
+
+@dataclass
+class RawTensor:
+    """A tensor as the pickle describes it, before it has a key path."""
+
+    storage: StorageRef | None
+    dtype: str
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    requires_grad: bool = False
+    is_parameter: bool = False
+    device: str | None = None  # set when the tensor is not backed by a storage (meta) or moved on rebuild
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class StorageType:
+    dtype: str
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str
+
+
+@dataclass(frozen=True)
+class Device:
+    spec: str
+
+
+_INT_ONLY = {int}
+
+
+def _ints(value: Any) -> tuple[int, ...]:
+    if type(value) is tuple or type(value) is list:
+        if not value or set(map(type, value)) == _INT_ONLY:
+            return tuple(value)
+    raise TypeError("shape/stride is not a tuple of ints")
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
+            dtype: str | None = None) -> RawTensor:
+    if not isinstance(storage, StorageRef) or type(offset) is not int or offset < 0:
+        raise TypeError("tensor storage is not a storage record")
+    return RawTensor(storage, dtype or storage.dtype, offset, _ints(size), _ints(stride), bool(requires_grad))
+
+
+def _rebuild_tensor(storage, offset, size, stride, *rest):
+    return _tensor(storage, offset, size, stride)
+
+
+def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    return _tensor(storage, offset, size, stride, requires_grad)
+
+
+def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
+    if not isinstance(dtype, DType):
+        raise TypeError("dtype is not a torch dtype")
+    return _tensor(storage, offset, size, stride, requires_grad, dtype.name)
+
+
+def _rebuild_parameter(data, requires_grad=True, hooks=None, state=None):
+    if not isinstance(data, RawTensor):
+        raise TypeError("parameter data is not a tensor")
+    data.is_parameter = True
+    data.requires_grad = bool(requires_grad)
+    return data
+
+
+def _rebuild_qtensor(storage, offset, size, stride, quantizer_params, requires_grad, hooks):
+    return _tensor(storage, offset, size, stride, requires_grad)
+
+
+def _rebuild_meta_tensor_no_storage(dtype, size, stride, requires_grad=False):
+    if not isinstance(dtype, DType):
+        raise TypeError("dtype is not a torch dtype")
+    return RawTensor(None, dtype.name, 0, _ints(size), _ints(stride), bool(requires_grad), device="meta")
+
+
+def _rebuild_device_tensor_from_cpu_tensor(data, dtype, device, requires_grad):
+    if not isinstance(data, RawTensor):
+        raise TypeError("data is not a tensor")
+    data.device = device.spec if isinstance(device, Device) else str(device)
+    data.requires_grad = bool(requires_grad)
+    return data
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    result = func(*args) if callable(func) else None
+    if isinstance(result, RawTensor) and isinstance(new_type, type) and issubclass(new_type, Opaque):
+        ref = new_type.__ref__
+        if ref is not None and ref.qualname == "torch.nn.parameter.Parameter":
+            result.is_parameter = True
+        elif ref is not None:
+            result.note = f"tensor subclass {ref.qualname}"
+    return result
+
+
+def _parameter(data=None, requires_grad=True):
+    return _rebuild_parameter(data, requires_grad)
+
+
+def _size(*args):
+    return tuple(args[0]) if args else ()
+
+
+def _device(*args):
+    return Device(":".join(str(a) for a in args))
+
+
+def _codecs_encode(text="", encoding="latin1", *rest):
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1", "utf-8", "ascii"):
+        raise TypeError("_codecs.encode used for something other than bytes")
+    return text.encode(encoding)
+
+
+def _reconstructor(cls, base, state=None):
+    obj = cls.__new__(cls) if isinstance(cls, type) and issubclass(cls, Opaque) else _opaque_class(None)()
+    if state is not None:
+        obj.ckd.args = (state,)
+    return obj
+
+
+_REBUILDERS: dict[str, Callable[..., Any]] = {
+    "_rebuild_tensor": _rebuild_tensor,
+    "_rebuild_tensor_v2": _rebuild_tensor_v2,
+    "_rebuild_tensor_v3": _rebuild_tensor_v3,
+    "_rebuild_parameter": _rebuild_parameter,
+    "_rebuild_parameter_with_state": _rebuild_parameter,
+    "_rebuild_qtensor": _rebuild_qtensor,
+    "_rebuild_meta_tensor_no_storage": _rebuild_meta_tensor_no_storage,
+    "_rebuild_device_tensor_from_cpu_tensor": _rebuild_device_tensor_from_cpu_tensor,
+}
+
+_SAFE_CALLABLES: dict[str, Any] = {
+    "collections.OrderedDict": OrderedDict,
+    "collections.Counter": Counter,
+    "torch.Size": _size,
+    "torch.device": _device,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "_codecs.encode": _codecs_encode,
+    "copyreg._reconstructor": _reconstructor,
+    "torch.jit._pickle.build_intlist": lambda x: x,
+    "torch.jit._pickle.build_doublelist": lambda x: x,
+    "torch.jit._pickle.build_boollist": lambda x: x,
+    "torch.jit._pickle.build_tensorlist": lambda x: x,
+    "torch.jit._pickle.build_genericlist": lambda x: x,
+    "torch.jit._pickle.restore_type_tag": lambda value, type_str=None: value,
+    "builtins.set": set, "builtins.frozenset": frozenset, "builtins.bytearray": bytearray,
+    "builtins.complex": complex, "builtins.slice": slice, "builtins.range": range,
+    "__builtin__.set": set, "__builtin__.frozenset": frozenset,
+}
+
+
+def _lenient(func: Callable[..., Any], ref: GlobalRef, notes: list[str]) -> Callable[..., Any]:
+    """Malformed rebuild arguments give an inert record and a note, so a hostile file is still reported."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except (TypeError, ValueError, KeyError, IndexError, OverflowError, AttributeError) as exc:
+            notes.append(f"{ref.qualname}: malformed arguments ({exc})")
+            return _opaque_class(ref)(*args)
+
+    return call
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Unpickles into plain containers, RawTensor/StorageRef records and Opaque stand-ins.
+
+    `find_class` never imports: it returns one of the inert functions above or an Opaque class.
+    Every global named is recorded in `self.globals` with its verdict.
+    """
+
+    def __init__(self, file: io.BufferedIOBase, source: str,
+                 resolve_storage: Callable[[StorageRef], None] | None = None) -> None:
+        super().__init__(file, encoding="utf-8", errors="surrogateescape")
+        self.source = source
+        self.globals: list[GlobalRef] = []
+        self.storages: dict[str, StorageRef] = {}
+        self.notes: list[str] = []
+        self._resolve_storage = resolve_storage
+
+    def find_class(self, module: str, name: str) -> Any:
+        verdict, reason = classify_global(module, name)
+        ref = GlobalRef(module, name, verdict, reason, self.source)
+        self.globals.append(ref)
+        if verdict is Verdict.SAFE:
+            qual = ref.qualname
+            if module == "torch._utils" and name in TENSOR_REBUILDERS:
+                func = _REBUILDERS.get(name)
+                return _lenient(func, ref, self.notes) if func else _opaque_class(ref)
+            if qual in _SAFE_CALLABLES:
+                target = _SAFE_CALLABLES[qual]
+                return target if isinstance(target, type) else _lenient(target, ref, self.notes)
+            if qual == "torch.nn.parameter.Parameter":
+                return _lenient(_parameter, ref, self.notes)
+            if module in ("torch", "torch.cuda", "torch.storage") and name in STORAGE_CLASS_DTYPE:
+                return StorageType(STORAGE_CLASS_DTYPE[name])
+            if module == "torch" and torch_dtype_name(name) is not None:
+                return DType(torch_dtype_name(name))
+        return _opaque_class(ref)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if type(pid) is tuple and len(pid) >= 5 and pid[0] == "storage":
+            storage_type, key, location, numel = pid[1:5]
+            view = pid[5] if len(pid) > 5 else None
+            if type(storage_type) is StorageType and type(numel) is int and numel >= 0:
+                key = key if type(key) is str else str(key)
+                ref = self.storages.get(key)
+                if ref is None:
+                    location = location if type(location) is str else str(location)
+                    ref = StorageRef(key, storage_type.dtype, numel, location)
+                    self.storages[key] = ref
+                    if self._resolve_storage is not None:
+                        self._resolve_storage(ref)
+                if view is not None and isinstance(view, tuple) and len(view) == 3:
+                    _, view_offset, view_numel = view
+                    elsize = element_size(ref.dtype)
+                    return StorageRef(ref.key, ref.dtype, int(view_numel), ref.location, view_of=ref,
+                                      view_offset=int(view_offset) * elsize)
+                return ref
+        self.notes.append(f"unexpected persistent id {pid!r:.80}")
+        return _opaque_class(None)(pid)

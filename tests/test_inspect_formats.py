@@ -1,0 +1,145 @@
+"""inspect --json agrees exactly with torch about every format: keys, shapes, dtypes and saved devices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import doctor_view, torch_view
+
+ALL = ["plain", "dataparallel", "ddp", "compiled", "training", "lightning", "ema", "tied", "legacy", "cuda3",
+       "cuda0_legacy", "whole_model", "torchscript", "safetensors", "dtypes", "sharded_safetensors", "sharded_bin",
+       "hf_folder"]
+EXPECTED_FORMAT = {"legacy": "torch-legacy", "cuda0_legacy": "torch-legacy", "torchscript": "torchscript",
+                   "safetensors": "safetensors", "hf_folder": "safetensors", "sharded_safetensors": "sharded",
+                   "sharded_bin": "sharded"}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_keys_shapes_dtypes_match_the_fixture(fixtures, cli, name):
+    info = fixtures[name]
+    result = cli("inspect", info["path"], "--json")
+    assert result.exit_code == 0, result.stderr
+    data = result.json()
+    assert data["format"] == EXPECTED_FORMAT.get(name, "torch-zip")
+    got = {t["key"]: (t["shape"], t["dtype"]) for t in data["tensors"]}
+    assert got == {k: tuple(v) for k, v in info["expected"].items()}
+    assert {t["device"] for t in data["tensors"]} == {info["device"]}
+    assert data["unsafe_globals"] == []
+
+
+@pytest.mark.parametrize("name", ["plain", "dataparallel", "ddp", "compiled", "training", "lightning", "ema", "tied",
+                                  "legacy", "dtypes", "cuda3", "cuda0_legacy"])
+def test_agrees_with_torch_load(fixtures, cli, name):
+    path = fixtures[name]["path"]
+    data = cli("inspect", path, "--json").json()
+    loaded = torch.load(path, map_location="cpu", weights_only=True)
+    theirs = {k: v[:2] for k, v in torch_view(loaded).items()}
+    ours = {k: tuple(v[:2]) for k, v in doctor_view(data).items()}
+    assert ours == {k: tuple(v) for k, v in theirs.items()}
+    assert list(ours) == list(theirs), "keys must come in the file's order"
+
+
+def test_safetensors_agrees_with_safe_open(fixtures, cli):
+    from safetensors import safe_open
+
+    path = fixtures["safetensors"]["path"]
+    data = cli("inspect", path, "--json").json()
+    with safe_open(str(path), framework="pt") as f:
+        theirs = {k: (list(f.get_slice(k).get_shape()), str(f.get_tensor(k).dtype).removeprefix("torch."))
+                  for k in f.keys()}
+        assert data["metadata"] == f.metadata()
+    assert {t["key"]: (t["shape"], t["dtype"]) for t in data["tensors"]} == theirs
+
+
+def test_saved_device_is_reported(fixtures, cli):
+    result = cli("inspect", fixtures["cuda3"]["path"])
+    assert result.exit_code == 0
+    assert "cuda:3" in result.stderr
+    assert "saved on" in result.stderr
+
+
+@pytest.mark.parametrize("name,root", [("training", "state_dict"), ("lightning", "state_dict"), ("ema", "model"),
+                                       ("plain", ""), ("whole_model", ""), ("torchscript", "")])
+def test_state_dict_root(fixtures, cli, name, root):
+    data = cli("inspect", fixtures[name]["path"], "--json").json()
+    assert data["state_dict_root"] == root
+    if name == "ema":
+        assert data["other_state_dicts"] == ["ema"]
+
+
+@pytest.mark.parametrize("name,prefixes", [("dataparallel", ["module."]), ("ddp", ["module."]),
+                                           ("compiled", ["_orig_mod."]), ("lightning", ["model."]),
+                                           ("plain", [])])
+def test_prefixes(fixtures, cli, name, prefixes):
+    data = cli("inspect", fixtures[name]["path"], "--json").json()
+    assert data["prefixes"] == prefixes
+
+
+def test_mid_key_and_stacked_prefixes(tmp_path, cli):
+    sd = {"features.module.0.weight": torch.zeros(2), "features.module.0.bias": torch.zeros(2),
+          "head.weight": torch.zeros(1)}
+    torch.save(sd, tmp_path / "mid.pt")
+    data = cli("inspect", tmp_path / "mid.pt", "--json").json()
+    assert data["prefixes"] == ["module."]
+    assert data["prefix_details"] == [{"prefix": "module.", "where": "features.", "count": 2, "of": 3}]
+    torch.save({f"_orig_mod.module.{k}": v for k, v in sd.items() if k.startswith("head")}, tmp_path / "stack.pt")
+    assert cli("inspect", tmp_path / "stack.pt", "--json").json()["prefixes"] == ["_orig_mod.", "module."]
+
+
+def test_tied_weights_share_a_storage(fixtures, cli):
+    data = cli("inspect", fixtures["tied"]["path"], "--json").json()
+    assert {"storage": data["shared"][0]["storage"], "keys": ["embed.weight", "lm_head.weight"],
+            "tied": True} in data["shared"]
+
+
+def test_views_are_shown_as_sharing(tmp_path, cli):
+    base = torch.arange(12.0)
+    torch.save({"all": base, "tail": base[6:]}, tmp_path / "views.pt")
+    data = cli("inspect", tmp_path / "views.pt", "--json").json()
+    assert data["shared"] == [{"storage": data["shared"][0]["storage"], "keys": ["all", "tail"], "tied": False}]
+
+
+def test_whole_model_pickle_of_a_missing_class(fixtures, cli):
+    info = fixtures["whole_model"]
+    data = cli("inspect", info["path"], "--json").json()
+    assert data["model_class"] == "gone_models.GoneNet"
+    assert data["non_persistent_buffers"] == ["scratch"]
+    assert "gone_models.GoneNet" in [g["global"] for g in data["globals"]]
+    assert all(g["verdict"] == "unknown" for g in data["globals"])
+
+
+def test_torchscript_matches_its_state_dict_and_is_not_run(fixtures, cli):
+    data = cli("inspect", fixtures["torchscript"]["path"], "--json").json()
+    assert any("not run" in note for note in data["notes"])
+    assert [t["key"] for t in data["tensors"]] == list(fixtures["torchscript"]["expected"])
+
+
+def test_training_checkpoint_metadata(fixtures, cli):
+    data = cli("inspect", fixtures["training"]["path"], "--json").json()
+    assert data["metadata"]["epoch"] == 7
+    assert data["metadata"]["lr"] == 0.001
+    assert data["metadata"]["args.arch"] == "cnn"
+    assert "optimizer.state.0.exp_avg" in {t["key"] for t in data["tensors"]}
+
+
+def test_collapsed_table_and_full(fixtures, cli):
+    path = fixtures["tied"]["path"]
+    table = cli("inspect", path).stdout
+    assert "layers.{0..3}.attn.in_proj_weight" in table
+    assert "layers.2.attn.in_proj_weight" not in table
+    full = cli("inspect", path, "--full").stdout
+    assert "layers.2.attn.in_proj_weight" in full and "{0..3}" not in full
+
+
+def test_filter(fixtures, cli):
+    data = cli("inspect", fixtures["training"]["path"], "--json", "--filter", r"^state_dict\.classifier").json()
+    assert [t["key"] for t in data["tensors"]] == ["state_dict.classifier.weight", "state_dict.classifier.bias"]
+    bad = cli("inspect", fixtures["training"]["path"], "--filter", "(")
+    assert bad.exit_code == 2 and bad.stderr.startswith("Error: --filter")
+
+
+def test_table_goes_to_stdout_summary_to_stderr(fixtures, cli):
+    result = cli("inspect", fixtures["plain"]["path"])
+    assert result.stdout.splitlines()[0].split() == ["key", "shape", "dtype", "device", "size"]
+    assert "format" in result.stderr and "format" not in result.stdout
