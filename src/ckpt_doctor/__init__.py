@@ -12,6 +12,8 @@ from ._version import __version__
 
 _EXPORTS = {
     "read_checkpoint": "readers",
+    "load": "loader", "load_into": "loader", "StateDict": "loader",
+    "compare_checkpoint": "compare", "Comparison": "compare", "keys_from_spec": "modelspec",
     "inspect_checkpoint": "report", "InspectReport": "report",
     "Checkpoint": "records", "Format": "records", "GlobalRef": "records", "StorageRecord": "records",
     "TensorRecord": "records", "Verdict": "records",

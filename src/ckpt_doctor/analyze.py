@@ -15,13 +15,10 @@ WRAPPER_TOKENS = ("module", "_orig_mod", "model", "_fsdp_wrapped_module", "_chec
 @dataclass(frozen=True)
 class PrefixFinding:
     prefix: str  # the wrapper token with its dot, e.g. "module."
-    where: str  # the key part before it ("" for a leading prefix, "features." in the middle)
+    where: str  # the key part before it ("" for the outermost, "features." in the middle)
     count: int
     total: int
-
-    @property
-    def leading(self) -> bool:
-        return self.where == ""
+    leading: bool  # part of the run of prefixes every key starts with (`_orig_mod.module.`)
 
 
 def find_prefixes(keys: list[str]) -> list[PrefixFinding]:
@@ -37,7 +34,7 @@ def find_prefixes(keys: list[str]) -> list[PrefixFinding]:
         for token in WRAPPER_TOKENS:
             head = token + "."
             if all(k.startswith(head) for k in rest) and all(len(k) > len(head) for k in rest):
-                findings.append(PrefixFinding(head, where, total, total))
+                findings.append(PrefixFinding(head, where, total, total, True))
                 rest = [k[len(head):] for k in rest]
                 where += head
                 break
@@ -51,13 +48,13 @@ def find_prefixes(keys: list[str]) -> list[PrefixFinding]:
             if parts[i] in ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"):
                 middle[(".".join(parts[:i]) + ".", parts[i] + ".")] += 1
     for (before, token), count in middle.items():
-        findings.append(PrefixFinding(token, where + before, count, total))
+        findings.append(PrefixFinding(token, where + before, count, total, False))
     if not findings:
         # A prefix most (not all) keys share is still worth saying: a partial wrap, or a Lightning `model.`.
         for token in WRAPPER_TOKENS:
             count = sum(k.startswith(token + ".") for k in rest)
             if count and count * 2 >= total:
-                findings.append(PrefixFinding(token + ".", "", count, total))
+                findings.append(PrefixFinding(token + ".", "", count, total, True))
     return findings
 
 
@@ -94,32 +91,40 @@ class Row:
 
 def collapse(tensors: list[TensorRecord]) -> list[Row]:
     """`layers.{0..23}.attn.q.weight`: rows equal but for one index (same shape, dtype, device) become one."""
-    rows = [Row(t.key, (t,)) for t in tensors]
+    groups = collapse_labels([t.key for t in tensors], [(t.shape, t.dtype, t.device) for t in tensors])
+    return [Row(label, tuple(tensors[i] for i in members)) for label, members in groups]
+
+
+def collapse_labels(labels: list[str], signatures: list[tuple]) -> list[tuple[str, list[int]]]:
+    """Groups of positions whose labels differ by one numeric component and whose signatures are equal.
+
+    Applied until nothing changes, so `blocks.{0..3}.layers.{0..2}.w` comes out of two passes. A group of
+    fewer than three stays as separate rows, in place.
+    """
+    rows: list[tuple[str, list[int], tuple]] = [(lab, [i], sig) for i, (lab, sig) in enumerate(zip(labels, signatures))]
     while True:
         merged = _collapse_once(rows)
         if len(merged) == len(rows):
-            return merged
+            return [(label, members) for label, members, _ in merged]
         rows = merged
 
 
-def _collapse_once(rows: list[Row]) -> list[Row]:
+def _collapse_once(rows: list[tuple[str, list[int], tuple]]) -> list[tuple[str, list[int], tuple]]:
     groups: "OrderedDict[tuple, list[tuple[int, int]]]" = OrderedDict()  # key -> [(index value, row position)]
-    for pos, row in enumerate(rows):
-        matches = list(_NUM.finditer(row.label))
-        if not matches:
+    for pos, (label, members, sig) in enumerate(rows):
+        m = _NUM.search(label)
+        if m is None:
             continue
-        m = matches[0]
-        pattern = row.label[:m.start()] + "\0" + row.label[m.end():]
-        t = row.first
-        groups.setdefault((pattern, t.shape, t.dtype, t.device, len(row.tensors)), []).append((int(m.group(1)), pos))
-    merged_at: dict[int, Row] = {}
+        pattern = label[:m.start()] + "\0" + label[m.end():]
+        groups.setdefault((pattern, sig, len(members)), []).append((int(m.group(1)), pos))
+    merged_at: dict[int, tuple[str, list[int], tuple]] = {}
     absorbed: set[int] = set()
-    for key, members in groups.items():
-        if len(members) < 3:
+    for (pattern, sig, _), found in groups.items():
+        if len(found) < 3:
             continue
-        label = key[0].replace("\0", "{" + _index_range([i for i, _ in members]) + "}")
-        merged_at[members[0][1]] = Row(label, tuple(t for _, pos in members for t in rows[pos].tensors))
-        absorbed.update(pos for _, pos in members[1:])
+        label = pattern.replace("\0", "{" + _index_range([i for i, _ in found]) + "}")
+        merged_at[found[0][1]] = (label, [m for _, pos in found for m in rows[pos][1]], sig)
+        absorbed.update(pos for _, pos in found[1:])
     return [merged_at.get(pos, row) for pos, row in enumerate(rows) if pos not in absorbed]
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import click
 
 from ._version import __version__
-from .errors import CkptDoctorError
+from .errors import CkptDoctorError, UsageError
 
 EXIT_CODES = """\b
 Exit codes (every command):
@@ -85,9 +85,21 @@ def main() -> None:
 @click.option("--filter", "filter_", metavar="REGEX", help="Only list tensors whose key matches REGEX (re.search).")
 @click.option("--full", is_flag=True, help="One row per tensor; by default repeated blocks are collapsed "
               "(layers.{0..23}.attn.q.weight) and long lists shortened.")
+@click.option("--model", "model_spec", metavar="SPEC", help="Compare with a model: package.module:attr or "
+              "path/to/file.py:attr (a class or factory, built on the meta device), or a reference checkpoint.")
+@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE",
+              help="Argument for the model's constructor (repeatable; values are Python literals).")
+@click.option("--allow-missing", metavar="REGEX", help="Accept model keys matching REGEX being missing or of "
+              "another shape (a new head when fine-tuning).")
+@click.option("--allow-unexpected", metavar="REGEX", help="Accept checkpoint keys matching REGEX the model lacks.")
+@click.option("--min-loaded", type=click.FloatRange(0, 1), metavar="FRACTION",
+              help="Fail unless at least this share of the model's parameters (by elements) is filled, e.g. 0.99.")
+@click.option("--values", is_flag=True, help="With a reference checkpoint as --model: max |difference| per tensor.")
 @click.option("--no-color", is_flag=True, help="No colour on stderr (NO_COLOR is honoured too).")
 @handle_errors
-def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bool, no_color: bool) -> int:
+def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bool, model_spec: str | None,
+            model_args: tuple[str, ...], allow_missing: str | None, allow_unexpected: str | None,
+            min_loaded: float | None, values: bool, no_color: bool) -> int:
     """Show what a checkpoint holds: keys, shapes, dtypes, saved devices, prefixes, metadata, unsafe globals.
 
     CKPT is a file (torch zip, legacy torch, TorchScript, safetensors, a pickle) or a folder (a shard
@@ -95,11 +107,26 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
     the file is run: pickles are read by an unpickler that imports nothing; globals the file names are
     listed, and dangerous ones (os, subprocess, eval, …) make the exit code 1.
 
+    With --model, the table gives a verdict per key (matched, missing, unexpected, shape mismatch, dtype
+    differs), the summary says what share of the model a load would fill, and prints the exact
+    `ckpt-doctor fix …` command that makes a strict load succeed. Exit 1 when a strict load would fail
+    (after --allow-missing / --allow-unexpected / --min-loaded).
+
+    \b
+    ckpt-doctor inspect model.pth --model mypkg.nets:ResNet --model-arg num_classes=10
+    ckpt-doctor inspect ft.pth --model nets.py:Net --allow-missing '^classifier\.'
+    ckpt-doctor inspect new.pt --model old.pt --values      # compare two checkpoints
+
     The table goes to stdout, the summary to stderr.
     """
+    from .modelspec import parse_model_args
     from .report import inspect_checkpoint
 
-    report = inspect_checkpoint(ckpt, stats=stats, filter=filter_)
+    if model_args and not model_spec:
+        raise UsageError("--model-arg needs --model")
+    report = inspect_checkpoint(ckpt, stats=stats, filter=filter_, model=model_spec,
+                                model_args=parse_model_args(model_args), allow_missing=allow_missing,
+                                allow_unexpected=allow_unexpected, min_loaded=min_loaded, values=values)
     if as_json:
         from .render.json_out import dumps, inspect_json
 
@@ -109,7 +136,8 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
 
         click.echo(inspect_table(report, full=full))
         for line in inspect_summary(report, full=full):
-            say(line, color="red" if line.startswith(("UNSAFE", "values", "batchnorm")) else None,
+            say(line, color="red" if line.startswith(("UNSAFE", "values", "batchnorm", "verdict  strict load F"))
+                else None,
                 no_color=no_color)
     if report.checkpoint.unsafe_globals and not as_json:
         say(f"{len(report.checkpoint.unsafe_globals)} dangerous global(s): never load this file with "

@@ -11,6 +11,7 @@ from .analyze import PrefixFinding, find_prefixes, parameter_count, shared_group
 from .errors import UsageError
 from .readers import read_checkpoint
 from .records import Checkpoint, SharedGroup, TensorRecord
+from .devices import missing_devices
 from .stats import TensorStats, batchnorm_at_init, tensor_stats
 
 
@@ -25,6 +26,8 @@ class InspectReport:
     stats: dict[str, TensorStats | None] | None = None
     batchnorm_at_init: tuple[str, ...] = ()
     comparison: Any = None  # a Comparison when --model is given
+    model_shapes: dict[str, tuple] = field(default_factory=dict)
+    value_diffs: dict[str, float] | None = None  # --values against a reference checkpoint
     missing_devices: tuple[str, ...] = ()  # saved devices this machine lacks (known only when torch is loaded)
     filter: str | None = None
     extra_notes: tuple[str, ...] = field(default=())
@@ -32,12 +35,38 @@ class InspectReport:
     @property
     def has_problems(self) -> bool:
         bad_values = bool(self.stats) and any(s is not None and (s.nan or s.inf) for s in self.stats.values())
-        return bool(self.checkpoint.unsafe_globals) or bad_values or bool(self.batchnorm_at_init)
+        mismatch = self.comparison is not None and not self.comparison.ok
+        return bool(self.checkpoint.unsafe_globals) or bad_values or bool(self.batchnorm_at_init) or mismatch
 
 
 def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | None = None,
-                       checkpoint: Checkpoint | None = None) -> InspectReport:
+                       checkpoint: Checkpoint | None = None, model: str | None = None,
+                       model_args: dict[str, Any] | None = None, allow_missing: str | None = None,
+                       allow_unexpected: str | None = None, min_loaded: float | None = None,
+                       values: bool = False) -> InspectReport:
+    """What `inspect` reports; with `model`, also the comparison with that model (or reference checkpoint)."""
     ckpt = checkpoint or read_checkpoint(path)
+    comparison = None
+    model_shapes: dict[str, tuple] = {}
+    diffs = None
+    if model is not None:
+        from .compare import compare_checkpoint
+        from .modelspec import keys_from_spec
+
+        for flag, pattern in (("--allow-missing", allow_missing), ("--allow-unexpected", allow_unexpected)):
+            if pattern:
+                try:
+                    re.compile(pattern)
+                except re.error as exc:
+                    raise UsageError(f"{flag} {pattern!r} is not a valid regular expression ({exc})") from None
+        keys = keys_from_spec(model, model_args)
+        model_shapes = {e.key: e.shape for e in keys.entries}
+        comparison = compare_checkpoint(ckpt, keys, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
+                                        min_loaded=min_loaded)
+        if values:
+            diffs = value_differences(ckpt, model)
+    elif values:
+        raise UsageError("--values compares with a reference checkpoint: give one with --model OTHER_CKPT")
     tensors = ckpt.tensors
     if filter:
         try:
@@ -60,4 +89,23 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
     return InspectReport(
         checkpoint=ckpt, tensors=tensors, prefixes=tuple(find_prefixes(root_keys)),
         shared=tuple(shared_groups(ckpt.tensors)), parameter_count=parameter_count(ckpt), total_bytes=total,
-        stats=table_stats, batchnorm_at_init=tuple(bn), filter=filter)
+        stats=table_stats, batchnorm_at_init=tuple(bn), filter=filter, comparison=comparison,
+        model_shapes=model_shapes, value_diffs=diffs, missing_devices=tuple(missing_devices(ckpt.devices)))
+
+
+def value_differences(ckpt: Checkpoint, reference: str) -> dict[str, float]:
+    """max |a - b| for tensors present in both checkpoints with the same shape (read one pair at a time)."""
+    from .modelspec import is_checkpoint_spec
+    from .tensordata import load_tensor
+
+    if not is_checkpoint_spec(reference):
+        raise UsageError("--values needs a reference checkpoint as --model, not a model definition")
+    other = {t.key: t for t in read_checkpoint(reference).state_dict_tensors()}
+    diffs: dict[str, float] = {}
+    for t in ckpt.state_dict_tensors():
+        o = other.get(t.key)
+        if o is None or o.shape != t.shape or t.dtype == "bool" or o.dtype == "bool":
+            continue
+        a, b = load_tensor(t).double(), load_tensor(o).double()
+        diffs[t.key] = float((a - b).abs().max()) if a.numel() else 0.0
+    return diffs

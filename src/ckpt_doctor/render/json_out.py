@@ -65,8 +65,10 @@ def inspect_json(report: InspectReport) -> dict[str, Any]:
         out["filter"] = report.filter
     if report.missing_devices:
         out["missing_devices"] = list(report.missing_devices)
+    if report.value_diffs is not None:
+        out["value_diffs"] = report.value_diffs
     if report.comparison is not None:
-        from .compare_out import comparison_json
+        from .compare_out import comparison_json  # noqa: PLC0415
 
         out["comparison"] = comparison_json(report.comparison)
     return out

@@ -13,6 +13,8 @@ def _fmt(x: float | None) -> str:
 
 
 def inspect_table(report: InspectReport, full: bool = False) -> str:
+    if report.comparison is not None:
+        return comparison_table(report)
     rows = [Row(t.key, (t,)) for t in report.tensors] if full else collapse(list(report.tensors))
     headers = ["key", "shape", "dtype", "device", "size"]
     with_stats = report.stats is not None
@@ -42,6 +44,15 @@ def inspect_table(report: InspectReport, full: bool = False) -> str:
     return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
 
 
+def comparison_table(report: InspectReport) -> str:
+    from .compare_out import verdict_rows
+
+    shapes = {t.key: t.shape for t in report.checkpoint.state_dict_tensors()}
+    body = verdict_rows(report.comparison, shapes, report.model_shapes)
+    return tabulate(body, headers=["key", "verdict", "checkpoint", "model"], tablefmt="simple",
+                    disable_numparse=True)
+
+
 def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
     """Lines for stderr, each `label  text`; the CLI colours the UNSAFE ones."""
     ckpt = report.checkpoint
@@ -59,7 +70,7 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
     elif ckpt.tensors:
         lines.append(("state_dict", "not found (no container holds mostly tensors)"))
     for p in report.prefixes:
-        where = "leading" if p.leading else f"after {p.where!r}"
+        where = ("leading" if not p.where else f"leading, after {p.where}") if p.leading else f"after {p.where!r}"
         lines.append(("prefix", f"{p.prefix} ({where}) on {p.count:,} of {p.total:,} keys"))
     devices = ckpt.devices
     if devices:
@@ -96,5 +107,15 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
             lines.append(("values", f"NaN/Inf in {len(bad)} tensors: {', '.join(bad[:5])}"))
     for note in ckpt.notes + report.extra_notes:
         lines.append(("note", note))
+    if report.comparison is not None:
+        from .compare_out import comparison_lines
+
+        lines += comparison_lines(report.comparison, str(ckpt.path))
+    if report.value_diffs:
+        worst = sorted(report.value_diffs.items(), key=lambda kv: -kv[1])[:3]
+        lines.append(("values", f"max |diff| over {len(report.value_diffs)} common tensors: "
+                                + ", ".join(f"{k} {v:.3g}" for k, v in worst)))
+    elif report.value_diffs is not None:
+        lines.append(("values", "no common tensors of the same shape to compare"))
     width = max(len(label) for label, _ in lines)
     return [f"{label:<{width}}  {text}" for label, text in lines]

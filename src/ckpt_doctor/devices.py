@@ -1,0 +1,63 @@
+"""Which devices exist here, and where a tensor saved on one device should go on this machine."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Mapping
+
+
+def cuda_count_without_torch() -> int:
+    """GPUs this process could use, from the driver's /proc entries (inspect must not import torch)."""
+    if "torch" in sys.modules:
+        import torch
+
+        return torch.cuda.device_count()
+    try:
+        present = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]
+        return min(present, len(ids))
+    return present
+
+
+def missing_devices(saved: tuple[str, ...] | list[str]) -> list[str]:
+    """Saved devices this machine lacks (cuda:3 with one GPU, any cuda without one)."""
+    count = None
+    out = []
+    for device in saved:
+        kind, _, index = device.partition(":")
+        if kind != "cuda":
+            continue
+        if count is None:
+            count = cuda_count_without_torch()
+        if count == 0 or (index.isdigit() and int(index) >= count):
+            out.append(device)
+    return out
+
+
+def auto_device(saved: str) -> str:
+    """`cuda:3` stays if this machine has it, else `cuda:0`, else `mps`, else `cpu`."""
+    import torch
+
+    kind, _, index = saved.partition(":")
+    if kind == "cuda" and torch.cuda.is_available():
+        n = int(index) if index.isdigit() else 0
+        return f"cuda:{n}" if n < torch.cuda.device_count() else "cuda:0"
+    if kind in ("cuda", "mps") and getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def mapper(request: Any) -> Callable[[str], str]:
+    """A function saved-device -> device from `auto`, a device string/torch.device, or a dict like map_location."""
+    if request is None or request == "auto":
+        return auto_device
+    if isinstance(request, Mapping):
+        table = {str(k): str(v) for k, v in request.items()}
+        return lambda saved: table[saved] if saved in table else auto_device(saved)
+    target = str(request)
+    return lambda saved: target

@@ -1,0 +1,143 @@
+"""Builds the model a checkpoint is compared with, from `package.module:attr` or `file.py:attr` (or a checkpoint)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import ModelSpecError, UsageError
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    is_parameter: bool
+
+
+@dataclass(frozen=True)
+class ModelKeys:
+    """What a strict load needs: the state_dict keys in order, and the non-persistent buffers it skips."""
+
+    source: str
+    entries: tuple[ModelEntry, ...]
+    non_persistent: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()  # how `fix` is told about this model: --model SPEC [--model-arg k=v ...]
+
+    def by_key(self) -> dict[str, ModelEntry]:
+        return {e.key: e for e in self.entries}
+
+
+def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """`key=value` pairs; values are Python literals (`10`, `'resnet'`, `[1, 2]`), else taken as strings."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--model-arg {pair!r}: expected key=value, e.g. --model-arg num_classes=10")
+        try:
+            out[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[key] = raw
+    return out
+
+
+def is_checkpoint_spec(spec: str) -> bool:
+    """A SPEC naming an existing file or folder (without `:attr`) is a reference checkpoint."""
+    return os.path.exists(spec) and not spec.endswith(".py")
+
+
+def resolve_attr(spec: str) -> Any:
+    """The class or factory a SPEC names. Importing the user's own model code is the point here."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ModelSpecError(f"--model {spec!r}: expected package.module:attr or path/to/file.py:attr "
+                             "(or the path of a reference checkpoint)")
+    try:
+        if target.endswith(".py") or os.sep in target:
+            path = Path(target).resolve()
+            if not path.is_file():
+                raise ModelSpecError(f"--model {spec!r}: {target} does not exist")
+            name = f"_ckpt_doctor_model_{abs(hash(str(path)))}"
+            module = sys.modules.get(name)
+            if module is None:
+                module_spec = importlib.util.spec_from_file_location(name, path)
+                assert module_spec is not None and module_spec.loader is not None
+                module = importlib.util.module_from_spec(module_spec)
+                sys.modules[name] = module
+                sys.path.insert(0, str(path.parent))
+                try:
+                    module_spec.loader.exec_module(module)
+                except BaseException:
+                    sys.modules.pop(name, None)
+                    raise
+                finally:
+                    sys.path.remove(str(path.parent))
+        else:
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(target)
+    except ModelSpecError:
+        raise
+    except Exception as exc:  # the user's module can raise anything while importing
+        raise ModelSpecError(f"--model {spec!r}: importing {target} failed: {type(exc).__name__}: {exc}") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ModelSpecError(f"--model {spec!r}: {target} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_model(spec: str, model_args: dict[str, Any] | None = None, device: str = "meta") -> Any:
+    """Instantiate the model; on `meta` no memory is allocated, so a 70B model costs nothing."""
+    import torch
+
+    factory = resolve_attr(spec)
+    if not callable(factory):
+        raise ModelSpecError(f"--model {spec!r} is not a class or a factory function")
+    try:
+        with torch.device(device):
+            model = factory(**(model_args or {}))
+    except Exception as exc:  # the user's constructor can raise anything
+        args = ", ".join(f"{k}={v!r}" for k, v in (model_args or {}).items())
+        raise ModelSpecError(f"--model {spec!r}: building {getattr(factory, '__name__', spec)}({args}) failed: "
+                             f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise ModelSpecError(f"--model {spec!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def model_keys(model: Any, source: str = "") -> ModelKeys:
+    sd = model.state_dict(keep_vars=True)
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    entries = tuple(ModelEntry(k, tuple(v.shape), str(v.dtype).removeprefix("torch."), k in params)
+                    for k, v in sd.items())
+    buffers = [name for name, _ in model.named_buffers(remove_duplicate=False)]
+    non_persistent = tuple(b for b in buffers if b not in sd)
+    return ModelKeys(source or type(model).__name__, entries, non_persistent)
+
+
+def keys_from_spec(spec: str, model_args: dict[str, Any] | None = None) -> ModelKeys:
+    """ModelKeys from a model SPEC (built on meta) or from a reference checkpoint's state_dict."""
+    if is_checkpoint_spec(spec):
+        from .readers import read_checkpoint
+
+        ref = read_checkpoint(spec)
+        if ref.state_dict_root is None:
+            raise ModelSpecError(f"--model {spec}: the reference checkpoint holds no state_dict")
+        entries = tuple(ModelEntry(t.key, t.shape, t.dtype, t.is_parameter or t.dtype.startswith(("float", "bf")))
+                        for t in ref.state_dict_tensors())
+        return ModelKeys(spec, entries, flags=("--model", spec))
+    keys = model_keys(build_model(spec, model_args, "meta"), spec)
+    flags = ["--model", spec]
+    for k, v in (model_args or {}).items():
+        flags += ["--model-arg", f"{k}={v!r}"]
+    return replace(keys, flags=tuple(flags))

@@ -1,0 +1,130 @@
+"""Pure functions on key lists: the renames `fix` applies and `inspect --model` proposes. No I/O, no torch."""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+from .errors import PlanError, UsageError
+
+
+class Op(str, enum.Enum):
+    """Key transforms, in the order they are applied whatever the order on the command line."""
+
+    DROP = "drop"
+    STRIP_PREFIX = "strip-prefix"
+    RENAME = "rename"
+    ADD_PREFIX = "add-prefix"
+
+
+APPLY_ORDER = (Op.DROP, Op.STRIP_PREFIX, Op.RENAME, Op.ADD_PREFIX)
+
+
+@dataclass(frozen=True)
+class Transform:
+    op: Op
+    arg: str
+    repl: str = ""
+
+    def apply(self, key: str) -> str | None:
+        """The new key, or None when the key is dropped."""
+        if self.op is Op.DROP:
+            return None if re.search(self.arg, key) else key
+        if self.op is Op.STRIP_PREFIX:
+            return key[len(self.arg):] if key.startswith(self.arg) and len(key) > len(self.arg) else key
+        if self.op is Op.ADD_PREFIX:
+            return self.arg + key
+        if self.op is Op.RENAME:
+            return re.sub(self.arg, self.repl, key)
+        raise AssertionError(self.op)
+
+    def flags(self) -> list[str]:
+        if self.op is Op.STRIP_PREFIX:
+            return ["--strip-module"] if self.arg == "module." else ["--strip-prefix", self.arg]
+        if self.op is Op.ADD_PREFIX:
+            return ["--add-module"] if self.arg == "module." else ["--add-prefix", self.arg]
+        if self.op is Op.RENAME:
+            return ["--rename", f"{self.arg}={self.repl}"]
+        return ["--drop", self.arg]
+
+
+def strip_prefix(prefix: str) -> Transform:
+    return Transform(Op.STRIP_PREFIX, prefix)
+
+
+def add_prefix(prefix: str) -> Transform:
+    return Transform(Op.ADD_PREFIX, prefix)
+
+
+def rename(spec: str) -> Transform:
+    """`REGEX=REPL`: the first `=` splits (use `\\=` for a literal `=` in the pattern)."""
+    parts = re.split(r"(?<!\\)=", spec, maxsplit=1)
+    if len(parts) != 2:
+        raise UsageError(f"--rename {spec!r}: expected REGEX=REPL, e.g. --rename '^backbone\\.=encoder.'")
+    pattern = parts[0].replace("\\=", "=")
+    _check_regex(pattern, "--rename")
+    return Transform(Op.RENAME, pattern, parts[1])
+
+
+def drop(pattern: str) -> Transform:
+    _check_regex(pattern, "--drop")
+    return Transform(Op.DROP, pattern)
+
+
+def _check_regex(pattern: str, flag: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise UsageError(f"{flag} {pattern!r} is not a valid regular expression ({exc})") from None
+
+
+def ordered(transforms: list[Transform]) -> list[Transform]:
+    """Transforms in APPLY_ORDER; within one kind, in the order given."""
+    return sorted(transforms, key=lambda t: APPLY_ORDER.index(t.op))
+
+
+@dataclass(frozen=True)
+class KeyPlan:
+    """What happens to every key: old -> new for kept keys (in output order), and the dropped ones."""
+
+    mapping: dict[str, str]
+    dropped: tuple[str, ...]
+
+    @property
+    def renamed(self) -> dict[str, str]:
+        return {old: new for old, new in self.mapping.items() if old != new}
+
+
+def plan_keys(keys: list[str], transforms: list[Transform], order: list[str] | None = None) -> KeyPlan:
+    """Apply transforms to every key; two keys landing on one name is a PlanError, never a silent overwrite."""
+    mapping: dict[str, str] = {}
+    dropped: list[str] = []
+    steps = ordered(transforms)
+    for key in keys:
+        new: str | None = key
+        for step in steps:
+            new = step.apply(new)
+            if new is None:
+                break
+        if new is None:
+            dropped.append(key)
+        else:
+            if not new:
+                raise PlanError(f"key {key!r} would become empty")
+            mapping[key] = new
+    counts = Counter(mapping.values())
+    clashes = [name for name, n in counts.items() if n > 1]
+    if clashes:
+        sources = [old for old, new in mapping.items() if new == clashes[0]]
+        raise PlanError(f"{len(clashes)} key(s) would end with the same name, e.g. {' and '.join(sources[:2])} "
+                        f"→ {clashes[0]}; nothing written. Add --drop for one of them or narrow the rename")
+    if order is not None:
+        rank = {name: i for i, name in enumerate(order)}
+        mapping = dict(sorted(mapping.items(), key=lambda kv: rank.get(kv[1], len(rank))))
+    return KeyPlan(mapping, tuple(dropped))
+
+
+def flags_for(transforms: list[Transform]) -> list[str]:
+    return [flag for t in ordered(transforms) for flag in t.flags()]

@@ -1,0 +1,235 @@
+"""inspect --model: the verdict per key, the inferred fix, the CI exit codes, and load/load_into from Python."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import ckpt_doctor
+from fixtures.models import RenamedCNN, SmallCNN, TinyTransformer, make_cnn
+
+CNN = "fixtures.models:SmallCNN"
+
+
+@pytest.fixture(autouse=True)
+def _cwd(monkeypatch, tmp_path):
+    # SPECs like fixtures.models:SmallCNN import from the working directory, as a user's package would.
+    from tests.conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+
+
+def comparison(cli, path, *args):
+    result = cli("inspect", path, "--model", *args, "--json")
+    return result.exit_code, result.json()["comparison"]
+
+
+@pytest.mark.parametrize("name,fix", [
+    ("dataparallel", ["--strip-module"]),
+    ("ddp", ["--strip-module"]),
+    ("compiled", ["--strip-prefix", "_orig_mod."]),
+    ("lightning", ["--select", "state_dict", "--strip-prefix", "model."]),
+])
+def test_wrapped_checkpoints_against_the_plain_model(fixtures, cli, name, fix):
+    code, comp = comparison(cli, fixtures[name]["path"], CNN)
+    assert code == 1
+    assert comp["ok"] is False and comp["loaded_fraction"] == 0.0
+    assert comp["suggested_fix"] == fix
+    assert comp["fix_kind"] == "rename"
+    assert len(comp["missing"]) == 16
+
+
+def test_plain_checkpoint_is_ok(fixtures, cli):
+    code, comp = comparison(cli, fixtures["plain"]["path"], CNN)
+    assert code == 0
+    assert comp == {**comp, "ok": True, "missing": [], "unexpected": [], "mismatched": [], "loaded_fraction": 1.0,
+                    "suggested_fix": []}
+
+
+def test_training_checkpoint_suggests_select(fixtures, cli):
+    code, comp = comparison(cli, fixtures["training"]["path"], CNN)
+    assert code == 0 and comp["state_dict_root"] == "state_dict"
+    assert comp["suggested_fix"] == ["--select", "state_dict"]
+
+
+def write_module(tmp_path, body: str, name: str = "nets.py"):
+    path = tmp_path / name
+    path.write_text("import torch\nfrom torch import nn\nfrom fixtures.models import *\n" + textwrap.dedent(body))
+    return path
+
+
+def test_model_side_prefixed_adds_module(fixtures, cli, tmp_path):
+    spec = write_module(tmp_path, "def wrapped():\n    return nn.DataParallel(SmallCNN())\n")
+    code, comp = comparison(cli, fixtures["plain"]["path"], f"{spec}:wrapped")
+    assert code == 1 and comp["suggested_fix"] == ["--add-module"]
+
+
+def test_stacked_and_mid_key_wrappers(cli, tmp_path):
+    sd = make_cnn().state_dict()
+    torch.save({f"_orig_mod.module.{k}": v for k, v in sd.items()}, tmp_path / "stack.pt")
+    code, comp = comparison(cli, tmp_path / "stack.pt", CNN)
+    assert comp["suggested_fix"] == ["--strip-prefix", "_orig_mod.module."]
+    torch.save({f"module._orig_mod.{k}": v for k, v in sd.items()}, tmp_path / "stack2.pt")
+    assert comparison(cli, tmp_path / "stack2.pt", CNN)[1]["suggested_fix"] == ["--strip-prefix", "module._orig_mod."]
+    mid = {k.replace("features.", "features.module."): v for k, v in sd.items()}
+    torch.save(mid, tmp_path / "mid.pt")
+    code, comp = comparison(cli, tmp_path / "mid.pt", CNN)
+    assert code == 1 and comp["fix_kind"] == "rename"
+    assert comp["suggested_fix"] == ["--rename", r"^features\.module\.=features."]
+
+
+def test_new_head_is_a_shape_mismatch_and_can_be_allowed(fixtures, cli):
+    path = fixtures["plain"]["path"]
+    code, comp = comparison(cli, path, CNN, "--model-arg", "num_classes=5")
+    assert code == 1
+    assert comp["mismatched"] == [{"key": "classifier.weight", "checkpoint_shape": [10, 16], "model_shape": [5, 16]},
+                                  {"key": "classifier.bias", "checkpoint_shape": [10], "model_shape": [5]}]
+    assert 0.9 < comp["loaded_fraction"] < 1.0
+    code, comp = comparison(cli, path, CNN, "--model-arg", "num_classes=5", "--allow-missing", r"^classifier\.")
+    assert code == 0 and comp["ok"] is True and comp["strict_load_ok"] is True
+    code, _ = comparison(cli, path, CNN, "--model-arg", "num_classes=5", "--allow-missing", r"^classifier\.",
+                         "--min-loaded", "0.99")
+    assert code == 1
+
+
+def test_renamed_layers_propose_mapping_by_order(fixtures, cli):
+    code, comp = comparison(cli, fixtures["plain"]["path"], "fixtures.models:RenamedCNN")
+    assert code == 1
+    assert comp["fix_kind"] == "map-by-order"
+    assert comp["suggested_fix"][-2:] == ["--map-by-order", "--force"]
+    assert "--model" in comp["suggested_fix"]
+    # BatchNorm weight/bias/running stats are neighbours of one shape: each such position is reported.
+    assert any("features.1.weight → bn1.weight" in a for a in comp["ambiguous"])
+
+
+def test_non_persistent_buffer_is_named(cli, tmp_path):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    sd = dict(model.state_dict())
+    sd["positions"] = torch.arange(32)  # saved when the buffer was still persistent
+    torch.save(sd, tmp_path / "old.pt")
+    code, comp = comparison(cli, tmp_path / "old.pt", "fixtures.models:TinyTransformer")
+    assert comp["non_persistent"] == ["positions"] and comp["unexpected"] == []
+    assert code == 1  # a strict load rejects it …
+    assert comp["suggested_fix"] == ["--drop", "^(positions)$"]  # … and dropping it is the fix
+
+
+def test_missing_batchnorm_stats_are_called_out(cli, tmp_path):
+    sd = {k: v for k, v in make_cnn().state_dict().items() if "running" not in k}
+    torch.save(sd, tmp_path / "nostats.pt")
+    code, comp = comparison(cli, tmp_path / "nostats.pt", CNN)
+    assert code == 1 and "features.1.running_mean" in comp["bn_stats_missing"]
+    assert comp["loaded_fraction"] == 1.0  # parameters are all there: only buffers are missing
+
+
+def test_human_output_prints_the_fix_command(fixtures, cli):
+    result = cli("inspect", fixtures["dataparallel"]["path"], "--model", CNN)
+    assert result.exit_code == 1
+    assert "ckpt-doctor fix" in result.stderr and "--strip-module" in result.stderr
+    assert "missing" in result.stdout and "unexpected" in result.stdout
+
+
+def test_reference_checkpoint_and_values(fixtures, cli, tmp_path):
+    sd = make_cnn().state_dict()
+    sd["classifier.bias"] = sd["classifier.bias"] + 0.5
+    torch.save(sd, tmp_path / "other.pt")
+    result = cli("inspect", tmp_path / "other.pt", "--model", fixtures["plain"]["path"], "--values", "--json")
+    assert result.exit_code == 0
+    diffs = result.json()["value_diffs"]
+    assert diffs["classifier.bias"] == pytest.approx(0.5)
+    assert diffs["features.0.weight"] == 0.0
+    code, comp = comparison(cli, fixtures["dataparallel"]["path"], str(fixtures["plain"]["path"]))
+    assert code == 1 and comp["suggested_fix"] == ["--strip-module"]
+
+
+@pytest.mark.parametrize("spec,words", [("no_such_pkg.mod:Net", "importing no_such_pkg.mod failed"),
+                                        ("fixtures.models:Nope", "has no attribute"),
+                                        ("fixtures.models", "expected package.module:attr"),
+                                        ("fixtures.models:make_cnn", None)])
+def test_bad_specs_are_one_line(fixtures, cli, spec, words):
+    result = cli("inspect", fixtures["plain"]["path"], "--model", spec)
+    if words is None:  # a factory works too
+        assert result.exit_code == 0
+        return
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and words in result.stderr
+
+
+def test_bad_constructor_argument(fixtures, cli):
+    result = cli("inspect", fixtures["plain"]["path"], "--model", CNN, "--model-arg", "depth=3")
+    assert result.exit_code == 2 and "unexpected keyword argument 'depth'" in result.stderr
+
+
+def test_model_is_built_on_meta(cli, fixtures, tmp_path):
+    spec = write_module(tmp_path, """
+        class Huge(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.empty(200_000, 200_000))  # 160 GB if it were real
+    """, "huge.py")
+    result = cli("inspect", fixtures["plain"]["path"], "--model", f"{spec}:Huge", "--json")
+    assert result.exit_code == 1
+    assert result.json()["comparison"]["missing"] == ["w"]
+
+
+def test_saved_device_missing_here_is_reported(fixtures, cli):
+    result = cli("inspect", fixtures["cuda3"]["path"])
+    if torch.cuda.device_count() >= 4:
+        pytest.skip("this machine has cuda:3")
+    assert "cuda:3 does not exist on this machine" in result.stderr
+    assert "--map-location cpu" in result.stderr
+
+
+# --- Python API ---------------------------------------------------------------------------------------------
+
+def test_load_maps_missing_devices(fixtures):
+    sd = ckpt_doctor.load(fixtures["cuda3"]["path"])
+    expected = "cuda:3" if torch.cuda.device_count() > 3 else ("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert sd.device_map == {"cuda:3": expected}
+    assert {str(v.device) for v in sd.values()} == {expected}
+    ref = torch.load(fixtures["cuda3"]["path"], map_location="cpu", weights_only=True)
+    assert all(torch.equal(sd[k].cpu(), ref[k]) for k in ref)
+    explicit = ckpt_doctor.load(fixtures["cuda0_legacy"]["path"], device={"cuda:0": "cpu"})
+    assert explicit.device_map == {"cuda:0": "cpu"}
+
+
+@pytest.mark.parametrize("name", ["whole_model", "torchscript", "safetensors", "sharded_bin", "training"])
+def test_load_reads_every_format_without_running_it(fixtures, name):
+    sd = ckpt_doctor.load(fixtures[name]["path"], device="cpu")
+    expected = fixtures[name]["expected"]
+    if name == "training":
+        expected = {k.removeprefix("state_dict."): v for k, v in expected.items() if k.startswith("state_dict.")}
+    assert {k: (list(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sd.items()} == \
+        {k: tuple(v) for k, v in expected.items()}
+
+
+@pytest.mark.parametrize("name", ["plain", "dataparallel", "ddp", "compiled", "lightning", "training", "cuda3"])
+def test_load_into_applies_the_fix(fixtures, name):
+    model = SmallCNN()
+    report = ckpt_doctor.load_into(model, fixtures[name]["path"])
+    assert report.loaded_fraction in (0.0, 1.0)
+    ref = make_cnn().state_dict() if name in ("ddp",) else None
+    del ref
+    out = model(torch.randn(2, 3, 8, 8))
+    assert out.shape == (2, 10) and torch.isfinite(out).all()
+
+
+def test_load_into_values_are_the_files(fixtures):
+    model = SmallCNN()
+    ckpt_doctor.load_into(model, fixtures["dataparallel"]["path"])
+    ref = torch.load(fixtures["dataparallel"]["path"], weights_only=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref["module." + k])
+
+
+def test_load_into_refuses_what_it_cannot_fix(fixtures):
+    with pytest.raises(ckpt_doctor.ReadError, match="strict load"):
+        ckpt_doctor.load_into(nn.Linear(2, 2), fixtures["plain"]["path"])
+
+
+def test_load_into_renamed_model_is_not_guessed(fixtures):
+    with pytest.raises(ckpt_doctor.ReadError):
+        ckpt_doctor.load_into(RenamedCNN(), fixtures["plain"]["path"])
