@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import click
@@ -143,3 +144,134 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
         say(f"{len(report.checkpoint.unsafe_globals)} dangerous global(s): never load this file with "
             "weights_only=False", color="red", no_color=no_color)
     return 1 if report.has_problems else 0
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("ckpt", type=click.Path(path_type=str))
+@click.option("-o", "--output", required=True, type=click.Path(path_type=str),
+              help="Where to write. The suffix picks the format (.safetensors, or .pt/.pth/.bin for torch).")
+@click.option("--strip-module", is_flag=True, help="Remove a leading `module.` (DataParallel/DDP) where present.")
+@click.option("--add-module", is_flag=True, help="Add a leading `module.` to every key.")
+@click.option("--strip-prefix", multiple=True, metavar="P", help="Remove a leading prefix P where present "
+              "(keys without it are left alone). Repeatable.")
+@click.option("--add-prefix", multiple=True, metavar="P", help="Add prefix P to every key. Repeatable.")
+@click.option("--rename", multiple=True, metavar="REGEX=REPL", help="re.sub(REGEX, REPL, key). Repeatable.")
+@click.option("--drop", multiple=True, metavar="REGEX", help="Leave out tensors and entries whose path matches "
+              "(e.g. --drop '^optimizer'). Repeatable.")
+@click.option("--select", metavar="PATH", help="Write only the tensors under PATH, keyed relative to it: the "
+              "state_dict of a training checkpoint (state_dict, model, ema) or a sub-module of a whole-model pickle.")
+@click.option("--map-location", multiple=True, metavar="DEV|FROM=TO", help="Rewrite saved device tags for good: "
+              "`cpu` (all tensors) or `cuda:3=cuda:0`. Repeatable.")
+@click.option("--dtype", metavar="DT", help="Cast floating tensors to float16, bfloat16 or float32 (integer "
+              "buffers such as num_batches_tracked are untouched).")
+@click.option("--model", "model_spec", metavar="SPEC", help="Model for --auto/--reorder/--map-by-order "
+              "(package.module:attr, file.py:attr or a reference checkpoint).")
+@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Constructor argument.")
+@click.option("--auto", is_flag=True, help="Apply the fix `inspect --model` suggests.")
+@click.option("--reorder", is_flag=True, help="Put keys in the model's state_dict() order.")
+@click.option("--map-by-order", is_flag=True, help="Rename by position, every shape checked; refuses when "
+              "neighbouring tensors share a shape unless --force.")
+@click.option("--format", "format_", type=click.Choice(["torch", "safetensors"]), help="Override the suffix.")
+@click.option("--dry-run", is_flag=True, help="Print old → new for every key and what the output would hold; "
+              "write nothing.")
+@click.option("--force", is_flag=True, help="Replace an existing output; accept an ambiguous --map-by-order.")
+@click.option("--no-verify", is_flag=True, help="Skip re-reading the output (not recommended).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@handle_errors
+def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_prefix: tuple[str, ...],
+        add_prefix: tuple[str, ...], rename: tuple[str, ...], drop: tuple[str, ...], select: str | None,
+        map_location: tuple[str, ...], dtype: str | None, model_spec: str | None, model_args: tuple[str, ...],
+        auto: bool, reorder: bool, map_by_order: bool, format_: str | None, dry_run: bool, force: bool,
+        no_verify: bool, as_json: bool) -> int:
+    """Repair a checkpoint into a file that loads: rename keys, pick the state_dict, drop, re-tag, convert.
+
+    The input is never modified. The output is written to a temporary file beside it, fsynced, re-read
+    and compared storage by storage (crc32) with the input, then renamed into place: a crash leaves
+    either no output or the whole one. Bytes are streamed, so memory stays flat whatever the size.
+
+    \b
+    Transforms apply in this order, whatever the order on the command line:
+      --select, --drop, --strip-module/--strip-prefix, --rename, --add-module/--add-prefix,
+      --map-by-order, --reorder; then --dtype and --map-location.
+    Renames act on the keys of the state_dict (the whole checkpoint is kept unless --select is given).
+
+    \b
+    ckpt-doctor fix dp.pth -o clean.safetensors --strip-module
+    ckpt-doctor fix train.ckpt -o model.pt --select state_dict --strip-prefix model. --drop '^optimizer'
+    ckpt-doctor fix model.pth -o fixed.pt --model mypkg.nets:ResNet --auto
+    ckpt-doctor fix gpu.pt -o cpu.pt --map-location cpu
+    """
+    import signal
+
+    from . import transforms as T
+    from .fix import FixOptions, OutputFormat, execute, output_format, parse_dtype, parse_map_location, plan_fix
+    from .modelspec import keys_from_spec, parse_model_args
+    from .readers import read_checkpoint
+    from .render.fix_out import dry_run_table, fix_json, fix_summary
+    from .writers.atomic import check_destination
+
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit becomes EFBIG, reported, not a crash
+    steps: list[T.Transform] = []
+    if strip_module:
+        steps.append(T.strip_prefix("module."))
+    steps += [T.strip_prefix(p) for p in strip_prefix]
+    if add_module:
+        steps.append(T.add_prefix("module."))
+    steps += [T.add_prefix(p) for p in add_prefix]
+    steps += [T.rename(r) for r in rename]
+    steps += [T.drop(d) for d in drop]
+    if model_args and not model_spec:
+        raise UsageError("--model-arg needs --model")
+    if (auto or reorder or map_by_order) and not model_spec:
+        raise UsageError("--auto, --reorder and --map-by-order need --model SPEC")
+    out_path = Path(output)
+    fmt = output_format(out_path, OutputFormat(format_) if format_ else None)
+    checkpoint = read_checkpoint(ckpt)
+    if not dry_run:
+        check_destination(out_path, checkpoint.files, force)
+    model = keys_from_spec(model_spec, parse_model_args(model_args)) if model_spec else None
+    options = FixOptions(transforms=tuple(steps), select=select, map_location=parse_map_location(map_location),
+                         dtype=parse_dtype(dtype), model=model, reorder=reorder, auto=auto,
+                         map_by_order=map_by_order, force=force, format=fmt)
+    plan = plan_fix(checkpoint, out_path, options)
+    if dry_run:
+        if as_json:
+            from .render.json_out import dumps
+
+            click.echo(dumps(fix_json(plan, None)))
+        else:
+            click.echo(dry_run_table(plan))
+        for line in fix_summary(plan, None):
+            say(line)
+        return 0
+    result = execute(plan, progress_callback=progress_bar(), verify=not no_verify)
+    if as_json:
+        from .render.json_out import dumps
+
+        click.echo(dumps(fix_json(plan, result)))
+    for line in fix_summary(plan, result):
+        say(line)
+    return 0
+
+
+def progress_bar():
+    """A callback drawing `writing 42% 0.8/2.0 GB` on stderr after the first second, only for a terminal."""
+    import time
+
+    if not sys.stderr.isatty():
+        return None
+    start = time.monotonic()
+    last = [0.0]
+
+    def draw(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - start < 1.0 or now - last[0] < 0.1 and done < total:
+            return
+        last[0] = now
+        pct = 100 * done // max(total, 1)
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\r  {pct:3d}%  {done / 2**30:.2f}/{total / 2**30:.2f} GB{end}")
+        sys.stderr.flush()
+
+    return draw

@@ -87,8 +87,12 @@ def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str 
         transforms, kind, fix_fraction, ambiguous = infer_fix(tensors, model, fraction)
     else:
         transforms, kind, fix_fraction, ambiguous = [], "none", None, []
-    if non_persistent:
-        transforms = transforms + [Transform(_drop_op(), "^(" + "|".join(re.escape(k) for k in non_persistent) + ")$")]
+    # Keys that are (or, once renamed, become) non-persistent buffers of the model: drop them by their old name.
+    renamed = plan_keys(list(ckpt), transforms).mapping if transforms else {k: k for k in ckpt}
+    np_set = set(model.non_persistent)
+    to_drop = [old for old, new in renamed.items() if new in np_set]
+    if to_drop:
+        transforms = transforms + [Transform(_drop_op(), "^(" + "|".join(re.escape(k) for k in to_drop) + ")$")]
     allowed_m: list[str] = []
     allowed_u: list[str] = []
     if allow_missing:

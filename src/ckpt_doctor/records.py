@@ -62,6 +62,7 @@ class StorageRecord:
     file: Path
     offset: int  # absolute byte offset of the storage's first byte in `file`
     entry: str = ""  # zip member name, for writers that copy whole entries
+    crc: int | None = None  # crc32 of exactly these bytes when the file records it (torch zip members)
 
 
 @dataclass(frozen=True)

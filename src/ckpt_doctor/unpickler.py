@@ -28,7 +28,7 @@ class Opaque:
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        self._ckd.via_reduce = True  # REDUCE calls the class; NEWOBJ only calls __new__
 
     def __call__(self, *args: Any, **kwargs: Any) -> "Opaque":
         return _opaque_class(self._ckd.ref)(*args, **kwargs)
@@ -71,6 +71,7 @@ class _OpaqueData:
     state: Any = None
     items: list = field(default_factory=list)
     dictitems: list = field(default_factory=list)
+    via_reduce: bool = False
 
 
 _OPAQUE_CLASSES: dict[GlobalRef | None, type] = {}

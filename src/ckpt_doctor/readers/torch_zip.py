@@ -49,7 +49,8 @@ def _read(path: Path, fd: int, size: int, unpicklers: list[SafeUnpickler]) -> Ch
             raise ReadError(f"{path}: storage {name} holds {member.size} bytes but {nbytes} are needed "
                             "(the file is corrupt)")
         ref.resolved = fast_new(StorageRecord, key=ref.key, dtype=ref.dtype, nbytes=nbytes, device=ref.location,
-                                file=path, offset=member.offset, entry=name)
+                                file=path, offset=member.offset, entry=name,
+                                crc=member.crc if member.size == nbytes else None)
 
     unpickler = SafeUnpickler(io.BytesIO(read_member(fd, members[pkl], str(path))), pkl, resolve)
     unpicklers.append(unpickler)

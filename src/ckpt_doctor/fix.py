@@ -1,0 +1,532 @@
+"""Plans a repair (which tensors, under which names, in which format) and carries it out, verified."""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from .dtypes import FLOATING, element_size, torch_dtype_name
+from .errors import PlanError, UsageError, WriteError
+from .modelspec import ModelKeys
+from .records import Checkpoint, Format, TensorRecord, relative_to_root
+from .transforms import Op, Transform, plan_keys
+from .tree import join
+from .unpickler import Opaque, RawTensor
+from .writers.atomic import atomic_output, check_destination
+from .writers.pickler import TensorOut, dumps
+from .writers.safetensors_writer import TensorBytes, write_safetensors
+from .writers.stream import CHUNK, Progress, crc_range, write_bytes
+from .writers.torch_writer import StorageOut, write_torch_zip
+
+
+class OutputFormat(str, enum.Enum):
+    TORCH = "torch"
+    SAFETENSORS = "safetensors"
+
+
+SUFFIX_FORMAT = {".safetensors": OutputFormat.SAFETENSORS, ".pt": OutputFormat.TORCH, ".pth": OutputFormat.TORCH,
+                 ".bin": OutputFormat.TORCH, ".ckpt": OutputFormat.TORCH, ".tar": OutputFormat.TORCH}
+
+
+def output_format(output: Path, requested: OutputFormat | None) -> OutputFormat:
+    if requested is not None:
+        return requested
+    fmt = SUFFIX_FORMAT.get(output.suffix.lower())
+    if fmt is None:
+        raise UsageError(f"{output}: cannot tell the format from the suffix {output.suffix!r}; use .pt/.pth/.bin "
+                         "or .safetensors, or pass --format torch|safetensors")
+    return fmt
+
+
+@dataclass(frozen=True)
+class FixOptions:
+    transforms: tuple[Transform, ...] = ()
+    select: str | None = None
+    map_location: tuple[tuple[str, str], ...] = ()  # (saved device or "*", new device)
+    dtype: str | None = None
+    model: ModelKeys | None = None
+    reorder: bool = False
+    auto: bool = False
+    map_by_order: bool = False
+    force: bool = False
+    format: OutputFormat | None = None
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    key: str  # full key in the output
+    source: TensorRecord
+    dtype: str
+    device: str
+
+
+@dataclass(frozen=True)
+class FixPlan:
+    input: Path
+    output: Path
+    format: OutputFormat
+    applied: tuple[str, ...]
+    renamed: dict[str, str]
+    dropped: tuple[str, ...]
+    tensors: tuple[OutTensor, ...]
+    tree: Any = None  # torch output: containers with OutTensor leaves
+    notes: tuple[str, ...] = ()
+    tied: dict[str, str] = field(default_factory=dict)  # safetensors: duplicate key -> key written
+    metadata: dict[str, str] = field(default_factory=dict)  # safetensors __metadata__
+
+    @property
+    def nbytes(self) -> int:
+        seen, total = set(), 0
+        for t in self.tensors:
+            if t.key in self.tied:
+                continue
+            ident = (str(t.source.storage.file), t.source.storage.key) if t.source.storage else t.key
+            if self.format is OutputFormat.SAFETENSORS:
+                total += t.source.numel * element_size(t.dtype)
+            elif ident not in seen:
+                seen.add(ident)
+                total += _converted_nbytes(t.source.storage.nbytes, t.source.dtype, t.dtype) if t.source.storage else 0
+        return total
+
+
+@dataclass(frozen=True)
+class FixResult:
+    plan: FixPlan
+    bytes: int
+    verified: bool
+    unknown_globals: tuple[str, ...] = ()
+
+
+def _converted_nbytes(nbytes: int, src: str, dst: str) -> int:
+    return nbytes // element_size(src) * element_size(dst)
+
+
+def _device_for(saved: str, table: tuple[tuple[str, str], ...]) -> str:
+    for old, new in table:
+        if old == "*" or old == saved or (old == "cuda" and saved.startswith("cuda")):
+            return new
+    return saved
+
+
+def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
+    fmt = output_format(output, opts.format)
+    applied: list[str] = []
+    notes: list[str] = []
+    transforms = list(opts.transforms)
+    select = opts.select
+    comparison = None
+    if opts.auto or opts.map_by_order or opts.reorder:
+        if opts.model is None:
+            raise UsageError("--auto, --map-by-order and --reorder need --model SPEC")
+    if opts.auto:
+        from .compare import compare_checkpoint
+
+        comparison = compare_checkpoint(ckpt, opts.model)
+        if select is None and comparison.state_dict_root:
+            select = comparison.state_dict_root
+        transforms += list(comparison.transforms)
+        if comparison.fix_kind == "map-by-order":
+            opts = replace(opts, map_by_order=True)
+        elif comparison.fix_kind in ("partial", "none") and not comparison.strict_ok:
+            notes.append(f"--auto: no transform makes a strict load succeed ({comparison.fix_kind}); "
+                         "see `ckpt-doctor inspect --model`")
+        applied.append("--auto → " + (" ".join(comparison.suggested_fix) or "(nothing to change)"))
+    root = select if select is not None else ckpt.state_dict_root
+    if select is not None:
+        _check_select(ckpt, select)
+        applied.append(f"--select {select}")
+    if root is None:
+        raise PlanError(f"{ckpt.path}: no state_dict found to repair; name the part to write with --select PATH")
+    flat_output = select is not None or fmt is OutputFormat.SAFETENSORS or root == "" or _is_module_root(ckpt, root)
+    if fmt is OutputFormat.SAFETENSORS and select is None and root:
+        notes.append(f"safetensors holds tensors only: wrote the state_dict at {root!r}; the rest of the "
+                     "checkpoint (optimizer, metadata) is left out")
+
+    drops = [t for t in transforms if t.op is Op.DROP]
+    renames = [t for t in transforms if t.op is not Op.DROP]
+    sd = relative_to_root(ckpt.tensors, root)
+    prefix = root + "." if root else ""
+    kept, dropped = [], []
+    for t in sd:
+        full = prefix + t.key
+        if any(re.search(d.arg, t.key) or re.search(d.arg, full) for d in drops):
+            dropped.append(t.key)
+        else:
+            kept.append(t)
+    plan = plan_keys([t.key for t in kept], renames)
+    applied += [" ".join(t.flags()) for t in transforms if not opts.auto]
+    mapping = dict(plan.mapping)
+    if opts.map_by_order:
+        mapping = _map_by_order(kept, mapping, opts.model, opts.force, notes)
+        applied.append("--map-by-order")
+    if opts.reorder:
+        rank = {e.key: i for i, e in enumerate(opts.model.entries)}
+        mapping = dict(sorted(mapping.items(), key=lambda kv: rank.get(kv[1], len(rank))))
+        applied.append("--reorder")
+    if opts.dtype:
+        applied.append(f"--dtype {opts.dtype}")
+    if opts.map_location:
+        applied.append("--map-location " + ",".join(f"{a}={b}" if a != "*" else b for a, b in opts.map_location))
+
+    by_key = {t.key: t for t in kept}
+
+    def out_tensor(key: str, record: TensorRecord) -> OutTensor:
+        dtype = opts.dtype if opts.dtype and record.dtype in FLOATING else record.dtype
+        return OutTensor(key, record, dtype, _device_for(record.device, opts.map_location))
+
+    out_prefix = "" if flat_output else prefix  # nested output: the state_dict keeps its place in the tree
+    state = OrderedDict((new, out_tensor(out_prefix + new, by_key[old])) for old, new in mapping.items())
+    if flat_output:
+        tree: Any = state
+        outs = list(state.values())
+        if _is_module_root(ckpt, root) and select is None:
+            notes.append(f"whole-model pickle of {ckpt.model_class}: written as its state_dict")
+    else:
+        outs = []
+        full_records = {t.key: t for t in ckpt.tensors}
+        tree = _rebuild(ckpt.root, "", root, state, full_records, drops, outs, out_tensor)
+        outs = list(state.values()) + outs
+    tied: dict[str, str] = {}
+    metadata: dict[str, str] = {}
+    if fmt is OutputFormat.SAFETENSORS:
+        tied = _tied_duplicates(outs)
+        if tied:
+            notes.append("safetensors cannot share storage: " + ", ".join(f"{d} is written once as {k}"
+                                                                          for d, k in tied.items())
+                         + "; re-tie after loading (e.g. model.tie_weights()), and load with strict=False or "
+                           "copy the kept tensor into the tied name")
+            metadata["ckpt_doctor.tied"] = ",".join(f"{d}={k}" for d, k in tied.items())
+        if ckpt.format is Format.SAFETENSORS:
+            metadata.update({k: v for k, v in ckpt.metadata.items() if isinstance(v, str)})
+        metadata.setdefault("format", "pt")
+    for t in outs:
+        if t.source.storage is None:
+            raise PlanError(f"{t.source.key}: has no data in the file (a meta tensor); drop it with --drop")
+    return FixPlan(ckpt.path, output, fmt, tuple(applied), {o: n for o, n in mapping.items()},
+                   tuple(dropped), tuple(outs), tree, tuple(notes), tied, metadata)
+
+
+def _is_module_root(ckpt: Checkpoint, root: str) -> bool:
+    return ckpt.model_class is not None and root == (ckpt.state_dict_root or "")
+
+
+def _check_select(ckpt: Checkpoint, select: str) -> None:
+    if not any(t.key.startswith(select + ".") for t in ckpt.tensors):
+        tops = sorted({t.key.split(".", 1)[0] for t in ckpt.tensors})[:8]
+        raise PlanError(f"{ckpt.path}: --select {select!r} holds no tensors; the file's top-level entries with "
+                        f"tensors are: {', '.join(tops)}")
+
+
+def _map_by_order(kept: list[TensorRecord], mapping: dict[str, str], model: ModelKeys | None, force: bool,
+                  notes: list[str]) -> dict[str, str]:
+    assert model is not None
+    entries = list(model.entries)
+    olds = list(mapping)
+    if len(olds) != len(entries):
+        raise PlanError(f"--map-by-order: the checkpoint has {len(olds)} tensors, the model {len(entries)}; "
+                        "drop the extra ones first (--drop)")
+    by_key = {t.key: t for t in kept}
+    ambiguous = []
+    for i, (old, entry) in enumerate(zip(olds, entries)):
+        shape = by_key[old].shape
+        if tuple(shape) != tuple(entry.shape):
+            raise PlanError(f"--map-by-order: position {i}: {old} {list(shape)} cannot become {entry.key} "
+                            f"{list(entry.shape)}; the layers do not line up")
+        neighbours = [j for j in (i - 1, i + 1) if 0 <= j < len(olds)]
+        if any(by_key[olds[j]].shape == shape and by_key[old].numel > 1 for j in neighbours):
+            ambiguous.append(f"{i}: {old} → {entry.key} {list(shape)}")
+    if ambiguous and not force:
+        raise PlanError(f"--map-by-order: {len(ambiguous)} positions have a neighbour of the same shape (first: "
+                        f"{ambiguous[0]}), so a swap would go unnoticed; check with --dry-run and pass --force")
+    if ambiguous:
+        notes.append(f"--map-by-order with --force: {len(ambiguous)} ambiguous positions mapped by order")
+    return {old: entry.key for old, entry in zip(olds, entries)}
+
+
+def _rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]",
+             records: dict[str, TensorRecord], drops: list[Transform], outs: list[OutTensor],
+             out_tensor: Callable[[str, TensorRecord], OutTensor]) -> Any:
+    """The original tree with the state_dict at `root` replaced by `state`; dropped entries left out."""
+    if path == root:
+        return state
+    if isinstance(obj, RawTensor):
+        record = records.get(path)
+        if record is None:
+            raise PlanError(f"internal: tensor at {path} not listed")
+        out = out_tensor(path, record)
+        outs.append(out)
+        return out
+    if isinstance(obj, dict):
+        items = [(k, v) for k, v in obj.items() if not _dropped(join(path, k), drops)]
+        rebuilt = [(k, _rebuild(v, join(path, k), root, state, records, drops, outs, out_tensor)) for k, v in items]
+        return OrderedDict(rebuilt) if isinstance(obj, OrderedDict) else dict(rebuilt)
+    if isinstance(obj, (list, tuple)):
+        if obj and all(o is None or isinstance(o, (bool, int, float, str)) for o in obj):
+            return obj
+        items = [_rebuild(v, join(path, i), root, state, records, drops, outs, out_tensor)
+                 for i, v in enumerate(obj) if not _dropped(join(path, i), drops)]
+        return items if isinstance(obj, list) else tuple(items)
+    if isinstance(obj, Opaque):
+        from .tree import _has_tensor
+
+        if _has_tensor(obj):
+            raise PlanError(f"{path or 'the file'} is a pickled {obj.ckd.ref.qualname if obj.ckd.ref else 'object'} "
+                            f"holding tensors; write its weights alone with --select {path or '…'}")
+    return obj
+
+
+def _dropped(path: str, drops: list[Transform]) -> bool:
+    return any(re.search(d.arg, path) for d in drops)
+
+
+def _tied_duplicates(outs: list[OutTensor]) -> dict[str, str]:
+    seen: dict[tuple, str] = {}
+    tied = {}
+    for t in outs:
+        r = t.source
+        ident = (str(r.storage.file), r.storage.key, r.storage_offset, r.shape, r.stride, r.dtype) if r.storage else None
+        if ident is None:
+            continue
+        if ident in seen:
+            tied[t.key] = seen[ident]
+        else:
+            seen[ident] = t.key
+    return tied
+
+
+# --- execution --------------------------------------------------------------------------------------------
+
+class _Sources:
+    """Open read-only descriptors of the input files, closed together."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+
+    def fd(self, path: Path) -> int:
+        key = str(path)
+        if key not in self.fds:
+            self.fds[key] = os.open(path, os.O_RDONLY)
+        return self.fds[key]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _convert_producer(src_fd: int, offset: int, nbytes: int, src: str, dst: str) -> Callable:
+    """Converted bytes of a storage, chunk by chunk (floating storages only); returns their crc."""
+
+    def produce(fd: int, at: int, progress: Progress | None) -> int:
+        import torch
+
+        elsize = element_size(src)
+        step = CHUNK // elsize * elsize
+        crc, done, written = 0, 0, 0
+        while done < nbytes:
+            chunk = bytearray(os.pread(src_fd, min(step, nbytes - done), offset + done))
+            if not chunk:
+                raise WriteError("input ended early while converting")
+            data = _bytes_of(torch.frombuffer(chunk, dtype=getattr(torch, src)).to(getattr(torch, dst)))
+            write_bytes(fd, at + written, data)
+            crc = zlib.crc32(data, crc)
+            done += len(chunk)
+            written += len(data)
+            if progress:
+                progress.advance(len(chunk))
+        return crc
+
+    return produce
+
+
+def _bytes_of(tensor: Any) -> bytes:
+    """A tensor's bytes in memory order, without numpy (not a dependency)."""
+    import torch
+
+    buf = bytearray(tensor.numel() * tensor.element_size())
+    if buf:
+        torch.frombuffer(buf, dtype=tensor.dtype).copy_(tensor.reshape(-1))
+    return bytes(buf)
+
+
+def _contiguous_producer(record: TensorRecord, dtype: str) -> Callable:
+    def produce(fd: int, at: int, progress: Progress | None) -> int:
+        import torch
+
+        from .tensordata import load_tensor
+
+        tensor = load_tensor(record)
+        if dtype != record.dtype:
+            tensor = tensor.to(getattr(torch, dtype))
+        data = _bytes_of(tensor.contiguous()) if tensor.numel() else b""
+        write_bytes(fd, at, data)
+        if progress:
+            progress.advance(record.nbytes)
+        return zlib.crc32(data)
+
+    return produce
+
+
+def execute(plan: FixPlan, progress_callback: Callable[[int, int], None] | None = None,
+            verify: bool = True) -> FixResult:
+    """Write the planned output atomically and, unless told not to, re-read it and compare every tensor."""
+    check_destination(plan.output, (plan.input, *{t.source.storage.file for t in plan.tensors if t.source.storage}),
+                      force=True)
+    sources = _Sources()
+    progress = Progress(plan.nbytes * (2 if verify else 1), progress_callback)
+    unknown: list[str] = []
+    try:
+        with atomic_output(plan.output) as (fd, tmp):
+            if plan.format is OutputFormat.TORCH:
+                storages, expected = _torch_layout(plan, sources)
+                pickle_bytes, unknown = dumps(_to_pickle_tree(plan.tree, expected))
+                write_torch_zip(fd, _archive_name(plan.output), pickle_bytes, storages, progress)
+                if verify:
+                    _verify_torch(tmp, plan, storages, expected, progress)
+            else:
+                entries = _safetensors_layout(plan, sources)
+                write_safetensors(fd, entries, plan.metadata, progress)
+                if verify:
+                    _verify_safetensors(tmp, entries, progress)
+            size = os.fstat(fd).st_size
+    finally:
+        sources.close()
+    return FixResult(plan, size, verify, tuple(unknown))
+
+
+def _archive_name(output: Path) -> str:
+    stem = output.name.split(".")[0] or "archive"
+    return re.sub(r"[^A-Za-z0-9_-]", "_", stem)
+
+
+def _torch_layout(plan: FixPlan, sources: _Sources) -> tuple[list[StorageOut], dict[str, TensorOut]]:
+    storages: dict[tuple[str, str], StorageOut] = {}
+    expected: dict[str, TensorOut] = {}
+    for t in plan.tensors:
+        rec = t.source
+        st = rec.storage
+        assert st is not None
+        ident = (str(st.file), st.key)
+        out = storages.get(ident)
+        if out is None:
+            fd = sources.fd(st.file)
+            nbytes = _converted_nbytes(st.nbytes, rec.dtype, t.dtype)
+            if t.dtype != rec.dtype:
+                out = StorageOut(str(len(storages)), nbytes, produce=_convert_producer(fd, st.offset, st.nbytes,
+                                                                                        rec.dtype, t.dtype))
+            else:
+                out = StorageOut(str(len(storages)), nbytes, fd, st.offset, st.crc)
+            storages[ident] = out
+        numel = out.nbytes // element_size(t.dtype)
+        expected[t.key] = TensorOut(replace(rec, key=t.key, dtype=t.dtype), out.key, t.device, t.dtype, numel)
+    return list(storages.values()), expected
+
+
+def _to_pickle_tree(tree: Any, expected: dict[str, TensorOut]) -> Any:
+    if isinstance(tree, OutTensor):
+        return expected[tree.key]
+    if isinstance(tree, OrderedDict):
+        return OrderedDict((k, _to_pickle_tree(v, expected)) for k, v in tree.items())
+    if isinstance(tree, dict):
+        return {k: _to_pickle_tree(v, expected) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_to_pickle_tree(v, expected) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_to_pickle_tree(v, expected) for v in tree)
+    return tree
+
+
+def _safetensors_layout(plan: FixPlan, sources: _Sources) -> list[TensorBytes]:
+    entries = []
+    for t in plan.tensors:
+        if t.key in plan.tied:
+            continue
+        rec = t.source
+        st = rec.storage
+        assert st is not None
+        nbytes = rec.numel * element_size(t.dtype)
+        if rec.is_contiguous and t.dtype == rec.dtype:
+            whole = rec.storage_offset == 0 and nbytes == st.nbytes
+            entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes, sources.fd(st.file), rec.file_offset or 0,
+                                       st.crc if whole else None))
+        else:
+            entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes, produce=_contiguous_producer(rec, t.dtype)))
+    return entries
+
+
+def _verify_torch(tmp: Path, plan: FixPlan, storages: list[StorageOut], expected: dict[str, TensorOut],
+                  progress: Progress) -> None:
+    from .readers import read_checkpoint
+
+    written = {t.key: t for t in read_checkpoint(tmp).tensors}
+    if set(written) != set(expected):
+        missing = sorted(set(expected) - set(written))[:3]
+        raise WriteError(f"{plan.output}: verification failed: the written file lacks {missing}; nothing written")
+    for key, out in expected.items():
+        got = written[key]
+        want = out.record
+        if (got.shape, got.stride, got.storage_offset, got.dtype, got.device) != \
+                (want.shape, want.stride, want.storage_offset, out.dtype, out.device):
+            raise WriteError(f"{plan.output}: verification failed for {key}: wrote {got.dtype}{list(got.shape)} on "
+                             f"{got.device}, expected {out.dtype}{list(want.shape)}; nothing written")
+    by_key = {s.key: s for s in storages}
+    checked: set[str] = set()
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        for t in written.values():
+            s = by_key[t.storage.key]
+            if s.key in checked:
+                continue
+            crc = crc_range(fd, t.storage.offset, s.nbytes, progress)
+            if crc != s.crc:
+                raise WriteError(f"{plan.output}: verification failed: storage of {t.key} does not match its "
+                                 f"source (crc {crc:08x} != {s.crc:08x}); the input may be corrupt; nothing written")
+            checked.add(s.key)
+    finally:
+        os.close(fd)
+
+
+def _verify_safetensors(tmp: Path, entries: list[TensorBytes], progress: Progress) -> None:
+    from .readers import read_checkpoint
+
+    written = {t.key: t for t in read_checkpoint(tmp).tensors}
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        for e in entries:
+            got = written.get(e.key)
+            if got is None or got.shape != tuple(e.shape) or got.dtype != e.dtype:
+                raise WriteError(f"{tmp}: verification failed for {e.key}; nothing written")
+            crc = crc_range(fd, got.storage.offset, e.nbytes, progress)
+            if crc != e.crc:
+                raise WriteError(f"verification failed: {e.key} does not match its source (crc {crc:08x} != "
+                                 f"{e.crc:08x}); the input may be corrupt; nothing written")
+    finally:
+        os.close(fd)
+
+
+def parse_map_location(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """`cpu` (every device) or `cuda:3=cuda:0` (one device), repeatable."""
+    table = []
+    for value in values:
+        old, sep, new = value.partition("=")
+        pair = (old, new) if sep else ("*", old)
+        for device in pair:
+            if device != "*" and not re.fullmatch(r"(cpu|meta|mps|xpu|hpu|cuda)(:\d+)?", device):
+                raise UsageError(f"--map-location {value!r}: {device!r} is not a device (cpu, cuda:0, mps, …)")
+        table.append(pair)
+    return tuple(table)
+
+
+def parse_dtype(value: str | None) -> str | None:
+    if value is None:
+        return None
+    name = torch_dtype_name(value)
+    if name not in ("float16", "bfloat16", "float32", "float64"):
+        raise UsageError(f"--dtype {value!r}: choose float16, bfloat16, float32 or float64")
+    return name
+

@@ -1,0 +1,58 @@
+"""Renders a fix: the dry-run listing (old → new for every key) and the JSON result."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tabulate import tabulate
+
+from ..analyze import human_bytes
+from ..fix import FixPlan, FixResult
+
+
+def fix_json(plan: FixPlan, result: FixResult | None) -> dict[str, Any]:
+    return {
+        "input": str(plan.input),
+        "output": str(plan.output),
+        "format": plan.format.value,
+        "applied": list(plan.applied),
+        "renamed": {old: new for old, new in plan.renamed.items() if old != new},
+        "dropped": list(plan.dropped),
+        "tensors": len(plan.tensors) - len(plan.tied),
+        "bytes": result.bytes if result else plan.nbytes,
+        "verified": bool(result and result.verified),
+        "dry_run": result is None,
+        "tied": plan.tied,
+        "notes": list(plan.notes),
+        "unknown_globals": list(result.unknown_globals) if result else [],
+    }
+
+
+def dry_run_table(plan: FixPlan) -> str:
+    rows = []
+    for old, new in plan.renamed.items():
+        rows.append([old, "→" if old != new else "=", new])
+    for key in plan.dropped:
+        rows.append([key, "✗", "(dropped)"])
+    return tabulate(rows, headers=["key", "", "output key"], tablefmt="simple", disable_numparse=True)
+
+
+def fix_summary(plan: FixPlan, result: FixResult | None) -> list[str]:
+    renamed = sum(1 for o, n in plan.renamed.items() if o != n)
+    lines = []
+    what = f"{len(plan.tensors) - len(plan.tied)} tensors, {human_bytes(plan.nbytes)}, {plan.format.value}"
+    if result is None:
+        lines.append(f"dry run: {plan.output} would hold {what}; {renamed} keys renamed, {len(plan.dropped)} "
+                     "dropped; nothing written")
+    else:
+        check = "verified: every storage re-read and its crc32 compared with the source" if result.verified else \
+            "NOT verified (--no-verify)"
+        lines.append(f"wrote {plan.output}: {what} ({human_bytes(result.bytes)} on disk); {renamed} keys renamed, "
+                     f"{len(plan.dropped)} dropped; {check}")
+    if plan.applied:
+        lines.append("applied: " + "; ".join(plan.applied))
+    lines += [f"note: {n}" for n in plan.notes]
+    if result and result.unknown_globals:
+        lines.append(f"warning: the output keeps {', '.join(result.unknown_globals)} (from the input's metadata); "
+                     "torch.load(weights_only=True) will refuse it — remove it with --drop or --select the weights")
+    return lines

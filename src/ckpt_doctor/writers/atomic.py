@@ -1,0 +1,83 @@
+"""Atomic output: a temporary file beside the destination, fsynced and renamed; an existing output needs --force."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import WriteError
+
+
+def check_destination(output: Path, inputs: tuple[Path, ...], force: bool) -> None:
+    """Refuse to overwrite an input (ever) or an existing output (without --force)."""
+    for source in inputs:
+        try:
+            if output.exists() and os.path.samefile(output, source):
+                raise WriteError(f"{output}: is the input file; the input is never modified — write elsewhere")
+        except FileNotFoundError:
+            pass
+    if output.is_dir():
+        raise WriteError(f"{output}: is a directory; give a file name such as {output / 'model.safetensors'}")
+    if (output.exists() or output.is_symlink()) and not force:
+        raise WriteError(f"{output}: already exists; pass --force to replace it")
+    parent = output.parent if str(output.parent) else Path(".")
+    if not parent.is_dir():
+        raise WriteError(f"{output}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise WriteError(f"{output}: folder {parent} is not writable (permission denied)")
+
+
+@contextlib.contextmanager
+def atomic_output(output: Path) -> Iterator[tuple[int, Path]]:
+    """(fd, temp path) of a new file beside `output`; renamed onto `output` only if the block succeeds.
+
+    A symlink at `output` is replaced by the new file, never written through. On any failure (a full disk,
+    an interrupted run) the temporary file is removed and `output` is left as it was.
+    """
+    parent = output.parent if str(output.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".ckpt-doctor-tmp", dir=parent)
+    except OSError as exc:
+        raise WriteError(f"{output}: cannot create a temporary file in {parent} ({exc.strerror})") from None
+    tmp_path = Path(tmp)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        yield fd, tmp_path
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp_path, output)
+        _fsync_dir(parent)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise WriteError(f"{output}: no space left (or file size limit reached) while writing; nothing was "
+                             "written") from None
+        raise WriteError(f"{output}: write failed ({exc.strerror}); nothing was written") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        dfd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)

@@ -1,0 +1,60 @@
+"""Writes safetensors: a JSON header padded to 8 bytes, then each tensor's bytes, streamed from the source."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable
+
+from ..dtypes import TORCH_TO_SAFETENSORS
+from ..errors import WriteError
+from .stream import Progress, copy_range, write_bytes
+
+
+@dataclass
+class TensorBytes:
+    """One safetensors entry: dtype, shape and where its contiguous bytes come from."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    source_fd: int = -1
+    source_offset: int = 0
+    known_crc: int | None = None
+    produce: Callable[[int, int, Progress | None], int] | None = None
+    crc: int | None = None
+
+
+def header_bytes(tensors: list[TensorBytes], metadata: dict[str, str]) -> bytes:
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for t in tensors:
+        code = TORCH_TO_SAFETENSORS.get(t.dtype)
+        if code is None:
+            raise WriteError(f"{t.key}: dtype {t.dtype} has no safetensors code; write a .pt file instead")
+        header[t.key] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * ((-len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(fd: int, tensors: list[TensorBytes], metadata: dict[str, str],
+                      progress: Progress | None = None) -> int:
+    """Write the file; returns where the data starts (for verification)."""
+    head = header_bytes(tensors, metadata)
+    write_bytes(fd, 0, head)
+    pos = len(head)
+    for t in tensors:
+        if t.produce is not None:
+            t.crc = t.produce(fd, pos, progress)
+        else:
+            t.crc = copy_range(t.source_fd, t.source_offset, t.nbytes, fd, pos, progress, t.known_crc)
+        pos += t.nbytes
+    os.ftruncate(fd, pos)
+    return len(head)

@@ -1,0 +1,291 @@
+"""ckpt-doctor fix: exact round trips, every transform, safe writes, --auto on every comparison case."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fixtures.models import RenamedCNN, SmallCNN, TinyTransformer, make_cnn
+
+CNN = "fixtures.models:SmallCNN"
+
+
+@pytest.fixture(autouse=True)
+def _cwd(monkeypatch):
+    from tests.conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+
+
+def sha(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
+
+
+def run_fix(cli, src, out, *flags, code=0):
+    result = cli("fix", src, "-o", out, *flags, "--json")
+    assert result.exit_code == code, result.stderr
+    return result.json() if code == 0 else result
+
+
+def test_add_then_strip_module_is_bitwise_identity(fixtures, cli, tmp_path):
+    src = fixtures["plain"]["path"]
+    before = sha(src)
+    run_fix(cli, src, tmp_path / "wrapped.pt", "--add-module")
+    wrapped = torch.load(tmp_path / "wrapped.pt", weights_only=True)
+    assert all(k.startswith("module.") for k in wrapped)
+    data = run_fix(cli, tmp_path / "wrapped.pt", tmp_path / "back.pt", "--strip-module")
+    assert data["verified"] is True and data["tensors"] == 16
+    orig = torch.load(src, weights_only=True)
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert list(back) == list(orig)
+    assert all(bitwise_equal(back[k], orig[k]) for k in orig)
+    assert sha(src) == before
+
+
+def test_torch_to_safetensors_to_torch(fixtures, cli, tmp_path):
+    src = fixtures["dtypes"]["path"]
+    run_fix(cli, src, tmp_path / "a.safetensors")
+    run_fix(cli, tmp_path / "a.safetensors", tmp_path / "b.pth")
+    orig = torch.load(src, weights_only=True)
+    st = load_file(str(tmp_path / "a.safetensors"))
+    back = torch.load(tmp_path / "b.pth", weights_only=True)
+    for k, v in orig.items():
+        assert bitwise_equal(st[k], v.contiguous()), k
+        assert bitwise_equal(back[k], v.contiguous()), k
+
+
+def test_views_survive_a_torch_rewrite(fixtures, cli, tmp_path):
+    src = fixtures["dtypes"]["path"]
+    run_fix(cli, src, tmp_path / "same.pt")
+    back = torch.load(tmp_path / "same.pt", weights_only=True)
+    orig = torch.load(src, weights_only=True)
+    assert back["view"].stride() == orig["view"].stride() and torch.equal(back["view"], orig["view"])
+    assert torch.load(tmp_path / "same.pt", weights_only=True, mmap=True)["f64"].shape == (2, 2)
+
+
+def test_legacy_becomes_zip_with_identical_tensors(fixtures, cli, tmp_path):
+    src = fixtures["legacy"]["path"]
+    run_fix(cli, src, tmp_path / "new.pt")
+    assert open(tmp_path / "new.pt", "rb").read(4) == b"PK\x03\x04"
+    orig = torch.load(src, weights_only=True)
+    new = torch.load(tmp_path / "new.pt", weights_only=True, mmap=True)
+    assert list(new) == list(orig) and all(bitwise_equal(new[k], orig[k]) for k in orig)
+
+
+def test_whole_model_becomes_a_loadable_state_dict(fixtures, cli, tmp_path):
+    info = fixtures["whole_model"]
+    run_fix(cli, info["path"], tmp_path / "sd.pt")
+    sd = torch.load(tmp_path / "sd.pt", weights_only=True)
+    assert {k: (list(v.shape), str(v.dtype)[6:]) for k, v in sd.items()} == \
+        {k: tuple(v) for k, v in info["expected"].items()}
+    # A fresh instance of the same architecture (the class itself is gone) loads it strictly.
+    from torch import nn
+
+    class GoneNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+            self.head = nn.Linear(4, 2)
+            self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    GoneNet().load_state_dict(sd, strict=True)
+    run_fix(cli, info["path"], tmp_path / "features.pt", "--select", "features")
+    assert list(torch.load(tmp_path / "features.pt", weights_only=True))[:2] == ["0.weight", "0.bias"]
+
+
+def test_training_checkpoint_select_drop_and_metadata(fixtures, cli, tmp_path):
+    src = fixtures["training"]["path"]
+    run_fix(cli, src, tmp_path / "all.pt")
+    whole = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert whole["epoch"] == 7 and whole["args"] == {"arch": "cnn", "batch_size": 64}
+    assert whole["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    data = run_fix(cli, src, tmp_path / "noopt.pt", "--drop", "^optimizer")
+    noopt = torch.load(tmp_path / "noopt.pt", weights_only=True)
+    assert "optimizer" not in noopt and noopt["epoch"] == 7 and data["tensors"] == 16
+    run_fix(cli, src, tmp_path / "sd.pt", "--select", "state_dict")
+    SmallCNN().load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True), strict=True)
+
+
+def test_map_location_and_dtype(fixtures, cli, tmp_path):
+    run_fix(cli, fixtures["cuda3"]["path"], tmp_path / "cpu.pt", "--map-location", "cpu", "--dtype", "float16")
+    data = cli("inspect", tmp_path / "cpu.pt", "--json").json()
+    assert {t["device"] for t in data["tensors"]} == {"cpu"}
+    dtypes = {t["key"]: t["dtype"] for t in data["tensors"]}
+    assert dtypes["features.0.weight"] == "float16" and dtypes["features.1.num_batches_tracked"] == "int64"
+    sd = torch.load(tmp_path / "cpu.pt", weights_only=True)
+    ref = torch.load(fixtures["cuda3"]["path"], map_location="cpu", weights_only=True)
+    assert torch.equal(sd["features.0.weight"], ref["features.0.weight"].half())
+    run_fix(cli, fixtures["plain"]["path"], tmp_path / "c1.pt", "--map-location", "cpu=cuda:1")
+    assert cli("inspect", tmp_path / "c1.pt", "--json").json()["devices"] == ["cuda:1"]
+
+
+def test_tied_weights_in_safetensors_are_written_once(fixtures, cli, tmp_path):
+    data = run_fix(cli, fixtures["tied"]["path"], tmp_path / "lm.safetensors")
+    assert data["tied"] == {"lm_head.weight": "embed.weight"}
+    st = load_file(str(tmp_path / "lm.safetensors"))
+    assert "lm_head.weight" not in st
+    model = TinyTransformer()
+    missing, unexpected = model.load_state_dict(st, strict=False)
+    assert missing == ["lm_head.weight"] and unexpected == []
+    assert model.lm_head.weight is model.embed.weight  # the tie survives: it is the same parameter
+
+
+def test_tied_weights_stay_shared_in_torch_format(fixtures, cli, tmp_path):
+    run_fix(cli, fixtures["tied"]["path"], tmp_path / "lm.pt", "--add-prefix", "model.")
+    sd = torch.load(tmp_path / "lm.pt", weights_only=True)
+    assert sd["model.embed.weight"].data_ptr() == sd["model.lm_head.weight"].data_ptr()
+    data = cli("inspect", tmp_path / "lm.pt", "--json").json()
+    assert data["tensor_count"] == 43 and len({t["storage"] for t in data["tensors"]}) == 42
+
+
+def test_sharded_input_becomes_one_file(fixtures, cli, tmp_path):
+    run_fix(cli, fixtures["sharded_safetensors"]["path"], tmp_path / "one.safetensors")
+    one = load_file(str(tmp_path / "one.safetensors"))
+    assert set(one) == set(fixtures["sharded_safetensors"]["expected"])
+    run_fix(cli, fixtures["sharded_bin"]["path"], tmp_path / "one.pt")
+    SmallCNN().load_state_dict(torch.load(tmp_path / "one.pt", weights_only=True), strict=True)
+
+
+def test_torchscript_weights_without_running_it(fixtures, cli, tmp_path):
+    run_fix(cli, fixtures["torchscript"]["path"], tmp_path / "ts.safetensors")
+    written = load_file(str(tmp_path / "ts.safetensors"))
+    assert {k: (list(v.shape), str(v.dtype)[6:]) for k, v in written.items()} == \
+        {k: tuple(v) for k, v in fixtures["torchscript"]["expected"].items()}
+
+
+@pytest.mark.parametrize("name", ["dataparallel", "ddp", "compiled", "lightning", "training", "plain", "cuda3"])
+def test_auto_yields_a_strict_load(fixtures, cli, tmp_path, name):
+    data = run_fix(cli, fixtures[name]["path"], tmp_path / "auto.pt", "--model", CNN, "--auto")
+    assert data["verified"]
+    SmallCNN().load_state_dict(torch.load(tmp_path / "auto.pt", map_location="cpu", weights_only=True), strict=True)
+    assert cli("inspect", tmp_path / "auto.pt", "--model", CNN).exit_code == 0
+
+
+def test_auto_mid_key_wrapper_and_non_persistent(cli, tmp_path):
+    sd = make_cnn().state_dict()
+    torch.save({k.replace("features.", "features.module."): v for k, v in sd.items()}, tmp_path / "mid.pt")
+    run_fix(cli, tmp_path / "mid.pt", tmp_path / "mid_fixed.pt", "--model", CNN, "--auto")
+    SmallCNN().load_state_dict(torch.load(tmp_path / "mid_fixed.pt", weights_only=True), strict=True)
+    lm = TinyTransformer().state_dict()
+    lm["positions"] = torch.arange(32)
+    torch.save({"module." + k: v for k, v in lm.items()}, tmp_path / "lm.pt")
+    run_fix(cli, tmp_path / "lm.pt", tmp_path / "lm_fixed.pt", "--model", "fixtures.models:TinyTransformer", "--auto")
+    TinyTransformer().load_state_dict(torch.load(tmp_path / "lm_fixed.pt", weights_only=True), strict=True)
+
+
+def test_auto_adds_module_for_a_wrapped_model(fixtures, cli, tmp_path):
+    (tmp_path / "wrap.py").write_text("from torch import nn\nfrom fixtures.models import SmallCNN\n"
+                                      "def wrapped():\n    return nn.DataParallel(SmallCNN())\n")
+    run_fix(cli, fixtures["plain"]["path"], tmp_path / "dp.pt", "--model", f"{tmp_path}/wrap.py:wrapped", "--auto")
+    assert all(k.startswith("module.") for k in torch.load(tmp_path / "dp.pt", weights_only=True))
+
+
+def test_map_by_order(fixtures, cli, tmp_path):
+    src = fixtures["plain"]["path"]
+    refused = run_fix(cli, src, tmp_path / "r.pt", "--model", "fixtures.models:RenamedCNN", "--map-by-order", code=2)
+    assert "neighbour of the same shape" in refused.stderr and not (tmp_path / "r.pt").exists()
+    run_fix(cli, src, tmp_path / "r.pt", "--model", "fixtures.models:RenamedCNN", "--map-by-order", "--force")
+    model = RenamedCNN()
+    model.load_state_dict(torch.load(tmp_path / "r.pt", weights_only=True), strict=True)
+    ref = make_cnn().eval()
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.allclose(model.eval()(x), ref(x), atol=1e-6)
+    bad = run_fix(cli, src, tmp_path / "t.pt", "--model", "fixtures.models:TinyTransformer", "--map-by-order", code=2)
+    assert "--map-by-order" in bad.stderr
+
+
+def test_collision_is_refused_and_nothing_written(cli, tmp_path):
+    torch.save({"module.fc.weight": torch.ones(2), "fc.weight": torch.zeros(2)}, tmp_path / "clash.pt")
+    result = run_fix(cli, tmp_path / "clash.pt", tmp_path / "out.pt", "--strip-module", code=2)
+    assert "same name" in result.stderr and result.stderr.count("\n") == 1
+    assert not (tmp_path / "out.pt").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["clash.pt"]
+
+
+def test_strip_prefix_leaves_other_keys_alone(cli, tmp_path):
+    torch.save({"module.a": torch.ones(1), "b.module.c": torch.ones(1), "modulex": torch.ones(1)}, tmp_path / "m.pt")
+    data = run_fix(cli, tmp_path / "m.pt", tmp_path / "o.pt", "--strip-module")
+    assert data["renamed"] == {"module.a": "a"}
+    assert list(torch.load(tmp_path / "o.pt", weights_only=True)) == ["a", "b.module.c", "modulex"]
+
+
+def test_dry_run_lists_every_key_and_writes_nothing(fixtures, cli, tmp_path):
+    result = cli("fix", fixtures["training"]["path"], "-o", tmp_path / "x.pt", "--select", "state_dict",
+                 "--rename", r"^features\.=backbone.", "--drop", "classifier", "--dry-run")
+    assert result.exit_code == 0
+    assert "features.0.weight" in result.stdout and "backbone.0.weight" in result.stdout
+    assert "(dropped)" in result.stdout and "classifier.bias" in result.stdout
+    assert "nothing written" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_needs_force_and_input_is_never_the_output(fixtures, cli, tmp_path):
+    out = tmp_path / "o.pt"
+    out.write_bytes(b"keep me")
+    result = run_fix(cli, fixtures["plain"]["path"], out, code=2)
+    assert "--force" in result.stderr and out.read_bytes() == b"keep me"
+    run_fix(cli, fixtures["plain"]["path"], out, "--force")
+    assert torch.load(out, weights_only=True)
+    copy = tmp_path / "in.pt"
+    copy.write_bytes(fixtures["plain"]["path"].read_bytes())
+    before = sha(copy)
+    result = run_fix(cli, copy, copy, "--force", code=2)
+    assert "never modified" in result.stderr and sha(copy) == before
+
+
+def test_output_symlink_is_replaced_not_written_through(fixtures, cli, tmp_path):
+    target = tmp_path / "target.bin"
+    target.write_bytes(b"precious")
+    link = tmp_path / "link.pt"
+    os.symlink(target, link)
+    assert run_fix(cli, fixtures["plain"]["path"], link, code=2).exit_code == 2
+    run_fix(cli, fixtures["plain"]["path"], link, "--force")
+    assert target.read_bytes() == b"precious" and not link.is_symlink()
+
+
+def test_output_mode_follows_umask(fixtures, cli, tmp_path):
+    old = os.umask(0o022)
+    try:
+        run_fix(cli, fixtures["plain"]["path"], tmp_path / "m.safetensors")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "m.safetensors").st_mode) == 0o644
+
+
+def test_corrupt_input_storage_fails_verification(fixtures, cli, tmp_path):
+    raw = bytearray(fixtures["plain"]["path"].read_bytes())
+    # Flip a byte inside the first tensor's data (torch.load would not notice: it does not check CRCs).
+    data = cli("inspect", fixtures["plain"]["path"], "--json").json()
+    del data
+    from ckpt_doctor import read_checkpoint
+
+    offset = read_checkpoint(fixtures["plain"]["path"]).tensors[0].storage.offset
+    raw[offset] ^= 0xFF
+    (tmp_path / "flipped.pt").write_bytes(bytes(raw))
+    result = run_fix(cli, tmp_path / "flipped.pt", tmp_path / "out.pt", code=2)
+    assert "verification failed" in result.stderr and not (tmp_path / "out.pt").exists()
+    assert not any(p.name.endswith(".ckpt-doctor-tmp") for p in tmp_path.iterdir())
+
+
+def test_usage_errors(fixtures, cli, tmp_path):
+    src = fixtures["plain"]["path"]
+    for flags, words in [(["--rename", "nope"], "REGEX=REPL"), (["--drop", "("], "not a valid regular"),
+                         (["--dtype", "int8"], "--dtype"), (["--map-location", "gpu7"], "not a device"),
+                         (["--auto"], "need --model"), (["--select", "nothing"], "holds no tensors")]:
+        result = cli("fix", src, "-o", tmp_path / "o.pt", *flags)
+        assert result.exit_code == 2 and words in result.stderr, (flags, result.stderr)
+    result = cli("fix", src, "-o", tmp_path / "o.weird")
+    assert result.exit_code == 2 and "--format" in result.stderr
+    assert cli("fix", src, "-o", tmp_path / "o.weird", "--format", "safetensors").exit_code == 0
