@@ -8,11 +8,17 @@ import sys
 import time
 
 
-def measure(cmd: list[str], repeat: int = 3) -> tuple[float, float]:
-    """Best wall time in seconds over `repeat` runs, and the peak RSS in MB of the last run."""
+def measure(cmd: list[str], repeat: int = 3, before=None) -> tuple[float, float]:
+    """Best wall time in seconds over `repeat` runs, and the peak RSS in MB of the last run.
+
+    `before` runs untimed ahead of each run (e.g. remove the last output and flush dirty pages, so every run
+    starts from the same state of the page cache).
+    """
     best = float("inf")
     rss_mb = 0.0
     for _ in range(repeat):
+        if before is not None:
+            before()
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         _, status, usage = os.wait4(proc.pid, 0)

@@ -8,7 +8,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable
 
-from .stream import Progress, copy_range, write_bytes
+from .stream import Progress, ReadBack, copy_range, write_bytes
 
 ALIGN = 64  # torch aligns every payload to 64 bytes (torch.load(mmap=True) relies on it)
 _U32 = 0xFFFFFFFF
@@ -60,7 +60,7 @@ class ZipOut:
         self.entries.append(_Entry(f"{self.prefix}/{name}".encode(), self.pos, len(data), crc))
         self.pos += len(header) + len(data)
 
-    def add_storage(self, storage: StorageOut, progress: Progress | None) -> None:
+    def add_storage(self, storage: StorageOut, progress: Progress | None, readback: ReadBack | None = None) -> None:
         name = f"{self.prefix}/data/{storage.key}".encode()
         header_at = self.pos
         header = _local_header(name, storage.nbytes, 0, header_at)
@@ -72,6 +72,8 @@ class ZipOut:
                              storage.known_crc)
         write_bytes(self.fd, header_at, _local_header(name, storage.nbytes, crc, header_at))
         storage.crc, storage.offset = crc, data_at
+        if readback is not None:
+            readback.check(data_at, storage.nbytes, crc, f"storage data/{storage.key}")
         self.entries.append(_Entry(name, header_at, storage.nbytes, crc))
         self.pos = data_at + storage.nbytes
 
@@ -105,7 +107,7 @@ class ZipOut:
 
 
 def write_torch_zip(fd: int, prefix: str, pickle_bytes: bytes, storages: list[StorageOut],
-                    progress: Progress | None = None) -> None:
+                    progress: Progress | None = None, readback: ReadBack | None = None) -> None:
     """Entries in torch's order: data.pkl, format/alignment/byteorder records, the storages, version."""
     z = ZipOut(fd, prefix)
     z.add_bytes("data.pkl", pickle_bytes)
@@ -113,6 +115,6 @@ def write_torch_zip(fd: int, prefix: str, pickle_bytes: bytes, storages: list[St
     z.add_bytes(".storage_alignment", b"64")
     z.add_bytes("byteorder", b"little")
     for storage in storages:
-        z.add_storage(storage, progress)
+        z.add_storage(storage, progress, readback)
     z.add_bytes("version", b"3\n")
     z.finish()
