@@ -6,3 +6,6 @@ BIN=${CKPT_DOCTOR_BIN:-.venv/bin}
 "$BIN/python" examples/make_example.py example
 set -x
 "$BIN/ckpt-doctor" inspect example/dataparallel.pth
+"$BIN/ckpt-doctor" inspect example/dataparallel.pth --model fixtures/models.py:SmallCNN || true
+"$BIN/ckpt-doctor" fix example/dataparallel.pth -o example/clean.safetensors --model fixtures/models.py:SmallCNN --auto --force
+"$BIN/ckpt-doctor" verify example/clean.safetensors --model fixtures/models.py:SmallCNN --input-shape 8,3,32,32 --gpus 2 --allow-skip

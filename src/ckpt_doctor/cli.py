@@ -255,6 +255,99 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     return 0
 
 
+@main.command(epilog=EXIT_CODES)
+@click.argument("ckpt", type=click.Path(path_type=str))
+@click.option("--model", "model_spec", required=True, metavar="SPEC",
+              help="package.module:attr or path/to/file.py:attr: the model class or factory.")
+@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Constructor argument.")
+@click.option("--input-shape", "input_shapes", multiple=True, metavar="8,3,32,32",
+              help="Shape of a seeded random input (repeatable for several inputs). The first size is the batch.")
+@click.option("--input-dtype", default="float32", show_default=True, help="dtype of the generated inputs.")
+@click.option("--input-range", default="0,100", show_default=True, metavar="LOW,HIGH",
+              help="Range of integer inputs (token ids).")
+@click.option("--input", "input_fn", metavar="MODULE:FUNCTION", help="A function returning the input(s).")
+@click.option("--gpus", default=2, show_default=True, type=click.IntRange(1), help="DataParallel devices and DDP "
+              "world size.")
+@click.option("--mode", "modes", default="single,dp,ddp", show_default=True, help="Which runs, comma separated.")
+@click.option("--timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds before a DDP run that has not finished is killed and reported as hung.")
+@click.option("--allow-skip", is_flag=True, help="Exit 0 when a mode was skipped for lack of GPUs.")
+@click.option("--summary", is_flag=True, help="Each module's output shape and parameter count.")
+@click.option("--compare-to", metavar="OTHER_CKPT", help="The first module whose output differs between the two "
+              "checkpoints (finds a layer a mapping by order got wrong).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@handle_errors
+def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes: tuple[str, ...], input_dtype: str,
+           input_range: str, input_fn: str | None, gpus: int, modes: str, timeout: float, allow_skip: bool,
+           summary: bool, compare_to: str | None, as_json: bool) -> int:
+    """Prove a checkpoint works: strict load, then run it alone, under DataParallel and under DDP.
+
+    \b
+    single  one process, eval mode: the reference output; NaN/Inf fails.
+    dp      nn.DataParallel over --gpus CUDA devices; must match single. Without them the report says
+            what ran instead and marks the mode skipped (exit 1 unless --allow-skip).
+    ddp     --gpus processes: nccl when that many GPUs exist, else gloo on the CPU (said in the report).
+            Each rank loads the file itself, checks its shard against single, takes one backward +
+            SGD step; replicas must then be identical and the DDP state_dict must hold the file's keys.
+    Started by torchrun (RANK/WORLD_SIZE set), verify joins that process group instead of spawning.
+
+    \b
+    ckpt-doctor verify clean.pth --model mypkg.nets:ResNet --input-shape 8,3,32,32 --gpus 2
+    ckpt-doctor verify lm.pt --model lm.py:make --input-shape 4,16 --input-dtype int64 --input-range 0,1000
+    """
+    from .modelspec import parse_model_args
+    from .render.verify_out import verify_json, verify_table
+    from .verify import InputSpec, check_torchrun, parse_modes, parse_shape, verify as run_verify
+
+    low, _, high = input_range.partition(",")
+    try:
+        bounds = (int(low), int(high))
+    except ValueError:
+        raise UsageError(f"--input-range {input_range!r}: expected LOW,HIGH such as 0,1000") from None
+    from .dtypes import torch_dtype_name
+
+    dtype = torch_dtype_name(input_dtype)
+    if dtype is None:
+        raise UsageError(f"--input-dtype {input_dtype!r} is not a torch dtype")
+    spec = InputSpec(tuple(parse_shape(s) for s in input_shapes), dtype, bounds[0], bounds[1], input_fn)
+    args = parse_model_args(model_args)
+    if check_torchrun():
+        from .verify import verify_under_torchrun
+
+        report = verify_under_torchrun(ckpt, model_spec, args, spec, allow_skip)
+        if report is None:  # not rank 0: rank 0 reports for everyone
+            return 0
+    else:
+        say(f"verifying {ckpt} with {model_spec} (modes {modes}, --gpus {gpus}) …")
+        report = run_verify(ckpt, model_spec, args, spec, gpus, parse_modes(modes), timeout, summary, compare_to,
+                            allow_skip)
+    if as_json:
+        from .render.json_out import dumps
+
+        click.echo(dumps(verify_json(report)))
+    if report.comparison is not None and not report.comparison.strict_ok:
+        from .render.compare_out import comparison_lines
+
+        for label, text in comparison_lines(report.comparison, ckpt):
+            say(f"{label:<10}  {text}")
+        say("strict load failed: nothing was run; repair the file first", color="red")
+        return 1
+    if not as_json:
+        click.echo(verify_table(report))
+    if report.first_difference:
+        say(f"first module whose output differs from {compare_to}: {report.first_difference}")
+    skipped = [r.mode.value for r in report.runs if r.status.value == "skipped"]
+    if report.ok:
+        say("verify: every requested mode passed" + (f" (skipped, allowed: {', '.join(skipped)})" if skipped else ""))
+    else:
+        failed = [r.mode.value for r in report.runs if r.status.value == "fail"]
+        parts = [f"failed: {', '.join(failed)}"] if failed else []
+        if skipped:
+            parts.append(f"skipped for lack of hardware: {', '.join(skipped)} (pass --allow-skip to accept that)")
+        say("verify did not pass — " + "; ".join(parts), color="red")
+    return 0 if report.ok else 1
+
+
 def progress_bar():
     """A callback drawing `writing 42% 0.8/2.0 GB` on stderr after the first second, only for a terminal."""
     import time

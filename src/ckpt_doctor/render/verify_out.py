@@ -1,0 +1,47 @@
+"""Renders a VerifyReport: the per-mode table, the module summary and the JSON of DESIGN.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tabulate import tabulate
+
+from ..analyze import human_bytes
+from ..verify import VerifyReport
+
+
+def verify_json(report: VerifyReport) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "ok": report.ok,
+        "checkpoint": report.checkpoint,
+        "model": report.model,
+        "runs": [{"mode": r.mode.value, "world_size": r.world_size, "backend": r.backend, "devices": list(r.devices),
+                  "status": r.status.value, "max_abs_diff": r.max_abs_diff, "seconds": round(r.seconds, 3),
+                  "detail": r.detail, "peak_memory": r.peak_memory} for r in report.runs],
+    }
+    if report.comparison is not None:
+        from .compare_out import comparison_json
+
+        out["comparison"] = comparison_json(report.comparison)
+    if report.summary:
+        out["summary"] = [{"module": m.name, "type": m.kind, "output_shape": m.output_shape, "params": m.params}
+                          for m in report.summary]
+    if report.first_difference is not None:
+        out["first_difference"] = report.first_difference
+    return out
+
+
+def verify_table(report: VerifyReport) -> str:
+    rows = []
+    for r in report.runs:
+        peak = ", ".join(f"{d} {human_bytes(b)}" for d, b in r.peak_memory.items()) or "-"
+        diff = "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.3g}"
+        rows.append([r.mode.value, r.status.value.upper(), r.world_size, r.backend, ",".join(r.devices), diff,
+                     f"{r.seconds:.2f}", peak, r.detail])
+    text = tabulate(rows, headers=["mode", "status", "world", "backend", "devices", "max|diff|", "seconds",
+                                   "peak memory", "detail"], tablefmt="simple", disable_numparse=True)
+    if report.summary:
+        text += "\n\n" + tabulate([[m.name, m.kind, m.output_shape, f"{m.params:,}"] for m in report.summary],
+                                  headers=["module", "type", "output shape", "params"], tablefmt="simple",
+                                  disable_numparse=True)
+    return text

@@ -1,0 +1,473 @@
+"""Proves a checkpoint runs: strict load, then the model alone, under DataParallel and under DDP."""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+
+class Mode(str, enum.Enum):
+    SINGLE = "single"
+    DP = "dp"
+    DDP = "ddp"
+
+
+class Status(str, enum.Enum):
+    PASS = "pass"
+    FAIL = "fail"
+    SKIPPED = "skipped"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    mode: Mode
+    world_size: int
+    backend: str
+    devices: tuple[str, ...]
+    status: Status
+    max_abs_diff: float | None
+    seconds: float
+    detail: str
+    peak_memory: dict[str, int] = field(default_factory=dict)  # CUDA device -> peak bytes
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    name: str
+    kind: str
+    output_shape: str
+    params: int
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    checkpoint: str
+    model: str
+    runs: tuple[RunResult, ...]
+    comparison: Any = None  # the strict-load verdict when it failed
+    summary: tuple[ModuleRow, ...] = ()
+    first_difference: str | None = None
+    allow_skip: bool = False
+
+    @property
+    def ok(self) -> bool:
+        if self.comparison is not None and not self.comparison.strict_ok:
+            return False
+        allowed = {Status.PASS, Status.SKIPPED} if self.allow_skip else {Status.PASS}
+        return bool(self.runs) and all(r.status in allowed for r in self.runs)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtype: str = "float32"
+    low: int = 0
+    high: int = 100
+    function: str | None = None  # module:function returning the inputs
+    seed: int = 0
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    parts = [x.strip() for x in text.replace("x", ",").split(",")]
+    shape = tuple(int(x) for x in parts) if all(x.isdigit() for x in parts) else ()
+    if not shape or any(s <= 0 for s in shape):
+        raise UsageError(f"--input-shape {text!r}: expected positive sizes like 8,3,32,32")
+    return shape
+
+
+def parse_modes(text: str) -> tuple[Mode, ...]:
+    modes = []
+    for part in text.split(","):
+        try:
+            modes.append(Mode(part.strip()))
+        except ValueError:
+            raise UsageError(f"--mode {text!r}: choose from single, dp, ddp (comma separated)") from None
+    return tuple(dict.fromkeys(modes))
+
+
+def make_inputs(spec: InputSpec) -> tuple[Any, ...]:
+    import torch
+
+    if spec.function:
+        from .modelspec import resolve_attr
+
+        produced = resolve_attr(spec.function)()
+        return tuple(produced) if isinstance(produced, (tuple, list)) else (produced,)
+    if not spec.shapes:
+        raise UsageError("give the model an input: --input-shape 8,3,32,32 (repeatable) or --input module:function")
+    generator = torch.Generator().manual_seed(spec.seed)
+    dtype = getattr(torch, spec.dtype)
+    out = []
+    for shape in spec.shapes:
+        if dtype.is_floating_point:
+            out.append(torch.randn(shape, generator=generator).to(dtype))
+        else:
+            out.append(torch.randint(spec.low, spec.high, shape, generator=generator, dtype=dtype))
+    return tuple(out)
+
+
+def tolerance(dtype: Any) -> float:
+    import torch
+
+    return {torch.float64: 1e-9, torch.float16: 1e-2, torch.bfloat16: 2e-2}.get(dtype, 1e-4)
+
+
+def flat_outputs(out: Any) -> list[Any]:
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in flat_outputs(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in flat_outputs(v)]
+    if hasattr(out, "to_tuple"):
+        return flat_outputs(out.to_tuple())
+    return []
+
+
+def max_diff(a: list[Any], b: list[Any]) -> tuple[float, float]:
+    """(max |a-b|, the tolerance scaled to the reference's magnitude)."""
+    worst, tol = 0.0, 0.0
+    for x, y in zip(a, b):
+        x, y = x.detach().double().cpu(), y.detach().double().cpu()
+        if x.shape != y.shape:
+            return float("inf"), 0.0
+        if x.numel():
+            worst = max(worst, float((x - y).abs().max()))
+            tol = max(tol, tolerance(y.dtype) * max(1.0, float(y.abs().max())))
+    return worst, tol
+
+
+def cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _to(inputs: tuple[Any, ...], device: Any) -> tuple[Any, ...]:
+    return tuple(x.to(device) if hasattr(x, "to") else x for x in inputs)
+
+
+def _peak(devices: list[int]) -> dict[str, int]:
+    import torch
+
+    return {f"cuda:{d}": int(torch.cuda.max_memory_allocated(d)) for d in devices}
+
+
+def _reset_peak(devices: list[int]) -> None:
+    import torch
+
+    for d in devices:
+        torch.cuda.reset_peak_memory_stats(d)
+
+
+def run_single(model: Any, inputs: tuple[Any, ...], device: str) -> tuple[RunResult, list[Any]]:
+    import torch
+
+    start = time.perf_counter()
+    cuda = [int(device.split(":")[1])] if device.startswith("cuda") else []
+    if cuda:
+        _reset_peak(cuda)
+    model = model.to(device).eval()
+    try:
+        with torch.no_grad():
+            out = flat_outputs(model(*_to(inputs, device)))
+    except Exception as exc:  # the user's forward can raise anything; it is this run's verdict, not a crash
+        message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        return RunResult(Mode.SINGLE, 1, "-", (device,), Status.FAIL, None, time.perf_counter() - start,
+                         f"forward failed: {type(exc).__name__}: {message} (check --input-shape)"), []
+    elapsed = time.perf_counter() - start
+    if not out:
+        return RunResult(Mode.SINGLE, 1, "-", (device,), Status.FAIL, None, elapsed,
+                         "the model returned no tensor"), []
+    bad = [i for i, t in enumerate(out) if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        return RunResult(Mode.SINGLE, 1, "-", (device,), Status.FAIL, None, elapsed,
+                         f"output {bad[0]} holds NaN/Inf: a weight or a BatchNorm statistic is corrupt "
+                         "(inspect --stats shows which)", _peak(cuda)), out
+    shapes = ", ".join(str(list(t.shape)) for t in out[:3])
+    return RunResult(Mode.SINGLE, 1, "-", (device,), Status.PASS, 0.0, elapsed, f"eval forward, output {shapes}",
+                     _peak(cuda)), [t.detach().cpu() for t in out]
+
+
+def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int) -> RunResult:
+    import torch
+
+    start = time.perf_counter()
+    have = cuda_count()
+    if have == 0:
+        wrapped = torch.nn.DataParallel(model.cpu().eval())
+        with torch.no_grad():
+            out = flat_outputs(wrapped(*inputs))
+        diff, tol = max_diff(out, reference)
+        status = Status.FAIL if diff > tol else Status.SKIPPED
+        detail = (f"no CUDA device: ran nn.DataParallel on the CPU, where it only calls the model (outputs "
+                  f"{'match' if diff <= tol else 'DIFFER'}); a {gpus}-GPU run needs {gpus} GPUs")
+        return RunResult(Mode.DP, 1, "-", ("cpu",), status, diff, time.perf_counter() - start, detail)
+    used = list(range(min(gpus, have)))
+    _reset_peak(used)
+    wrapped = torch.nn.DataParallel(model.to(f"cuda:{used[0]}").eval(), device_ids=used)
+    with torch.no_grad():
+        out = flat_outputs(wrapped(*_to(inputs, f"cuda:{used[0]}")))
+    diff, tol = max_diff(out, reference)
+    elapsed = time.perf_counter() - start
+    devices = tuple(f"cuda:{d}" for d in used)
+    if diff > tol:
+        return RunResult(Mode.DP, len(used), "-", devices, Status.FAIL, diff, elapsed,
+                         f"outputs differ from single by {diff:.3g} (tolerance {tol:.3g})", _peak(used))
+    if len(used) < gpus:
+        return RunResult(Mode.DP, len(used), "-", devices, Status.SKIPPED, diff, elapsed,
+                         f"needs {gpus} CUDA devices, found {have}: ran DataParallel on {', '.join(devices)} only "
+                         "(outputs match single)", _peak(used))
+    return RunResult(Mode.DP, len(used), "-", devices, Status.PASS, diff, elapsed,
+                     f"scatter/gather over {len(used)} GPUs matches single", _peak(used))
+
+
+def run_ddp(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs: tuple[Any, ...], reference: list[Any],
+            gpus: int, timeout: float) -> RunResult:
+    """Spawn `gpus` ranks (nccl on as many GPUs, else gloo on the CPU); each reports through a JSON file."""
+    import torch
+
+    start = time.perf_counter()
+    world = gpus
+    have = cuda_count()
+    backend = "nccl" if have >= world and torch.distributed.is_nccl_available() else "gloo"
+    if inputs[0].shape[0] < world:
+        return RunResult(Mode.DDP, world, backend, (), Status.FAIL, None, 0.0,
+                         f"the batch ({inputs[0].shape[0]}) is smaller than the world size ({world}); give a batch "
+                         "of at least one sample per rank")
+    with tempfile.TemporaryDirectory(prefix="ckpt-doctor-ddp-") as tmp:
+        job = Path(tmp)
+        torch.save({"inputs": list(inputs), "reference": reference}, job / "io.pt")
+        (job / "job.json").write_text(json.dumps({"checkpoint": str(Path(ckpt).resolve()), "model": model_spec,
+                                                  "model_args": {k: repr(v) for k, v in model_args.items()},
+                                                  "backend": backend, "world_size": world, "cwd": os.getcwd()}))
+        port = _free_port()
+        procs = []
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                       CKPT_DOCTOR_DDP_JOB=str(job))
+            procs.append(subprocess.Popen([sys.executable, "-m", "ckpt_doctor._ddp_worker"], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=open(job / f"rank{rank}.log", "wb"),
+                                          start_new_session=True))
+        failed = _wait(procs, timeout)
+        results = [_rank_result(job, r, p, failed) for r, p in enumerate(procs)]
+    elapsed = time.perf_counter() - start
+    devices = tuple(r.get("device", "?") for r in results)
+    # A rank that died or hung comes first: its peers' errors (a closed socket) are only the echo.
+    errors = sorted((r for r in results if r.get("status") != "pass"),
+                    key=lambda r: (not r.get("root_cause"), r["rank"]))
+    diff = max((r.get("max_abs_diff") or 0.0 for r in results), default=0.0)
+    peak = {r["device"]: r["peak_memory"] for r in results if r.get("peak_memory")}
+    where = f"gloo on the CPU ({have} CUDA device{'s' if have != 1 else ''} here, {world} needed for nccl)" \
+        if backend == "gloo" else f"nccl on {world} GPUs"
+    if errors:
+        first = errors[0]
+        also = f" (also: {', '.join(str(r['rank']) for r in errors[1:])} failed too)" \
+            if len(errors) > 1 else ""
+        return RunResult(Mode.DDP, world, backend, devices, Status.FAIL, diff, elapsed,
+                         f"rank {first['rank']}: {first.get('error', 'failed')}{also}", peak)
+    return RunResult(Mode.DDP, world, backend, devices, Status.PASS, diff, elapsed,
+                     f"{where}: shard outputs match single, one backward + SGD step, replicas identical, "
+                     "state_dict round-trip exact", peak)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float) -> dict[int, str]:
+    """Wait for every rank; a crash stops the others at once, a deadline kills all. Returns rank -> reason."""
+    deadline = time.monotonic() + timeout
+    reasons: dict[int, str] = {}
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        crashed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if crashed or time.monotonic() > deadline:
+            for r, c in enumerate(codes):
+                if c is None:
+                    reasons[r] = (f"still running after the timeout ({timeout:g} s): hung" if not crashed
+                                  else f"stopped because rank {crashed[0]} failed")
+            break
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+    return reasons
+
+
+def _rank_result(job: Path, rank: int, proc: subprocess.Popen, reasons: dict[int, str]) -> dict[str, Any]:
+    path = job / f"rank{rank}.json"
+    if path.exists():
+        result = json.loads(path.read_text())
+        if proc.returncode == 0 or result.get("status") == "fail":
+            return result
+    if rank in reasons:
+        return {"rank": rank, "status": "fail", "error": reasons[rank], "root_cause": "hung" in reasons[rank]}
+    code = proc.returncode
+    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with {code}"
+    log = (job / f"rank{rank}.log").read_text(errors="replace").strip().splitlines()
+    last = next((line for line in reversed(log) if line.strip()), "")
+    return {"rank": rank, "status": "fail", "error": f"{how}" + (f": {last[-200:]}" if last else ""),
+            "root_cause": True}
+
+
+def module_summary(model: Any, inputs: tuple[Any, ...]) -> list[ModuleRow]:
+    """Each leaf module's output shape and parameter count, in execution order (like torchsummary)."""
+    import torch
+
+    rows: list[ModuleRow] = []
+    hooks = []
+    for name, module in model.named_modules():
+        if name and not list(module.children()):
+            def hook(mod: Any, args: Any, out: Any, name: str = name) -> None:
+                shapes = [list(t.shape) for t in flat_outputs(out)]
+                rows.append(ModuleRow(name, type(mod).__name__, str(shapes[0] if len(shapes) == 1 else shapes),
+                                      sum(p.numel() for p in mod.parameters(recurse=False))))
+            hooks.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model.eval()(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return rows
+
+
+def first_difference(model_a: Any, model_b: Any, inputs: tuple[Any, ...]) -> str | None:
+    """The first leaf module (in execution order) whose output differs between two loaded models."""
+    import torch
+
+    def record(model: Any) -> list[tuple[str, list[Any]]]:
+        seen: list[tuple[str, list[Any]]] = []
+        hooks = []
+        for name, module in model.named_modules():
+            if name and not list(module.children()):
+                hooks.append(module.register_forward_hook(
+                    lambda mod, a, out, name=name: seen.append((name, [t.detach().clone() for t in flat_outputs(out)]))))
+        try:
+            with torch.no_grad():
+                model.eval()(*inputs)
+        finally:
+            for h in hooks:
+                h.remove()
+        return seen
+
+    for (name, a), (_, b) in zip(record(model_a), record(model_b)):
+        diff, tol = max_diff(a, b)
+        if diff > tol:
+            return f"{name} (max |diff| {diff:.3g})"
+    return None
+
+
+def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: InputSpec, gpus: int = 2,
+           modes: tuple[Mode, ...] = (Mode.SINGLE, Mode.DP, Mode.DDP), timeout: float = 300.0,
+           summary: bool = False, compare_to: str | None = None, allow_skip: bool = False) -> VerifyReport:
+    import torch
+
+    from .compare import compare_checkpoint
+    from .loader import load
+    from .modelspec import build_model, model_keys
+    from .readers import read_checkpoint
+
+    if gpus < 1:
+        raise UsageError("--gpus must be at least 1")
+    checkpoint = read_checkpoint(ckpt)
+    model = build_model(model_spec, model_args, "cpu")
+    comparison = compare_checkpoint(checkpoint, model_keys(model, model_spec))
+    if not comparison.strict_ok:
+        return VerifyReport(ckpt, model_spec, (), comparison, allow_skip=allow_skip)
+    state = load(ckpt, "cpu", checkpoint=checkpoint)
+    model.load_state_dict(state, strict=True)
+    inputs = make_inputs(inputs_spec)
+    device = "cuda:0" if cuda_count() else "cpu"
+    runs: list[RunResult] = []
+    single, reference = run_single(model, inputs, device)
+    if Mode.SINGLE in modes or single.status is Status.FAIL:
+        runs.append(single)
+    rows: tuple[ModuleRow, ...] = ()
+    diff_at = None
+    if summary or compare_to:
+        cpu_model = model.cpu()
+        if summary:
+            rows = tuple(module_summary(cpu_model, inputs))
+        if compare_to:
+            other = build_model(model_spec, model_args, "cpu")
+            other.load_state_dict(load(compare_to, "cpu"), strict=True)
+            diff_at = first_difference(cpu_model, other, inputs) or "none: every module's output agrees"
+    if single.status is Status.PASS:
+        if Mode.DP in modes:
+            runs.append(run_dp(model, inputs, reference, gpus))
+        if Mode.DDP in modes:
+            runs.append(run_ddp(ckpt, model_spec, model_args, inputs, reference, gpus, timeout))
+    del torch
+    return VerifyReport(ckpt, model_spec, tuple(runs), None, rows, diff_at, allow_skip)
+
+
+def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any], spec: InputSpec,
+                          allow_skip: bool) -> VerifyReport | None:
+    """Launched by torchrun: join its group, run this rank, and let rank 0 report for all (across nodes too)."""
+    import torch
+    import torch.distributed as dist
+
+    from ._ddp_worker import run_rank
+    from .loader import load
+    from .modelspec import build_model
+
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    backend = "nccl" if cuda_count() > local and dist.is_nccl_available() else "gloo"
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend)
+    try:
+        model = build_model(model_spec, model_args, "cpu")
+        model.load_state_dict(load(ckpt, "cpu"), strict=True)
+        inputs = make_inputs(spec)  # seeded: every rank draws the same batch
+        single, reference = run_single(model, inputs, "cpu")
+        start = time.perf_counter()
+        result = run_rank(ckpt, model_spec, model_args, list(inputs), reference, backend, join_existing=True)
+        results: list[Any] = [None] * world
+        dist.all_gather_object(results, result)
+    finally:
+        dist.destroy_process_group()
+    if int(os.environ["RANK"]) != 0:
+        return None
+    errors = [r for r in results if r["status"] != "pass"]
+    diff = max((r.get("max_abs_diff") or 0.0 for r in results), default=0.0)
+    run = RunResult(Mode.DDP, world, backend, tuple(r["device"] for r in results),
+                    Status.FAIL if errors else Status.PASS, diff, time.perf_counter() - start,
+                    f"rank {errors[0]['rank']}: {errors[0].get('error')}" if errors else
+                    f"joined torchrun's group ({backend}, {world} ranks): shards match, replicas identical after a "
+                    "step, state_dict round-trip exact")
+    return VerifyReport(ckpt, model_spec, (single, run), allow_skip=allow_skip)
+
+
+def check_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "CKPT_DOCTOR_DDP_JOB" not in os.environ
+

@@ -1,0 +1,191 @@
+"""ckpt-doctor verify: strict load, single, DataParallel and 2-rank gloo DDP on CPU; failures end cleanly."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+import time
+
+import pytest
+import torch
+
+from fixtures.models import SmallCNN, make_cnn
+
+CNN = "fixtures.models:SmallCNN"
+IMG = ("--input-shape", "8,3,8,8")
+
+
+@pytest.fixture(autouse=True)
+def _cwd(monkeypatch):
+    from tests.conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+
+
+def workers_left() -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "ckpt_doctor._ddp_worker" in cmd:
+                found.append(cmd)
+    return found
+
+
+def runs(result) -> dict[str, dict]:
+    return {r["mode"]: r for r in result.json()["runs"]}
+
+
+def test_batchnorm_model_passes_with_gloo(fixtures, cli):
+    result = cli("verify", fixtures["plain"]["path"], "--model", CNN, *IMG, "--gpus", "2", "--json")
+    by_mode = runs(result)
+    assert by_mode["single"]["status"] == "pass"
+    assert by_mode["ddp"] == {**by_mode["ddp"], "status": "pass", "world_size": 2, "backend": "gloo",
+                              "devices": ["cpu", "cpu"]}
+    if torch.cuda.device_count() < 2:
+        assert by_mode["dp"]["status"] == "skipped" and "GPU" in by_mode["dp"]["detail"]
+        assert result.exit_code == 1  # a skipped mode never passes silently
+        allowed = cli("verify", fixtures["plain"]["path"], "--model", CNN, *IMG, "--allow-skip", "--mode", "single,dp")
+        assert allowed.exit_code == 0
+    assert result.json()["ok"] is (result.exit_code == 0)
+
+
+def test_several_inputs(fixtures, cli, tmp_path):
+    from fixtures.models import TwoInputNet, trained
+
+    torch.manual_seed(0)
+    model = trained(TwoInputNet(), torch.randn(4, 3, 8, 8), torch.randn(4, 5))
+    torch.save(model.state_dict(), tmp_path / "two.pt")
+    result = cli("verify", tmp_path / "two.pt", "--model", "fixtures.models:TwoInputNet", "--input-shape", "4,3,8,8",
+                 "--input-shape", "4,5", "--mode", "single,ddp", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert [r["status"] for r in result.json()["runs"]] == ["pass", "pass"]
+
+
+def test_token_inputs(fixtures, cli):
+    result = cli("verify", fixtures["legacy"]["path"], "--model", "fixtures.models:SmallLSTM", "--input-shape", "4,7",
+                 "--input-dtype", "int64", "--input-range", "0,50", "--mode", "single,ddp")
+    assert result.exit_code == 0, result.stderr
+
+
+def test_shape_change_fails_strict_load_with_the_fix(cli, tmp_path):
+    sd = make_cnn().state_dict()
+    sd["classifier.weight"] = torch.zeros(10, 17)
+    torch.save(sd, tmp_path / "bad.pt")
+    result = cli("verify", tmp_path / "bad.pt", "--model", CNN, *IMG, "--json")
+    assert result.exit_code == 1
+    data = result.json()
+    assert data["runs"] == [] and data["comparison"]["mismatched"][0]["key"] == "classifier.weight"
+    assert "nothing was run" in result.stderr
+
+
+def test_module_prefix_suggests_strip_module(fixtures, cli):
+    result = cli("verify", fixtures["dataparallel"]["path"], "--model", CNN, *IMG)
+    assert result.exit_code == 1
+    assert "--strip-module" in result.stderr and "ckpt-doctor fix" in result.stderr
+
+
+@pytest.mark.parametrize("corrupt", ["negative_var", "nan_weight"])
+def test_corrupt_values_fail_in_single(cli, tmp_path, corrupt):
+    sd = make_cnn().state_dict()
+    if corrupt == "negative_var":
+        sd["features.1.running_var"][:] = -1.0
+    else:
+        sd["features.3.weight"][0, 0, 0, 0] = float("nan")
+    torch.save(sd, tmp_path / "c.pt")
+    result = cli("verify", tmp_path / "c.pt", "--model", CNN, *IMG, "--json")
+    assert result.exit_code == 1
+    single = runs(result)["single"]
+    assert single["status"] == "fail" and "NaN" in single["detail"]
+
+
+def rank_model(tmp_path, action: str) -> str:
+    (tmp_path / "rankmodels.py").write_text(textwrap.dedent(f"""
+        import os, time
+        import torch.distributed as dist
+        from fixtures.models import SmallCNN
+
+        class Bad(SmallCNN):
+            def forward(self, x):
+                if dist.is_initialized() and dist.get_rank() == 1:
+                    {action}
+                return super().forward(x)
+    """))
+    return f"{tmp_path}/rankmodels.py:Bad"
+
+
+def test_killed_rank_ends_the_run(fixtures, cli, tmp_path):
+    spec = rank_model(tmp_path, "os.kill(os.getpid(), 9)")
+    start = time.monotonic()
+    result = cli("verify", fixtures["plain"]["path"], "--model", spec, *IMG, "--mode", "ddp", "--timeout", "60",
+                 "--json")
+    assert result.exit_code == 1
+    ddp = runs(result)["ddp"]
+    assert ddp["status"] == "fail" and ddp["detail"].startswith("rank 1: killed by signal 9")
+    assert time.monotonic() - start < 60
+    assert workers_left() == []
+
+
+def test_hung_rank_ends_at_the_timeout(fixtures, cli, tmp_path):
+    spec = rank_model(tmp_path, "time.sleep(600)")
+    start = time.monotonic()
+    result = cli("verify", fixtures["plain"]["path"], "--model", spec, *IMG, "--mode", "ddp", "--timeout", "8",
+                 "--json")
+    elapsed = time.monotonic() - start
+    assert result.exit_code == 1
+    ddp = runs(result)["ddp"]
+    assert ddp["status"] == "fail" and "hung" in ddp["detail"] and "rank" in ddp["detail"]
+    assert elapsed < 30
+    assert workers_left() == []
+
+
+def test_rank_exception_is_named(fixtures, cli, tmp_path):
+    spec = rank_model(tmp_path, "raise RuntimeError('boom on rank one')")
+    result = cli("verify", fixtures["plain"]["path"], "--model", spec, *IMG, "--mode", "ddp", "--timeout", "60",
+                 "--json")
+    assert result.exit_code == 1
+    assert "boom on rank one" in runs(result)["ddp"]["detail"]
+    assert workers_left() == []
+
+
+def test_summary_and_compare_to_find_the_swapped_layer(fixtures, cli, tmp_path):
+    sd = make_cnn().state_dict()
+    good = tmp_path / "good.pt"
+    torch.save(sd, good)
+    swapped = dict(sd)
+    swapped["features.4.weight"], swapped["features.4.bias"] = sd["features.4.bias"], sd["features.4.weight"]
+    torch.save(swapped, tmp_path / "swapped.pt")
+    result = cli("verify", tmp_path / "swapped.pt", "--model", CNN, *IMG, "--mode", "single", "--summary",
+                 "--compare-to", good, "--json")
+    assert result.exit_code == 0
+    data = result.json()
+    assert data["first_difference"].startswith("features.4 ")
+    assert [m["module"] for m in data["summary"]][:2] == ["features.0", "features.1"]
+    assert data["summary"][0]["params"] == 8 * 3 * 9 + 8 and data["summary"][-1]["output_shape"] == "[8, 10]"
+
+
+def test_inputs_are_required(fixtures, cli):
+    result = cli("verify", fixtures["plain"]["path"], "--model", CNN)
+    assert result.exit_code == 2 and "--input-shape" in result.stderr
+    bad = cli("verify", fixtures["plain"]["path"], "--model", CNN, "--input-shape", "8,x")
+    assert bad.exit_code == 2 and bad.stderr.startswith("Error: --input-shape")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA device")
+def test_gpu_paths(fixtures, cli):
+    result = cli("verify", fixtures["cuda3"]["path"], "--model", CNN, *IMG, "--gpus", str(torch.cuda.device_count()),
+                 "--json")
+    by_mode = runs(result)
+    assert by_mode["single"]["devices"] == ["cuda:0"] and by_mode["dp"]["status"] == "pass"
+    assert by_mode["ddp"]["backend"] == "nccl" and by_mode["ddp"]["status"] == "pass"
+
+
+def test_python_model_is_untouched_by_verify(fixtures):
+    from ckpt_doctor.verify import InputSpec, Mode, verify
+
+    report = verify(str(fixtures["plain"]["path"]), CNN, {}, InputSpec(((4, 3, 8, 8),)), modes=(Mode.SINGLE,))
+    assert report.ok and report.runs[0].status.value == "pass"
+    assert isinstance(SmallCNN(), torch.nn.Module)
