@@ -176,13 +176,15 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
               "write nothing.")
 @click.option("--force", is_flag=True, help="Replace an existing output; accept an ambiguous --map-by-order.")
 @click.option("--no-verify", is_flag=True, help="Skip re-reading the output (not recommended).")
+@click.option("--allow-unsafe", is_flag=True, help="Rewrite a file that names dangerous globals, keeping only what "
+              "is safe to write (nothing from the file is ever run).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @handle_errors
 def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_prefix: tuple[str, ...],
         add_prefix: tuple[str, ...], rename: tuple[str, ...], drop: tuple[str, ...], select: str | None,
         map_location: tuple[str, ...], dtype: str | None, model_spec: str | None, model_args: tuple[str, ...],
         auto: bool, reorder: bool, map_by_order: bool, format_: str | None, dry_run: bool, force: bool,
-        no_verify: bool, as_json: bool) -> int:
+        no_verify: bool, allow_unsafe: bool, as_json: bool) -> int:
     """Repair a checkpoint into a file that loads: rename keys, pick the state_dict, drop, re-tag, convert.
 
     The input is never modified. The output is written to a temporary file beside it, fsynced, re-read
@@ -228,6 +230,12 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     out_path = Path(output)
     fmt = output_format(out_path, OutputFormat(format_) if format_ else None)
     checkpoint = read_checkpoint(ckpt)
+    if checkpoint.unsafe_globals and not allow_unsafe:
+        from .errors import ReadError
+
+        names = tuple(g.qualname for g in checkpoint.unsafe_globals)
+        raise ReadError(f"{ckpt}: names dangerous globals ({', '.join(names)}); refusing to rewrite it. To keep only "
+                        "its tensors, add --allow-unsafe --select PATH (dangerous objects are never written)", names)
     if not dry_run:
         check_destination(out_path, checkpoint.files, force)
     model = keys_from_spec(model_spec, parse_model_args(model_args)) if model_spec else None
@@ -346,6 +354,43 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
             parts.append(f"skipped for lack of hardware: {', '.join(skipped)} (pass --allow-skip to accept that)")
         say("verify did not pass — " + "; ".join(parts), color="red")
     return 0 if report.ok else 1
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@click.option("--all", "show_all", is_flag=True, help="List allow-listed globals too.")
+@handle_errors
+def scan(paths: tuple[str, ...], as_json: bool, show_all: bool) -> int:
+    """List every global every pickle in the files names, with a verdict: safe, unknown or dangerous.
+
+    Reads each zip member pickle (data.pkl, constants.pkl, any other), every pickle of a legacy file,
+    pickles concatenated or nested inside others, and a zip appended after a pickle. Nothing is imported
+    or called. Folders are scanned recursively. TorchScript code/ is reported as executable content.
+
+    Exit 1 if anything is dangerous; 2 if a path is missing, unreadable, or a folder holds nothing to scan.
+    """
+    from .render.scan_out import scan_json, scan_summary, scan_table
+    from .scan import scan as run_scan
+
+    report, problems = run_scan(list(paths))
+    if as_json:
+        from .render.json_out import dumps
+
+        click.echo(dumps(scan_json(report, problems)))
+    elif report.files:
+        click.echo(scan_table(report, show_all))
+    for line in scan_summary(report):
+        say(line, color="red" if "DANGEROUS" in line else None)
+    if report.dangerous:
+        say(f"{report.dangerous} dangerous global(s): loading with weights_only=False would run them", color="red")
+        return 1
+    broken = [f.error for f in report.files if f.error and f.format is None]
+    if problems or (broken and len(report.files) == 1):
+        for problem in problems + broken:
+            say(f"Error: {problem}", color="red")
+        return 2
+    return 0
 
 
 def progress_bar():

@@ -24,7 +24,7 @@ _OTHER_KINDS = [
     (b"<", "text (HTML/XML?) — a download that returned a web page?"), (b"{", "JSON text"),
     (b"version https://git-lfs", "a Git LFS pointer, not the file itself — run `git lfs pull`"),
 ]
-_PICKLE_FIRST = set(b"(}])cIJKLNSVXUFGd\x80\x95")
+PICKLE_FIRST = frozenset(b"(}])cIJKLNSVXUFGd\x80\x95")
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar", ".model", ".pth.tar")
 
 
@@ -50,6 +50,49 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
 def read_file(path: Path) -> Checkpoint:
     try:
+        return _read_file(path)
+    except ReadError as exc:
+        if exc.dangerous:
+            raise
+        # The file is broken; it may still name a payload past the point where reading stopped.
+        dangerous = tuple(dict.fromkeys(g.qualname for g in scan_file_globals(path)))
+        if dangerous:
+            raise ReadError(f"{exc} — and it names dangerous globals: {', '.join(dangerous)}", dangerous) from None
+        raise
+
+
+def scan_file_globals(path: Path):
+    """Dangerous globals found by the static scanner (for files the readers could not open)."""
+    from ..records import Verdict
+    from ..scan import static_globals
+    from .zipindex import read_member, read_zip_index
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+            size = os.fstat(f.fileno()).st_size
+            refs = []
+            if head == b"PK\x03\x04":
+                try:
+                    members = read_zip_index(f.fileno(), size, str(path))
+                except ReadError:
+                    return []
+                for name, member in members.items():
+                    if name.endswith(".pkl"):
+                        try:
+                            refs += static_globals(read_member(f.fileno(), member, str(path), False), name)[0]
+                        except ReadError:
+                            continue
+            elif head and head[0] in PICKLE_FIRST:
+                f.seek(0)
+                refs = static_globals(f.read(256 << 20), "pickle")[0]
+    except OSError:
+        return []
+    return [g for g in refs if g.verdict is Verdict.DANGEROUS]
+
+
+def _read_file(path: Path) -> Checkpoint:
+    try:
         fd = os.open(path, os.O_RDONLY)
     except PermissionError:
         raise ReadError(f"{path}: permission denied (cannot open for reading)") from None
@@ -64,7 +107,7 @@ def read_file(path: Path) -> Checkpoint:
             return read_torch_zip(path, fd, size)
         if looks_like_safetensors(head, size):
             return read_safetensors(path, fd, size)
-        if head[0] in _PICKLE_FIRST and not head.startswith(b"{"):
+        if head[0] in PICKLE_FIRST and not head.startswith(b"{"):
             return read_torch_legacy(path, size)
         if size < 8:
             raise ReadError(f"{path}: only {size} bytes, too short to be a checkpoint (truncated?)")

@@ -35,7 +35,9 @@ def _read(path: Path, size: int, unpicklers: list[SafeUnpickler]) -> Checkpoint:
         if magic != MAGIC_NUMBER:
             # A bare pickle (pickle.dump): the first object is the content.
             notes = ("a bare pickle, not written by torch.save",)
-            return build_checkpoint(path, Format.PICKLE, magic, [first], notes=notes + _trailing(f, size))
+            extra_notes, extra = _trailing(f, size)
+            return build_checkpoint(path, Format.PICKLE, magic, [first], notes=notes + extra_notes,
+                                    extra_globals=extra)
         second = unpickler(f, "pickle 2 (protocol version)")
         version = run_unpickler(second, path)
         if version != PROTOCOL_VERSION:
@@ -70,9 +72,10 @@ def _read(path: Path, size: int, unpicklers: list[SafeUnpickler]) -> Checkpoint:
         if missing:
             raise ReadError(f"{path}: storages {sorted(missing)[:3]} are named but not stored (corrupt file)")
         f.seek(offset)
-        notes.extend(_trailing(f, size))
+        trailing_notes, extra = _trailing(f, size)
+        notes.extend(trailing_notes)
     return build_checkpoint(path, Format.TORCH_LEGACY, root, [first, second, third, body, keys_up],
-                            notes=tuple(notes))
+                            notes=tuple(notes), extra_globals=extra)
 
 
 def _read_at(f, offset: int, size: int) -> bytes:
@@ -80,10 +83,13 @@ def _read_at(f, offset: int, size: int) -> bytes:
     return f.read(size)
 
 
-def _trailing(f, size: int) -> tuple[str, ...]:
-    left = size - f.tell()
+def _trailing(f, size: int) -> tuple[tuple[str, ...], tuple]:
+    """A note on bytes after the last pickle, and the globals they name (a second pickle, an appended zip)."""
+    at = f.tell()
+    left = size - at
     if left <= 0:
-        return ()
-    head = f.read(4)
-    kind = "a zip archive" if head == b"PK\x03\x04" else "bytes"
-    return (f"{left} trailing bytes after the last pickle ({kind}); torch never reads them",)
+        return (), ()
+    from ..scan import scan_file_tail
+
+    kind, refs, more = scan_file_tail(f, at)
+    return (f"{left} trailing bytes after the last pickle ({kind}); torch never reads them", *more), tuple(refs)

@@ -52,9 +52,19 @@ def _read(path: Path, fd: int, size: int, unpicklers: list[SafeUnpickler]) -> Ch
                                 file=path, offset=member.offset, entry=name,
                                 crc=member.crc if member.size == nbytes else None)
 
-    unpickler = SafeUnpickler(io.BytesIO(read_member(fd, members[pkl], str(path))), pkl, resolve)
+    raw = read_member(fd, members[pkl], str(path))
+    stream = io.BytesIO(raw)
+    unpickler = SafeUnpickler(stream, pkl, resolve)
     unpicklers.append(unpickler)
     root = run_unpickler(unpickler, path)
+    extra: list[GlobalRef] = []
+    if stream.tell() < len(raw):
+        from ..scan import static_globals
+
+        found, more = static_globals(raw[stream.tell():], f"{pkl} after its STOP")
+        extra += found
+        notes.append(f"{pkl} holds {len(raw) - stream.tell()} bytes after its end, which torch ignores")
+        notes += more
     ts_members = None
     if is_script:
         notes.append("TorchScript archive: its code/ is executable content and was not run")
@@ -65,7 +75,7 @@ def _read(path: Path, fd: int, size: int, unpicklers: list[SafeUnpickler]) -> Ch
             run_unpickler(cup, path)
             unpicklers.append(cup)
     return build_checkpoint(path, Format.TORCHSCRIPT if is_script else Format.TORCH_ZIP, root, unpicklers,
-                            ts_members=ts_members, notes=tuple(notes), extra_globals=_extra_pickles(
+                            ts_members=ts_members, notes=tuple(notes), extra_globals=tuple(extra) + _extra_pickles(
                                 fd, members, prefix, pkl, path, resolve))
 
 
