@@ -326,7 +326,8 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
         if report is None:  # not rank 0: rank 0 reports for everyone
             return 0
     else:
-        say(f"verifying {ckpt} with {model_spec} (modes {modes}, --gpus {gpus}) …")
+        if sys.stderr.isatty():
+            say(f"verifying {ckpt} with {model_spec} (modes {modes}, --gpus {gpus}) …")
         report = run_verify(ckpt, model_spec, args, spec, gpus, parse_modes(modes), timeout, summary, compare_to,
                             allow_skip)
     if as_json:
@@ -380,17 +381,18 @@ def scan(paths: tuple[str, ...], as_json: bool, show_all: bool) -> int:
         click.echo(dumps(scan_json(report, problems)))
     elif report.files:
         click.echo(scan_table(report, show_all))
+    broken = [f.error for f in report.files if f.error and f.format is None and not f.dangerous]
+    if not report.dangerous and (problems or broken) and len(report.files) + len(problems) == 1:
+        say(f"Error: {(problems + broken)[0]}", color="red")  # one unreadable path: one line, as everywhere
+        return 2
     for line in scan_summary(report):
         say(line, color="red" if "DANGEROUS" in line else None)
+    for problem in problems:
+        say(f"Error: {problem}", color="red")
     if report.dangerous:
         say(f"{report.dangerous} dangerous global(s): loading with weights_only=False would run them", color="red")
         return 1
-    broken = [f.error for f in report.files if f.error and f.format is None]
-    if problems or (broken and len(report.files) == 1):
-        for problem in problems + broken:
-            say(f"Error: {problem}", color="red")
-        return 2
-    return 0
+    return 2 if problems or broken else 0
 
 
 def progress_bar():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,11 @@ def _tensors_via_torch_load(ckpt: Checkpoint, device_map: dict[str, str]) -> dic
 
     if ckpt.format not in (Format.TORCH_ZIP, Format.TORCH_LEGACY) or ckpt.unknown_globals or ckpt.unsafe_globals:
         return None
-    loaded = torch.load(ckpt.path, map_location=device_map, weights_only=True)
+    try:
+        loaded = torch.load(ckpt.path, map_location=device_map, weights_only=True)
+    except (RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError) as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ReadError(f"{ckpt.path}: torch.load(weights_only=True) failed: {first}") from None
     flat: dict[str, Any] = {}
 
     def walk(obj: Any, prefix: str) -> None:

@@ -9,7 +9,7 @@ from typing import Any, Callable
 from .errors import ReadError
 from .unpickler import Opaque, RawTensor
 
-MAX_NODES = 5_000_000  # a pickle that expands past this is a bomb, not a checkpoint
+MAX_NODES = 1_000_000  # a pickle that expands past this is a bomb, not a checkpoint
 MAX_METADATA = 2_000
 
 # Names under which training checkpoints keep the model's weights, most telling first.

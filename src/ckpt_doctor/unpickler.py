@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .dtypes import STORAGE_CLASS_DTYPE, element_size, torch_dtype_name
 from .records import GlobalRef, Verdict
@@ -273,6 +274,34 @@ def _lenient(func: Callable[..., Any], ref: GlobalRef, notes: list[str]) -> Call
     return call
 
 
+MEMORY_HEADROOM = 4 << 30  # what one pickle may allocate beyond what the process already uses
+
+
+@contextlib.contextmanager
+def memory_guard() -> Iterator[None]:
+    """Cap the address space while a pickle is read, so a memo or allocation bomb is a MemoryError, not an OOM kill."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * resource.getpagesize()
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    cap = used + MEMORY_HEADROOM
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if soft != resource.RLIM_INFINITY and soft <= cap:
+        yield
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 class SafeUnpickler(pickle.Unpickler):
     """Unpickles into plain containers, RawTensor/StorageRef records and Opaque stand-ins.
 
@@ -308,6 +337,10 @@ class SafeUnpickler(pickle.Unpickler):
             if module == "torch" and torch_dtype_name(name) is not None:
                 return DType(torch_dtype_name(name))
         return _opaque_class(ref)
+
+    def load(self) -> Any:
+        with memory_guard():
+            return super().load()
 
     def persistent_load(self, pid: Any) -> Any:
         if type(pid) is tuple and len(pid) >= 5 and pid[0] == "storage":

@@ -387,8 +387,6 @@ def first_difference(model_a: Any, model_b: Any, inputs: tuple[Any, ...]) -> str
 def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: InputSpec, gpus: int = 2,
            modes: tuple[Mode, ...] = (Mode.SINGLE, Mode.DP, Mode.DDP), timeout: float = 300.0,
            summary: bool = False, compare_to: str | None = None, allow_skip: bool = False) -> VerifyReport:
-    import torch
-
     from .compare import compare_checkpoint
     from .loader import load
     from .modelspec import build_model, model_keys
@@ -430,7 +428,6 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
             runs.append(run_dp(model, inputs, reference, gpus))
         if Mode.DDP in modes:
             runs.append(run_ddp(ckpt, model_spec, model_args, inputs, reference, gpus, timeout))
-    del torch
     return VerifyReport(ckpt, model_spec, tuple(runs), None, rows, diff_at, allow_skip)
 
 

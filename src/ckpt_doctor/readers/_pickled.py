@@ -63,7 +63,7 @@ def tensor_record(path: Path, key: str, raw: RawTensor) -> TensorRecord:
         else:
             end = raw.offset * element_size(raw.dtype) + record.span_bytes
         if end > storage.nbytes:
-            raise ReadError(f"{path}: tensor {key} ({list(raw.shape)}, {raw.dtype}) reads past the end of its "
+            raise ReadError(f"{path}: tensor {key or '(the root object)'} ({list(raw.shape)}, {raw.dtype}) reads past the end of its "
                             f"storage {storage.key} ({storage.nbytes} bytes): the file is corrupt")
     return record
 
@@ -75,6 +75,8 @@ def build_checkpoint(path: Path, fmt: Format, root: Any, unpicklers: list[SafeUn
         flat: Flat = flatten(root, ts_members)
     except RecursionError as exc:
         raise ReadError(f"{path}: the pickle nests too deeply to be a checkpoint") from exc
+    except ReadError as exc:
+        raise ReadError(f"{path}: {exc}") from None
     tensors = tuple(tensor_record(path, key, raw) for key, raw in flat.tensors)
     sd_root, others = find_state_dict_root(flat)
     model_class = flat.module_classes.get(sd_root) if sd_root is not None else None

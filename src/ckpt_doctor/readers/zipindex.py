@@ -14,7 +14,7 @@ _ZIP64_LOCATOR = b"PK\x06\x07"
 _ZIP64_EOCD = b"PK\x06\x06"
 _CENTRAL = b"PK\x01\x02"
 _LOCAL = b"PK\x03\x04"
-MAX_INFLATED = 512 * 1024 * 1024  # a compressed pickle larger than this once inflated is a bomb
+MAX_INFLATED = 128 * 1024 * 1024  # a compressed pickle larger than this once inflated is a bomb
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,9 @@ def read_zip_index(fd: int, file_size: int, path: str) -> dict[str, ZipMember]:
         if usize == 0xFFFFFFFF or csize == 0xFFFFFFFF or local_at == 0xFFFFFFFF:
             usize, csize, local_at = _zip64_extra(extra, usize, csize, local_at, path)
         p += 46 + nlen + xlen + clen
+        if method == 0 and csize != usize:
+            raise ReadError(f"{path}: zip member {name} is stored uncompressed but its two sizes differ "
+                            f"({csize} and {usize}): the central directory is corrupt")
         members[name] = ZipMember(name, -1, usize, csize, method, crc, local_at)
     return _locate_data(fd, file_size, members, path)
 

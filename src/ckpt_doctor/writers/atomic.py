@@ -39,8 +39,9 @@ def atomic_output(output: Path) -> Iterator[tuple[int, Path]]:
     an interrupted run) the temporary file is removed and `output` is left as it was.
     """
     parent = output.parent if str(output.parent) else Path(".")
+    remove_stale_temps(output)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".ckpt-doctor-tmp", dir=parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.{os.getpid()}.", suffix=TEMP_SUFFIX, dir=parent)
     except OSError as exc:
         raise WriteError(f"{output}: cannot create a temporary file in {parent} ({exc.strerror})") from None
     tmp_path = Path(tmp)
@@ -62,6 +63,35 @@ def atomic_output(output: Path) -> Iterator[tuple[int, Path]]:
             os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
+
+
+TEMP_SUFFIX = ".ckpt-doctor-tmp"
+
+
+def remove_stale_temps(output: Path) -> None:
+    """Temporary files a killed run left beside `output` (their process is gone) are removed."""
+    parent = output.parent if str(output.parent) else Path(".")
+    for leftover in parent.glob(f".{glob_escape(output.name)}.*{TEMP_SUFFIX}"):
+        pid = leftover.name[len(output.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+
+
+def glob_escape(name: str) -> str:
+    import glob
+
+    return glob.escape(name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _umask() -> int:
