@@ -189,3 +189,21 @@ def test_python_model_is_untouched_by_verify(fixtures):
     report = verify(str(fixtures["plain"]["path"]), CNN, {}, InputSpec(((4, 3, 8, 8),)), modes=(Mode.SINGLE,))
     assert report.ok and report.runs[0].status.value == "pass"
     assert isinstance(SmallCNN(), torch.nn.Module)
+
+
+def test_joins_a_torchrun_group(fixtures, tmp_path):
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    exe = shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(sys.executable), "ckpt-doctor")
+    proc = subprocess.run([torchrun, "--nproc_per_node=2", "--no-python", exe, "verify", str(fixtures["plain"]["path"]),
+                           "--model", CNN, *IMG, "--json"], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(proc.stdout)
+    ddp = [r for r in data["runs"] if r["mode"] == "ddp"][0]
+    assert ddp["status"] == "pass" and ddp["world_size"] == 2 and "torchrun" in ddp["detail"]

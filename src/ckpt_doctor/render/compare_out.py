@@ -84,15 +84,23 @@ def comparison_lines(c: Comparison, path: str) -> list[tuple[str, str]]:
     if c.allowed_missing or c.allowed_unexpected:
         lines.append(("allowed", f"{len(c.allowed_missing)} missing/mismatched and {len(c.allowed_unexpected)} "
                                  "unexpected keys accepted by --allow-missing/--allow-unexpected"))
-    if c.suggested_fix and not (c.strict_ok and c.suggested_fix[:1] == ("--select",) and len(c.suggested_fix) == 2):
-        how = {"rename": "makes a strict load succeed", "partial": "is the closest match found",
-               "map-by-order": "maps tensors by position (names differ, shapes agree)",
-               "none": "makes a strict load succeed"}[c.fix_kind]
+    if c.suggested_fix:
+        if c.fix_kind == "rename":
+            how = "makes a strict load succeed"
+        elif c.fix_kind == "map-by-order":
+            how = "maps tensors by position: names differ, the shapes agree"
+        elif c.fix_kind == "partial":
+            how = "the closest match found; a strict load still fails"
+        elif c.strict_ok:
+            how = "writes the state_dict alone"
+        elif c.non_persistent and not (c.missing or c.unexpected or c.mismatched):
+            how = "drops the non-persistent buffers; then a strict load succeeds"
+        else:
+            how = (f"a strict load still fails: {len(c.mismatched)} shape mismatches, {len(c.missing)} missing — "
+                   "accept an intended change with --allow-missing")
         if c.fix_loaded_fraction is not None:
             how += f"; it would fill {c.fix_loaded_fraction:.1%} of the parameters"
         lines.append(("fix", f"{fix_command(path, c)}   ({how})"))
-    elif c.strict_ok and c.suggested_fix:
-        lines.append(("fix", f"{fix_command(path, c)}   (writes the state_dict alone)"))
     for pos in c.ambiguous[:10]:
         lines.append(("ambiguous", f"position {pos} has a neighbour of the same shape: check it (verify "
                                    "--summary --compare-to)"))
