@@ -454,9 +454,10 @@ def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any]
         inputs = make_inputs(spec)  # seeded: every rank draws the same batch
         single, reference = run_single(model, inputs, "cpu")
         start = time.perf_counter()
-        result = run_rank(ckpt, model_spec, model_args, list(inputs), reference, backend, join_existing=True)
+        result = run_rank(ckpt, model_spec, model_args, list(inputs), reference, backend)
         results: list[Any] = [None] * world
         dist.all_gather_object(results, result)
+        dist.barrier()  # nobody tears the group down while a peer still uses it (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()
     if int(os.environ["RANK"]) != 0:
