@@ -289,3 +289,25 @@ def test_usage_errors(fixtures, cli, tmp_path):
     result = cli("fix", src, "-o", tmp_path / "o.weird")
     assert result.exit_code == 2 and "--format" in result.stderr
     assert cli("fix", src, "-o", tmp_path / "o.weird", "--format", "safetensors").exit_code == 0
+
+
+def test_max_shard_size_writes_shards_and_an_index(fixtures, cli, tmp_path):
+    import json
+
+    data = run_fix(cli, fixtures["training"]["path"], tmp_path / "model.safetensors", "--select", "state_dict",
+                   "--max-shard-size", "2KB")
+    assert data["output"].endswith("model.safetensors.index.json") and len(data["shards"]) == 3
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)}
+    merged = {}
+    for shard in data["shards"]:
+        merged.update(load_file(shard))
+    SmallCNN().load_state_dict(merged, strict=True)
+    again = cli("inspect", tmp_path, "--json").json()
+    assert again["format"] == "sharded" and again["tensor_count"] == 16
+    tied = run_fix(cli, fixtures["tied"]["path"], tmp_path / "lm.pt", "--max-shard-size", "8KiB")
+    sd = {}
+    for shard in tied["shards"]:
+        sd.update(torch.load(shard, weights_only=True))
+    assert sd["embed.weight"].data_ptr() == sd["lm_head.weight"].data_ptr()  # tied tensors share one shard
+    assert cli("fix", fixtures["plain"]["path"], "-o", tmp_path / "x.pt", "--max-shard-size", "lots").exit_code == 2

@@ -172,6 +172,8 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
 @click.option("--map-by-order", is_flag=True, help="Rename by position, every shape checked; refuses when "
               "neighbouring tensors share a shape unless --force.")
 @click.option("--format", "format_", type=click.Choice(["torch", "safetensors"]), help="Override the suffix.")
+@click.option("--max-shard-size", metavar="SIZE", help="Split the output into shards of at most SIZE (5GB, "
+              "500MB, 2GiB) with an OUT.index.json naming them, as Hugging Face does.")
 @click.option("--dry-run", is_flag=True, help="Print old → new for every key and what the output would hold; "
               "write nothing.")
 @click.option("--force", is_flag=True, help="Replace an existing output; accept an ambiguous --map-by-order.")
@@ -183,8 +185,8 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
 def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_prefix: tuple[str, ...],
         add_prefix: tuple[str, ...], rename: tuple[str, ...], drop: tuple[str, ...], select: str | None,
         map_location: tuple[str, ...], dtype: str | None, model_spec: str | None, model_args: tuple[str, ...],
-        auto: bool, reorder: bool, map_by_order: bool, format_: str | None, dry_run: bool, force: bool,
-        no_verify: bool, allow_unsafe: bool, as_json: bool) -> int:
+        auto: bool, reorder: bool, map_by_order: bool, format_: str | None, max_shard_size: str | None,
+        dry_run: bool, force: bool, no_verify: bool, allow_unsafe: bool, as_json: bool) -> int:
     """Repair a checkpoint into a file that loads: rename keys, pick the state_dict, drop, re-tag, convert.
 
     The input is never modified. The output is written to a temporary file beside it, fsynced, re-read
@@ -206,7 +208,8 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     import signal
 
     from . import transforms as T
-    from .fix import FixOptions, OutputFormat, execute, output_format, parse_dtype, parse_map_location, plan_fix
+    from .fix import (FixOptions, OutputFormat, execute, execute_sharded, output_format, parse_dtype,
+                      parse_map_location, parse_size, plan_fix)
     from .modelspec import keys_from_spec, parse_model_args
     from .readers import read_checkpoint
     from .render.fix_out import dry_run_table, fix_json, fix_summary
@@ -236,7 +239,8 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
         names = tuple(g.qualname for g in checkpoint.unsafe_globals)
         raise ReadError(f"{ckpt}: names dangerous globals ({', '.join(names)}); refusing to rewrite it. To keep only "
                         "its tensors, add --allow-unsafe --select PATH (dangerous objects are never written)", names)
-    if not dry_run:
+    shard_bytes = parse_size(max_shard_size) if max_shard_size else None
+    if not dry_run and shard_bytes is None:
         check_destination(out_path, checkpoint.files, force)
     model = keys_from_spec(model_spec, parse_model_args(model_args)) if model_spec else None
     options = FixOptions(transforms=tuple(steps), select=select, map_location=parse_map_location(map_location),
@@ -253,7 +257,10 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
         for line in fix_summary(plan, None):
             say(line)
         return 0
-    result = execute(plan, progress_callback=progress_bar(), verify=not no_verify)
+    if shard_bytes is not None:
+        result = execute_sharded(plan, shard_bytes, progress_bar(), not no_verify, force)
+    else:
+        result = execute(plan, progress_callback=progress_bar(), verify=not no_verify)
     if as_json:
         from .render.json_out import dumps
 

@@ -13,7 +13,7 @@ from ..fix import FixPlan, FixResult
 def fix_json(plan: FixPlan, result: FixResult | None) -> dict[str, Any]:
     return {
         "input": str(plan.input),
-        "output": str(plan.output),
+        "output": str(result.plan.output if result else plan.output),
         "format": plan.format.value,
         "applied": list(plan.applied),
         "renamed": {old: new for old, new in plan.renamed.items() if old != new},
@@ -25,6 +25,7 @@ def fix_json(plan: FixPlan, result: FixResult | None) -> dict[str, Any]:
         "tied": plan.tied,
         "notes": list(plan.notes),
         "unknown_globals": list(result.unknown_globals) if result else [],
+        **({"shards": [str(p) for p in result.shards]} if result and result.shards else {}),
     }
 
 
@@ -47,10 +48,13 @@ def fix_summary(plan: FixPlan, result: FixResult | None) -> list[str]:
     else:
         check = "verified: every storage re-read and its crc32 compared with the source" if result.verified else \
             "NOT verified (--no-verify)"
-        lines.append(f"wrote {plan.output}: {what} ({human_bytes(result.bytes)} on disk); {renamed} keys renamed, "
+        lines.append(f"wrote {result.plan.output}: {what} ({human_bytes(result.bytes)} on disk); {renamed} keys renamed, "
                      f"{len(plan.dropped)} dropped; {check}")
     if plan.applied:
         lines.append("applied: " + "; ".join(plan.applied))
+    if result is not None and result.shards:
+        lines.append(f"{len(result.shards)} shards: {result.shards[0].name} … {result.shards[-1].name}, "
+                     f"index {result.plan.output.name}")
     lines += [f"note: {n}" for n in plan.notes]
     if result and result.unknown_globals:
         lines.append(f"warning: the output keeps {', '.join(result.unknown_globals)} (from the input's metadata); "
