@@ -311,3 +311,14 @@ def test_max_shard_size_writes_shards_and_an_index(fixtures, cli, tmp_path):
         sd.update(torch.load(shard, weights_only=True))
     assert sd["embed.weight"].data_ptr() == sd["lm_head.weight"].data_ptr()  # tied tensors share one shard
     assert cli("fix", fixtures["plain"]["path"], "-o", tmp_path / "x.pt", "--max-shard-size", "lots").exit_code == 2
+
+
+def test_metadata_dtypes_and_devices_survive(cli, tmp_path):
+    torch.save({"w": torch.ones(2), "b": torch.ones(1), "c": torch.ones(1), "d": torch.ones(1), "dtype": torch.float16,
+                "device": torch.device("cpu"), "size": torch.Size([2, 3])},
+               tmp_path / "meta.pt")
+    data = cli("inspect", tmp_path / "meta.pt", "--json").json()
+    assert data["metadata"]["dtype"] == "torch.float16"
+    run_fix(cli, tmp_path / "meta.pt", tmp_path / "out.pt")
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["dtype"] is torch.float16 and out["device"] == torch.device("cpu") and tuple(out["size"]) == (2, 3)

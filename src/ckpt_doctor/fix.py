@@ -186,6 +186,15 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     if flat_output:
         tree: Any = state
         outs = list(state.values())
+        if root == "" and select is None and fmt is OutputFormat.TORCH and isinstance(ckpt.root, dict):
+            # A flat state_dict with a few non-tensor entries (a version number, a config): keep them.
+            full_records = {t.key: t for t in ckpt.tensors}
+            for key, value in ckpt.root.items():
+                path = key if isinstance(key, str) else str(key)
+                if not isinstance(value, RawTensor) and not _dropped(path, drops):
+                    extra: list[OutTensor] = []
+                    tree[key] = _rebuild(value, path, "\0", state, full_records, drops, extra, out_tensor)
+                    outs += extra
         if _is_module_root(ckpt, root) and select is None:
             notes.append(f"whole-model pickle of {ckpt.model_class}: written as its state_dict")
     else:

@@ -12,7 +12,6 @@ from .errors import UsageError
 from .readers import read_checkpoint
 from .records import Checkpoint, SharedGroup, TensorRecord
 from .devices import missing_devices
-from .stats import TensorStats, batchnorm_at_init, tensor_stats
 
 
 @dataclass(frozen=True)
@@ -23,7 +22,7 @@ class InspectReport:
     shared: tuple[SharedGroup, ...]
     parameter_count: int
     total_bytes: int
-    stats: dict[str, TensorStats | None] | None = None
+    stats: dict[str, Any] | None = None  # key -> stats.TensorStats, with --stats
     batchnorm_at_init: tuple[str, ...] = ()
     comparison: Any = None  # a Comparison when --model is given
     model_shapes: dict[str, tuple] = field(default_factory=dict)
@@ -78,6 +77,8 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
     table_stats = None
     bn: list[str] = []
     if stats:
+        from .stats import batchnorm_at_init, tensor_stats
+
         table_stats = {t.key: tensor_stats(t) for t in tensors}
         bn = batchnorm_at_init(list(tensors), table_stats)
     seen_storages: set[tuple[str, str]] = set()

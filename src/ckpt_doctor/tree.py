@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import ReadError
-from .unpickler import Opaque, RawTensor
+from .unpickler import Opaque, RawTensor, _Token
 
 MAX_NODES = 1_000_000  # a pickle that expands past this is a bomb, not a checkpoint
 MAX_METADATA = 2_000
@@ -54,7 +54,7 @@ def _leaf_value(value: Any) -> Any:
     if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
         items = [_leaf_value(v) for v in value[:16]]
         return items + [f"… {len(value) - 16} more"] if len(value) > 16 else items
-    if isinstance(value, Opaque):
+    if isinstance(value, (Opaque, _Token)):
         return repr(value)
     return f"<{type(value).__name__}>"
 

@@ -6,7 +6,6 @@ import contextlib
 import io
 import pickle
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from .dtypes import STORAGE_CLASS_DTYPE, element_size, torch_dtype_name
@@ -64,15 +63,17 @@ class Opaque:
         return self._ckd
 
 
-@dataclass
 class _OpaqueData:
-    ref: GlobalRef | None
-    args: tuple
-    kwargs: dict
-    state: Any = None
-    items: list = field(default_factory=list)
-    dictitems: list = field(default_factory=list)
-    via_reduce: bool = False
+    """What a pickle did to an Opaque: constructor arguments, BUILD state, appended and set items."""
+
+    __slots__ = ("ref", "args", "kwargs", "state", "items", "dictitems", "via_reduce")
+
+    def __init__(self, ref: GlobalRef | None, args: tuple, kwargs: dict) -> None:
+        self.ref, self.args, self.kwargs = ref, args, kwargs
+        self.state: Any = None
+        self.items: list = []
+        self.dictitems: list = []
+        self.via_reduce = False
 
 
 _OPAQUE_CLASSES: dict[GlobalRef | None, type] = {}
@@ -86,47 +87,79 @@ def _opaque_class(ref: GlobalRef | None) -> type:
     return cls
 
 
-@dataclass
+# The reader-internal records below are plain slotted classes, not dataclasses: one of each is made per tensor
+# while a 20,000-tensor pickle is read, and defining dataclasses costs import time that `inspect` pays on every run.
+
 class StorageRef:
     """A storage named through persistent_load; where its bytes are is settled by the reader."""
 
-    key: str
-    dtype: str
-    numel: int
-    location: str
-    resolved: Any = None  # the reader's StorageRecord
-    view_of: "StorageRef | None" = None  # legacy storage views into a bigger storage
-    view_offset: int = 0  # bytes into `view_of`
+    __slots__ = ("key", "dtype", "numel", "location", "resolved", "view_of", "view_offset")
+
+    def __init__(self, key: str, dtype: str, numel: int, location: str, resolved: Any = None,
+                 view_of: "StorageRef | None" = None, view_offset: int = 0) -> None:
+        self.key, self.dtype, self.numel, self.location = key, dtype, numel, location
+        self.resolved = resolved  # the reader's StorageRecord
+        self.view_of = view_of  # legacy storage views into a bigger storage
+        self.view_offset = view_offset  # bytes into `view_of`
 
 
-@dataclass
 class RawTensor:
     """A tensor as the pickle describes it, before it has a key path."""
 
-    storage: StorageRef | None
-    dtype: str
-    offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    requires_grad: bool = False
-    is_parameter: bool = False
-    device: str | None = None  # set when the tensor is not backed by a storage (meta) or moved on rebuild
-    note: str = ""
+    __slots__ = ("storage", "dtype", "offset", "shape", "stride", "requires_grad", "is_parameter", "device", "note")
+
+    def __init__(self, storage: StorageRef | None, dtype: str, offset: int, shape: tuple[int, ...],
+                 stride: tuple[int, ...], requires_grad: bool = False, is_parameter: bool = False,
+                 device: str | None = None, note: str = "") -> None:
+        self.storage, self.dtype, self.offset, self.shape, self.stride = storage, dtype, offset, shape, stride
+        self.requires_grad, self.is_parameter = requires_grad, is_parameter
+        self.device = device  # set when the tensor has no storage (meta) or was moved on rebuild
+        self.note = note
 
 
-@dataclass(frozen=True)
-class StorageType:
-    dtype: str
+class _Token:
+    """A torch object a pickle may name as a value (a dtype, a device, a storage class), kept as its name."""
+
+    __slots__ = ("value",)
+    torch_name = ""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.value == self.value  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.value))
+
+    def __repr__(self) -> str:
+        return f"torch.{self.value}" if type(self) is DType else f"torch.{self.torch_name}({self.value!r})"
 
 
-@dataclass(frozen=True)
-class DType:
-    name: str
+class StorageType(_Token):
+    __slots__ = ()
+    torch_name = "storage"
+
+    @property
+    def dtype(self) -> str:
+        return self.value
 
 
-@dataclass(frozen=True)
-class Device:
-    spec: str
+class DType(_Token):
+    __slots__ = ()
+
+    @property
+    def name(self) -> str:
+        return self.value
+
+
+class Device(_Token):
+    __slots__ = ()
+    torch_name = "device"
+
+    @property
+    def spec(self) -> str:
+        return self.value
 
 
 _INT_ONLY = {int}

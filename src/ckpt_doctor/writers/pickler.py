@@ -9,7 +9,7 @@ from typing import Any, Callable
 from ..dtypes import element_size
 from ..errors import WriteError
 from ..records import TensorRecord, Verdict
-from ..unpickler import Opaque
+from ..unpickler import Device, DType, Opaque
 
 # Legacy typed storage class for each dtype; others are written as UntypedStorage + _rebuild_tensor_v3.
 STORAGE_CLASS = {
@@ -98,6 +98,12 @@ class Emitter:
             write(b"R")
         elif isinstance(obj, Opaque):
             self._opaque(obj)
+        elif isinstance(obj, DType):
+            self.global_("torch", obj.name)
+        elif isinstance(obj, Device):
+            self.global_("torch", "device")
+            self.emit((obj.spec,))
+            write(b"R")
         else:
             raise WriteError(f"cannot write a {type(obj).__name__} into a torch checkpoint")
 
