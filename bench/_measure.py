@@ -2,10 +2,45 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+MAKE = """
+import sys, torch
+path, total, n, prefix = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+per = max(total // n // 4, 1)
+side = int(per ** 0.5)
+torch.save({f"{prefix}layers.{i // 8}.block{i % 8}.weight": torch.randn(side, per // side) for i in range(n)}, path)
+"""
+
+
+def tensor_shape(total_bytes: int, n_tensors: int) -> tuple[int, int]:
+    """The (rows, cols) of every float32 tensor make_checkpoint writes."""
+    per = max(total_bytes // n_tensors // 4, 1)
+    side = int(per ** 0.5)
+    return side, per // side
+
+
+def make_checkpoint(path: Path, total_bytes: int, n_tensors: int, prefix: str = "") -> None:
+    """`layers.{i}.block{j}.weight` float32 tensors; written by a child process, because a parent that held the
+    tensors would pass its peak RSS on to every child it forks (wait4 reports the inherited high-water mark)."""
+    if not path.exists():
+        print(f"writing {path} …", file=sys.stderr)
+        subprocess.run([sys.executable, "-c", MAKE, str(path), str(total_bytes), str(n_tensors), prefix], check=True)
+
+
+def bench_args(doc: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="/tmp/ckpt-bench")
+    parser.add_argument("--gb", type=float, default=1.5)
+    parser.add_argument("--tensors", type=int, default=1000)
+    args = parser.parse_args()
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    return args
 
 
 def measure(cmd: list[str], repeat: int = 3, before=None) -> tuple[float, float]:

@@ -8,38 +8,19 @@ peak RSS <= 150 MB whatever the size, the verification read included.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import measure  # noqa: E402
-
-MAKE = """
-import sys, torch
-path, total, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-per = max(total // n // 4, 1)
-side = int(per ** 0.5)
-torch.save({f"module.layers.{i // 8}.block{i % 8}.weight": torch.randn(side, per // side) for i in range(n)}, path)
-"""
-
+from _measure import bench_args, make_checkpoint, measure  # noqa: E402
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", default="/tmp/ckpt-bench")
-    parser.add_argument("--gb", type=float, default=1.5)
-    parser.add_argument("--tensors", type=int, default=1000)
-    args = parser.parse_args()
+    args = bench_args(__doc__)
     folder = Path(args.dir)
-    folder.mkdir(parents=True, exist_ok=True)
     src = folder / f"dp_{args.gb}gb_{args.tensors}.pt"
-    if not src.exists():
-        print(f"writing {src} …", file=sys.stderr)
-        subprocess.run([sys.executable, "-c", MAKE, str(src), str(int(args.gb * 2**30)), str(args.tensors)],
-                       check=True)
+    make_checkpoint(src, int(args.gb * 2**30), args.tensors, prefix="module.")
     exe = shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(sys.executable), "ckpt-doctor")
     out_cp, out_pt, out_st = folder / "cp_copy.pt", folder / "fixed.pt", folder / "fixed.safetensors"
     os.system(f"cat {src} > /dev/null")

@@ -8,46 +8,22 @@ inspect >= 30x faster than torch.load, peak RSS <= 60 MB; 20,000 tensors in <= 0
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import measure, row  # noqa: E402
-
-
-MAKE = """
-import sys, torch
-path, total, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-per = max(total // n // 4, 1)
-side = int(per ** 0.5)
-torch.save({f"layers.{i // 8}.block{i % 8}.weight": torch.randn(side, per // side) for i in range(n)}, path)
-"""
-
-
-def make_checkpoint(path: Path, total_bytes: int, n_tensors: int) -> None:
-    # In a child process: a parent that held the tensors would pass its peak RSS on to every child it forks.
-    subprocess.run([sys.executable, "-c", MAKE, str(path), str(total_bytes), str(n_tensors)], check=True)
+from _measure import bench_args, make_checkpoint, measure, row  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", default="/tmp/ckpt-bench")
-    parser.add_argument("--gb", type=float, default=1.5)
-    parser.add_argument("--tensors", type=int, default=1000)
-    args = parser.parse_args()
+    args = bench_args(__doc__)
     folder = Path(args.dir)
-    folder.mkdir(parents=True, exist_ok=True)
     big = folder / f"big_{args.gb}gb_{args.tensors}.pt"
     many = folder / "many_20000.pt"
-    if not big.exists():
-        print(f"writing {big} …", file=sys.stderr)
-        make_checkpoint(big, int(args.gb * 2**30), args.tensors)
-    if not many.exists():
-        make_checkpoint(many, 20_000 * 64, 20_000)
+    make_checkpoint(big, int(args.gb * 2**30), args.tensors)
+    make_checkpoint(many, 20_000 * 64, 20_000)
     py = sys.executable
     exe = shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(py), "ckpt-doctor")
     listing = ("import sys, torch; sd = torch.load(sys.argv[1], map_location='cpu', weights_only=True); "

@@ -8,15 +8,13 @@ and `torch.load`, measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import measure, row  # noqa: E402
+from _measure import bench_args, make_checkpoint, measure, row, tensor_shape  # noqa: E402
 
 MODEL = '''
 import torch
@@ -46,24 +44,16 @@ class Big(nn.Module):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", default="/tmp/ckpt-bench")
-    parser.add_argument("--gb", type=float, default=1.5)
-    parser.add_argument("--tensors", type=int, default=1000)
-    args = parser.parse_args()
+    args = bench_args(__doc__)
     folder = Path(args.dir)
-    folder.mkdir(parents=True, exist_ok=True)
     ckpt = folder / f"big_{args.gb}gb_{args.tensors}.pt"
-    if not ckpt.exists():
-        subprocess.run([sys.executable, str(Path(__file__).with_name("bench_inspect.py")), "--dir", str(folder),
-                        "--gb", str(args.gb), "--tensors", str(args.tensors)], check=True, stdout=subprocess.DEVNULL)
-    per = int(args.gb * 2**30) // args.tensors // 4
-    rows = int(per ** 0.5)
+    make_checkpoint(ckpt, int(args.gb * 2**30), args.tensors)
+    rows, cols = tensor_shape(int(args.gb * 2**30), args.tensors)
     (folder / "bench_big_model.py").write_text(MODEL)
     exe = shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(sys.executable), "ckpt-doctor")
     spec = f"{folder / 'bench_big_model.py'}:Big"
     cmd = [exe, "inspect", str(ckpt), "--model", spec, "--model-arg", f"tensors={args.tensors}",
-           "--model-arg", f"rows={rows}", "--model-arg", f"cols={per // rows}", "--json"]
+           "--model-arg", f"rows={rows}", "--model-arg", f"cols={cols}", "--json"]
     t_cmp, rss_cmp = measure(cmd)
     t_imp, rss_imp = measure([sys.executable, "-c", "import torch"])
     t_load, rss_load = measure([sys.executable, "-c", f"import torch; torch.load({str(ckpt)!r}, weights_only=True)"])

@@ -90,17 +90,12 @@ def test_whole_model_becomes_a_loadable_state_dict(fixtures, cli, tmp_path):
     sd = torch.load(tmp_path / "sd.pt", weights_only=True)
     assert {k: (list(v.shape), str(v.dtype)[6:]) for k, v in sd.items()} == \
         {k: tuple(v) for k, v in info["expected"].items()}
-    # A fresh instance of the same architecture (the class itself is gone) loads it strictly.
-    from torch import nn
+    # A fresh instance of the same class (its module is gone; define it again from the same source) loads it.
+    from fixtures.make_fixtures import GONE_MODEL_SOURCE
 
-    class GoneNet(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
-            self.head = nn.Linear(4, 2)
-            self.register_buffer("scratch", torch.zeros(3), persistent=False)
-
-    GoneNet().load_state_dict(sd, strict=True)
+    namespace: dict = {}
+    exec(GONE_MODEL_SOURCE, namespace)  # the test's own model source, not anything from the checkpoint
+    namespace["GoneNet"]().load_state_dict(sd, strict=True)
     run_fix(cli, info["path"], tmp_path / "features.pt", "--select", "features")
     assert list(torch.load(tmp_path / "features.pt", weights_only=True))[:2] == ["0.weight", "0.bias"]
 

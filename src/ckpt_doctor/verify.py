@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import UsageError
 
@@ -336,48 +336,43 @@ def _rank_result(job: Path, rank: int, proc: subprocess.Popen, reasons: dict[int
             "root_cause": True}
 
 
-def module_summary(model: Any, inputs: tuple[Any, ...]) -> list[ModuleRow]:
-    """Each leaf module's output shape and parameter count, in execution order (like torchsummary)."""
+def _run_with_leaf_hooks(model: Any, inputs: tuple[Any, ...], on_output: Callable[[str, Any, Any], None]) -> None:
+    """One eval forward, calling on_output(name, module, output) for every leaf module in execution order."""
     import torch
 
-    rows: list[ModuleRow] = []
-    hooks = []
-    for name, module in model.named_modules():
-        if name and not list(module.children()):
-            def hook(mod: Any, args: Any, out: Any, name: str = name) -> None:
-                shapes = [list(t.shape) for t in flat_outputs(out)]
-                rows.append(ModuleRow(name, type(mod).__name__, str(shapes[0] if len(shapes) == 1 else shapes),
-                                      sum(p.numel() for p in mod.parameters(recurse=False))))
-            hooks.append(module.register_forward_hook(hook))
+    hooks = [module.register_forward_hook(lambda mod, args, out, name=name: on_output(name, mod, out))
+             for name, module in model.named_modules() if name and not list(module.children())]
     try:
         with torch.no_grad():
             model.eval()(*inputs)
     finally:
         for h in hooks:
             h.remove()
+
+
+def module_summary(model: Any, inputs: tuple[Any, ...]) -> list[ModuleRow]:
+    """Each leaf module's output shape and parameter count, in execution order (like torchsummary)."""
+    rows: list[ModuleRow] = []
+
+    def record(name: str, mod: Any, out: Any) -> None:
+        shapes = [list(t.shape) for t in flat_outputs(out)]
+        rows.append(ModuleRow(name, type(mod).__name__, str(shapes[0] if len(shapes) == 1 else shapes),
+                              sum(p.numel() for p in mod.parameters(recurse=False))))
+
+    _run_with_leaf_hooks(model, inputs, record)
     return rows
 
 
 def first_difference(model_a: Any, model_b: Any, inputs: tuple[Any, ...]) -> str | None:
     """The first leaf module (in execution order) whose output differs between two loaded models."""
-    import torch
 
-    def record(model: Any) -> list[tuple[str, list[Any]]]:
+    def outputs(model: Any) -> list[tuple[str, list[Any]]]:
         seen: list[tuple[str, list[Any]]] = []
-        hooks = []
-        for name, module in model.named_modules():
-            if name and not list(module.children()):
-                hooks.append(module.register_forward_hook(
-                    lambda mod, a, out, name=name: seen.append((name, [t.detach().clone() for t in flat_outputs(out)]))))
-        try:
-            with torch.no_grad():
-                model.eval()(*inputs)
-        finally:
-            for h in hooks:
-                h.remove()
+        _run_with_leaf_hooks(model, inputs, lambda name, mod, out: seen.append(
+            (name, [t.detach().clone() for t in flat_outputs(out)])))
         return seen
 
-    for (name, a), (_, b) in zip(record(model_a), record(model_b)):
+    for (name, a), (_, b) in zip(outputs(model_a), outputs(model_b)):
         diff, tol = max_diff(a, b)
         if diff > tol:
             return f"{name} (max |diff| {diff:.3g})"
