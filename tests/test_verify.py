@@ -207,3 +207,11 @@ def test_joins_a_torchrun_group(fixtures, tmp_path):
     data = json.loads(proc.stdout)
     ddp = [r for r in data["runs"] if r["mode"] == "ddp"][0]
     assert ddp["status"] == "pass" and ddp["world_size"] == 2 and "torchrun" in ddp["detail"]
+
+
+def test_inputs_from_a_function(fixtures, cli, tmp_path):
+    (tmp_path / "inputs.py").write_text("import torch\n\ndef batch():\n    return torch.randn(4, 3, 8, 8)\n")
+    result = cli("verify", fixtures["plain"]["path"], "--model", CNN, "--input", f"{tmp_path}/inputs.py:batch",
+                 "--mode", "single,ddp", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert runs(result)["single"]["detail"] == "eval forward, output [4, 10]"
