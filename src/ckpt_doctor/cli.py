@@ -72,9 +72,11 @@ def main() -> None:
     """Inspect, diagnose, repair and verify PyTorch checkpoints — without running code from them.
 
     \b
-    ckpt-doctor inspect model.pth                 what is inside (no torch import, no tensor data read)
-    ckpt-doctor inspect model.pth --json          the same as JSON for scripts and CI
-    ckpt-doctor inspect model.pth --stats         min/max/mean/std, NaN/Inf, untrained BatchNorm stats
+    ckpt-doctor inspect model.pth                       what is inside (no torch import, no tensor data read)
+    ckpt-doctor inspect model.pth --model pkg.nets:Net  why it will not load, and the fix command
+    ckpt-doctor fix model.pth -o clean.safetensors --strip-module
+    ckpt-doctor verify clean.safetensors --model pkg.nets:Net --input-shape 8,3,32,32 --gpus 2
+    ckpt-doctor scan downloads/                         which code the pickles would run
     """
 
 
