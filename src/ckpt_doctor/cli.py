@@ -313,7 +313,6 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
     ckpt-doctor verify lm.pt --model lm.py:make --input-shape 4,16 --input-dtype int64 --input-range 0,1000
     """
     from .modelspec import parse_model_args
-    from .render.verify_out import verify_json, verify_table
     from .verify import InputSpec, check_torchrun, parse_modes, parse_shape, verify as run_verify
 
     low, _, high = input_range.partition(",")
@@ -332,13 +331,23 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
         from .verify import verify_under_torchrun
 
         report = verify_under_torchrun(ckpt, model_spec, args, spec, allow_skip)
-        if report is None:  # not rank 0: rank 0 reports for everyone
-            return 0
+        code = 0 if report is None else _report_verify(report, as_json, compare_to)  # rank 0 reports for all
+        # gloo's threads can abort the interpreter's teardown once a peer has left ("terminate called without an
+        # active exception"): the verdict is out, so leave without that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     else:
         if sys.stderr.isatty():
             say(f"verifying {ckpt} with {model_spec} (modes {modes}, --gpus {gpus}) …")
         report = run_verify(ckpt, model_spec, args, spec, gpus, parse_modes(modes), timeout, summary, compare_to,
                             allow_skip)
+    return _report_verify(report, as_json, compare_to)
+
+
+def _report_verify(report, as_json: bool, compare_to: str | None) -> int:
+    from .render.verify_out import verify_json, verify_table
+
     if as_json:
         from .render.json_out import dumps
 
@@ -346,7 +355,7 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
     if report.comparison is not None and not report.comparison.strict_ok:
         from .render.compare_out import comparison_lines
 
-        for label, text in comparison_lines(report.comparison, ckpt):
+        for label, text in comparison_lines(report.comparison, report.checkpoint):
             say(f"{label:<10}  {text}")
         say("strict load failed: nothing was run; repair the file first", color="red")
         return 1
