@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .errors import CkptDoctorError, ReadError
 from .readers import PICKLE_FIRST, read_file
+from .readers.safetensors_reader import looks_like_safetensors
 from .readers.zipindex import read_member, read_zip_index
 from .records import GlobalRef, Verdict
 from .safety import classify_global
@@ -48,7 +49,14 @@ class ScanReport:
         return sum(1 for f in self.files if f.error)
 
 
-def static_globals(data: bytes, source: str, depth: int = 0) -> tuple[list[GlobalRef], list[str]]:
+@dataclass(frozen=True)
+class PickleScan:
+    globals: list[GlobalRef]
+    notes: list[str]
+    zip_at: int | None = None  # where a zip archive starts after the last pickle (a pickle with a zip appended)
+
+
+def static_globals(data: bytes, source: str, depth: int = 0) -> PickleScan:
     """Every GLOBAL / STACK_GLOBAL / INST in a run of pickles, found without executing any of them.
 
     Strings are tracked through the memo so `STACK_GLOBAL` after `BINGET`s resolves; bytes that are
@@ -57,12 +65,14 @@ def static_globals(data: bytes, source: str, depth: int = 0) -> tuple[list[Globa
     """
     found: list[GlobalRef] = []
     notes: list[str] = []
+    zip_at = None
     stream = io.BytesIO(data)
     index = 0
     while stream.tell() < len(data):
         start = stream.tell()
         if data[start:start + 4] == b"PK\x03\x04":
             notes.append(f"{source}: a zip archive follows the pickle at byte {start}")
+            zip_at = start
             break
         if index and data[start] != 0x80:
             break  # not another pickle (a legacy file's raw storages follow its five pickles)
@@ -89,9 +99,9 @@ def static_globals(data: bytes, source: str, depth: int = 0) -> tuple[list[Globa
                     strings.append(memo[arg])
                 elif name in ("BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8") and depth < MAX_NESTED:
                     if isinstance(arg, (bytes, bytearray)) and arg[:1] == b"\x80" and len(arg) > 2:
-                        inner, inner_notes = static_globals(bytes(arg), f"{label} → nested pickle", depth + 1)
-                        found.extend(inner)
-                        notes.extend(inner_notes)
+                        inner = static_globals(bytes(arg), f"{label} → nested pickle", depth + 1)
+                        found.extend(inner.globals)
+                        notes.extend(inner.notes)
                 if name == "STOP":
                     break
         except (ValueError, EOFError, KeyError, IndexError, UnicodeDecodeError, OverflowError) as exc:
@@ -100,7 +110,7 @@ def static_globals(data: bytes, source: str, depth: int = 0) -> tuple[list[Globa
         index += 1
         if stream.tell() == start:
             break
-    return found, notes
+    return PickleScan(found, notes, zip_at)
 
 
 def _ref(module: str, name: str, source: str) -> GlobalRef:
@@ -108,36 +118,46 @@ def _ref(module: str, name: str, source: str) -> GlobalRef:
     return GlobalRef(module, name, verdict, reason, source)
 
 
+MAX_PICKLE_SCAN = 256 << 20  # a bare pickle is scanned up to this many bytes
+
+
+def file_globals(path: Path) -> tuple[list[GlobalRef], tuple[str, ...], list[str]]:
+    """(globals every pickle in the file names, TorchScript code members, notes), found statically.
+
+    Works on files no reader can open, so a broken file still shows the payload it carries.
+    """
+    notes: list[str] = []
+    with open(path, "rb") as f:
+        head = f.read(64)
+        size = os.fstat(f.fileno()).st_size
+        if head[:4] == b"PK\x03\x04":
+            refs, code = _scan_zip(f.fileno(), size, path, notes)
+            return refs, code, notes
+        if not head or head[0] not in PICKLE_FIRST or looks_like_safetensors(head, size):
+            return [], (), notes
+        f.seek(0)
+        data = f.read(MAX_PICKLE_SCAN)
+    result = static_globals(data, "pickle")
+    notes += result.notes
+    refs = list(result.globals)
+    if result.zip_at is not None:
+        refs += _scan_embedded_zip(data[result.zip_at:], path, notes)
+    return refs, (), notes
+
+
 def scan_file(path: Path) -> FileScan:
     """Globals of every pickle in the file. A file no reader opens still gets its pickles scanned."""
     fmt: str | None = None
     error: str | None = None
-    notes: list[str] = []
     try:
-        fmt = read_file(path).format.value
+        fmt = read_file(path, report_payloads=False).format.value  # the payloads are what this scan reports
     except ReadError as exc:
         error = str(exc)
     try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-            size = os.fstat(f.fileno()).st_size
-            if head == b"PK\x03\x04":
-                refs, code = _scan_zip(f.fileno(), size, path, notes)
-            elif fmt == "safetensors" or not head or head[0] not in PICKLE_FIRST:
-                refs, code = [], ()
-            else:
-                f.seek(0)
-                refs, more = static_globals(f.read(256 << 20), "pickle")
-                notes += more
-                code = ()
-                trailing_zip = next((n for n in more if "zip archive follows" in n), None)
-                if trailing_zip:
-                    at = int(trailing_zip.rsplit("byte ", 1)[1])
-                    f.seek(at)
-                    refs += _scan_embedded_zip(f.read(), path, notes)
+        refs, code, notes = file_globals(path)
     except OSError as exc:
         return FileScan(path, fmt, (), (), error or f"{path}: cannot be read ({exc.strerror})")
-    return FileScan(path, fmt, tuple(_dedupe(refs)), tuple(code), error, tuple(dict.fromkeys(notes)))
+    return FileScan(path, fmt, tuple(_dedupe(refs)), code, error, tuple(dict.fromkeys(notes)))
 
 
 def _scan_zip(fd: int, size: int, path: Path, notes: list[str]) -> tuple[list[GlobalRef], tuple[str, ...]]:
@@ -154,9 +174,9 @@ def _scan_zip(fd: int, size: int, path: Path, notes: list[str]) -> tuple[list[Gl
             except CkptDoctorError as exc:
                 notes.append(str(exc))
                 continue
-            found, more = static_globals(data, name)
-            refs += found
-            notes += more
+            result = static_globals(data, name)
+            refs += result.globals
+            notes += result.notes
     return refs, code
 
 
@@ -173,13 +193,13 @@ def _scan_embedded_zip(data: bytes, path: Path, notes: list[str]) -> list[Global
 def scan_file_tail(f, at: int) -> tuple[str, list[GlobalRef], list[str]]:
     """What follows the last pickle a reader used: (kind, globals named there, notes)."""
     f.seek(at)
-    data = f.read(256 << 20)
+    data = f.read(MAX_PICKLE_SCAN)
     notes: list[str] = []
     if data[:4] == b"PK\x03\x04":
         return "a zip archive", _scan_embedded_zip(data, Path(getattr(f, "name", "?")), notes), notes
     if data[:1] and data[0] in PICKLE_FIRST:
-        refs, notes = static_globals(data, f"pickle after byte {at}")
-        return "more pickle data", refs, notes
+        result = static_globals(data, f"pickle after byte {at}")
+        return "more pickle data", result.globals, result.notes
     return "bytes", [], notes
 
 

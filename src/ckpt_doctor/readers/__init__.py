@@ -48,47 +48,26 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     return read_file(path)
 
 
-def read_file(path: Path) -> Checkpoint:
+def read_file(path: Path, *, report_payloads: bool = True) -> Checkpoint:
+    """One checkpoint file. A file that fails to read is scanned statically for the payload it may carry
+    past the point where reading stopped; one that names a dangerous global is reported as unsafe (exit 1).
+    """
     try:
         return _read_file(path)
     except ReadError as exc:
-        if exc.dangerous:
+        if not report_payloads:
             raise
-        # The file is broken; it may still name a payload past the point where reading stopped.
-        dangerous = tuple(dict.fromkeys(g.qualname for g in scan_file_globals(path)))
+        from ..records import Verdict
+        from ..scan import file_globals
+
+        try:
+            refs = file_globals(path)[0]
+        except OSError:
+            raise exc from None
+        dangerous = tuple(dict.fromkeys(g.qualname for g in refs if g.verdict is Verdict.DANGEROUS))
         if dangerous:
             raise ReadError(f"{exc} — and it names dangerous globals: {', '.join(dangerous)}", dangerous) from None
         raise
-
-
-def scan_file_globals(path: Path):
-    """Dangerous globals found by the static scanner (for files the readers could not open)."""
-    from ..records import Verdict
-    from ..scan import static_globals
-    from .zipindex import read_member, read_zip_index
-
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-            size = os.fstat(f.fileno()).st_size
-            refs = []
-            if head == b"PK\x03\x04":
-                try:
-                    members = read_zip_index(f.fileno(), size, str(path))
-                except ReadError:
-                    return []
-                for name, member in members.items():
-                    if name.endswith(".pkl"):
-                        try:
-                            refs += static_globals(read_member(f.fileno(), member, str(path), False), name)[0]
-                        except ReadError:
-                            continue
-            elif head and head[0] in PICKLE_FIRST:
-                f.seek(0)
-                refs = static_globals(f.read(256 << 20), "pickle")[0]
-    except OSError:
-        return []
-    return [g for g in refs if g.verdict is Verdict.DANGEROUS]
 
 
 def _read_file(path: Path) -> Checkpoint:

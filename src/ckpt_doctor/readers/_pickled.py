@@ -29,17 +29,6 @@ def run_unpickler(unpickler: SafeUnpickler, path: Path) -> Any:
                         f"({type(exc).__name__}: {str(exc)[:120]})") from exc
 
 
-def with_dangerous(exc: ReadError, unpicklers: list[SafeUnpickler]) -> ReadError:
-    """The same error, carrying the dangerous globals the pickles read so far named."""
-    from ..records import Verdict
-
-    names = tuple(dict.fromkeys(g.qualname for up in unpicklers for g in up.globals
-                                if g.verdict is Verdict.DANGEROUS))
-    if names and not exc.dangerous:
-        return ReadError(f"{exc} — and it names dangerous globals: {', '.join(names)}", names)
-    return exc
-
-
 def _storage_record(ref: StorageRef) -> StorageRecord | None:
     if ref.view_of is not None:
         base = ref.view_of.resolved

@@ -9,28 +9,15 @@ from ..dtypes import element_size
 from ..errors import ReadError
 from ..records import Checkpoint, Format, StorageRecord
 from ..unpickler import SafeUnpickler
-from ._pickled import build_checkpoint, run_unpickler, with_dangerous
+from ._pickled import build_checkpoint, run_unpickler
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
 
 
 def read_torch_legacy(path: Path, size: int) -> Checkpoint:
-    unpicklers: list[SafeUnpickler] = []
-    try:
-        return _read(path, size, unpicklers)
-    except ReadError as exc:
-        raise with_dangerous(exc, unpicklers) from exc
-
-
-def _read(path: Path, size: int, unpicklers: list[SafeUnpickler]) -> Checkpoint:
-    def unpickler(f, source: str) -> SafeUnpickler:
-        up = SafeUnpickler(f, source)
-        unpicklers.append(up)
-        return up
-
     with open(path, "rb") as f:
-        first = unpickler(f, "pickle 1 (magic number)")
+        first = SafeUnpickler(f, "pickle 1 (magic number)")
         magic = run_unpickler(first, path)
         if magic != MAGIC_NUMBER:
             # A bare pickle (pickle.dump): the first object is the content.
@@ -38,19 +25,19 @@ def _read(path: Path, size: int, unpicklers: list[SafeUnpickler]) -> Checkpoint:
             extra_notes, extra = _trailing(f, size)
             return build_checkpoint(path, Format.PICKLE, magic, [first], notes=notes + extra_notes,
                                     extra_globals=extra)
-        second = unpickler(f, "pickle 2 (protocol version)")
+        second = SafeUnpickler(f, "pickle 2 (protocol version)")
         version = run_unpickler(second, path)
         if version != PROTOCOL_VERSION:
             raise ReadError(f"{path}: legacy torch file with protocol version {version!r}; only "
                             f"{PROTOCOL_VERSION} exists")
-        third = unpickler(f, "pickle 3 (system info)")
+        third = SafeUnpickler(f, "pickle 3 (system info)")
         sys_info = run_unpickler(third, path)
         notes: list[str] = []
         if isinstance(sys_info, dict) and sys_info.get("little_endian") is False:
             notes.append("saved on a big-endian machine: tensor bytes are big-endian")
-        body = unpickler(f, "pickle 4 (object)")
+        body = SafeUnpickler(f, "pickle 4 (object)")
         root = run_unpickler(body, path)
-        keys_up = unpickler(f, "pickle 5 (storage keys)")
+        keys_up = SafeUnpickler(f, "pickle 5 (storage keys)")
         keys = run_unpickler(keys_up, path)
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
             raise ReadError(f"{path}: legacy torch file whose storage key list is not a list of strings")

@@ -10,7 +10,7 @@ from ..dtypes import element_size
 from ..errors import ReadError
 from ..records import Checkpoint, Format, GlobalRef, StorageRecord, fast_new
 from ..unpickler import SafeUnpickler, StorageRef
-from ._pickled import build_checkpoint, run_unpickler, with_dangerous
+from ._pickled import build_checkpoint, run_unpickler
 from .zipindex import ZipMember, read_member, read_zip_index
 
 _CLASS_RE = re.compile(r"^class (\w+)\(([\w.]+)\):\n((?:  .*\n|\n)*)", re.MULTILINE)
@@ -18,14 +18,6 @@ _LIST_RE = re.compile(r"^  (__parameters__|__buffers__) = \[(.*?)\]", re.MULTILI
 
 
 def read_torch_zip(path: Path, fd: int, size: int) -> Checkpoint:
-    unpicklers: list[SafeUnpickler] = []
-    try:
-        return _read(path, fd, size, unpicklers)
-    except ReadError as exc:
-        raise with_dangerous(exc, unpicklers) from exc
-
-
-def _read(path: Path, fd: int, size: int, unpicklers: list[SafeUnpickler]) -> Checkpoint:
     members = read_zip_index(fd, size, str(path))
     pickles = sorted(n for n in members if n == "data.pkl" or n.endswith("/data.pkl") and n.count("/") == 1)
     if len(pickles) != 1:
@@ -55,16 +47,16 @@ def _read(path: Path, fd: int, size: int, unpicklers: list[SafeUnpickler]) -> Ch
     raw = read_member(fd, members[pkl], str(path))
     stream = io.BytesIO(raw)
     unpickler = SafeUnpickler(stream, pkl, resolve)
-    unpicklers.append(unpickler)
+    unpicklers = [unpickler]
     root = run_unpickler(unpickler, path)
     extra: list[GlobalRef] = []
     if stream.tell() < len(raw):
         from ..scan import static_globals
 
-        found, more = static_globals(raw[stream.tell():], f"{pkl} after its STOP")
-        extra += found
+        after = static_globals(raw[stream.tell():], f"{pkl} after its STOP")
+        extra += after.globals
         notes.append(f"{pkl} holds {len(raw) - stream.tell()} bytes after its end, which torch ignores")
-        notes += more
+        notes += after.notes
     ts_members = None
     if is_script:
         notes.append("TorchScript archive: its code/ is executable content and was not run")
