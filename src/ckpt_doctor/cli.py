@@ -235,12 +235,9 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     out_path = Path(output)
     fmt = output_format(out_path, OutputFormat(format_) if format_ else None)
     checkpoint = read_checkpoint(ckpt)
-    if checkpoint.unsafe_globals and not allow_unsafe:
-        from .errors import ReadError
-
-        names = tuple(g.qualname for g in checkpoint.unsafe_globals)
-        raise ReadError(f"{ckpt}: names dangerous globals ({', '.join(names)}); refusing to rewrite it. To keep only "
-                        "its tensors, add --allow-unsafe --select PATH (dangerous objects are never written)", names)
+    if not allow_unsafe:
+        checkpoint.refuse_if_unsafe("rewrite it", "To keep only its tensors, add --allow-unsafe --select PATH "
+                                                  "(dangerous objects are never written)")
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
     if not dry_run and shard_bytes is None:
         check_destination(out_path, checkpoint.files, force)

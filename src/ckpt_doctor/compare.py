@@ -10,7 +10,7 @@ from .analyze import find_prefixes
 from .errors import PlanError
 from .modelspec import ModelKeys
 from .records import Checkpoint, TensorRecord
-from .transforms import Transform, add_prefix, flags_for, plan_keys, rename, strip_prefix
+from .transforms import Op, Transform, add_prefix, flags_for, plan_keys, rename, strip_prefix
 
 BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -52,8 +52,7 @@ class Comparison:
     @property
     def ok(self) -> bool:
         """What CI asserts: a strict load succeeds, or only the differences explicitly allowed remain."""
-        loaded_ok = self.min_loaded is None or self.loaded_fraction >= self.min_loaded
-        return not (self.missing or self.unexpected or self.mismatched or self.non_persistent) and loaded_ok
+        return self.strict_ok and (self.min_loaded is None or self.loaded_fraction >= self.min_loaded)
 
 
 def _match(ckpt: dict[str, TensorRecord], model: ModelKeys) -> tuple[list, list, list, list, list, list, float]:
@@ -92,7 +91,7 @@ def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str 
     np_set = set(model.non_persistent)
     to_drop = [old for old, new in renamed.items() if new in np_set]
     if to_drop:
-        transforms = transforms + [Transform(_drop_op(), "^(" + "|".join(re.escape(k) for k in to_drop) + ")$")]
+        transforms = transforms + [Transform(Op.DROP, "^(" + "|".join(re.escape(k) for k in to_drop) + ")$")]
     allowed_m: list[str] = []
     allowed_u: list[str] = []
     if allow_missing:
@@ -115,12 +114,6 @@ def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str 
         fix_kind=kind, fix_loaded_fraction=None if fix_fraction is None else round(fix_fraction, 6),
         ambiguous=tuple(ambiguous), bn_stats_missing=bn_missing, allowed_missing=tuple(allowed_m),
         allowed_unexpected=tuple(allowed_u), min_loaded=min_loaded, transforms=tuple(transforms))
-
-
-def _drop_op():
-    from .transforms import Op
-
-    return Op.DROP
 
 
 def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, **kwargs) -> Comparison:
@@ -164,7 +157,7 @@ def infer_fix(tensors: list[TensorRecord], model: ModelKeys, fraction: float
     keys = [t.key for t in tensors]
     by_key = {t.key: t for t in tensors}
     model_keys = [e.key for e in model.entries]
-    best: tuple[float, int, list[Transform]] | None = None
+    best: tuple[float, int, list[Transform], float] | None = None  # (score, size, transforms, loaded fraction)
     for transforms in _candidates(keys, model_keys):
         if not transforms:
             continue
@@ -173,26 +166,18 @@ def infer_fix(tensors: list[TensorRecord], model: ModelKeys, fraction: float
         except PlanError:
             continue
         renamed = [_with_key(by_key[old], new) for old, new in plan.mapping.items()]
-        m = _match({t.key: t for t in renamed}, model)
-        matched, missing, unexpected, mismatched = m[0], m[1], m[2], m[3]
-        np_left = m[5]
-        exact = not (missing or unexpected or mismatched)
+        matched, missing, unexpected, mismatched, _, _, filled = _match({t.key: t for t in renamed}, model)
+        if not (missing or unexpected or mismatched):
+            return transforms, "rename", filled, []
         score = (len(matched) - len(unexpected) - len(mismatched)) / max(len(model_keys), 1)
-        if exact:
-            return transforms, "rename", m[6], []
         if best is None or (score, -len(transforms)) > (best[0], -best[1]):
-            best = (score, len(transforms), transforms)
-        del np_left
+            best = (score, len(transforms), transforms, filled)
     if fraction < 1.0:
         by_order = _map_by_order(tensors, model)
         if by_order is not None:
             return [], "map-by-order", 1.0, by_order
-    if best is not None:
-        plan = plan_keys(keys, best[2])
-        renamed = [_with_key(by_key[old], new) for old, new in plan.mapping.items()]
-        improved = _match({t.key: t for t in renamed}, model)[6]
-        if improved > fraction:
-            return best[2], "partial", improved, []
+    if best is not None and best[3] > fraction:
+        return best[2], "partial", best[3], []
     return [], "none", None, []
 
 
@@ -203,16 +188,21 @@ def _with_key(t: TensorRecord, key: str) -> TensorRecord:
 
 
 def _map_by_order(tensors: list[TensorRecord], model: ModelKeys) -> list[str] | None:
-    """None unless the sequences of shapes agree; then every position that neighbours one of the same shape."""
+    """None unless the sequences of shapes agree; then the ambiguous positions."""
     if len(tensors) != len(model.entries) or not tensors:
         return None
     if any(tuple(t.shape) != tuple(e.shape) for t, e in zip(tensors, model.entries)):
         return None
+    return ambiguous_positions(tensors, [e.key for e in model.entries])
+
+
+def ambiguous_positions(tensors: list[TensorRecord], new_keys: list[str]) -> list[str]:
+    """Positions of a mapping by order whose tensor has a neighbour of the same shape: a swap would go unnoticed."""
     ambiguous = []
-    for i, (t, e) in enumerate(zip(tensors, model.entries)):
+    for i, (t, new) in enumerate(zip(tensors, new_keys)):
         neighbours = [j for j in (i - 1, i + 1) if 0 <= j < len(tensors)]
-        if any(tensors[j].shape == t.shape and tensors[j].numel > 1 for j in neighbours):
-            ambiguous.append(f"{i}: {t.key} → {e.key} {list(t.shape)}")
+        if t.numel > 1 and any(tensors[j].shape == t.shape for j in neighbours):
+            ambiguous.append(f"{i}: {t.key} → {new} {list(t.shape)}")
     return ambiguous
 
 

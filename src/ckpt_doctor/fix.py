@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from .dtypes import FLOATING, element_size, torch_dtype_name
 from .errors import PlanError, UsageError, WriteError
+from .compare import ambiguous_positions, compare_checkpoint
 from .modelspec import ModelKeys
 from .records import Checkpoint, Format, TensorRecord, relative_to_root
 from .transforms import Op, Transform, plan_keys
@@ -121,13 +122,10 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     notes: list[str] = []
     transforms = list(opts.transforms)
     select = opts.select
-    comparison = None
     if opts.auto or opts.map_by_order or opts.reorder:
         if opts.model is None:
             raise UsageError("--auto, --map-by-order and --reorder need --model SPEC")
     if opts.auto:
-        from .compare import compare_checkpoint
-
         comparison = compare_checkpoint(ckpt, opts.model)
         if select is None and comparison.state_dict_root:
             select = comparison.state_dict_root
@@ -155,8 +153,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     prefix = root + "." if root else ""
     kept, dropped = [], []
     for t in sd:
-        full = prefix + t.key
-        if any(re.search(d.arg, t.key) or re.search(d.arg, full) for d in drops):
+        if _dropped(t.key, drops) or _dropped(prefix + t.key, drops):
             dropped.append(t.key)
         else:
             kept.append(t)
@@ -242,15 +239,12 @@ def _map_by_order(kept: list[TensorRecord], mapping: dict[str, str], model: Mode
         raise PlanError(f"--map-by-order: the checkpoint has {len(olds)} tensors, the model {len(entries)}; "
                         "drop the extra ones first (--drop)")
     by_key = {t.key: t for t in kept}
-    ambiguous = []
     for i, (old, entry) in enumerate(zip(olds, entries)):
         shape = by_key[old].shape
         if tuple(shape) != tuple(entry.shape):
             raise PlanError(f"--map-by-order: position {i}: {old} {list(shape)} cannot become {entry.key} "
                             f"{list(entry.shape)}; the layers do not line up")
-        neighbours = [j for j in (i - 1, i + 1) if 0 <= j < len(olds)]
-        if any(by_key[olds[j]].shape == shape and by_key[old].numel > 1 for j in neighbours):
-            ambiguous.append(f"{i}: {old} → {entry.key} {list(shape)}")
+    ambiguous = ambiguous_positions([by_key[old] for old in olds], [e.key for e in entries])
     if ambiguous and not force:
         raise PlanError(f"--map-by-order: {len(ambiguous)} positions have a neighbour of the same shape (first: "
                         f"{ambiguous[0]}), so a swap would go unnoticed; check with --dry-run and pass --force")

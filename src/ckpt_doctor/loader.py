@@ -60,9 +60,7 @@ def load(path: str | Path, device: Any = "auto", *, checkpoint: Checkpoint | Non
     from .tensordata import load_tensor
 
     ckpt = checkpoint or read_checkpoint(path)
-    if ckpt.unsafe_globals:
-        names = ", ".join(g.qualname for g in ckpt.unsafe_globals)
-        raise ReadError(f"{ckpt.path}: refusing to load a file that names dangerous globals ({names})", (names,))
+    ckpt.refuse_if_unsafe("load it")
     if ckpt.state_dict_root is None:
         raise ReadError(f"{ckpt.path}: no state_dict found (no container that holds mostly tensors)")
     map_fn = mapper(device)

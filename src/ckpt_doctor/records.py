@@ -143,6 +143,15 @@ class Checkpoint:
     def unknown_globals(self) -> tuple[GlobalRef, ...]:
         return tuple(g for g in self.globals if g.verdict is Verdict.UNKNOWN)
 
+    def refuse_if_unsafe(self, action: str, way_out: str = "") -> None:
+        """Raise (exit 1) when the file names a dangerous global: nothing is loaded, rewritten or run from it."""
+        names = tuple(g.qualname for g in self.unsafe_globals)
+        if names:
+            from .errors import ReadError
+
+            raise ReadError(f"{self.path}: names dangerous globals ({', '.join(names)}); refusing to {action}"
+                            + (f". {way_out}" if way_out else ""), names)
+
     @property
     def devices(self) -> tuple[str, ...]:
         return tuple(sorted({t.device for t in self.tensors}))

@@ -390,12 +390,7 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
     if gpus < 1:
         raise UsageError("--gpus must be at least 1")
     checkpoint = read_checkpoint(ckpt)
-    if checkpoint.unsafe_globals:
-        from .errors import ReadError
-
-        names = tuple(g.qualname for g in checkpoint.unsafe_globals)
-        raise ReadError(f"{ckpt}: names dangerous globals ({', '.join(names)}); refusing to verify it — nothing "
-                        "from it was loaded or run", names)
+    checkpoint.refuse_if_unsafe("verify it — nothing from it was loaded or run")
     model = build_model(model_spec, model_args, "cpu")
     comparison = compare_checkpoint(checkpoint, model_keys(model, model_spec))
     if not comparison.strict_ok:
