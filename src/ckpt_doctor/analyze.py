@@ -63,7 +63,7 @@ def shared_groups(tensors: tuple[TensorRecord, ...] | list[TensorRecord]) -> lis
     by_storage: "OrderedDict[tuple, list[TensorRecord]]" = OrderedDict()
     for t in tensors:
         if t.storage is not None:
-            by_storage.setdefault((str(t.storage.file), t.storage.key), []).append(t)
+            by_storage.setdefault(t.storage.ident, []).append(t)
     groups = []
     for (_, key), members in by_storage.items():
         if len(members) > 1:

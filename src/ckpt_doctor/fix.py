@@ -87,7 +87,7 @@ class FixPlan:
         for t in self.tensors:
             if t.key in self.tied:
                 continue
-            ident = (str(t.source.storage.file), t.source.storage.key) if t.source.storage else t.key
+            ident = t.source.storage.ident if t.source.storage else t.key
             if self.format is OutputFormat.SAFETENSORS:
                 total += t.source.numel * element_size(t.dtype)
             elif ident not in seen:
@@ -294,7 +294,7 @@ def _tied_duplicates(outs: list[OutTensor]) -> dict[str, str]:
     tied = {}
     for t in outs:
         r = t.source
-        ident = (str(r.storage.file), r.storage.key, r.storage_offset, r.shape, r.stride, r.dtype) if r.storage else None
+        ident = (*r.storage.ident, r.storage_offset, r.shape, r.stride, r.dtype) if r.storage else None
         if ident is None:
             continue
         if ident in seen:
@@ -444,7 +444,7 @@ def split_plan(plan: FixPlan, max_bytes: int) -> list[FixPlan]:
     size = 0
     for t in plan.tensors:
         st = t.source.storage
-        ident = (str(st.file), st.key) if st else ("", t.key)
+        ident = st.ident if st else ("", t.key)
         if ident in where:
             groups[where[ident]].append(t)
             continue
@@ -498,7 +498,7 @@ def _torch_layout(plan: FixPlan, sources: _Sources) -> tuple[list[StorageOut], d
         rec = t.source
         st = rec.storage
         assert st is not None
-        ident = (str(st.file), st.key)
+        ident = st.ident
         out = storages.get(ident)
         if out is None:
             fd = sources.fd(st.file)

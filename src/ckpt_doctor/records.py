@@ -64,6 +64,11 @@ class StorageRecord:
     entry: str = ""  # zip member name, for writers that copy whole entries
     crc: int | None = None  # crc32 of exactly these bytes when the file records it (torch zip members)
 
+    @property
+    def ident(self) -> tuple[str, str]:
+        """Which storage this is: tensors with the same ident share bytes (shards make the file part of it)."""
+        return str(self.file), self.key
+
 
 @dataclass(frozen=True)
 class TensorRecord:

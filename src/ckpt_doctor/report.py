@@ -21,7 +21,8 @@ class InspectReport:
     prefixes: tuple[PrefixFinding, ...]
     shared: tuple[SharedGroup, ...]
     parameter_count: int
-    total_bytes: int
+    total_bytes: int  # of distinct storages
+    storage_count: int
     stats: dict[str, Any] | None = None  # key -> stats.TensorStats, with --stats
     batchnorm_at_init: tuple[str, ...] = ()
     comparison: Any = None  # a Comparison when --model is given
@@ -81,15 +82,11 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
 
         table_stats = {t.key: tensor_stats(t) for t in tensors}
         bn = batchnorm_at_init(list(tensors), table_stats)
-    seen_storages: set[tuple[str, str]] = set()
-    total = 0
-    for t in ckpt.tensors:
-        if t.storage is not None and (str(t.storage.file), t.storage.key) not in seen_storages:
-            seen_storages.add((str(t.storage.file), t.storage.key))
-            total += t.storage.nbytes
+    storages = {t.storage.ident: t.storage.nbytes for t in ckpt.tensors if t.storage is not None}
     return InspectReport(
         checkpoint=ckpt, tensors=tensors, prefixes=tuple(find_prefixes(root_keys)),
-        shared=tuple(shared_groups(ckpt.tensors)), parameter_count=parameter_count(ckpt), total_bytes=total,
+        shared=tuple(shared_groups(ckpt.tensors)), parameter_count=parameter_count(ckpt),
+        total_bytes=sum(storages.values()), storage_count=len(storages),
         stats=table_stats, batchnorm_at_init=tuple(bn), filter=filter, comparison=comparison,
         model_shapes=model_shapes, value_diffs=diffs, missing_devices=tuple(missing_devices(ckpt.devices)))
 

@@ -59,9 +59,8 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
     lines: list[tuple[str, str]] = []
     kind = "whole-model pickle of " + ckpt.model_class if ckpt.model_class else None
     lines.append(("format", ckpt.format.value + (f" ({kind})" if kind else "")))
-    n_storages = len({(str(t.storage.file), t.storage.key) for t in ckpt.tensors if t.storage})
     shown = f" ({len(report.tensors)} shown by --filter)" if report.filter else ""
-    lines.append(("tensors", f"{len(ckpt.tensors):,}{shown} in {n_storages:,} storages · "
+    lines.append(("tensors", f"{len(ckpt.tensors):,}{shown} in {report.storage_count:,} storages · "
                              f"{report.parameter_count:,} parameters · {human_bytes(report.total_bytes)}"))
     if ckpt.state_dict_root is not None:
         root = ckpt.state_dict_root or "(the file's root)"
