@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,12 +52,11 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         from .compare import compare_checkpoint
         from .modelspec import keys_from_spec
 
+        from .transforms import compile_regex
+
         for flag, pattern in (("--allow-missing", allow_missing), ("--allow-unexpected", allow_unexpected)):
             if pattern:
-                try:
-                    re.compile(pattern)
-                except re.error as exc:
-                    raise UsageError(f"{flag} {pattern!r} is not a valid regular expression ({exc})") from None
+                compile_regex(pattern, flag)
         keys = keys_from_spec(model, model_args)
         model_shapes = {e.key: e.shape for e in keys.entries}
         comparison = compare_checkpoint(ckpt, keys, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
@@ -69,10 +67,9 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         raise UsageError("--values compares with a reference checkpoint: give one with --model OTHER_CKPT")
     tensors = ckpt.tensors
     if filter:
-        try:
-            pattern = re.compile(filter)
-        except re.error as exc:
-            raise UsageError(f"--filter {filter!r} is not a valid regular expression ({exc})") from None
+        from .transforms import compile_regex
+
+        pattern = compile_regex(filter, "--filter")
         tensors = tuple(t for t in tensors if pattern.search(t.key))
     root_keys = [t.key for t in ckpt.state_dict_tensors()]
     table_stats = None

@@ -64,18 +64,19 @@ def rename(spec: str) -> Transform:
     if len(parts) != 2:
         raise UsageError(f"--rename {spec!r}: expected REGEX=REPL, e.g. --rename '^backbone\\.=encoder.'")
     pattern = parts[0].replace("\\=", "=")
-    _check_regex(pattern, "--rename")
+    compile_regex(pattern, "--rename")
     return Transform(Op.RENAME, pattern, parts[1])
 
 
 def drop(pattern: str) -> Transform:
-    _check_regex(pattern, "--drop")
+    compile_regex(pattern, "--drop")
     return Transform(Op.DROP, pattern)
 
 
-def _check_regex(pattern: str, flag: str) -> None:
+def compile_regex(pattern: str, flag: str) -> re.Pattern[str]:
+    """The compiled pattern a user gave with `flag`, or a UsageError that says what is wrong with it."""
     try:
-        re.compile(pattern)
+        return re.compile(pattern)
     except re.error as exc:
         raise UsageError(f"{flag} {pattern!r} is not a valid regular expression ({exc})") from None
 
