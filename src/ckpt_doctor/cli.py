@@ -61,11 +61,6 @@ def handle_errors(func: Callable[..., int]) -> Callable[..., None]:
     return wrapper
 
 
-class Group(click.Group):
-    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        super().format_epilog(ctx, formatter)
-
-
 @click.group(epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="ckpt-doctor")
 def main() -> None:

@@ -17,7 +17,7 @@ from .compare import ambiguous_positions, compare_checkpoint
 from .modelspec import ModelKeys
 from .records import Checkpoint, Format, TensorRecord, relative_to_root
 from .transforms import Op, Transform, plan_keys
-from .tree import join
+from .tree import has_tensor, join
 from .unpickler import Opaque, RawTensor
 from .writers.atomic import atomic_output, check_destination
 from .writers.pickler import TensorOut, dumps
@@ -277,9 +277,7 @@ def _rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]
                  for i, v in enumerate(obj) if not _dropped(join(path, i), drops)]
         return items if isinstance(obj, list) else tuple(items)
     if isinstance(obj, Opaque):
-        from .tree import _has_tensor
-
-        if _has_tensor(obj):
+        if has_tensor(obj):
             raise PlanError(f"{path or 'the file'} is a pickled {obj.ckd.ref.qualname if obj.ckd.ref else 'object'} "
                             f"holding tensors; write its weights alone with --select {path or '…'}")
     return obj

@@ -132,7 +132,7 @@ class Walker:
             elif isinstance(part, tuple) and part is data.state and len(part) == 2 and isinstance(part[0], dict):
                 for key, value in part[0].items():  # (dict state, slots state)
                     self.walk(value, join(path, key))
-            elif _has_tensor(part):
+            elif has_tensor(part):
                 self.walk(part, path)
             else:
                 continue
@@ -186,18 +186,18 @@ class Walker:
                     self.walk(value, join(path, name))
 
 
-def _has_tensor(obj: Any, depth: int = 0) -> bool:
+def has_tensor(obj: Any, depth: int = 0) -> bool:
     if isinstance(obj, RawTensor):
         return True
     if depth > 6:
         return False
     if isinstance(obj, dict):
-        return any(_has_tensor(v, depth + 1) for v in obj.values())
+        return any(has_tensor(v, depth + 1) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return any(_has_tensor(v, depth + 1) for v in obj)
+        return any(has_tensor(v, depth + 1) for v in obj)
     if isinstance(obj, Opaque):
         d = obj.ckd
-        return any(_has_tensor(p, depth + 1) for p in (d.args, d.state, d.items))
+        return any(has_tensor(p, depth + 1) for p in (d.args, d.state, d.items))
     return False
 
 

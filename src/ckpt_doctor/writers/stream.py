@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import zlib
 from typing import Callable
@@ -37,7 +38,7 @@ def copy_range(src_fd: int, src_offset: int, nbytes: int, dst_fd: int, dst_offse
                     progress.advance(n)
             return known_crc
         except OSError as exc:
-            if exc.errno not in (18, 22, 38, 95):  # EXDEV, EINVAL, ENOSYS, EOPNOTSUPP: fall back to read/write
+            if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # else read/write
                 raise
             if progress:
                 progress.advance(-copied)
