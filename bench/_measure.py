@@ -33,6 +33,17 @@ def make_checkpoint(path: Path, total_bytes: int, n_tensors: int, prefix: str = 
         subprocess.run([sys.executable, "-c", MAKE, str(path), str(total_bytes), str(n_tensors), prefix], check=True)
 
 
+def compile_bytecode() -> None:
+    """Write ckpt_doctor's .pyc files, as `pip install` of a wheel does and Python does on first import, so
+    start-up is measured as users see it. (This machine sets PYTHONDONTWRITEBYTECODE, under which an editable
+    install recompiles every module on every run: about 20 ms more per command.)"""
+    import compileall
+
+    import ckpt_doctor
+
+    compileall.compile_dir(str(Path(ckpt_doctor.__file__).parent), quiet=1)
+
+
 def bench_args(doc: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="/tmp/ckpt-bench")

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import bench_args, make_checkpoint, measure, row  # noqa: E402
+from _measure import bench_args, compile_bytecode, make_checkpoint, measure, row  # noqa: E402
 
 
 def main() -> None:
@@ -24,6 +24,7 @@ def main() -> None:
     many = folder / "many_20000.pt"
     make_checkpoint(big, int(args.gb * 2**30), args.tensors)
     make_checkpoint(many, 20_000 * 64, 20_000)
+    compile_bytecode()
     py = sys.executable
     exe = shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(py), "ckpt-doctor")
     listing = ("import sys, torch; sd = torch.load(sys.argv[1], map_location='cpu', weights_only=True); "

@@ -100,6 +100,19 @@ def test_views_are_shown_as_sharing(tmp_path, cli):
     assert data["shared"] == [{"storage": data["shared"][0]["storage"], "keys": ["all", "tail"], "tied": False}]
 
 
+def test_every_layout_torch_accepts_is_read(tmp_path, cli):
+    # Each tensor's reach is checked against its storage; none of these legal layouts may trip that check.
+    base = torch.arange(24.0)
+    tensors = {"expanded": torch.ones(1, 3).expand(4, 3), "transposed": base.reshape(4, 6).t(),
+               "empty_at_offset": base[20:20], "empty_2d": base[5:].reshape(-1)[:0].reshape(0, 3),
+               "scalar": torch.tensor(7.0), "strided": base[1::5], "base": base}
+    torch.save(tensors, tmp_path / "layouts.pt")
+    result = cli("inspect", tmp_path / "layouts.pt", "--json")
+    assert result.exit_code == 0, result.stderr
+    loaded = torch.load(tmp_path / "layouts.pt", weights_only=True)
+    assert doctor_view(result.json()) == torch_view(loaded)
+
+
 def test_whole_model_pickle_of_a_missing_class(fixtures, cli):
     info = fixtures["whole_model"]
     data = cli("inspect", info["path"], "--json").json()

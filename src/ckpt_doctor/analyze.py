@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass
 
 from .records import Checkpoint, SharedGroup, TensorRecord
@@ -19,6 +19,10 @@ class PrefixFinding:
     count: int
     total: int
     leading: bool  # part of the run of prefixes every key starts with (`_orig_mod.module.`)
+
+
+# A wrapper token that is neither the first nor the last component of a key; one regex pass per key.
+_MIDDLE_TOKEN = re.compile(r"\.(module|_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)(?=\.)")
 
 
 def find_prefixes(keys: list[str]) -> list[PrefixFinding]:
@@ -43,16 +47,15 @@ def find_prefixes(keys: list[str]) -> list[PrefixFinding]:
     # Wrapper tokens in the middle (features.module.0.weight), only for tokens that are never real layer names.
     middle: dict[tuple[str, str], int] = defaultdict(int)
     for key in rest:
-        parts = key.split(".")
-        for i in range(1, len(parts) - 1):
-            if parts[i] in ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"):
-                middle[(".".join(parts[:i]) + ".", parts[i] + ".")] += 1
+        for m in _MIDDLE_TOKEN.finditer(key):
+            middle[(key[:m.start() + 1], m.group(1) + ".")] += 1
     for (before, token), count in middle.items():
         findings.append(PrefixFinding(token, where + before, count, total, False))
     if not findings:
         # A prefix most (not all) keys share is still worth saying: a partial wrap, or a Lightning `model.`.
+        firsts = Counter(k.partition(".")[0] for k in rest if "." in k)
         for token in WRAPPER_TOKENS:
-            count = sum(k.startswith(token + ".") for k in rest)
+            count = firsts[token]
             if count and count * 2 >= total:
                 findings.append(PrefixFinding(token + ".", "", count, total, True))
     return findings

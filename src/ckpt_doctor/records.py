@@ -51,6 +51,21 @@ def fast_new(cls: type, **fields: Any) -> Any:
     return obj
 
 
+def span_elements(shape: tuple[int, ...], stride: tuple[int, ...]) -> int | None:
+    """Elements of its storage a tensor can touch from its offset on; None when shape and stride cannot be."""
+    if len(shape) != len(stride):
+        return None
+    last = 0
+    empty = False
+    for size, step in zip(shape, stride):
+        if size < 0 or step < 0:
+            return None
+        if size == 0:
+            empty = True
+        last += (size - 1) * step
+    return 0 if empty else last + 1
+
+
 @dataclass(frozen=True)
 class StorageRecord:
     """One block of tensor bytes in a file: where it is and what it was saved as."""
@@ -102,12 +117,7 @@ class TensorRecord:
     @property
     def span_bytes(self) -> int:
         """Bytes of its storage the tensor can touch, from its storage offset on."""
-        last = 0
-        for size, stride in zip(self.shape, self.stride):
-            if size == 0:
-                return 0
-            last += (size - 1) * stride
-        return (last + 1) * element_size(self.dtype)
+        return (span_elements(self.shape, self.stride) or 0) * element_size(self.dtype)
 
     @property
     def file_offset(self) -> int | None:

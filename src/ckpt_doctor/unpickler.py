@@ -162,13 +162,12 @@ class Device(_Token):
         return self.value
 
 
-_INT_ONLY = {int}
-
-
 def _ints(value: Any) -> tuple[int, ...]:
     if type(value) is tuple or type(value) is list:
-        if not value or set(map(type, value)) == _INT_ONLY:
-            return tuple(value)
+        for item in value:
+            if type(item) is not int:
+                raise TypeError("shape/stride is not a tuple of ints")
+        return tuple(value)
     raise TypeError("shape/stride is not a tuple of ints")
 
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..dtypes import element_size
+from ..dtypes import ELEMENT_SIZE, element_size
 from ..errors import CkptDoctorError, ReadError
-from ..records import Checkpoint, Format, GlobalRef, StorageRecord, TensorRecord, fast_new
+from ..records import Checkpoint, Format, GlobalRef, StorageRecord, TensorRecord, fast_new, span_elements
 from ..tree import Flat, TorchScriptMembers, find_state_dict_root, flatten
 from ..unpickler import RawTensor, SafeUnpickler, StorageRef
 
@@ -29,31 +29,29 @@ def run_unpickler(unpickler: SafeUnpickler, path: Path) -> Any:
                         f"({type(exc).__name__}: {str(exc)[:120]})") from exc
 
 
-def _storage_record(ref: StorageRef) -> StorageRecord | None:
-    if ref.view_of is not None:
-        base = ref.view_of.resolved
-        if base is None:
-            return None
-        return replace(base, offset=base.offset + ref.view_offset, nbytes=ref.numel * element_size(ref.dtype))
-    return ref.resolved
+def _view_record(ref: StorageRef) -> StorageRecord | None:
+    base = ref.view_of.resolved if ref.view_of is not None else None
+    if base is None:
+        return None
+    return replace(base, offset=base.offset + ref.view_offset, nbytes=ref.numel * element_size(ref.dtype))
 
 
 def tensor_record(path: Path, key: str, raw: RawTensor) -> TensorRecord:
-    storage = _storage_record(raw.storage) if raw.storage is not None else None
-    if raw.storage is not None and storage is None:
-        raise ReadError(f"{path}: tensor {key} names storage {raw.storage.key}, which the file does not hold")
+    """The record of one tensor, its reach checked against its storage. Runs once per tensor: kept lean."""
+    ref = raw.storage
+    storage = None if ref is None else ref.resolved if ref.view_of is None else _view_record(ref)
+    if ref is not None and storage is None:
+        raise ReadError(f"{path}: tensor {key} names storage {ref.key}, which the file does not hold")
     record = fast_new(
         TensorRecord, key=key, dtype=raw.dtype, shape=raw.shape, stride=raw.stride, storage_offset=raw.offset,
-        storage=storage, device=raw.device or (raw.storage.location if raw.storage else "cpu"),
+        storage=storage, device=raw.device or (ref.location if ref is not None else "cpu"),
         requires_grad=raw.requires_grad, is_parameter=raw.is_parameter)
     if storage is not None:
-        if len(raw.shape) != len(raw.stride) or min(raw.shape, default=0) < 0 or min(raw.stride, default=0) < 0:
-            end = storage.nbytes + 1
-        else:
-            end = raw.offset * element_size(raw.dtype) + record.span_bytes
+        span = span_elements(raw.shape, raw.stride)  # None: malformed, so it cannot fit
+        end = storage.nbytes + 1 if span is None else (raw.offset + span) * ELEMENT_SIZE[raw.dtype] if span else 0
         if end > storage.nbytes:
-            raise ReadError(f"{path}: tensor {key or '(the root object)'} ({list(raw.shape)}, {raw.dtype}) reads past the end of its "
-                            f"storage {storage.key} ({storage.nbytes} bytes): the file is corrupt")
+            raise ReadError(f"{path}: tensor {key or '(the root object)'} ({list(raw.shape)}, {raw.dtype}) reads past "
+                            f"the end of its storage {storage.key} ({storage.nbytes} bytes): the file is corrupt")
     return record
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import ReadError
 
@@ -18,8 +18,9 @@ WHOLE_READ_LIMIT = 16 << 20
 MAX_INFLATED = 128 * 1024 * 1024  # a compressed pickle larger than this once inflated is a bomb
 
 
-@dataclass(frozen=True)
-class ZipMember:
+class ZipMember(NamedTuple):
+    """One archive member (a tuple: a 20,000-tensor checkpoint has 20,000 of them, made in one pass)."""
+
     name: str
     offset: int  # of the data, past the local header
     size: int
@@ -29,15 +30,14 @@ class ZipMember:
     header_offset: int
 
 
-def _pread(fd: int, size: int, offset: int) -> bytes:
-    data = os.pread(fd, size, offset)
-    return data
+_CENTRAL_HEADER = struct.Struct("<4s6xHxxxxLLLHHH8xL")  # signature, method, crc, sizes, name/extra/comment, offset
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, name and extra lengths
 
 
 def read_zip_index(fd: int, file_size: int, path: str) -> dict[str, ZipMember]:
     """Members by name. Raises ReadError naming what is broken: a truncated or corrupt archive."""
     tail_len = min(file_size, 65536 + 22)
-    tail = _pread(fd, tail_len, file_size - tail_len)
+    tail = os.pread(fd, tail_len, file_size - tail_len)
     pos = tail.rfind(_EOCD)
     if pos < 0 or len(tail) - pos < 22:
         raise ReadError(f"{path}: zip archive has no end-of-central-directory record "
@@ -46,34 +46,35 @@ def read_zip_index(fd: int, file_size: int, path: str) -> dict[str, ZipMember]:
     eocd_at = file_size - tail_len + pos
     if count == 0xFFFF or cd_offset == 0xFFFFFFFF or cd_size == 0xFFFFFFFF:
         loc_at = eocd_at - 20
-        loc = _pread(fd, 20, loc_at) if loc_at >= 0 else b""
+        loc = os.pread(fd, 20, loc_at) if loc_at >= 0 else b""
         if len(loc) != 20 or loc[:4] != _ZIP64_LOCATOR:
             raise ReadError(f"{path}: zip64 locator missing (the archive is corrupt)")
         (z64_at,) = struct.unpack("<Q", loc[8:16])
-        rec = _pread(fd, 56, z64_at)
+        rec = os.pread(fd, 56, z64_at)
         if len(rec) != 56 or rec[:4] != _ZIP64_EOCD:
             raise ReadError(f"{path}: zip64 end record missing (the archive is corrupt)")
         count, cd_size, cd_offset = struct.unpack("<QQQ", rec[32:56])
     if cd_offset + cd_size > file_size or count > 10_000_000:
         raise ReadError(f"{path}: zip central directory points past the end of the file (truncated or corrupt)")
-    cd = _pread(fd, cd_size, cd_offset)
-    members: dict[str, ZipMember] = {}
+    cd = os.pread(fd, cd_size, cd_offset)
+    entries = []
     p = 0
     for _ in range(count):
-        if cd[p:p + 4] != _CENTRAL or p + 46 > len(cd):
+        if p + 46 > len(cd):
             raise ReadError(f"{path}: zip central directory is corrupt")
-        (method, _, _, crc, csize, usize, nlen, xlen, clen) = struct.unpack("<HHHLLLHHH", cd[p + 10:p + 34])
-        (local_at,) = struct.unpack("<L", cd[p + 42:p + 46])
+        sig, method, crc, csize, usize, nlen, xlen, clen, local_at = _CENTRAL_HEADER.unpack_from(cd, p)
+        if sig != _CENTRAL:
+            raise ReadError(f"{path}: zip central directory is corrupt")
         name = cd[p + 46:p + 46 + nlen].decode("utf-8", "replace")
-        extra = cd[p + 46 + nlen:p + 46 + nlen + xlen]
         if usize == 0xFFFFFFFF or csize == 0xFFFFFFFF or local_at == 0xFFFFFFFF:
+            extra = cd[p + 46 + nlen:p + 46 + nlen + xlen]
             usize, csize, local_at = _zip64_extra(extra, usize, csize, local_at, path)
         p += 46 + nlen + xlen + clen
         if method == 0 and csize != usize:
             raise ReadError(f"{path}: zip member {name} is stored uncompressed but its two sizes differ "
                             f"({csize} and {usize}): the central directory is corrupt")
-        members[name] = ZipMember(name, -1, usize, csize, method, crc, local_at)
-    return _locate_data(fd, file_size, members, path)
+        entries.append((name, usize, csize, method, crc, local_at))
+    return _locate_data(fd, file_size, entries, path)
 
 
 def _zip64_extra(extra: bytes, usize: int, csize: int, local_at: int, path: str) -> tuple[int, int, int]:
@@ -94,31 +95,32 @@ def _zip64_extra(extra: bytes, usize: int, csize: int, local_at: int, path: str)
     raise ReadError(f"{path}: zip64 sizes missing from the central directory (corrupt archive)")
 
 
-def _locate_data(fd: int, file_size: int, members: dict[str, ZipMember], path: str) -> dict[str, ZipMember]:
+def _locate_data(fd: int, file_size: int, entries: list[tuple[str, int, int, int, int, int]],
+                 path: str) -> dict[str, ZipMember]:
     # Local headers sit between the payloads. A small archive is read whole (one syscall for 20,000 headers);
     # a big one gets one pread per header (a memory map would fault in, and count in RSS, 64 KB around each).
+    whole = os.pread(fd, file_size, 0) if file_size <= WHOLE_READ_LIMIT else None
     located = {}
-    if file_size <= WHOLE_READ_LIMIT:
-        whole = os.pread(fd, file_size, 0)
-
-        def pread(_fd: int, n: int, at: int) -> bytes:
-            return whole[at:at + n]
-    else:
-        pread = os.pread
-    for name, m in members.items():
-        head = pread(fd, 30, m.header_offset)
-        if len(head) != 30 or head[:4] != _LOCAL:
+    for name, usize, csize, method, crc, local_at in entries:
+        if whole is not None:
+            head = whole if local_at + 30 <= file_size else b""
+            at = local_at
+        else:
+            head, at = os.pread(fd, 30, local_at), 0
+        if len(head) < at + 30:
             raise ReadError(f"{path}: zip member {name} has no local header (corrupt or truncated archive)")
-        nlen, xlen = struct.unpack("<HH", head[26:30])
-        data_at = m.header_offset + 30 + nlen + xlen
-        if data_at + m.compressed_size > file_size:
+        sig, nlen, xlen = _LOCAL_HEADER.unpack_from(head, at)
+        if sig != _LOCAL:
+            raise ReadError(f"{path}: zip member {name} has no local header (corrupt or truncated archive)")
+        data_at = local_at + 30 + nlen + xlen
+        if data_at + csize > file_size:
             raise ReadError(f"{path}: zip member {name} runs past the end of the file (truncated)")
-        located[name] = ZipMember(name, data_at, m.size, m.compressed_size, m.method, m.crc, m.header_offset)
+        located[name] = ZipMember(name, data_at, usize, csize, method, crc, local_at)
     return located
 
 
 def read_member(fd: int, member: ZipMember, path: str, check_crc: bool = True) -> bytes:
-    raw = _pread(fd, member.compressed_size, member.offset)
+    raw = os.pread(fd, member.compressed_size, member.offset)
     if member.method == 8:
         inflater = zlib.decompressobj(-15)
         data = inflater.decompress(raw, MAX_INFLATED)

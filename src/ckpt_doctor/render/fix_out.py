@@ -48,8 +48,8 @@ def fix_summary(plan: FixPlan, result: FixResult | None) -> list[str]:
     else:
         check = "verified: every storage re-read and its crc32 compared with the source" if result.verified else \
             "NOT verified (--no-verify)"
-        lines.append(f"wrote {result.plan.output}: {what} ({human_bytes(result.bytes)} on disk); {renamed} keys renamed, "
-                     f"{len(plan.dropped)} dropped; {check}")
+        lines.append(f"wrote {result.plan.output}: {what} ({human_bytes(result.bytes)} on disk); "
+                     f"{renamed} keys renamed, {len(plan.dropped)} dropped; {check}")
     if plan.applied:
         lines.append("applied: " + "; ".join(plan.applied))
     if result is not None and result.shards:

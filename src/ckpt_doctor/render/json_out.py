@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Callable
 
 from ..records import GlobalRef
 from ..report import InspectReport
@@ -74,15 +74,24 @@ def inspect_json(report: InspectReport) -> dict[str, Any]:
     return out
 
 
-def dumps(data: Any) -> str:
-    """Indented at the top two levels, each list item on one line: readable, and fast (C encoder) on 20k tensors."""
-    def enc(value: Any) -> str:
-        return json.dumps(value, ensure_ascii=False, default=str)
+def _item_encoder() -> Callable[[Any], str]:
+    """One compact-line encoder, built once: `json.dumps` makes a new encoder per call, which is half the time
+    of writing 20,000 tensor rows. Falls back to the pure-Python encoder where the C one is missing."""
+    from json.encoder import c_make_encoder, encode_basestring
 
+    if c_make_encoder is None:
+        return json.JSONEncoder(ensure_ascii=False, default=str).encode
+    iterencode = c_make_encoder(None, str, encode_basestring, None, ": ", ", ", False, False, True)
+    return lambda value: "".join(iterencode(value, 0))
+
+
+def dumps(data: Any) -> str:
+    """Indented at the top two levels, each list item on one line: readable, and fast on 20k tensors."""
+    enc = _item_encoder()
     parts = []
     for key, value in data.items():
         if isinstance(value, list) and value:
-            inner = ",\n    ".join(enc(v) for v in value)
+            inner = ",\n    ".join(map(enc, value))
             parts.append(f"  {enc(key)}: [\n    {inner}\n  ]")
         else:
             parts.append(f"  {enc(key)}: {enc(value)}")

@@ -94,7 +94,8 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         lines.append(("non-persistent", ", ".join(ckpt.non_persistent) + " (in the pickle, not in state_dict)"))
     unknown = ckpt.unknown_globals
     if unknown:
-        names = ", ".join(g.qualname for g in unknown[:6]) + (f", … {len(unknown) - 6} more" if len(unknown) > 6 else "")
+        more = f", … {len(unknown) - 6} more" if len(unknown) > 6 else ""
+        names = ", ".join(g.qualname for g in unknown[:6]) + more
         lines.append(("globals", f"{names} — named by the file, not imported"))
     for g in ckpt.unsafe_globals:
         lines.append(("UNSAFE", f"{g.qualname} in {g.source}: {g.reason}; torch.load(weights_only=False) would run it"))
