@@ -212,6 +212,7 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     """
     import signal
 
+    gc.disable()  # as in inspect: one pass over an acyclic tree of records, nothing for the collector to free
     from . import transforms as T
     from .fix import (FixOptions, OutputFormat, execute, execute_sharded, output_format, parse_dtype,
                       parse_map_location, parse_size, plan_fix)

@@ -22,7 +22,7 @@ from .unpickler import Opaque, RawTensor
 from .writers.atomic import atomic_output, check_destination
 from .writers.pickler import TensorOut, dumps
 from .writers.safetensors_writer import TensorBytes, write_safetensors
-from .writers.stream import CHUNK, Progress, ReadBack, write_bytes
+from .writers.stream import CHUNK, Progress, WrittenRanges, write_bytes
 from .writers.torch_writer import StorageOut, write_torch_zip
 
 
@@ -384,17 +384,19 @@ def execute(plan: FixPlan, progress_callback: Callable[[int, int], None] | None 
     unknown: list[str] = []
     try:
         with atomic_output(plan.output) as (fd, tmp):
-            readback = ReadBack(str(tmp), progress) if verify else None
+            written = WrittenRanges(fd, str(tmp), verify, progress)
             try:
                 if plan.format is OutputFormat.TORCH:
-                    storages, expected = _torch_layout(plan, sources)
+                    archive = _source_names(plan)
+                    storages, expected = _torch_layout(plan, sources, archive)
                     pickle_bytes, unknown = dumps(_to_pickle_tree(plan.tree, expected))
-                    write_torch_zip(fd, _archive_name(plan.output), pickle_bytes, storages, progress, readback)
+                    write_torch_zip(fd, archive or _archive_name(plan.output), pickle_bytes, storages, progress,
+                                    written)
                 else:
                     entries = _safetensors_layout(plan, sources)
-                    write_safetensors(fd, entries, plan.metadata, progress, readback)
-                if readback is not None:
-                    failed = readback.failures()
+                    write_safetensors(fd, entries, plan.metadata, progress, written)
+                if verify:
+                    failed = written.failures()
                     if failed:
                         raise WriteError(f"{plan.output}: verification failed: {failed[0]} does not match its "
                                          f"source{f' (and {len(failed) - 1} more)' if len(failed) > 1 else ''}; "
@@ -404,8 +406,7 @@ def execute(plan: FixPlan, progress_callback: Callable[[int, int], None] | None 
                     else:
                         _verify_safetensors_structure(tmp, entries)
             finally:
-                if readback is not None:
-                    readback.close()
+                written.close()
             size = os.fstat(fd).st_size
     finally:
         sources.close()
@@ -489,7 +490,29 @@ def _archive_name(output: Path) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", stem)
 
 
-def _torch_layout(plan: FixPlan, sources: _Sources) -> tuple[list[StorageOut], dict[str, TensorOut]]:
+_STORAGE_ENTRY = re.compile(r"([^/]+)/data/([^/]+)")
+
+
+def _source_names(plan: FixPlan) -> str | None:
+    """The archive name of the one torch zip all storages come from, when its storage keys can be kept.
+
+    Keeping the source's names makes each copied storage's local header byte-for-byte the one the output
+    needs, so storages that lie back to back in the source are copied as one range (see ZipOut.add_run).
+    torch.load does not care what the archive folder is called."""
+    prefixes = set()
+    files = set()
+    for t in plan.tensors:
+        st = t.source.storage
+        match = _STORAGE_ENTRY.fullmatch(st.entry) if st is not None else None
+        if match is None:
+            return None
+        prefixes.add(match.group(1))
+        files.add(st.file)
+    return prefixes.pop() if len(prefixes) == 1 and len(files) == 1 else None
+
+
+def _torch_layout(plan: FixPlan, sources: _Sources,
+                  archive: str | None) -> tuple[list[StorageOut], dict[str, TensorOut]]:
     storages: dict[tuple[str, str], StorageOut] = {}
     expected: dict[str, TensorOut] = {}
     for t in plan.tensors:
@@ -501,11 +524,11 @@ def _torch_layout(plan: FixPlan, sources: _Sources) -> tuple[list[StorageOut], d
         if out is None:
             fd = sources.fd(st.file)
             nbytes = _converted_nbytes(st.nbytes, rec.dtype, t.dtype)
+            key = st.entry.rsplit("/", 1)[1] if archive is not None else str(len(storages))
             if t.dtype != rec.dtype:
-                out = StorageOut(str(len(storages)), nbytes, produce=_convert_producer(fd, st.offset, st.nbytes,
-                                                                                        rec.dtype, t.dtype))
+                out = StorageOut(key, nbytes, produce=_convert_producer(fd, st.offset, st.nbytes, rec.dtype, t.dtype))
             else:
-                out = StorageOut(str(len(storages)), nbytes, fd, st.offset, st.crc)
+                out = StorageOut(key, nbytes, fd, st.offset, st.crc)
             storages[ident] = out
         numel = out.nbytes // element_size(t.dtype)
         expected[t.key] = TensorOut(replace(rec, key=t.key, dtype=t.dtype), out.key, t.device, t.dtype, numel)

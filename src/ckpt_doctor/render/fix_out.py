@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tabulate import tabulate
-
 from ..analyze import human_bytes
 from ..fix import FixPlan, FixResult
 
@@ -35,6 +33,8 @@ def dry_run_table(plan: FixPlan) -> str:
         rows.append([old, "→" if old != new else "=", new])
     for key in plan.dropped:
         rows.append([key, "✗", "(dropped)"])
+    from tabulate import tabulate  # only --dry-run shows a table: `fix` starts 20 ms sooner without it
+
     return tabulate(rows, headers=["key", "", "output key"], tablefmt="simple", disable_numparse=True)
 
 

@@ -10,7 +10,7 @@ from typing import Callable
 
 from ..dtypes import TORCH_TO_SAFETENSORS
 from ..errors import WriteError
-from .stream import Progress, ReadBack, copy_range, write_bytes
+from .stream import Progress, WrittenRanges, copy_range, write_bytes
 
 
 @dataclass
@@ -45,7 +45,7 @@ def header_bytes(tensors: list[TensorBytes], metadata: dict[str, str]) -> bytes:
 
 
 def write_safetensors(fd: int, tensors: list[TensorBytes], metadata: dict[str, str],
-                      progress: Progress | None = None, readback: ReadBack | None = None) -> int:
+                      progress: Progress | None = None, written: WrittenRanges | None = None) -> int:
     """Write the file; returns where the data starts (for verification)."""
     head = header_bytes(tensors, metadata)
     write_bytes(fd, 0, head)
@@ -55,8 +55,8 @@ def write_safetensors(fd: int, tensors: list[TensorBytes], metadata: dict[str, s
             t.crc = t.produce(fd, pos, progress)
         else:
             t.crc = copy_range(t.source_fd, t.source_offset, t.nbytes, fd, pos, progress, t.known_crc)
-        if readback is not None:
-            readback.check(pos, t.nbytes, t.crc, t.key)
+        if written is not None:
+            written.done(pos, t.nbytes, t.crc, t.key)
         pos += t.nbytes
     os.ftruncate(fd, pos)
     return len(head)

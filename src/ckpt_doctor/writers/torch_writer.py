@@ -8,7 +8,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable
 
-from .stream import Progress, ReadBack, copy_range, write_bytes
+from .stream import Progress, WrittenRanges, copy_bytes, copy_range, write_bytes
 
 ALIGN = 64  # torch aligns every payload to 64 bytes (torch.load(mmap=True) relies on it)
 _U32 = 0xFFFFFFFF
@@ -34,16 +34,28 @@ class _Entry:
     header_offset: int
     size: int
     crc: int
+    flags: int = 0
 
 
-def _local_header(name: bytes, size: int, crc: int, at: int) -> bytes:
+PAGE = 4096
+DESCRIPTOR = 0x08  # general-purpose flag: crc and sizes follow the data (what torch.save writes)
+PAGE_PHASE_MIN = 1 << 20  # storages this big start at their source's offset within a page
+RUN_CHUNK = 16 << 20  # a run of storages is copied this much at a time, so verifying and flushing keep pace
+
+
+def _local_header(name: bytes, size: int, crc: int, at: int, phase: int = 0, align: int = ALIGN,
+                  flags: int = 0) -> bytes:
+    """The member's local header, padded so its data starts at `phase` modulo `align`. With the DESCRIPTOR
+    flag, crc and sizes are left zero here: a data descriptor after the data holds them."""
     zip64 = size >= _U32
     extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
     base = 30 + len(name) + len(extra)
-    pad = (-(at + base + 4)) % ALIGN
+    pad = (phase - (at + base + 4)) % align
     extra += struct.pack("<HH", 0x4B46, pad) + b"Z" * pad  # torch's own padding field ("FK")
     shown = _U32 if zip64 else size
-    return struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21, crc, shown, shown,
+    if flags & DESCRIPTOR:
+        crc = shown = 0
+    return struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, flags, 0, 0, 0x21, crc, shown, shown,
                        len(name), len(extra)) + name + extra
 
 
@@ -60,22 +72,97 @@ class ZipOut:
         self.entries.append(_Entry(f"{self.prefix}/{name}".encode(), self.pos, len(data), crc))
         self.pos += len(header) + len(data)
 
-    def add_storage(self, storage: StorageOut, progress: Progress | None, readback: ReadBack | None = None) -> None:
+    def add_storage(self, storage: StorageOut, progress: Progress | None,
+                    written: WrittenRanges | None = None) -> None:
         name = f"{self.prefix}/data/{storage.key}".encode()
         header_at = self.pos
-        header = _local_header(name, storage.nbytes, 0, header_at)
+        # The kernel copies a range 1.6x faster when source and output offsets sit at the same place in a page
+        # (whole pages, not a split of each): big storages get up to 4 KB of padding for that, small ones 64 B.
+        layout = (0, ALIGN)
+        if storage.produce is None and storage.nbytes >= PAGE_PHASE_MIN and storage.source_offset % ALIGN == 0:
+            layout = (storage.source_offset % PAGE, PAGE)
+        # With the source's crc known the header is final before the copy; else it is rewritten once the crc is.
+        header = _local_header(name, storage.nbytes, storage.known_crc or 0, header_at, *layout)
+        write_bytes(self.fd, header_at, header)
         data_at = header_at + len(header)
         if storage.produce is not None:
             crc = storage.produce(self.fd, data_at, progress)
         else:
             crc = copy_range(storage.source_fd, storage.source_offset, storage.nbytes, self.fd, data_at, progress,
                              storage.known_crc)
-        write_bytes(self.fd, header_at, _local_header(name, storage.nbytes, crc, header_at))
+        if crc != storage.known_crc:
+            write_bytes(self.fd, header_at, _local_header(name, storage.nbytes, crc, header_at, *layout))
         storage.crc, storage.offset = crc, data_at
-        if readback is not None:
-            readback.check(data_at, storage.nbytes, crc, f"storage data/{storage.key}")
+        if written is not None:
+            written.done(data_at, storage.nbytes, crc, f"storage data/{storage.key}")
         self.entries.append(_Entry(name, header_at, storage.nbytes, crc))
         self.pos = data_at + storage.nbytes
+
+    def _descriptor_after(self, storage: StorageOut) -> int:
+        """Length of the data descriptor that follows `storage` in its source (torch.save writes one), or 0."""
+        desc = os.pread(storage.source_fd, 16, storage.source_offset + storage.nbytes)
+        return 16 if desc == struct.pack("<IIII", 0x08074B50, storage.known_crc, storage.nbytes, storage.nbytes) \
+            else 0
+
+    def continues(self, prev: StorageOut, nxt: StorageOut) -> int | None:
+        """Whether `nxt` directly follows `prev` in their source file, with a local header that is already the one
+        this archive would write for it (same name, stored, its crc and size in the header or in a data descriptor
+        after `prev`): then both are copied as one range, headers and descriptors included. Returns the length
+        of the descriptor between them (0 or 16), or None."""
+        if prev.produce is not None or nxt.produce is not None or prev.source_fd != nxt.source_fd \
+                or prev.known_crc is None or nxt.known_crc is None or max(prev.nbytes, nxt.nbytes) >= _U32:
+            return None
+        name = f"{self.prefix}/data/{nxt.key}".encode()
+        gap = self._descriptor_after(prev)
+        at = prev.source_offset + prev.nbytes + gap
+        head = os.pread(prev.source_fd, 30 + len(name), at)
+        if len(head) != 30 + len(name):
+            return None
+        sig, _, flags, method, _, _, crc, csize, usize, nlen, xlen = struct.unpack("<IHHHHHIIIHH", head[:30])
+        if gap:
+            sizes_ok = flags & DESCRIPTOR and (crc, csize, usize) == (0, 0, 0)
+        else:
+            sizes_ok = not flags & DESCRIPTOR and (crc, csize, usize) == (nxt.known_crc, nxt.nbytes, nxt.nbytes)
+        ok = sig == 0x04034B50 and method == 0 and sizes_ok and head[30:] == name \
+            and at + 30 + nlen + xlen == nxt.source_offset
+        return gap if ok else None
+
+    def add_run(self, run: list[StorageOut], progress: Progress | None, written: WrittenRanges | None) -> None:
+        """Storages that lie back to back in their source, copied as one range with the local headers (and data
+        descriptors) between them. The output sits a whole number of pages from the source, so the copies start
+        and end on page boundaries of both files: the kernel's fastest case (1.5 GB in 0.5 s here, against 0.7 s
+        storage by storage). Each storage is still verified, and handed to `written`, as soon as it is in."""
+        first, last = run[0], run[-1]
+        descriptor = self.continues(first, run[1])
+        flags = 0x0800 | DESCRIPTOR if descriptor else 0  # as the source's headers: UTF-8 names, descriptors
+        name = f"{self.prefix}/data/{first.key}".encode()
+        header_at = self.pos
+        header = _local_header(name, first.nbytes, first.known_crc or 0, header_at, first.source_offset % PAGE, PAGE,
+                               flags)
+        write_bytes(self.fd, header_at, header)
+        shift = header_at + len(header) - first.source_offset  # a multiple of PAGE
+        copied, end = first.source_offset, last.source_offset + last.nbytes + self._descriptor_after(last)
+        waiting = iter(run)
+        pending = next(waiting, None)
+        entry_at = header_at
+        for s in run:
+            s_end = s.source_offset + s.nbytes
+            target = end if s is last else s_end - s_end % PAGE
+            if target - copied < RUN_CHUNK and s is not last:
+                continue
+            copy_bytes(first.source_fd, copied, target - copied, self.fd, copied + shift)
+            copied = target
+            while pending is not None and pending.source_offset + pending.nbytes <= copied:
+                pending.crc, pending.offset = pending.known_crc, pending.source_offset + shift
+                self.entries.append(_Entry(f"{self.prefix}/data/{pending.key}".encode(), entry_at, pending.nbytes,
+                                           pending.crc, flags))
+                if progress:
+                    progress.advance(pending.nbytes)
+                if written is not None:
+                    written.done(pending.offset, pending.nbytes, pending.crc, f"storage data/{pending.key}")
+                entry_at = pending.offset + pending.nbytes + descriptor  # the next storage's local header
+                pending = next(waiting, None)
+        self.pos = end + shift
 
     def finish(self) -> None:
         central = []
@@ -90,7 +177,7 @@ class ZipOut:
                 extra_vals.append(e.header_offset)
                 offset = _U32
             extra = struct.pack(f"<HH{len(extra_vals)}Q", 1, 8 * len(extra_vals), *extra_vals) if extra_vals else b""
-            central.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if extra else 20, 0, 0, 0, 0x21,
+            central.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if extra else 20, e.flags, 0, 0, 0x21,
                                        e.crc, size, size, len(e.name), len(extra), 0, 0, 0, 0, offset)
                            + e.name + extra)
         cd = b"".join(central)
@@ -107,14 +194,24 @@ class ZipOut:
 
 
 def write_torch_zip(fd: int, prefix: str, pickle_bytes: bytes, storages: list[StorageOut],
-                    progress: Progress | None = None, readback: ReadBack | None = None) -> None:
+                    progress: Progress | None = None, written: WrittenRanges | None = None) -> None:
     """Entries in torch's order: data.pkl, format/alignment/byteorder records, the storages, version."""
     z = ZipOut(fd, prefix)
     z.add_bytes("data.pkl", pickle_bytes)
     z.add_bytes(".format_version", b"1")
     z.add_bytes(".storage_alignment", b"64")
     z.add_bytes("byteorder", b"little")
-    for storage in storages:
-        z.add_storage(storage, progress, readback)
+    i = 0
+    while i < len(storages):
+        run = [storages[i]]
+        gap = z.continues(run[0], storages[i + 1]) if i + 1 < len(storages) else None
+        while gap is not None and i + len(run) < len(storages) and \
+                z.continues(run[-1], storages[i + len(run)]) == gap:
+            run.append(storages[i + len(run)])
+        if len(run) > 1:
+            z.add_run(run, progress, written)
+        else:
+            z.add_storage(run[0], progress, written)
+        i += len(run)
     z.add_bytes("version", b"3\n")
     z.finish()
