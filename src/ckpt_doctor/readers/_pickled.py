@@ -47,9 +47,8 @@ def tensor_record(path: Path, key: str, raw: RawTensor) -> TensorRecord:
         storage=storage, device=raw.device or (ref.location if ref is not None else "cpu"),
         requires_grad=raw.requires_grad, is_parameter=raw.is_parameter)
     if storage is not None:
-        span = span_elements(raw.shape, raw.stride)  # None: malformed, so it cannot fit
-        end = storage.nbytes + 1 if span is None else (raw.offset + span) * ELEMENT_SIZE[raw.dtype] if span else 0
-        if end > storage.nbytes:
+        span = span_elements(raw.shape, raw.stride)  # None: shape and stride are malformed; 0: no elements
+        if span is None or span and (raw.offset + span) * ELEMENT_SIZE[raw.dtype] > storage.nbytes:
             raise ReadError(f"{path}: tensor {key or '(the root object)'} ({list(raw.shape)}, {raw.dtype}) reads past "
                             f"the end of its storage {storage.key} ({storage.nbytes} bytes): the file is corrupt")
     return record

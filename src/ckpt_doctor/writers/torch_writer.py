@@ -76,8 +76,8 @@ class ZipOut:
                     written: WrittenRanges | None = None) -> None:
         name = f"{self.prefix}/data/{storage.key}".encode()
         header_at = self.pos
-        # The kernel copies a range 1.6x faster when source and output offsets sit at the same place in a page
-        # (whole pages, not a split of each): big storages get up to 4 KB of padding for that, small ones 64 B.
+        # Big storages start at their source's offset within a page (up to 4 KB of padding; small ones 64 B):
+        # in a bare copy loop here, 1.5 GB copied so took 0.45 s, against 0.75 s at a 64-byte shift.
         layout = (0, ALIGN)
         if storage.produce is None and storage.nbytes >= PAGE_PHASE_MIN and storage.source_offset % ALIGN == 0:
             layout = (storage.source_offset % PAGE, PAGE)
@@ -127,13 +127,14 @@ class ZipOut:
             and at + 30 + nlen + xlen == nxt.source_offset
         return gap if ok else None
 
-    def add_run(self, run: list[StorageOut], progress: Progress | None, written: WrittenRanges | None) -> None:
+    def add_run(self, run: list[StorageOut], descriptor: int, progress: Progress | None,
+                written: WrittenRanges | None) -> None:
         """Storages that lie back to back in their source, copied as one range with the local headers (and data
-        descriptors) between them. The output sits a whole number of pages from the source, so the copies start
-        and end on page boundaries of both files: the kernel's fastest case (1.5 GB in 0.5 s here, against 0.7 s
-        storage by storage). Each storage is still verified, and handed to `written`, as soon as it is in."""
+        descriptors, `descriptor` bytes after each) between them. The output sits a whole number of pages from the
+        source, so the copies start and end on page boundaries of both files, 16 MB at a time, instead of one
+        call per storage with both ends inside a page. Each storage is still verified, and handed to `written`,
+        as soon as its bytes are in."""
         first, last = run[0], run[-1]
-        descriptor = self.continues(first, run[1])
         flags = 0x0800 | DESCRIPTOR if descriptor else 0  # as the source's headers: UTF-8 names, descriptors
         name = f"{self.prefix}/data/{first.key}".encode()
         header_at = self.pos
@@ -203,13 +204,15 @@ def write_torch_zip(fd: int, prefix: str, pickle_bytes: bytes, storages: list[St
     z.add_bytes("byteorder", b"little")
     i = 0
     while i < len(storages):
-        run = [storages[i]]
-        gap = z.continues(run[0], storages[i + 1]) if i + 1 < len(storages) else None
-        while gap is not None and i + len(run) < len(storages) and \
-                z.continues(run[-1], storages[i + len(run)]) == gap:
+        run, gap = [storages[i]], None
+        while i + len(run) < len(storages):  # each pair's source headers are read once
+            step = z.continues(run[-1], storages[i + len(run)])
+            if step is None or gap is not None and step != gap:
+                break
+            gap = step
             run.append(storages[i + len(run)])
-        if len(run) > 1:
-            z.add_run(run, progress, written)
+        if gap is not None:
+            z.add_run(run, gap, progress, written)
         else:
             z.add_storage(run[0], progress, written)
         i += len(run)
