@@ -49,9 +49,23 @@ def bench_args(doc: str) -> argparse.Namespace:
     parser.add_argument("--dir", default="/tmp/ckpt-bench")
     parser.add_argument("--gb", type=float, default=1.5)
     parser.add_argument("--tensors", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=5, help="runs of each command (the best counts)")
     args = parser.parse_args()
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     return args
+
+
+def run_once(cmd: list[str]) -> tuple[float, float]:
+    """Wall time in seconds and peak RSS in MB of one run of `cmd`."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    elapsed = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if proc.returncode not in (0, 1):
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}): {err[-500:]}")
+    return elapsed, usage.ru_maxrss / 1024
 
 
 def measure(cmd: list[str], repeat: int = 3, before=None) -> tuple[float, float]:
@@ -65,17 +79,24 @@ def measure(cmd: list[str], repeat: int = 3, before=None) -> tuple[float, float]
     for _ in range(repeat):
         if before is not None:
             before()
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        _, status, usage = os.wait4(proc.pid, 0)
-        elapsed = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        err = proc.stderr.read().decode() if proc.stderr else ""
-        if proc.returncode not in (0, 1):
-            sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}): {err[-500:]}")
+        elapsed, rss_mb = run_once(cmd)
         best = min(best, elapsed)
-        rss_mb = usage.ru_maxrss / 1024
     return best, rss_mb
+
+
+def measure_rounds(cmds: dict[str, list[str]], rounds: int, before=None) -> dict[str, tuple[list[float], float]]:
+    """Every command once per round, in turn, `rounds` times: a slow spell of the machine then hits all of them
+    alike instead of whichever ran during it. Returns each command's times and its highest peak RSS in MB."""
+    times: dict[str, list[float]] = {label: [] for label in cmds}
+    peak: dict[str, float] = dict.fromkeys(cmds, 0.0)
+    for _ in range(rounds):
+        for label, cmd in cmds.items():
+            if before is not None:
+                before()
+            elapsed, rss_mb = run_once(cmd)
+            times[label].append(elapsed)
+            peak[label] = max(peak[label], rss_mb)
+    return {label: (times[label], peak[label]) for label in cmds}
 
 
 def row(label: str, seconds: float, rss: float, base_seconds: float | None = None, base_label: str = "") -> str:
