@@ -10,7 +10,7 @@ from typing import Callable
 
 from ..dtypes import TORCH_TO_SAFETENSORS
 from ..errors import WriteError
-from .stream import Progress, WrittenRanges, copy_range, write_bytes
+from .stream import Progress, WrittenRanges, copy_range, preallocate, write_bytes
 
 
 @dataclass
@@ -48,6 +48,7 @@ def write_safetensors(fd: int, tensors: list[TensorBytes], metadata: dict[str, s
                       progress: Progress | None = None, written: WrittenRanges | None = None) -> int:
     """Write the file; returns where the data starts (for verification)."""
     head = header_bytes(tensors, metadata)
+    preallocate(fd, len(head) + sum(t.nbytes for t in tensors))
     write_bytes(fd, 0, head)
     pos = len(head)
     for t in tensors:

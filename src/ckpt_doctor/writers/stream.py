@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import sys
-import zlib
-from typing import Callable
+from typing import Any, Callable
+
+try:  # ISA-L's crc32 is zlib's CRC-32 (the one zip records) at 9 GB/s here, against zlib's 2.7 GB/s
+    from isal.isal_zlib import crc32
+except ImportError:  # a platform isal has no wheel for
+    from zlib import crc32
 
 CHUNK = 8 << 20  # 8 MB: peak memory is one chunk whatever the checkpoint's size
+# The kernel copies (copy_file_range) 64 KB at a time. A copy whose calls start on a multiple of 64 KB in the
+# source, to the same offset modulo 64 KB in the destination, fills whole 64 KB page-cache folios; otherwise it
+# gets 4 KB pages. 1.5 GB copied here: 0.47-0.55 s so (as `cp`), 0.73-1.03 s starting 4 KB off the grid, 0.75-0.8 s
+# at a destination 4,032 bytes off the source's phase, 0.88-1.17 s at 64 bytes off. Off the source's phase, a
+# read and a write through a 1 MB buffer (which stays in the CPU's cache between the two) took 0.41-0.51 s.
+FOLIO = 64 << 10
+COPY_BUFFER = 1 << 20
+WINDOW = 16 << 20  # the read-back maps this much of the output at a time
 
 
 class Progress:
@@ -25,13 +38,16 @@ class Progress:
 
 def copy_bytes(src_fd: int, src_offset: int, nbytes: int, dst_fd: int, dst_offset: int,
                progress: Progress | None = None) -> None:
-    """Copy `nbytes` in the kernel (copy_file_range) where it can, else through a buffer; no byte enters Python."""
+    """Copy `nbytes`: in the kernel (copy_file_range) when both ends have the same phase on the FOLIO grid, else
+    (or where the kernel cannot) through a buffer."""
     copied = 0
-    if hasattr(os, "copy_file_range"):
+    if hasattr(os, "copy_file_range") and (src_offset - dst_offset) % FOLIO == 0:
+        step = FOLIO - src_offset % FOLIO  # up to the grid first (see FOLIO), then whole multiples of it
         try:
             while copied < nbytes:
-                n = os.copy_file_range(src_fd, dst_fd, min(CHUNK * 8, nbytes - copied),
+                n = os.copy_file_range(src_fd, dst_fd, min(step, nbytes - copied),
                                        src_offset + copied, dst_offset + copied)
+                step = CHUNK * 8
                 if n == 0:
                     raise EOFError(f"source ended {nbytes - copied} bytes early")
                 copied += n
@@ -41,35 +57,47 @@ def copy_bytes(src_fd: int, src_offset: int, nbytes: int, dst_fd: int, dst_offse
         except OSError as exc:
             if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # else read/write
                 raise
-    _buffered_copy(src_fd, src_offset + copied, nbytes - copied, dst_fd, dst_offset + copied, progress)
+    _buffered_copy(src_fd, src_offset + copied, nbytes - copied, dst_fd, dst_offset + copied, progress, False)
 
 
 def copy_range(src_fd: int, src_offset: int, nbytes: int, dst_fd: int, dst_offset: int,
                progress: Progress | None = None, known_crc: int | None = None) -> int:
-    """Copy `nbytes`; returns their crc32. With `known_crc`, the kernel copies and no byte enters Python."""
+    """Copy `nbytes`; returns their crc32. With `known_crc` nothing is summed and the kernel may copy."""
     if known_crc is not None:
         copy_bytes(src_fd, src_offset, nbytes, dst_fd, dst_offset, progress)
         return known_crc
-    return _buffered_copy(src_fd, src_offset, nbytes, dst_fd, dst_offset, progress)
+    return _buffered_copy(src_fd, src_offset, nbytes, dst_fd, dst_offset, progress, True)
 
 
 def _buffered_copy(src_fd: int, src_offset: int, nbytes: int, dst_fd: int, dst_offset: int,
-                   progress: Progress | None) -> int:
+                   progress: Progress | None, with_crc: bool) -> int:
+    """Read and write through one reused buffer (see FOLIO); the crc32 of the bytes when asked, else 0."""
+    buffer = memoryview(bytearray(min(COPY_BUFFER, nbytes)))
     crc = 0
     copied = 0
     while copied < nbytes:
-        chunk = os.pread(src_fd, min(CHUNK, nbytes - copied), src_offset + copied)
-        if not chunk:
+        n = _read_into(src_fd, buffer[:nbytes - copied], src_offset + copied)
+        if n == 0:
             raise EOFError(f"source ended {nbytes - copied} bytes early")
-        crc = zlib.crc32(chunk, crc)
+        chunk = buffer[:n]
+        if with_crc:
+            crc = crc32(chunk, crc)
         write_bytes(dst_fd, dst_offset + copied, chunk)
-        copied += len(chunk)
+        copied += n
         if progress:
-            progress.advance(len(chunk))
+            progress.advance(n)
     return crc
 
 
-def write_bytes(dst_fd: int, offset: int, data: bytes) -> None:
+def _read_into(fd: int, view: memoryview, offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    data = os.pread(fd, len(view), offset)
+    view[:len(data)] = data
+    return len(data)
+
+
+def write_bytes(dst_fd: int, offset: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     written = 0
     while written < len(data):
@@ -77,32 +105,96 @@ def write_bytes(dst_fd: int, offset: int, data: bytes) -> None:
 
 
 def crc_range(fd: int, offset: int, nbytes: int, progress: Progress | None = None) -> int:
+    """crc32 of a range of a file, read through a window of mmap that moves along it: no byte is copied into
+    Python (1.5 GB: 0.19 s here, against 0.34 s with pread into a reused buffer), and the resident pages stay
+    one window's worth whatever the size. For files this process wrote: one cut short under the map would fault."""
     crc = 0
-    done = 0
-    while done < nbytes:
-        chunk = os.pread(fd, min(CHUNK, nbytes - done), offset + done)
-        if not chunk:
-            raise EOFError("file ended early")
-        crc = zlib.crc32(chunk, crc)
-        done += len(chunk)
+    start, end = offset - offset % mmap.ALLOCATIONGRANULARITY, offset + nbytes
+    while start < end:
+        length = min(WINDOW, end - start)
+        with mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=start) as window:
+            skip = max(offset - start, 0)
+            with memoryview(window) as view:
+                crc = crc32(view[skip:], crc)
         if progress:
-            progress.advance(len(chunk))
+            progress.advance(length - skip)
+        start += length
     return crc
 
 
-def _sync_file_range() -> Callable[[int, int, int], None] | None:
-    """Linux's sync_file_range(SYNC_FILE_RANGE_WRITE): start writing a range to disk and return at once."""
+def _linux_call(name: str, *argtypes: Any) -> Callable[..., int] | None:
+    """A libc function of Linux's (int result, errno kept), or None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         import ctypes
 
-        func = ctypes.CDLL(None, use_errno=True).sync_file_range
+        func = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    func.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    func.argtypes = argtypes
     func.restype = ctypes.c_int
+    return func
+
+
+def _sync_file_range() -> Callable[[int, int, int], None] | None:
+    """Linux's sync_file_range(SYNC_FILE_RANGE_WRITE): start writing a range to disk and return at once."""
+    import ctypes
+
+    func = _linux_call("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    if func is None:
+        return None
     return lambda fd, offset, nbytes: func(fd, offset, nbytes, 2)  # 2 = SYNC_FILE_RANGE_WRITE; errors ignored
+
+
+def preallocate(fd: int, nbytes: int) -> None:
+    """Reserve the disk blocks of a file about to be written, and set its size (Linux's fallocate; nothing where
+    the filesystem or the platform has none: no zeros are written). The filesystem then allocates once instead of
+    while the data is flushed: 1.5 GB copied, flushed and read back here in 0.54-0.63 s, against 0.70-0.83 s.
+    A full disk is found now, before any copying (OSError ENOSPC). The writer truncates to the size it ends at."""
+    import ctypes
+
+    func = _linux_call("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    if func is None or nbytes <= 0 or func(fd, 0, 0, nbytes) == 0:
+        return
+    code = ctypes.get_errno()
+    if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        raise OSError(code, os.strerror(code))
+
+
+class _Helper:
+    """One thread running the jobs handed to it, in order (concurrent.futures would add 4 ms of imports)."""
+
+    def __init__(self, name: str) -> None:
+        import queue
+        import threading
+
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancelled = False
+        self.results: list = []  # a job's return value, or the exception it raised
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable, *args) -> None:
+        self._jobs.put((job, args))
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            if self._cancelled:
+                continue
+            job, args = item
+            try:
+                self.results.append(job(*args))
+            except Exception as exc:  # the caller of stop() decides
+                self.results.append(exc)
+
+    def stop(self, cancel: bool = False) -> list:
+        """Waits for the jobs handed in so far (or, with `cancel`, only the one running); their results."""
+        self._cancelled = self._cancelled or cancel
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+        return self.results
 
 
 class WrittenRanges:
@@ -112,26 +204,23 @@ class WrittenRanges:
     the disk queue is full, and the copy must not wait on it), so the fsync that makes the output durable has
     almost nothing left to do: after a 1.5 GB copy that fsync takes 0.26 s here, with this 0.01 s (issued from the
     copying thread instead, the calls themselves blocked for 0.15 s). With `verify`, each range is also re-read
-    in a second thread and its crc32 compared with the source's; zlib and pread release the GIL, so the check
+    in a second thread and its crc32 compared with the source's; crc32 releases the GIL, so the check
     runs beside the copy. `failures()` waits for the last check.
     """
 
-    FLUSH_EVERY = 16 << 20
+    FLUSH_EVERY = 16 << 20  # 4, 64 and 256 MB were slower here
 
     def __init__(self, fd: int, path: str, verify: bool, progress: Progress | None = None) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
         self.fd, self.progress = fd, progress
         self._flush = _sync_file_range()
         self._flushed_to = 0  # writes go front to back: all before this has had its disk write started
-        self._flusher = ThreadPoolExecutor(1, "ckpt-doctor-flush") if self._flush is not None else None
+        self._flusher = _Helper("ckpt-doctor-flush") if self._flush is not None else None
         self.read_fd = os.open(path, os.O_RDONLY) if verify else -1
-        self._checker = ThreadPoolExecutor(1, "ckpt-doctor-verify") if verify else None
-        self.futures: list = []
+        self._checker = _Helper("ckpt-doctor-verify") if verify else None
 
     def done(self, offset: int, nbytes: int, expected_crc: int, what: str) -> None:
         if self._checker is not None:
-            self.futures.append(self._checker.submit(self._check, offset, nbytes, expected_crc, what))
+            self._checker.submit(self._check, offset, nbytes, expected_crc, what)
         end = offset + nbytes
         if self._flusher is not None and end - self._flushed_to >= self.FLUSH_EVERY:
             # headers between ranges included
@@ -145,14 +234,18 @@ class WrittenRanges:
     def failures(self) -> list[str]:
         """The ranges whose bytes, read back, differ from their source (waits for the last check)."""
         try:
-            return [f for f in (fut.result() for fut in self.futures) if f]
+            results = self._checker.stop() if self._checker is not None else []
         finally:
             self.close()
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return [r for r in results if r]
 
     def close(self) -> None:
-        for pool in (self._flusher, self._checker):
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+        for helper in (self._flusher, self._checker):
+            if helper is not None:
+                helper.stop(cancel=True)
         self._flusher = self._checker = None
         if self.read_fd >= 0:
             os.close(self.read_fd)
