@@ -216,7 +216,6 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     from . import transforms as T
     from .fix import (FixOptions, OutputFormat, execute, execute_sharded, output_format, parse_dtype,
                       parse_map_location, parse_size, plan_fix)
-    from .modelspec import keys_from_spec, parse_model_args
     from .readers import read_checkpoint
     from .render.fix_out import dry_run_table, fix_json, fix_summary
     from .writers.atomic import check_destination
@@ -245,7 +244,11 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
     if not dry_run and shard_bytes is None:
         check_destination(out_path, checkpoint.files, force)
-    model = keys_from_spec(model_spec, parse_model_args(model_args)) if model_spec else None
+    model = None
+    if model_spec:
+        from .modelspec import keys_from_spec, parse_model_args
+
+        model = keys_from_spec(model_spec, parse_model_args(model_args))
     options = FixOptions(transforms=tuple(steps), select=select, map_location=parse_map_location(map_location),
                          dtype=parse_dtype(dtype), model=model, reorder=reorder, auto=auto,
                          map_by_order=map_by_order, force=force, format=fmt)

@@ -5,16 +5,13 @@ from __future__ import annotations
 import enum
 import os
 import re
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .dtypes import FLOATING, element_size, torch_dtype_name
 from .errors import PlanError, UsageError, WriteError
-from .compare import ambiguous_positions, compare_checkpoint
-from .modelspec import ModelKeys
 from .records import Checkpoint, Format, TensorRecord, relative_to_root
 from .transforms import Op, Transform, plan_keys
 from .tree import has_tensor, join
@@ -22,8 +19,11 @@ from .unpickler import Opaque, RawTensor
 from .writers.atomic import atomic_output, check_destination
 from .writers.pickler import TensorOut, dumps
 from .writers.safetensors_writer import TensorBytes, write_safetensors
-from .writers.stream import CHUNK, Progress, WrittenRanges, write_bytes
+from .writers.stream import CHUNK, Progress, WrittenRanges, crc32, write_bytes
 from .writers.torch_writer import StorageOut, write_torch_zip
+
+if TYPE_CHECKING:  # the comparison is imported only with --model: a plain repair starts that much sooner
+    from .modelspec import ModelKeys
 
 
 class OutputFormat(str, enum.Enum):
@@ -126,6 +126,8 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         if opts.model is None:
             raise UsageError("--auto, --map-by-order and --reorder need --model SPEC")
     if opts.auto:
+        from .compare import compare_checkpoint
+
         comparison = compare_checkpoint(ckpt, opts.model)
         if select is None and comparison.state_dict_root:
             select = comparison.state_dict_root
@@ -244,6 +246,8 @@ def _map_by_order(kept: list[TensorRecord], mapping: dict[str, str], model: Mode
         if tuple(shape) != tuple(entry.shape):
             raise PlanError(f"--map-by-order: position {i}: {old} {list(shape)} cannot become {entry.key} "
                             f"{list(entry.shape)}; the layers do not line up")
+    from .compare import ambiguous_positions
+
     ambiguous = ambiguous_positions([by_key[old] for old in olds], [e.key for e in entries])
     if ambiguous and not force:
         raise PlanError(f"--map-by-order: {len(ambiguous)} positions have a neighbour of the same shape (first: "
@@ -336,7 +340,7 @@ def _convert_producer(src_fd: int, offset: int, nbytes: int, src: str, dst: str)
                 raise WriteError("input ended early while converting")
             data = _bytes_of(torch.frombuffer(chunk, dtype=getattr(torch, src)).to(getattr(torch, dst)))
             write_bytes(fd, at + written, data)
-            crc = zlib.crc32(data, crc)
+            crc = crc32(data, crc)
             done += len(chunk)
             written += len(data)
             if progress:
@@ -369,7 +373,7 @@ def _contiguous_producer(record: TensorRecord, dtype: str) -> Callable:
         write_bytes(fd, at, data)
         if progress:
             progress.advance(record.nbytes)
-        return zlib.crc32(data)
+        return crc32(data)
 
     return produce
 
@@ -531,7 +535,7 @@ def _torch_layout(plan: FixPlan, sources: _Sources,
                 out = StorageOut(key, nbytes, fd, st.offset, st.crc)
             storages[ident] = out
         numel = out.nbytes // element_size(t.dtype)
-        expected[t.key] = TensorOut(replace(rec, key=t.key, dtype=t.dtype), out.key, t.device, t.dtype, numel)
+        expected[t.key] = TensorOut(rec, out.key, t.device, t.dtype, numel)  # rec's layout; key, dtype as planned
     return list(storages.values()), expected
 
 

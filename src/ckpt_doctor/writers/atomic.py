@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -40,13 +39,8 @@ def atomic_output(output: Path) -> Iterator[tuple[int, Path]]:
     """
     parent = output.parent if str(output.parent) else Path(".")
     remove_stale_temps(output)
+    fd, tmp_path = _create_temp(output, parent)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.{os.getpid()}.", suffix=TEMP_SUFFIX, dir=parent)
-    except OSError as exc:
-        raise WriteError(f"{output}: cannot create a temporary file in {parent} ({exc.strerror})") from None
-    tmp_path = Path(tmp)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
         yield fd, tmp_path
         os.fsync(fd)
         os.close(fd)
@@ -66,6 +60,21 @@ def atomic_output(output: Path) -> Iterator[tuple[int, Path]]:
 
 
 TEMP_SUFFIX = ".ckpt-doctor-tmp"
+
+
+def _create_temp(output: Path, parent: Path) -> tuple[int, Path]:
+    """A new file `.NAME.PID.RANDOM.ckpt-doctor-tmp` beside `output`, with the mode a plain new file gets (the
+    umask applies). What tempfile.mkstemp does, without the 5 ms its import costs every `fix`."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = parent / f".{output.name}.{os.getpid()}.{os.urandom(4).hex()}{TEMP_SUFFIX}"
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise WriteError(f"{output}: cannot create a temporary file in {parent} ({exc.strerror})") from None
+    raise WriteError(f"{output}: cannot create a temporary file in {parent} (every name tried exists)")
 
 
 def remove_stale_temps(output: Path) -> None:
@@ -92,12 +101,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -21,7 +21,8 @@ STORAGE_CLASS = {
 
 
 class TensorOut:
-    """A tensor to write: its record (shape, stride, offset) and the storage key it will have in the output."""
+    """A tensor to write: its source record (for shape, stride, offset and flags), and the storage key, device
+    and dtype it will have in the output."""
 
     __slots__ = ("record", "storage_key", "device", "dtype", "storage_numel")
 
@@ -52,6 +53,17 @@ class Emitter:
         self.out.append(b"q" + bytes([slot]) if slot < 256 else b"r" + struct.pack("<I", slot))
 
     def emit(self, obj: Any) -> None:
+        kind = type(obj)  # the common exact types first: a state_dict is thousands of keys and tensors
+        if kind is str:
+            self.out.append(_str_op(obj))
+        elif kind is TensorOut:
+            self._tensor(obj)
+        elif kind is int:
+            self.out.append(_int_op(obj))
+        else:
+            self._emit_any(obj)
+
+    def _emit_any(self, obj: Any) -> None:
         write: Callable[[bytes], None] = self.out.append
         if obj is None:
             write(b"N")
@@ -60,12 +72,11 @@ class Emitter:
         elif obj is False:
             write(b"\x89")
         elif isinstance(obj, int):
-            self._int(obj)
+            write(_int_op(obj))
         elif isinstance(obj, float):
             write(b"G" + struct.pack(">d", obj))
         elif isinstance(obj, str):
-            raw = obj.encode("utf-8", "surrogatepass")
-            write(b"X" + struct.pack("<I", len(raw)) + raw)
+            write(_str_op(obj))
         elif isinstance(obj, bytearray):
             self.global_("builtins", "bytearray")
             self.emit(bytes(obj))
@@ -107,17 +118,6 @@ class Emitter:
         else:
             raise WriteError(f"cannot write a {type(obj).__name__} into a torch checkpoint")
 
-    def _int(self, n: int) -> None:
-        if 0 <= n < 256:
-            self.out.append(b"K" + bytes([n]))
-        elif 0 <= n < 65536:
-            self.out.append(b"M" + struct.pack("<H", n))
-        elif -(2**31) <= n < 2**31:
-            self.out.append(b"J" + struct.pack("<i", n))
-        else:
-            raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
-            self.out.append(b"\x8a" + bytes([len(raw)]) + raw)
-
     def _tuple(self, items: tuple) -> None:
         if not items:
             self.out.append(b")")
@@ -153,29 +153,23 @@ class Emitter:
             self.global_("torch._utils", "_rebuild_parameter")
         legacy_class = STORAGE_CLASS.get(t.dtype)
         self.global_("torch._utils", "_rebuild_tensor_v2" if legacy_class else "_rebuild_tensor_v3")
-        self.out.append(b"(")  # args of the rebuild function
-        self.out.append(b"(")  # the persistent id
-        self.emit("storage")
+        self.out.append(b"((" + _STORAGE)  # the rebuild function's args, then the persistent id
         if legacy_class:
             self.global_("torch", legacy_class)
         else:
             self.global_("torch.storage", "UntypedStorage")
-        self.emit(t.storage_key)
-        self.emit(t.device)
         # Typed storages count elements; an UntypedStorage counts bytes.
-        self.emit(t.storage_numel if legacy_class else t.storage_numel * element_size(t.dtype))
-        self.out.append(b"tQ")
-        self.emit(rec.storage_offset)
-        self.emit(tuple(rec.shape))
-        self.emit(tuple(rec.stride))
-        self.emit(bool(rec.requires_grad) and not rec.is_parameter)
+        numel = t.storage_numel if legacy_class else t.storage_numel * element_size(t.dtype)
+        self.out.append(b"".join((_str_op(t.storage_key), _str_op(t.device), _int_op(numel), b"tQ",
+                                  _int_op(rec.storage_offset), _ints_op(rec.shape), _ints_op(rec.stride),
+                                  b"\x88" if rec.requires_grad and not rec.is_parameter else b"\x89")))
         self.global_("collections", "OrderedDict")
         self.out.append(b")R")
         if not legacy_class:
             self.global_("torch", t.dtype)
         self.out.append(b"tR")
         if rec.is_parameter:
-            self.emit(bool(rec.requires_grad))
+            self.out.append(b"\x88" if rec.requires_grad else b"\x89")
             self.global_("collections", "OrderedDict")
             self.out.append(b")R\x87R")
 
@@ -205,6 +199,33 @@ class Emitter:
         if data.state is not None:
             self.emit(data.state)
             self.out.append(b"b")
+
+
+def _int_op(n: int) -> bytes:
+    if 0 <= n < 256:
+        return b"K" + bytes((n,))
+    if 0 <= n < 65536:
+        return b"M" + n.to_bytes(2, "little")
+    if -(2**31) <= n < 2**31:
+        return b"J" + n.to_bytes(4, "little", signed=True)
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes((len(raw),)) + raw
+
+
+def _str_op(text: str) -> bytes:
+    raw = text.encode("utf-8", "surrogatepass")
+    return b"X" + len(raw).to_bytes(4, "little") + raw
+
+
+_STORAGE = _str_op("storage")
+
+
+def _ints_op(items: tuple[int, ...]) -> bytes:
+    """A tuple of ints (a shape, a stride)."""
+    body = b"".join(map(_int_op, items))
+    if len(items) <= 3:
+        return body + b")\x85\x86\x87"[len(items):len(items) + 1] if items else b")"
+    return b"(" + body + b"t"
 
 
 def dumps(obj: Any) -> tuple[bytes, list[str]]:
