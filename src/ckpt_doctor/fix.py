@@ -387,7 +387,7 @@ def execute(plan: FixPlan, progress_callback: Callable[[int, int], None] | None 
     progress = Progress(plan.nbytes * (2 if verify else 1), progress_callback)
     unknown: list[str] = []
     try:
-        with atomic_output(plan.output) as (fd, tmp):
+        with atomic_output(plan.output, plan.nbytes) as (fd, tmp):
             written = WrittenRanges(fd, str(tmp), verify, progress)
             try:
                 if plan.format is OutputFormat.TORCH:

@@ -31,11 +31,12 @@ def check_destination(output: Path, inputs: tuple[Path, ...], force: bool) -> No
 
 
 @contextlib.contextmanager
-def atomic_output(output: Path) -> Iterator[tuple[int, Path]]:
+def atomic_output(output: Path, size_hint: int = 0) -> Iterator[tuple[int, Path]]:
     """(fd, temp path) of a new file beside `output`; renamed onto `output` only if the block succeeds.
 
     A symlink at `output` is replaced by the new file, never written through. On any failure (a full disk,
-    an interrupted run) the temporary file is removed and `output` is left as it was.
+    an interrupted run) the temporary file is removed and `output` is left as it was. `size_hint` (about what
+    will be written) goes into the message for a full disk.
     """
     parent = output.parent if str(output.parent) else Path(".")
     remove_stale_temps(output)
@@ -48,9 +49,11 @@ def atomic_output(output: Path) -> Iterator[tuple[int, Path]]:
         os.replace(tmp_path, output)
         _fsync_dir(parent)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            raise WriteError(f"{output}: no space left (or file size limit reached) while writing; nothing was "
-                             "written") from None
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise WriteError(f"{output}: no space left{_space_note(parent, size_hint)}; nothing was written") \
+                from None
+        if exc.errno == errno.EFBIG:
+            raise WriteError(f"{output}: the file size limit (ulimit -f) is reached; nothing was written") from None
         raise WriteError(f"{output}: write failed ({exc.strerror}); nothing was written") from None
     finally:
         if fd >= 0:
@@ -101,6 +104,19 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _space_note(folder: Path, needed: int) -> str:
+    """` (needs about 12.0 MB, 5.0 MB free in FOLDER)`, or what of it is known."""
+    from ..analyze import human_bytes
+
+    parts = [f"needs about {human_bytes(needed)}"] if needed else []
+    try:
+        info = os.statvfs(folder)
+        parts.append(f"{human_bytes(info.f_bavail * info.f_frsize)} free in {folder}")
+    except (OSError, AttributeError):
+        pass
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _fsync_dir(folder: Path) -> None:
