@@ -109,6 +109,14 @@ def test_training_checkpoint_select_drop_and_metadata(fixtures, cli, tmp_path):
     data = run_fix(cli, src, tmp_path / "noopt.pt", "--drop", "^optimizer")
     noopt = torch.load(tmp_path / "noopt.pt", weights_only=True)
     assert "optimizer" not in noopt and noopt["epoch"] == 7 and data["tensors"] == 16
+    # what was dropped is listed, outside the state_dict too: every optimizer tensor, by its path
+    opt_tensors = {f"optimizer.state.{i}.{name}" for i in whole["optimizer"]["state"] for name in
+                   ("exp_avg", "exp_avg_sq", "step") if torch.is_tensor(whole["optimizer"]["state"][i].get(name))}
+    assert opt_tensors and set(data["dropped"]) == opt_tensors
+    # a --drop naming the state_dict itself drops all of it (and says so), the rest is written
+    data = run_fix(cli, src, tmp_path / "nosd.pt", "--drop", "^state_dict$")
+    nosd = torch.load(tmp_path / "nosd.pt", weights_only=True)
+    assert "state_dict" not in nosd and nosd["epoch"] == 7 and len(data["dropped"]) == 16
     run_fix(cli, src, tmp_path / "sd.pt", "--select", "state_dict")
     SmallCNN().load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True), strict=True)
 

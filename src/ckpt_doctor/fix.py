@@ -154,8 +154,11 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     sd = relative_to_root(ckpt.tensors, root)
     prefix = root + "." if root else ""
     kept, dropped = [], []
+    # A --drop that names the state_dict itself, or a container above it, drops all of it.
+    parts = root.split(".") if root else []
+    whole = any(_dropped(".".join(parts[:i]), drops) for i in range(1, len(parts) + 1))
     for t in sd:
-        if _dropped(t.key, drops) or _dropped(prefix + t.key, drops):
+        if whole or _dropped(t.key, drops) or _dropped(prefix + t.key, drops):
             dropped.append(t.key)
         else:
             kept.append(t)
@@ -192,15 +195,18 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
                 path = key if isinstance(key, str) else str(key)
                 if not isinstance(value, RawTensor) and not _dropped(path, drops):
                     extra: list[OutTensor] = []
-                    tree[key] = _rebuild(value, path, "\0", state, full_records, drops, extra, out_tensor)
+                    # (with root "" every tensor is in sd, so the loop above has listed the dropped ones)
+                    tree[key] = _rebuild(value, path, "\0", state, full_records, drops, extra, out_tensor, set())
                     outs += extra
         if _is_module_root(ckpt, root) and select is None:
             notes.append(f"whole-model pickle of {ckpt.model_class}: written as its state_dict")
     else:
         outs = []
         full_records = {t.key: t for t in ckpt.tensors}
-        tree = _rebuild(ckpt.root, "", root, state, full_records, drops, outs, out_tensor)
+        cut: set[str] = set()
+        tree = _rebuild(ckpt.root, "", root, state, full_records, drops, outs, out_tensor, cut)
         outs = list(state.values()) + outs
+        dropped += _tensors_under(cut - {root}, full_records, prefix)
     tied: dict[str, str] = {}
     metadata: dict[str, str] = {}
     if fmt is OutputFormat.SAFETENSORS:
@@ -259,8 +265,9 @@ def _map_by_order(kept: list[TensorRecord], mapping: dict[str, str], model: Mode
 
 def _rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]",
              records: dict[str, TensorRecord], drops: list[Transform], outs: list[OutTensor],
-             out_tensor: Callable[[str, TensorRecord], OutTensor]) -> Any:
-    """The original tree with the state_dict at `root` replaced by `state`; dropped entries left out."""
+             out_tensor: Callable[[str, TensorRecord], OutTensor], cut: set[str]) -> Any:
+    """The original tree with the state_dict at `root` replaced by `state`; dropped entries left out, and their
+    paths added to `cut`."""
     if path == root:
         return state
     if isinstance(obj, RawTensor):
@@ -271,14 +278,15 @@ def _rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]
         outs.append(out)
         return out
     if isinstance(obj, dict):
-        items = [(k, v) for k, v in obj.items() if not _dropped(join(path, k), drops)]
-        rebuilt = [(k, _rebuild(v, join(path, k), root, state, records, drops, outs, out_tensor)) for k, v in items]
+        items = [(k, v) for k, v in obj.items() if _kept(join(path, k), drops, cut)]
+        rebuilt = [(k, _rebuild(v, join(path, k), root, state, records, drops, outs, out_tensor, cut))
+                   for k, v in items]
         return OrderedDict(rebuilt) if isinstance(obj, OrderedDict) else dict(rebuilt)
     if isinstance(obj, (list, tuple)):
         if obj and all(o is None or isinstance(o, (bool, int, float, str)) for o in obj):
             return obj
-        items = [_rebuild(v, join(path, i), root, state, records, drops, outs, out_tensor)
-                 for i, v in enumerate(obj) if not _dropped(join(path, i), drops)]
+        items = [_rebuild(v, join(path, i), root, state, records, drops, outs, out_tensor, cut)
+                 for i, v in enumerate(obj) if _kept(join(path, i), drops, cut)]
         return items if isinstance(obj, list) else tuple(items)
     if isinstance(obj, Opaque):
         if has_tensor(obj):
@@ -289,6 +297,28 @@ def _rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]
 
 def _dropped(path: str, drops: list[Transform]) -> bool:
     return any(re.search(d.arg, path) for d in drops)
+
+
+def _kept(path: str, drops: list[Transform], cut: set[str]) -> bool:
+    if _dropped(path, drops):
+        cut.add(path)
+        return False
+    return True
+
+
+def _tensors_under(cut: set[str], records: dict[str, TensorRecord], state_prefix: str) -> list[str]:
+    """The tensors (full paths) inside the entries --drop cut from the tree, those of the state_dict excepted
+    (already listed by their keys)."""
+    if not cut:
+        return []
+    found = []
+    for key in records:
+        if state_prefix and key.startswith(state_prefix):
+            continue
+        parts = key.split(".")
+        if any(".".join(parts[:i]) in cut for i in range(1, len(parts) + 1)):
+            found.append(key)
+    return found
 
 
 def _tied_duplicates(outs: list[OutTensor]) -> dict[str, str]:
