@@ -36,10 +36,8 @@ class _Entry:
     flags: int = 0
 
 
-PAGE = 4096
-# Copies start at their source's offset modulo FOLIO (see stream.FOLIO), or modulo a page for those under
-# FOLIO_PHASE_MIN: the padding costs up to 64 KB (4 KB). Copies under PAGE_PHASE_MIN are merely 64-byte aligned.
-PAGE_PHASE_MIN = 1 << 20
+# Copies of this much or more start at their source's offset modulo FOLIO, so the kernel can copy them (see
+# stream.FOLIO), for up to 64 KB of padding; smaller ones are 64-byte aligned and go through the copy buffer.
 FOLIO_PHASE_MIN = 8 << 20
 DESCRIPTOR = 0x08  # general-purpose flag: crc and sizes follow the data (what torch.save writes)
 RUN_CHUNK = 16 << 20  # a run of storages is copied this much at a time, so verifying and flushing keep pace
@@ -47,10 +45,9 @@ RUN_CHUNK = 16 << 20  # a run of storages is copied this much at a time, so veri
 
 def _source_phase(source_offset: int, nbytes: int) -> tuple[int, int]:
     """(phase, align) for a copy of `nbytes` from `source_offset`: see FOLIO."""
-    if nbytes < PAGE_PHASE_MIN or source_offset % ALIGN:
+    if nbytes < FOLIO_PHASE_MIN or source_offset % ALIGN:
         return 0, ALIGN
-    align = FOLIO if nbytes >= FOLIO_PHASE_MIN else PAGE
-    return source_offset % align, align
+    return source_offset % FOLIO, FOLIO
 
 
 def _local_header(name: bytes, size: int, crc: int, at: int, phase: int = 0, align: int = ALIGN,
@@ -61,8 +58,8 @@ def _local_header(name: bytes, size: int, crc: int, at: int, phase: int = 0, ali
     extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
     base = 30 + len(name) + len(extra)
     pad = (phase - (at + base + 4)) % align
-    if len(extra) + 4 + pad > 0xFFFF:  # more than an extra field holds: settle for the phase within a page
-        pad = (phase - (at + base + 4)) % PAGE
+    if len(extra) + 4 + pad > 0xFFFF:  # more than an extra field holds: settle for torch's alignment
+        pad = (phase - (at + base + 4)) % ALIGN
     extra += struct.pack("<HH", 0x4B46, pad) + b"Z" * pad  # torch's own padding field ("FK")
     shown = _U32 if zip64 else size
     if flags & DESCRIPTOR:
@@ -118,7 +115,8 @@ class ZipOut:
         after `prev`): then both are copied as one range, headers and descriptors included. Returns the length
         of the descriptor between them (0 or 16), or None."""
         if prev.produce is not None or nxt.produce is not None or prev.source_fd != nxt.source_fd \
-                or prev.known_crc is None or nxt.known_crc is None or max(prev.nbytes, nxt.nbytes) >= _U32:
+                or prev.known_crc is None or nxt.known_crc is None or max(prev.nbytes, nxt.nbytes) >= _U32 \
+                or prev.source_offset % ALIGN or nxt.source_offset % ALIGN:  # (old files: copied one by one)
             return None
         name = f"{self.prefix}/data/{nxt.key}".encode()
         gap = self._descriptor_after(prev)
@@ -138,19 +136,20 @@ class ZipOut:
     def add_run(self, run: list[StorageOut], descriptor: int, progress: Progress | None,
                 written: WrittenRanges | None) -> None:
         """Storages that lie back to back in their source, copied as one range with the local headers (and data
-        descriptors, `descriptor` bytes after each) between them. The output sits a whole number of pages (of
-        FOLIOs, for a big run) from the source, and the copies end on FOLIO boundaries, 16 MB at a time, instead
-        of one call per storage with both ends anywhere. Each storage is still verified, and handed to `written`,
+        descriptors, `descriptor` bytes after each) between them. A big run sits a whole number of FOLIOs from
+        the source, and the copies end on FOLIO boundaries, 16 MB at a time, instead of one call per storage
+        with both ends anywhere. Each storage is still verified, and handed to `written`,
         as soon as its bytes are in."""
         first, last = run[0], run[-1]
         flags = 0x0800 | DESCRIPTOR if descriptor else 0  # as the source's headers: UTF-8 names, descriptors
         name = f"{self.prefix}/data/{first.key}".encode()
         header_at = self.pos
-        align = FOLIO if last.source_offset + last.nbytes - first.source_offset >= FOLIO_PHASE_MIN else PAGE
-        header = _local_header(name, first.nbytes, first.known_crc or 0, header_at, first.source_offset % align,
-                               align, flags)
+        # (continues() checked the source's headers are ours and its data aligned: the whole run stays aligned)
+        header = _local_header(name, first.nbytes, first.known_crc or 0, header_at,
+                               *_source_phase(first.source_offset, last.source_offset + last.nbytes
+                                              - first.source_offset), flags)
         write_bytes(self.fd, header_at, header)
-        shift = header_at + len(header) - first.source_offset  # a multiple of PAGE
+        shift = header_at + len(header) - first.source_offset  # a multiple of FOLIO for a big run
         copied, end = first.source_offset, last.source_offset + last.nbytes + self._descriptor_after(last)
         waiting = iter(run)
         pending = next(waiting, None)
