@@ -189,15 +189,21 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         tree: Any = state
         outs = list(state.values())
         if root == "" and select is None and fmt is OutputFormat.TORCH and isinstance(ckpt.root, dict):
-            # A flat state_dict with a few non-tensor entries (a version number, a config): keep them.
+            # A flat state_dict with a few other entries (a version number, a config): keep them as they were.
             full_records = {t.key: t for t in ckpt.tensors}
+            nested: set[str] = set()
             for key, value in ckpt.root.items():
                 path = key if isinstance(key, str) else str(key)
                 if not isinstance(value, RawTensor) and not _dropped(path, drops):
                     extra: list[OutTensor] = []
                     # (with root "" every tensor is in sd, so the loop above has listed the dropped ones)
                     tree[key] = _rebuild(value, path, "\0", state, full_records, drops, extra, out_tensor, set())
-                    outs += extra
+                    nested.update(o.source.key for o in extra)
+            if nested:  # tensors inside such an entry stay there, and are not written a second time as keys
+                for new in [k for k, o in state.items() if isinstance(o, OutTensor) and o.source.key in nested]:
+                    del state[new]
+                mapping = {old: new for old, new in mapping.items() if old not in nested}
+            outs = _out_tensors(tree)
         if _is_module_root(ckpt, root) and select is None:
             notes.append(f"whole-model pickle of {ckpt.model_class}: written as its state_dict")
     else:
@@ -293,6 +299,17 @@ def _rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]
             raise PlanError(f"{path or 'the file'} is a pickled {obj.ckd.ref.qualname if obj.ckd.ref else 'object'} "
                             f"holding tensors; write its weights alone with --select {path or '…'}")
     return obj
+
+
+def _out_tensors(obj: Any) -> list[OutTensor]:
+    """The OutTensors inside a rebuilt entry, in order."""
+    if isinstance(obj, OutTensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [o for v in obj for o in _out_tensors(v)]
+    return []
 
 
 def _dropped(path: str, drops: list[Transform]) -> bool:
