@@ -395,11 +395,12 @@ def test_big_storages_keep_their_phase_and_their_bytes(cli, tmp_path, flags):
 
 def test_entries_beside_a_flat_state_dict_keep_their_place(cli, tmp_path):
     # A state_dict at the top with a version and a nested dict of tensors: the nested tensors stay where they
-    # were (once), the renames act on the state_dict's own keys.
+    # were (once), the renames act on the state_dict's own keys, and every entry keeps its place in the order.
     state = {f"module.{name}": torch.full((2,), float(i)) for i, name in enumerate(["a", "b", "c"])}
-    torch.save({**state, "version": 2, "extra": {"inner": torch.arange(4)}}, tmp_path / "src.pt")
+    torch.save({"version": 2, "module.a": state["module.a"], "module.b": state["module.b"],
+                "extra": {"inner": torch.arange(4)}, "module.c": state["module.c"]}, tmp_path / "src.pt")
     assert cli("inspect", tmp_path / "src.pt", "--json").json()["state_dict_root"] == ""
     data = run_fix(cli, tmp_path / "src.pt", tmp_path / "out.pt", "--strip-module")
     out = torch.load(tmp_path / "out.pt", weights_only=True)
-    assert list(out) == ["a", "b", "c", "version", "extra"] and out["version"] == 2
+    assert list(out) == ["version", "a", "b", "extra", "c"] and out["version"] == 2
     assert bitwise_equal(out["extra"]["inner"], torch.arange(4)) and data["tensors"] == 4

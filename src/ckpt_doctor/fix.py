@@ -203,6 +203,8 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
                 for new in [k for k, o in state.items() if isinstance(o, OutTensor) and o.source.key in nested]:
                     del state[new]
                 mapping = {old: new for old, new in mapping.items() if old not in nested}
+            if not opts.reorder:  # the entries in the file's order, tensors and the rest as they were interleaved
+                tree = _in_source_order(tree, ckpt.root, mapping)
             outs = _out_tensors(tree)
         if _is_module_root(ckpt, root) and select is None:
             notes.append(f"whole-model pickle of {ckpt.model_class}: written as its state_dict")
@@ -299,6 +301,19 @@ def _rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]
             raise PlanError(f"{path or 'the file'} is a pickled {obj.ckd.ref.qualname if obj.ckd.ref else 'object'} "
                             f"holding tensors; write its weights alone with --select {path or '…'}")
     return obj
+
+
+def _in_source_order(tree: "OrderedDict[Any, Any]", source: dict, mapping: dict[str, str]) -> "OrderedDict[Any, Any]":
+    """`tree`'s entries in the order their sources have in `source` (a tensor's under its new name); any other
+    entry after them."""
+    ordered: OrderedDict[Any, Any] = OrderedDict()
+    for key in source:
+        name = mapping.get(key if isinstance(key, str) else str(key), key)
+        if name in tree and name not in ordered:
+            ordered[name] = tree[name]
+    for name, value in tree.items():
+        ordered.setdefault(name, value)
+    return ordered
 
 
 def _out_tensors(obj: Any) -> list[OutTensor]:
