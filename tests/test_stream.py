@@ -71,6 +71,17 @@ def test_read_back_crc_across_windows(source, monkeypatch, offset, nbytes):
     assert crc_range(source, offset, nbytes) == zlib.crc32(SOURCE[offset:offset + nbytes])
 
 
+def test_read_back_without_mmap_reads_instead(source, monkeypatch):
+    def no_mmap(*args, **kwargs):
+        raise OSError(19, "No such device")  # what a filesystem without mmap says
+
+    monkeypatch.setattr(stream.mmap, "mmap", no_mmap)
+    monkeypatch.setattr(stream, "WINDOW", 3 * PAGE)
+    monkeypatch.setattr(stream, "COPY_BUFFER", 1000)
+    for offset, nbytes in ((0, len(SOURCE)), (5000, 70001), (123, 0)):
+        assert crc_range(source, offset, nbytes) == zlib.crc32(SOURCE[offset:offset + nbytes])
+
+
 def test_read_back_reports_each_range_that_differs(tmp_path):
     path = tmp_path / "out.bin"
     path.write_bytes(SOURCE)

@@ -107,18 +107,34 @@ def write_bytes(dst_fd: int, offset: int, data: bytes | memoryview) -> None:
 def crc_range(fd: int, offset: int, nbytes: int, progress: Progress | None = None) -> int:
     """crc32 of a range of a file, read through a window of mmap that moves along it: no byte is copied into
     Python (1.5 GB: 0.19 s here, against 0.34 s with pread into a reused buffer), and the resident pages stay
-    one window's worth whatever the size. For files this process wrote: one cut short under the map would fault."""
+    one window's worth whatever the size. For files this process wrote: one cut short under the map would fault.
+    Where the filesystem cannot map files, the window is read into a buffer instead."""
     crc = 0
     start, end = offset - offset % mmap.ALLOCATIONGRANULARITY, offset + nbytes
     while start < end:
         length = min(WINDOW, end - start)
-        with mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=start) as window:
-            skip = max(offset - start, 0)
-            with memoryview(window) as view:
-                crc = crc32(view[skip:], crc)
+        skip = max(offset - start, 0)
+        try:
+            with mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=start) as window:
+                with memoryview(window) as view:
+                    crc = crc32(view[skip:], crc)
+        except OSError:  # e.g. ENODEV: no mmap on this filesystem
+            crc = _crc_by_reading(fd, start + skip, length - skip, crc)
         if progress:
             progress.advance(length - skip)
         start += length
+    return crc
+
+
+def _crc_by_reading(fd: int, offset: int, nbytes: int, crc: int) -> int:
+    buffer = memoryview(bytearray(min(COPY_BUFFER, nbytes)))
+    done = 0
+    while done < nbytes:
+        n = _read_into(fd, buffer[:nbytes - done], offset + done)
+        if n == 0:
+            raise EOFError("file ended early")
+        crc = crc32(buffer[:n], crc)
+        done += n
     return crc
 
 
