@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .dtypes import FLOATING, element_size, torch_dtype_name
 from .errors import PlanError, UsageError, WriteError
-from .records import Checkpoint, Format, TensorRecord, relative_to_root
+from .records import Checkpoint, Format, TensorRecord, ancestors, relative_to_root
 from .transforms import Op, Transform, plan_keys
 from .tree import has_tensor, join
 from .unpickler import Opaque, RawTensor
@@ -155,8 +155,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     prefix = root + "." if root else ""
     kept, dropped = [], []
     # A --drop that names the state_dict itself, or a container above it, drops all of it.
-    parts = root.split(".") if root else []
-    whole = any(_dropped(".".join(parts[:i]), drops) for i in range(1, len(parts) + 1))
+    whole = any(_dropped(path, drops) for path in ancestors(root))
     for t in sd:
         if whole or _dropped(t.key, drops) or _dropped(prefix + t.key, drops):
             dropped.append(t.key)
@@ -347,8 +346,7 @@ def _tensors_under(cut: set[str], records: dict[str, TensorRecord], state_prefix
     for key in records:
         if state_prefix and key.startswith(state_prefix):
             continue
-        parts = key.split(".")
-        if any(".".join(parts[:i]) in cut for i in range(1, len(parts) + 1)):
+        if any(path in cut for path in ancestors(key)):
             found.append(key)
     return found
 

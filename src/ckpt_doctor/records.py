@@ -176,6 +176,12 @@ class Checkpoint:
         return tuple(relative_to_root(self.tensors, self.state_dict_root))
 
 
+def ancestors(path: str) -> list[str]:
+    """`a.b.c` -> [`a`, `a.b`, `a.b.c`]: a dotted path (a key, a module) and every path above it; none for ""."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
 def relative_to_root(tensors, root: str | None):
     if root is None:
         return []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .dtypes import ELEMENT_SIZE, STORAGE_CLASS_DTYPE
-from .records import Verdict
+from .records import Verdict, ancestors
 
 # Globals that rebuild tensors, storages and plain containers. The unpickler maps each to an inert
 # stand-in of its own; the real object is never imported.
@@ -77,10 +77,8 @@ def classify_global(module: str, name: str) -> tuple[Verdict, str]:
         return Verdict.DANGEROUS, f"builtins.{name} can run code or reach attributes"
     if qualname in DANGEROUS_NAMES:
         return Verdict.DANGEROUS, "loads another pickle, a file or code"
-    parts = module.split(".")
-    for i in range(1, len(parts) + 1):
-        if ".".join(parts[:i]) in DANGEROUS_MODULES:
-            return Verdict.DANGEROUS, f"module {module} can run code, touch files or the network"
+    if any(m in DANGEROUS_MODULES for m in ancestors(module)):
+        return Verdict.DANGEROUS, f"module {module} can run code, touch files or the network"
     if module.startswith("__torch__"):
         return Verdict.UNKNOWN, "TorchScript class (its code is not run)"
     if module.startswith("torch.nn.") or module.startswith("torch.optim"):
