@@ -69,19 +69,13 @@ def run_once(cmd: list[str]) -> tuple[float, float]:
 
 
 def measure(cmd: list[str], repeat: int = 3, before=None) -> tuple[float, float]:
-    """Best wall time in seconds over `repeat` runs, and the peak RSS in MB of the last run.
+    """Best wall time in seconds over `repeat` runs, and the highest peak RSS in MB among them.
 
     `before` runs untimed ahead of each run (e.g. remove the last output and flush dirty pages, so every run
     starts from the same state of the page cache).
     """
-    best = float("inf")
-    rss_mb = 0.0
-    for _ in range(repeat):
-        if before is not None:
-            before()
-        elapsed, rss_mb = run_once(cmd)
-        best = min(best, elapsed)
-    return best, rss_mb
+    times, rss_mb = measure_rounds({"": cmd}, repeat, before)[""]
+    return min(times), rss_mb
 
 
 def measure_rounds(cmds: dict[str, list[str]], rounds: int, before=None) -> dict[str, tuple[list[float], float]]:

@@ -351,16 +351,14 @@ def test_torch_output_is_a_valid_zip_whatever_is_copied_or_converted(cli, tmp_pa
 
 def _data_offsets(path) -> dict[str, int]:
     """Where each member's data starts, by its name inside the archive folder."""
-    import struct
-    import zipfile
+    from ckpt_doctor.readers.zipindex import read_zip_index
 
-    offsets = {}
-    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
-        for info in z.infolist():
-            f.seek(info.header_offset)
-            name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
-            offsets[info.filename.split("/", 1)[1]] = info.header_offset + 30 + name_len + extra_len
-    return offsets
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        members = read_zip_index(fd, os.fstat(fd).st_size, str(path))
+    finally:
+        os.close(fd)
+    return {name.split("/", 1)[1]: member.offset for name, member in members.items()}
 
 
 @pytest.mark.parametrize("flags", [(), ("--add-module",), ("--drop", r"^module\.1\."), ("--dtype", "float16")])
