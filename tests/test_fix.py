@@ -355,10 +355,10 @@ def _data_offsets(path) -> dict[str, int]:
 
     fd = os.open(path, os.O_RDONLY)
     try:
-        members = read_zip_index(fd, os.fstat(fd).st_size, str(path))
+        index = read_zip_index(fd, os.fstat(fd).st_size, str(path))
     finally:
         os.close(fd)
-    return {name.split("/", 1)[1]: member.offset for name, member in members.items()}
+    return {member.name.split("/", 1)[1]: member.offset for member in index.members}
 
 
 @pytest.mark.parametrize("flags", [(), ("--add-module",), ("--drop", r"^module\.1\."), ("--dtype", "float16")])

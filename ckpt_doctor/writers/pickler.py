@@ -8,8 +8,9 @@ from typing import Any, Callable
 
 from ..dtypes import element_size
 from ..errors import WriteError
-from ..records import TensorRecord, Verdict
-from ..unpickler import Device, DType, Opaque
+from ..records import TensorRecord
+from ..safepickle.policy import TORCH_WEIGHTS_ONLY, resolve, user_allowed
+from ..safepickle.unpickler import Device, DType, Opaque
 
 # Legacy typed storage class for each dtype; others are written as UntypedStorage + _rebuild_tensor_v3.
 STORAGE_CLASS = {
@@ -109,6 +110,8 @@ class Emitter:
             write(b"R")
         elif isinstance(obj, Opaque):
             self._opaque(obj)
+        elif isinstance(obj, type) and issubclass(obj, Opaque):
+            self._global_of(obj.__ref__)
         elif isinstance(obj, DType):
             self.global_("torch", obj.name)
         elif isinstance(obj, Device):
@@ -173,16 +176,23 @@ class Emitter:
             self.global_("collections", "OrderedDict")
             self.out.append(b")R\x87R")
 
-    def _opaque(self, obj: Opaque) -> None:
-        data = obj.ckd
-        ref = data.ref
+    def _global_of(self, ref) -> None:
+        """Name a global in the output: only what torch.load(weights_only=True) accepts, or what the user allowed
+        (fix.check_writable refuses the rest when planning; this is the last line)."""
         if ref is None:
             raise WriteError("the checkpoint holds an object of unknown origin that cannot be written back")
-        if ref.verdict is Verdict.DANGEROUS:
-            raise WriteError(f"the output would keep {ref.qualname}, a dangerous global; take only the weights "
-                             "with --select, or remove that entry with --drop")
-        self.unknown.append(ref.qualname)
-        self.global_(ref.module, ref.name)
+        module, name = resolve(ref.module, ref.name)
+        full = f"{module}.{name}"
+        if full not in TORCH_WEIGHTS_ONLY:
+            if full not in user_allowed():
+                raise WriteError(f"the output would name {full} ({ref.verdict.value}), which is not allowed; leave "
+                                 "that entry out with --drop")
+            self.unknown.append(full)
+        self.global_(module, name)
+
+    def _opaque(self, obj: Opaque) -> None:
+        data = obj.ckd
+        self._global_of(data.ref)
         self._tuple(tuple(data.args))
         self.out.append(b"R" if data.via_reduce else b"\x81")
         if data.items:
@@ -229,7 +239,7 @@ def _ints_op(items: tuple[int, ...]) -> bytes:
 
 
 def dumps(obj: Any) -> tuple[bytes, list[str]]:
-    """The pickle bytes, and the unknown (not allow-listed) globals they name."""
+    """The pickle bytes, and the globals beyond torch's weights_only list they name (allowed with --allow-global)."""
     emitter = Emitter()
     emitter.emit(obj)
     return emitter.getvalue(), sorted(set(emitter.unknown))

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .dtypes import FLOATING, element_size, torch_dtype_name
 from .errors import PlanError, UsageError, WriteError
-from .records import Checkpoint, Format, TensorRecord, ancestors, relative_to_root
+from .records import Checkpoint, Format, TensorRecord, Verdict, ancestors, relative_to_root
 from .transforms import Op, Transform, plan_keys
 from .tree import has_tensor, join
-from .unpickler import Opaque, RawTensor
+from .safepickle.unpickler import Opaque, RawTensor
 from .writers.atomic import atomic_output, check_destination
 from .writers.pickler import TensorOut, dumps
 from .writers.safetensors_writer import TensorBytes, write_safetensors
@@ -299,7 +299,51 @@ def _rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]
         if has_tensor(obj):
             raise PlanError(f"{path or 'the file'} is a pickled {obj.ckd.ref.qualname if obj.ckd.ref else 'object'} "
                             f"holding tensors; write its weights alone with --select {path or '…'}")
+        check_writable(obj, path)
+    elif isinstance(obj, type) and issubclass(obj, Opaque):
+        check_writable(obj, path)
     return obj
+
+
+def check_writable(obj: Any, path: str) -> None:
+    """Refuse (exit 2) an object the output would have to name a global for, unless torch.load(weights_only=True)
+    accepts that global or the user allowed it: fix never writes what the allow-list does not hold."""
+    from .safepickle.policy import TORCH_WEIGHTS_ONLY, resolve, user_allowed
+
+    for ref in _refs_in(obj):
+        module, name = resolve(ref.module, ref.name)
+        full = f"{module}.{name}"
+        if full in TORCH_WEIGHTS_ONLY or full in user_allowed():
+            continue
+        where = path or "the file's root"
+        drop = f"--drop '^{re.escape(path)}$'" if path else "--select PATH"
+        keep = "" if ref.verdict is Verdict.DANGEROUS else f", or keep it with --allow-global {full}"
+        raise PlanError(f"{where} holds a {full} ({ref.verdict.value}: {ref.reason}); torch.load(weights_only=True) "
+                        f"refuses it and ckpt-doctor does not write it. Leave it out with {drop}{keep}")
+
+
+def _refs_in(obj: Any) -> list:
+    """The globals an object of the unpickled tree would be written with (its class, and those of its parts)."""
+    refs, stack, seen = [], [obj], set()
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, type) and issubclass(item, Opaque):
+            if item.__ref__ is not None:
+                refs.append(item.__ref__)
+        elif isinstance(item, Opaque):
+            data = item.ckd
+            if data.ref is not None:
+                refs.append(data.ref)
+            stack.extend([data.args, data.kwargs, data.state, data.items, data.dictitems])
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+    return refs
 
 
 def _in_source_order(tree: "OrderedDict[Any, Any]", source: dict, mapping: dict[str, str]) -> "OrderedDict[Any, Any]":

@@ -8,9 +8,9 @@ import pickle
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Iterator
 
-from .dtypes import STORAGE_CLASS_DTYPE, element_size, torch_dtype_name
-from .records import GlobalRef, Verdict
-from .safety import TENSOR_REBUILDERS, classify_global
+from ..dtypes import STORAGE_CLASS_DTYPE, element_size, torch_dtype_name
+from . import limits
+from .policy import TENSOR_REBUILDERS, GlobalRef, Verdict, classify, resolve
 
 
 class Opaque:
@@ -273,9 +273,51 @@ _REBUILDERS: dict[str, Callable[..., Any]] = {
     "_rebuild_device_tensor_from_cpu_tensor": _rebuild_device_tensor_from_cpu_tensor,
 }
 
+def _set(items=(), *rest):
+    if type(items) not in (list, tuple, set, frozenset):
+        raise TypeError("set of something other than a list")
+    return set(items)
+
+
+def _frozenset(items=(), *rest):
+    return frozenset(_set(items))
+
+
+def _bytearray(source=b"", encoding=None, *rest):
+    # Only from bytes or text the pickle holds: bytearray(10**12) would allocate a terabyte.
+    if type(source) is str and encoding in ("latin1", "latin-1", "utf-8", "ascii"):
+        return bytearray(source.encode(encoding))
+    if type(source) in (bytes, bytearray):
+        return bytearray(source)
+    if type(source) is list and all(type(b) is int and 0 <= b < 256 for b in source):
+        return bytearray(source)
+    raise TypeError("bytearray of something other than bytes")
+
+
+def _complex(real=0.0, imag=0.0, *rest):
+    if type(real) not in (int, float) or type(imag) not in (int, float):
+        raise TypeError("complex of something other than numbers")
+    return complex(real, imag)
+
+
+def _mapping(kind):
+    def build(items=(), *rest, **kwargs):
+        # Only from containers the pickle holds (never a lazy range that could count to 10**18).
+        if type(items) not in (list, tuple, dict):
+            raise TypeError(f"{kind.__name__} of something other than a list or dict")
+        return kind(items)
+
+    return build
+
+
+def _defaultdict(factory=None, *rest):
+    return {}  # the factory is never called; the items arrive by SETITEMS
+
+
 _SAFE_CALLABLES: dict[str, Any] = {
-    "collections.OrderedDict": OrderedDict,
-    "collections.Counter": Counter,
+    "collections.OrderedDict": OrderedDict,  # torch writes OrderedDict() and fills it by SETITEMS
+    "collections.Counter": _mapping(Counter),
+    "collections.defaultdict": _defaultdict,
     "torch.Size": _size,
     "torch.device": _device,
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
@@ -287,9 +329,8 @@ _SAFE_CALLABLES: dict[str, Any] = {
     "torch.jit._pickle.build_tensorlist": lambda x: x,
     "torch.jit._pickle.build_genericlist": lambda x: x,
     "torch.jit._pickle.restore_type_tag": lambda value, type_str=None: value,
-    "builtins.set": set, "builtins.frozenset": frozenset, "builtins.bytearray": bytearray,
-    "builtins.complex": complex, "builtins.slice": slice, "builtins.range": range,
-    "__builtin__.set": set, "__builtin__.frozenset": frozenset,
+    "builtins.set": _set, "builtins.frozenset": _frozenset, "builtins.bytearray": _bytearray,
+    "builtins.complex": _complex, "builtins.slice": slice,
 }
 
 
@@ -306,9 +347,6 @@ def _lenient(func: Callable[..., Any], ref: GlobalRef, notes: list[str]) -> Call
     return call
 
 
-MEMORY_HEADROOM = 4 << 30  # what one pickle may allocate beyond what the process already uses
-
-
 @contextlib.contextmanager
 def memory_guard() -> Iterator[None]:
     """Cap the address space while a pickle is read, so a memo or allocation bomb is a MemoryError, not an OOM kill."""
@@ -321,7 +359,7 @@ def memory_guard() -> Iterator[None]:
     except (ImportError, OSError, ValueError):
         yield
         return
-    cap = used + MEMORY_HEADROOM
+    cap = used + limits.UNPICKLE_HEADROOM
     if hard != resource.RLIM_INFINITY:
         cap = min(cap, hard)
     if soft != resource.RLIM_INFINITY and soft <= cap:
@@ -342,20 +380,24 @@ class SafeUnpickler(pickle.Unpickler):
     """
 
     def __init__(self, file: io.BufferedIOBase, source: str,
-                 resolve_storage: Callable[[StorageRef], None] | None = None) -> None:
+                 resolve_storage: Callable[[StorageRef], None] | None = None,
+                 persistent: Callable[[Any], Any] | None = None) -> None:
         super().__init__(file, encoding="utf-8", errors="surrogateescape")
         self.source = source
         self.globals: list[GlobalRef] = []
         self.storages: dict[str, StorageRef] = {}
         self.notes: list[str] = []
         self._resolve_storage = resolve_storage
+        self._persistent = persistent  # a format's own persistent ids (the tar format's integers)
+        self.length = file.getbuffer().nbytes if isinstance(file, io.BytesIO) else 0  # bounds the tree walk
 
     def find_class(self, module: str, name: str) -> Any:
-        verdict, reason = classify_global(module, name)
+        verdict, reason = classify(module, name)
         ref = GlobalRef(module, name, verdict, reason, self.source)
         self.globals.append(ref)
         if verdict is Verdict.SAFE:
-            qual = ref.qualname
+            module, name = resolve(module, name)
+            qual = f"{module}.{name}"
             if module == "torch._utils" and name in TENSOR_REBUILDERS:
                 func = _REBUILDERS.get(name)
                 return _lenient(func, ref, self.notes) if func else _opaque_class(ref)
@@ -375,6 +417,10 @@ class SafeUnpickler(pickle.Unpickler):
             return super().load()
 
     def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is not None:
+            return self._persistent(pid)
+        if type(pid) is tuple and len(pid) >= 2 and pid[0] == "module":
+            return pid[1]  # a legacy whole-model pickle's container class (torch returns it as is)
         if type(pid) is tuple and len(pid) >= 5 and pid[0] == "storage":
             storage_type, key, location, numel = pid[1:5]
             view = pid[5] if len(pid) > 5 else None

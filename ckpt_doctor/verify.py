@@ -390,7 +390,8 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
     if gpus < 1:
         raise UsageError("--gpus must be at least 1")
     checkpoint = read_checkpoint(ckpt)
-    checkpoint.refuse_if_unsafe("verify it — nothing from it was loaded or run")
+    checkpoint.refuse_if_unsafe("verify it — nothing from it was loaded or run",
+                                f"Rescue its weights first: ckpt-doctor fix {ckpt} -o clean.pt, then verify clean.pt")
     model = build_model(model_spec, model_args, "cpu")
     comparison = compare_checkpoint(checkpoint, model_keys(model, model_spec))
     if not comparison.strict_ok:

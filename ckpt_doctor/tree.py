@@ -7,10 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import ReadError
-from .unpickler import Opaque, RawTensor, _Token
-
-MAX_NODES = 1_000_000  # a pickle that expands past this is a bomb, not a checkpoint
-MAX_METADATA = 2_000
+from .safepickle import limits
+from .safepickle.unpickler import Opaque, RawTensor, _Token
 
 # Names under which training checkpoints keep the model's weights, most telling first.
 STATE_DICT_NAMES = ("state_dict", "model_state_dict", "model_state", "model", "module", "net", "network",
@@ -33,8 +31,22 @@ class Flat:
 
 
 def join(prefix: str, name: Any) -> str:
-    name = name if isinstance(name, str) else str(name)
-    return f"{prefix}.{name}" if prefix else name
+    name = name if isinstance(name, str) else _key_text(name)
+    key = f"{prefix}.{name}" if prefix else name
+    if len(key) > limits.MAX_KEY_LENGTH:
+        raise ReadError(f"a key path is longer than {limits.MAX_KEY_LENGTH:,} characters ({key[:60]}…); refusing "
+                        "to list it (one long key reused at every level of nested containers?)")
+    return key
+
+
+def _key_text(name: Any) -> str:
+    if isinstance(name, int) and not isinstance(name, bool) and name.bit_length() > 64:
+        return f"<int of {name.bit_length()} bits>"
+    if isinstance(name, (str, int, float, bool)) or name is None:
+        return str(name)
+    if isinstance(name, (bytes, bytearray)):
+        return repr(bytes(name[:64]))
+    return f"<{type(name).__name__}>"
 
 
 def _is_module(obj: Opaque) -> bool:
@@ -47,7 +59,7 @@ def _leaf_value(value: Any) -> Any:
         if isinstance(value, str) and len(value) > 200:
             return value[:200] + "…"
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**63:
-            return str(value)
+            return str(value) if value.bit_length() < 1000 else f"<int of {value.bit_length()} bits>"
         return value
     if isinstance(value, (bytes, bytearray)):
         return f"<{len(value)} bytes>"
@@ -60,34 +72,52 @@ def _leaf_value(value: Any) -> Any:
 
 
 class Walker:
-    def __init__(self, ts_members: TorchScriptMembers | None = None) -> None:
+    def __init__(self, ts_members: TorchScriptMembers | None = None, max_nodes: int | None = None) -> None:
         self.flat = Flat()
         self.nodes = 0
+        self.max_nodes = max_nodes if max_nodes is not None else limits.max_tree_nodes(0)
         self.ts_members = ts_members
         self._ancestors: set[int] = set()
+        self._seen: dict[int, str] = {}  # containers walked, by id: a shared sub-tree is walked again only for tensors
+        self._has_tensor: dict[int, bool] = {}
+        self._sizes: dict[int, int] = {}
 
     def walk(self, obj: Any, path: str) -> None:
         self.nodes += 1
-        if self.nodes > MAX_NODES:
-            raise ReadError(f"the pickle expands to more than {MAX_NODES:,} objects; refusing to walk it "
+        if self.nodes > self.max_nodes:
+            raise ReadError(f"the pickle expands to more than {self.max_nodes:,} objects; refusing to walk it "
                             "(a pickle bomb, or not a checkpoint)")
         if isinstance(obj, RawTensor):
+            if len(self.flat.tensors) >= limits.MAX_TENSORS:
+                raise ReadError(f"more than {limits.MAX_TENSORS:,} tensors; refusing to list them")
             self.flat.tensors.append((path, obj))
             return
         if isinstance(obj, (dict, list, tuple, Opaque)):
-            if id(obj) in self._ancestors:
+            key = id(obj)
+            if key in self._ancestors:
                 self._meta(path, "<cycle>")
                 return
-            self._ancestors.add(id(obj))
+            first = self._seen.get(key)
+            if first is not None and not has_tensor(obj, self._has_tensor):
+                # Listed once; still counted whole, so a few KB of shared lists cannot pass for a small tree.
+                self.nodes += tree_size(obj, self._sizes) - 1
+                if self.nodes > self.max_nodes:
+                    raise ReadError(f"the pickle expands to more than {self.max_nodes:,} objects through shared "
+                                    "references (a pickle bomb); refusing to walk it")
+                self._meta(path, f"<the same object as {first or 'the root'}>")
+                return
+            if first is None and (not isinstance(obj, (list, tuple, dict)) or obj):
+                self._seen[key] = path
+            self._ancestors.add(key)
             try:
                 self._container(obj, path)
             finally:
-                self._ancestors.discard(id(obj))
+                self._ancestors.discard(key)
             return
         self._meta(path, obj)
 
     def _meta(self, path: str, value: Any) -> None:
-        if len(self.flat.metadata) >= MAX_METADATA:
+        if len(self.flat.metadata) >= limits.MAX_METADATA:
             self.flat.metadata_truncated += 1
         else:
             self.flat.metadata[path] = _leaf_value(value)
@@ -132,7 +162,7 @@ class Walker:
             elif isinstance(part, tuple) and part is data.state and len(part) == 2 and isinstance(part[0], dict):
                 for key, value in part[0].items():  # (dict state, slots state)
                     self.walk(value, join(path, key))
-            elif has_tensor(part):
+            elif has_tensor(part, self._has_tensor):
                 self.walk(part, path)
             else:
                 continue
@@ -186,23 +216,71 @@ class Walker:
                     self.walk(value, join(path, name))
 
 
-def has_tensor(obj: Any, depth: int = 0) -> bool:
-    if isinstance(obj, RawTensor):
-        return True
-    if depth > 6:
-        return False
-    if isinstance(obj, dict):
-        return any(has_tensor(v, depth + 1) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(has_tensor(v, depth + 1) for v in obj)
-    if isinstance(obj, Opaque):
-        d = obj.ckd
-        return any(has_tensor(p, depth + 1) for p in (d.args, d.state, d.items))
+def has_tensor(obj: Any, memo: dict[int, bool] | None = None) -> bool:
+    """Whether a tensor is anywhere under `obj`. With a `memo` shared across calls, each sub-tree is looked at
+    once however often it is shared; no recursion, as a pickle can nest containers 100,000 deep."""
+    memo = {} if memo is None else memo
+    known = memo.get(id(obj))
+    if known is not None:
+        return known
+    stack = [obj]
+    visited: list[int] = []
+    while stack:
+        item = stack.pop()
+        if isinstance(item, RawTensor):
+            for key in visited:  # marked tensor-free on the way down: not known after all
+                memo.pop(key, None)
+            memo[id(obj)] = True
+            return True
+        if not isinstance(item, (dict, list, tuple, Opaque)) or memo.get(id(item)) is not None:
+            if memo.get(id(item)):
+                memo[id(obj)] = True
+                return True
+            continue
+        memo[id(item)] = False
+        visited.append(id(item))
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        else:
+            d = item.ckd
+            stack.extend((d.args, d.state, d.items, d.kwargs, d.dictitems))
     return False
 
 
-def flatten(root: Any, ts_members: TorchScriptMembers | None = None) -> Flat:
-    walker = Walker(ts_members)
+def _children(item: Any) -> list:
+    if isinstance(item, dict):
+        return list(item.values())
+    if isinstance(item, (list, tuple)):
+        return list(item)
+    if isinstance(item, Opaque):
+        d = item.ckd
+        return [d.args, d.state, d.items, d.kwargs, d.dictitems]
+    return []
+
+
+def tree_size(obj: Any, memo: dict[int, int]) -> int:
+    """How many objects `obj` would count as a tree (shared sub-trees counted each time they appear), computed once
+    per distinct object: a billion-laughs pickle gets its true, astronomical size in a few steps."""
+    if id(obj) in memo:
+        return memo[id(obj)]
+    stack: list[tuple[Any, bool]] = [(obj, False)]
+    while stack:
+        item, done = stack.pop()
+        if not isinstance(item, (dict, list, tuple, Opaque)):
+            continue
+        if done:
+            memo[id(item)] = 1 + sum(memo.get(id(c), 1) for c in _children(item))
+        elif id(item) not in memo:
+            memo[id(item)] = 1  # in progress: a cycle counts once
+            stack.append((item, True))
+            stack.extend((c, False) for c in _children(item) if id(c) not in memo)
+    return memo[id(obj)]
+
+
+def flatten(root: Any, ts_members: TorchScriptMembers | None = None, max_nodes: int | None = None) -> Flat:
+    walker = Walker(ts_members, max_nodes)
     walker.walk(root, "")
     return walker.flat
 

@@ -57,6 +57,7 @@ def fix_summary(plan: FixPlan, result: FixResult | None) -> list[str]:
                      f"index {result.plan.output.name}")
     lines += [f"note: {n}" for n in plan.notes]
     if result and result.unknown_globals:
-        lines.append(f"warning: the output keeps {', '.join(result.unknown_globals)} (from the input's metadata); "
-                     "torch.load(weights_only=True) will refuse it — remove it with --drop or --select the weights")
+        names = ", ".join(result.unknown_globals)
+        lines.append(f"note: the output names {names}, allowed with --allow-global; load it with "
+                     f"torch.serialization.safe_globals([{names}]) around torch.load(weights_only=True)")
     return lines

@@ -12,7 +12,8 @@ from ..dtypes import ELEMENT_SIZE, element_size
 from ..errors import CkptDoctorError, ReadError
 from ..records import Checkpoint, Format, GlobalRef, StorageRecord, TensorRecord, fast_new, span_elements
 from ..tree import Flat, TorchScriptMembers, find_state_dict_root, flatten
-from ..unpickler import RawTensor, SafeUnpickler, StorageRef
+from ..safepickle import limits
+from ..safepickle.unpickler import RawTensor, SafeUnpickler, StorageRef
 
 # What a corrupt or hostile pickle can raise from inside the C unpickler; each becomes one ReadError.
 PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
@@ -57,8 +58,9 @@ def tensor_record(path: Path, key: str, raw: RawTensor) -> TensorRecord:
 def build_checkpoint(path: Path, fmt: Format, root: Any, unpicklers: list[SafeUnpickler],
                      ts_members: TorchScriptMembers | None = None, notes: tuple[str, ...] = (),
                      extra_globals: tuple[GlobalRef, ...] = ()) -> Checkpoint:
+    budget = limits.max_tree_nodes(sum(u.length for u in unpicklers))
     try:
-        flat: Flat = flatten(root, ts_members)
+        flat: Flat = flatten(root, ts_members, budget)
     except RecursionError as exc:
         raise ReadError(f"{path}: the pickle nests too deeply to be a checkpoint") from exc
     except ReadError as exc:

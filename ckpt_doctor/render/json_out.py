@@ -45,8 +45,10 @@ def inspect_json(report: InspectReport) -> dict[str, Any]:
         "prefix_details": [{"prefix": p.prefix, "where": p.where, "count": p.count, "of": p.total}
                            for p in report.prefixes],
         "metadata": ckpt.metadata,
+        "verdict": ckpt.verdict.value,
         "unsafe_globals": [g.qualname for g in ckpt.unsafe_globals],
         "globals": [global_json(g) for g in ckpt.globals if g.verdict.value != "safe"],
+        "hazards": [{"verdict": h.verdict.value, "what": h.what} for h in ckpt.hazards],
         "tensor_count": len(ckpt.tensors),
         "parameter_count": report.parameter_count,
         "total_bytes": report.total_bytes,

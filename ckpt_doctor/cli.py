@@ -33,6 +33,19 @@ def say(line: str = "", *, color: str | None = None, no_color: bool = False) -> 
     click.echo(line, err=True)
 
 
+allow_global_option = click.option(
+    "--allow-global", "allow_global", multiple=True, metavar="MODULE.NAME",
+    help="Also accept this global as safe (repeatable), as torch.serialization.add_safe_globals does: for your own "
+         "config classes. Names known to run code (os, sys, eval, …) cannot be allowed.")
+
+
+def _allow(names: tuple[str, ...]) -> None:
+    if names:
+        from .safepickle.policy import allow_globals
+
+        allow_globals(names)
+
+
 def handle_errors(func: Callable[..., int]) -> Callable[..., None]:
     """One `Error: …` line and exit 2 for every failure; tracebacks only with CKPT_DOCTOR_DEBUG=1."""
 
@@ -94,17 +107,20 @@ def main() -> None:
 @click.option("--min-loaded", type=click.FloatRange(0, 1), metavar="FRACTION",
               help="Fail unless at least this share of the model's parameters (by elements) is filled, e.g. 0.99.")
 @click.option("--values", is_flag=True, help="With a reference checkpoint as --model: max |difference| per tensor.")
+@allow_global_option
 @click.option("--no-color", is_flag=True, help="No colour on stderr (NO_COLOR is honoured too).")
 @handle_errors
 def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bool, model_spec: str | None,
             model_args: tuple[str, ...], allow_missing: str | None, allow_unexpected: str | None,
-            min_loaded: float | None, values: bool, no_color: bool) -> int:
+            min_loaded: float | None, values: bool, allow_global: tuple[str, ...], no_color: bool) -> int:
     """Show what a checkpoint holds: keys, shapes, dtypes, saved devices, prefixes, metadata, unsafe globals.
 
     CKPT is a file (torch zip, legacy torch, TorchScript, safetensors, a pickle) or a folder (a shard
     index with its shards, a Hugging Face model folder). The format is found from the bytes. Nothing in
-    the file is run: pickles are read by an unpickler that imports nothing; globals the file names are
-    listed, and dangerous ones (os, subprocess, eval, …) make the exit code 1.
+    the file is run: pickles are read by an unpickler that imports nothing. Every global off the
+    allow-list is listed with its verdict — code (a class torch.load would import and call, e.g. a
+    whole pickled model) or dangerous (os, subprocess, eval, …) — and makes the exit code 1, exactly
+    as `ckpt-doctor scan` judges the file; the tensors are listed all the same.
 
     With --model, the table gives a verdict per key (matched, missing, unexpected, shape mismatch, dtype
     differs), the summary says what share of the model a load would fill, and prints the exact
@@ -123,6 +139,7 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
     # A short-lived process building an acyclic tree of ~10 objects per tensor: the cycle collector would walk
     # it over and over (a fifth of the time for 20,000 tensors) and never free anything.
     gc.disable()
+    _allow(allow_global)
     if model_args and not model_spec:
         raise UsageError("--model-arg needs --model")
     args = None
@@ -142,12 +159,9 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
 
         click.echo(inspect_table(report, full=full))
         for line in inspect_summary(report, full=full):
-            say(line, color="red" if line.startswith(("UNSAFE", "values", "batchnorm", "verdict  strict load F"))
-                else None,
+            say(line, color="red" if line.startswith(("DANGEROUS", "CODE", "safety", "values", "batchnorm",
+                                                      "verdict  strict load F")) else None,
                 no_color=no_color)
-    if report.checkpoint.unsafe_globals and not as_json:
-        say(f"{len(report.checkpoint.unsafe_globals)} dangerous global(s): never load this file with "
-            "weights_only=False", color="red", no_color=no_color)
     return 1 if report.has_problems else 0
 
 
@@ -183,15 +197,17 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
               "write nothing.")
 @click.option("--force", is_flag=True, help="Replace an existing output; accept an ambiguous --map-by-order.")
 @click.option("--no-verify", is_flag=True, help="Skip re-reading the output (not recommended).")
-@click.option("--allow-unsafe", is_flag=True, help="Rewrite a file that names dangerous globals, keeping only what "
-              "is safe to write (nothing from the file is ever run).")
+@click.option("--allow-unsafe", is_flag=True, help="Rewrite a file that names dangerous globals, keeping only its "
+              "tensors and plain data (nothing from the file is ever run or written back).")
+@allow_global_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @handle_errors
 def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_prefix: tuple[str, ...],
         add_prefix: tuple[str, ...], rename: tuple[str, ...], drop: tuple[str, ...], select: str | None,
         map_location: tuple[str, ...], dtype: str | None, model_spec: str | None, model_args: tuple[str, ...],
         auto: bool, reorder: bool, map_by_order: bool, format_: str | None, max_shard_size: str | None,
-        dry_run: bool, force: bool, no_verify: bool, allow_unsafe: bool, as_json: bool) -> int:
+        dry_run: bool, force: bool, no_verify: bool, allow_unsafe: bool, allow_global: tuple[str, ...],
+        as_json: bool) -> int:
     """Repair a checkpoint into a file that loads: rename keys, pick the state_dict, drop, re-tag, convert.
 
     The input is never modified. The output is written to a temporary file beside it, fsynced, re-read
@@ -222,6 +238,7 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
 
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit becomes EFBIG, reported, not a crash
+    _allow(allow_global)
     steps: list[T.Transform] = []
     if strip_module:
         steps.append(T.strip_prefix("module."))
@@ -239,8 +256,9 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     fmt = output_format(out_path, OutputFormat(format_) if format_ else None)
     checkpoint = read_checkpoint(ckpt)
     if not allow_unsafe:
+        # A whole pickled model (code: its classes) is what fix rescues; what is known to be dangerous needs consent.
         checkpoint.refuse_if_unsafe("rewrite it", "To keep only its tensors, add --allow-unsafe --select PATH "
-                                                  "(dangerous objects are never written)")
+                                                  "(nothing it names is ever written)", code_too=False)
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
     if not dry_run and shard_bytes is None:
         check_destination(out_path, checkpoint.files, force)
@@ -296,11 +314,12 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
 @click.option("--summary", is_flag=True, help="Each module's output shape and parameter count.")
 @click.option("--compare-to", metavar="OTHER_CKPT", help="The first module whose output differs between the two "
               "checkpoints (finds a layer a mapping by order got wrong).")
+@allow_global_option
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
 def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes: tuple[str, ...], input_dtype: str,
            input_range: str, input_fn: str | None, gpus: int, modes: str, timeout: float, allow_skip: bool,
-           summary: bool, compare_to: str | None, as_json: bool) -> int:
+           summary: bool, compare_to: str | None, allow_global: tuple[str, ...], as_json: bool) -> int:
     """Prove a checkpoint works: strict load, then run it alone, under DataParallel and under DDP.
 
     \b
@@ -319,6 +338,7 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
     from .modelspec import parse_model_args
     from .verify import InputSpec, check_torchrun, parse_modes, parse_shape, verify as run_verify
 
+    _allow(allow_global)
     low, _, high = input_range.partition(",")
     try:
         bounds = (int(low), int(high))
@@ -383,38 +403,56 @@ def _report_verify(report, as_json: bool, compare_to: str | None) -> int:
 @click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
 @click.option("--all", "show_all", is_flag=True, help="List allow-listed globals too.")
+@allow_global_option
+@click.option("--no-color", is_flag=True, help="No colour on stderr (NO_COLOR is honoured too).")
 @handle_errors
-def scan(paths: tuple[str, ...], as_json: bool, show_all: bool) -> int:
-    """List every global every pickle in the files names, with a verdict: safe, unknown or dangerous.
+def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, allow_global: tuple[str, ...], no_color: bool) -> int:
+    """Would torch.load(weights_only=False) run code from these files? Every global every pickle names, judged.
 
-    Reads each zip member pickle (data.pkl, constants.pkl, any other), every pickle of a legacy file,
-    pickles concatenated or nested inside others, and a zip appended after a pickle. Nothing is imported
-    or called. Folders are scanned recursively. TorchScript code/ is reported as executable content.
+    \b
+    safe       on the allow-list: torch.load(weights_only=True)'s own list, a few inert records of
+               the formats ckpt-doctor reads (DCP metadata, DeepSpeed, argparse.Namespace, numpy
+               arrays), and names given with --allow-global
+    code       anything else: a class or function torch.load would import and call (a pickled
+               whole model, a user class, a TorchScript archive)
+    dangerous  known to run commands, evaluate text, touch files or the network, or unpickle more
 
-    Exit 1 if anything is dangerous; 2 if a path is missing, unreadable, or a folder holds nothing to scan.
+    Pickles are found wherever they hide: data.pkl and every other pickle member of a zip, all five
+    pickles of a legacy file and what follows its storages, the members of a pre-0.4 tar, pickles after
+    a STOP or inside byte strings. Nothing is imported or called. Folders are scanned recursively,
+    symlinks followed (a Hugging Face cache snapshot), every file sniffed by its content whatever its
+    name; the verdict is the worst file's.
+
+    \b
+    ckpt-doctor scan downloaded.pth
+    ckpt-doctor scan ~/.cache/huggingface/hub/models--org--name/snapshots/ --json
+
+    Exit 1 if anything is code or dangerous; 2 if a path is missing or unreadable, a checkpoint is corrupt,
+    or a folder holds nothing to scan.
     """
     from .render.scan_out import scan_json, scan_summary, scan_table
     from .scan import scan as run_scan
 
-    report, problems = run_scan(list(paths))
+    _allow(allow_global)
+    report = run_scan(list(paths))
     if as_json:
         from .render.json_out import dumps
 
-        click.echo(dumps(scan_json(report, problems)))
+        click.echo(dumps(scan_json(report)))
     elif report.files:
         click.echo(scan_table(report, show_all))
-    broken = [f.error for f in report.files if f.error and f.format is None and not f.dangerous]
-    if not report.dangerous and (problems or broken) and len(report.files) + len(problems) == 1:
-        say(f"Error: {(problems + broken)[0]}", color="red")  # one unreadable path: one line, as everywhere
+    if report.exit_code == 2 and len(report.files) + len(report.problems) == 1:
+        say(f"Error: {report.errors[0]}", color="red", no_color=no_color)  # one unreadable path: one line, as everywhere
         return 2
     for line in scan_summary(report):
-        say(line, color="red" if "DANGEROUS" in line else None)
-    for problem in problems:
-        say(f"Error: {problem}", color="red")
-    if report.dangerous:
-        say(f"{report.dangerous} dangerous global(s): loading with weights_only=False would run them", color="red")
-        return 1
-    return 2 if problems or broken else 0
+        say(line, color="red" if " — DANGEROUS" in line or " — CODE" in line else None, no_color=no_color)
+    for problem in report.problems:
+        say(f"Error: {problem}", color="red", no_color=no_color)
+    if report.exit_code == 1:
+        say(f"{report.findings} finding(s): torch.load(weights_only=False) would run code from "
+            f"{sum(1 for f in report.files if f.exit_code == 1)} file(s); load them with weights_only=True or "
+            "rescue their tensors with `ckpt-doctor fix`", color="red", no_color=no_color)
+    return report.exit_code
 
 
 def progress_bar():

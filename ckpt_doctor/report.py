@@ -9,7 +9,7 @@ from typing import Any
 from .analyze import PrefixFinding, find_prefixes, parameter_count, shared_groups
 from .errors import UsageError
 from .readers import read_checkpoint
-from .records import Checkpoint, SharedGroup, TensorRecord
+from .records import Checkpoint, SharedGroup, TensorRecord, Verdict
 from .devices import missing_devices
 
 
@@ -35,7 +35,8 @@ class InspectReport:
     def has_problems(self) -> bool:
         bad_values = bool(self.stats) and any(s is not None and (s.nan or s.inf) for s in self.stats.values())
         mismatch = self.comparison is not None and not self.comparison.ok
-        return bool(self.checkpoint.unsafe_globals) or bad_values or bool(self.batchnorm_at_init) or mismatch
+        unsafe = self.checkpoint.verdict is not Verdict.SAFE
+        return unsafe or bad_values or bool(self.batchnorm_at_init) or mismatch
 
 
 def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | None = None,

@@ -92,13 +92,7 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         lines.append(("shared", f"… {len(report.shared) - 5} more groups (--full)"))
     if ckpt.non_persistent:
         lines.append(("non-persistent", ", ".join(ckpt.non_persistent) + " (in the pickle, not in state_dict)"))
-    unknown = ckpt.unknown_globals
-    if unknown:
-        more = f", … {len(unknown) - 6} more" if len(unknown) > 6 else ""
-        names = ", ".join(g.qualname for g in unknown[:6]) + more
-        lines.append(("globals", f"{names} — named by the file, not imported"))
-    for g in ckpt.unsafe_globals:
-        lines.append(("UNSAFE", f"{g.qualname} in {g.source}: {g.reason}; torch.load(weights_only=False) would run it"))
+    lines += safety_lines(ckpt, full)
     for layer in report.batchnorm_at_init:
         lines.append(("batchnorm", f"{layer}: running stats at their initial values (mean 0, var 1, never updated)"))
     if report.stats:
@@ -119,3 +113,20 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         lines.append(("values", "no common tensors of the same shape to compare"))
     width = max(len(label) for label, _ in lines)
     return [f"{label:<{width}}  {text}" for label, text in lines]
+
+
+def safety_lines(ckpt, full: bool = False) -> list[tuple[str, str]]:
+    """What the file would run under torch.load(weights_only=False): one line per finding, then the verdict."""
+    lines: list[tuple[str, str]] = []
+    findings = sorted(ckpt.unsafe_globals, key=lambda g: -g.verdict.rank)
+    shown = findings if full else findings[:8]
+    for g in shown:
+        lines.append((g.verdict.value.upper(), f"{g.qualname} in {g.source}: {g.reason}"))
+    if len(findings) > len(shown):
+        lines.append((findings[-1].verdict.value.upper(), f"… {len(findings) - len(shown)} more (--full lists all)"))
+    for h in ckpt.hazards:
+        lines.append((h.verdict.value.upper(), h.what))
+    if findings or ckpt.hazards:
+        lines.append(("safety", "UNSAFE: torch.load(weights_only=False) would import and run the above; never load "
+                                "this file that way. Its tensors can still be listed and rescued (fix --select)"))
+    return lines

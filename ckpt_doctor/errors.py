@@ -16,17 +16,17 @@ class UsageError(CkptDoctorError):
 class ReadError(CkptDoctorError):
     """A checkpoint is missing, unreadable, corrupt or of a kind no reader opens.
 
-    `dangerous` holds the dangerous globals (qualified names) read before the file broke off: a broken file
-    that also names `os.system` is reported as unsafe (exit 1), not merely as corrupt.
+    `findings` names what the file would run (`os.system (dangerous)`), found before it broke off: a broken file
+    that also names a global off the allow-list is reported as unsafe (exit 1), not merely as corrupt (exit 2).
     """
 
-    def __init__(self, message: str, dangerous: tuple[str, ...] = ()) -> None:
+    def __init__(self, message: str, findings: tuple[str, ...] = ()) -> None:
         super().__init__(message)
-        self.dangerous = dangerous
+        self.findings = findings
 
     @property
     def exit_code(self) -> int:  # type: ignore[override]
-        return 1 if self.dangerous else 2
+        return 1 if self.findings else 2
 
 
 class ModelSpecError(CkptDoctorError):

@@ -27,7 +27,7 @@ def _tensors_via_torch_load(ckpt: Checkpoint, device_map: dict[str, str]) -> dic
     """torch.load(weights_only=True) for plain torch files; None where torch.load would run code or fail."""
     import torch
 
-    if ckpt.format not in (Format.TORCH_ZIP, Format.TORCH_LEGACY) or ckpt.unknown_globals or ckpt.unsafe_globals:
+    if ckpt.format not in (Format.TORCH_ZIP, Format.TORCH_LEGACY) or ckpt.unsafe_globals or ckpt.hazards:
         return None
     try:
         loaded = torch.load(ckpt.path, map_location=device_map, weights_only=True)
@@ -60,7 +60,7 @@ def load(path: str | Path, device: Any = "auto", *, checkpoint: Checkpoint | Non
     from .tensordata import load_tensor
 
     ckpt = checkpoint or read_checkpoint(path)
-    ckpt.refuse_if_unsafe("load it")
+    ckpt.refuse_if_unsafe("load it", code_too=False)  # a pickled whole model is rescued tensor by tensor
     if ckpt.state_dict_root is None:
         raise ReadError(f"{ckpt.path}: no state_dict found (no container that holds mostly tensors)")
     map_fn = mapper(device)

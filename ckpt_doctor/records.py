@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .dtypes import element_size
+from .safepickle.policy import GlobalRef, Verdict  # noqa: F401  (re-exported: part of the result types)
 
 
 class Format(str, enum.Enum):
@@ -16,31 +17,11 @@ class Format(str, enum.Enum):
 
     TORCH_ZIP = "torch-zip"
     TORCH_LEGACY = "torch-legacy"
+    TORCH_TAR = "torch-tar"  # torch's pre-0.4 format
     TORCHSCRIPT = "torchscript"
     SAFETENSORS = "safetensors"
     PICKLE = "pickle"
     SHARDED = "sharded"
-
-
-class Verdict(str, enum.Enum):
-    """What ckpt-doctor thinks of a global a pickle names. None is ever imported."""
-
-    SAFE = "safe"
-    UNKNOWN = "unknown"
-    DANGEROUS = "dangerous"
-
-
-@dataclass(frozen=True)
-class GlobalRef:
-    module: str
-    name: str
-    verdict: Verdict
-    reason: str = ""
-    source: str = ""  # the pickle that names it, e.g. `archive/data.pkl`
-
-    @property
-    def qualname(self) -> str:
-        return f"{self.module}.{self.name}"
 
 
 def fast_new(cls: type, **fields: Any) -> Any:
@@ -127,6 +108,14 @@ class TensorRecord:
 
 
 @dataclass(frozen=True)
+class Hazard:
+    """A finding about a file rather than one global: TorchScript code, an archive torch could read two ways."""
+
+    verdict: Verdict
+    what: str
+
+
+@dataclass(frozen=True)
 class SharedGroup:
     """Tensors that read the same storage (tied weights, views)."""
 
@@ -149,23 +138,41 @@ class Checkpoint:
     notes: tuple[str, ...] = ()
     files: tuple[Path, ...] = ()
     non_persistent: tuple[str, ...] = field(default=())  # buffers a whole-model pickle marks non-persistent
+    hazards: tuple[Hazard, ...] = ()
 
     @property
     def unsafe_globals(self) -> tuple[GlobalRef, ...]:
+        """Globals off the allow-list: what torch.load(weights_only=False) would import and call."""
+        return tuple(g for g in self.globals if g.verdict is not Verdict.SAFE)
+
+    @property
+    def dangerous_globals(self) -> tuple[GlobalRef, ...]:
         return tuple(g for g in self.globals if g.verdict is Verdict.DANGEROUS)
 
     @property
-    def unknown_globals(self) -> tuple[GlobalRef, ...]:
-        return tuple(g for g in self.globals if g.verdict is Verdict.UNKNOWN)
+    def verdict(self) -> Verdict:
+        """The worst of its globals and hazards: safe, code or dangerous."""
+        return max([g.verdict for g in self.globals] + [h.verdict for h in self.hazards], key=lambda v: v.rank,
+                   default=Verdict.SAFE)
 
-    def refuse_if_unsafe(self, action: str, way_out: str = "") -> None:
-        """Raise (exit 1) when the file names a dangerous global: nothing is loaded, rewritten or run from it."""
-        names = tuple(g.qualname for g in self.unsafe_globals)
-        if names:
-            from .errors import ReadError
+    def finding_names(self) -> tuple[str, ...]:
+        names = [f"{g.qualname} ({g.verdict.value})" for g in self.unsafe_globals]
+        names += [f"{h.what} ({h.verdict.value})" for h in self.hazards]
+        return tuple(dict.fromkeys(names))
 
-            raise ReadError(f"{self.path}: names dangerous globals ({', '.join(names)}); refusing to {action}"
-                            + (f". {way_out}" if way_out else ""), names)
+    def refuse_if_unsafe(self, action: str, way_out: str = "", *, code_too: bool = True) -> None:
+        """Raise (exit 1) when the file would run code under torch.load(weights_only=False): nothing is loaded,
+        rewritten or run from it. With `code_too=False` only dangerous findings refuse (a whole pickled model,
+        which names its classes, can still be rescued tensor by tensor)."""
+        worst = self.verdict
+        if worst is Verdict.SAFE or worst is Verdict.CODE and not code_too:
+            return
+        from .errors import ReadError
+
+        names = self.finding_names()
+        shown = ", ".join(names[:4]) + (f", … {len(names) - 4} more" if len(names) > 4 else "")
+        raise ReadError(f"{self.path}: would run code under torch.load(weights_only=False) ({shown}); refusing to "
+                        f"{action}" + (f". {way_out}" if way_out else ""), names)
 
     @property
     def devices(self) -> tuple[str, ...]:

@@ -1,0 +1,235 @@
+"""Opens any checkpoint path — file or folder — and picks the reader from the bytes, never the extension."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import replace
+from pathlib import Path
+
+from ..errors import ReadError
+from ..records import Checkpoint, Format
+from ..safepickle import limits
+from ..sniff import Container, describe_other
+from .survey import Survey, survey_file
+
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar", ".model", ".pth.tar")
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read a checkpoint's structure (keys, shapes, dtypes, devices, byte ranges) without loading tensor data."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise ReadError(f"{path}: symlink points to {os.readlink(path)}, which does not exist") from None
+        raise ReadError(f"{path}: no such file or directory") from None
+    except PermissionError:
+        raise ReadError(f"{path}: permission denied") from None
+    except OSError as exc:
+        raise ReadError(f"{path}: cannot be read ({exc.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
+        return read_folder(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ReadError(f"{path}: not a regular file")
+    return read_file(path)
+
+
+def read_file(path: Path, survey: Survey | None = None) -> Checkpoint:
+    """One checkpoint file. Every pickle in it is walked first (survey.py); what the walk found is the
+    checkpoint's globals, and stays known when the file then fails to read: a broken file that names a global
+    off the allow-list is reported as unsafe (exit 1), not merely as corrupt."""
+    survey = survey or survey_file(path)
+    try:
+        if survey.refused:
+            raise ReadError(f"{path}: refused to unpickle it: {survey.refused}")
+        ckpt = _read(path, survey)
+    except ReadError as exc:
+        findings = survey.finding_names()
+        if findings and not exc.findings:
+            shown = ", ".join(findings[:4]) + (f", … {len(findings) - 4} more" if len(findings) > 4 else "")
+            raise ReadError(f"{exc} — and it would run code: {shown}", findings) from None
+        raise
+    globals_ = tuple({(g.module, g.name): g for g in [*survey.globals, *ckpt.globals]}.values())
+    return replace(ckpt, globals=globals_, hazards=tuple(survey.hazards),
+                   notes=tuple(dict.fromkeys([*ckpt.notes, *survey.notes])))
+
+
+def _read(path: Path, survey: Survey) -> Checkpoint:
+    kind = survey.container
+    if kind is Container.EMPTY:
+        raise ReadError(f"{path}: file is empty (0 bytes)")
+    if kind is Container.ZIP:
+        from .torch_zip import read_torch_zip
+
+        return read_torch_zip(path, survey)
+    if kind is Container.TAR:
+        from .torch_tar import read_torch_tar
+
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return read_torch_tar(path, fd, survey.tar, (), ())
+        finally:
+            os.close(fd)
+    if kind is Container.SAFETENSORS:
+        from .safetensors_reader import read_safetensors
+
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return read_safetensors(path, fd, survey.size)
+        finally:
+            os.close(fd)
+    if kind is Container.PICKLE:
+        from .torch_legacy import read_torch_legacy
+
+        return read_torch_legacy(path, survey)
+    if kind is Container.NUMPY:
+        raise ReadError(f"{path}: not a checkpoint — the bytes are a NumPy .npy array")
+    if survey.size < 8:
+        raise ReadError(f"{path}: only {survey.size} bytes, too short to be a checkpoint (truncated?)")
+    raise ReadError(f"{path}: not a checkpoint ({describe_other(survey.head, survey.size)})")
+
+
+def find_in_folder(folder: Path) -> tuple[Path | None, list[Path]]:
+    """The index file or the single checkpoint a model folder holds, and the other candidates seen."""
+    try:
+        entries = sorted(p for p in folder.iterdir() if p.is_file())
+    except PermissionError:
+        raise ReadError(f"{folder}: permission denied (cannot list the folder)") from None
+    indexes = [p for p in entries if p.name.endswith(".index.json")]
+    for preferred in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        for p in indexes:
+            if p.name == preferred:
+                return p, indexes
+    if len(indexes) == 1:
+        return indexes[0], indexes
+    if len(indexes) > 1:
+        return None, indexes
+    files = [p for p in entries if p.name.endswith(CHECKPOINT_SUFFIXES)]
+    for preferred in ("model.safetensors", "pytorch_model.bin", "diffusion_pytorch_model.safetensors"):
+        for p in files:
+            if p.name == preferred:
+                return p, files
+    return (files[0] if len(files) == 1 else None), files
+
+
+def read_folder(folder: Path) -> Checkpoint:
+    chosen, candidates = find_in_folder(folder)
+    if chosen is None:
+        if not candidates:
+            raise ReadError(f"{folder}: folder holds no checkpoint (no *.index.json, .safetensors, .pt, .pth, "
+                            ".bin or .ckpt file)")
+        names = ", ".join(p.name for p in candidates[:5])
+        raise ReadError(f"{folder}: folder holds {len(candidates)} checkpoints ({names}); name the file to open")
+    if chosen.name.endswith(".index.json"):
+        return read_sharded(chosen)
+    return read_file(chosen)
+
+
+def read_json(path: Path, what: str, max_bytes: int) -> object:
+    """A JSON file, every failure a ReadError: too big, not UTF-8, not JSON, nested too deep, numbers too long."""
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise ReadError(f"{path}: {what} of {size:,} bytes, over the {max_bytes >> 20} MB limit")
+        return parse_json(path.read_bytes(), path, what)
+    except OSError as exc:
+        raise ReadError(f"{path}: cannot be read ({exc.strerror})") from None
+
+
+def parse_json(raw: bytes, path: Path, what: str) -> object:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ReadError(f"{path}: {what} is not UTF-8") from None
+    depth = _json_depth(text)
+    if depth > limits.MAX_JSON_DEPTH:
+        raise ReadError(f"{path}: {what} nests {depth} levels deep; JSON readers stop at {limits.MAX_JSON_DEPTH}")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ReadError(f"{path}: {what} is not valid JSON ({exc.msg} at {exc.pos})") from None
+    except (ValueError, RecursionError) as exc:  # an integer of thousands of digits
+        raise ReadError(f"{path}: {what} holds a value no JSON reader accepts ({str(exc)[:80]})") from None
+    if _has_lone_surrogate(value):
+        raise ReadError(f"{path}: {what} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which JSON readers refuse")
+    return value
+
+
+def _json_depth(text: str) -> int:
+    """How deep brackets nest (strings skipped), without recursion: a 200,000-deep header must not crash the parser."""
+    if text.count("[") + text.count("{") <= limits.MAX_JSON_DEPTH:
+        return 0
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limits.MAX_JSON_DEPTH:
+                    return deepest
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def read_sharded(index_path: Path) -> Checkpoint:
+    index = read_json(index_path, "shard index", limits.MAX_INDEX_BYTES)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ReadError(f"{index_path}: not a shard index (needs a JSON object with a weight_map)")
+    folder = index_path.parent
+    shards: dict[str, Checkpoint] = {}
+    for shard in dict.fromkeys(weight_map.values()):
+        if not isinstance(shard, str) or "/" in shard or "\\" in shard or shard.startswith(".."):
+            raise ReadError(f"{index_path}: weight_map names shard {str(shard)[:80]!r}, which is not a file name")
+        shard_path = folder / shard
+        if not shard_path.is_file():
+            raise ReadError(f"{index_path}: shard {shard} is missing from {folder}")
+        shards[shard] = read_file(shard_path)
+    by_key = {}
+    for name, ckpt in shards.items():
+        for t in ckpt.state_dict_tensors():
+            by_key[(name, t.key)] = t
+    tensors = []
+    for key, shard in weight_map.items():
+        record = by_key.get((shard, key))
+        if record is None:
+            raise ReadError(f"{index_path}: {key} should be in {shard}, which does not hold it")
+        tensors.append(replace(record, key=key))
+    formats = sorted({c.format.value for c in shards.values()})
+    metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
+    notes = [f"{len(shards)} shards ({', '.join(formats)})"] + [n for c in shards.values() for n in c.notes]
+    return Checkpoint(path=index_path, format=Format.SHARDED, tensors=tuple(tensors), metadata=dict(metadata),
+                      globals=tuple(g for c in shards.values() for g in c.globals), state_dict_root="",
+                      notes=tuple(dict.fromkeys(notes)), files=(index_path, *(c.path for c in shards.values())),
+                      hazards=tuple(h for c in shards.values() for h in c.hazards))

@@ -1,0 +1,107 @@
+"""Reads `torch.save` zip archives and TorchScript archives: the data.pkl torch would pick, and its storages."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import zlib
+from pathlib import Path
+
+from ..dtypes import element_size
+from ..errors import ReadError
+from ..records import Checkpoint, Format, StorageRecord, fast_new
+from ..safepickle.unpickler import SafeUnpickler, StorageRef
+from ._pickled import build_checkpoint, run_unpickler
+from .survey import Survey
+from .zipindex import ZipIndex, read_member
+
+_RECORDS_TORCH_READS = (".data/serialization_id", ".format_version", ".storage_alignment", "byteorder")
+_CLASS_RE = re.compile(r"^class (\w+)\(([\w.]+)\):\n((?:  .*\n|\n)*)", re.MULTILINE)
+_LIST_RE = re.compile(r"^  (__parameters__|__buffers__) = \[(.*?)\]", re.MULTILINE)
+
+
+def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
+    if survey.zip_error is not None:
+        raise survey.zip_error
+    index = survey.zip
+    assert index is not None
+    if index.torch_problem:
+        raise ReadError(f"{path}: a zip archive torch.load cannot read: {index.torch_problem}")
+    prefix = index.prefix + "/"
+    records = index.records()
+    pkl = index.find(prefix + "data.pkl")
+    if pkl is None:
+        raise ReadError(f"{path}: zip archive with no {prefix}data.pkl; not a torch.save checkpoint")
+    version = index.find(prefix + ".data/version") or index.find(prefix + "version")
+    is_script = "constants.pkl" in records
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if version is None and not is_script:
+            raise ReadError(f"{path}: zip archive without a version record; torch.load refuses it")
+        if version is not None:
+            text = read_member(fd, version, str(path), check_crc=False)[:32].strip()
+            if not text.isdigit() or int(text) > 10:
+                raise ReadError(f"{path}: zip archive of serialization version {text[:16]!r}, which torch.load "
+                                "refuses (it reads 1 to 10)")
+        for record in _RECORDS_TORCH_READS:  # torch reads these when present: a broken one fails its load
+            member = index.find(prefix + record)
+            if member is not None:
+                read_member(fd, member, str(path), check_crc=False)
+        notes: list[str] = []
+        byteorder = index.find(prefix + "byteorder")
+        if byteorder is not None and read_member(fd, byteorder, str(path)).strip() == b"big":
+            notes.append("saved on a big-endian machine: tensor bytes are big-endian")
+
+        def resolve(ref: StorageRef) -> None:
+            name = f"{prefix}data/{ref.key}"
+            member = index.find(name)
+            if member is None:
+                raise ReadError(f"{path}: data.pkl names storage {ref.key} but the archive has no {name}")
+            nbytes = ref.numel * element_size(ref.dtype)
+            if nbytes > member.size or member.method != 0 or member.offset < 0 or member.is_dir:
+                raise ReadError(f"{path}: storage {name} holds {member.size} bytes but {nbytes} are needed "
+                                "(the file is corrupt)")
+            ref.resolved = fast_new(StorageRecord, key=ref.key, dtype=ref.dtype, nbytes=nbytes, device=ref.location,
+                                    file=path, offset=member.offset, entry=member.name,
+                                    crc=member.crc if member.size == nbytes else None)
+
+        # The walked bytes, CRC checked (torch does not check it, but the structure of a corrupt file is not trusted)
+        raw = survey.main_pickle if survey.main_pickle is not None else read_member(fd, pkl, str(path))
+        if zlib.crc32(raw) != pkl.crc:
+            raise ReadError(f"{path}: zip member {pkl.name} fails its CRC check (the file is corrupt)")
+        stream = io.BytesIO(raw)
+        unpickler = SafeUnpickler(stream, pkl.name, resolve)
+        unpicklers = [unpickler]
+        root = run_unpickler(unpickler, path)
+        ts_members = None
+        if is_script:
+            notes.append("TorchScript archive: its code/ is executable content and was not run")
+            ts_members = _script_members(fd, index, prefix, path)
+            constants = index.find(prefix + "constants.pkl")
+            if constants is not None:
+                cup = SafeUnpickler(io.BytesIO(read_member(fd, constants, str(path))), constants.name, resolve)
+                run_unpickler(cup, path)
+                unpicklers.append(cup)
+    finally:
+        os.close(fd)
+    return build_checkpoint(path, Format.TORCHSCRIPT if is_script else Format.TORCH_ZIP, root, unpicklers,
+                            ts_members=ts_members, notes=tuple(notes))
+
+
+def _script_members(fd: int, index: ZipIndex, prefix: str, path: Path):
+    """Parse (never run) code/ to learn which attributes of each class are parameters and buffers."""
+    classes: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {}
+    code_prefix = prefix + "code/"
+    for member in index.members:
+        name = member.name
+        if not (name.startswith(code_prefix) and name.endswith(".py")) or member.size > 64 << 20:
+            continue
+        module = name[len(code_prefix):-3].replace("/", ".")
+        text = read_member(fd, member, str(path), check_crc=False).decode("utf-8", "replace")
+        for match in _CLASS_RE.finditer(text):
+            cls, base, body = match.group(1), match.group(2), match.group(3)
+            lists = {k: tuple(re.findall(r'"([^"]+)"', v)) for k, v in _LIST_RE.findall(body)}
+            classes[f"{module}.{cls}"] = (lists.get("__parameters__", ()), lists.get("__buffers__", ()),
+                                         base == "Module")
+    return classes.get

@@ -1,0 +1,321 @@
+"""A zip central-directory reader that sees an archive as torch's reader (miniz, PyTorchFileReader) does.
+
+torch.load reads zips with miniz, not Python's zipfile, and the two disagree on hostile files. This reader follows
+miniz: the end record is the last signature with 22 bytes after it, found scanning back from the end in 4 KB
+steps no further than about 64 KB; a zip64 locator right before it wins over the 32-bit fields; offsets are
+absolute; the directory holds as many entries as the end record counts; a local header is checked only for its
+signature; names are looked up ignoring ASCII case, and among duplicates miniz's sort order decides. torch then
+takes the archive's folder from the first entry's name and refuses entries outside it. Where torch would refuse an
+archive, `torch_problem` says why; a member torch could read two ways is listed in `duplicates`.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from typing import NamedTuple
+
+from ..errors import ReadError
+from ..safepickle import limits
+
+_EOCD = 0x06054B50
+_ZIP64_LOCATOR = b"PK\x06\x07"
+_ZIP64_EOCD = b"PK\x06\x06"
+_CENTRAL = b"PK\x01\x02"
+_LOCAL = b"PK\x03\x04"
+
+
+class ZipMember(NamedTuple):
+    """One archive member (a tuple: a 20,000-tensor checkpoint has 20,000 of them, made in one pass)."""
+
+    name: str
+    offset: int  # of the data, past the local header; -1 when the local header is not where the directory says
+    size: int
+    compressed_size: int
+    method: int
+    crc: int
+    header_offset: int
+    flags: int = 0
+    is_dir: bool = False  # miniz reads nothing for a directory entry: torch would get uninitialised memory
+
+
+_CENTRAL_HEADER = struct.Struct("<4s4xHHxxxxLLLHHHHxxLL")  # sig, flags, method, crc, sizes, name/extra/comment,
+# disk, external attributes, local header offset
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, name and extra lengths
+
+
+class ZipIndex:
+    """The members of an archive, in central-directory order, and torch's way of finding them."""
+
+    def __init__(self, members: list[ZipMember], path: str) -> None:
+        self.members = members
+        self.path = path
+        self._by_name: dict[str, list[int]] = {}
+        for i, m in enumerate(members):
+            self._by_name.setdefault(_fold(m.name), []).append(i)
+        self.duplicates = sorted(members[ix[0]].name for ix in self._by_name.values() if len(ix) > 1)
+        first = members[0].name if members else ""
+        self.prefix = first.split("/", 1)[0] if "/" in first else None
+        self.torch_problem: str | None = None
+        if not members:
+            self.torch_problem = "the archive is empty"
+        elif self.prefix is None:
+            self.torch_problem = f"its first member {first!r} is not in a folder, which torch's reader requires"
+        else:
+            outside = [m.name for m in members if not m.name.startswith(self.prefix + "/")]
+            if outside:
+                self.torch_problem = (f"member {outside[0]!r} is outside the archive's folder {self.prefix!r}, "
+                                      "which torch's reader refuses")
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def find(self, name: str) -> ZipMember | None:
+        """The member torch's reader returns for `name`: ASCII case ignored, duplicates settled as miniz does."""
+        hits = self._by_name.get(_fold(name))
+        if not hits:
+            return None
+        if len(hits) == 1:
+            return self.members[hits[0]]
+        return self.members[_miniz_pick([m.name for m in self.members], name)]
+
+    def all_named(self, name: str) -> list[ZipMember]:
+        """Every member torch could mean by `name` (several when the archive has duplicates)."""
+        return [self.members[i] for i in self._by_name.get(_fold(name), [])]
+
+    def records(self) -> list[str]:
+        """Member names relative to the archive's folder, as torch's `get_all_records` lists them."""
+        cut = len(self.prefix) + 1 if self.prefix is not None else 0
+        return [m.name[cut:] for m in self.members]
+
+
+def _fold(name: str) -> str:
+    return name.translate(_ASCII_LOWER)
+
+
+_ASCII_LOWER = {c: c + 32 for c in range(65, 91)}
+
+
+def read_zip_index(fd: int, file_size: int, path: str) -> ZipIndex:
+    """The archive's members. Raises ReadError naming what is broken where torch's reader would fail too."""
+    eocd_at = _locate_end_record(fd, file_size)
+    if eocd_at is None:
+        raise ReadError(f"{path}: zip archive has no end-of-central-directory record "
+                        "(the file is truncated or not a complete zip)")
+    eocd = os.pread(fd, 22, eocd_at)
+    _, disk, cd_disk, on_disk, count, cd_size, cd_offset, _ = struct.unpack("<IHHHHIIH", eocd)
+    if eocd_at >= 20 + 56:
+        loc = os.pread(fd, 20, eocd_at - 20)
+        if loc[:4] == _ZIP64_LOCATOR:
+            (z64_at,) = struct.unpack_from("<Q", loc, 8)
+            if z64_at > file_size - 56:
+                raise ReadError(f"{path}: zip64 end record points past the end of the file (corrupt archive)")
+            rec = os.pread(fd, 56, z64_at)
+            if rec[:4] == _ZIP64_EOCD:
+                if struct.unpack_from("<I", loc, 16)[0] != 1:
+                    raise ReadError(f"{path}: zip archive spans several disks, which torch's reader refuses")
+                disk, cd_disk, on_disk, count, cd_size, cd_offset = struct.unpack_from("<IIQQQQ", rec, 16)
+    if count != on_disk or (disk or cd_disk) and (disk, cd_disk) != (1, 1):
+        raise ReadError(f"{path}: zip archive spans several disks, which torch's reader refuses")
+    if count > limits.MAX_ZIP_MEMBERS:
+        raise ReadError(f"{path}: zip archive claims {count:,} members (corrupt, or a bomb)")
+    if cd_size < count * 46 or cd_offset + cd_size > file_size:
+        raise ReadError(f"{path}: zip central directory points past the end of the file (truncated or corrupt)")
+    cd = os.pread(fd, cd_size, cd_offset)
+    entries = []
+    p = 0
+    for _ in range(count):
+        if p + 46 > len(cd):
+            raise ReadError(f"{path}: zip central directory is corrupt")
+        (sig, flags, method, crc, csize, usize, nlen, xlen, clen, _disk, attrs,
+         local_at) = _CENTRAL_HEADER.unpack_from(cd, p)
+        if sig != _CENTRAL or p + 46 + nlen + xlen + clen > len(cd):
+            raise ReadError(f"{path}: zip central directory is corrupt")
+        raw_name = cd[p + 46:p + 46 + nlen]
+        name = raw_name.decode("utf-8", "surrogateescape")
+        if usize == 0xFFFFFFFF or csize == 0xFFFFFFFF or local_at == 0xFFFFFFFF:
+            usize, csize, local_at = _zip64_extra(cd[p + 46 + nlen:p + 46 + nlen + xlen], usize, csize, local_at, path)
+        elif method == 0 and csize != usize or usize and not csize:
+            raise ReadError(f"{path}: zip member {name} has two sizes that disagree ({csize} and {usize}): the "
+                            "central directory is corrupt")
+        if flags & 0x2000:
+            raise ReadError(f"{path}: zip member {name} has a masked local header, which torch's reader refuses")
+        if _disk == 0xFFFF or _disk != disk and _disk != 1:
+            raise ReadError(f"{path}: zip archive spans several disks, which torch's reader refuses")
+        if local_at + 30 + csize > file_size:
+            raise ReadError(f"{path}: zip member {name} runs past the end of the file (truncated)")
+        p += 46 + nlen + xlen + clen
+        entries.append((name, usize, csize, method, crc, local_at, flags, bool(attrs & 0x10) or name.endswith("/")))
+    return ZipIndex(_locate_data(fd, file_size, entries), path)
+
+
+def _locate_end_record(fd: int, file_size: int) -> int | None:
+    """miniz's search: 4 KB blocks from the end backwards, the last signature with a whole record after it, giving up
+    once it has looked about 64 KB back."""
+    if file_size < 22:
+        return None
+    at = max(file_size - 4096, 0)
+    while True:
+        block = os.pread(fd, min(4096, file_size - at), at)
+        i = len(block) - 4
+        while i >= 0:
+            i = block.rfind(b"PK\x05\x06", 0, i + 4)
+            if i < 0:
+                break
+            if file_size - (at + i) >= 22:
+                return at + i
+            i -= 1
+        if at == 0 or file_size - at >= 0xFFFF + 22:
+            return None
+        at = max(at - (4096 - 3), 0)
+
+
+def _zip64_extra(extra: bytes, usize: int, csize: int, local_at: int, path: str) -> tuple[int, int, int]:
+    q = 0
+    while q + 4 <= len(extra):
+        tag, size = struct.unpack("<HH", extra[q:q + 4])
+        body = extra[q + 4:q + 4 + size]
+        if tag == 1:
+            values = list(struct.unpack(f"<{len(body) // 8}Q", body[:len(body) // 8 * 8]))
+            if usize == 0xFFFFFFFF and values:
+                usize = values.pop(0)
+            if csize == 0xFFFFFFFF and values:
+                csize = values.pop(0)
+            if local_at == 0xFFFFFFFF and values:
+                local_at = values.pop(0)
+            return usize, csize, local_at
+        q += 4 + size
+    raise ReadError(f"{path}: zip64 sizes missing from the central directory (corrupt archive)")
+
+
+def _locate_data(fd: int, file_size: int, entries: list) -> list[ZipMember]:
+    # Local headers sit between the payloads. A small archive is read whole (one syscall for 20,000 headers);
+    # a big one gets one pread per header (a memory map would fault in, and count in RSS, 64 KB around each).
+    whole = os.pread(fd, file_size, 0) if file_size <= limits.ZIP_WHOLE_READ else None
+    located = []
+    for name, usize, csize, method, crc, local_at, flags, is_dir in entries:
+        if whole is not None:
+            head, at = whole, local_at
+        else:
+            head, at = os.pread(fd, 30, local_at), 0
+        data_at = -1
+        if len(head) >= at + 30:
+            sig, nlen, xlen = _LOCAL_HEADER.unpack_from(head, at)
+            if sig == _LOCAL and local_at + 30 + nlen + xlen + csize <= file_size:
+                data_at = local_at + 30 + nlen + xlen
+        located.append(ZipMember(name, data_at, usize, csize, method, crc, local_at, flags, is_dir))
+    return located
+
+
+def read_member(fd: int, member: ZipMember, path: str, check_crc: bool = True,
+                budget: list[int] | None = None) -> bytes:
+    """A member's bytes, as torch's reader gets them. `budget` (a one-item list) is debited by what inflating
+    costs, so all members of one archive together stay under limits.MAX_INFLATED_TOTAL."""
+    if member.offset < 0:
+        raise ReadError(f"{path}: zip member {member.name} has no local header where the directory says "
+                        "(corrupt or truncated archive)")
+    if member.is_dir:
+        raise ReadError(f"{path}: zip member {member.name} is marked as a folder: torch's reader would hand back "
+                        "uninitialised memory for it")
+    if member.flags & 1:
+        raise ReadError(f"{path}: zip member {member.name} is encrypted, which torch's reader refuses")
+    if member.method == 8:
+        if member.size > limits.MAX_INFLATED_MEMBER or member.size > member.compressed_size * limits.MAX_DEFLATE_RATIO:
+            raise ReadError(f"{path}: zip member {member.name} claims to inflate to {member.size:,} bytes from "
+                            f"{member.compressed_size:,} (a zip bomb?)")
+        if budget is not None:
+            if budget[0] < member.size:
+                raise ReadError(f"{path}: zip members inflate to more than "
+                                f"{limits.MAX_INFLATED_TOTAL >> 20} MB together (a zip bomb?)")
+            budget[0] -= member.size
+        raw = os.pread(fd, member.compressed_size, member.offset)
+        inflater = zlib.decompressobj(-15)
+        try:
+            data = inflater.decompress(raw, member.size + 1)
+        except zlib.error as exc:
+            raise ReadError(f"{path}: zip member {member.name} does not inflate ({exc})") from None
+    elif member.method == 0:
+        data = os.pread(fd, member.compressed_size, member.offset)
+    else:
+        raise ReadError(f"{path}: zip member {member.name} uses compression method {member.method}, "
+                        "which torch's reader refuses")
+    if len(data) != member.size:
+        raise ReadError(f"{path}: zip member {member.name} is {len(data)} bytes, the directory says {member.size}")
+    if check_crc and zlib.crc32(data) != member.crc:
+        raise ReadError(f"{path}: zip member {member.name} fails its CRC check (the file is corrupt)")
+    return data
+
+
+def local_members(fd: int, file_size: int, limit: int = 4096) -> list[tuple[str, int]]:
+    """(name, data offset) of local headers found scanning forward from the start: what is left to look at in an
+    archive whose central directory is gone (a truncated download)."""
+    found: list[tuple[str, int]] = []
+    at = 0
+    while at + 30 <= file_size and len(found) < limit:
+        head = os.pread(fd, 30, at)
+        if head[:4] != _LOCAL:
+            break
+        nlen, xlen = struct.unpack_from("<HH", head, 26)
+        (csize,) = struct.unpack_from("<I", head, 18)
+        name = os.pread(fd, nlen, at + 30).decode("utf-8", "surrogateescape")
+        data_at = at + 30 + nlen + xlen
+        found.append((name, data_at))
+        flags = struct.unpack_from("<H", head, 6)[0]
+        if flags & 8 and csize == 0:
+            break  # sizes follow the data (torch's writer): where the next header starts is not known
+        at = data_at + csize
+    return found
+
+
+# --- miniz's choice among duplicate names ---------------------------------------------------------------------
+
+def _miniz_pick(names: list[str], wanted: str) -> int:
+    """The index miniz's lookup returns: it heap-sorts the names (an unstable sort) and binary-searches them."""
+    raw = [n.encode("utf-8", "surrogateescape").translate(_LOWER_TABLE) for n in names]
+    size = len(raw)
+    idx = list(range(size))
+
+    def sift(root: int, end: int) -> None:
+        while True:
+            child = root * 2 + 1
+            if child >= end:
+                return
+            if child + 1 < end and _cmp(raw[idx[child]], raw[idx[child + 1]]) < 0:
+                child += 1
+            if not _cmp(raw[idx[root]], raw[idx[child]]) < 0:
+                return
+            idx[root], idx[child] = idx[child], idx[root]
+            root = child
+
+    if size > 1:
+        for start in range((size - 2) >> 1, -1, -1):
+            sift(start, size)
+        for end in range(size - 1, 0, -1):
+            idx[end], idx[0] = idx[0], idx[end]
+            sift(0, end)
+    target = wanted.encode("utf-8", "surrogateescape").split(b"\0")[0].translate(_LOWER_TABLE)
+    lo, hi = 0, size - 1
+    while lo <= hi:
+        mid = lo + ((hi - lo) >> 1)
+        c = _cmp(raw[idx[mid]], target)
+        if c == 0:
+            return idx[mid]
+        if c < 0:
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    raise KeyError(wanted)
+
+
+_LOWER_TABLE = bytes(c + 32 if 65 <= c <= 90 else c for c in range(256))
+
+
+def _cmp(a: bytes, b: bytes) -> int:
+    """miniz's byte order on ASCII-lowered names: the first differing byte, then the length."""
+    m = min(len(a), len(b))
+    if a[:m] != b[:m]:
+        for x, y in zip(a, b):
+            if x != y:
+                return x - y
+    return len(a) - len(b)

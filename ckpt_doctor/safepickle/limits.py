@@ -1,0 +1,77 @@
+"""Every bound ckpt-doctor puts on what a file can make it do: each input ends in seconds, in bounded memory.
+
+The promise (README, Security): any file — hostile or broken — ends within 30 s and 1 GB of peak RSS with exit
+1 or 2 and a named error. Each limit below says why it is where it is. Bounds that scale with the input are
+written as functions of its length, so a big honest file is never refused for its size alone.
+"""
+
+from __future__ import annotations
+
+# --- pickles -------------------------------------------------------------------------------------------------
+
+# A pickler numbers its memo from 0 and spends at least two bytes per PUT, so an honest pickle of n bytes never
+# uses a memo index past n. CPython's unpickler allocates its memo array up to the largest index it sees: a 9-byte
+# pickle with LONG_BINPUT 0x7fffffff costs 16 GB there. Such a pickle is refused before it is unpickled.
+def max_memo_index(pickle_length: int) -> int:
+    return pickle_length
+
+
+# Pickles inside bytes inside pickles (a payload handed to pickle.loads) are walked this deep.
+MAX_NESTED_DEPTH = 4
+# ... and at most this many bytes of nested pickles per file, so a file of many small byte strings stays linear.
+MAX_NESTED_BYTES = 64 << 20
+
+# A pickle is walked statically up to this size. The biggest pickles of real checkpoints (20,000-tensor data.pkl)
+# are a few MB; a bare pickle with arrays inside can be big, and the walker skips string payloads without copying.
+MAX_PICKLE_BYTES = 1 << 30
+
+# The unpickler may grow the address space by this much while one pickle is read: a last line of defence under
+# the walker's checks, so an allocation the checks did not foresee is a MemoryError (exit 2), never an OOM kill.
+UNPICKLE_HEADROOM = 768 << 20
+
+# --- the unpickled tree --------------------------------------------------------------------------------------
+
+# Objects visited when a pickled tree is turned into key paths. Shared sub-trees are walked once, so an honest
+# tree costs about one visit per object the pickle made — at most one per 2 bytes of pickle.
+def max_tree_nodes(pickle_length: int) -> int:
+    return 200_000 + pickle_length // 2
+
+
+# A key path (`layers.3.attn.q_proj.weight`) longer than this is not a key: one long key reused at every level
+# of nested dicts would make paths of gigabytes.
+MAX_KEY_LENGTH = 16_384
+
+# Metadata leaves listed per checkpoint (epoch, lr, args...); the rest are counted, not listed.
+MAX_METADATA = 2_000
+
+# Tensors in one checkpoint. The largest published state_dicts hold about 100,000 tensors; each record costs
+# ~1 KB, so this keeps the listing of a hostile file of tiny tensors under ~0.5 GB.
+MAX_TENSORS = 500_000
+
+# --- containers ----------------------------------------------------------------------------------------------
+
+# A zip member is inflated only when the directory says it is at most this big...
+MAX_INFLATED_MEMBER = 256 << 20
+# ... and claims no more than deflate can reach (1032:1); a member claiming more is a bomb, refused unread.
+MAX_DEFLATE_RATIO = 1032
+# ... and all members of one archive together inflate to at most this much.
+MAX_INFLATED_TOTAL = 512 << 20
+
+# Members in one zip archive: a torch.save file has one per storage plus five.
+MAX_ZIP_MEMBERS = 10_000_000
+
+# A zip archive smaller than this is read whole to find its local headers in one syscall.
+ZIP_WHOLE_READ = 16 << 20
+
+# The safetensors reference parser refuses headers over 100 MB.
+MAX_SAFETENSORS_HEADER = 100_000_000
+
+# JSON (safetensors headers, shard indexes) nests at most this deep; serde_json, the reference parser's, stops
+# at 128, and Python's json module would raise RecursionError somewhere past 1,000.
+MAX_JSON_DEPTH = 128
+
+# A shard index (`*.index.json`) is at most this big.
+MAX_INDEX_BYTES = 64 << 20
+
+# Files looked at when a folder is scanned.
+MAX_FOLDER_FILES = 100_000

@@ -1,0 +1,277 @@
+"""The one policy table: which globals a pickle may name, and the verdict — safe, code or dangerous — for the rest.
+
+A global is acceptable only if it is allowed: torch's own `weights_only` allow-list, a short curated list of inert
+data records of the formats ckpt-doctor reads (each with the reason it cannot run code), or a name the user adds
+(`--allow-global`, like `torch.serialization.add_safe_globals`). Everything else is a finding: "dangerous" when it
+is known to run commands, evaluate text, touch files or the network, or unpickle more data; otherwise "code" — a
+class or function that `torch.load(weights_only=False)` would import and call. Nothing named here is ever imported.
+
+The static walker and the safe unpickler both ask `classify`; nothing else decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+from ..errors import UsageError
+
+
+class Verdict(str, enum.Enum):
+    """What a global a pickle names would do under `torch.load(weights_only=False)`. None is ever imported here."""
+
+    SAFE = "safe"  # on the allow-list
+    CODE = "code"  # would be imported and called: a user class, a whole model, an unknown callable
+    DANGEROUS = "dangerous"  # known to run commands, evaluate text, touch files or the network, unpickle more
+
+    @property
+    def rank(self) -> int:
+        return _RANK[self]
+
+
+_RANK = {Verdict.SAFE: 0, Verdict.CODE: 1, Verdict.DANGEROUS: 2}
+
+
+@dataclass(frozen=True)
+class GlobalRef:
+    """A global a pickle names, as the pickle spells it, with the verdict on what it resolves to."""
+
+    module: str
+    name: str
+    verdict: Verdict
+    reason: str = ""
+    source: str = ""  # where it is named: `archive/data.pkl`, `pickle 4 (object)`, `… → nested pickle`
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+# --- torch's weights_only allow-list (torch 2.13, `torch._weights_only_unpickler._get_allowed_globals`) ----------
+# tests/test_policy.py checks this table against the installed torch's own list.
+
+_DTYPES = (
+    "bfloat16 bits16 bits1x8 bits2x4 bits4x2 bits8 bool complex128 complex32 complex64 float16 float32 "
+    "float4_e2m1fn_x2 float64 float8_e4m3fn float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz float8_e8m0fnu "
+    "int1 int16 int2 int3 int32 int4 int5 int6 int64 int7 int8 qint32 qint8 quint2x4 quint4x2 quint8 "
+    "uint1 uint16 uint2 uint3 uint32 uint4 uint5 uint6 uint64 uint7 uint8").split()
+_STORAGES = ("BFloat16 Bool Byte Char ComplexDouble ComplexFloat Double Float Half Int Long Short").split()
+_QSTORAGES = ("QInt32 QInt8 QUInt2x4 QUInt4x2 QUInt8").split()
+_TENSORS = ("BFloat16 Bool Byte Char Double Float Half Int Long Short").split()
+_SPARSE = ("BFloat16 Byte Char Double Float Half Int Long Short").split()
+TENSOR_REBUILDERS = frozenset({
+    "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+    "_rebuild_parameter_with_state", "_rebuild_qtensor", "_rebuild_sparse_tensor",
+    "_rebuild_meta_tensor_no_storage", "_rebuild_nested_tensor", "_rebuild_wrapper_subclass",
+    "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor",
+})
+
+TORCH_WEIGHTS_ONLY = frozenset({
+    "collections.OrderedDict", "collections.Counter", "torch.nn.parameter.Parameter",
+    "torch.serialization._get_layout", "torch.Size", "torch.Tensor", "torch.device", "_codecs.encode",
+    "builtins.bytearray", "builtins.set", "builtins.complex", "torch._tensor._rebuild_from_type_v2",
+    "torch.storage.TypedStorage", "torch.storage.UntypedStorage",
+    "torch.per_tensor_affine", "torch.per_tensor_symmetric", "torch.per_channel_affine",
+    "torch.per_channel_symmetric", "torch.per_channel_affine_float_qparams",
+    *(f"torch.{d}" for d in _DTYPES),
+    *(f"torch.{s}Storage" for s in _STORAGES + _QSTORAGES), *(f"torch.cuda.{s}Storage" for s in _STORAGES),
+    *(f"torch.{t}Tensor" for t in _TENSORS), *(f"torch.cuda.{t}Tensor" for t in _TENSORS),
+    *(f"torch.sparse.{t}Tensor" for t in _SPARSE), *(f"torch.cuda.sparse.{t}Tensor" for t in _SPARSE),
+    *(f"torch._utils.{f}" for f in TENSOR_REBUILDERS),
+})
+
+# --- curated inert records of the formats ckpt-doctor reads, each with why unpickling it cannot run code ---------
+# "Inert" means: what the pickle makes the loader do with it — look it up, call it with arguments the file chose,
+# `cls.__new__(cls)` for NEWOBJ, `__setstate__`/`__dict__.update` for BUILD — only builds plain data. Any callable
+# or class it receives comes from another global of the same file, which is judged on its own.
+
+_DATACLASS = ("a dataclass of plain fields: NEWOBJ calls object.__new__ and BUILD fills __dict__, "
+              "nothing else runs")
+_ENUM = "an Enum: calling it with a value only looks the member up"
+_BUILTIN_TYPE = "a builtin type: naming or calling it converts plain data and runs nothing else"
+
+CURATED: dict[str, str] = {
+    # torch.distributed.checkpoint's `.metadata` (torch 2.x) and its older sharded-tensor spelling.
+    **{f"torch.distributed.checkpoint.metadata.{n}": _DATACLASS for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta")},
+    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING": _ENUM,
+    "torch.distributed.checkpoint.filesystem._StorageInfo": _DATACLASS,
+    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties": _DATACLASS,
+    "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING": _ENUM,
+    "torch.distributed._shard.metadata.ShardMetadata": _DATACLASS,
+    # DCP's StorageMeta holds the checkpoint folder as a path.
+    **{f"pathlib.{n}": "a path value: its constructor joins strings and touches no file" for n in (
+        "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")},
+    # DeepSpeed checkpoints.
+    "deepspeed.runtime.zero.config.ZeroStageEnum": _ENUM,
+    "deepspeed.utils.tensor_fragment.fragment_address": _DATACLASS,
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler":
+        "a record of scale settings: NEWOBJ calls object.__new__ and BUILD fills __dict__ (no __setstate__)",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler":
+        "a record of scale settings: NEWOBJ calls object.__new__ and BUILD fills __dict__ (no __setstate__)",
+    # Training scripts' arguments, in many training checkpoints.
+    "argparse.Namespace": "an attribute bag: NEWOBJ calls object.__new__ and BUILD fills __dict__",
+    # Plain containers and values.
+    "collections.defaultdict": ("a dict; its default factory is another global of the file, judged on its own, "
+                                "and is not called while loading"),
+    "copyreg._reconstructor": ("calls base.__new__(cls) and base.__init__ for cls and base that are other globals "
+                               "of the file, judged on their own"),
+    **{f"builtins.{n}": _BUILTIN_TYPE for n in (
+        "frozenset", "slice", "range", "dict", "list", "tuple", "int", "float", "str", "bytes", "bool", "object")},
+    "datetime.datetime": "a date-time value built from its packed bytes",
+    "datetime.date": "a date value built from its packed bytes",
+    "datetime.time": "a time value built from its packed bytes",
+    "datetime.timedelta": "a duration built from three integers",
+    "datetime.timezone": "a fixed-offset time zone built from a duration",
+    # TorchScript's pickles tag lists with these; each returns its argument.
+    **{f"torch.jit._pickle.{n}": "returns its argument unchanged" for n in (
+        "build_intlist", "build_doublelist", "build_boollist", "build_tensorlist", "build_genericlist",
+        "restore_type_tag")},
+}
+
+ALLOWED = TORCH_WEIGHTS_ONLY | frozenset(CURATED)
+
+# --- what is known to run code ---------------------------------------------------------------------------------
+
+# Modules every global of which can run commands, evaluate text, touch files or the network, or unpickle more.
+DANGEROUS_MODULES = frozenset({
+    "os", "posix", "nt", "posixpath", "ntpath", "subprocess", "_posixsubprocess", "_winapi", "sys", "importlib",
+    "runpy", "pickle", "_pickle", "cPickle", "pickletools", "marshal", "shutil", "socket", "_socket", "ctypes",
+    "pty", "code", "codeop", "commands", "webbrowser", "asyncio", "multiprocessing", "signal", "pdb", "bdb",
+    "timeit", "types", "pkgutil", "pydoc", "operator", "_operator", "functools", "_functools", "io", "_io",
+    "tempfile", "urllib", "urllib2", "requests", "http", "httplib", "ftplib", "smtplib", "telnetlib",
+    "xmlrpc", "dill", "cloudpickle", "joblib", "shelve", "dbm", "platform", "ssl", "select", "selectors",
+    "threading", "_thread", "gc", "inspect", "ast", "zipimport", "site", "sysconfig", "venv", "ensurepip",
+    "distutils", "setuptools", "pip", "glob", "fileinput", "linecache", "tarfile", "zipfile", "trace",
+    "cProfile", "profile", "imp", "yaml", "numpy.testing", "numpy.lib.npyio", "numpy.f2py", "numpy.distutils",
+    "torch.hub", "torch.jit", "torch.utils.cpp_extension", "torch._dynamo", "torch._inductor", "torch.fx",
+    "torch.package", "torch._C", "torch.ops", "torch._ops", "torch.multiprocessing", "torch.distributed.rpc",
+    "torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launch", "torch.distributed.launcher",
+    "torch.cuda.memory", "torch.utils.bottleneck", "torch.utils.benchmark", "keras", "tensorflow", "onnx",
+    "sqlite3", "mmap", "resource", "getpass", "pwd", "crypt", "atexit", "faulthandler", "readline",
+    "rlcompleter", "sched", "concurrent", "logging.config", "email", "mailbox", "smtpd", "aiohttp", "httpx",
+    "pandas.io", "IPython", "jinja2", "builtins_exec", "uuid",
+})
+
+# Single names that load more pickles, files or code although their module is otherwise harmless.
+DANGEROUS_NAMES = frozenset({
+    "codecs.open", "codecs.getreader", "codecs.getwriter", "codecs.EncodedFile", "_codecs.lookup",
+    "torch.load", "torch.serialization.load", "torch.serialization._load", "torch.serialization._legacy_load",
+    "torch.storage._load_from_bytes", "torch.save", "torch.from_file", "torch.classes",
+    "numpy.load", "numpy.loadtxt", "numpy.fromfile", "numpy.save", "numpy.frompyfunc", "numpy.vectorize",
+    "numpy.core.multiarray._reconstruct_from_file", "collections._tuplegetter", "logging.Logger.manager",
+    "torch._utils._rebuild_xla_tensor", "torch._utils._rebuild_mps_tensor", "pandas.read_pickle",
+    "torch.utils.data.datapipes.utils.decoder", "numpy.ma.core._convert2ma",
+})
+
+# Builtins that are safe to name. Every other builtin (eval, exec, getattr, __import__, open, compile, ...) can
+# run code or reach it.
+SAFE_BUILTINS = frozenset({
+    "set", "frozenset", "bytearray", "complex", "slice", "range", "dict", "list", "tuple", "int", "float", "str",
+    "bytes", "bool", "object", "NoneType", "Ellipsis", "NotImplemented",
+})
+
+# Attribute names that, anywhere in a dotted path after its module, reach code: `torch.serialization.os.system`
+# walks from a harmless module to os.system one attribute at a time (protocol 4 resolves dotted names).
+_REACHING = frozenset({
+    "eval", "exec", "system", "popen", "spawnv", "spawnl", "execv", "execl", "__import__", "getattr", "setattr",
+    "delattr", "compile", "open", "__builtins__", "__globals__", "__subclasses__", "__code__", "__reduce__",
+    "__reduce_ex__", "__getattribute__", "__loader__", "__spec__", "modules", "builtins", "load", "loads",
+})
+_REACHING_MODULES = frozenset(m for m in DANGEROUS_MODULES if "." not in m)
+
+
+def resolve(module: str, name: str) -> tuple[str, str]:
+    """The name Python 3 resolves a Python 2 spelling to (`__builtin__.eval` is builtins.eval), as CPython's
+    unpickler does for protocols 0-2."""
+    if (module, name) in NAME_MAPPING:
+        return NAME_MAPPING[(module, name)]
+    return IMPORT_MAPPING.get(module, module), name
+
+
+_user_allowed: frozenset[str] = frozenset()
+
+
+def dangerous_reason(module: str, name: str) -> str | None:
+    """Why `module.name` is known to run code, or None."""
+    module, name = resolve(module, name)
+    full = f"{module}.{name}"
+    parts = full.split(".")
+    if module in ("builtins", "__builtin__", "__builtins__"):
+        if name not in SAFE_BUILTINS:
+            return f"builtins.{name} runs code or reaches it"
+    if full in DANGEROUS_NAMES:
+        return "loads another pickle, a file or code"
+    for i in range(1, len(parts) + 1):
+        if ".".join(parts[:i]) in DANGEROUS_MODULES:
+            return f"{'.'.join(parts[:i])} can run commands or code, touch files or the network"
+    for part in name.split("."):  # the attribute hops (the module part is imported, and checked above)
+        if part in _REACHING_MODULES or part in _REACHING:
+            return f"reaches {part} through {full}"
+    return None
+
+
+def classify(module: str, name: str) -> tuple[Verdict, str]:
+    """The verdict on a global a pickle names, and the reason a person would want to read."""
+    resolved_module, resolved_name = resolve(module, name)
+    full = f"{resolved_module}.{resolved_name}"
+    alias = "" if (resolved_module, resolved_name) == (module, name) else f" (the Python 2 name of {full})"
+    if full in TORCH_WEIGHTS_ONLY:
+        return Verdict.SAFE, "allowed by torch.load(weights_only=True)" + alias
+    if full in CURATED:
+        return Verdict.SAFE, CURATED[full] + alias
+    if full in _user_allowed:
+        return Verdict.SAFE, "allowed with --allow-global" + alias
+    danger = dangerous_reason(module, name)
+    if danger is not None:
+        return Verdict.DANGEROUS, danger + alias
+    if resolved_module.startswith("__torch__"):
+        return Verdict.CODE, "a TorchScript class: loading the archive runs its TorchScript code"
+    if not all(part.isidentifier() for part in full.split(".")):
+        return Verdict.CODE, "not a Python name, yet torch.load(weights_only=False) would try to import it"
+    if resolved_module.startswith("torch.nn.modules") or resolved_module.startswith("torch.nn."):
+        return Verdict.CODE, "a module class: a whole pickled model, which needs its code to load"
+    return Verdict.CODE, "not on the allow-list: torch.load(weights_only=False) would import and call it" + alias
+
+
+def is_allowed(module: str, name: str) -> bool:
+    return classify(module, name)[0] is Verdict.SAFE
+
+
+def user_allowed() -> frozenset[str]:
+    return _user_allowed
+
+
+def check_user_allowance(name: str) -> str:
+    """A name the user wants to allow, checked: dotted `module.attr`, and nothing known to run code (torch refuses
+    to allow os/sys/posix/nt the same way)."""
+    name = name.strip()
+    module, _, attr = name.rpartition(".")
+    if not module or not all(p.isidentifier() for p in name.split(".")):
+        raise UsageError(f"--allow-global {name!r}: expected a dotted name such as mypkg.config.TrainConfig")
+    danger = dangerous_reason(module, attr)
+    if danger is not None:
+        raise UsageError(f"--allow-global {name}: refused, {danger}")
+    return name
+
+
+@contextlib.contextmanager
+def allowed_globals(names: Iterable[str]) -> Iterator[None]:
+    """Also allow `names` (dotted) while the block runs, as `torch.serialization.safe_globals` does for torch.load."""
+    global _user_allowed
+    before = _user_allowed
+    _user_allowed = before | {check_user_allowance(n) for n in names}
+    try:
+        yield
+    finally:
+        _user_allowed = before
+
+
+def allow_globals(names: Iterable[str]) -> None:
+    """Also allow `names` for the rest of the process (the CLI's --allow-global)."""
+    global _user_allowed
+    _user_allowed = _user_allowed | {check_user_allowance(n) for n in names}

@@ -1,0 +1,189 @@
+"""scan: what every pickle in the given files and folders would make torch.load(weights_only=False) run.
+
+Each file is surveyed (readers/survey.py: every pickle walked statically, wherever it hides) and then read as a
+checkpoint, exactly as `inspect` reads it: the two commands share both steps, so their verdicts cannot differ.
+Folders are scanned as torch and the Hugging Face Hub see them: recursively, symlinks followed, every regular file
+sniffed by its content whatever its name; the folder's verdict is the worst of its files.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CkptDoctorError
+from .readers import read_file
+from .readers.survey import Survey, survey_file
+from .records import GlobalRef, Hazard
+from .safepickle import limits
+from .safepickle.policy import Verdict
+from .sniff import Container
+
+
+@dataclass(frozen=True)
+class FileScan:
+    path: Path
+    container: str | None  # what the bytes are: zip, tar, pickle, safetensors, npy, other
+    format: str | None  # the checkpoint format, when it reads as a checkpoint
+    globals: tuple[GlobalRef, ...]
+    hazards: tuple[Hazard, ...] = ()
+    error: str | None = None  # why it does not read as a checkpoint
+    notes: tuple[str, ...] = ()
+    link: str | None = None  # where the symlink at `path` points
+
+    @property
+    def findings(self) -> tuple[GlobalRef, ...]:
+        return tuple(g for g in self.globals if g.verdict is not Verdict.SAFE)
+
+    @property
+    def dangerous(self) -> tuple[GlobalRef, ...]:
+        return tuple(g for g in self.globals if g.verdict is Verdict.DANGEROUS)
+
+    @property
+    def verdict(self) -> Verdict:
+        return max([g.verdict for g in self.globals] + [h.verdict for h in self.hazards], key=lambda v: v.rank,
+                   default=Verdict.SAFE)
+
+    @property
+    def exit_code(self) -> int:
+        if self.verdict is not Verdict.SAFE:
+            return 1
+        return 2 if self.error else 0
+
+
+@dataclass(frozen=True)
+class ScanReport:
+    files: tuple[FileScan, ...]
+    problems: tuple[str, ...] = ()  # paths that could not be scanned at all
+    skipped: tuple[str, ...] = field(default=())  # files of a folder that hold no pickle (text, images)
+
+    @property
+    def verdict(self) -> Verdict:
+        return max((f.verdict for f in self.files), key=lambda v: v.rank, default=Verdict.SAFE)
+
+    @property
+    def findings(self) -> int:
+        return sum(len(f.findings) + len(f.hazards) for f in self.files)
+
+    @property
+    def errors(self) -> tuple[str, ...]:
+        return tuple(f.error for f in self.files if f.error and f.verdict is Verdict.SAFE) + self.problems
+
+    @property
+    def exit_code(self) -> int:
+        """1 when anything would run code (the worst file decides), else 2 when something could not be checked."""
+        if self.verdict is not Verdict.SAFE:
+            return 1
+        return 2 if self.errors else 0
+
+
+def scan_file(path: Path, *, in_folder: bool = False) -> FileScan | None:
+    """The scan of one file; None for a file of a folder that holds no pickle at all (a README, an image)."""
+    link = os.readlink(path) if path.is_symlink() else None
+    try:
+        survey = survey_file(path)
+    except CkptDoctorError as exc:
+        return FileScan(path, None, None, (), error=str(exc), link=link)
+    if in_folder and _holds_no_pickle(survey):
+        return None
+    fmt, error = None, None
+    try:
+        ckpt = read_file(path, survey)
+        fmt = ckpt.format.value
+        globals_, hazards, notes = ckpt.globals, ckpt.hazards, ckpt.notes
+    except CkptDoctorError as exc:
+        error = str(exc)
+        globals_, hazards, notes = tuple(survey.globals), tuple(survey.hazards), tuple(survey.notes)
+    return FileScan(path, survey.container.value, fmt, tuple(_dedupe(globals_)), tuple(hazards), error,
+                    tuple(dict.fromkeys(notes)), link)
+
+
+def _holds_no_pickle(survey: Survey) -> bool:
+    if survey.container in (Container.OTHER, Container.EMPTY):
+        return True
+    walked = survey.main_walk
+    return (survey.container is Container.PICKLE and not survey.globals and walked is not None
+            and not walked.pickles)
+
+
+def _dedupe(refs) -> list[GlobalRef]:
+    seen: dict[tuple[str, str, str], GlobalRef] = {}
+    for ref in refs:
+        seen.setdefault((ref.module, ref.name, ref.source.split(" at byte ")[0]), ref)
+    return list(seen.values())
+
+
+def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str]]:
+    """(file, found in a folder) for every path named and every regular file under folders named, symlinks
+    followed; problems for paths that do not exist or cannot be listed."""
+    files: list[tuple[Path, bool]] = []
+    problems: list[str] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_symlink() and not path.exists():
+            problems.append(f"{path}: symlink points to {os.readlink(path)}, which does not exist")
+        elif path.is_dir():
+            found, missing = _folder_files(path)
+            problems += missing
+            files += [(p, True) for p in found]
+        elif path.exists():
+            if not stat.S_ISREG(path.stat().st_mode):
+                problems.append(f"{path}: not a regular file")
+            else:
+                files.append((path, False))
+        else:
+            problems.append(f"{path}: no such file or directory")
+    return files, problems
+
+
+def _folder_files(folder: Path) -> tuple[list[Path], list[str]]:
+    found: list[Path] = []
+    problems: list[str] = []
+    seen_dirs: set[str] = set()
+
+    def error(exc: OSError) -> None:
+        problems.append(f"{exc.filename}: cannot be listed ({exc.strerror})")
+
+    for root, dirs, names in os.walk(folder, followlinks=True, onerror=error):
+        real = os.path.realpath(root)
+        if real in seen_dirs:  # a symlinked folder loop
+            dirs[:] = []
+            continue
+        seen_dirs.add(real)
+        dirs.sort()
+        for name in sorted(names):
+            path = Path(root) / name
+            try:
+                mode = path.stat().st_mode  # follows symlinks: a Hugging Face snapshot is all links into blobs/
+            except FileNotFoundError:
+                problems.append(f"{path}: symlink points to {os.readlink(path)}, which does not exist")
+                continue
+            except OSError as exc:
+                problems.append(f"{path}: cannot be read ({exc.strerror})")
+                continue
+            if stat.S_ISREG(mode):
+                found.append(path)
+            if len(found) > limits.MAX_FOLDER_FILES:
+                problems.append(f"{folder}: more than {limits.MAX_FOLDER_FILES:,} files; the rest were not scanned")
+                return found, problems
+    return found, problems
+
+
+def scan(paths: list[str]) -> ScanReport:
+    files, problems = files_to_scan(paths)
+    results: list[FileScan] = []
+    skipped: list[str] = []
+    for path, in_folder in files:
+        result = scan_file(path, in_folder=in_folder)
+        if result is None:
+            skipped.append(str(path))
+        else:
+            results.append(result)
+    for folder in (Path(p) for p in paths if Path(p).is_dir()):
+        if not any(folder in r.path.parents for r in results):
+            count = sum(1 for s in skipped if folder in Path(s).parents)
+            problems.append(f"{folder}: folder holds nothing to scan (no pickle, zip, tar, safetensors or .npy "
+                            f"among its {count} files)")
+    return ScanReport(tuple(results), tuple(problems), tuple(skipped))

@@ -1,0 +1,124 @@
+"""The one sniffer: what container a file is, from its bytes, in the order torch.load tries them.
+
+torch.load takes a file for a zip when its first four bytes are a zip local header, then tries Python's tarfile
+(the pre-0.4 format), then unpickles from byte 0 (the legacy format, or any pickle). safetensors files and NumPy
+arrays are recognised too, for a precise answer; whatever the verdict, a file that is not a zip or a tar is also
+walked as a pickle from byte 0 (readers/survey.py), as torch.load would read it under another name.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import struct
+
+from .safepickle import limits
+from .safepickle.walker import starts_pickle
+
+
+class Container(str, enum.Enum):
+    ZIP = "zip"  # torch.save (≥ 1.6), TorchScript, or another zip
+    TAR = "tar"  # torch's pre-0.4 format, or any archive Python's tarfile opens
+    SAFETENSORS = "safetensors"
+    NUMPY = "npy"
+    PICKLE = "pickle"  # the legacy torch format or a bare pickle: its first byte is a pickle opcode
+    EMPTY = "empty"
+    OTHER = "other"
+
+
+# First bytes of files people mistake for checkpoints, for a precise error.
+OTHER_KINDS = [
+    (b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"GIF8", "a GIF image"),
+    (b"\x1f\x8b", "a gzip archive"), (b"\x89HDF", "an HDF5 file (Keras/TensorFlow?)"), (b"GGUF", "a GGUF model"),
+    (b"%PDF", "a PDF document"), (b"BZh", "a bzip2 archive"), (b"\xfd7zXZ", "an xz archive"),
+    (b"\x28\xb5\x2f\xfd", "a zstd stream"), (b"PK\x05\x06", "an empty zip archive"), (b"\x7fELF", "an executable"),
+    (b"<", "text (HTML/XML?) — a download that returned a web page?"), (b"{", "JSON text"),
+    (b"version https://git-lfs", "a Git LFS pointer, not the file itself — run `git lfs pull`"),
+]
+
+HEAD = 512  # enough for a tar header
+
+
+def sniff_bytes(head: bytes, size: int) -> Container:
+    """The container of a file whose first bytes are `head` (at least 512 of them when the file is that long)."""
+    if size == 0:
+        return Container.EMPTY
+    if head[:4] == b"PK\x03\x04":
+        return Container.ZIP
+    if is_tar_header(head):
+        return Container.TAR
+    if looks_like_safetensors(head, size):
+        return Container.SAFETENSORS
+    if head[:6] == b"\x93NUMPY":
+        return Container.NUMPY
+    if starts_pickle(head):
+        return Container.PICKLE
+    return Container.OTHER
+
+
+def sniff(fd: int, size: int) -> tuple[Container, bytes]:
+    """The container of an open file, and its first bytes."""
+    head = os.pread(fd, HEAD, 0)
+    kind = sniff_bytes(head, size)
+    if kind is Container.TAR and not _tarfile_opens(fd):
+        kind = _after_tar(head, size)
+    return kind, head
+
+
+def _after_tar(head: bytes, size: int) -> Container:
+    if looks_like_safetensors(head, size):
+        return Container.SAFETENSORS
+    return Container.PICKLE if starts_pickle(head) else Container.OTHER
+
+
+def is_tar_header(block: bytes) -> bool:
+    """Python's tarfile accepts a first block when its checksum matches (signed or unsigned byte sum, the checksum
+    field counted as spaces) — or when it is all zeros (an empty archive). No 'ustar' magic is needed."""
+    if len(block) < 512:
+        return False
+    block = block[:512]
+    if block.count(0) == 512:
+        return True
+    field = block[148:156]
+    text = field.split(b"\0", 1)[0].strip()
+    if field[:1] in (b"\x80", b"\xff"):
+        return True  # a base-256 checksum: let tarfile itself decide
+    try:
+        stored = int(text or b"0", 8)
+    except ValueError:
+        return False
+    unsigned = 256 + sum(block[:148]) + sum(block[156:512])
+    signed = 256 + sum(struct.unpack("148b", block[:148])) + sum(struct.unpack("356b", block[156:512]))
+    return stored in (unsigned, signed)
+
+
+def _tarfile_opens(fd: int) -> bool:
+    """Whether tarfile.open(mode="r:") — what torch.load calls — accepts the file; it reads only the first header."""
+    import tarfile
+
+    with os.fdopen(os.dup(fd), "rb") as f:
+        try:
+            tarfile.open(fileobj=f, mode="r:", format=tarfile.PAX_FORMAT).close()
+        except tarfile.TarError:
+            return False
+        except (OSError, ValueError, UnicodeError, OverflowError):
+            return False
+    return True
+
+
+def looks_like_safetensors(head: bytes, size: int) -> bool:
+    if len(head) < 9:
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return 0 < n <= min(limits.MAX_SAFETENSORS_HEADER, size - 8) and head[8:9] == b"{"
+
+
+def describe_other(head: bytes, size: int) -> str:
+    """What a file that is no checkpoint seems to be, for an error message."""
+    for magic, kind in OTHER_KINDS:
+        if head.startswith(magic):
+            return f"the bytes are {kind}"
+    if len(head) >= 8 and int.from_bytes(head[:8], "little") > size:
+        return ("no torch, pickle or safetensors signature; if it is safetensors, its header length runs past the "
+                "end of the file")
+    return "no torch zip, tar, pickle or safetensors signature"
