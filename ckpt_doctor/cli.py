@@ -52,6 +52,9 @@ def handle_errors(func: Callable[..., int]) -> Callable[..., None]:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> None:
         debug = os.environ.get("CKPT_DOCTOR_DEBUG") == "1"
+        for stream in (sys.stdout, sys.stderr):  # a key that is no valid UTF-8 is shown escaped, never a crash
+            if hasattr(stream, "reconfigure"):
+                stream.reconfigure(errors="backslashreplace")
         try:
             code = func(*args, **kwargs)
         except CkptDoctorError as exc:

@@ -242,3 +242,73 @@ def _expansion_bomb() -> bytes:
     for i in range(1, 30):
         out += b"](" + (b"h" + bytes([i - 1])) * 10 + b"eq" + bytes([i])
     return bytes(out) + b"."
+
+
+def resource_attacks() -> dict[str, bytes]:
+    """Small files that would cost unbounded time or memory to a naive reader (each named in issue 11)."""
+    def tensor(key_get: bytes) -> bytes:
+        # _rebuild_tensor_v2(storage, 0, (1,), (1,), False, OrderedDict()) with every global and the storage memoized
+        return b"h\x01(h\x02K\x00K\x01\x85K\x01\x85\x89h\x03)RtR"
+
+    storage = (global_op("torch._utils", "_rebuild_tensor_v2") + b"q\x01" + b"(" + _str("storage") +
+               global_op("torch", "FloatStorage") + _str("0") + _str("cpu") + b"K\x04tQq\x02" + b"0" +
+               global_op("collections", "OrderedDict") + b"q\x03" + b"0")
+    many = 900_000
+    shared_storage = bytearray(_proto(2) + storage + b"}(")
+    for i in range(many):
+        shared_storage += _str(f"t{i}") + tensor(b"")
+        if i % 1000 == 999:
+            shared_storage += b"u("
+    shared_storage += b"u."
+    key = "k" * (1 << 20)
+    nested_key = _proto(2) + b"}" + _str(key) + b"q\x00" + b"}" + (b"h\x00}" * 2000) + b"s" * 2001 + b"."
+    nested_key = _proto(2) + _str(key) + b"q\x00" + b"}" + (b"h\x00}" * 2000) + b"s" * 2000 + b"."
+    big_int = _proto(2) + b"}(" + _str("n") + b"\x8b" + struct.pack("<i", 4 << 20) + b"\x7f" * (4 << 20) + b"u."
+    huge_shape = _proto(2) + global_op("torch._utils", "_rebuild_tensor_v2") + b"((" + _str("storage") + \
+        global_op("torch", "FloatStorage") + _str("0") + _str("cpu") + b"K\x04tQK\x00" + b"\x8a\x20" + b"\x7f" * 32 + \
+        b"\x85K\x01\x85\x89" + global_op("collections", "OrderedDict") + b")RtR."
+    deep = b"\x80\x02" + b"]" * 1 + b"(" * 200_000 + b"]" + b"e" * 200_000 + b"."
+    return {
+        "memo_index_bomb.pkl": b"\x80\x02Nr\xff\xff\xff\x7f.",
+        "laughs.pkl": _expansion_bomb(),
+        "nested_key.pkl": nested_key,
+        "deflate_bomb.pt": _deflated_bomb(),
+        "many_deflated_members.pt": _many_deflated(),
+        "shared_storage_900k.pt": torch_zip(bytes(shared_storage), {"0": b"\0" * 16}),
+        "big_int.pkl": big_int,
+        "huge_shape.pt": torch_zip(huge_shape, {"0": b"\0" * 16}),
+        "deep_marks.pkl": deep,
+        "st_5000_digits.safetensors": _st_raw(b'{"a":{"dtype":"F32","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,4]}}'),
+        "st_deep.safetensors": _st_raw(b'{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}"),
+        "st_wrong_types.safetensors": _st_raw(b'{"a":{"dtype":["F32"],"shape":{"x":1},"data_offsets":"0,4"}}'),
+        "st_surrogate.safetensors": _st_raw(b'{"\\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'),
+        "st_metadata_types.safetensors": _st_raw(b'{"__metadata__":[1,2],"a":{"dtype":"F32","shape":[1],'
+                                                 b'"data_offsets":[0,4]}}'),
+    }
+
+
+def _st_raw(header: bytes) -> bytes:
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + b"\0" * 4
+
+
+def _many_deflated() -> bytes:
+    """Many members that each inflate to 200 MB of zeros from ~200 KB: 8 GB in all from under 2 MB."""
+    comp = zlib.compressobj(9, zlib.DEFLATED, -15)
+    chunk = b"\0" * (1 << 20)
+    body = b"".join(comp.compress(chunk) for _ in range(200)) + comp.flush()
+    size = 200 << 20
+    crc = zlib.crc32(b"\0" * size)
+    buf = io.BytesIO()
+    central = b""
+    for i in range(40):
+        name = f"bomb/x{i}.pkl".encode()
+        at = buf.tell()
+        buf.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 8, 0, 0, crc, len(body), size, len(name), 0) + name)
+        buf.write(body)
+        central += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 8, 0, 0, crc, len(body), size, len(name),
+                               0, 0, 0, 0, 0, at) + name
+    cd_at = buf.tell()
+    buf.write(central)
+    buf.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 40, 40, len(central), cd_at, 0))
+    return buf.getvalue()

@@ -107,7 +107,7 @@ def find_in_folder(folder: Path) -> tuple[Path | None, list[Path]]:
         return indexes[0], indexes
     if len(indexes) > 1:
         return None, indexes
-    files = [p for p in entries if p.name.endswith(CHECKPOINT_SUFFIXES)]
+    files = [p for p in entries if _looks_like_checkpoint(p)]
     for preferred in ("model.safetensors", "pytorch_model.bin", "diffusion_pytorch_model.safetensors"):
         for p in files:
             if p.name == preferred:
@@ -115,12 +115,30 @@ def find_in_folder(folder: Path) -> tuple[Path | None, list[Path]]:
     return (files[0] if len(files) == 1 else None), files
 
 
+def _looks_like_checkpoint(path: Path) -> bool:
+    """By content (the sniffer), whatever the name: a zip, a tar, safetensors, or a pickle — one that starts
+    with PROTO, or any pickle under a checkpoint's usual suffix (text files can start with an opcode letter)."""
+    from ..sniff import sniff
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return path.name.endswith(CHECKPOINT_SUFFIXES)  # report it when it is opened, do not hide it
+    try:
+        kind, head = sniff(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    if kind in (Container.ZIP, Container.TAR, Container.SAFETENSORS):
+        return True
+    return kind is Container.PICKLE and (head[:1] == b"\x80" or path.name.endswith(CHECKPOINT_SUFFIXES))
+
+
 def read_folder(folder: Path) -> Checkpoint:
     chosen, candidates = find_in_folder(folder)
     if chosen is None:
         if not candidates:
-            raise ReadError(f"{folder}: folder holds no checkpoint (no *.index.json, .safetensors, .pt, .pth, "
-                            ".bin or .ckpt file)")
+            raise ReadError(f"{folder}: folder holds no checkpoint (no *.index.json, and no file whose bytes are a "
+                            "torch zip, tar, pickle or safetensors)")
         names = ", ".join(p.name for p in candidates[:5])
         raise ReadError(f"{folder}: folder holds {len(candidates)} checkpoints ({names}); name the file to open")
     if chosen.name.endswith(".index.json"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from pathlib import Path
@@ -10,32 +9,25 @@ from pathlib import Path
 from ..dtypes import SAFETENSORS_TO_TORCH, element_size
 from ..errors import ReadError
 from ..records import Checkpoint, Format, StorageRecord, TensorRecord
+from ..safepickle import limits
 
-MAX_HEADER = 100_000_000
 
-
-def looks_like_safetensors(head: bytes, size: int) -> bool:
-    if len(head) < 9:
-        return False
-    (n,) = struct.unpack("<Q", head[:8])
-    return 0 < n <= min(MAX_HEADER, size - 8) and head[8:9] == b"{"
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def read_safetensors(path: Path, fd: int, size: int) -> Checkpoint:
     if size < 8:
         raise ReadError(f"{path}: safetensors file shorter than its 8-byte header length")
     (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-    if n > MAX_HEADER:
+    if n > limits.MAX_SAFETENSORS_HEADER:
         raise ReadError(f"{path}: safetensors header length {n} is over the 100 MB limit (corrupt file)")
     if 8 + n > size:
         raise ReadError(f"{path}: safetensors header length {n} runs past the end of the file (truncated)")
-    raw = os.pread(fd, n, 8)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ReadError(f"{path}: safetensors header is not UTF-8") from exc
-    except json.JSONDecodeError as exc:
-        raise ReadError(f"{path}: safetensors header is not valid JSON ({exc.msg} at {exc.pos})") from exc
+    from . import parse_json
+
+    header = parse_json(os.pread(fd, n, 8), path, "safetensors header")
     if not isinstance(header, dict):
         raise ReadError(f"{path}: safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -65,26 +57,30 @@ def read_safetensors(path: Path, fd: int, size: int) -> Checkpoint:
 
 
 def _record(path: Path, key: str, info: object, data_start: int, data_len: int) -> TensorRecord:
+    if len(key) > limits.MAX_KEY_LENGTH:
+        raise ReadError(f"{path}: safetensors entry {key[:60]}… has a name of {len(key):,} characters")
     if not isinstance(info, dict):
         raise ReadError(f"{path}: safetensors entry {key} is not an object")
-    dtype = SAFETENSORS_TO_TORCH.get(info.get("dtype"))  # type: ignore[arg-type]
+    code = info.get("dtype")
+    dtype = SAFETENSORS_TO_TORCH.get(code) if isinstance(code, str) else None
     shape = info.get("shape")
     offsets = info.get("data_offsets")
     if dtype is None:
-        raise ReadError(f"{path}: safetensors entry {key} has unknown dtype {info.get('dtype')!r}")
+        raise ReadError(f"{path}: safetensors entry {key} has unknown dtype {_short(code)}")
     if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
-        raise ReadError(f"{path}: safetensors entry {key} has a bad shape {shape!r}")
+        raise ReadError(f"{path}: safetensors entry {key} has a bad shape {_short(shape)}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-        raise ReadError(f"{path}: safetensors entry {key} has bad data_offsets {offsets!r}")
+        raise ReadError(f"{path}: safetensors entry {key} has bad data_offsets {_short(offsets)}")
     begin, end = offsets
     if not 0 <= begin <= end <= data_len:
-        raise ReadError(f"{path}: safetensors entry {key} has offsets {offsets} outside the data ({data_len} bytes)")
+        raise ReadError(f"{path}: safetensors entry {key} has offsets {_short(offsets)} outside the data "
+                        f"({data_len} bytes)")
     numel = 1
     for s in shape:
         numel *= s
     if numel * element_size(dtype) != end - begin:
-        raise ReadError(f"{path}: safetensors entry {key}: {dtype}{shape} needs {numel * element_size(dtype)} "
-                        f"bytes, its offsets give {end - begin}")
+        raise ReadError(f"{path}: safetensors entry {key}: {dtype}{_short(shape)} needs "
+                        f"{_short(numel * element_size(dtype))} bytes, its offsets give {end - begin}")
     stride, acc = [], 1
     for s in reversed(shape):
         stride.append(acc)

@@ -22,7 +22,7 @@ from ..safepickle import limits
 from ..safepickle.policy import GlobalRef, Verdict
 from ..safepickle.walker import Walk, starts_pickle, walk
 from ..sniff import Container, sniff
-from .zipindex import ZipIndex, local_members, read_member, read_zip_index
+from .zipindex import ZipIndex, local_members, member_head, read_member, read_zip_index
 
 LEGACY_PICKLES = 5  # magic number, protocol version, system info, the object, the storage keys
 _TEXT_RECORDS = frozenset({"version", ".data/version", "byteorder", ".format_version", ".storage_alignment",
@@ -119,6 +119,11 @@ def _survey_pickles(survey: Survey, fd: int) -> None:
     survey._add(result)
     survey.broken = result.broken
     survey.main_walk = result
+    after = result.pickles[-1][1] if result.pickles else 0
+    if not legacy and after and data[after:after + 4] == b"PK\x03\x04":
+        # A zip appended to a pickle: torch.load runs the pickle; a zip reader finds the archive at the end.
+        survey.notes.append(f"a zip archive follows the pickle at byte {after}")
+        _survey_local_pickles(survey, fd, after, "in the zip appended to the pickle")
     if survey.container is Container.SAFETENSORS and result.globals:
         survey.hazards.append(Hazard(Verdict.DANGEROUS, "a safetensors file whose first bytes are also a pickle: "
                                      "torch.load unpickles it when its name does not end in .safetensors"))
@@ -179,8 +184,8 @@ def _survey_zip(survey: Survey, fd: int) -> None:
                 or rel.startswith(".data/"):
             continue
         is_main = member is chosen
-        if not (is_main or _is_pickle_name(name) or member.size <= limits.MAX_INFLATED_MEMBER):
-            continue
+        if not (is_main or _is_pickle_name(name) or starts_pickle(member_head(fd, member, 16))):
+            continue  # no opcode at its start: nothing any loader would unpickle
         try:
             data = read_member(fd, member, str(path), check_crc=False, budget=budget)
         except ReadError as exc:
@@ -214,11 +219,14 @@ def _is_pickle_name(name: str) -> bool:
 
 def _survey_broken_zip(survey: Survey, fd: int) -> None:
     """An archive without a readable central directory (truncated): walk the pickles its local headers start."""
-    for name, data_at in local_members(fd, survey.size):
+    _survey_local_pickles(survey, fd, 0, "found from its local header")
+
+
+def _survey_local_pickles(survey: Survey, fd: int, start: int, how: str) -> None:
+    for name, data_at in local_members(fd, survey.size, start):
         if _is_pickle_name(name) and data_at < survey.size:
             data = os.pread(fd, min(survey.size - data_at, limits.MAX_PICKLE_BYTES), data_at)
-            result = walk(data, f"{name} (found from its local header)")
-            survey._add(result)
+            survey._add(walk(data, f"{name} ({how})"))
 
 
 def _survey_tar(survey: Survey, fd: int) -> None:

@@ -208,6 +208,21 @@ def _locate_data(fd: int, file_size: int, entries: list) -> list[ZipMember]:
     return located
 
 
+def member_head(fd: int, member: ZipMember, size: int) -> bytes:
+    """The first `size` bytes of a member (inflating no more than that), or b"" when it cannot be read."""
+    if member.offset < 0 or member.is_dir or member.flags & 1:
+        return b""
+    raw = os.pread(fd, min(member.compressed_size, size if member.method == 0 else 1 << 16), member.offset)
+    if member.method == 0:
+        return raw
+    if member.method != 8:
+        return b""
+    try:
+        return zlib.decompressobj(-15).decompress(raw, size)
+    except zlib.error:
+        return b""
+
+
 def read_member(fd: int, member: ZipMember, path: str, check_crc: bool = True,
                 budget: list[int] | None = None) -> bytes:
     """A member's bytes, as torch's reader gets them. `budget` (a one-item list) is debited by what inflating
@@ -247,11 +262,11 @@ def read_member(fd: int, member: ZipMember, path: str, check_crc: bool = True,
     return data
 
 
-def local_members(fd: int, file_size: int, limit: int = 4096) -> list[tuple[str, int]]:
-    """(name, data offset) of local headers found scanning forward from the start: what is left to look at in an
-    archive whose central directory is gone (a truncated download)."""
+def local_members(fd: int, file_size: int, start: int = 0, limit: int = 4096) -> list[tuple[str, int]]:
+    """(name, data offset) of local headers found scanning forward from `start`: what is left to look at in an
+    archive whose central directory is gone (a truncated download), or in one appended to a pickle."""
     found: list[tuple[str, int]] = []
-    at = 0
+    at = start
     while at + 30 <= file_size and len(found) < limit:
         head = os.pread(fd, 30, at)
         if head[:4] != _LOCAL:

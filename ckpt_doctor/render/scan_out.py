@@ -32,7 +32,7 @@ def scan_json(report: ScanReport) -> dict[str, Any]:
 
 
 def scan_table(report: ScanReport, show_safe: bool = False) -> str:
-    from tabulate import tabulate
+    from .columns import simple_table
 
     rows = []
     for f in report.files:
@@ -45,7 +45,7 @@ def scan_table(report: ScanReport, show_safe: bool = False) -> str:
             rows.append([str(f.path), h.verdict.value.upper(), "(the file)", "", h.what])
     if not rows:
         return "(no globals off the allow-list)"
-    return tabulate(rows, headers=["file", "verdict", "global", "in", "why"], tablefmt="simple", disable_numparse=True)
+    return simple_table(["file", "verdict", "global", "in", "why"], rows)
 
 
 def scan_summary(report: ScanReport) -> list[str]:

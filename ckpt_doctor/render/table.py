@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tabulate import tabulate
+from .columns import simple_table
 
 from ..analyze import Row, collapse, human_bytes
 from ..report import InspectReport
@@ -41,7 +41,7 @@ def inspect_table(report: InspectReport, full: bool = False) -> str:
         body.append(line)
     if not body:
         return "(no tensors)" if not report.filter else f"(no tensor key matches --filter {report.filter!r})"
-    return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)
+    return simple_table(headers, body)
 
 
 def comparison_table(report: InspectReport) -> str:
@@ -49,8 +49,7 @@ def comparison_table(report: InspectReport) -> str:
 
     shapes = {t.key: t.shape for t in report.checkpoint.state_dict_tensors()}
     body = verdict_rows(report.comparison, shapes, report.model_shapes)
-    return tabulate(body, headers=["key", "verdict", "checkpoint", "model"], tablefmt="simple",
-                    disable_numparse=True)
+    return simple_table(["key", "verdict", "checkpoint", "model"], body)
 
 
 def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
@@ -87,7 +86,8 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         lines.append(("metadata", text))
     for g in report.shared[: None if full else 5]:
         how = "tied, same bytes" if g.same_bytes else "views of one storage"
-        lines.append(("shared", f"{' = '.join(g.keys)} ({how})"))
+        keys = " = ".join(g.keys if full or len(g.keys) <= 6 else (*g.keys[:6], f"… {len(g.keys) - 6} more"))
+        lines.append(("shared", f"{keys} ({how})"))
     if not full and len(report.shared) > 5:
         lines.append(("shared", f"… {len(report.shared) - 5} more groups (--full)"))
     if ckpt.non_persistent:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tabulate import tabulate
+from .columns import simple_table
 
 from ..analyze import human_bytes
 from ..verify import VerifyReport
@@ -38,10 +38,9 @@ def verify_table(report: VerifyReport) -> str:
         diff = "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.3g}"
         rows.append([r.mode.value, r.status.value.upper(), r.world_size, r.backend, ",".join(r.devices), diff,
                      f"{r.seconds:.2f}", peak, r.detail])
-    text = tabulate(rows, headers=["mode", "status", "world", "backend", "devices", "max|diff|", "seconds",
-                                   "peak memory", "detail"], tablefmt="simple", disable_numparse=True)
+    text = simple_table(["mode", "status", "world", "backend", "devices", "max|diff|", "seconds", "peak memory",
+                         "detail"], rows)
     if report.summary:
-        text += "\n\n" + tabulate([[m.name, m.kind, m.output_shape, f"{m.params:,}"] for m in report.summary],
-                                  headers=["module", "type", "output shape", "params"], tablefmt="simple",
-                                  disable_numparse=True)
+        text += "\n\n" + simple_table(["module", "type", "output shape", "params"],
+                                       [[m.name, m.kind, m.output_shape, f"{m.params:,}"] for m in report.summary])
     return text

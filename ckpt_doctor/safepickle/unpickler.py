@@ -162,13 +162,16 @@ class Device(_Token):
         return self.value
 
 
+_INT64 = 1 << 63
+
+
 def _ints(value: Any) -> tuple[int, ...]:
-    if type(value) is tuple or type(value) is list:
+    if (type(value) is tuple or type(value) is list) and len(value) <= 64:
         for item in value:
-            if type(item) is not int:
-                raise TypeError("shape/stride is not a tuple of ints")
+            if type(item) is not int or not -_INT64 <= item < _INT64:
+                raise TypeError("shape/stride is not a tuple of 64-bit ints")
         return tuple(value)
-    raise TypeError("shape/stride is not a tuple of ints")
+    raise TypeError("shape/stride is not a tuple of 64-bit ints")
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -181,7 +184,7 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
             dtype: str | None = None) -> RawTensor:
-    if not isinstance(storage, StorageRef) or type(offset) is not int or offset < 0:
+    if not isinstance(storage, StorageRef) or type(offset) is not int or not 0 <= offset < _INT64:
         raise TypeError("tensor storage is not a storage record")
     return RawTensor(storage, dtype or storage.dtype, offset, _ints(size), _ints(stride), bool(requires_grad))
 
@@ -334,17 +337,21 @@ _SAFE_CALLABLES: dict[str, Any] = {
 }
 
 
-def _lenient(func: Callable[..., Any], ref: GlobalRef, notes: list[str]) -> Callable[..., Any]:
-    """Malformed rebuild arguments give an inert record and a note, so a hostile file is still reported."""
+def _strict(func: Callable[..., Any], ref: GlobalRef) -> Callable[..., Any]:
+    """Malformed arguments to a rebuild function make the file unreadable, as they make torch.load fail; what the
+    file would run is already known from the walk (readers/survey.py), so nothing is lost by stopping."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
         except (TypeError, ValueError, KeyError, IndexError, OverflowError, AttributeError) as exc:
-            notes.append(f"{ref.qualname}: malformed arguments ({exc})")
-            return _opaque_class(ref)(*args)
+            raise MalformedPickle(f"{ref.qualname} is called with malformed arguments ({exc})") from None
 
     return call
+
+
+class MalformedPickle(ValueError):
+    """A global the allow-list accepts was given arguments torch's own rebuild would refuse."""
 
 
 @contextlib.contextmanager
@@ -400,12 +407,12 @@ class SafeUnpickler(pickle.Unpickler):
             qual = f"{module}.{name}"
             if module == "torch._utils" and name in TENSOR_REBUILDERS:
                 func = _REBUILDERS.get(name)
-                return _lenient(func, ref, self.notes) if func else _opaque_class(ref)
+                return _strict(func, ref) if func else _opaque_class(ref)
             if qual in _SAFE_CALLABLES:
                 target = _SAFE_CALLABLES[qual]
-                return target if isinstance(target, type) else _lenient(target, ref, self.notes)
+                return target if isinstance(target, type) else _strict(target, ref)
             if qual == "torch.nn.parameter.Parameter":
-                return _lenient(_parameter, ref, self.notes)
+                return _strict(_parameter, ref)
             if module in ("torch", "torch.cuda", "torch.storage") and name in STORAGE_CLASS_DTYPE:
                 return StorageType(STORAGE_CLASS_DTYPE[name])
             if module == "torch" and torch_dtype_name(name) is not None:
@@ -424,7 +431,7 @@ class SafeUnpickler(pickle.Unpickler):
         if type(pid) is tuple and len(pid) >= 5 and pid[0] == "storage":
             storage_type, key, location, numel = pid[1:5]
             view = pid[5] if len(pid) > 5 else None
-            if type(storage_type) is StorageType and type(numel) is int and numel >= 0:
+            if type(storage_type) is StorageType and type(numel) is int and 0 <= numel < _INT64:
                 key = key if type(key) is str else str(key)
                 ref = self.storages.get(key)
                 if ref is None:
