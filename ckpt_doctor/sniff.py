@@ -97,6 +97,7 @@ def _tarfile_opens(fd: int) -> bool:
     import tarfile
 
     with os.fdopen(os.dup(fd), "rb") as f:
+        f.seek(0)  # a dup shares the file position, which an earlier read may have moved
         try:
             tarfile.open(fileobj=f, mode="r:", format=tarfile.PAX_FORMAT).close()
         except tarfile.TarError:

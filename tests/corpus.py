@@ -246,35 +246,33 @@ def _expansion_bomb() -> bytes:
 
 def resource_attacks() -> dict[str, bytes]:
     """Small files that would cost unbounded time or memory to a naive reader (each named in issue 11)."""
-    def tensor(key_get: bytes) -> bytes:
-        # _rebuild_tensor_v2(storage, 0, (1,), (1,), False, OrderedDict()) with every global and the storage memoized
-        return b"h\x01(h\x02K\x00K\x01\x85K\x01\x85\x89h\x03)RtR"
+    # _rebuild_tensor_v2(storage, 0, (1,), (1,), False, OrderedDict()), every global and the storage memoized
+    tensor = b"h\x01(h\x02K\x00K\x01\x85K\x01\x85\x89h\x03)RtR"
 
     storage = (global_op("torch._utils", "_rebuild_tensor_v2") + b"q\x01" + b"(" + _str("storage") +
                global_op("torch", "FloatStorage") + _str("0") + _str("cpu") + b"K\x04tQq\x02" + b"0" +
                global_op("collections", "OrderedDict") + b"q\x03" + b"0")
-    many = 900_000
+    many = 600_000  # over limits.MAX_TENSORS (issue 11 measured 900,000: 21 s and 1.8 GB before)
     shared_storage = bytearray(_proto(2) + storage + b"}(")
     for i in range(many):
-        shared_storage += _str(f"t{i}") + tensor(b"")
+        shared_storage += _str(f"t{i}") + tensor
         if i % 1000 == 999:
             shared_storage += b"u("
     shared_storage += b"u."
     key = "k" * (1 << 20)
-    nested_key = _proto(2) + b"}" + _str(key) + b"q\x00" + b"}" + (b"h\x00}" * 2000) + b"s" * 2001 + b"."
     nested_key = _proto(2) + _str(key) + b"q\x00" + b"}" + (b"h\x00}" * 2000) + b"s" * 2000 + b"."
     big_int = _proto(2) + b"}(" + _str("n") + b"\x8b" + struct.pack("<i", 4 << 20) + b"\x7f" * (4 << 20) + b"u."
     huge_shape = _proto(2) + global_op("torch._utils", "_rebuild_tensor_v2") + b"((" + _str("storage") + \
         global_op("torch", "FloatStorage") + _str("0") + _str("cpu") + b"K\x04tQK\x00" + b"\x8a\x20" + b"\x7f" * 32 + \
         b"\x85K\x01\x85\x89" + global_op("collections", "OrderedDict") + b")RtR."
-    deep = b"\x80\x02" + b"]" * 1 + b"(" * 200_000 + b"]" + b"e" * 200_000 + b"."
+    deep = b"\x80\x02" + b"(" * 200_000 + b"l" * 200_000 + b"."  # lists nested 200,000 deep
     return {
         "memo_index_bomb.pkl": b"\x80\x02Nr\xff\xff\xff\x7f.",
         "laughs.pkl": _expansion_bomb(),
         "nested_key.pkl": nested_key,
         "deflate_bomb.pt": _deflated_bomb(),
         "many_deflated_members.pt": _many_deflated(),
-        "shared_storage_900k.pt": torch_zip(bytes(shared_storage), {"0": b"\0" * 16}),
+        "shared_storage_600k.pt": torch_zip(bytes(shared_storage), {"0": b"\0" * 16}),
         "big_int.pkl": big_int,
         "huge_shape.pt": torch_zip(huge_shape, {"0": b"\0" * 16}),
         "deep_marks.pkl": deep,

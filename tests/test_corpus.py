@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from tests.corpus import broken, make_special, malicious
+from tests.corpus import broken, make_special, malicious, resource_attacks
 
 EXE = shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(sys.executable), "ckpt-doctor")
 MODEL = "fixtures.models:SmallCNN"
@@ -53,7 +53,57 @@ def corpora(tmp_path_factory, fixtures):
         else:
             (tmp / "bad" / name).write_bytes(data)
             bad_paths[name] = tmp / "bad" / name
-    return {"canary": canary, "evil": sorted((tmp / "evil").iterdir()), "bad": bad_paths, "tmp": tmp}
+    (tmp / "resource").mkdir()
+    for name, data in resource_attacks().items():
+        (tmp / "resource" / name).write_bytes(data)
+    return {"canary": canary, "evil": sorted((tmp / "evil").iterdir()), "bad": bad_paths, "tmp": tmp,
+            "resource": sorted((tmp / "resource").iterdir())}
+
+
+def run_measured(*args):
+    """(exit code, seconds, peak RSS in MB, stderr) of one run of the installed command, measured from a launcher
+    small enough that the child's peak is its own."""
+    proc = subprocess.run([sys.executable, "-c", _MEASURE_WAIT, EXE, *map(str, args)], capture_output=True, text=True,
+                          timeout=90)
+    code, seconds, rss_kb = proc.stdout.split()
+    return int(code), float(seconds), int(rss_kb) / 1024, proc.stderr
+
+
+_MEASURE_WAIT = """\
+import os, sys, time
+start = time.monotonic()
+pid = os.fork()
+if pid == 0:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+print(os.waitstatus_to_exitcode(status), time.monotonic() - start, usage.ru_maxrss)
+"""
+
+
+def test_resource_attacks_end_fast_in_bounded_memory_with_a_named_error(corpora):
+    """Each file costs a naive reader minutes or gigabytes (issue 11): here ≤ 30 s, ≤ 1 GB, exit 1 or 2, one line."""
+    failures = []
+    for path in corpora["resource"]:
+        for args in (("scan", path), ("inspect", path), ("fix", path, "-o", corpora["tmp"] / "r_out.pt")):
+            code, seconds, rss, stderr = run_measured(*args)
+            lines = stderr.strip().splitlines()
+            named = lines and lines[-1].startswith("Error: ") and "internal error" not in stderr
+            if code not in (1, 2) or not named or seconds > 30 or rss > 1024 or "Traceback" in stderr:
+                failures.append(f"{path.name} {args[0]}: exit {code}, {seconds:.1f} s, {rss:.0f} MB: {stderr[-200:]}")
+        assert not (corpora["tmp"] / "r_out.pt").exists()
+    assert failures == []
+
+
+def test_scan_and_inspect_agree_on_every_file_of_every_corpus(corpora):
+    """One survey serves both commands: their verdicts (exit codes) are the same for every file."""
+    disagree = []
+    for path in [*corpora["evil"], *corpora["bad"].values(), *corpora["resource"]]:
+        scan, inspect = run("scan", path).returncode, run("inspect", path).returncode
+        if scan != inspect:
+            disagree.append(f"{os.path.basename(path)}: scan {scan}, inspect {inspect}")
+    assert disagree == []
 
 
 def test_corpora_are_big_enough(corpora):

@@ -48,6 +48,7 @@ def tar_layout(fd: int, size: int, path: Path) -> TarLayout:
     """List the archive with tarfile (the module torch uses) and walk every pickle torch would unpickle."""
     layout = TarLayout()
     with os.fdopen(os.dup(fd), "rb") as f:
+        f.seek(0)  # a dup shares the file position, which an earlier read may have moved
         try:
             with tarfile.open(fileobj=f, mode="r:", format=tarfile.PAX_FORMAT) as tar:
                 count = 0

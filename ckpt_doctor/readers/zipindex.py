@@ -263,23 +263,26 @@ def read_member(fd: int, member: ZipMember, path: str, check_crc: bool = True,
 
 
 def local_members(fd: int, file_size: int, start: int = 0, limit: int = 4096) -> list[tuple[str, int]]:
-    """(name, data offset) of local headers found scanning forward from `start`: what is left to look at in an
-    archive whose central directory is gone (a truncated download), or in one appended to a pickle."""
+    """(name, data offset) of every local header from `start` on: what is left to look at in an archive whose
+    central directory is gone (a truncated download), in one appended to a pickle, or in several archives laid end
+    to end (a torch.distributed.checkpoint shard). Headers are found by their signature, so members whose sizes
+    follow their data (torch's writer) are found too."""
+    import mmap
+
     found: list[tuple[str, int]] = []
-    at = start
-    while at + 30 <= file_size and len(found) < limit:
-        head = os.pread(fd, 30, at)
-        if head[:4] != _LOCAL:
-            break
-        nlen, xlen = struct.unpack_from("<HH", head, 26)
-        (csize,) = struct.unpack_from("<I", head, 18)
-        name = os.pread(fd, nlen, at + 30).decode("utf-8", "surrogateescape")
-        data_at = at + 30 + nlen + xlen
-        found.append((name, data_at))
-        flags = struct.unpack_from("<H", head, 6)[0]
-        if flags & 8 and csize == 0:
-            break  # sizes follow the data (torch's writer): where the next header starts is not known
-        at = data_at + csize
+    if file_size - start < 30:
+        return found
+    try:
+        view = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return found
+    with view:
+        at = view.find(_LOCAL, start)
+        while at >= 0 and len(found) < limit and at + 30 <= file_size:
+            nlen, xlen = struct.unpack_from("<HH", view, at + 26)
+            name = bytes(view[at + 30:at + 30 + nlen]).decode("utf-8", "surrogateescape")
+            found.append((name, at + 30 + nlen + xlen))
+            at = view.find(_LOCAL, at + 30)
     return found
 
 

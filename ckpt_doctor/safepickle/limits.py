@@ -16,6 +16,10 @@ def max_memo_index(pickle_length: int) -> int:
     return pickle_length
 
 
+# An integer of more bytes than this is no checkpoint's: Python writes ints over 255 bytes as LONG4, and turning a
+# multi-megabyte one into text (a JSON report) would hit CPython's 4,300-digit limit or take minutes.
+MAX_INT_BYTES = 1024
+
 # Pickles inside bytes inside pickles (a payload handed to pickle.loads) are walked this deep.
 MAX_NESTED_DEPTH = 4
 # ... and at most this many bytes of nested pickles per file, so a file of many small byte strings stays linear.

@@ -104,8 +104,8 @@ CURATED: dict[str, str] = {
     "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING": _ENUM,
     "torch.distributed._shard.metadata.ShardMetadata": _DATACLASS,
     # DCP's StorageMeta holds the checkpoint folder as a path.
-    **{f"pathlib.{n}": "a path value: its constructor joins strings and touches no file" for n in (
-        "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path")},
+    **{f"pathlib.{mod}{n}": "a path value: its constructor joins strings and touches no file" for n in (
+        "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path") for mod in ("", "_local.")},
     # DeepSpeed checkpoints.
     "deepspeed.runtime.zero.config.ZeroStageEnum": _ENUM,
     "deepspeed.utils.tensor_fragment.fragment_address": _DATACLASS,
@@ -113,6 +113,23 @@ CURATED: dict[str, str] = {
         "a record of scale settings: NEWOBJ calls object.__new__ and BUILD fills __dict__ (no __setstate__)",
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler":
         "a record of scale settings: NEWOBJ calls object.__new__ and BUILD fills __dict__ (no __setstate__)",
+    # NumPy values in optimizer states, callbacks and random states (numpy 1.x `numpy.core`, 2.x `numpy._core`).
+    **{f"numpy.{core}.multiarray._reconstruct": "builds an empty ndarray of a type that is another global of the "
+       "file; BUILD's ndarray.__setstate__ copies bytes with size checks, and an object array needs its items as "
+       "a list the pickle built" for core in ("core", "_core")},
+    **{f"numpy.{core}.multiarray.scalar": "copies a fixed-size buffer into a scalar of a given dtype; object "
+       "dtypes are refused" for core in ("core", "_core")},
+    "numpy.ndarray": "used as a type token by _reconstruct",
+    "numpy.dtype": "parses a dtype description in C; given a class it makes an object dtype without calling it",
+    # Hugging Face Trainer's training_args.bin and accelerate's state (checked on transformers 5.23, accelerate 1.15).
+    "transformers.training_args.TrainingArguments": _DATACLASS + " (__post_init__ is not run)",
+    "transformers.trainer_pt_utils.AcceleratorConfig": _DATACLASS,
+    **{f"transformers.trainer_utils.{n}": _ENUM for n in (
+        "IntervalStrategy", "SaveStrategy", "HubStrategy", "SchedulerType", "EvaluationStrategy")},
+    "transformers.training_args.OptimizerNames": _ENUM,
+    "accelerate.utils.dataclasses.DistributedType": _ENUM,
+    "accelerate.state.PartialState": ("NEWOBJ skips __init__ and BUILD fills a fresh instance dict (the shared "
+                                      "process state is not touched)"),
     # Training scripts' arguments, in many training checkpoints.
     "argparse.Namespace": "an attribute bag: NEWOBJ calls object.__new__ and BUILD fills __dict__",
     # Plain containers and values.
@@ -202,7 +219,7 @@ def dangerous_reason(module: str, name: str) -> str | None:
     full = f"{module}.{name}"
     parts = full.split(".")
     if module in ("builtins", "__builtin__", "__builtins__"):
-        if name not in SAFE_BUILTINS:
+        if name.split(".")[0] not in SAFE_BUILTINS:
             return f"builtins.{name} runs code or reaches it"
     if full in DANGEROUS_NAMES:
         return "loads another pickle, a file or code"

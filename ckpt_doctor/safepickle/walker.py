@@ -440,6 +440,8 @@ class _Machine:
                 (size,) = _LE4S.unpack_from(data, take(4))
                 if size < 0:
                     raise _Break("LONG pickle has negative byte count")
+                if size > limits.MAX_INT_BYTES:
+                    raise _Refuse(f"an integer of {size * 8:,} bits at byte {pos}: no checkpoint holds one")
                 take(size)
                 stack.append(NOT)
             elif op == 0x70:  # p PUT
