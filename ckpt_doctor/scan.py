@@ -17,9 +17,8 @@ from .errors import CkptDoctorError
 from .readers import read_file
 from .readers.survey import Survey, survey_file
 from .records import GlobalRef, Hazard
-from .safepickle import limits
 from .safepickle.policy import Verdict
-from .sniff import Container
+from .sniff import Container, folder_files
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str]]
         if path.is_symlink() and not path.exists():
             problems.append(f"{path}: symlink points to {os.readlink(path)}, which does not exist")
         elif path.is_dir():
-            found, missing = _folder_files(path)
+            found, missing = folder_files(path)
             problems += missing
             files += [(p, True) for p in found]
         elif path.exists():
@@ -136,39 +135,6 @@ def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str]]
         else:
             problems.append(f"{path}: no such file or directory")
     return files, problems
-
-
-def _folder_files(folder: Path) -> tuple[list[Path], list[str]]:
-    found: list[Path] = []
-    problems: list[str] = []
-    seen_dirs: set[str] = set()
-
-    def error(exc: OSError) -> None:
-        problems.append(f"{exc.filename}: cannot be listed ({exc.strerror})")
-
-    for root, dirs, names in os.walk(folder, followlinks=True, onerror=error):
-        real = os.path.realpath(root)
-        if real in seen_dirs:  # a symlinked folder loop
-            dirs[:] = []
-            continue
-        seen_dirs.add(real)
-        dirs.sort()
-        for name in sorted(names):
-            path = Path(root) / name
-            try:
-                mode = path.stat().st_mode  # follows symlinks: a Hugging Face snapshot is all links into blobs/
-            except FileNotFoundError:
-                problems.append(f"{path}: symlink points to {os.readlink(path)}, which does not exist")
-                continue
-            except OSError as exc:
-                problems.append(f"{path}: cannot be read ({exc.strerror})")
-                continue
-            if stat.S_ISREG(mode):
-                found.append(path)
-            if len(found) > limits.MAX_FOLDER_FILES:
-                problems.append(f"{folder}: more than {limits.MAX_FOLDER_FILES:,} files; the rest were not scanned")
-                return found, problems
-    return found, problems
 
 
 def scan(paths: list[str]) -> ScanReport:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import enum
 import os
+import stat
 import struct
+from pathlib import Path
 
 from .safepickle import limits
 from .safepickle.walker import starts_pickle
@@ -123,3 +125,37 @@ def describe_other(head: bytes, size: int) -> str:
         return ("no torch, pickle or safetensors signature; if it is safetensors, its header length runs past the "
                 "end of the file")
     return "no torch zip, tar, pickle or safetensors signature"
+
+
+def folder_files(folder: Path) -> tuple[list[Path], list[str]]:
+    """Every regular file under `folder`, symlinks followed (loops cut), and the paths that could not be read."""
+    found: list[Path] = []
+    problems: list[str] = []
+    seen_dirs: set[str] = set()
+
+    def error(exc: OSError) -> None:
+        problems.append(f"{exc.filename}: cannot be listed ({exc.strerror})")
+
+    for root, dirs, names in os.walk(folder, followlinks=True, onerror=error):
+        real = os.path.realpath(root)
+        if real in seen_dirs:  # a symlinked folder loop
+            dirs[:] = []
+            continue
+        seen_dirs.add(real)
+        dirs.sort()
+        for name in sorted(names):
+            path = Path(root) / name
+            try:
+                mode = path.stat().st_mode  # follows symlinks: a Hugging Face snapshot is all links into blobs/
+            except FileNotFoundError:
+                problems.append(f"{path}: symlink points to {os.readlink(path)}, which does not exist")
+                continue
+            except OSError as exc:
+                problems.append(f"{path}: cannot be read ({exc.strerror})")
+                continue
+            if stat.S_ISREG(mode):
+                found.append(path)
+            if len(found) > limits.MAX_FOLDER_FILES:
+                problems.append(f"{folder}: more than {limits.MAX_FOLDER_FILES:,} files; the rest were not scanned")
+                return found, problems
+    return found, problems

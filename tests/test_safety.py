@@ -366,3 +366,19 @@ def test_safe_unpickler_stand_ins_are_all_on_the_allow_list():
     from ckpt_doctor.safepickle.unpickler import _SAFE_CALLABLES
 
     assert set(_SAFE_CALLABLES) <= ALLOWED
+
+
+def test_inspect_of_a_folder_reports_what_its_other_files_would_run(tmp_path, cli, fixtures):
+    canary = tmp_path / "CANARY"
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(fixtures["safetensors"]["path"].read_bytes())
+    (folder / "config.json").write_text("{}")
+    assert cli("inspect", folder).exit_code == cli("scan", folder).exit_code == 0
+    (folder / "training_args.bin").write_bytes(torch_zip(state_dict_pickle(call("os", "system", f"touch {canary}")),
+                                                         {"0": b"\0" * 16}))
+    inspect, scan = cli("inspect", folder), cli("scan", folder)
+    assert inspect.exit_code == scan.exit_code == 1
+    assert "training_args.bin" in inspect.stderr and "os.system" in inspect.stderr
+    assert inspect.stdout.count("\n") > 2  # the model's tensors are still listed
+    assert not canary.exists()
