@@ -180,12 +180,12 @@ def _survey_zip(survey: Survey, fd: int) -> None:
     for member in index.members:
         name = member.name
         rel = name[len(prefix):] if name.startswith(prefix) else name
-        if member.is_dir or rel in _TEXT_RECORDS or rel.startswith("data/") or rel.startswith("code/") \
-                or rel.startswith(".data/"):
-            continue
+        if member.is_dir or rel in _TEXT_RECORDS or rel.startswith("data/") and not _is_pickle_name(rel) \
+                or rel.startswith("code/") and rel.endswith(".py"):
+            continue  # text records, storages (raw tensor bytes) and TorchScript source: never unpickled
         is_main = member is chosen
-        if not (is_main or _is_pickle_name(name) or starts_pickle(member_head(fd, member, 16))):
-            continue  # no opcode at its start: nothing any loader would unpickle
+        if not is_main and not starts_pickle(member_head(fd, member, 16)):
+            continue  # no opcode at its start: nothing any loader would unpickle (and nothing inflated to find out)
         try:
             data = read_member(fd, member, str(path), check_crc=False, budget=budget)
         except ReadError as exc:
@@ -193,6 +193,7 @@ def _survey_zip(survey: Survey, fd: int) -> None:
             continue
         result = walk(data, name)
         if not (is_main or _is_pickle_name(name)) and not result.pickles:
+            del data
             continue  # a member that is no pickle (a text file, an image): nothing a loader would unpickle
         walked.add(id(member))
         survey._add(result)
