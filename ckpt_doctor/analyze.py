@@ -132,9 +132,13 @@ def _collapse_once(rows: list[tuple[str, list[int], tuple]]) -> list[tuple[str, 
 
 
 def _index_range(indices: list[int]) -> str:
+    """`0..23`, `0,2,4`, or for long irregular runs the first three and the last: a label stays short however
+    many rows it stands for (an ever longer label would widen every row of the table)."""
     if indices == list(range(indices[0], indices[0] + len(indices))):
         return f"{indices[0]}..{indices[-1]}"
-    return ",".join(map(str, indices))
+    if len(indices) <= 6:
+        return ",".join(map(str, indices))
+    return f"{indices[0]},{indices[1]},{indices[2]},…,{indices[-1]}"
 
 
 def human_bytes(n: int) -> str:

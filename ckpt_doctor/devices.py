@@ -24,6 +24,11 @@ def cuda_count_without_torch() -> int:
     return present
 
 
+def _index(text: str) -> int | None:
+    """A device index written in ASCII digits (`str.isdigit` also accepts `²`, which int() refuses)."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 10 else None
+
+
 def missing_devices(saved: tuple[str, ...] | list[str]) -> list[str]:
     """Saved devices this machine lacks (cuda:3 with one GPU, any cuda without one)."""
     count = None
@@ -34,7 +39,7 @@ def missing_devices(saved: tuple[str, ...] | list[str]) -> list[str]:
             continue
         if count is None:
             count = cuda_count_without_torch()
-        if count == 0 or (index.isdigit() and int(index) >= count):
+        if count == 0 or (_index(index) is not None and _index(index) >= count):
             out.append(device)
     return out
 
@@ -45,7 +50,7 @@ def auto_device(saved: str) -> str:
 
     kind, _, index = saved.partition(":")
     if kind == "cuda" and torch.cuda.is_available():
-        n = int(index) if index.isdigit() else 0
+        n = _index(index) or 0
         return f"cuda:{n}" if n < torch.cuda.device_count() else "cuda:0"
     if kind in ("cuda", "mps") and getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
         return "mps"

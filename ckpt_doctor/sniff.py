@@ -62,7 +62,9 @@ def sniff(fd: int, size: int) -> tuple[Container, bytes]:
     """The container of an open file, and its first bytes."""
     head = os.pread(fd, HEAD, 0)
     kind = sniff_bytes(head, size)
-    if kind is Container.TAR and not _tarfile_opens(fd):
+    # (a first header whose metadata tarfile would read into memory, hundreds of MB, is left to the tar reader,
+    # which refuses it; tarfile is not asked)
+    if kind is Container.TAR and tar_metadata_too_big(head) is None and not _tarfile_opens(fd):
         kind = _after_tar(head, size)
     return kind, head
 
@@ -75,23 +77,48 @@ def _after_tar(head: bytes, size: int) -> Container:
 
 def is_tar_header(block: bytes) -> bool:
     """Python's tarfile accepts a first block when its checksum matches (signed or unsigned byte sum, the checksum
-    field counted as spaces) — or when it is all zeros (an empty archive). No 'ustar' magic is needed."""
+    field counted as spaces) — or when it is all zeros (an empty archive). No 'ustar' magic is needed. The field is
+    parsed as tarfile's nti() parses it: cut at NUL, ASCII, str.strip() (which also strips \x1c-\x1f), octal."""
     if len(block) < 512:
         return False
     block = block[:512]
     if block.count(0) == 512:
         return True
     field = block[148:156]
-    text = field.split(b"\0", 1)[0].strip()
     if field[:1] in (b"\x80", b"\xff"):
         return True  # a base-256 checksum: let tarfile itself decide
     try:
-        stored = int(text or b"0", 8)
+        stored = int(field.split(b"\0", 1)[0].decode("ascii").strip() or "0", 8)
     except ValueError:
         return False
     unsigned = 256 + sum(block[:148]) + sum(block[156:512])
     signed = 256 + sum(struct.unpack("148b", block[:148])) + sum(struct.unpack("356b", block[156:512]))
     return stored in (unsigned, signed)
+
+
+def tar_field_number(field: bytes) -> int | None:
+    """A numeric tar header field as tarfile reads it (octal text, or base-256 when it starts with 0x80/0xff)."""
+    if field[:1] in (b"\x80", b"\xff"):
+        value = int.from_bytes(field[1:], "big")
+        return value if field[0] == 0x80 else value - (256 ** (len(field) - 1))
+    try:
+        return int(field.split(b"\0", 1)[0].decode("ascii").strip() or "0", 8)
+    except ValueError:
+        return None
+
+
+# Member types whose data tarfile reads into memory as metadata (PAX and GNU long names).
+TAR_METADATA_TYPES = frozenset(b"xgLK")
+MAX_TAR_METADATA = 1 << 20
+
+
+def tar_metadata_too_big(block: bytes) -> int | None:
+    """The size of a tar header's metadata payload when it is over what tarfile should be asked to hold in memory."""
+    if len(block) >= 512 and block[156] in TAR_METADATA_TYPES:
+        size = tar_field_number(block[124:136])
+        if size is not None and size > MAX_TAR_METADATA:
+            return size
+    return None
 
 
 def _tarfile_opens(fd: int) -> bool:

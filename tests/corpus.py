@@ -282,7 +282,76 @@ def resource_attacks() -> dict[str, bytes]:
         "st_surrogate.safetensors": _st_raw(b'{"\\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'),
         "st_metadata_types.safetensors": _st_raw(b'{"__metadata__":[1,2],"a":{"dtype":"F32","shape":[1],'
                                                  b'"data_offsets":[0,4]}}'),
+        "st_600k_entries.safetensors": _st_raw(b"{" + b",".join(b'"%x":{"dtype":"F32","shape":[0],'
+                                                                  b'"data_offsets":[0,0]}' % i
+                                                                  for i in range(600_000)) + b"}"),
+        "none_pop_40mb.pkl": b"\x80\x02" + b"N0" * 20_000_000 + b"N.",
+        "zip_700k_members.pt": _zip_many_members(700_000),
     }
+
+
+def slow_inputs() -> dict[str, bytes]:
+    """Valid files that once took minutes or gigabytes to list (quadratic paths): they must list quickly."""
+    keys = b"".join(_str(str(2 * i)) + b"h\x04" + _str(f"a{i}") + b"h\x04" for i in range(30_000))
+    tensor = (global_op("torch._utils", "_rebuild_tensor_v2") + b"((" + _str("storage") +
+              global_op("torch", "FloatStorage") + _str("0") + _str("cpu") + b"K\x00tQK\x00K\x00\x85K\x01\x85\x89" +
+              global_op("collections", "OrderedDict") + b")RtRq\x04")
+    return {
+        "devices_40k.pt": torch_zip(_devices_pickle(40_000), {"0": b"\0" * 4}),
+        "labels_60k.pt": torch_zip(_proto(2) + tensor + b"0}(" + keys + b"u.", {"0": b""}),
+    }
+
+
+def _zip_many_members(n: int) -> bytes:
+    """A torch zip whose central directory lists `n` more members, all pointing at one local header."""
+    base = torch_zip(_proto(2) + b"}.", {})
+    end = base.rindex(b"PK\x05\x06")
+    cd_size, cd_at = struct.unpack_from("<II", base, end + 12)
+    first = base[cd_at:cd_at + 46 + struct.unpack_from("<H", base, cd_at + 28)[0]]
+    extra = b"".join(first[:28] + struct.pack("<H", len(b"archive/e%d" % i)) + first[30:46] + b"archive/e%d" % i
+                     for i in range(n))
+    count = struct.unpack_from("<H", base, end + 10)[0] + n
+    central = base[cd_at:cd_at + cd_size] + extra
+    tail = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+    z64 = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, len(central), cd_at)
+    locator = struct.pack("<IIQI", 0x07064B50, 0, cd_at + len(central), 1)
+    return base[:cd_at] + central + z64 + locator + tail
+
+
+def _devices_pickle(n: int) -> bytes:
+    """`n` tensors on one 4-byte storage, each moved to its own device by an allow-listed rebuild function."""
+    tensor = (global_op("torch._utils", "_rebuild_tensor_v2") + b"((" + _str("storage") +
+              global_op("torch", "FloatStorage") + _str("0") + _str("cpu") + b"K\x01tQK\x00K\x01\x85K\x01\x85\x89" +
+              global_op("collections", "OrderedDict") + b")RtR")
+    out = bytearray(_proto(2) + global_op("torch._utils", "_rebuild_device_tensor_from_cpu_tensor") + b"q\x000" +
+                    global_op("torch", "device") + b"q\x010" + global_op("torch", "float32") + b"q\x020}(")
+    for i in range(n):
+        out += _str(f"t{i}") + b"h\x00(" + tensor + b"h\x02h\x01" + _str(f"xla:{i}") + b"\x85R\x89tR"
+        if i % 1000 == 999:
+            out += b"u("
+    return bytes(out + b"u.")
+
+
+def sparse_attacks(folder: Path) -> list[Path]:
+    """Files of hundreds of MB that cost no disk (holes): a 300 MB byte string, a tar with a 900 MB PAX header."""
+    big = folder / "big_string.pkl"
+    with open(big, "wb") as f:
+        f.write(_proto(2) + b"\x8e" + struct.pack("<Q", 300 << 20))
+        f.truncate(f.tell() + (300 << 20))
+        f.seek(0, 2)
+        f.write(b".")
+    pax = folder / "pax_900mb.tar"
+    size = 900_000_000
+    header = bytearray(512)
+    header[:14] = b"././@PaxHeader"
+    header[124:136] = b"%011o\0" % size
+    header[156:157] = b"x"
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    with open(pax, "wb") as f:
+        f.write(bytes(header))
+        f.truncate(512 + size + 1024)
+    return [big, pax]
 
 
 def _st_raw(header: bytes) -> bytes:

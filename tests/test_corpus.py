@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from tests.corpus import broken, make_special, malicious, resource_attacks
+from tests.corpus import broken, make_special, malicious, resource_attacks, slow_inputs, sparse_attacks
 
 EXE = shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(sys.executable), "ckpt-doctor")
 MODEL = "fixtures.models:SmallCNN"
@@ -56,8 +56,12 @@ def corpora(tmp_path_factory, fixtures):
     (tmp / "resource").mkdir()
     for name, data in resource_attacks().items():
         (tmp / "resource" / name).write_bytes(data)
+    sparse_attacks(tmp / "resource")
+    (tmp / "slow").mkdir()
+    for name, data in slow_inputs().items():
+        (tmp / "slow" / name).write_bytes(data)
     return {"canary": canary, "evil": sorted((tmp / "evil").iterdir()), "bad": bad_paths, "tmp": tmp,
-            "resource": sorted((tmp / "resource").iterdir())}
+            "resource": sorted((tmp / "resource").iterdir()), "slow": sorted((tmp / "slow").iterdir())}
 
 
 def run_measured(*args):
@@ -94,6 +98,13 @@ def test_resource_attacks_end_fast_in_bounded_memory_with_a_named_error(corpora)
                 failures.append(f"{path.name} {args[0]}: exit {code}, {seconds:.1f} s, {rss:.0f} MB: {stderr[-200:]}")
         assert not (corpora["tmp"] / "r_out.pt").exists()
     assert failures == []
+
+
+def test_inputs_that_were_quadratic_list_fast(corpora):
+    for path in corpora["slow"]:
+        for args in (("scan", path), ("inspect", path), ("inspect", path, "--json")):
+            code, seconds, rss, stderr = run_measured(*args)
+            assert code == 0 and seconds < 30 and rss < 1024, (path.name, args[0], code, seconds, rss, stderr[-300:])
 
 
 def test_scan_and_inspect_agree_on_every_file_of_every_corpus(corpora):

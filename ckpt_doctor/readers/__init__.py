@@ -44,7 +44,7 @@ def read_file(path: Path, survey: Survey | None = None) -> Checkpoint:
     survey = survey or survey_file(path)
     try:
         if survey.refused:
-            raise ReadError(f"{path}: refused to unpickle it: {survey.refused}")
+            raise ReadError(f"{path}: refused to read it: {survey.refused}")
         ckpt = _read(path, survey)
     except ReadError as exc:
         findings = survey.finding_names()

@@ -27,7 +27,12 @@ def read_safetensors(path: Path, fd: int, size: int) -> Checkpoint:
         raise ReadError(f"{path}: safetensors header length {n} runs past the end of the file (truncated)")
     from . import parse_json
 
-    header = parse_json(os.pread(fd, n, 8), path, "safetensors header")
+    raw = os.pread(fd, n, 8)
+    if raw.count(b'"data_offsets"') > limits.MAX_TENSORS:  # before parsing: 1.7 million entries took 2 GB
+        raise ReadError(f"{path}: safetensors header lists more than {limits.MAX_TENSORS:,} tensors; refusing to "
+                        "read it")
+    header = parse_json(raw, path, "safetensors header")
+    del raw
     if not isinstance(header, dict):
         raise ReadError(f"{path}: safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}

@@ -22,7 +22,8 @@ from ..safepickle import limits
 from ..safepickle.policy import GlobalRef, Verdict
 from ..safepickle.walker import Walk, starts_pickle, walk
 from ..sniff import Container, sniff
-from .zipindex import ZipIndex, local_members, member_head, read_member, read_zip_index
+from .mapping import mapped
+from .zipindex import ZipIndex, ZipMember, local_members, member_head, read_member, read_zip_index
 
 LEGACY_PICKLES = 5  # magic number, protocol version, system info, the object, the storage keys
 _TEXT_RECORDS = frozenset({"version", ".data/version", "byteorder", ".format_version", ".storage_alignment",
@@ -65,6 +66,8 @@ class Survey:
     def _add(self, result: Walk) -> None:
         self.globals.extend(result.globals)
         self.notes.extend(result.notes)
+        self.hazards.extend(Hazard(Verdict.DANGEROUS, f"{a}: torch reads such a pickle one way from a file and "
+                                   "another from a stream (no pickler writes one)") for a in result.anomalies)
         if result.refused:
             self.refused = self.refused or result.refused
 
@@ -98,29 +101,22 @@ def survey_file(path: Path) -> Survey:
         os.close(fd)
 
 
-def _read_capped(fd: int, at: int, size: int, path: Path) -> bytes:
-    if size - at > limits.MAX_PICKLE_BYTES:
-        raise ReadError(f"{path}: {size - at:,} bytes of pickle data, over the {limits.MAX_PICKLE_BYTES >> 20} MB "
-                        "ckpt-doctor walks")
-    return os.pread(fd, size - at, at)
-
-
 def _survey_pickles(survey: Survey, fd: int) -> None:
     """A file torch.load unpickles from byte 0: the legacy sequence (five pickles, then raw storages, which the
     reader walks past), or a bare pickle and whatever pickles follow it."""
-    data = _read_first_pickles(fd, survey)
-    result = walk(data, "pickle", max_pickles=1)
-    legacy = bool(result.pickles) and _is_magic(data[:result.pickles[0][1]])
-    if legacy:
-        result = walk(data, "pickle", max_pickles=LEGACY_PICKLES)
-    elif result.pickles and survey.container is Container.PICKLE:
-        data = _read_capped(fd, 0, survey.size, survey.path)
-        result = walk(data, "pickle")
-    survey._add(result)
-    survey.broken = result.broken
-    survey.main_walk = result
-    after = result.pickles[-1][1] if result.pickles else 0
-    if not legacy and after and data[after:after + 4] == b"PK\x03\x04":
+    with mapped(fd, survey.size) as data:
+        result = walk(data, "pickle", max_pickles=1)
+        legacy = bool(result.pickles) and _is_magic(data, result.pickles[0][1])
+        if legacy:
+            result = walk(data, "pickle", max_pickles=LEGACY_PICKLES)
+        elif result.pickles and survey.container is Container.PICKLE:
+            result = walk(data, "pickle")
+        survey._add(result)
+        survey.broken = result.broken
+        survey.main_walk = result
+        after = result.pickles[-1][1] if result.pickles else 0
+        appended_zip = not legacy and after and data[after:after + 4] == b"PK\x03\x04"
+    if appended_zip:
         # A zip appended to a pickle: torch.load runs the pickle; a zip reader finds the archive at the end.
         survey.notes.append(f"a zip archive follows the pickle at byte {after}")
         _survey_local_pickles(survey, fd, after, "in the zip appended to the pickle")
@@ -129,22 +125,15 @@ def _survey_pickles(survey: Survey, fd: int) -> None:
                                      "torch.load unpickles it when its name does not end in .safetensors"))
 
 
-def _read_first_pickles(fd: int, survey: Survey) -> bytes:
-    """The start of the file, long enough for the legacy format's five pickles (not its raw storages)."""
-    size = 1 << 20
-    while True:
-        data = os.pread(fd, min(size, survey.size), 0)
-        result = walk(data, "pickle", max_pickles=LEGACY_PICKLES)
-        if not result.truncated or len(data) >= survey.size or size >= limits.MAX_PICKLE_BYTES:
-            return data
-        size *= 8
-
-
 _MAGIC_PICKLE = re.compile(rb"\A\x80[\x02-\x05]\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19\.\Z")
 
 
-def _is_magic(first: bytes) -> bool:
-    """Whether the first pickle is torch's legacy magic number (0x1950a86a20f9469cfc6c), however it is spelled."""
+def _is_magic(data: Any, end: int) -> bool:
+    """Whether the first pickle (`data[:end]`) is torch's legacy magic number (0x1950a86a20f9469cfc6c), however it
+    is spelled."""
+    if end > 256:
+        return False
+    first = bytes(data[:end])
     if _MAGIC_PICKLE.match(first):
         return True
     import io
@@ -170,40 +159,26 @@ def _survey_zip(survey: Survey, fd: int) -> None:
     survey.zip = index
     budget = [limits.MAX_INFLATED_TOTAL]
     prefix = (index.prefix + "/") if index.prefix is not None else ""
-    main = prefix + "data.pkl"
     for dup in index.duplicates:
         survey.hazards.append(Hazard(Verdict.DANGEROUS, f"the archive holds {len(index.all_named(dup))} members "
                                      f"named {dup} (ignoring case): torch's reader picks one by its sort order, other "
                                      "readers another" + ("; every copy was walked" if _is_pickle_name(dup) else "")))
-    chosen = index.find(main)
-    walked: set[int] = set()
-    for member in index.members:
-        name = member.name
-        rel = name[len(prefix):] if name.startswith(prefix) else name
-        if member.is_dir or rel in _TEXT_RECORDS or rel.startswith("data/") and not _is_pickle_name(rel) \
-                or rel.startswith("code/") and rel.endswith(".py"):
-            continue  # text records, storages (raw tensor bytes) and TorchScript source: never unpickled
-        is_main = member is chosen
-        if not is_main and not starts_pickle(member_head(fd, member, 16)):
-            continue  # no opcode at its start: nothing any loader would unpickle (and nothing inflated to find out)
-        try:
-            data = read_member(fd, member, str(path), check_crc=False, budget=budget)
-        except ReadError as exc:
-            survey.notes.append(str(exc))
-            continue
-        result = walk(data, name)
-        if not (is_main or _is_pickle_name(name)) and not result.pickles:
-            del data
-            continue  # a member that is no pickle (a text file, an image): nothing a loader would unpickle
-        walked.add(id(member))
-        survey._add(result)
-        if is_main:
-            survey.main_pickle = data
-            survey.main_walk = result
-            survey.broken = result.broken
-            if result.pickles and result.pickles[0][1] < len(data):
-                survey.notes.append(f"{name} holds {len(data) - result.pickles[0][1]} bytes after its end, which "
-                                    "torch ignores")
+    chosen = index.find(prefix + "data.pkl")
+    with mapped(fd, survey.size) as whole:
+        for member in index.members:
+            name = member.name
+            rel = name[len(prefix):] if name.startswith(prefix) else name
+            if member.is_dir or rel in _TEXT_RECORDS or rel.startswith("data/") and not _is_pickle_name(rel) \
+                    or rel.startswith("code/") and rel.endswith(".py"):
+                continue  # text records, storages (raw tensor bytes) and TorchScript source: never unpickled
+            is_main = member is chosen
+            head = member_head(fd, member, 16)
+            if head[:6] == b"\x93NUMPY":  # an .npy inside (an .npz, or hidden in a checkpoint): its object array
+                _survey_npy_member(survey, fd, member, budget)
+                continue
+            if not is_main and not starts_pickle(head):
+                continue  # no opcode at its start: nothing any loader would unpickle (and nothing inflated)
+            _survey_member(survey, fd, whole, member, is_main, budget)
     code = [m.name for m in index.members if m.name[len(prefix):].startswith("code/") and not m.is_dir]
     if "constants.pkl" in index.records():
         survey.hazards.append(Hazard(Verdict.CODE, "a TorchScript archive: torch.load hands it to torch.jit.load, "
@@ -211,6 +186,47 @@ def _survey_zip(survey: Survey, fd: int) -> None:
     elif code:
         survey.hazards.append(Hazard(Verdict.CODE, f"{len(code)} TorchScript code files under code/ "
                                      "(executable by torch.jit.load)"))
+
+
+def _survey_member(survey: Survey, fd: int, whole: Any, member: ZipMember, is_main: bool, budget: list[int]) -> None:
+    """Walk one member that starts a pickle. A big stored one is walked in place in the file's map; only the
+    data.pkl torch would unpickle is kept, for the reader, when it is small enough to unpickle."""
+    name = member.name
+    in_place = member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 \
+        and not member.is_dir and not isinstance(whole, bytes)
+    if in_place:
+        view = memoryview(whole)[member.offset:member.offset + member.size]
+        try:
+            result = walk(view, name)
+        finally:
+            view.release()
+        data = None
+    else:
+        try:
+            data = read_member(fd, member, str(survey.path), check_crc=False, budget=budget)
+        except ReadError as exc:
+            survey.notes.append(str(exc))
+            return
+        result = walk(data, name)
+    if not (is_main or _is_pickle_name(name)) and not result.pickles:
+        return  # a member that is no pickle (a text file, an image): nothing a loader would unpickle
+    survey._add(result)
+    if is_main:
+        survey.main_walk = result
+        survey.broken = result.broken
+        survey.main_pickle = data if data is not None and len(data) <= limits.MAX_UNPICKLE_BYTES else None
+        if result.pickles and result.pickles[0][1] < member.size:
+            survey.notes.append(f"{name} holds {member.size - result.pickles[0][1]} bytes after its end, which torch "
+                                "ignores")
+
+
+def _survey_npy_member(survey: Survey, fd: int, member: ZipMember, budget: list[int]) -> None:
+    try:
+        data = read_member(fd, member, str(survey.path), check_crc=False, budget=budget)
+    except ReadError as exc:
+        survey.notes.append(str(exc))
+        return
+    _survey_npy_bytes(survey, data, member.name)
 
 
 def _is_pickle_name(name: str) -> bool:
@@ -224,10 +240,12 @@ def _survey_broken_zip(survey: Survey, fd: int) -> None:
 
 
 def _survey_local_pickles(survey: Survey, fd: int, start: int, how: str) -> None:
-    for name, data_at in local_members(fd, survey.size, start):
-        if _is_pickle_name(name) and data_at < survey.size:
-            data = os.pread(fd, min(survey.size - data_at, limits.MAX_PICKLE_BYTES), data_at)
-            survey._add(walk(data, f"{name} ({how})"))
+    with mapped(fd, survey.size) as data:
+        for name, data_at in local_members(fd, survey.size, start):
+            if data_at < survey.size and (_is_pickle_name(name) or starts_pickle(data, data_at)):
+                result = walk(data, f"{name} ({how})", start=data_at)
+                if result.pickles or result.globals or _is_pickle_name(name):
+                    survey._add(result)
 
 
 def _survey_tar(survey: Survey, fd: int) -> None:
@@ -235,38 +253,51 @@ def _survey_tar(survey: Survey, fd: int) -> None:
 
     layout = tar_layout(fd, survey.size, survey.path)
     survey.tar = layout
-    survey.globals.extend(layout.globals)
+    if layout.refused:
+        survey.refused = survey.refused or layout.refused
     for w in layout.walks:
-        survey.notes.extend(w.notes)
-        if w.refused:
-            survey.refused = survey.refused or w.refused
+        survey._add(w)
     for link in layout.links:
         survey.hazards.append(Hazard(Verdict.DANGEROUS, f"tar {link}: torch extracts it and reads what it points to"))
     # torch falls back to the legacy pickle sequence from byte 0 when tarfile fails later, and a stream opened
     # elsewhere (BytesIO) never tries tar: the same bytes read as pickles must be walked too.
-    head = os.pread(fd, min(survey.size, 1 << 20), 0)
-    if starts_pickle(head):
-        result = walk(head, "the file read as a pickle from byte 0", max_pickles=LEGACY_PICKLES)
-        survey._add(result)
-        if result.pickles:
-            survey.hazards.append(Hazard(Verdict.DANGEROUS, "the file is both a tar archive and a pickle: torch.load "
-                                         "reads one or the other depending on how it is called"))
+    with mapped(fd, survey.size) as data:
+        if starts_pickle(data):
+            result = walk(data, "the file read as a pickle from byte 0", max_pickles=LEGACY_PICKLES)
+            survey._add(result)
+            if result.pickles:
+                survey.hazards.append(Hazard(Verdict.DANGEROUS, "the file is both a tar archive and a pickle: "
+                                             "torch.load reads one or the other depending on how it is called"))
 
 
 def _survey_npy(survey: Survey, fd: int) -> None:
-    """A NumPy array file: an object array is a pickle after the header, run by np.load(allow_pickle=True)."""
-    head = os.pread(fd, 12, 0)
-    major = head[6] if len(head) > 6 else 0
-    if major == 1:
-        header_len, start = int.from_bytes(head[8:10], "little"), 10
-    else:
-        header_len, start = int.from_bytes(head[8:12], "little"), 12
-    header = os.pread(fd, min(header_len, 1 << 16), start)
-    if b"O" in header.split(b"'shape'")[0]:
-        at = start + header_len
-        data = _read_capped(fd, at, survey.size, survey.path)
-        survey._add(walk(data, "the object array's pickle"))
-        survey.notes.append("a NumPy object array: np.load(allow_pickle=True) unpickles it")
+    with mapped(fd, survey.size) as data:
+        _survey_npy_bytes(survey, data, "the file")
+
+
+def _survey_npy_bytes(survey: Survey, data: Any, where: str) -> None:
+    """A NumPy array: np.load(allow_pickle=True) unpickles what follows the header when the dtype holds objects.
+    The header is a Python literal (read with ast.literal_eval, which evaluates nothing); when its dtype is not
+    plainly numeric, or the data starts with PROTO, the data is walked as the pickle it may be."""
+    if len(data) < 10:
+        return
+    major = data[6]
+    header_len, start = ((int.from_bytes(data[8:10], "little"), 10) if major == 1 else
+                         (int.from_bytes(data[8:12], "little"), 12))
+    descr: Any = None
+    try:
+        import ast
+
+        header = ast.literal_eval(bytes(data[start:start + min(header_len, 1 << 16)]).decode("latin-1"))
+        descr = header.get("descr") if isinstance(header, dict) else None
+    except (ValueError, SyntaxError, MemoryError, RecursionError, UnicodeError):
+        pass
+    plain = isinstance(descr, str) and re.fullmatch(r"[<>|=]?[?bBhHiIlLqQpPefdgFDGSUV]\d*", descr) is not None
+    at = start + header_len
+    if plain and data[at:at + 1] != b"\x80":
+        return
+    survey._add(walk(data, f"{where}: the pickle after the NumPy header", start=at))
+    survey.notes.append(f"{where}: a NumPy array whose data np.load(allow_pickle=True) would unpickle")
 
 
 def survey_or_error(path: Path) -> tuple[Survey | None, CkptDoctorError | None]:

@@ -28,9 +28,15 @@ def read_torch_legacy(path: Path, survey: Survey) -> Checkpoint:
     spans = walked.pickles
     fd = os.open(path, os.O_RDONLY)
     try:
-        head = os.pread(fd, spans[-1][1], 0) if spans else b""
         if not spans:
             raise ReadError(f"{path}: {walked.broken or 'not a valid pickle'}")
+        needed = spans[min(len(spans), LEGACY_PICKLES) - 1][1]  # the legacy pickles (a bare pickle: its first)
+        if needed > limits.MAX_UNPICKLE_BYTES:
+            needed = spans[0][1]
+        if needed > limits.MAX_UNPICKLE_BYTES:
+            raise ReadError(f"{path}: a pickle of {needed:,} bytes, over the {limits.MAX_UNPICKLE_BYTES >> 20} MB "
+                            "ckpt-doctor unpickles (it was walked: what it would run is reported)")
+        head = os.pread(fd, needed, 0)
         first = _load(head, spans[0], _LABELS[0], path)
         if first[1] != MAGIC_NUMBER:
             # A bare pickle (pickle.dump): the first object is the content; torch.load would refuse it after
@@ -41,6 +47,9 @@ def read_torch_legacy(path: Path, survey: Survey) -> Checkpoint:
             return build_checkpoint(path, Format.PICKLE, first[1], [first[0]], notes=tuple(notes))
         if len(spans) < LEGACY_PICKLES:
             raise ReadError(f"{path}: legacy torch file cut short: {walked.broken or 'fewer than five pickles'}")
+        if len(head) < spans[LEGACY_PICKLES - 1][1]:
+            raise ReadError(f"{path}: legacy torch file whose pickles are over the "
+                            f"{limits.MAX_UNPICKLE_BYTES >> 20} MB ckpt-doctor unpickles")
         loaded = [first] + [_load(head, spans[i], _LABELS[i], path) for i in range(1, LEGACY_PICKLES)]
         (_, version), (_, sys_info), (body, root), (_, keys) = loaded[1], loaded[2], loaded[3], loaded[4]
         if version != PROTOCOL_VERSION:

@@ -21,10 +21,11 @@ from typing import Any
 from ..dtypes import element_size
 from ..errors import ReadError
 from ..records import Checkpoint, Format, GlobalRef, StorageRecord
-from ..safepickle import limits
 from ..safepickle.unpickler import RawTensor, SafeUnpickler, StorageRef, StorageType
 from ..safepickle.walker import Walk, walk
+from ..sniff import MAX_TAR_METADATA, tar_field_number, tar_metadata_too_big
 from ._pickled import build_checkpoint, run_unpickler
+from .mapping import mapped
 
 MEMBERS = ("storages", "tensors", "pickle")
 MAX_TAR_MEMBERS = 100_000  # a torch tar file has three
@@ -41,12 +42,38 @@ class TarLayout:
     walks: list[Walk] = field(default_factory=list)
     globals: list[GlobalRef] = field(default_factory=list)
     problem: str | None = None  # where reading stopped, when it did
+    refused: str | None = None  # headers no checkpoint has (tarfile would hold hundreds of MB): not read at all
     unpicklers: list[SafeUnpickler] = field(default_factory=list)
+
+
+def _precheck(fd: int, size: int) -> str | None:
+    """Walk the headers before tarfile does: tarfile reads PAX and GNU long-name payloads into memory whole (a 900 MB
+    one took 2.6 GB) and lists every member. What no checkpoint needs is refused here, before tarfile is asked."""
+    at, count = 0, 0
+    while at + 512 <= size:
+        block = os.pread(fd, 512, at)
+        if block.count(0) == 512:
+            return None
+        big = tar_metadata_too_big(block)
+        if big is not None:
+            return f"a tar metadata header of {big:,} bytes at byte {at} (over {MAX_TAR_METADATA >> 20} MB)"
+        length = tar_field_number(block[124:136])
+        if length is None or length < 0:
+            return None  # tarfile will say what is wrong
+        count += 1
+        if count > MAX_TAR_MEMBERS:
+            return f"the tar archive holds more than {MAX_TAR_MEMBERS:,} members"
+        at += 512 + (length + 511) // 512 * 512
+    return None
 
 
 def tar_layout(fd: int, size: int, path: Path) -> TarLayout:
     """List the archive with tarfile (the module torch uses) and walk every pickle torch would unpickle."""
     layout = TarLayout()
+    layout.refused = _precheck(fd, size)
+    if layout.refused:
+        layout.problem = layout.refused
+        return layout
     with os.fdopen(os.dup(fd), "rb") as f:
         f.seek(0)  # a dup shares the file position, which an earlier read may have moved
         try:
@@ -62,7 +89,12 @@ def tar_layout(fd: int, size: int, path: Path) -> TarLayout:
             layout.problem = f"the tar archive breaks off ({exc})"
     for name in MEMBERS:
         info = layout.members.get(name)
-        if info is not None and not info.isreg():
+        if info is None:
+            continue
+        if info.issparse():
+            layout.links.append(f"member {name} is sparse: tarfile fills its holes when torch extracts it, so its "
+                                "bytes on disk are not what torch unpickles")
+        elif not info.isreg():
             kind = "a link to " + info.linkname if info.issym() or info.islnk() else "not a regular file"
             layout.links.append(f"member {name} is {kind}")
     reader = _Reader(fd, path, layout)
@@ -85,7 +117,7 @@ class _Reader:
 
     def _region(self, name: str) -> tuple[int, int] | None:
         info = self.layout.members.get(name)
-        if info is None or not info.isreg():
+        if info is None or not info.isreg() or info.issparse():
             return None
         return info.offset_data, info.offset_data + info.size
 
@@ -110,17 +142,23 @@ class _Reader:
     def _load(self, raw: bytes, label: str) -> Any:
         unpickler = SafeUnpickler(io.BytesIO(raw), label)
         self.layout.unpicklers.append(unpickler)
-        return run_unpickler(unpickler, self.path)
+        try:
+            return run_unpickler(unpickler, self.path)
+        except ReadError as exc:  # reading stops here; what the walks found so far stays
+            raise _Stop(str(exc)) from None
 
     def walk_member(self, name: str) -> None:
         region = self._region(name)
         if region is None:
             return
         start, end = region
-        if end - start > limits.MAX_PICKLE_BYTES:
-            raise ReadError(f"{self.path}: tar member {name} is over {limits.MAX_PICKLE_BYTES >> 20} MB")
-        data = os.pread(self.fd, end - start, start)
-        result = walk(data, f"tar member {name}")
+        with mapped(self.fd, os.fstat(self.fd).st_size) as whole:
+            view = memoryview(whole)[start:end] if not isinstance(whole, bytes) else whole[start:end]
+            try:
+                result = walk(view, f"tar member {name}")
+            finally:
+                if isinstance(view, memoryview):
+                    view.release()
         self.layout.walks.append(result)
         self.layout.globals.extend(result.globals)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..dtypes import element_size
 from ..errors import ReadError
 from ..records import Checkpoint, Format, StorageRecord, fast_new
+from ..safepickle import limits
 from ..safepickle.unpickler import SafeUnpickler, StorageRef
 from ._pickled import build_checkpoint, run_unpickler
 from .survey import Survey
@@ -33,6 +34,9 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
     pkl = index.find(prefix + "data.pkl")
     if pkl is None:
         raise ReadError(f"{path}: zip archive with no {prefix}data.pkl; not a torch.save checkpoint")
+    if pkl.size > limits.MAX_UNPICKLE_BYTES:
+        raise ReadError(f"{path}: {pkl.name} is {pkl.size:,} bytes, over the {limits.MAX_UNPICKLE_BYTES >> 20} MB "
+                        "ckpt-doctor unpickles (it was walked: what it would run is reported)")
     version = index.find(prefix + ".data/version") or index.find(prefix + "version")
     is_script = "constants.pkl" in records
     fd = os.open(path, os.O_RDONLY)

@@ -247,7 +247,9 @@ def read_member(fd: int, member: ZipMember, path: str, check_crc: bool = True,
         raw = os.pread(fd, member.compressed_size, member.offset)
         inflater = zlib.decompressobj(-15)
         try:
-            data = inflater.decompress(raw, member.size + 1)
+            # No more than the directory's size, as miniz fills a buffer of that size and stops: a stream that
+            # would inflate longer gives torch its first `size` bytes, and so it gives them here.
+            data = inflater.decompress(raw, member.size)
         except zlib.error as exc:
             raise ReadError(f"{path}: zip member {member.name} does not inflate ({exc})") from None
     elif member.method == 0:

@@ -72,8 +72,12 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         lines.append(("prefix", f"{p.prefix} ({where}) on {p.count:,} of {p.total:,} keys"))
     devices = ckpt.devices
     if devices:
-        counts = {d: sum(t.device == d for t in ckpt.tensors) for d in devices}
-        lines.append(("saved on", ", ".join(f"{d} ({n:,} tensors)" for d, n in counts.items())))
+        from collections import Counter
+
+        counts = Counter(t.device for t in ckpt.tensors)
+        shown = devices if full or len(devices) <= 8 else devices[:8]
+        more = f", … {len(devices) - len(shown)} more devices" if len(shown) < len(devices) else ""
+        lines.append(("saved on", ", ".join(f"{d} ({counts[d]:,} tensors)" for d in shown) + more))
     for d in report.missing_devices:
         lines.append(("devices", f"{d} does not exist on this machine: load with map_location, or rewrite for "
                                  f"good with `ckpt-doctor fix {ckpt.path} -o OUT --map-location cpu`"))

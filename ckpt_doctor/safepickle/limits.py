@@ -20,6 +20,14 @@ def max_memo_index(pickle_length: int) -> int:
 # multi-megabyte one into text (a JSON report) would hit CPython's 4,300-digit limit or take minutes.
 MAX_INT_BYTES = 1024
 
+# Opcodes walked per file region: the walker does about 1.5 million a second, and a 20,000-tensor data.pkl has
+# 600,000. Past this many (a 60 MB pickle of NONE/POP pairs took 44 s) the rest is not walked: a named error.
+MAX_PICKLE_OPCODES = 15_000_000
+
+# A single string or byte string the unpickler would build: checkpoints hold tensor bytes outside their pickles,
+# and a 700 MB value costs three times its size on the way to a report.
+MAX_PICKLE_VALUE = 256 << 20
+
 # Pickles inside bytes inside pickles (a payload handed to pickle.loads) are walked this deep.
 MAX_NESTED_DEPTH = 4
 # ... and at most this many bytes of nested pickles per file, so a file of many small byte strings stays linear.
@@ -28,6 +36,10 @@ MAX_NESTED_BYTES = 64 << 20
 # A pickle is walked statically up to this size. The biggest pickles of real checkpoints (20,000-tensor data.pkl)
 # are a few MB; a bare pickle with arrays inside can be big, and the walker skips string payloads without copying.
 MAX_PICKLE_BYTES = 1 << 30
+
+# A pickle ckpt-doctor unpickles (to list a checkpoint's tensors) is at most this big; a bigger one is walked for
+# what it would run, in place, but not unpickled. A 20,000-tensor data.pkl is 2 MB.
+MAX_UNPICKLE_BYTES = 256 << 20
 
 # The unpickler may grow the address space by this much while one pickle is read: a last line of defence under
 # the walker's checks, so an allocation the checks did not foresee is a MemoryError (exit 2), never an OOM kill.
@@ -61,8 +73,9 @@ MAX_DEFLATE_RATIO = 1032
 # ... and all members of one archive together inflate to at most this much.
 MAX_INFLATED_TOTAL = 512 << 20
 
-# Members in one zip archive: a torch.save file has one per storage plus five.
-MAX_ZIP_MEMBERS = 10_000_000
+# Members in one zip archive: a torch.save file has one per storage plus five, and storages are at most tensors
+# (MAX_TENSORS). Each listed member costs ~600 bytes: 3 million took 2 GB.
+MAX_ZIP_MEMBERS = 600_000
 
 # A zip archive smaller than this is read whole to find its local headers in one syscall.
 ZIP_WHOLE_READ = 16 << 20

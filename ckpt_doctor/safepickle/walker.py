@@ -47,6 +47,10 @@ class _Refuse(Exception):
     """The pickle asks for resources no honest pickle of its size needs: it must not be unpickled."""
 
 
+class _OutOfTime(_Refuse):
+    """The walk met its opcode budget: what follows is not known."""
+
+
 @dataclass
 class Walk:
     """What walking a run of pickles found."""
@@ -58,6 +62,7 @@ class Walk:
     truncated: bool = False  # ... because the data ended
     refused: str | None = None  # a resource limit the pickle exceeds: it must not be unpickled
     notes: list[str] = field(default_factory=list)
+    anomalies: list[str] = field(default_factory=list)  # frames built to be read two ways: a finding
 
     @property
     def findings(self) -> list[GlobalRef]:
@@ -70,7 +75,7 @@ def starts_pickle(data: bytes, at: int = 0) -> bool:
 
 
 def walk(data: bytes | memoryview, source: str, start: int = 0, *, max_pickles: int | None = None,
-         depth: int = 0) -> Walk:
+         depth: int = 0, _budget: list[int] | None = None) -> Walk:
     """Walk pickles from `start`: the first, then each that follows its STOP, until one breaks off, the data ends,
     or `max_pickles` have been walked. Never raises for malformed data: it says where and why it stopped.
 
@@ -78,7 +83,7 @@ def walk(data: bytes | memoryview, source: str, start: int = 0, *, max_pickles: 
     through `read` (a BytesIO, a frame of 8 KB or more): the pickles from there on are walked too.
     """
     result = Walk(end=start)
-    budget = [limits.MAX_NESTED_BYTES]
+    budget = _budget or [limits.MAX_NESTED_BYTES, limits.MAX_PICKLE_OPCODES]  # nested bytes left, opcodes left
     side = _chain(data, start, source, result, depth, budget, max_pickles, main=True)
     seen = {start}
     while side:
@@ -134,6 +139,7 @@ class _Machine:
         self.depth, self.budget = depth, budget
         self.start = pos
         self.frame_end = 0  # the furthest end of a FRAME seen
+        self.current_frame_end = 0  # set by a FRAME opcode, taken over by the loop
         self.memo_limit = limits.max_memo_index(len(data) - pos)
 
     # -- reading arguments ------------------------------------------------------------------------------------
@@ -148,18 +154,21 @@ class _Machine:
         """A protocol-0 argument line: (start, end) without its newline. At the end of the data CPython takes what
         is left and drops its last byte as if it were the newline."""
         data, start = self.data, self.pos
-        nl = bytes(data[start:start + 1 << 16]).find(b"\n") if isinstance(data, memoryview) else data.find(b"\n", start)
+        if isinstance(data, memoryview):  # no find(): look in 64 KB pieces (a hostile line can be megabytes)
+            nl, at = -1, start
+            while at < len(data):
+                found = bytes(data[at:at + 65536]).find(b"\n")
+                if found >= 0:
+                    nl = at + found
+                    break
+                at += 65536
+        else:
+            nl = data.find(b"\n", start)
         if nl < 0:
-            if isinstance(data, memoryview):
-                nl = bytes(data[start:]).find(b"\n")
-                nl = -1 if nl < 0 else start + nl
-            if nl < 0:
-                if start >= len(data):
-                    raise _Truncated("the data ends inside an opcode's argument")
-                self.pos = len(data)
-                return start, len(data) - 1
-        elif isinstance(data, memoryview):
-            nl += start
+            if start >= len(data):
+                raise _Truncated("the data ends inside an opcode's argument")
+            self.pos = len(data)
+            return start, len(data) - 1
         self.pos = nl + 1
         return start, nl
 
@@ -185,6 +194,12 @@ class _Machine:
         self.result.globals.append(GlobalRef(module, name, verdict, reason, f"{self.source} at byte {at}"))
         return _NOT_STR if verdict is Verdict.SAFE else _UNKNOWN
 
+    def _frame_anomaly(self, what: str) -> None:
+        """A frame that does not end on an opcode boundary: CPython reads such a pickle one way from a file with
+        peek() and another from a stream without (torch's tar members, a BytesIO), so a walk cannot know which
+        bytes a loader sees. No pickler writes one."""
+        self.result.anomalies.append(f"{self.source}: {what}")
+
     def _finding(self, module: str, name: str, verdict: Verdict, reason: str, at: int) -> None:
         self.result.globals.append(GlobalRef(module, name, verdict, reason, f"{self.source} at byte {at}"))
 
@@ -207,9 +222,10 @@ class _Machine:
                 return
             raw = bytes(data[start:end])
         self.budget[0] -= len(raw)
-        inner = walk(raw, f"{self.source} → nested pickle at byte {at}", depth=self.depth + 1)
+        inner = walk(raw, f"{self.source} → nested pickle at byte {at}", depth=self.depth + 1, _budget=self.budget)
         self.result.globals.extend(inner.globals)
         self.result.notes.extend(inner.notes)
+        self.result.anomalies.extend(inner.anomalies)
         if inner.globals:
             self.result.notes.append(f"{self.source}: a byte string at byte {at} is itself a pickle")
 
@@ -224,10 +240,16 @@ class _Machine:
             raise _Break("memo PUT with an empty stack")
         if index < 0:
             raise _Break("negative memo index")
-        if index > self.memo_limit:
-            raise _Refuse(f"memo index {index:,} in a pickle of {len(self.data) - self.start:,} bytes: a memory "
-                          "bomb (an honest pickle numbers its memo from 0)")
+        if index > self.memo_limit:  # the walk goes on (its memo is a dict); the unpickler must not
+            self._refuse(f"memo index {index:,} in a pickle of {len(self.data) - self.start:,} bytes: a memory bomb "
+                         "(an honest pickle numbers its memo from 0)")
         memo[index] = stack[-1]
+
+    def _refuse(self, why: str) -> None:
+        """A bound no honest pickle reaches: the file must not be unpickled, but walking on still names what it
+        would run."""
+        if self.result.refused is None:
+            self.result.refused = f"{self.source}: {why}"
 
     @staticmethod
     def _get(stack: list, memo: dict, index: int) -> None:
@@ -251,293 +273,323 @@ class _Machine:
         # The hottest opcodes of torch's data.pkl (about 30 per tensor) are handled first, inline, on a local
         # cursor: this loop runs 600,000 times for a 20,000-tensor checkpoint.
         cur = self.pos
-        while True:
-            if cur >= n:
-                self.pos = cur
-                raise _Truncated("the data ends before STOP")
-            op = data[cur]
-            if op == 0x72:  # r LONG_BINPUT (the memo past 255: most PUTs of a big state_dict)
-                if cur + 5 > n:
-                    self.pos = cur + 1
-                    raise _Truncated("the data ends inside an opcode's argument")
-                index = unpack4(data, cur + 1)[0]
-                if not stack or index > memo_limit:
-                    self.pos = cur + 5
-                    self._put(stack, memo, index)  # raises the right error
-                memo[index] = stack[-1]
-                cur += 5
-                continue
-            if op == 0x71 or op == 0x68:  # q BINPUT, h BINGET
-                if cur + 2 > n:
-                    self.pos = cur + 1
-                    raise _Truncated("the data ends inside an opcode's argument")
-                index = data[cur + 1]
-                if op == 0x71:
-                    if not stack:
-                        self.pos = cur + 2
-                        raise _Break("memo PUT with an empty stack")
-                    memo[index] = stack[-1]
-                else:
-                    value = memo.get(index, memo)
-                    if value is memo:
-                        self.pos = cur + 2
-                        raise _Break(f"memo index {index} was never stored")
-                    stack.append(value)
-                cur += 2
-                continue
-            if op == 0x4B:  # K BININT1
-                stack.append(NOT)
-                cur += 2
-                continue
-            if op == 0x28:  # ( MARK
-                metastack.append(stack)
-                stack = []
-                cur += 1
-                continue
-            if op == 0x58:  # X BINUNICODE
-                if cur + 5 > n:
-                    self.pos = cur + 1
-                    raise _Truncated("the data ends inside an opcode's argument")
-                start = cur + 5
-                end = start + unpack4(data, cur + 1)[0]
-                if end > n:
-                    self.pos = start
-                    raise _Truncated("the data ends inside a string")
-                stack.append((start, end, _UTF8))
-                if end - start > 2 and data[start] == 0xC2:
-                    self.pos = end
-                    self._nested(start, end, cur, True)
-                cur = end
-                continue
-            if op == 0x74:  # t TUPLE
-                if not metastack:
-                    self.pos = cur + 1
-                    raise _Break("no MARK to pop")
-                stack = metastack.pop()
-                stack.append(NOT)
-                cur += 1
-                continue
-            if 0x85 <= op <= 0x87:  # TUPLE1-3
-                count = op - 0x84
-                if len(stack) < count:
-                    self.pos = cur + 1
-                    raise _Break("stack underflow")
-                del stack[-count:]
-                stack.append(NOT)
-                cur += 1
-                continue
-            if op == 0x52:  # R REDUCE: callable(*args) may return anything
-                if len(stack) < 2:
-                    self.pos = cur + 1
-                    raise _Break("stack underflow")
-                stack.pop()
-                stack[-1] = UNK
-                cur += 1
-                continue
-            if op == 0x89 or op == 0x29 or op == 0x88 or op == 0x4E or op == 0x7D or op == 0x5D or op == 0x8F:
-                stack.append(NOT)  # bools, None, empty tuple/dict/list/set
-                cur += 1
-                continue
-            if op == 0x51:  # Q BINPERSID: torch's persistent_load returns a storage (legacy: maybe more)
-                if not stack:
-                    self.pos = cur + 1
-                    raise _Break("stack underflow")
-                stack[-1] = UNK
-                cur += 1
-                continue
-            pos = cur
-            self.pos = cur + 1
-            if op == 0x75:  # u SETITEMS
-                items, stack = stack, self._pop_mark(metastack)
-                if len(items) % 2 or not stack:
-                    raise _Break("SETITEMS without a dict or with an odd number of items")
-            elif op == 0x4D:  # M BININT2
-                take(2)
-                stack.append(NOT)
-            elif op == 0x4A:  # J BININT
-                take(4)
-                stack.append(NOT)
-            elif op == 0x6A:  # j LONG_BINGET
-                (index,) = _LE4.unpack_from(data, take(4))
-                self._get(stack, memo, index)
-            elif op == 0x94:  # MEMOIZE
-                self._put(stack, memo, len(memo))
-            elif op == 0x8C:  # SHORT_BINUNICODE
-                size = data[take(1)]
-                start = take(size)
-                stack.append((start, start + size, _UTF8))
-                if size > 2 and data[start] == 0xC2:
-                    self._nested(start, start + size, pos, True)
-            elif op == 0x63:  # c GLOBAL
-                mod_start, mod_end = self._line()
-                name_start, name_end = self._line()
-                if mod_end - mod_start < 1 or name_end - name_start < 1:
-                    raise _Break("GLOBAL without a module and a name")
-                try:
-                    module, name = self._text(mod_start, mod_end), self._text(name_start, name_end)
-                except UnicodeDecodeError:
-                    raise _Break("a global's name is not UTF-8") from None
-                stack.append(self._global(module, name, pos))
-            elif op == 0x93:  # STACK_GLOBAL
-                if len(stack) < 2:
-                    raise _Break("stack underflow")
-                name_v, module_v = stack.pop(), stack.pop()
-                if name_v is NOT or module_v is NOT:
-                    raise _Break("STACK_GLOBAL needs two str")
-                if type(name_v) is tuple and type(module_v) is tuple:
-                    stack.append(self._global(self._value_text(module_v), self._value_text(name_v), pos))
-                else:
-                    self._finding("?", "?", Verdict.DANGEROUS, "STACK_GLOBAL whose name is computed while loading "
-                                  "(the result of a call)", pos)
-                    stack.append(UNK)
-            elif op == 0x2E:  # . STOP
-                if not stack:
-                    raise _Break("STOP with an empty stack")
-                return self.pos
-            elif op == 0x80:  # PROTO
-                if data[take(1)] > 5:
-                    raise _Break(f"unsupported pickle protocol {data[self.pos - 1]}")
-            elif op == 0x95:  # FRAME: CPython reads the whole frame before going on
-                (size,) = _LE8.unpack_from(data, take(8))
-                if self.pos + size > n:
-                    raise _Truncated("a frame runs past the end of the data")
-                self.frame_end = max(self.frame_end, self.pos + size)
-            elif op in (0x42, 0x43, 0x8E, 0x96, 0x54, 0x55):  # BINBYTES, SHORT_BINBYTES, BINBYTES8, BYTEARRAY8,
-                # BINSTRING, SHORT_BINSTRING (the last two become str when torch loads them)
-                if op == 0x43 or op == 0x55:
-                    size = data[take(1)]
-                elif op == 0x42 or op == 0x54:  # CPython reads BINSTRING's count unsigned (pickle.py reads it signed)
-                    (size,) = _LE4.unpack_from(data, take(4))
-                else:
-                    (size,) = _LE8.unpack_from(data, take(8))
-                start = take(size)
-                self._nested(start, start + size, pos, False)
-                stack.append((start, start + size, _BYTES_STR) if op in (0x54, 0x55) else NOT)
-            elif op == 0x8D:  # BINUNICODE8
-                (size,) = _LE8.unpack_from(data, take(8))
-                start = take(size)
-                stack.append((start, start + size, _UTF8))
-                if size > 2 and data[start] == 0xC2:
-                    self._nested(start, start + size, pos, True)
-            elif op == 0x53:  # S STRING: a quoted repr
-                start, end = self._line()
-                if end - start < 2 or data[start] != data[end - 1] or data[start] not in b"\"'":
-                    raise _Break("the STRING opcode argument must be quoted")
-                stack.append((start, end, _QUOTED))
-            elif op == 0x56:  # V UNICODE
-                start, end = self._line()
-                stack.append((start, end, _RAW_UNICODE))
-            elif op in (0x49, 0x4C, 0x46):  # I INT, L LONG, F FLOAT (text)
-                self._line()
-                stack.append(NOT)
-            elif op == 0x47:  # G BINFLOAT
-                take(8)
-                stack.append(NOT)
-            elif op == 0x8A:  # LONG1
-                take(data[take(1)])
-                stack.append(NOT)
-            elif op == 0x8B:  # LONG4
-                (size,) = _LE4S.unpack_from(data, take(4))
-                if size < 0:
-                    raise _Break("LONG pickle has negative byte count")
-                if size > limits.MAX_INT_BYTES:
-                    raise _Refuse(f"an integer of {size * 8:,} bits at byte {pos}: no checkpoint holds one")
-                take(size)
-                stack.append(NOT)
-            elif op == 0x70:  # p PUT
-                start, end = self._line()
-                try:
-                    index = int(bytes(data[start:end]))
-                except ValueError:
-                    raise _Break("PUT's index is not a number") from None
-                self._put(stack, memo, index)
-            elif op == 0x67:  # g GET
-                start, end = self._line()
-                try:
-                    index = int(bytes(data[start:end]))
-                except ValueError:
-                    raise _Break("GET's index is not a number") from None
-                self._get(stack, memo, index)
-            elif op == 0x30:  # 0 POP (of an item, or of an empty MARK)
-                if stack:
+        fe = 0  # where the current FRAME ends (0: outside frames)
+        left = self.budget[1]
+        try:
+            while True:
+                left -= 1
+                if left < 0:
+                    self.pos = cur
+                    raise _OutOfTime(f"more than {limits.MAX_PICKLE_OPCODES:,} opcodes; the rest was not walked")
+                if fe and cur >= fe:
+                    if cur > fe:
+                        self._frame_anomaly(f"an opcode runs across the end of a frame at byte {fe}")
+                    fe = 0
+                if cur >= n:
+                    self.pos = cur
+                    raise _Truncated("the data ends before STOP")
+                op = data[cur]
+                if op == 0x72:  # r LONG_BINPUT (the memo past 255: most PUTs of a big state_dict)
+                    if cur + 5 > n:
+                        self.pos = cur + 1
+                        raise _Truncated("the data ends inside an opcode's argument")
+                    index = unpack4(data, cur + 1)[0]
+                    if not stack or index > memo_limit:
+                        self.pos = cur + 5
+                        self._put(stack, memo, index)  # raises or refuses, as it must
+                    else:
+                        memo[index] = stack[-1]
+                    cur += 5
+                    continue
+                if op == 0x71 or op == 0x68:  # q BINPUT, h BINGET
+                    if cur + 2 > n:
+                        self.pos = cur + 1
+                        raise _Truncated("the data ends inside an opcode's argument")
+                    index = data[cur + 1]
+                    if op == 0x71:
+                        if not stack:
+                            self.pos = cur + 2
+                            raise _Break("memo PUT with an empty stack")
+                        memo[index] = stack[-1]
+                    else:
+                        value = memo.get(index, memo)
+                        if value is memo:
+                            self.pos = cur + 2
+                            raise _Break(f"memo index {index} was never stored")
+                        stack.append(value)
+                    cur += 2
+                    continue
+                if op == 0x4B:  # K BININT1
+                    stack.append(NOT)
+                    cur += 2
+                    continue
+                if op == 0x28:  # ( MARK
+                    metastack.append(stack)
+                    stack = []
+                    cur += 1
+                    continue
+                if op == 0x58:  # X BINUNICODE
+                    if cur + 5 > n:
+                        self.pos = cur + 1
+                        raise _Truncated("the data ends inside an opcode's argument")
+                    start = cur + 5
+                    end = start + unpack4(data, cur + 1)[0]
+                    if end > n:
+                        self.pos = start
+                        raise _Truncated("the data ends inside a string")
+                    if end - start > limits.MAX_PICKLE_VALUE:
+                        self._refuse(f"a string of {end - start:,} bytes at byte {cur}, over the "
+                                     f"{limits.MAX_PICKLE_VALUE >> 20} MB ckpt-doctor unpickles")
+                    stack.append((start, end, _UTF8))
+                    if end - start > 2 and data[start] == 0xC2:
+                        self.pos = end
+                        self._nested(start, end, cur, True)
+                    cur = end
+                    continue
+                if op == 0x74:  # t TUPLE
+                    if not metastack:
+                        self.pos = cur + 1
+                        raise _Break("no MARK to pop")
+                    stack = metastack.pop()
+                    stack.append(NOT)
+                    cur += 1
+                    continue
+                if 0x85 <= op <= 0x87:  # TUPLE1-3
+                    count = op - 0x84
+                    if len(stack) < count:
+                        self.pos = cur + 1
+                        raise _Break("stack underflow")
+                    del stack[-count:]
+                    stack.append(NOT)
+                    cur += 1
+                    continue
+                if op == 0x52:  # R REDUCE: callable(*args) may return anything
+                    if len(stack) < 2:
+                        self.pos = cur + 1
+                        raise _Break("stack underflow")
                     stack.pop()
-                else:
+                    stack[-1] = UNK
+                    cur += 1
+                    continue
+                if op == 0x89 or op == 0x29 or op == 0x88 or op == 0x4E or op == 0x7D or op == 0x5D or op == 0x8F:
+                    stack.append(NOT)  # bools, None, empty tuple/dict/list/set
+                    cur += 1
+                    continue
+                if op == 0x51:  # Q BINPERSID: torch's persistent_load returns a storage (legacy: maybe more)
+                    if not stack:
+                        self.pos = cur + 1
+                        raise _Break("stack underflow")
+                    stack[-1] = UNK
+                    cur += 1
+                    continue
+                pos = cur
+                self.pos = cur + 1
+                if op == 0x75:  # u SETITEMS
+                    items, stack = stack, self._pop_mark(metastack)
+                    if len(items) % 2 or not stack:
+                        raise _Break("SETITEMS without a dict or with an odd number of items")
+                elif op == 0x4D:  # M BININT2
+                    take(2)
+                    stack.append(NOT)
+                elif op == 0x4A:  # J BININT
+                    take(4)
+                    stack.append(NOT)
+                elif op == 0x6A:  # j LONG_BINGET
+                    (index,) = _LE4.unpack_from(data, take(4))
+                    self._get(stack, memo, index)
+                elif op == 0x94:  # MEMOIZE
+                    self._put(stack, memo, len(memo))
+                elif op == 0x8C:  # SHORT_BINUNICODE
+                    size = data[take(1)]
+                    start = take(size)
+                    stack.append((start, start + size, _UTF8))
+                    if size > 2 and data[start] == 0xC2:
+                        self._nested(start, start + size, pos, True)
+                elif op == 0x63:  # c GLOBAL
+                    mod_start, mod_end = self._line()
+                    name_start, name_end = self._line()
+                    if mod_end - mod_start < 1 or name_end - name_start < 1:
+                        raise _Break("GLOBAL without a module and a name")
+                    try:
+                        module, name = self._text(mod_start, mod_end), self._text(name_start, name_end)
+                    except UnicodeDecodeError:
+                        raise _Break("a global's name is not UTF-8") from None
+                    stack.append(self._global(module, name, pos))
+                elif op == 0x93:  # STACK_GLOBAL
+                    if len(stack) < 2:
+                        raise _Break("stack underflow")
+                    name_v, module_v = stack.pop(), stack.pop()
+                    if name_v is NOT or module_v is NOT:
+                        raise _Break("STACK_GLOBAL needs two str")
+                    if type(name_v) is tuple and type(module_v) is tuple:
+                        stack.append(self._global(self._value_text(module_v), self._value_text(name_v), pos))
+                    else:
+                        self._finding("?", "?", Verdict.DANGEROUS, "STACK_GLOBAL whose name is computed while loading "
+                                      "(the result of a call)", pos)
+                        stack.append(UNK)
+                elif op == 0x2E:  # . STOP
+                    if not stack:
+                        raise _Break("STOP with an empty stack")
+                    if fe > self.pos:
+                        self._frame_anomaly(f"a frame runs {fe - self.pos} bytes past the pickle's STOP")
+                    return self.pos
+                elif op == 0x80:  # PROTO
+                    if data[take(1)] > 5:
+                        raise _Break(f"unsupported pickle protocol {data[self.pos - 1]}")
+                elif op == 0x95:  # FRAME: CPython reads the whole frame before going on
+                    (size,) = _LE8.unpack_from(data, take(8))
+                    if self.pos + size > n:
+                        raise _Truncated("a frame runs past the end of the data")
+                    self.frame_end = max(self.frame_end, self.pos + size)
+                    if fe and fe != pos:
+                        self._frame_anomaly(f"a frame starts at byte {pos}, inside the frame that ends at byte {fe}")
+                    self.current_frame_end = self.pos + size
+                elif op in (0x42, 0x43, 0x8E, 0x96, 0x54, 0x55):  # BINBYTES, SHORT_BINBYTES, BINBYTES8, BYTEARRAY8,
+                    # BINSTRING, SHORT_BINSTRING (the last two become str when torch loads them)
+                    if op == 0x43 or op == 0x55:
+                        size = data[take(1)]
+                    elif op == 0x42 or op == 0x54:  # CPython reads BINSTRING's count unsigned (pickle.py reads it signed)
+                        (size,) = _LE4.unpack_from(data, take(4))
+                    else:
+                        (size,) = _LE8.unpack_from(data, take(8))
+                    start = take(size)
+                    if size > limits.MAX_PICKLE_VALUE:
+                        self._refuse(f"a byte string of {size:,} bytes at byte {pos}, over the "
+                                     f"{limits.MAX_PICKLE_VALUE >> 20} MB ckpt-doctor unpickles")
+                    self._nested(start, start + size, pos, False)
+                    stack.append((start, start + size, _BYTES_STR) if op in (0x54, 0x55) else NOT)
+                elif op == 0x8D:  # BINUNICODE8
+                    (size,) = _LE8.unpack_from(data, take(8))
+                    start = take(size)
+                    if size > limits.MAX_PICKLE_VALUE:
+                        self._refuse(f"a string of {size:,} bytes at byte {pos}, over the "
+                                     f"{limits.MAX_PICKLE_VALUE >> 20} MB ckpt-doctor unpickles")
+                    stack.append((start, start + size, _UTF8))
+                    if size > 2 and data[start] == 0xC2:
+                        self._nested(start, start + size, pos, True)
+                elif op == 0x53:  # S STRING: a quoted repr
+                    start, end = self._line()
+                    if end - start < 2 or data[start] != data[end - 1] or data[start] not in b"\"'":
+                        raise _Break("the STRING opcode argument must be quoted")
+                    stack.append((start, end, _QUOTED))
+                elif op == 0x56:  # V UNICODE
+                    start, end = self._line()
+                    stack.append((start, end, _RAW_UNICODE))
+                elif op in (0x49, 0x4C, 0x46):  # I INT, L LONG, F FLOAT (text)
+                    self._line()
+                    stack.append(NOT)
+                elif op == 0x47:  # G BINFLOAT
+                    take(8)
+                    stack.append(NOT)
+                elif op == 0x8A:  # LONG1
+                    take(data[take(1)])
+                    stack.append(NOT)
+                elif op == 0x8B:  # LONG4
+                    (size,) = _LE4S.unpack_from(data, take(4))
+                    if size < 0:
+                        raise _Break("LONG pickle has negative byte count")
+                    if size > limits.MAX_INT_BYTES:
+                        self._refuse(f"an integer of {size * 8:,} bits at byte {pos}: no checkpoint holds one")
+                    take(size)
+                    stack.append(NOT)
+                elif op == 0x70:  # p PUT
+                    start, end = self._line()
+                    try:
+                        index = int(bytes(data[start:end]))
+                    except ValueError:
+                        raise _Break("PUT's index is not a number") from None
+                    self._put(stack, memo, index)
+                elif op == 0x67:  # g GET
+                    start, end = self._line()
+                    try:
+                        index = int(bytes(data[start:end]))
+                    except ValueError:
+                        raise _Break("GET's index is not a number") from None
+                    self._get(stack, memo, index)
+                elif op == 0x30:  # 0 POP (of an item, or of an empty MARK)
+                    if stack:
+                        stack.pop()
+                    else:
+                        stack = self._pop_mark(metastack)
+                elif op == 0x31:  # 1 POP_MARK
                     stack = self._pop_mark(metastack)
-            elif op == 0x31:  # 1 POP_MARK
-                stack = self._pop_mark(metastack)
-            elif op == 0x32:  # 2 DUP
-                if not stack:
-                    raise _Break("stack underflow")
-                stack.append(stack[-1])
-            elif op == 0x61:  # a APPEND
-                if len(stack) < 2:
-                    raise _Break("stack underflow")
-                stack.pop()
-            elif op in (0x65, 0x90):  # e APPENDS, ADDITEMS
-                stack = self._pop_mark(metastack)
-                if not stack:
-                    raise _Break("no list or set below the MARK")
-            elif op == 0x73:  # s SETITEM
-                if len(stack) < 3:
-                    raise _Break("stack underflow")
-                del stack[-2:]
-            elif op == 0x62:  # b BUILD: __setstate__ may run; the instance stays on the stack
-                if len(stack) < 2:
-                    raise _Break("stack underflow")
-                stack.pop()
-            elif op in (0x6C, 0x64, 0x91):  # l LIST, d DICT, FROZENSET
-                items, stack = stack, self._pop_mark(metastack)
-                if op == 0x64 and len(items) % 2:
-                    raise _Break("odd number of items for DICT")
-                stack.append(NOT)
-            elif op == 0x81:  # NEWOBJ: cls.__new__(cls, *args)
-                if len(stack) < 2:
-                    raise _Break("stack underflow")
-                stack.pop()
-                stack[-1] = UNK
-            elif op == 0x92:  # NEWOBJ_EX
-                if len(stack) < 3:
-                    raise _Break("stack underflow")
-                del stack[-2:]
-                stack[-1] = UNK
-            elif op == 0x6F:  # o OBJ: MARK cls args... → cls(*args)
-                items, stack = stack, self._pop_mark(metastack)
-                if not items:
-                    raise _Break("OBJ without a class")
-                stack.append(UNK)
-            elif op == 0x69:  # i INST: MARK args... INST module name → module.name(*args)
-                if not metastack:
-                    raise _Break("INST without a MARK")
-                mod_start, mod_end = self._line()
-                name_start, name_end = self._line()
-                if mod_end - mod_start < 1 or name_end - name_start < 1:
-                    raise _Break("INST without a module and a name")
-                try:
-                    module, name = self._text(mod_start, mod_end), self._text(name_start, name_end)
-                except UnicodeDecodeError:
-                    raise _Break("a global's name is not UTF-8") from None
-                self._global(module, name, pos)
-                stack = self._pop_mark(metastack)
-                stack.append(UNK)
-            elif op in (0x82, 0x83, 0x84):  # EXT1, EXT2, EXT4: a global by number, from copyreg's registry
-                size = {0x82: 1, 0x83: 2, 0x84: 4}[op]
-                code = int.from_bytes(data[take(size):self.pos], "little")
-                if code <= 0:
-                    raise _Break("EXT specifies code <= 0")
-                key = copyreg._inverted_registry.get(code)  # type: ignore[attr-defined]
-                if isinstance(key, tuple) and len(key) == 2:
-                    stack.append(self._global(str(key[0]), str(key[1]), pos))
-                else:  # CPython raises here; only a process that registered the code would go on
-                    raise _Break(f"extension code {code} is registered nowhere (copyreg.add_extension)")
-            elif op == 0x50:  # P PERSID: a text persistent id (torch's loaders refuse it, other loaders may not)
-                self._line()
-                stack.append(UNK)
-            elif op == 0x97:  # NEXT_BUFFER: out-of-band data (torch.load passes none; another loader may)
-                stack.append(UNK)
-            elif op == 0x98:  # READONLY_BUFFER
-                if not stack:
-                    raise _Break("stack underflow")
-            else:
-                self.pos = pos
-                raise _Break(f"byte 0x{op:02x} is not a pickle opcode")
-            cur = self.pos
+                elif op == 0x32:  # 2 DUP
+                    if not stack:
+                        raise _Break("stack underflow")
+                    stack.append(stack[-1])
+                elif op == 0x61:  # a APPEND
+                    if len(stack) < 2:
+                        raise _Break("stack underflow")
+                    stack.pop()
+                elif op in (0x65, 0x90):  # e APPENDS, ADDITEMS
+                    stack = self._pop_mark(metastack)
+                    if not stack:
+                        raise _Break("no list or set below the MARK")
+                elif op == 0x73:  # s SETITEM
+                    if len(stack) < 3:
+                        raise _Break("stack underflow")
+                    del stack[-2:]
+                elif op == 0x62:  # b BUILD: __setstate__ may run; the instance stays on the stack
+                    if len(stack) < 2:
+                        raise _Break("stack underflow")
+                    stack.pop()
+                elif op in (0x6C, 0x64, 0x91):  # l LIST, d DICT, FROZENSET
+                    items, stack = stack, self._pop_mark(metastack)
+                    if op == 0x64 and len(items) % 2:
+                        raise _Break("odd number of items for DICT")
+                    stack.append(NOT)
+                elif op == 0x81:  # NEWOBJ: cls.__new__(cls, *args)
+                    if len(stack) < 2:
+                        raise _Break("stack underflow")
+                    stack.pop()
+                    stack[-1] = UNK
+                elif op == 0x92:  # NEWOBJ_EX
+                    if len(stack) < 3:
+                        raise _Break("stack underflow")
+                    del stack[-2:]
+                    stack[-1] = UNK
+                elif op == 0x6F:  # o OBJ: MARK cls args... → cls(*args)
+                    items, stack = stack, self._pop_mark(metastack)
+                    if not items:
+                        raise _Break("OBJ without a class")
+                    stack.append(UNK)
+                elif op == 0x69:  # i INST: MARK args... INST module name → module.name(*args)
+                    if not metastack:
+                        raise _Break("INST without a MARK")
+                    mod_start, mod_end = self._line()
+                    name_start, name_end = self._line()
+                    if mod_end - mod_start < 1 or name_end - name_start < 1:
+                        raise _Break("INST without a module and a name")
+                    try:
+                        module, name = self._text(mod_start, mod_end), self._text(name_start, name_end)
+                    except UnicodeDecodeError:
+                        raise _Break("a global's name is not UTF-8") from None
+                    self._global(module, name, pos)
+                    stack = self._pop_mark(metastack)
+                    stack.append(UNK)
+                elif op in (0x82, 0x83, 0x84):  # EXT1, EXT2, EXT4: a global by number, from copyreg's registry
+                    size = {0x82: 1, 0x83: 2, 0x84: 4}[op]
+                    code = int.from_bytes(data[take(size):self.pos], "little")
+                    if code <= 0:
+                        raise _Break("EXT specifies code <= 0")
+                    key = copyreg._inverted_registry.get(code)  # type: ignore[attr-defined]
+                    if isinstance(key, tuple) and len(key) == 2:
+                        stack.append(self._global(str(key[0]), str(key[1]), pos))
+                    else:  # CPython raises here; only a process that registered the code would go on
+                        raise _Break(f"extension code {code} is registered nowhere (copyreg.add_extension)")
+                elif op == 0x50:  # P PERSID: a text persistent id (torch's loaders refuse it, other loaders may not)
+                    self._line()
+                    stack.append(UNK)
+                elif op == 0x97:  # NEXT_BUFFER: out-of-band data (torch.load passes none; another loader may)
+                    stack.append(UNK)
+                elif op == 0x98:  # READONLY_BUFFER
+                    if not stack:
+                        raise _Break("stack underflow")
+                else:
+                    self.pos = pos
+                    raise _Break(f"byte 0x{op:02x} is not a pickle opcode")
+                cur = self.pos
+                if self.current_frame_end:
+                    fe, self.current_frame_end = self.current_frame_end, 0
+        finally:
+            self.budget[1] = left

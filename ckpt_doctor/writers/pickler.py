@@ -219,7 +219,9 @@ def _int_op(n: int) -> bytes:
     if -(2**31) <= n < 2**31:
         return b"J" + n.to_bytes(4, "little", signed=True)
     raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
-    return b"\x8a" + bytes((len(raw),)) + raw
+    if len(raw) < 256:
+        return b"\x8a" + bytes((len(raw),)) + raw
+    return b"\x8b" + len(raw).to_bytes(4, "little") + raw  # LONG4: past 255 bytes
 
 
 def _str_op(text: str) -> bytes:

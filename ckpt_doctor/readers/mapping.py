@@ -1,0 +1,26 @@
+"""The file as a read-only memory map, for walking a pickle in place."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from typing import Any, Iterator
+
+from ..safepickle import limits
+
+
+@contextlib.contextmanager
+def mapped(fd: int, size: int) -> Iterator[Any]:
+    """The file as a read-only memory map: the walker reads it in place, so a gigabyte pickle costs no copy, and
+    pages the walker skips (a string's payload) are never touched. A file system that cannot map gets a read."""
+    if size == 0:
+        yield b""
+        return
+    try:
+        view = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        yield os.pread(fd, min(size, limits.MAX_PICKLE_BYTES), 0)
+        return
+    with view:
+        yield view

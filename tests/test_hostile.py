@@ -1,0 +1,282 @@
+"""Files built to make a scanner and torch.load see different bytes (found by attacking ckpt-doctor itself).
+
+Each payload here is live: torch.load (or np.load) in a subprocess creates the canary. ckpt-doctor must give
+exit 1 from both scan and inspect, and run nothing.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import subprocess
+import sys
+import tarfile
+import zipfile
+import zlib
+
+import pytest
+import torch
+
+from tests.payloads import _str, global_op, tar_members, torch_zip
+
+
+def payload(canary) -> bytes:
+    """Opcodes that leave one value on the stack and touch the canary when run: posix.system(...)."""
+    return b"cposix\nsystem\n(S'touch " + str(canary).encode() + b"'\ntR"
+
+
+def live(path, canary, how: str = "path") -> bool:
+    """Whether loading the file for real runs the payload (the canary appears), in a child process."""
+    loaders = {
+        "path": "torch.load(p, weights_only=False)",
+        "bytesio": "torch.load(io.BytesIO(open(p, 'rb').read()), weights_only=False)",
+        "np": "dict(numpy.load(p, allow_pickle=True)) if p.endswith(('.npz', '.pt')) else numpy.load(p, "
+              "allow_pickle=True)",
+    }
+    code = (f"import io, sys, torch, numpy\np = sys.argv[1]\ntry:\n    x = {loaders[how]}\n"
+            "    [x[k] for k in x] if isinstance(x, dict) else None\nexcept Exception:\n    pass\n")
+    subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=120)
+    ran = canary.exists()
+    if ran:
+        canary.unlink()
+    return ran
+
+
+def flagged(cli, path) -> tuple[int, int]:
+    return cli("scan", path).exit_code, cli("inspect", path).exit_code
+
+
+def straddling_frame(value: bytes, hidden: bytes) -> bytes:
+    """A protocol-4 pickle whose FRAME ends one byte into a BINUNICODE length. CPython, reading through read()
+    (a BytesIO, an unbuffered file), drops that byte and takes the length from after the frame: it pushes a
+    1-byte string, pops it, runs `hidden` and stops. Read contiguously the string is 256 bytes longer and swallows
+    `hidden`. `value` (opcodes) is what both readings return."""
+    frame = value + b"X\x00"
+    c_path = b"\x01\x00\x00\x00z0" + hidden + b"."  # CPython: length 1 read after the frame, POP, payload, STOP
+    contiguous_len = 0x100  # read on: the frame's 00, then 01 00 00 — 256
+    after = c_path + b"\0" * (3 + contiguous_len - len(c_path)) + b"0."
+    assert len(c_path) <= 3 + contiguous_len
+    return b"\x80\x04\x95" + struct.pack("<Q", len(frame)) + frame + after
+
+
+def test_a_frame_that_ends_inside_an_opcode_is_flagged(tmp_path, cli):
+    canary = tmp_path / "CANARY"
+    sd = b"}(" + _str("w") + b"N" + b"u"
+    path = tmp_path / "straddle.pt"
+    path.write_bytes(torch_zip(straddling_frame(sd, payload(canary) + b"0"), {}))
+    assert live(path, canary, "bytesio")  # torch.load of the same bytes from a stream runs it
+    assert flagged(cli, path) == (1, 1)
+    assert "frame" in cli("scan", path).stderr
+
+
+def test_a_tar_member_read_without_peek_is_flagged(tmp_path, cli):
+    """torch reads a tar member through an unbuffered file: a straddling frame in `storages` hides a pickle."""
+    canary = tmp_path / "CANARY"
+    members = tar_members({"w": [1.0]})
+    count = b"\x80\x02K\x01."
+    storage_args = straddling_frame(b"J\x01\x00\x00\x00" + _str("cpu") + global_op("torch", "FloatStorage") + b"\x87",
+                                    payload(canary) + b"0")
+    members["storages"] = count + storage_args + struct.pack("<qf", 1, 1.0) + b"\x80\x02]."
+    path = tmp_path / "straddle.tar"
+    _write_tar(path, members)
+    assert live(path, canary)
+    assert flagged(cli, path) == (1, 1)
+
+
+def _write_tar(path, members: dict[str, bytes]) -> None:
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _octal(n: int, width: int) -> bytes:
+    return (b"%0*o" % (width - 1, n)) + b"\0"
+
+
+def _header(name: bytes, typeflag: bytes, size: int, checksum_prefix: bytes = b"", extra=None) -> bytes:
+    h = bytearray(512)
+    h[:len(name)] = name
+    h[100:108], h[108:116], h[116:124] = _octal(0o644, 8), _octal(0, 8), _octal(0, 8)
+    h[124:136], h[136:148], h[156:157] = _octal(size, 12), _octal(0, 12), typeflag
+    h[257:265] = b"ustar  \0"
+    for at, data in (extra or {}).items():
+        h[at:at + len(data)] = data
+    h[148:156] = b" " * 8
+    h[148:156] = (checksum_prefix + b"%06o\0 " % sum(h))[:8]
+    return bytes(h)
+
+
+def _block(data: bytes) -> bytes:
+    return data + b"\0" * (-len(data) % 512)
+
+
+def test_a_sparse_tar_member_is_flagged(tmp_path, cli):
+    """tarfile fills a sparse member's holes when torch extracts it: the bytes on disk are not what runs."""
+    canary = tmp_path / "CANARY"
+    rest = b"0" + payload(canary) + b"0K\x00." + b"\x80\x02]."  # after the hole: POP the zeros, run, count 0, views
+    stored = len(_block(b"X" * (5 + len(rest))))
+    hole = stored + 512 - 5
+    first = b"B" + struct.pack("<I", hole)  # BINBYTES of the hole: zeros for torch, the next bytes on disk for a scan
+    real = 5 + hole + len(rest)
+    sparse = {386: _octal(0, 12) + _octal(5, 12) + _octal(5 + hole, 12) + _octal(len(rest), 12), 482: b"\0",
+              483: _octal(real, 12)}
+    out = _header(b"storages", b"S", 5 + len(rest), extra=sparse) + _block(first + rest)
+    for name, data in (("tensors", b"\x80\x02K\x00."), ("pickle", b"\x80\x02}.")):
+        out += _header(name.encode(), b"0", len(data)) + _block(data)
+    path = tmp_path / "sparse.tar"
+    path.write_bytes(out + b"\0" * 1024)
+    assert live(path, canary)
+    assert flagged(cli, path) == (1, 1)
+    assert "sparse" in cli("scan", path).stderr
+
+
+def test_a_tar_checksum_field_is_parsed_as_tarfile_parses_it(tmp_path, cli):
+    """str.strip() strips \\x1c, bytes.strip() does not: tarfile accepts this header, so torch takes the tar."""
+    canary = tmp_path / "CANARY"
+    storages = payload(canary) + b"0K\x00." + b"\x80\x02]."
+    out = _header(b"\x80\x02}.", b"0", 0, checksum_prefix=b"\x1c")  # its name is a harmless pickle
+    for name, data in (("storages", storages), ("tensors", b"\x80\x02K\x00."), ("pickle", b"\x80\x02}.")):
+        out += _header(name.encode(), b"0", len(data)) + _block(data)
+    path = tmp_path / "checksum.tar"
+    path.write_bytes(out + b"\0" * 1024)
+    assert live(path, canary)
+    assert flagged(cli, path) == (1, 1)
+
+
+def test_a_tar_that_is_also_a_long_pickle_is_flagged(tmp_path, cli):
+    """From byte 0 the file is a pickle whose STOP comes after a megabyte: walked whole, not its first MB."""
+    canary = tmp_path / "CANARY"
+    tar = io.BytesIO()
+    with tarfile.open(fileobj=tar, mode="w", format=tarfile.PAX_FORMAT) as t:
+        for name, data in tar_members({"w": [1.0]}).items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    body = tar.getvalue()
+    # A leading member whose name starts a BINBYTES8 that swallows 1.5 MB, then the payload, then STOP.
+    filler = b"\0" * (3 << 19)
+    lead_data = filler + payload(canary) + b"."
+    name = b"\x8e" + struct.pack("<Q", 512 - 9 + len(filler))
+    path = tmp_path / "long.tar"
+    path.write_bytes(_header(name[:100].ljust(9, b"\0"), b"0", len(lead_data)) + _block(lead_data) + body)
+    with tarfile.open(path) as t:
+        assert "storages" in t.getnames()
+    assert flagged(cli, path) == (1, 1)
+
+
+def test_an_object_array_inside_a_checkpoint_or_an_npz_is_walked(tmp_path, cli):
+    import numpy as np
+
+    canary = tmp_path / "CANARY"
+    buf = io.BytesIO()
+    np.save(buf, np.array([None], dtype=object), allow_pickle=True)
+    raw = buf.getvalue()
+    start = raw.index(b"\x80")
+    evil_npy = raw[:start] + b"\x80\x03" + payload(canary) + b"."
+    base = tmp_path / "base.pt"
+    torch.save({"w": torch.zeros(1)}, base)
+    with zipfile.ZipFile(base) as z:
+        members = {i.filename: z.read(i) for i in z.infolist()}
+    prefix = next(iter(members)).split("/")[0]
+    members[f"{prefix}/evil.npy"] = evil_npy
+    for name, data in {"hidden.pt": members, "plain.npz": {"x.npy": evil_npy}}.items():
+        path = tmp_path / name
+        with zipfile.ZipFile(path, "w") as z:
+            for member, content in data.items():
+                z.writestr(member, content)
+        assert live(path, canary, "np"), name
+        assert flagged(cli, path) == (1, 1), name
+    # `descr: 'object'` and a header whose `shape` comes first are object arrays too
+    header = b"{'shape': (1,), 'fortran_order': False, 'descr': 'object', }"
+    header += b" " * (-(10 + len(header) + 1) % 64) + b"\n"
+    path = tmp_path / "descr.npy"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + b"\x80\x03" + payload(canary)
+                     + b".")
+    assert live(path, canary, "np")
+    assert flagged(cli, path) == (1, 1)
+
+
+def test_a_refused_pickle_still_names_its_payload(tmp_path, cli):
+    """A memo bomb or a huge integer before the payload: the file is refused, and the payload named (exit 1)."""
+    canary = tmp_path / "CANARY"
+    for name, trap in {"memo": b"Nr\x40\x42\x0f\x000", "long": b"\x8b" + struct.pack("<i", 1025) + b"\x01" * 1025
+                       + b"0"}.items():
+        path = tmp_path / f"{name}.pt"
+        path.write_bytes(torch_zip(b"\x80\x02" + trap + b"}(" + _str("x") + payload(canary) + b"u.", {}))
+        assert live(path, canary), name
+        scan, inspect = cli("scan", path), cli("inspect", path)
+        assert scan.exit_code == inspect.exit_code == 1, name
+        assert "posix.system" in inspect.stderr and "refused" in inspect.stderr
+
+
+def test_a_member_that_inflates_past_its_size_is_read_as_miniz_reads_it(tmp_path, cli):
+    """miniz fills a buffer of the directory's size and stops: the first `size` bytes are what torch unpickles."""
+    canary = tmp_path / "CANARY"
+    data_pkl = b"\x80\x02" + payload(canary) + b"0}."
+    comp = zlib.compressobj(9, zlib.DEFLATED, -15)
+    deflated = comp.compress(data_pkl + b"extra bytes past the declared size") + comp.flush()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("archive/version", "3\n")
+    members = [("archive/data.pkl", deflated, len(data_pkl), 8), ("archive/version", b"3\n", 2, 0)]
+    path = tmp_path / "overlong.pt"
+    path.write_bytes(_zip_raw(members))
+    assert live(path, canary)
+    assert flagged(cli, path) == (1, 1)
+
+
+def _zip_raw(members) -> bytes:
+    out, central = bytearray(), bytearray()
+    for name, data, size, method in members:
+        raw = name.encode()
+        crc = zlib.crc32(data) if method == 0 else 0
+        central += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, method, 0, 0, crc, len(data), size,
+                               len(raw), 0, 0, 0, 0, 0, len(out)) + raw
+        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0, crc, len(data), size, len(raw), 0) + raw
+        out += data
+    at = len(out)
+    out += central + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(members), len(members), len(central), at, 0)
+    return bytes(out)
+
+
+def test_a_pickle_bigger_than_ckpt_doctor_unpickles_is_still_walked(tmp_path, cli):
+    canary = tmp_path / "CANARY"
+    path = tmp_path / "big.pkl"
+    with open(path, "wb") as f:
+        f.write(b"\x80\x02" + payload(canary) + b"0\x8e" + struct.pack("<Q", 300 << 20))
+        f.truncate(f.tell() + (300 << 20))  # sparse: 300 MB of zeros that cost no disk
+        f.seek(0, 2)
+        f.write(b"0N.")
+    assert flagged(cli, path) == (1, 1)
+
+
+@pytest.mark.parametrize("entry", ["seed", "device"])
+def test_values_that_once_ended_in_internal_errors(tmp_path, cli, entry):
+    path = tmp_path / f"{entry}.pt"
+    if entry == "seed":
+        torch.save({"w": torch.zeros(1), "seed": 2 ** 2400}, path)
+        out = tmp_path / "out.pt"
+        assert cli("fix", path, "-o", out).exit_code == 0
+        assert torch.load(out, weights_only=False)["seed"] == 2 ** 2400
+    else:
+        from fixtures.make_fixtures import saved_on
+
+        with saved_on("cuda:\u00b2"):
+            torch.save({"w": torch.zeros(1)}, path)
+        result = cli("inspect", path)
+        assert result.exit_code == 0 and "internal error" not in result.stderr
+
+
+def test_inspect_of_a_folder_judges_its_other_files_as_scan_does(tmp_path, cli):
+    canary = tmp_path / "CANARY"
+    folder = tmp_path / "run"
+    folder.mkdir()
+    torch.save({"w": torch.zeros(1)}, folder / "pytorch_model.bin")
+    (folder / "optimizer.pt").write_bytes(torch_zip(straddling_frame(b"}", payload(canary) + b"0"), {}))
+    assert cli("scan", folder).exit_code == cli("inspect", folder).exit_code == 1
+    assert not canary.exists()
+    os.remove(folder / "optimizer.pt")
+    assert cli("scan", folder).exit_code == cli("inspect", folder).exit_code == 0
