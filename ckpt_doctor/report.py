@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .analyze import PrefixFinding, find_prefixes, parameter_count, shared_groups
 from .errors import UsageError
 from .readers import read_checkpoint
-from .records import Checkpoint, SharedGroup, TensorRecord, Verdict
+from .records import Checkpoint, Hazard, SharedGroup, TensorRecord, Verdict
 from .devices import missing_devices
 
 
@@ -46,6 +46,8 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
                        values: bool = False) -> InspectReport:
     """What `inspect` reports; with `model`, also the comparison with that model (or reference checkpoint)."""
     ckpt = checkpoint or read_checkpoint(path)
+    if checkpoint is None and Path(path).is_dir():
+        ckpt = replace(ckpt, hazards=ckpt.hazards + tuple(sibling_hazards(Path(path), ckpt.files)))
     comparison = None
     model_shapes: dict[str, tuple] = {}
     diffs = None
@@ -105,3 +107,22 @@ def value_differences(ckpt: Checkpoint, reference: str) -> dict[str, float]:
         a, b = load_tensor(t).double(), load_tensor(o).double()
         diffs[t.key] = float((a - b).abs().max()) if a.numel() else 0.0
     return diffs
+
+
+def sibling_hazards(folder: Path, own: tuple[Path, ...]) -> list[Hazard]:
+    """The other files of a model folder that would run code when loaded (a training_args.bin, an optimizer.pt),
+    judged by scan's own per-file check: `inspect DIR` then agrees with `scan DIR` on them."""
+    from .scan import scan_file
+    from .sniff import folder_files
+
+    mine = {p.resolve() for p in own}
+    found: list[Hazard] = []
+    for path in folder_files(folder)[0]:
+        if path.resolve() in mine:
+            continue
+        result = scan_file(path, in_folder=True)
+        if result is not None and result.verdict is not Verdict.SAFE:
+            names = [g.qualname for g in result.findings] + [h.what for h in result.hazards]
+            found.append(Hazard(result.verdict, f"{path.relative_to(folder)} in the same folder would run code when "
+                                                f"loaded: {', '.join(names[:3])}"))
+    return found

@@ -9,9 +9,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ReadError
-from ..records import Checkpoint, Format, Hazard, Verdict
+from ..records import Checkpoint, Format
 from ..safepickle import limits
-from ..sniff import Container, describe_other, folder_files
+from ..sniff import Container, describe_other
 from .survey import Survey, survey_file
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar", ".model", ".pth.tar")
@@ -141,27 +141,7 @@ def read_folder(folder: Path) -> Checkpoint:
                             "torch zip, tar, pickle or safetensors)")
         names = ", ".join(p.name for p in candidates[:5])
         raise ReadError(f"{folder}: folder holds {len(candidates)} checkpoints ({names}); name the file to open")
-    ckpt = read_sharded(chosen) if chosen.name.endswith(".index.json") else read_file(chosen)
-    return replace(ckpt, hazards=ckpt.hazards + tuple(_sibling_hazards(folder, ckpt.files)))
-
-
-def _sibling_hazards(folder: Path, own: tuple[Path, ...]) -> list[Hazard]:
-    """The other files of a model folder that would run code when loaded (a training_args.bin, an optimizer.pt):
-    `inspect DIR` reports them as `scan DIR` does."""
-    found: list[Hazard] = []
-    mine = {p.resolve() for p in own}
-    for path in folder_files(folder)[0]:
-        if path.resolve() in mine:
-            continue
-        try:
-            survey = survey_file(path)
-        except ReadError:
-            continue
-        if survey.verdict is not Verdict.SAFE:
-            names = survey.finding_names()
-            found.append(Hazard(survey.verdict, f"{path.relative_to(folder)} in the same folder would run code when "
-                                                f"loaded: {', '.join(names[:3])}"))
-    return found
+    return read_sharded(chosen) if chosen.name.endswith(".index.json") else read_file(chosen)
 
 
 def read_json(path: Path, what: str, max_bytes: int) -> object:
