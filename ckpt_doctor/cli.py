@@ -453,8 +453,9 @@ def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, allow_global: tu
         say(f"Error: {problem}", color="red", no_color=no_color)
     if report.exit_code == 1:
         say(f"{report.findings} finding(s): torch.load(weights_only=False) would run code from "
-            f"{sum(1 for f in report.files if f.exit_code == 1)} file(s); load them with weights_only=True or "
-            "rescue their tensors with `ckpt-doctor fix`", color="red", no_color=no_color)
+            f"{sum(1 for f in report.files if f.exit_code == 1)} file(s). Never load them that way; rescue their "
+            "tensors with `ckpt-doctor fix FILE -o clean.pt` (nothing they name is run or written)",
+            color="red", no_color=no_color)
     return report.exit_code
 
 

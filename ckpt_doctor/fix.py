@@ -15,7 +15,7 @@ from .errors import PlanError, UsageError, WriteError
 from .records import Checkpoint, Format, TensorRecord, Verdict, ancestors, relative_to_root
 from .transforms import Op, Transform, plan_keys
 from .tree import has_tensor, join
-from .safepickle.unpickler import Opaque, RawTensor
+from .safepickle.unpickler import Opaque, RawTensor, SizeValue
 from .writers.atomic import atomic_output, check_destination
 from .writers.pickler import TensorOut, dumps
 from .writers.safetensors_writer import TensorBytes, write_safetensors
@@ -182,6 +182,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         dtype = opts.dtype if opts.dtype and record.dtype in FLOATING else record.dtype
         return OutTensor(key, record, dtype, _device_for(record.device, opts.map_location))
 
+    problems: list = []  # (path, global) of objects the output could not hold
     out_prefix = "" if flat_output else prefix  # nested output: the state_dict keeps its place in the tree
     state = OrderedDict((new, out_tensor(out_prefix + new, by_key[old])) for old, new in mapping.items())
     if flat_output:
@@ -191,13 +192,19 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
             # A flat state_dict with a few other entries (a version number, a config): keep them as they were.
             full_records = {t.key: t for t in ckpt.tensors}
             nested: set[str] = set()
+            cut: set[str] = set()
             for key, value in ckpt.root.items():
                 path = key if isinstance(key, str) else str(key)
-                if not isinstance(value, RawTensor) and not _dropped(path, drops):
-                    extra: list[OutTensor] = []
-                    # (with root "" every tensor is in sd, so the loop above has listed the dropped ones)
-                    tree[key] = _rebuild(value, path, "\0", state, full_records, drops, extra, out_tensor, set())
-                    nested.update(o.source.key for o in extra)
+                if isinstance(value, RawTensor):
+                    continue
+                if _dropped(path, drops):
+                    cut.add(path)
+                    continue
+                extra: list[OutTensor] = []
+                # (with root "" every tensor is in sd, so the loop above has listed the dropped ones)
+                tree[key] = _rebuild(value, path, "\0", state, full_records, drops, extra, out_tensor, cut, problems)
+                nested.update(o.source.key for o in extra)
+            dropped += [p for p in cut if not any(k == p or k.startswith(p + ".") for k in dropped)]
             if nested:  # tensors inside such an entry stay there, and are not written a second time as keys
                 for new in [k for k, o in state.items() if isinstance(o, OutTensor) and o.source.key in nested]:
                     del state[new]
@@ -210,10 +217,12 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     else:
         outs = []
         full_records = {t.key: t for t in ckpt.tensors}
-        cut: set[str] = set()
-        tree = _rebuild(ckpt.root, "", root, state, full_records, drops, outs, out_tensor, cut)
+        cut = set()
+        tree = _rebuild(ckpt.root, "", root, state, full_records, drops, outs, out_tensor, cut, problems)
         outs = list(state.values()) + outs
-        dropped += _tensors_under(cut - {root}, full_records, prefix)
+        under = _tensors_under(cut - {root}, full_records, prefix)
+        dropped += under + sorted(p for p in cut - {root} if not any(k == p or k.startswith(p + ".") for k in under))
+    refuse_unwritable(problems)
     tied: dict[str, str] = {}
     metadata: dict[str, str] = {}
     if fmt is OutputFormat.SAFETENSORS:
@@ -230,6 +239,13 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     for t in outs:
         if t.source.storage is None:
             raise PlanError(f"{t.source.key}: has no data in the file (a meta tensor); drop it with --drop")
+    if fmt is OutputFormat.TORCH:
+        from .devices import missing_devices
+
+        absent = missing_devices(sorted({t.device for t in outs}))
+        if absent:
+            notes.append(f"the output keeps the device tags {', '.join(absent)}, which this machine lacks: "
+                         "torch.load here needs map_location; add --map-location cpu to rewrite them for good")
     return FixPlan(ckpt.path, output, fmt, tuple(applied), {o: n for o, n in mapping.items()},
                    tuple(dropped), tuple(outs), tree, tuple(notes), tied, metadata)
 
@@ -272,9 +288,9 @@ def _map_by_order(kept: list[TensorRecord], mapping: dict[str, str], model: Mode
 
 def _rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]",
              records: dict[str, TensorRecord], drops: list[Transform], outs: list[OutTensor],
-             out_tensor: Callable[[str, TensorRecord], OutTensor], cut: set[str]) -> Any:
+             out_tensor: Callable[[str, TensorRecord], OutTensor], cut: set[str], problems: list) -> Any:
     """The original tree with the state_dict at `root` replaced by `state`; dropped entries left out, and their
-    paths added to `cut`."""
+    paths added to `cut`; objects that cannot be written added to `problems` as (path, global)."""
     if path == root:
         return state
     if isinstance(obj, RawTensor):
@@ -286,40 +302,74 @@ def _rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]
         return out
     if isinstance(obj, dict):
         items = [(k, v) for k, v in obj.items() if _kept(join(path, k), drops, cut)]
-        rebuilt = [(k, _rebuild(v, join(path, k), root, state, records, drops, outs, out_tensor, cut))
+        for k, _ in items:
+            if isinstance(k, Opaque) or isinstance(k, type) and issubclass(k, Opaque):
+                check_writable(k, join(path, k), problems)
+        rebuilt = [(k, _rebuild(v, join(path, k), root, state, records, drops, outs, out_tensor, cut, problems))
                    for k, v in items]
         return OrderedDict(rebuilt) if isinstance(obj, OrderedDict) else dict(rebuilt)
     if isinstance(obj, (list, tuple)):
-        if obj and all(o is None or isinstance(o, (bool, int, float, str)) for o in obj):
+        if obj and all(o is None or isinstance(o, (bool, int, float, str)) for o in obj) or type(obj) is SizeValue:
             return obj
-        items = [_rebuild(v, join(path, i), root, state, records, drops, outs, out_tensor, cut)
+        items = [_rebuild(v, join(path, i), root, state, records, drops, outs, out_tensor, cut, problems)
                  for i, v in enumerate(obj) if _kept(join(path, i), drops, cut)]
         return items if isinstance(obj, list) else tuple(items)
     if isinstance(obj, Opaque):
         if has_tensor(obj):
             raise PlanError(f"{path or 'the file'} is a pickled {obj.ckd.ref.qualname if obj.ckd.ref else 'object'} "
                             f"holding tensors; write its weights alone with --select {path or '…'}")
-        check_writable(obj, path)
+        check_writable(obj, path, problems)
     elif isinstance(obj, type) and issubclass(obj, Opaque):
-        check_writable(obj, path)
+        check_writable(obj, path, problems)
     return obj
 
 
-def check_writable(obj: Any, path: str) -> None:
-    """Refuse (exit 2) an object the output would have to name a global for, unless torch.load(weights_only=True)
-    accepts that global or the user allowed it: fix never writes what the allow-list does not hold."""
+def check_writable(obj: Any, path: str, problems: list) -> None:
+    """Note (in `problems`) an object the output would have to name a global for, unless torch.load(weights_only=
+    True) accepts that global or the user allowed it: fix never writes what the allow-list does not hold."""
     from .safepickle.policy import TORCH_WEIGHTS_ONLY, resolve, user_allowed
 
     for ref in _refs_in(obj):
         module, name = resolve(ref.module, ref.name)
-        full = f"{module}.{name}"
-        if full in TORCH_WEIGHTS_ONLY or full in user_allowed():
-            continue
-        where = path or "the file's root"
-        drop = f"--drop '^{re.escape(path)}$'" if path else "--select PATH"
-        keep = "" if ref.verdict is Verdict.DANGEROUS else f", or keep it with --allow-global {full}"
-        raise PlanError(f"{where} holds a {full} ({ref.verdict.value}: {ref.reason}); torch.load(weights_only=True) "
-                        f"refuses it and ckpt-doctor does not write it. Leave it out with {drop}{keep}")
+        if f"{module}.{name}" not in TORCH_WEIGHTS_ONLY and f"{module}.{name}" not in user_allowed():
+            problems.append((path, ref))
+
+
+def refuse_unwritable(problems: list) -> None:
+    """Exit 2 naming every object fix would have to leave out, and the one --drop that leaves them all out."""
+    if not problems:
+        return
+    from .safepickle.policy import resolve
+
+    pairs = list(dict.fromkeys((path, ".".join(resolve(r.module, r.name)), r.verdict) for path, r in problems))
+    paths = list(dict.fromkeys(path for path, _, _ in pairs))
+    names = list(dict.fromkeys(name for _, name, _ in pairs))
+    dangerous = any(v is Verdict.DANGEROUS for _, _, v in pairs)
+    keep = "" if dangerous else f", or keep {'it' if len(paths) == 1 else 'them'} with " + \
+        " ".join(f"--allow-global {n}" for n in names)
+    if not all(paths):
+        drop = "--select PATH (the file's root itself is such an object)"
+    elif len(paths) == 1:
+        drop = f"--drop '^{re.escape(paths[0])}$'"
+    else:
+        drop = "--drop '^(" + "|".join(re.escape(p) for p in paths) + ")$'"
+        tops = list(dict.fromkeys(p.split(".")[0] for p in paths))
+        if len(tops) == 1:
+            drop += f" (or the whole entry: --drop '^{re.escape(tops[0])}$')"
+    refused = "which torch.load(weights_only=True) refuses and ckpt-doctor does not write"
+    if len(pairs) == 1:
+        path, name, verdict = pairs[0]
+        what = f"{path or 'the root'} holds {'an' if name[:1].lower() in 'aeiou' else 'a'} {name} ({verdict.value}), "
+        raise PlanError(f"{what}{refused}. Leave it out with {drop}{keep}")
+    by_path: dict[str, list[str]] = {}
+    for path, name, _ in pairs:
+        by_path.setdefault(path, []).append(name)
+    shown = "; ".join(f"{p or 'the root'} ({', '.join(ns[:2])}{', …' if len(ns) > 2 else ''})"
+                      for p, ns in list(by_path.items())[:6])
+    more = f"; … {len(paths) - 6} more" if len(paths) > 6 else ""
+    if len(names) > 4 and keep:
+        keep = f", or keep them with --allow-global for each of {len(names)} globals ({', '.join(names[:3])}, …)"
+    raise PlanError(f"{len(paths)} entries hold objects {refused}: {shown}{more}. Leave them out with {drop}{keep}")
 
 
 def _refs_in(obj: Any) -> list:

@@ -28,6 +28,7 @@ class Flat:
     module_classes: dict[str, str] = field(default_factory=dict)
     non_persistent: list[str] = field(default_factory=list)
     metadata_truncated: int = 0
+    optimizers: list[str] = field(default_factory=list)  # optimizer state_dicts ({"state", "param_groups"})
 
 
 def join(prefix: str, name: Any) -> str:
@@ -125,6 +126,8 @@ class Walker:
     def _container(self, obj: Any, path: str) -> None:
         if isinstance(obj, dict):
             items = list(obj.items())
+            if "state" in obj and "param_groups" in obj:
+                self.flat.optimizers.append(path)
         elif isinstance(obj, (list, tuple)):
             if obj and all(o is None or isinstance(o, (bool, int, float, str)) for o in obj):
                 self._meta(path, obj)
@@ -300,6 +303,8 @@ def find_state_dict_root(flat: Flat) -> tuple[str | None, tuple[str, ...]]:
             continue
         if any("optim" in part or "scheduler" in part for part in path.split(".")):
             continue
+        if any(path == o or path.startswith(o + ".") or o == "" for o in flat.optimizers):
+            continue  # an optimizer's per-parameter state (state.0.exp_avg …) is no model's state_dict
         under = sum(1 for key, _ in flat.tensors if path == "" or key.startswith(path + "."))
         candidates[path] = under
     if not candidates:

@@ -402,3 +402,45 @@ def test_entries_beside_a_flat_state_dict_keep_their_place(cli, tmp_path):
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     assert list(out) == ["version", "a", "b", "extra", "c"] and out["version"] == 2
     assert bitwise_equal(out["extra"]["inner"], torch.arange(4)) and data["tensors"] == 4
+
+
+def test_an_optimizer_state_dict_is_not_taken_for_the_weights(cli, tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    path = tmp_path / "optimizer.pt"
+    torch.save(opt.state_dict(), path)
+    data = cli("inspect", path, "--json").json()
+    assert data["state_dict_root"] is None
+    assert any("optimizer's state_dict" in n for n in data["notes"])
+    refused = cli("fix", path, "-o", tmp_path / "o.safetensors")
+    assert refused.exit_code == 2 and "--select" in refused.stderr
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_torch_size_values_stay_torch_size(cli, tmp_path):
+    path = tmp_path / "shapes.pt"
+    torch.save({"w": torch.zeros(2), "b": torch.zeros(2), "c": torch.zeros(1), "param_shapes": [{"w": torch.Size([8, 4])}],
+                "empty": torch.Size([])}, path)
+    out = tmp_path / "out.pt"
+    assert cli("fix", path, "-o", out).exit_code == 0
+    loaded = torch.load(out, weights_only=True)
+    assert type(loaded["param_shapes"][0]["w"]) is torch.Size and loaded["param_shapes"][0]["w"].numel() == 32
+    assert type(loaded["empty"]) is torch.Size
+
+
+def test_every_unwritable_entry_is_named_at_once_and_drops_are_counted(cli, tmp_path):
+    import argparse
+    import datetime
+
+    path = tmp_path / "train.pt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "args": argparse.Namespace(lr=0.1),
+                "hparams": {"when": datetime.date(2024, 1, 1), "n": 3}}, path)
+    result = cli("fix", path, "-o", tmp_path / "out.pt")
+    assert result.exit_code == 2
+    assert "args" in result.stderr and "hparams.when" in result.stderr
+    assert "--drop '^(args|hparams\\.when)$'" in result.stderr
+    fixed = cli("fix", path, "-o", tmp_path / "out.pt", "--drop", "^(args|hparams)$", "--json")
+    assert fixed.exit_code == 0
+    assert set(fixed.json()["dropped"]) == {"args", "hparams"}

@@ -137,6 +137,12 @@ def read_folder(folder: Path) -> Checkpoint:
     chosen, candidates = find_in_folder(folder)
     if chosen is None:
         if not candidates:
+            below = [p for sub in sorted(folder.iterdir()) if sub.is_dir()
+                     for p in sorted(sub.iterdir()) if p.is_file() and _looks_like_checkpoint(p)][:4]
+            if below:
+                names = ", ".join(str(p.relative_to(folder)) for p in below)
+                raise ReadError(f"{folder}: folder holds no checkpoint at its top level, but its subfolders do "
+                                f"({names}); name one, e.g. ckpt-doctor inspect {below[0]}")
             raise ReadError(f"{folder}: folder holds no checkpoint (no *.index.json, and no file whose bytes are a "
                             "torch zip, tar, pickle or safetensors)")
         names = ", ".join(p.name for p in candidates[:5])

@@ -74,6 +74,10 @@ def build_checkpoint(path: Path, fmt: Format, root: Any, unpicklers: list[SafeUn
         all_notes.extend(f"{key}: {raw.note}" for key, raw in flat.tensors if raw.note)
     if flat.metadata_truncated:
         all_notes.append(f"{flat.metadata_truncated} more metadata entries not listed")
+    if sd_root is None and flat.optimizers:
+        where = ", ".join(o or "the file's root" for o in flat.optimizers[:3])
+        all_notes.append(f"an optimizer's state_dict (state, param_groups) at {where}: optimizer state, not model "
+                         "weights; write it with fix --select PATH")
     globals_ = _dedupe([g for up in unpicklers for g in up.globals] + list(extra_globals))
     return Checkpoint(path=path, format=fmt, tensors=tensors, metadata=dict(flat.metadata), globals=globals_,
                       state_dict_root=sd_root, other_state_dicts=others, root=root, model_class=model_class,

@@ -57,8 +57,9 @@ def scan_summary(report: ScanReport) -> list[str]:
         if f.verdict is Verdict.SAFE:
             state = "clean: every global is on the allow-list"
         else:
-            names = [g.qualname for g in f.findings][:4] + [h.what.split(":")[0] for h in f.hazards][:2]
-            state = f"{f.verdict.value.upper()}: {', '.join(names)}"
+            names = [g.qualname for g in f.findings] + [h.what.split(":")[0] for h in f.hazards]
+            more = f", … {len(names) - 5} more" if len(names) > 5 else ""
+            state = f"{f.verdict.value.upper()}: {', '.join(names[:5])}{more}"
         lines.append(f"{f.path}{link}: {what} — {state} ({safe} allow-listed)")
         if f.error:
             lines.append(f"  also: {f.error}")

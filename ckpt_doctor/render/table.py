@@ -132,5 +132,5 @@ def safety_lines(ckpt, full: bool = False) -> list[tuple[str, str]]:
         lines.append((h.verdict.value.upper(), h.what))
     if findings or ckpt.hazards:
         lines.append(("safety", "UNSAFE: torch.load(weights_only=False) would import and run the above; never load "
-                                "this file that way. Its tensors can still be listed and rescued (fix --select)"))
+                                "this file that way. Its tensors are listed, and `ckpt-doctor fix` rescues them"))
     return lines

@@ -244,8 +244,15 @@ def _parameter(data=None, requires_grad=True):
     return _rebuild_parameter(data, requires_grad)
 
 
+class SizeValue(tuple):
+    """A torch.Size from the file, kept as one so that a rewrite names torch.Size again (code reading the file
+    back may call .numel() on it)."""
+
+    __slots__ = ()
+
+
 def _size(*args):
-    return tuple(args[0]) if args else ()
+    return SizeValue(_ints(args[0])) if args else SizeValue()
 
 
 def _device(*args):

@@ -10,7 +10,7 @@ from ..dtypes import element_size
 from ..errors import WriteError
 from ..records import TensorRecord
 from ..safepickle.policy import TORCH_WEIGHTS_ONLY, resolve, user_allowed
-from ..safepickle.unpickler import Device, DType, Opaque
+from ..safepickle.unpickler import Device, DType, Opaque, SizeValue
 
 # Legacy typed storage class for each dtype; others are written as UntypedStorage + _rebuild_tensor_v3.
 STORAGE_CLASS = {
@@ -88,6 +88,10 @@ class Emitter:
             write(b"R")
         elif isinstance(obj, TensorOut):
             self._tensor(obj)
+        elif type(obj) is SizeValue:
+            self.global_("torch", "Size")
+            self._tuple(tuple(obj))
+            write(b"\x85R")
         elif isinstance(obj, tuple):
             self._tuple(obj)
         elif isinstance(obj, list):
