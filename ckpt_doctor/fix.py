@@ -702,7 +702,7 @@ def _to_pickle_tree(tree: Any, expected: dict[str, TensorOut]) -> Any:
         return {k: _to_pickle_tree(v, expected) for k, v in tree.items()}
     if isinstance(tree, list):
         return [_to_pickle_tree(v, expected) for v in tree]
-    if isinstance(tree, tuple):
+    if isinstance(tree, tuple) and type(tree) is not SizeValue:
         return tuple(_to_pickle_tree(v, expected) for v in tree)
     return tree
 
