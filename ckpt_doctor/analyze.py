@@ -10,6 +10,7 @@ from .records import Checkpoint, SharedGroup, TensorRecord
 
 # Components that wrappers insert into keys: DataParallel/DDP, torch.compile, Lightning, FSDP, EMA helpers.
 WRAPPER_TOKENS = ("module", "_orig_mod", "model", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+MAX_WRAPPERS = 8
 
 
 @dataclass(frozen=True)
@@ -31,29 +32,36 @@ def find_prefixes(keys: list[str]) -> list[PrefixFinding]:
     if not total:
         return []
     findings: list[PrefixFinding] = []
-    # Leading prefixes, peeled repeatedly: `_orig_mod.module.fc.weight` gives `_orig_mod.` then `module.`.
-    rest = list(keys)
+    # Leading prefixes, peeled repeatedly: `_orig_mod.module.fc.weight` gives `_orig_mod.` then `module.`. Real
+    # wrappers stack a few deep; a file that nests `module.` hundreds of times is not peeled past MAX_WRAPPERS.
     where = ""
-    while True:
+    for _ in range(MAX_WRAPPERS):
         for token in WRAPPER_TOKENS:
-            head = token + "."
-            if all(k.startswith(head) for k in rest) and all(len(k) > len(head) for k in rest):
-                findings.append(PrefixFinding(head, where, total, total, True))
-                rest = [k[len(head):] for k in rest]
-                where += head
+            head = where + token + "."
+            if all(k.startswith(head) and len(k) > len(head) for k in keys):
+                findings.append(PrefixFinding(token + ".", where, total, total, True))
+                where = head
                 break
         else:
             break
-    # Wrapper tokens in the middle (features.module.0.weight), only for tokens that are never real layer names.
+    cut = len(where)
+    # Wrapper tokens in the middle (features.module.0.weight), only for tokens that are never real layer names:
+    # the first few of each key, in keys of a sensible length.
     middle: dict[tuple[str, str], int] = defaultdict(int)
-    for key in rest:
-        for m in _MIDDLE_TOKEN.finditer(key):
-            middle[(key[:m.start() + 1], m.group(1) + ".")] += 1
+    for key in keys:
+        if len(key) - cut > 1024:
+            continue
+        for i, m in enumerate(_MIDDLE_TOKEN.finditer(key, cut)):
+            if i == 4:
+                break
+            middle[(key[cut:m.start() + 1], m.group(1) + ".")] += 1
+        if len(middle) > 10_000:
+            break
     for (before, token), count in middle.items():
         findings.append(PrefixFinding(token, where + before, count, total, False))
     if not findings:
         # A prefix most (not all) keys share is still worth saying: a partial wrap, or a Lightning `model.`.
-        firsts = Counter(k.partition(".")[0] for k in rest if "." in k)
+        firsts = Counter(k.partition(".")[0] for k in keys if "." in k)
         for token in WRAPPER_TOKENS:
             count = firsts[token]
             if count and count * 2 >= total:

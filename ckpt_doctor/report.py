@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .analyze import PrefixFinding, find_prefixes, parameter_count, shared_groups
-from .errors import UsageError
+from .errors import ReadError, UsageError
 from .readers import read_checkpoint
 from .records import Checkpoint, Hazard, SharedGroup, TensorRecord, Verdict
 from .devices import missing_devices
@@ -45,8 +45,19 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
                        allow_unexpected: str | None = None, min_loaded: float | None = None,
                        values: bool = False) -> InspectReport:
     """What `inspect` reports; with `model`, also the comparison with that model (or reference checkpoint)."""
-    ckpt = checkpoint or read_checkpoint(path)
-    if checkpoint is None and Path(path).is_dir():
+    folder = checkpoint is None and Path(path).is_dir()
+    try:
+        ckpt = checkpoint or read_checkpoint(path)
+    except ReadError as exc:
+        if not folder or exc.findings:
+            raise
+        # Which checkpoint to open is unclear, but what the folder's files would run is not: say it (exit 1).
+        found = sibling_hazards(Path(path), ())
+        if found:
+            raise ReadError(f"{exc} — and files in it would run code: "
+                            + "; ".join(h.what for h in found[:3]), tuple(h.what for h in found)) from None
+        raise
+    if folder:
         ckpt = replace(ckpt, hazards=ckpt.hazards + tuple(sibling_hazards(Path(path), ckpt.files)))
     comparison = None
     model_shapes: dict[str, tuple] = {}

@@ -100,6 +100,8 @@ def scan_file(path: Path, *, in_folder: bool = False) -> FileScan | None:
 
 
 def _holds_no_pickle(survey: Survey) -> bool:
+    if survey.globals or survey.hazards:
+        return False
     if survey.container in (Container.OTHER, Container.EMPTY):
         return True
     walked = survey.main_walk

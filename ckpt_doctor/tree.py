@@ -76,6 +76,7 @@ class Walker:
     def __init__(self, ts_members: TorchScriptMembers | None = None, max_nodes: int | None = None) -> None:
         self.flat = Flat()
         self.nodes = 0
+        self.key_bytes = 0
         self.max_nodes = max_nodes if max_nodes is not None else limits.max_tree_nodes(0)
         self.ts_members = ts_members
         self._ancestors: set[int] = set()
@@ -91,6 +92,10 @@ class Walker:
         if isinstance(obj, RawTensor):
             if len(self.flat.tensors) >= limits.MAX_TENSORS:
                 raise ReadError(f"more than {limits.MAX_TENSORS:,} tensors; refusing to list them")
+            self.key_bytes += len(path)
+            if self.key_bytes > limits.MAX_KEY_BYTES:
+                raise ReadError(f"the tensors' key paths add up to more than {limits.MAX_KEY_BYTES >> 20} MB "
+                                "(keys nested hundreds of levels deep?); refusing to list them")
             self.flat.tensors.append((path, obj))
             return
         if isinstance(obj, (dict, list, tuple, Opaque)):

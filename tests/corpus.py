@@ -64,8 +64,8 @@ def malicious(canary: Path, legacy_template: bytes) -> dict[str, bytes]:
                                  _binunicode(sh) + b"tR.",
         "builtins_eval.pkl": _proto(2) + call("builtins", "eval", py) + b".",
         "builtins_exec.pkl": _proto(2) + call("builtins", "exec", py) + b".",
-        "getattr_import.pkl": _proto(2) + global_op("builtins", "getattr") + b"(" + call("builtins", "__import__", "os") +
-                              _str("system") + b"tR(" + _str(sh) + b"tR.",
+        "getattr_import.pkl": _proto(2) + global_op("builtins", "getattr") + b"("
+                              + call("builtins", "__import__", "os") + _str("system") + b"tR(" + _str(sh) + b"tR.",
         "dunder_import.pkl": _proto(2) + global_op("__builtin__", "__import__") + b"(" + _str("os") + b"tR.",
         "importlib.pkl": _proto(2) + call("importlib", "import_module", "os") + b".",
         "pkgutil_resolve.pkl": _proto(2) + call("pkgutil", "resolve_name", "os:system") + b"(" + _str(sh) + b"tR.",
@@ -103,8 +103,8 @@ def malicious(canary: Path, legacy_template: bytes) -> dict[str, bytes]:
                                                   "m/code/__torch__.py": b"class M(Module):\n  pass\n"}),
         "asyncio_subprocess.pkl": _proto(2) + call("asyncio", "create_subprocess_shell", sh) + b".",
         "sys_modules.pkl": _proto(2) + global_op("sys", "modules") + b".",
-        "marshal_code.pkl": _proto(2) + global_op("marshal", "loads") + b"(C" + bytes([min(len(marshal.dumps(code)), 255)])
-                            + marshal.dumps(code)[:255] + b"tR.",
+        "marshal_code.pkl": _proto(2) + global_op("marshal", "loads") + b"(C"
+                            + bytes([min(len(marshal.dumps(code)), 255)]) + marshal.dumps(code)[:255] + b"tR.",
     }
     return samples
 
@@ -276,7 +276,8 @@ def resource_attacks() -> dict[str, bytes]:
         "big_int.pkl": big_int,
         "huge_shape.pt": torch_zip(huge_shape, {"0": b"\0" * 16}),
         "deep_marks.pkl": deep,
-        "st_5000_digits.safetensors": _st_raw(b'{"a":{"dtype":"F32","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,4]}}'),
+        "st_5000_digits.safetensors": _st_raw(b'{"a":{"dtype":"F32","shape":[' + b"9" * 5000
+                                              + b'],"data_offsets":[0,4]}}'),
         "st_deep.safetensors": _st_raw(b'{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}"),
         "st_wrong_types.safetensors": _st_raw(b'{"a":{"dtype":["F32"],"shape":{"x":1},"data_offsets":"0,4"}}'),
         "st_surrogate.safetensors": _st_raw(b'{"\\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'),
@@ -299,6 +300,8 @@ def slow_inputs() -> dict[str, bytes]:
     return {
         "devices_40k.pt": torch_zip(_devices_pickle(40_000), {"0": b"\0" * 4}),
         "labels_60k.pt": torch_zip(_proto(2) + tensor + b"0}(" + keys + b"u.", {"0": b""}),
+        # one allow-listed global named 1,000,000 times (each lookup was once a new record: 2M took 12 s, 615 MB)
+        "globals_1m.pkl": _proto(2) + global_op("collections", "OrderedDict") * 1_000_000 + b"0" * 999_999 + b".",
     }
 
 

@@ -123,3 +123,10 @@ def tar_legacy_polyglot(legacy_object_pickle: bytes, tar_tensors: dict[str, list
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return bytes(header) + legacy_rest + b"\0" * (-len(legacy_rest) % 512) + tail.getvalue()
+
+
+def object_npy(pickle_bytes: bytes) -> bytes:
+    """An .npy of one object array whose pickle is `pickle_bytes` (np.load(allow_pickle=True) unpickles it)."""
+    header = b"{'descr': '|O', 'fortran_order': False, 'shape': (1,), }"
+    header += b" " * (-(10 + len(header) + 1) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + pickle_bytes

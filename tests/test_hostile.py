@@ -18,7 +18,8 @@ import zlib
 import pytest
 import torch
 
-from tests.payloads import _str, global_op, tar_members, torch_zip
+from tests.payloads import _str, global_op, object_npy, tar_members, torch_zip
+from tests.test_safety import legacy_file
 
 
 def payload(canary) -> bytes:
@@ -280,3 +281,145 @@ def test_inspect_of_a_folder_judges_its_other_files_as_scan_does(tmp_path, cli):
     assert not canary.exists()
     os.remove(folder / "optimizer.pt")
     assert cli("scan", folder).exit_code == cli("inspect", folder).exit_code == 0
+
+
+# --- Found by the second attack on the safety core ---------------------------------------------------------------
+
+def _torch_zip_members(tmp_path) -> dict[str, bytes]:
+    base = tmp_path / "base.pt"
+    torch.save({"w": torch.zeros(2)}, base)
+    with zipfile.ZipFile(base) as z:
+        return {i.filename: z.read(i) for i in z.infolist()}
+
+
+def _stored_zip(members: dict[str, bytes]) -> bytes:
+    return _zip_raw([(name, data, len(data), 0) for name, data in members.items()])
+
+
+@pytest.mark.parametrize("name", ["archive/data/evil.npy", "archive/.storage_alignment", "archive/byteorder"])
+def test_an_object_array_is_found_by_its_magic_whatever_its_name(tmp_path, cli, name):
+    """np.load reads any member that starts with the .npy magic: names of storages and records hide nothing."""
+    canary = tmp_path / "CANARY"
+    members = _torch_zip_members(tmp_path)
+    prefix = next(iter(members)).split("/")[0]
+    members[name.replace("archive", prefix)] = object_npy(b"\x80\x02" + payload(canary) + b".")
+    path = tmp_path / "hidden.pt"
+    path.write_bytes(_stored_zip(members))
+    assert live(path, canary, "np")
+    assert flagged(cli, path) == (1, 1)
+
+
+def test_a_member_only_pythons_zipfile_sees_is_walked(tmp_path, cli):
+    """The end record counts one member fewer than its directory holds: torch's reader stops at the count,
+    Python's zipfile (np.load) reads the directory to its end and finds the object array."""
+    canary = tmp_path / "CANARY"
+    members = _torch_zip_members(tmp_path)
+    members["archive/evil.npy"] = object_npy(b"\x80\x02" + payload(canary) + b".")
+    data = bytearray(_stored_zip(members))
+    count = len(members) - 1
+    struct.pack_into("<HH", data, len(data) - 22 + 8, count, count)
+    path = tmp_path / "counted.pt"
+    path.write_bytes(bytes(data))
+    assert "archive/evil.npy" in zipfile.ZipFile(path).namelist()
+    assert live(path, canary, "np")
+    assert flagged(cli, path) == (1, 1)
+    assert "zip readers disagree" in cli("scan", path).stderr
+
+
+def test_a_second_directory_for_pythons_zipfile_is_walked(tmp_path, cli):
+    """zipfile shifts the directory's offset by where the end record sits (`concat`); miniz does not. One file
+    then holds two archives: a clean checkpoint for torch, an object array for np.load."""
+    canary = tmp_path / "CANARY"
+    clean = _stored_zip(_torch_zip_members(tmp_path))
+    end = len(clean) - 22
+    _, _, _, on_disk, count, cd_size, cd_at, _ = struct.unpack_from("<IHHHHIIH", clean, end)
+    npy = object_npy(b"\x80\x02" + payload(canary) + b".")
+    local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0, zlib.crc32(npy), len(npy), len(npy), 8, 0) + \
+        b"evil.npy" + npy
+    shift = cd_size + len(local)  # zipfile finds its directory right before the end record
+    entry = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0, zlib.crc32(npy), len(npy), len(npy),
+                        8, 0, 0, 0, 0, 0, cd_at + cd_size - shift) + b"evil.npy"
+    pad = cd_size - len(entry)
+    second = entry[:32] + struct.pack("<H", pad) + entry[34:] + b" " * pad  # a comment fills it to cd_size
+    path = tmp_path / "two_directories.pt"
+    path.write_bytes(clean[:end] + local + second + clean[end:])
+    assert zipfile.ZipFile(path).namelist() == ["evil.npy"]
+    assert torch.load(path, weights_only=True)["w"].shape == (2,)
+    assert live(path, canary, "np")
+    assert flagged(cli, path) == (1, 1)
+
+
+def test_an_index_line_cut_at_a_nul_is_read_as_cpython_reads_it(tmp_path, cli):
+    """CPython parses `p0\\x00junk` as PUT 0 (its C parser stops at the NUL): the payload after it is named."""
+    canary = tmp_path / "CANARY"
+    for lead in (b"Np0\x00junk\n0", b"Np0\n0g0\x00junk\n0"):
+        body = lead + payload(canary) + b"0}."
+        for name, data in {"bare.pkl": body, "legacy.pt": legacy_file(body), "zip.pt": torch_zip(body, {}),
+                           "object.npy": object_npy(lead + payload(canary) + b".")}.items():
+            path = tmp_path / name
+            path.write_bytes(data)
+            assert live(path, canary, "np" if name.endswith(".npy") else "path"), (lead, name)
+            assert flagged(cli, path) == (1, 1), (lead, name)
+
+
+def test_a_folder_never_skips_a_file_that_breaks_before_its_first_global(tmp_path, cli):
+    """A file is left out of a folder's scan only when nothing in it could be unpickled."""
+    canary = tmp_path / "CANARY"
+    folder = tmp_path / "run"
+    folder.mkdir()
+    torch.save({"w": torch.zeros(2)}, folder / "pytorch_model.bin")
+    npy = object_npy(b"\x80\x02" + payload(canary) + b".")
+    lead = b"PK\x05\x06\n\xff"  # numpy takes it for an .npz; to a pickle reader a PERSID line, then no opcode
+    local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0, zlib.crc32(npy), len(npy), len(npy), 7, 0) + \
+        b"arr.npy" + npy
+    central = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0, zlib.crc32(npy), len(npy), len(npy),
+                          7, 0, 0, 0, 0, 0, len(lead)) + b"arr.npy"
+    (folder / "weights.npz").write_bytes(lead + local + central + struct.pack(
+        "<IHHHHIIH", 0x06054B50, 0, 0, 1, 1, len(central), len(lead) + len(local), 0))
+    assert live(folder / "weights.npz", canary, "np")
+    assert cli("scan", folder).exit_code == cli("inspect", folder).exit_code == 1
+    os.remove(folder / "weights.npz")
+    (folder / "optim.pkl").write_bytes(b"Np0\x00junk\n0" + payload(canary) + b".")
+    assert cli("scan", folder).exit_code == cli("inspect", folder).exit_code == 1
+
+
+def test_an_npz_torch_refuses_is_still_read_as_numpy_reads_it(tmp_path, cli):
+    """An end record that names disk 5: torch's reader refuses the archive, Python's zipfile does not care."""
+    canary = tmp_path / "CANARY"
+    data = bytearray(_stored_zip({"arr.npy": object_npy(b"\x80\x02" + payload(canary) + b".")}))
+    struct.pack_into("<HH", data, len(data) - 22 + 4, 5, 5)
+    path = tmp_path / "disks.npz"
+    path.write_bytes(bytes(data))
+    assert live(path, canary, "np")
+    assert flagged(cli, path) == (1, 1)
+
+
+def test_a_global_named_by_bad_text_is_a_clear_error_not_a_crash(tmp_path, cli):
+    canary = tmp_path / "CANARY"
+    crashes = [b"V\\u12\nV\\u12\n\x93", b"S'\\x'\nS'\\x'\n\x93", b"X\x01\x00\x00\x00\xffX\x01\x00\x00\x00\xff\x93"]
+    for i, crash in enumerate(crashes):
+        path = tmp_path / f"crash{i}.pkl"
+        path.write_bytes(b"\x80\x04" + crash + b".")
+        for command in ("scan", "inspect"):
+            result = cli(command, path)
+            assert result.exit_code == 2 and "internal error" not in result.stderr, (crash, command, result.stderr)
+        path = tmp_path / f"after_payload{i}.pt"  # torch runs the payload, then fails on the bad text
+        path.write_bytes(torch_zip(b"\x80\x02" + payload(canary) + b"0" + crash + b".", {}))
+        assert live(path, canary)
+        assert flagged(cli, path) == (1, 1)
+
+
+@pytest.mark.parametrize("case", ["two checkpoints", "index names a missing shard"])
+def test_inspect_of_a_folder_it_cannot_read_still_names_what_its_files_run(tmp_path, cli, case):
+    canary = tmp_path / "CANARY"
+    folder = tmp_path / "run"
+    folder.mkdir()
+    torch.save({"w": torch.zeros(2)}, folder / "pytorch_model.bin")
+    if case == "two checkpoints":
+        torch.save({"w": torch.zeros(2)}, folder / "other.pt")
+    else:
+        (folder / "pytorch_model.bin.index.json").write_text('{"weight_map": {"w": "gone.bin"}}')
+    (folder / "optimizer.pt").write_bytes(b"\x80\x02" + payload(canary) + b".")
+    result = cli("inspect", folder)
+    assert result.exit_code == cli("scan", folder).exit_code == 1
+    assert "posix.system" in result.stderr

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import re
+import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,10 +22,10 @@ from ..errors import CkptDoctorError, ReadError
 from ..records import Hazard
 from ..safepickle import limits
 from ..safepickle.policy import GlobalRef, Verdict
-from ..safepickle.walker import Walk, starts_pickle, walk
+from ..safepickle.walker import Walk, new_budget, starts_pickle, walk
 from ..sniff import Container, sniff
 from .mapping import mapped
-from .zipindex import ZipIndex, ZipMember, local_members, member_head, read_member, read_zip_index
+from .zipindex import ZipIndex, ZipMember, ZipTooBig, local_members, member_head, read_member, read_zip_index
 
 LEGACY_PICKLES = 5  # magic number, protocol version, system info, the object, the storage keys
 _TEXT_RECORDS = frozenset({"version", ".data/version", "byteorder", ".format_version", ".storage_alignment",
@@ -47,6 +49,7 @@ class Survey:
     main_pickle: bytes | None = None  # the data.pkl torch would unpickle
     main_walk: Walk | None = None
     tar: Any = None  # torch_tar.TarLayout
+    budget: list[int] = field(default_factory=new_budget)  # what walking this file may cost, all walks together
 
     @property
     def findings(self) -> list[GlobalRef]:
@@ -94,6 +97,11 @@ def survey_file(path: Path) -> Survey:
             _survey_npy(survey, fd)
         elif container in (Container.PICKLE, Container.SAFETENSORS):
             _survey_pickles(survey, fd)
+        if container is not Container.ZIP and (head[:4] == b"PK\x05\x06" or _ends_like_a_zip(fd, size)):
+            # np.load and Python's zipfile open this as an archive (an empty-zip magic first, or an end record
+            # last) although torch does not: what they would read is walked too.
+            survey.notes.append("Python's zipfile (np.load) opens this file as a zip archive")
+            _survey_zipfile_view(survey, fd)
         return survey
     except OSError as exc:
         raise ReadError(f"{path}: read failed ({exc.strerror})") from None
@@ -105,12 +113,13 @@ def _survey_pickles(survey: Survey, fd: int) -> None:
     """A file torch.load unpickles from byte 0: the legacy sequence (five pickles, then raw storages, which the
     reader walks past), or a bare pickle and whatever pickles follow it."""
     with mapped(fd, survey.size) as data:
-        result = walk(data, "pickle", max_pickles=1)
+        result = walk(data, "pickle", max_pickles=1, budget=survey.budget)
         legacy = bool(result.pickles) and _is_magic(data, result.pickles[0][1])
         if legacy:
-            result = walk(data, "pickle", max_pickles=LEGACY_PICKLES)
-        elif result.pickles and survey.container is Container.PICKLE:
-            result = walk(data, "pickle")
+            result = walk(data, "pickle", max_pickles=LEGACY_PICKLES, budget=survey.budget)
+        elif result.pickles and survey.container is Container.PICKLE and result.pickles[0][1] < len(data):
+            _walk_on(result, walk(data, "pickle", start=result.pickles[0][1], budget=survey.budget,
+                                    following=True))
         survey._add(result)
         survey.broken = result.broken
         survey.main_walk = result
@@ -123,6 +132,17 @@ def _survey_pickles(survey: Survey, fd: int) -> None:
     if survey.container is Container.SAFETENSORS and result.globals:
         survey.hazards.append(Hazard(Verdict.DANGEROUS, "a safetensors file whose first bytes are also a pickle: "
                                      "torch.load unpickles it when its name does not end in .safetensors"))
+
+
+def _walk_on(first: Walk, rest: Walk) -> None:
+    """Extend the walk of a file's first pickle by the walk of what follows it (not walked twice)."""
+    known = {(g.module, g.name) for g in first.globals}
+    first.globals += [g for g in rest.globals if (g.module, g.name) not in known]
+    first.pickles += rest.pickles
+    first.notes += rest.notes
+    first.anomalies += rest.anomalies
+    first.end, first.broken, first.truncated = rest.end, rest.broken, rest.truncated
+    first.refused = first.refused or rest.refused
 
 
 _MAGIC_PICKLE = re.compile(rb"\A\x80[\x02-\x05]\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19\.\Z")
@@ -152,6 +172,10 @@ def _survey_zip(survey: Survey, fd: int) -> None:
     path = survey.path
     try:
         index = read_zip_index(fd, survey.size, str(path))
+    except ZipTooBig as exc:
+        survey.zip_error = exc
+        survey.refused = str(exc).removeprefix(f"{path}: ")  # no fallback reader goes through it either
+        return
     except ReadError as exc:
         survey.zip_error = exc
         _survey_broken_zip(survey, fd)
@@ -168,17 +192,24 @@ def _survey_zip(survey: Survey, fd: int) -> None:
         for member in index.members:
             name = member.name
             rel = name[len(prefix):] if name.startswith(prefix) else name
-            if member.is_dir or rel in _TEXT_RECORDS or rel.startswith("data/") and not _is_pickle_name(rel) \
+            if member.is_dir:
+                continue
+            head = member_head(fd, member, 16)
+            if head[:6] == b"\x93NUMPY":  # an .npy, whatever its name: np.load reads any member by its magic
+                _survey_npy_member(survey, fd, member, budget)
+                continue
+            if rel in _TEXT_RECORDS or rel.startswith("data/") and not _is_pickle_name(rel) \
                     or rel.startswith("code/") and rel.endswith(".py"):
                 continue  # text records, storages (raw tensor bytes) and TorchScript source: never unpickled
             is_main = member is chosen
-            head = member_head(fd, member, 16)
-            if head[:6] == b"\x93NUMPY":  # an .npy inside (an .npz, or hidden in a checkpoint): its object array
-                _survey_npy_member(survey, fd, member, budget)
-                continue
             if not is_main and not starts_pickle(head):
                 continue  # no opcode at its start: nothing any loader would unpickle (and nothing inflated)
             _survey_member(survey, fd, whole, member, is_main, budget)
+    if index.other_readers:
+        survey.hazards.append(Hazard(Verdict.DANGEROUS, f"zip readers disagree on this archive: "
+                                     f"{index.other_readers}; torch sees one set of members, np.load and other "
+                                     "Python tools another (both were walked)"))
+        _survey_zipfile_view(survey, fd)
     code = [m.name for m in index.members if m.name[len(prefix):].startswith("code/") and not m.is_dir]
     if "constants.pkl" in index.records():
         survey.hazards.append(Hazard(Verdict.CODE, "a TorchScript archive: torch.load hands it to torch.jit.load, "
@@ -197,7 +228,7 @@ def _survey_member(survey: Survey, fd: int, whole: Any, member: ZipMember, is_ma
     if in_place:
         view = memoryview(whole)[member.offset:member.offset + member.size]
         try:
-            result = walk(view, name)
+            result = walk(view, name, budget=survey.budget)
         finally:
             view.release()
         data = None
@@ -207,7 +238,7 @@ def _survey_member(survey: Survey, fd: int, whole: Any, member: ZipMember, is_ma
         except ReadError as exc:
             survey.notes.append(str(exc))
             return
-        result = walk(data, name)
+        result = walk(data, name, budget=survey.budget)
     if not (is_main or _is_pickle_name(name)) and not result.pickles:
         return  # a member that is no pickle (a text file, an image): nothing a loader would unpickle
     survey._add(result)
@@ -235,15 +266,54 @@ def _is_pickle_name(name: str) -> bool:
 
 
 def _survey_broken_zip(survey: Survey, fd: int) -> None:
-    """An archive without a readable central directory (truncated): walk the pickles its local headers start."""
+    """An archive torch's reader refuses (truncated, several disks): walk what Python's zipfile sees of it, and the
+    pickles its local headers start."""
+    _survey_zipfile_view(survey, fd)
     _survey_local_pickles(survey, fd, 0, "found from its local header")
+
+
+def _ends_like_a_zip(fd: int, size: int) -> bool:
+    """Whether an end-of-central-directory record sits where Python's zipfile looks for one (the last 64 KB)."""
+    tail = os.pread(fd, min(size, 65536 + 22), max(size - 65536 - 22, 0))
+    return b"PK\x05\x06" in tail
+
+
+def _survey_zipfile_view(survey: Survey, fd: int) -> None:
+    """The members Python's zipfile lists (what np.load and other Python tools read): every one that is a pickle
+    or an .npy is walked. Only asked when torch's reader could see the archive otherwise."""
+    import zipfile
+
+    budget = [limits.MAX_INFLATED_TOTAL]
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            f.seek(0)
+            with zipfile.ZipFile(f) as archive:
+                infos = archive.infolist()[:limits.MAX_ZIP_MEMBERS]
+                for info in infos:
+                    if info.is_dir() or info.file_size > limits.MAX_INFLATED_MEMBER or budget[0] < info.file_size:
+                        continue
+                    with archive.open(info) as member:
+                        head = member.read(16)
+                    if not (head[:6] == b"\x93NUMPY" or starts_pickle(head)):
+                        continue
+                    budget[0] -= info.file_size
+                    with archive.open(info) as member:
+                        data = member.read(info.file_size + 1)
+                    label = f"{info.filename} (as Python's zipfile reads it)"
+                    if head[:6] == b"\x93NUMPY":
+                        _survey_npy_bytes(survey, data, label)
+                    else:
+                        survey._add(walk(data, label, budget=survey.budget))
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, RuntimeError,
+            NotImplementedError, UnicodeError, OverflowError, struct.error, zlib.error) as exc:
+        survey.notes.append(f"Python's zipfile cannot read it either ({type(exc).__name__})")
 
 
 def _survey_local_pickles(survey: Survey, fd: int, start: int, how: str) -> None:
     with mapped(fd, survey.size) as data:
         for name, data_at in local_members(fd, survey.size, start):
             if data_at < survey.size and (_is_pickle_name(name) or starts_pickle(data, data_at)):
-                result = walk(data, f"{name} ({how})", start=data_at)
+                result = walk(data, f"{name} ({how})", start=data_at, budget=survey.budget)
                 if result.pickles or result.globals or _is_pickle_name(name):
                     survey._add(result)
 
@@ -251,7 +321,7 @@ def _survey_local_pickles(survey: Survey, fd: int, start: int, how: str) -> None
 def _survey_tar(survey: Survey, fd: int) -> None:
     from .torch_tar import tar_layout
 
-    layout = tar_layout(fd, survey.size, survey.path)
+    layout = tar_layout(fd, survey.size, survey.path, survey.budget)
     survey.tar = layout
     if layout.refused:
         survey.refused = survey.refused or layout.refused
@@ -263,7 +333,8 @@ def _survey_tar(survey: Survey, fd: int) -> None:
     # elsewhere (BytesIO) never tries tar: the same bytes read as pickles must be walked too.
     with mapped(fd, survey.size) as data:
         if starts_pickle(data):
-            result = walk(data, "the file read as a pickle from byte 0", max_pickles=LEGACY_PICKLES)
+            result = walk(data, "the file read as a pickle from byte 0", max_pickles=LEGACY_PICKLES,
+                          budget=survey.budget)
             survey._add(result)
             if result.pickles:
                 survey.hazards.append(Hazard(Verdict.DANGEROUS, "the file is both a tar archive and a pickle: "
@@ -296,7 +367,7 @@ def _survey_npy_bytes(survey: Survey, data: Any, where: str) -> None:
     at = start + header_len
     if plain and data[at:at + 1] != b"\x80":
         return
-    survey._add(walk(data, f"{where}: the pickle after the NumPy header", start=at))
+    survey._add(walk(data, f"{where}: the pickle after the NumPy header", start=at, budget=survey.budget))
     survey.notes.append(f"{where}: a NumPy array whose data np.load(allow_pickle=True) would unpickle")
 
 

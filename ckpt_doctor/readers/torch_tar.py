@@ -67,7 +67,7 @@ def _precheck(fd: int, size: int) -> str | None:
     return None
 
 
-def tar_layout(fd: int, size: int, path: Path) -> TarLayout:
+def tar_layout(fd: int, size: int, path: Path, budget: list[int] | None = None) -> TarLayout:
     """List the archive with tarfile (the module torch uses) and walk every pickle torch would unpickle."""
     layout = TarLayout()
     layout.refused = _precheck(fd, size)
@@ -97,7 +97,7 @@ def tar_layout(fd: int, size: int, path: Path) -> TarLayout:
         elif not info.isreg():
             kind = "a link to " + info.linkname if info.issym() or info.islnk() else "not a regular file"
             layout.links.append(f"member {name} is {kind}")
-    reader = _Reader(fd, path, layout)
+    reader = _Reader(fd, path, layout, budget)
     try:
         reader.storages()
         reader.tensors()
@@ -112,8 +112,8 @@ class _Stop(Exception):
 
 
 class _Reader:
-    def __init__(self, fd: int, path: Path, layout: TarLayout) -> None:
-        self.fd, self.path, self.layout = fd, path, layout
+    def __init__(self, fd: int, path: Path, layout: TarLayout, budget: list[int] | None) -> None:
+        self.fd, self.path, self.layout, self.budget = fd, path, layout, budget
 
     def _region(self, name: str) -> tuple[int, int] | None:
         info = self.layout.members.get(name)
@@ -126,7 +126,7 @@ class _Reader:
         chunk = 1 << 16
         while True:
             data = os.pread(self.fd, min(chunk, end - at), at)
-            result = walk(data, label, max_pickles=1)
+            result = walk(data, label, max_pickles=1, budget=self.budget)
             if not result.truncated or len(data) >= end - at:
                 break
             chunk *= 4
@@ -155,7 +155,7 @@ class _Reader:
         with mapped(self.fd, os.fstat(self.fd).st_size) as whole:
             view = memoryview(whole)[start:end] if not isinstance(whole, bytes) else whole[start:end]
             try:
-                result = walk(view, f"tar member {name}")
+                result = walk(view, f"tar member {name}", budget=self.budget)
             finally:
                 if isinstance(view, memoryview):
                     view.release()

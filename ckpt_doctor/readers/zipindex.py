@@ -58,6 +58,7 @@ class ZipIndex:
         first = members[0].name if members else ""
         self.prefix = first.split("/", 1)[0] if "/" in first else None
         self.torch_problem: str | None = None
+        self.other_readers: str | None = None  # why Python's zipfile could see other members than torch
         if not members:
             self.torch_problem = "the archive is empty"
         elif self.prefix is None:
@@ -97,6 +98,10 @@ def _fold(name: str) -> str:
 _ASCII_LOWER = {c: c + 32 for c in range(65, 91)}
 
 
+class ZipTooBig(ReadError):
+    """The directory is past a resource bound: no reader, ours or a fallback, should go through it."""
+
+
 def read_zip_index(fd: int, file_size: int, path: str) -> ZipIndex:
     """The archive's members. Raises ReadError naming what is broken where torch's reader would fail too."""
     eocd_at = _locate_end_record(fd, file_size)
@@ -105,6 +110,7 @@ def read_zip_index(fd: int, file_size: int, path: str) -> ZipIndex:
                         "(the file is truncated or not a complete zip)")
     eocd = os.pread(fd, 22, eocd_at)
     _, disk, cd_disk, on_disk, count, cd_size, cd_offset, _ = struct.unpack("<IHHHHIIH", eocd)
+    zip64 = False
     if eocd_at >= 20 + 56:
         loc = os.pread(fd, 20, eocd_at - 20)
         if loc[:4] == _ZIP64_LOCATOR:
@@ -116,12 +122,17 @@ def read_zip_index(fd: int, file_size: int, path: str) -> ZipIndex:
                 if struct.unpack_from("<I", loc, 16)[0] != 1:
                     raise ReadError(f"{path}: zip archive spans several disks, which torch's reader refuses")
                 disk, cd_disk, on_disk, count, cd_size, cd_offset = struct.unpack_from("<IIQQQQ", rec, 16)
+                zip64 = z64_at == eocd_at - 20 - 56
     if count != on_disk or (disk or cd_disk) and (disk, cd_disk) != (1, 1):
         raise ReadError(f"{path}: zip archive spans several disks, which torch's reader refuses")
-    if count > limits.MAX_ZIP_MEMBERS:
-        raise ReadError(f"{path}: zip archive claims {count:,} members (corrupt, or a bomb)")
     if cd_size < count * 46 or cd_offset + cd_size > file_size:
         raise ReadError(f"{path}: zip central directory points past the end of the file (truncated or corrupt)")
+    if count > limits.MAX_ZIP_MEMBERS:
+        raise ZipTooBig(f"{path}: zip archive lists {count:,} members, more than the {limits.MAX_ZIP_MEMBERS:,} "
+                        "ckpt-doctor reads (a bomb, or no checkpoint)")
+    if cd_size > limits.MAX_ZIP_DIRECTORY:
+        raise ZipTooBig(f"{path}: zip central directory of {cd_size:,} bytes, more than the "
+                        f"{limits.MAX_ZIP_DIRECTORY >> 20} MB ckpt-doctor reads (a bomb, or no checkpoint)")
     cd = os.pread(fd, cd_size, cd_offset)
     entries = []
     p = 0
@@ -147,7 +158,17 @@ def read_zip_index(fd: int, file_size: int, path: str) -> ZipIndex:
             raise ReadError(f"{path}: zip member {name} runs past the end of the file (truncated)")
         p += 46 + nlen + xlen + clen
         entries.append((name, usize, csize, method, crc, local_at, flags, bool(attrs & 0x10) or name.endswith("/")))
-    return ZipIndex(_locate_data(fd, file_size, entries), path)
+    index = ZipIndex(_locate_data(fd, file_size, entries), path)
+    # Python's zipfile (np.load, most tools) reads the same archive differently: it shifts every offset by the
+    # bytes between where the directory ends and where the end record is, and reads entries until the directory's
+    # size is used up. When that could give it other members, say so: the survey then walks its view too.
+    concat = eocd_at - cd_size - cd_offset - (56 + 20 if zip64 else 0)
+    if concat:
+        index.other_readers = f"Python's zipfile shifts its offsets by {concat} bytes"
+    elif p < cd_size:
+        index.other_readers = (f"the directory holds {cd_size - p} bytes past the {count} entries its end record "
+                               "counts, which Python's zipfile reads")
+    return index
 
 
 def _locate_end_record(fd: int, file_size: int) -> int | None:

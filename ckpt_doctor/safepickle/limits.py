@@ -20,8 +20,16 @@ def max_memo_index(pickle_length: int) -> int:
 # multi-megabyte one into text (a JSON report) would hit CPython's 4,300-digit limit or take minutes.
 MAX_INT_BYTES = 1024
 
-# Opcodes walked per file region: the walker does about 1.5 million a second, and a 20,000-tensor data.pkl has
-# 600,000. Past this many (a 60 MB pickle of NONE/POP pairs took 44 s) the rest is not walked: a named error.
+# Memo entries one pickle may store: a 20,000-tensor data.pkl stores 160,000; 15 million (74 MB of LONG_BINPUTs)
+# took 1.4 GB to track.
+MAX_MEMO_ENTRIES = 2_000_000
+
+# Distinct globals one pickle may name: a checkpoint names a few dozen. Each is listed with its verdict.
+MAX_DISTINCT_GLOBALS = 10_000
+
+# Opcodes walked per file (all its pickles and members together): the walker does about 1.5 million a second,
+# and a 20,000-tensor data.pkl has 600,000. Past this many (a 60 MB pickle of NONE/POP pairs took 44 s) the rest
+# is not walked: a named error.
 MAX_PICKLE_OPCODES = 15_000_000
 
 # A single string or byte string the unpickler would build: checkpoints hold tensor bytes outside their pickles,
@@ -56,13 +64,16 @@ def max_tree_nodes(pickle_length: int) -> int:
 # A key path (`layers.3.attn.q_proj.weight`) longer than this is not a key: one long key reused at every level
 # of nested dicts would make paths of gigabytes.
 MAX_KEY_LENGTH = 16_384
+# ... and all tensors' key paths together at most this much: 300,000 keys of 100 characters are 30 MB; 180,000
+# keys nested 480 `module.`s deep (a 2 MB file) were 600 MB.
+MAX_KEY_BYTES = 96 << 20
 
 # Metadata leaves listed per checkpoint (epoch, lr, args...); the rest are counted, not listed.
 MAX_METADATA = 2_000
 
-# Tensors in one checkpoint. The largest published state_dicts hold about 100,000 tensors; each record costs
-# ~1 KB, so this keeps the listing of a hostile file of tiny tensors under ~0.5 GB.
-MAX_TENSORS = 500_000
+# Tensors in one checkpoint. The largest published state_dicts hold about 100,000 tensors (a mixture of experts
+# with its optimizer states, a few times that); each record costs ~1 KB.
+MAX_TENSORS = 300_000
 
 # --- containers ----------------------------------------------------------------------------------------------
 
@@ -75,7 +86,9 @@ MAX_INFLATED_TOTAL = 512 << 20
 
 # Members in one zip archive: a torch.save file has one per storage plus five, and storages are at most tensors
 # (MAX_TENSORS). Each listed member costs ~600 bytes: 3 million took 2 GB.
-MAX_ZIP_MEMBERS = 600_000
+MAX_ZIP_MEMBERS = 400_000
+# ... and its central directory at most this many bytes (600,000 members of 210-byte names took 1.3 GB).
+MAX_ZIP_DIRECTORY = 48 << 20
 
 # A zip archive smaller than this is read whole to find its local headers in one syscall.
 ZIP_WHOLE_READ = 16 << 20

@@ -121,15 +121,15 @@ CURATED: dict[str, str] = {
        "dtypes are refused" for core in ("core", "_core")},
     "numpy.ndarray": "used as a type token by _reconstruct",
     "numpy.dtype": "parses a dtype description in C; given a class it makes an object dtype without calling it",
-    # Hugging Face Trainer's training_args.bin and accelerate's state (checked on transformers 5.23, accelerate 1.15).
-    "transformers.training_args.TrainingArguments": _DATACLASS + " (__post_init__ is not run)",
-    "transformers.trainer_pt_utils.AcceleratorConfig": _DATACLASS,
+    # Not here: Hugging Face's TrainingArguments and accelerate's PartialState. Called through REDUCE (a file can
+    # choose to), their __init__/__post_init__ run with the file's arguments: TrainingArguments opens an
+    # fsdp_config path, PartialState sets process-wide state. transformers loads training_args.bin with
+    # weights_only=False; ckpt-doctor reports it as code.
+    "accelerate.utils.dataclasses.DistributedType": _ENUM,
     **{f"transformers.trainer_utils.{n}": _ENUM for n in (
         "IntervalStrategy", "SaveStrategy", "HubStrategy", "SchedulerType", "EvaluationStrategy")},
     "transformers.training_args.OptimizerNames": _ENUM,
-    "accelerate.utils.dataclasses.DistributedType": _ENUM,
-    "accelerate.state.PartialState": ("NEWOBJ skips __init__ and BUILD fills a fresh instance dict (the shared "
-                                      "process state is not touched)"),
+    "transformers.debug_utils.DebugOption": _ENUM,
     # Training scripts' arguments, in many training checkpoints.
     "argparse.Namespace": "an attribute bag: NEWOBJ calls object.__new__ and BUILD fills __dict__",
     # Plain containers and values.

@@ -399,6 +399,8 @@ class SafeUnpickler(pickle.Unpickler):
         super().__init__(file, encoding="utf-8", errors="surrogateescape")
         self.source = source
         self.globals: list[GlobalRef] = []
+        # one answer per name: a pickle may name one global millions of times
+        self._classes: dict[tuple[str, str], Any] = {}
         self.storages: dict[str, StorageRef] = {}
         self.notes: list[str] = []
         self._resolve_storage = resolve_storage
@@ -406,6 +408,12 @@ class SafeUnpickler(pickle.Unpickler):
         self.length = file.getbuffer().nbytes if isinstance(file, io.BytesIO) else 0  # bounds the tree walk
 
     def find_class(self, module: str, name: str) -> Any:
+        key = (module, name)
+        if key not in self._classes:
+            self._classes[key] = self._find_class(module, name)
+        return self._classes[key]
+
+    def _find_class(self, module: str, name: str) -> Any:
         verdict, reason = classify(module, name)
         ref = GlobalRef(module, name, verdict, reason, self.source)
         self.globals.append(ref)

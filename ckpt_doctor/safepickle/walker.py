@@ -63,10 +63,16 @@ class Walk:
     refused: str | None = None  # a resource limit the pickle exceeds: it must not be unpickled
     notes: list[str] = field(default_factory=list)
     anomalies: list[str] = field(default_factory=list)  # frames built to be read two ways: a finding
+    seen: dict = field(default_factory=dict, repr=False)  # (module, name) -> verdict, for globals already listed
 
     @property
     def findings(self) -> list[GlobalRef]:
         return [g for g in self.globals if g.verdict is not Verdict.SAFE]
+
+
+def new_budget() -> list[int]:
+    """What one file may cost the walker, shared by every walk of it: [nested bytes left, opcodes left]."""
+    return [limits.MAX_NESTED_BYTES, limits.MAX_PICKLE_OPCODES]
 
 
 def starts_pickle(data: bytes, at: int = 0) -> bool:
@@ -75,16 +81,17 @@ def starts_pickle(data: bytes, at: int = 0) -> bool:
 
 
 def walk(data: bytes | memoryview, source: str, start: int = 0, *, max_pickles: int | None = None,
-         depth: int = 0, _budget: list[int] | None = None) -> Walk:
+         depth: int = 0, budget: list[int] | None = None, following: bool = False) -> Walk:
     """Walk pickles from `start`: the first, then each that follows its STOP, until one breaks off, the data ends,
     or `max_pickles` have been walked. Never raises for malformed data: it says where and why it stopped.
 
     A pickle whose FRAME reaches past its STOP leaves a stream positioned at the frame's end when CPython reads it
     through `read` (a BytesIO, a frame of 8 KB or more): the pickles from there on are walked too.
+    `following`: this walk goes on where an earlier one stopped, so its first pickle is named by its byte too.
     """
     result = Walk(end=start)
-    budget = _budget or [limits.MAX_NESTED_BYTES, limits.MAX_PICKLE_OPCODES]  # nested bytes left, opcodes left
-    side = _chain(data, start, source, result, depth, budget, max_pickles, main=True)
+    budget = budget or new_budget()
+    side = _chain(data, start, source, result, depth, budget, max_pickles, main=True, following=following)
     seen = {start}
     while side:
         at = side.pop()
@@ -95,7 +102,7 @@ def walk(data: bytes | memoryview, source: str, start: int = 0, *, max_pickles: 
 
 
 def _chain(data, at: int, source: str, result: Walk, depth: int, budget: list[int], max_pickles: int | None,
-           main: bool) -> list[int]:
+           main: bool, following: bool = False) -> list[int]:
     """Walk one run of concatenated pickles from `at`; the start of every other run a frame makes possible."""
     side: list[int] = []
     index = 0
@@ -104,7 +111,7 @@ def _chain(data, at: int, source: str, result: Walk, depth: int, budget: list[in
     while at < n and (max_pickles is None or index < max_pickles):
         if index and not starts_pickle(data, at):
             break
-        label = source if index == 0 and at == first and main else f"{source} (pickle at byte {at})"
+        label = source if index == 0 and at == first and main and not following else f"{source} (pickle at byte {at})"
         machine = _Machine(data, at, label, result, depth, budget)
         try:
             end = machine.run()
@@ -190,8 +197,15 @@ class _Machine:
 
     # -- findings -----------------------------------------------------------------------------------------------
     def _global(self, module: str, name: str, at: int) -> object:
-        verdict, reason = classify(module, name)
-        self.result.globals.append(GlobalRef(module, name, verdict, reason, f"{self.source} at byte {at}"))
+        seen = self.result.seen
+        verdict = seen.get((module, name))
+        if verdict is None:  # each distinct global once, where it first appears: a pickle can repeat one 2M times
+            if len(seen) >= limits.MAX_DISTINCT_GLOBALS:
+                raise _OutOfTime(f"more than {limits.MAX_DISTINCT_GLOBALS:,} distinct globals: no checkpoint "
+                                 "names that many")
+            verdict, reason = classify(module, name)
+            seen[(module, name)] = verdict
+            self.result.globals.append(GlobalRef(module, name, verdict, reason, f"{self.source} at byte {at}"))
         return _NOT_STR if verdict is Verdict.SAFE else _UNKNOWN
 
     def _frame_anomaly(self, what: str) -> None:
@@ -218,11 +232,12 @@ class _Machine:
             except UnicodeError:
                 return
         else:
-            if not (first == 0x80 and data[start + 1] <= 5 or first in b"c(" and b"\n" in bytes(data[start:start + 256])):
+            if not (first == 0x80 and data[start + 1] <= 5
+                    or first in b"c(" and b"\n" in bytes(data[start:start + 256])):
                 return
             raw = bytes(data[start:end])
         self.budget[0] -= len(raw)
-        inner = walk(raw, f"{self.source} → nested pickle at byte {at}", depth=self.depth + 1, _budget=self.budget)
+        inner = walk(raw, f"{self.source} → nested pickle at byte {at}", depth=self.depth + 1, budget=self.budget)
         self.result.globals.extend(inner.globals)
         self.result.notes.extend(inner.notes)
         self.result.anomalies.extend(inner.anomalies)
@@ -240,6 +255,8 @@ class _Machine:
             raise _Break("memo PUT with an empty stack")
         if index < 0:
             raise _Break("negative memo index")
+        if len(memo) >= limits.MAX_MEMO_ENTRIES and index not in memo:
+            raise _OutOfTime(f"more than {limits.MAX_MEMO_ENTRIES:,} memo entries; the rest was not walked")
         if index > self.memo_limit:  # the walk goes on (its memo is a dict); the unpickler must not
             self._refuse(f"memo index {index:,} in a pickle of {len(self.data) - self.start:,} bytes: a memory bomb "
                          "(an honest pickle numbers its memo from 0)")
@@ -270,6 +287,7 @@ class _Machine:
 
         unpack4 = _LE4.unpack_from
         memo_limit = self.memo_limit
+        memo_cap = limits.MAX_MEMO_ENTRIES
         # The hottest opcodes of torch's data.pkl (about 30 per tensor) are handled first, inline, on a local
         # cursor: this loop runs 600,000 times for a 20,000-tensor checkpoint.
         cur = self.pos
@@ -294,7 +312,7 @@ class _Machine:
                         self.pos = cur + 1
                         raise _Truncated("the data ends inside an opcode's argument")
                     index = unpack4(data, cur + 1)[0]
-                    if not stack or index > memo_limit:
+                    if not stack or index > memo_limit or len(memo) >= memo_cap:
                         self.pos = cur + 5
                         self._put(stack, memo, index)  # raises or refuses, as it must
                     else:
@@ -422,7 +440,11 @@ class _Machine:
                     if name_v is NOT or module_v is NOT:
                         raise _Break("STACK_GLOBAL needs two str")
                     if type(name_v) is tuple and type(module_v) is tuple:
-                        stack.append(self._global(self._value_text(module_v), self._value_text(name_v), pos))
+                        try:
+                            module, name = self._value_text(module_v), self._value_text(name_v)
+                        except (UnicodeError, ValueError):  # CPython failed on that string's own opcode
+                            raise _Break("a string that does not decode") from None
+                        stack.append(self._global(module, name, pos))
                     else:
                         self._finding("?", "?", Verdict.DANGEROUS, "STACK_GLOBAL whose name is computed while loading "
                                       "(the result of a call)", pos)
@@ -448,7 +470,8 @@ class _Machine:
                     # BINSTRING, SHORT_BINSTRING (the last two become str when torch loads them)
                     if op == 0x43 or op == 0x55:
                         size = data[take(1)]
-                    elif op == 0x42 or op == 0x54:  # CPython reads BINSTRING's count unsigned (pickle.py reads it signed)
+                    # CPython reads BINSTRING's count unsigned (pickle.py reads it signed)
+                    elif op == 0x42 or op == 0x54:
                         (size,) = _LE4.unpack_from(data, take(4))
                     else:
                         (size,) = _LE8.unpack_from(data, take(8))
@@ -471,10 +494,20 @@ class _Machine:
                     start, end = self._line()
                     if end - start < 2 or data[start] != data[end - 1] or data[start] not in b"\"'":
                         raise _Break("the STRING opcode argument must be quoted")
-                    stack.append((start, end, _QUOTED))
+                    value = (start, end, _QUOTED)
+                    try:
+                        self._value_text(value)
+                    except (UnicodeError, ValueError):
+                        raise _Break("the STRING opcode's escapes do not decode") from None
+                    stack.append(value)
                 elif op == 0x56:  # V UNICODE
                     start, end = self._line()
-                    stack.append((start, end, _RAW_UNICODE))
+                    value = (start, end, _RAW_UNICODE)
+                    try:
+                        self._value_text(value)
+                    except (UnicodeError, ValueError):
+                        raise _Break("the UNICODE opcode's escapes do not decode") from None
+                    stack.append(value)
                 elif op in (0x49, 0x4C, 0x46):  # I INT, L LONG, F FLOAT (text)
                     self._line()
                     stack.append(NOT)
@@ -495,14 +528,14 @@ class _Machine:
                 elif op == 0x70:  # p PUT
                     start, end = self._line()
                     try:
-                        index = int(bytes(data[start:end]))
+                        index = int(bytes(data[start:end]).split(b"\0", 1)[0])  # C reads the line up to a NUL
                     except ValueError:
                         raise _Break("PUT's index is not a number") from None
                     self._put(stack, memo, index)
                 elif op == 0x67:  # g GET
                     start, end = self._line()
                     try:
-                        index = int(bytes(data[start:end]))
+                        index = int(bytes(data[start:end]).split(b"\0", 1)[0])  # C reads the line up to a NUL
                     except ValueError:
                         raise _Break("GET's index is not a number") from None
                     self._get(stack, memo, index)
