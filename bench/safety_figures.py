@@ -11,7 +11,6 @@ inspect agreed on every file.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys

@@ -13,12 +13,12 @@ from typing import Any
 
 
 def run_rank(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs: list[Any], reference: list[Any],
-             backend: str) -> dict[str, Any]:
+             backend: str, select: str | None = None) -> dict[str, Any]:
     """What this rank saw. Creates the process group unless torchrun already made one; never destroys it."""
     import torch
     import torch.distributed as dist
 
-    from .loader import load
+    from .loader import load_into
     from .modelspec import build_model
     from .verify import flat_outputs, max_diff
 
@@ -33,8 +33,8 @@ def run_rank(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs: lis
                                                                                               "120"))))
     try:
         model = build_model(model_spec, model_args, "cpu")
-        state = load(ckpt, device)  # each rank maps the saved devices to its own
-        model.load_state_dict(state, strict=True)
+        load_into(model, ckpt, fix=None, device=device, select=select)  # each rank maps saved devices to its own
+        saved = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         model.to(device)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if backend == "nccl" else None)
         shard = [x.chunk(world)[rank] if x.shape[0] >= world else x for x in inputs]
@@ -68,7 +68,6 @@ def run_rank(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs: lis
                 return result
         wrapped = ddp.state_dict()
         stripped = {k.removeprefix("module."): tuple(v.shape) for k, v in wrapped.items()}
-        saved = {k: tuple(v.shape) for k, v in state.items()}
         if stripped != saved:
             extra = sorted(set(stripped) ^ set(saved))[:3]
             result["error"] = f"DDP state_dict (module. stripped) differs from the checkpoint: {extra}"
@@ -100,7 +99,8 @@ def main() -> None:
     io = torch.load(job / "io.pt", weights_only=True)  # written by the parent a moment ago
     args = {k: ast.literal_eval(v) for k, v in spec["model_args"].items()}
     rank = int(os.environ["RANK"])
-    result = run_rank(spec["checkpoint"], spec["model"], args, io["inputs"], io["reference"], spec["backend"])
+    result = run_rank(spec["checkpoint"], spec["model"], args, io["inputs"], io["reference"], spec["backend"],
+                      spec.get("select"))
     (job / f"rank{rank}.json").write_text(json.dumps(result))
     sys.stderr.flush()
     # The verdict is on disk; tearing down a group whose peers may be gone can abort, so leave at once.

@@ -109,13 +109,16 @@ def main() -> None:
 @click.option("--allow-unexpected", metavar="REGEX", help="Accept checkpoint keys matching REGEX the model lacks.")
 @click.option("--min-loaded", type=click.FloatRange(0, 1), metavar="FRACTION",
               help="Fail unless at least this share of the model's parameters (by elements) is filled, e.g. 0.99.")
+@click.option("--select", metavar="PATH", help="With --model: compare the state_dict at PATH (model_ema, "
+              "state_dict.model) instead of the one ckpt-doctor finds.")
 @click.option("--values", is_flag=True, help="With a reference checkpoint as --model: max |difference| per tensor.")
 @allow_global_option
 @click.option("--no-color", is_flag=True, help="No colour on stderr (NO_COLOR is honoured too).")
 @handle_errors
 def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bool, model_spec: str | None,
             model_args: tuple[str, ...], allow_missing: str | None, allow_unexpected: str | None,
-            min_loaded: float | None, values: bool, allow_global: tuple[str, ...], no_color: bool) -> int:
+            min_loaded: float | None, select: str | None, values: bool, allow_global: tuple[str, ...],
+            no_color: bool) -> int:
     """Show what a checkpoint holds: keys, shapes, dtypes, saved devices, prefixes, metadata, unsafe globals.
 
     CKPT is a file (torch zip, legacy torch, TorchScript, safetensors, a pickle) or a folder (a shard
@@ -150,9 +153,12 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
         from .modelspec import parse_model_args
 
         args = parse_model_args(model_args)
+    if select is not None and not model_spec:
+        raise UsageError("--select needs --model (it picks the state_dict compared with the model)")
     report = inspect_checkpoint(ckpt, stats=stats, filter=filter_, model=model_spec,
                                 model_args=args, allow_missing=allow_missing,
-                                allow_unexpected=allow_unexpected, min_loaded=min_loaded, values=values)
+                                allow_unexpected=allow_unexpected, min_loaded=min_loaded, values=values,
+                                select=select)
     if as_json:
         from .render.json_out import dumps, inspect_json
 
@@ -163,7 +169,7 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
         click.echo(inspect_table(report, full=full))
         for line in inspect_summary(report, full=full):
             say(line, color="red" if line.startswith(("DANGEROUS", "CODE", "safety", "values", "batchnorm",
-                                                      "verdict  strict load F")) else None,
+                                                      "verdict  strict load F", "verdict  FAILS")) else None,
                 no_color=no_color)
     return 1 if report.has_problems else 0
 
@@ -193,6 +199,13 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
 @click.option("--reorder", is_flag=True, help="Put keys in the model's state_dict() order.")
 @click.option("--map-by-order", is_flag=True, help="Rename by position, every shape checked; refuses when "
               "neighbouring tensors share a shape unless --force.")
+@click.option("--allow-missing", metavar="REGEX", help="With --model: the output may lack model keys matching REGEX "
+              "(a new head, kept from the model's own initialisation). Without it, an output that would not load "
+              "strictly is refused.")
+@click.option("--allow-unexpected", metavar="REGEX", help="With --model: the output may hold keys matching REGEX the "
+              "model lacks.")
+@click.option("--tie", "ties", multiple=True, metavar="ALIAS=KEY", help="Also write ALIAS as the same tensor as KEY "
+              "(one storage), as a model with tied weights expects (lm_head.weight=transformer.wte.weight).")
 @click.option("--format", "format_", type=click.Choice(["torch", "safetensors"]), help="Override the suffix.")
 @click.option("--max-shard-size", metavar="SIZE", help="Split the output into shards of at most SIZE (5GB, "
               "500MB, 2GiB) with an OUT.index.json naming them, as Hugging Face does.")
@@ -208,7 +221,8 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
 def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_prefix: tuple[str, ...],
         add_prefix: tuple[str, ...], rename: tuple[str, ...], drop: tuple[str, ...], select: str | None,
         map_location: tuple[str, ...], dtype: str | None, model_spec: str | None, model_args: tuple[str, ...],
-        auto: bool, reorder: bool, map_by_order: bool, format_: str | None, max_shard_size: str | None,
+        auto: bool, reorder: bool, map_by_order: bool, allow_missing: str | None, allow_unexpected: str | None,
+        ties: tuple[str, ...], format_: str | None, max_shard_size: str | None,
         dry_run: bool, force: bool, no_verify: bool, allow_unsafe: bool, allow_global: tuple[str, ...],
         as_json: bool) -> int:
     """Repair a checkpoint into a file that loads: rename keys, pick the state_dict, drop, re-tag, convert.
@@ -270,9 +284,15 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
         from .modelspec import keys_from_spec, parse_model_args
 
         model = keys_from_spec(model_spec, parse_model_args(model_args))
+    from .transforms import compile_regex
+
+    for flag, pattern in (("--allow-missing", allow_missing), ("--allow-unexpected", allow_unexpected)):
+        if pattern:
+            compile_regex(pattern, flag)
     options = FixOptions(transforms=tuple(steps), select=select, map_location=parse_map_location(map_location),
                          dtype=parse_dtype(dtype), model=model, reorder=reorder, auto=auto,
-                         map_by_order=map_by_order, force=force, format=fmt)
+                         map_by_order=map_by_order, force=force, format=fmt, allow_missing=allow_missing,
+                         allow_unexpected=allow_unexpected, ties=tuple(_parse_tie(t) for t in ties))
     plan = plan_fix(checkpoint, out_path, options)
     if dry_run:
         if as_json:
@@ -317,12 +337,15 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
 @click.option("--summary", is_flag=True, help="Each module's output shape and parameter count.")
 @click.option("--compare-to", metavar="OTHER_CKPT", help="The first module whose output differs between the two "
               "checkpoints (finds a layer a mapping by order got wrong).")
+@click.option("--select", metavar="PATH", help="Verify the state_dict at PATH in the file (model_ema, "
+              "state_dict.model) instead of the one found.")
 @allow_global_option
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
 def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes: tuple[str, ...], input_dtype: str,
            input_range: str, input_fn: str | None, gpus: int, modes: str, timeout: float, allow_skip: bool,
-           summary: bool, compare_to: str | None, allow_global: tuple[str, ...], as_json: bool) -> int:
+           summary: bool, compare_to: str | None, select: str | None, allow_global: tuple[str, ...],
+           as_json: bool) -> int:
     """Prove a checkpoint works: strict load, then run it alone, under DataParallel and under DDP.
 
     \b
@@ -337,6 +360,7 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
     \b
     ckpt-doctor verify clean.pth --model mypkg.nets:ResNet --input-shape 8,3,32,32 --gpus 2
     ckpt-doctor verify lm.pt --model lm.py:make --input-shape 4,16 --input-dtype int64 --input-range 0,1000
+    ckpt-doctor verify last.ckpt --select model_ema --model nets.py:Net --input-shape 8,3,32,32
     """
     from .modelspec import parse_model_args
     from .verify import InputSpec, check_torchrun, parse_modes, parse_shape, verify as run_verify
@@ -357,7 +381,7 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
     if check_torchrun():
         from .verify import verify_under_torchrun
 
-        report = verify_under_torchrun(ckpt, model_spec, args, spec, allow_skip)
+        report = verify_under_torchrun(ckpt, model_spec, args, spec, allow_skip, select)
         code = 0 if report is None else _report_verify(report, as_json, compare_to)  # rank 0 reports for all
         # gloo's threads can abort the interpreter's teardown once a peer has left ("terminate called without an
         # active exception"): the verdict is out, so leave without that teardown.
@@ -368,7 +392,7 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
         if sys.stderr.isatty():
             say(f"verifying {ckpt} with {model_spec} (modes {modes}, --gpus {gpus}) …")
         report = run_verify(ckpt, model_spec, args, spec, gpus, parse_modes(modes), timeout, summary, compare_to,
-                            allow_skip)
+                            allow_skip, select)
     return _report_verify(report, as_json, compare_to)
 
 
@@ -445,7 +469,8 @@ def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, allow_global: tu
     elif report.files:
         click.echo(scan_table(report, show_all))
     if report.exit_code == 2 and len(report.files) + len(report.problems) == 1:
-        say(f"Error: {report.errors[0]}", color="red", no_color=no_color)  # one unreadable path: one line, as everywhere
+        # one unreadable path: one line, as everywhere
+        say(f"Error: {report.errors[0]}", color="red", no_color=no_color)
         return 2
     for line in scan_summary(report):
         say(line, color="red" if " — DANGEROUS" in line or " — CODE" in line else None, no_color=no_color)
@@ -457,6 +482,13 @@ def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, allow_global: tu
             "tensors with `ckpt-doctor fix FILE -o clean.pt` (nothing they name is run or written)",
             color="red", no_color=no_color)
     return report.exit_code
+
+
+def _parse_tie(spec: str) -> tuple[str, str]:
+    alias, sep, key = spec.partition("=")
+    if not sep or not alias or not key:
+        raise UsageError(f"--tie {spec!r}: expected ALIAS=KEY, e.g. --tie lm_head.weight=transformer.wte.weight")
+    return alias, key
 
 
 def progress_bar():

@@ -1,10 +1,20 @@
-"""Compares a checkpoint's state_dict with a model's and infers the smallest fix that makes a strict load succeed."""
+"""Compares a checkpoint's state_dict with a model the way torch does, and infers the fix that makes it load.
+
+torch is the oracle: the verdict is what `model.load_state_dict(state_dict, strict=True)` says when it is really
+run — on the model built on the meta device, with meta tensors of the file's shapes and dtypes and the file's own
+`_metadata` (module versions decide, e.g., whether BatchNorm fills a missing `num_batches_tracked`) — so every
+`_load_from_state_dict` override and load hook the model registers has its say, and no tensor data is read. One
+Parameter reachable under several names (tied weights) is filled by any of them: such a name is reported tied, not
+missing. The fix is searched on names and shapes (fast), then checked by running torch's loading code again on
+what the fixed file would hold. Against a reference checkpoint (no model), names and shapes are all there is.
+"""
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
-from math import prod
+from typing import Any
 
 from .analyze import find_prefixes
 from .errors import PlanError
@@ -12,7 +22,7 @@ from .modelspec import ModelKeys
 from .records import Checkpoint, TensorRecord
 from .transforms import Op, Transform, add_prefix, flags_for, plan_keys, rename, strip_prefix
 
-BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
+BN_STATS = ("running_mean", "running_var")  # without them a BatchNorm normalizes with its initial statistics
 
 
 @dataclass(frozen=True)
@@ -20,6 +30,23 @@ class Mismatch:
     key: str
     checkpoint_shape: tuple[int, ...]
     model_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoadCheck:
+    """What one strict load of a set of (key, shape, dtype) into the model says."""
+
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    mismatched: tuple[Mismatch, ...]
+    tied: tuple[tuple[str, str], ...] = ()  # (name left out, the name of the same Parameter that fills it)
+    errors: tuple[str, ...] = ()  # anything else the model's own loading code reported
+    matched: tuple[str, ...] = ()
+    filled: frozenset[str] | None = None  # model names whose tensor torch's loading code copied into (None: unknown)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched or self.errors)
 
 
 @dataclass(frozen=True)
@@ -36,155 +63,550 @@ class Comparison:
     non_persistent: tuple[str, ...]  # checkpoint keys that are non-persistent buffers of the model
     loaded_fraction: float
     suggested_fix: tuple[str, ...] = ()  # flags for `ckpt-doctor fix`
-    fix_kind: str = "none"  # none | rename | map-by-order | partial
+    # none | rename | allowed (loads with the printed --allow-missing) | map-by-order | partial | retag (devices only)
+    fix_kind: str = "none"
     fix_loaded_fraction: float | None = None
-    ambiguous: tuple[str, ...] = ()  # positions where a mapping by order could swap tensors of one shape
+    ambiguous: tuple[str, ...] = ()  # positions where a mapping by order could permute tensors of one shape
     bn_stats_missing: tuple[str, ...] = ()
     allowed_missing: tuple[str, ...] = ()
     allowed_unexpected: tuple[str, ...] = ()
     min_loaded: float | None = None
     transforms: tuple[Transform, ...] = field(default=(), compare=False)
+    tied: tuple[tuple[str, str], ...] = ()  # (alias the file lacks, the key that fills it)
+    errors: tuple[str, ...] = ()  # what the model's own loading code reported besides the above
+    renames: tuple[tuple[str, str], ...] = ()  # (old, new): keys the fix renames (all it keeps, under a fix_root)
+    dropped: tuple[str, ...] = ()  # checkpoint keys the fix leaves out (leftovers, a replaced head)
+    left_missing: tuple[str, ...] = ()  # model keys still missing after the fix (accepted only by --allow-missing)
+    after: LoadCheck | None = None  # what a strict load of the fixed file would say
+    missing_devices: tuple[str, ...] = ()  # saved devices torch.load(path) would fail on here
+    oracle: bool = False  # the verdict comes from torch's own loading code (a model, not a reference checkpoint)
+    replaced: tuple[str, ...] = ()  # of `dropped`: keys whose shape differs from the model's (a new head)
+    model_key_count: int = 0
+    fix_root: str | None = None  # the part of the file the fix selects, when not `state_dict_root`
+    leftover_elements: int = 0  # elements of the dropped leftovers (not of a replaced head)
+    ties: tuple[tuple[str, str], ...] = ()  # (alias, key) the fix writes as one tensor (names after the fix)
 
     @property
     def strict_ok(self) -> bool:
-        return not (self.missing or self.unexpected or self.mismatched or self.non_persistent)
+        return not (self.missing or self.unexpected or self.mismatched or self.non_persistent or self.errors
+                    or self.missing_devices)
+
+    @property
+    def plain_strict_ok(self) -> bool:
+        """A plain load_state_dict(strict=True) of the file succeeds, nothing accepted by --allow-* (tied names
+        aside: they are filled by the Parameter they share, as from_pretrained and tie_weights do)."""
+        return self.strict_ok and not (self.allowed_missing or self.allowed_unexpected)
 
     @property
     def ok(self) -> bool:
         """What CI asserts: a strict load succeeds, or only the differences explicitly allowed remain."""
         return self.strict_ok and (self.min_loaded is None or self.loaded_fraction >= self.min_loaded)
 
+    @property
+    def accepted(self) -> bool:
+        """Whether what fails is all accepted by --allow-missing/--allow-unexpected."""
+        return bool(self.allowed_missing or self.allowed_unexpected)
 
-def _match(ckpt: dict[str, TensorRecord], model: ModelKeys) -> tuple[list, list, list, list, list, list, float]:
-    by_key = model.by_key()
-    matched, missing, mismatched, dtypes = [], [], [], []
-    for key, entry in by_key.items():
-        t = ckpt.get(key)
-        if t is None:
-            missing.append(key)
-        elif tuple(t.shape) != tuple(entry.shape):
-            mismatched.append(Mismatch(key, tuple(t.shape), tuple(entry.shape)))
+
+# --- torch's own verdict ------------------------------------------------------------------------------------------
+
+_SIZE_MISMATCH = re.compile(r"^size mismatch for (.+?): copying a param with shape torch\.Size\(\[(.*?)\]\) from "
+                            r"checkpoint, the shape in current model is torch\.Size\(\[(.*?)\]\)\.$", re.S)
+
+
+def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], metadata: Any = None) -> LoadCheck:
+    """Run `model.load_state_dict(state_dict, strict=False)` on meta tensors of these keys, shapes and dtypes, and
+    collect what torch reports: the missing and unexpected keys (from a post hook, so they are torch's own lists),
+    shape mismatches and any other message the model's loading code raises. `model` is on the meta device."""
+    import warnings
+    from collections import OrderedDict
+
+    import torch
+
+    sd: "OrderedDict[str, Any]" = OrderedDict()
+    for key, shape, dtype in entries:
+        sd[key] = torch.empty(shape, dtype=_torch_dtype(torch, dtype), device="meta")
+    if metadata is not None:
+        sd._metadata = metadata  # type: ignore[attr-defined]
+    captured: dict[str, list[str]] = {}
+
+    def record(module: Any, incompatible: Any) -> None:
+        captured["missing"] = list(incompatible.missing_keys)
+        captured["unexpected"] = list(incompatible.unexpected_keys)
+
+    model = meta_twin(model)
+    handle = model.register_load_state_dict_post_hook(record)
+    messages: list[str] = []
+    copied = _CopyTargets()
+    try:
+        with warnings.catch_warnings(), copied:
+            warnings.simplefilter("ignore")  # meta tensors: "copying ... is a no-op"
+            model.load_state_dict(sd, strict=False)
+    except RuntimeError as exc:
+        text = str(exc)
+        head, _, body = text.partition(":\n\t")
+        messages = body.split("\n\t") if body else [text]
+    except Exception as exc:  # the model's own loading code can raise anything
+        messages = [f"{type(exc).__name__}: {exc}"]
+    finally:
+        handle.remove()
+    mismatched, errors = [], []
+    for message in messages:
+        m = _SIZE_MISMATCH.match(message.strip())
+        if m:
+            mismatched.append(Mismatch(m.group(1), _dims(m.group(2)), _dims(m.group(3))))
+        elif message.strip():
+            errors.append(message.strip())
+    if "missing" not in captured:  # the model's code failed before torch finished: names alone
+        names = set(model.state_dict().keys())
+        captured["missing"] = [k for k in names if k not in sd]
+        captured["unexpected"] = [k for k in sd if k not in names]
+    bad = {m.key for m in mismatched}
+    missing, tied = _tied(model, captured["missing"], sd, bad)
+    unexpected = captured["unexpected"]
+    matched = tuple(k for k in sd if k not in bad and k not in set(unexpected))
+    filled = frozenset(name for name, t in [*model.named_parameters(remove_duplicate=False),
+                                            *model.named_buffers(remove_duplicate=False)] if id(t) in copied.ids)
+    return LoadCheck(tuple(missing), tuple(unexpected), tuple(mismatched), tuple(tied), tuple(errors), matched,
+                     filled)
+
+
+class _CopyTargets:
+    """The tensors torch's loading code copies a value into (`param.copy_(input_param)`), seen through a torch
+    function mode: what a load fills, whatever names the model's own `_load_from_state_dict` reads them from."""
+
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+        self._mode: Any = None
+
+    def __enter__(self) -> "_CopyTargets":
+        from torch.overrides import TorchFunctionMode
+
+        ids = self.ids
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if getattr(func, "__name__", "") == "copy_" and args:
+                    ids.add(id(args[0]))
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+
+def meta_twin(model: Any) -> Any:
+    """The model itself when it is on the meta device, else a copy of its structure whose parameters and buffers
+    are meta tensors (tied ones stay tied): loading into it reads and writes no data."""
+    import copy
+
+    import torch
+
+    tensors = [t for _, t in (*model.named_parameters(remove_duplicate=False),
+                              *model.named_buffers(remove_duplicate=False))]
+    if all(t.is_meta for t in tensors):
+        return model
+    memo: dict[int, Any] = {}
+    for t in tensors:
+        if id(t) not in memo:
+            twin = torch.empty_like(t, device="meta")
+            memo[id(t)] = torch.nn.Parameter(twin, requires_grad=t.requires_grad) \
+                if isinstance(t, torch.nn.Parameter) else twin
+    return copy.deepcopy(model, memo)
+
+
+def _torch_dtype(torch: Any, name: str) -> Any:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        return torch.float32
+    try:
+        torch.empty(0, dtype=dtype, device="meta")
+    except (RuntimeError, TypeError):
+        return torch.uint8  # a dtype meta tensors cannot take (quantized): any placeholder of the shape will do
+    return dtype
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def tied_names(model: Any) -> dict[str, list[str]]:
+    """Every state_dict name of a Parameter or buffer reachable under more than one name, with its other names."""
+    by_object: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        by_object.setdefault(id(tensor), []).append(name)
+    out: dict[str, list[str]] = {}
+    for names in by_object.values():
+        if len(names) > 1:
+            for name in names:
+                out[name] = [n for n in names if n != name]
+    return out
+
+
+def _tied(model: Any, missing: list[str], provided: dict, bad: set[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    aliases = tied_names(model)
+    still, tied = [], []
+    for key in missing:
+        source = next((a for a in aliases.get(key, ()) if a in provided and a not in bad), None)
+        if source is None:
+            still.append(key)
         else:
-            matched.append(key)
-            if t.dtype != entry.dtype:
-                dtypes.append((key, t.dtype, entry.dtype))
-    np_set = set(model.non_persistent)
-    non_persistent = [k for k in ckpt if k not in by_key and k in np_set]
-    unexpected = [k for k in ckpt if k not in by_key and k not in np_set]
-    total = sum(prod(e.shape) for e in by_key.values() if e.is_parameter)
-    filled = sum(prod(by_key[k].shape) for k in matched if by_key[k].is_parameter)
-    fraction = filled / total if total else 1.0
-    return matched, missing, unexpected, mismatched, dtypes, non_persistent, fraction
+            tied.append((key, source))
+    return still, tied
 
 
-def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str | None = "",
+# --- the comparison -----------------------------------------------------------------------------------------------
+
+def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, *, select: str | None = None,
+                       allow_missing: str | None = None, allow_unexpected: str | None = None,
+                       min_loaded: float | None = None) -> Comparison:
+    """The verdict for the checkpoint's state_dict (or the part at `select`) and the fix, as `inspect --model`
+    prints them."""
+    from .devices import missing_devices
+
+    root = select if select is not None else ckpt.state_dict_root
+    tensors = _under(ckpt, root)
+    metadata = _metadata_of(ckpt, root)
+    comparison = compare_tensors(tensors, model, root=root, metadata=metadata, allow_missing=allow_missing,
+                                 allow_unexpected=allow_unexpected, min_loaded=min_loaded, ckpt=ckpt,
+                                 selected=select is not None)
+    devices = tuple(missing_devices(sorted({t.device for t in tensors})))
+    if devices:
+        flags = list(comparison.suggested_fix)
+        if "--map-location" not in flags:
+            flags += ["--map-location", "cpu"]
+        comparison = _replace(comparison, missing_devices=devices, suggested_fix=tuple(flags),
+                              fix_kind="retag" if comparison.fix_kind == "none" else comparison.fix_kind)
+    return comparison
+
+
+def _replace(c: Comparison, **changes: Any) -> Comparison:
+    from dataclasses import replace
+
+    return replace(c, **changes)
+
+
+def _under(ckpt: Checkpoint, root: str | None) -> list[TensorRecord]:
+    from .records import relative_to_root
+
+    return list(relative_to_root(ckpt.tensors, root)) if root is not None else []
+
+
+def _metadata_of(ckpt: Checkpoint, root: str | None) -> Any:
+    """The `_metadata` torch.save stored on the state_dict at `root` (module versions), or None."""
+    node = _node_at(ckpt.root, root) if root is not None else None
+    metadata = getattr(node, "_metadata", None) if isinstance(node, dict) else None
+    return metadata if isinstance(metadata, dict) else None
+
+
+def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str | None = "", metadata: Any = None,
                     allow_missing: str | None = None, allow_unexpected: str | None = None,
-                    min_loaded: float | None = None) -> Comparison:
-    ckpt = {t.key: t for t in tensors}
-    matched, missing, unexpected, mismatched, dtypes, non_persistent, fraction = _match(ckpt, model)
-    if missing or unexpected or mismatched:
-        transforms, kind, fix_fraction, ambiguous = infer_fix(tensors, model, fraction)
-    else:
-        transforms, kind, fix_fraction, ambiguous = [], "none", None, []
-    # Keys that are (or, once renamed, become) non-persistent buffers of the model: drop them by their old name.
-    renamed = plan_keys(list(ckpt), transforms).mapping if transforms else {k: k for k in ckpt}
+                    min_loaded: float | None = None, ckpt: Checkpoint | None = None,
+                    selected: bool = False) -> Comparison:
+    entries = [(t.key, tuple(t.shape), t.dtype) for t in tensors]
+    check = _check(model, entries, metadata)
+    by_key = model.by_key()
     np_set = set(model.non_persistent)
-    to_drop = [old for old, new in renamed.items() if new in np_set]
-    if to_drop:
-        transforms = transforms + [Transform(Op.DROP, "^(" + "|".join(re.escape(k) for k in to_drop) + ")$")]
+    non_persistent = tuple(k for k in check.unexpected if k in np_set)
+    unexpected = [k for k in check.unexpected if k not in np_set]
+    fraction = _fraction(model, check)
+    dtypes = tuple((t.key, t.dtype, by_key[t.key].dtype) for t in tensors
+                   if t.key in by_key and t.key in check.matched and t.dtype != by_key[t.key].dtype)
+    fix = Fix()
+    if not check.ok or non_persistent:
+        fix = infer_fix(tensors, model, check, ckpt=ckpt, root=root, selected=selected)
+    allowed_m, allowed_u = _allowances(allow_missing, allow_unexpected, check, unexpected)
+    select = fix.root if fix.root is not None else root
+    flags = (["--select", select] if select else []) + fix.flags
+    if fix.kind == "map-by-order":
+        flags += [*model.flags, "--map-by-order"]  # refused while positions are ambiguous: --force is the user's
+    ties = fix.after.tied if fix.after is not None else check.tied
+    part = {t.key: t for t in _part_tensors(tensors, ckpt, root, fix.root)} if fix.dropped else {}
+    leftover_elements = sum(part[k].numel for k in fix.dropped if k in part and k not in set(fix.replaced))
+    for alias, source in ties:  # a plain load_state_dict(strict=True) wants every name: torch output writes both
+        flags += ["--tie", f"{alias}={source}"]
+    if fix.left_missing and fix.kind == "allowed":
+        # fix checks its output against the model when told of one: the line names the model and what it accepts
+        flags += [*model.flags, "--allow-missing", _alternation(fix.left_missing)]
+    missing = tuple(k for k in check.missing if k not in allowed_m)
+    bn_missing = tuple(k for k in (fix.after.missing if fix.after else check.missing) if k.rsplit(".", 1)[-1]
+                       in BN_STATS and k in check.missing)
+    return Comparison(
+        model=model.source, state_dict_root=root, fix_root=fix.root, matched=check.matched, missing=missing,
+        unexpected=tuple(k for k in unexpected if k not in allowed_u),
+        mismatched=tuple(m for m in check.mismatched if m.key not in allowed_m), dtype_differs=dtypes,
+        non_persistent=non_persistent, loaded_fraction=round(fraction, 6), suggested_fix=tuple(flags),
+        fix_kind=fix.kind, fix_loaded_fraction=None if fix.fraction is None else round(fix.fraction, 6),
+        ambiguous=tuple(fix.ambiguous), bn_stats_missing=bn_missing, allowed_missing=tuple(allowed_m),
+        allowed_unexpected=tuple(allowed_u), min_loaded=min_loaded, transforms=tuple(fix.transforms),
+        tied=check.tied, errors=check.errors, renames=tuple(fix.kept if fix.root is not None else fix.renames),
+        dropped=tuple(fix.dropped),
+        left_missing=tuple(fix.left_missing), after=fix.after, oracle=model.model is not None,
+        replaced=tuple(fix.replaced), model_key_count=len(model.entries), ties=tuple(ties),
+        leftover_elements=leftover_elements)
+
+
+def _check(model: ModelKeys, entries: list[tuple[str, tuple[int, ...], str]], metadata: Any) -> LoadCheck:
+    """torch's verdict when the model is there; names and shapes against a reference checkpoint."""
+    if model.model is not None:
+        return load_check(model.model, entries, metadata)
+    by_key = model.by_key()
+    present = {k for k, _, _ in entries}
+    mismatched = tuple(Mismatch(k, s, by_key[k].shape) for k, s, _ in entries
+                       if k in by_key and tuple(s) != tuple(by_key[k].shape))
+    bad = {m.key for m in mismatched}
+    return LoadCheck(tuple(k for k in by_key if k not in present), tuple(k for k in present if k not in by_key
+                                                                          and k not in set(model.non_persistent)) +
+                     tuple(k for k, _, _ in entries if k in set(model.non_persistent)), mismatched,
+                     matched=tuple(k for k, _, _ in entries if k in by_key and k not in bad))
+
+
+def _fraction(model: ModelKeys, check: LoadCheck) -> float:
+    """The share of the model's parameters (by elements, a tied Parameter once) a load would fill."""
+    groups = model.parameter_groups()
+    filled_names = check.filled if check.filled is not None else set(check.matched) | {a for a, _ in check.tied}
+    total = sum(numel for numel, _ in groups)
+    filled = sum(numel for numel, names in groups if any(n in filled_names for n in names))
+    return filled / total if total else 1.0
+
+
+def _allowances(allow_missing: str | None, allow_unexpected: str | None, check: LoadCheck,
+                unexpected: list[str]) -> tuple[list[str], list[str]]:
     allowed_m: list[str] = []
     allowed_u: list[str] = []
     if allow_missing:
         pattern = re.compile(allow_missing)
-        allowed_m = [k for k in missing if pattern.search(k)] + [m.key for m in mismatched if pattern.search(m.key)]
+        allowed_m = [k for k in check.missing if pattern.search(k)] + \
+            [m.key for m in check.mismatched if pattern.search(m.key)]
     if allow_unexpected:
         pattern = re.compile(allow_unexpected)
         allowed_u = [k for k in unexpected if pattern.search(k)]
-    bn_missing = tuple(k for k in missing if k.rsplit(".", 1)[-1] in BN_STATS)
-    flags = (["--select", root] if root else []) + flags_for(transforms)
-    if kind == "map-by-order":
-        flags += [*model.flags, "--map-by-order"] + (["--force"] if ambiguous else [])
-    suggested = tuple(flags)
-    return Comparison(
-        model=model.source, state_dict_root=root,
-        matched=tuple(matched), missing=tuple(k for k in missing if k not in allowed_m),
-        unexpected=tuple(k for k in unexpected if k not in allowed_u),
-        mismatched=tuple(m for m in mismatched if m.key not in allowed_m), dtype_differs=tuple(dtypes),
-        non_persistent=tuple(non_persistent), loaded_fraction=round(fraction, 6), suggested_fix=suggested,
-        fix_kind=kind, fix_loaded_fraction=None if fix_fraction is None else round(fix_fraction, 6),
-        ambiguous=tuple(ambiguous), bn_stats_missing=bn_missing, allowed_missing=tuple(allowed_m),
-        allowed_unexpected=tuple(allowed_u), min_loaded=min_loaded, transforms=tuple(transforms))
+    return allowed_m, allowed_u
 
 
-def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, **kwargs) -> Comparison:
-    return compare_tensors(list(ckpt.state_dict_tensors()), model, root=ckpt.state_dict_root, **kwargs)
+def _alternation(keys: list[str] | tuple[str, ...]) -> str:
+    """One anchored regex naming exactly these keys: `^(fc\\.weight|fc\\.bias)$`."""
+    if len(keys) == 1:
+        return f"^{re.escape(keys[0])}$"
+    return "^(" + "|".join(re.escape(k) for k in keys) + ")$"
+
+
+# --- the fix --------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Fix:
+    kind: str = "none"  # none | rename | map-by-order | partial
+    root: str | None = None  # a --select other than the file's state_dict root
+    transforms: list[Transform] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)
+    renames: list[tuple[str, str]] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    left_missing: list[str] = field(default_factory=list)
+    fraction: float | None = None
+    ambiguous: list[str] = field(default_factory=list)
+    after: LoadCheck | None = None
+    matched: int = 0  # keys that already had the model's name
+    replaced: list[str] = field(default_factory=list)  # dropped because the model's tensor there has another shape
+    kept: list[tuple[str, str]] = field(default_factory=list)  # (old, new) of every key the model takes
+
+
+def infer_fix(tensors: list[TensorRecord], model: ModelKeys, check: LoadCheck, *, ckpt: Checkpoint | None = None,
+              root: str | None = None, selected: bool = False) -> Fix:
+    """The fewest changes that make a strict load succeed: another part of the file to select, prefixes stripped or
+    added at any depth, leftovers the model has no place for dropped, a replaced head dropped (its keys then left
+    missing, accepted only by --allow-missing), tied aliases filled; or a mapping by order when only the shapes
+    agree. The result is checked by torch's own loading code."""
+    model_keys = [e.key for e in model.entries]
+    best: tuple[tuple, Fix] | None = None
+    for part, part_tensors in _roots(tensors, model, ckpt, root, selected):
+        keys = [t.key for t in part_tensors]
+        by_key = {t.key: t for t in part_tensors}
+        for transforms in _candidates(keys, model_keys):
+            try:
+                plan = plan_keys(keys, transforms)
+            except PlanError:
+                continue
+            fix = _complete(plan.mapping, by_key, model, transforms)
+            fix.root = part if part != root else None
+            # A part inside the state_dict leaves out the rest of it as surely as a --drop would.
+            inside = root is not None and part is not None and (root == "" or part.startswith(root + "."))
+            left_out = len(tensors) - len(part_tensors) if inside and part != root else 0
+            score = (len(fix.renames) + fix.matched, -len(fix.dropped) - len(fix.left_missing) - left_out,
+                     part == root, -len(transforms))
+            if best is None or score > best[0]:
+                best = (score, fix)
+    fix = best[1] if best is not None else Fix()
+    if fix.flags or fix.root is not None or fix.dropped:
+        part_tensors = _part_tensors(tensors, ckpt, root, fix.root)
+        fix.after = _after(model, part_tensors, fix)
+        fix.fraction = _fraction(model, fix.after)
+        if fix.after.ok:
+            fix.kind = "rename"
+        elif set(fix.after.missing) <= set(fix.left_missing) and not (fix.after.unexpected or fix.after.mismatched
+                                                                       or fix.after.errors):
+            fix.kind = "allowed"  # loads once the keys left missing are accepted (--allow-missing, in the line)
+        else:
+            fix.kind = "partial"
+    if fix.kind != "rename" and len(tensors) == len(model.entries):
+        by_order = _map_by_order(tensors, model)
+        if by_order is not None:
+            return Fix(kind="map-by-order", fraction=1.0, ambiguous=by_order)
+    if fix.kind == "partial" and (fix.fraction or 0) <= _fraction(model, check) and not fix.dropped:
+        fix = Fix()
+    if fix.kind == "none" and check.missing and not (check.unexpected or check.mismatched or check.errors):
+        # Nothing in the file can fill them (a counter older files lack): loading is right only if the user
+        # accepts that the model keeps its own values there, which the line says with --allow-missing.
+        return Fix(kind="allowed", left_missing=list(check.missing), after=check, fraction=_fraction(model, check))
+    return fix
+
+
+def _roots(tensors: list[TensorRecord], model: ModelKeys, ckpt: Checkpoint | None, root: str | None,
+           selected: bool) -> list[tuple[str | None, list[TensorRecord]]]:
+    """The file's state_dict root, and other parts of the file that could be the model's weights: containers holding
+    at least half as many tensors as the model has keys (a nested `state_dict.model`, an EMA copy)."""
+    out: list[tuple[str | None, list[TensorRecord]]] = [(root, tensors)]
+    if ckpt is None or selected:
+        return out
+    need = max(1, len(model.entries) // 2)
+    counts: Counter[str] = Counter()
+    for t in ckpt.tensors:
+        parts = t.key.split(".")
+        for i in range(1, min(len(parts), 4)):
+            counts[".".join(parts[:i])] += 1
+    from .records import relative_to_root
+
+    for path, count in counts.most_common(24):
+        if path != root and count >= need and _node_at(ckpt.root, path) is not None:
+            out.append((path, list(relative_to_root(ckpt.tensors, path))))
+    return out
+
+
+def _node_at(tree: Any, path: str) -> Any:
+    """The container at a dotted path of the unpickled tree (None when the path is only part of flat keys)."""
+    from .safepickle.unpickler import Opaque
+
+    node = tree
+    for part in path.split(".") if path else []:
+        if isinstance(node, Opaque):
+            state = node.ckd.state
+            node = state.get("_modules", state) if isinstance(state, dict) else None
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node if isinstance(node, (dict, list, tuple, Opaque)) else None
+
+
+def _part_tensors(tensors: list[TensorRecord], ckpt: Checkpoint | None, root: str | None,
+                  chosen: str | None) -> list[TensorRecord]:
+    if chosen is None or ckpt is None:
+        return tensors
+    from .records import relative_to_root
+
+    return list(relative_to_root(ckpt.tensors, chosen))
+
+
+def _complete(mapping: dict[str, str], by_key: dict[str, TensorRecord], model: ModelKeys,
+              transforms: list[Transform]) -> Fix:
+    """After a rename: what matches, what to drop (no place in the model; another shape there), what stays
+    missing."""
+    model_by_key = model.by_key()
+    np_set = set(model.non_persistent)
+    tied = model.tied
+    renames, dropped, replaced, kept, matched = [], [], [], [], 0
+    provided: set[str] = set()
+    for old, new in mapping.items():
+        entry = model_by_key.get(new)
+        if entry is None or new in np_set:
+            dropped.append(old)
+        elif tuple(by_key[old].shape) != tuple(entry.shape):
+            dropped.append(old)
+            replaced.append(old)  # a replaced head: the model's own tensor stays
+        else:
+            provided.add(new)
+            kept.append((old, new))
+            if old != new:
+                renames.append((old, new))
+            else:
+                matched += 1
+    left = [k for k in model_by_key if k not in provided and not any(a in provided for a in tied.get(k, ()))]
+    fix = Fix(transforms=list(transforms), renames=renames, dropped=dropped, left_missing=left, replaced=replaced,
+              kept=kept)
+    fix.flags = flags_for(transforms)
+    if dropped:
+        fix.transforms = fix.transforms + [Transform(Op.DROP, _alternation(dropped))]
+        fix.flags += ["--drop", _alternation(dropped)]
+    fix.matched = matched
+    return fix
+
+
+def _after(model: ModelKeys, tensors: list[TensorRecord], fix: Fix) -> LoadCheck:
+    """torch's verdict on what the fixed file would hold (a fresh state_dict: no `_metadata`)."""
+    plan = plan_keys([t.key for t in tensors], fix.transforms)
+    by_key = {t.key: t for t in tensors}
+    entries = [(new, tuple(by_key[old].shape), by_key[old].dtype) for old, new in plan.mapping.items()]
+    return _check(model, entries, None)
 
 
 def _candidates(ckpt_keys: list[str], model_keys: list[str]) -> list[list[Transform]]:
-    """Prefix changes worth trying: strip the checkpoint's wrappers, add the model's, or both; mid-key wrappers."""
+    """Prefix changes worth trying: strip the checkpoint's wrappers, add the model's, or both; mid-key wrappers; and
+    the model sub-tree the checkpoint's keys fit under (a backbone inside a bigger model)."""
     ck = find_prefixes(ckpt_keys)
     mk = find_prefixes(model_keys)
     strip_options: list[list[Transform]] = [[]]
-    leading = "".join(p.prefix for p in ck if p.leading and p.count == p.total)
-    partial = [p.prefix for p in ck if p.leading and p.count < p.total]
-    if leading:
-        # `_orig_mod.module.` may be stripped whole or in part (the model may itself be wrapped).
-        pieces = [p.prefix for p in ck if p.leading and p.count == p.total]
-        for i in range(1, len(pieces) + 1):
-            strip_options.append([strip_prefix("".join(pieces[:i]))])
-    for p in partial:
-        strip_options.append([strip_prefix(p)])
+    pieces = [p.prefix for p in ck if p.leading and p.count == p.total]
+    for i in range(1, len(pieces) + 1):
+        strip_options.append([strip_prefix("".join(pieces[:i]))])  # `_orig_mod.module.` whole or in part
+    for p in ck:
+        if p.leading and p.count < p.total:
+            strip_options.append([strip_prefix(p.prefix)])
+    for head in _shared_heads(ckpt_keys, model_keys):
+        strip_options.append([strip_prefix(head)])
     mids = [p for p in ck if not p.leading]
     if mids:
         renames = [rename(f"^{re.escape(p.where)}{re.escape(p.prefix)}={p.where}") for p in mids]
         strip_options += [opt + renames for opt in list(strip_options)]
-        # The same wrapper at several depths: one rename for all of them.
-        tokens = sorted({p.prefix for p in mids})
+        tokens = sorted({p.prefix for p in mids})  # the same wrapper at several depths: one rename for all
         strip_options += [opt + [rename(f"(^|\\.){re.escape(t[:-1])}\\.=\\1")] for opt in list(strip_options)
                           for t in tokens]
-    model_leading = "".join(p.prefix for p in mk if p.leading and p.count == p.total)
     add_options: list[list[Transform]] = [[]]
-    if model_leading:
-        pieces = [p.prefix for p in mk if p.leading and p.count == p.total]
-        for i in range(1, len(pieces) + 1):
-            add_options.append([add_prefix("".join(pieces[-i:]))])
-    return [s + a for s in strip_options for a in add_options]
+    pieces = [p.prefix for p in mk if p.leading and p.count == p.total]
+    for i in range(1, len(pieces) + 1):
+        add_options.append([add_prefix("".join(pieces[-i:]))])
+    out = [s + a for s in strip_options for a in add_options]
+    for s in strip_options:
+        stripped = [(s[0].apply(k) or k) if s and s[0].op is Op.STRIP_PREFIX else k for k in ckpt_keys]
+        for head in _model_heads(stripped, model_keys):
+            out.append(s + [add_prefix(head)])
+    return out
 
 
-def infer_fix(tensors: list[TensorRecord], model: ModelKeys, fraction: float
-              ) -> tuple[list[Transform], str, float | None, list[str]]:
-    """(transforms, kind, loaded fraction after them, ambiguous positions); the fewest transforms that work."""
-    keys = [t.key for t in tensors]
-    by_key = {t.key: t for t in tensors}
-    model_keys = [e.key for e in model.entries]
-    best: tuple[float, int, list[Transform], float] | None = None  # (score, size, transforms, loaded fraction)
-    for transforms in _candidates(keys, model_keys):
-        if not transforms:
-            continue
-        try:
-            plan = plan_keys(keys, transforms)
-        except PlanError:
-            continue
-        renamed = [_with_key(by_key[old], new) for old, new in plan.mapping.items()]
-        matched, missing, unexpected, mismatched, _, _, filled = _match({t.key: t for t in renamed}, model)
-        if not (missing or unexpected or mismatched):
-            return transforms, "rename", filled, []
-        score = (len(matched) - len(unexpected) - len(mismatched)) / max(len(model_keys), 1)
-        if best is None or (score, -len(transforms)) > (best[0], -best[1]):
-            best = (score, len(transforms), transforms, filled)
-    if fraction < 1.0:
-        by_order = _map_by_order(tensors, model)
-        if by_order is not None:
-            return [], "map-by-order", 1.0, by_order
-    if best is not None and best[3] > fraction:
-        return best[2], "partial", best[3], []
-    return [], "none", None, []
+def _shared_heads(ckpt_keys: list[str], model_keys: list[str]) -> list[str]:
+    """Leading components most checkpoint keys carry and no model key does (a Lightning module's `model.`, an
+    `encoder.` the model does not have)."""
+    model_heads = {k.split(".", 1)[0] for k in model_keys}
+    counts = Counter(k.split(".", 1)[0] + "." for k in ckpt_keys if "." in k)
+    return [h for h, n in counts.most_common(3) if n * 2 >= len(ckpt_keys) and h[:-1] not in model_heads]
 
 
-def _with_key(t: TensorRecord, key: str) -> TensorRecord:
-    from dataclasses import replace
-
-    return replace(t, key=key)
+def _model_heads(ckpt_keys: list[str], model_keys: list[str]) -> list[str]:
+    """Model prefixes (up to two components) under which the checkpoint's keys fit: `backbone.` for a classifier's
+    weights in a detector."""
+    present = set(ckpt_keys)
+    counts: Counter[str] = Counter()
+    for key in model_keys:
+        parts = key.split(".")
+        for i in range(1, min(3, len(parts))):
+            head = ".".join(parts[:i]) + "."
+            if key[len(head):] in present:
+                counts[head] += 1
+    need = max(1, min(len(present), len(model_keys)) // 3)
+    return [h for h, n in counts.most_common(2) if n >= need]
 
 
 def _map_by_order(tensors: list[TensorRecord], model: ModelKeys) -> list[str] | None:
@@ -197,13 +619,11 @@ def _map_by_order(tensors: list[TensorRecord], model: ModelKeys) -> list[str] | 
 
 
 def ambiguous_positions(tensors: list[TensorRecord], new_keys: list[str]) -> list[str]:
-    """Positions of a mapping by order whose tensor has a neighbour of the same shape: a swap would go unnoticed."""
-    ambiguous = []
-    for i, (t, new) in enumerate(zip(tensors, new_keys)):
-        neighbours = [j for j in (i - 1, i + 1) if 0 <= j < len(tensors)]
-        if t.numel > 1 and any(tensors[j].shape == t.shape for j in neighbours):
-            ambiguous.append(f"{i}: {t.key} → {new} {list(t.shape)}")
-    return ambiguous
+    """Positions of a mapping by order whose tensor shares its shape with any other position: a permutation of
+    those tensors fits the model as well, so a mapping by position alone cannot tell them apart."""
+    counts = Counter(tuple(t.shape) for t in tensors)
+    return [f"{i}: {t.key} → {new} {list(t.shape)}" for i, (t, new) in enumerate(zip(tensors, new_keys))
+            if t.numel > 1 and counts[tuple(t.shape)] > 1]
 
 
 def fix_command(path: str, comparison: Comparison) -> str:
@@ -213,3 +633,4 @@ def fix_command(path: str, comparison: Comparison) -> str:
     flags = list(comparison.suggested_fix)
     out = str(path).rstrip("/").rsplit("/", 1)[-1].rsplit(".", 1)[0] + "_fixed.pt"
     return " ".join(["ckpt-doctor", "fix", shlex.quote(str(path)), "-o", out] + [shlex.quote(f) for f in flags])
+

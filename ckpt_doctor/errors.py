@@ -29,6 +29,12 @@ class ReadError(CkptDoctorError):
         return 1 if self.findings else 2
 
 
+class CheckFailed(CkptDoctorError):
+    """The check found a problem that stops the command (exit 1): the output would not load into the model."""
+
+    exit_code = 1
+
+
 class ModelSpecError(CkptDoctorError):
     """A --model SPEC cannot be imported or built."""
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .dtypes import FLOATING, element_size, torch_dtype_name
 from .errors import PlanError, UsageError, WriteError
-from .records import Checkpoint, Format, TensorRecord, Verdict, ancestors, relative_to_root
+from .records import Checkpoint, Format, GlobalRef, TensorRecord, Verdict, ancestors, relative_to_root
 from .transforms import Op, Transform, plan_keys
 from .tree import has_tensor, join
 from .safepickle.unpickler import Opaque, RawTensor, SizeValue
@@ -57,6 +57,10 @@ class FixOptions:
     map_by_order: bool = False
     force: bool = False
     format: OutputFormat | None = None
+    allow_missing: str | None = None  # with --model: model keys the output may lack (a new head)
+    allow_unexpected: str | None = None  # with --model: output keys the model may lack
+    ties: tuple[tuple[str, str], ...] = ()  # (alias, key): write `alias` as the same tensor as `key`
+    closest: tuple[str, ...] = ()  # with --auto: the flags of the fix inspect --model infers, for the message
 
 
 @dataclass(frozen=True)
@@ -125,18 +129,22 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     if opts.auto or opts.map_by_order or opts.reorder:
         if opts.model is None:
             raise UsageError("--auto, --map-by-order and --reorder need --model SPEC")
+    if (opts.allow_missing or opts.allow_unexpected) and opts.model is None:
+        raise UsageError("--allow-missing and --allow-unexpected need --model SPEC (what the output must load into)")
     if opts.auto:
         from .compare import compare_checkpoint
 
-        comparison = compare_checkpoint(ckpt, opts.model)
-        if select is None and comparison.state_dict_root:
-            select = comparison.state_dict_root
+        comparison = compare_checkpoint(ckpt, opts.model, select=select)
+        if select is None and (comparison.fix_root or comparison.state_dict_root):
+            select = comparison.fix_root or comparison.state_dict_root
         transforms += list(comparison.transforms)
         if comparison.fix_kind == "map-by-order":
             opts = replace(opts, map_by_order=True)
-        elif comparison.fix_kind in ("partial", "none") and not comparison.strict_ok:
-            notes.append(f"--auto: no transform makes a strict load succeed ({comparison.fix_kind}); "
-                         "see `ckpt-doctor inspect --model`")
+        # A new head's keys stay missing: accepted only by an explicit --allow-missing (the line inspect prints
+        # holds it), never silently by --auto.
+        opts = replace(opts, ties=opts.ties + comparison.ties, closest=comparison.suggested_fix)
+        if comparison.missing_devices and not opts.map_location:
+            opts = replace(opts, map_location=(("*", "cpu"),))
         applied.append("--auto → " + (" ".join(comparison.suggested_fix) or "(nothing to change)"))
     root = select if select is not None else ckpt.state_dict_root
     if select is not None:
@@ -185,6 +193,9 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     problems: list = []  # (path, global) of objects the output could not hold
     out_prefix = "" if flat_output else prefix  # nested output: the state_dict keeps its place in the tree
     state = OrderedDict((new, out_tensor(out_prefix + new, by_key[old])) for old, new in mapping.items())
+    _tie(state, opts.ties, fmt, out_prefix, notes, applied)
+    if opts.model is not None:
+        _check_loads(state, opts, notes)
     if flat_output:
         tree: Any = state
         outs = list(state.values())
@@ -250,6 +261,62 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
                    tuple(dropped), tuple(outs), tree, tuple(notes), tied, metadata)
 
 
+def _tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...], fmt: OutputFormat,
+         out_prefix: str, notes: list[str], applied: list[str]) -> None:
+    """Write each tied alias as the same tensor as the key it shares a Parameter with (one storage in a torch
+    file), so that load_state_dict(strict=True) finds both names."""
+    done = []
+    for alias, key in ties:
+        if alias in state or key not in state:
+            continue
+        source = state[key]
+        state[alias] = OutTensor(out_prefix + alias, source.source, source.dtype, source.device)
+        done.append(f"{alias}={key}")
+    if done:
+        applied.append("--tie " + " --tie ".join(done))
+        if fmt is OutputFormat.SAFETENSORS:
+            notes.append("safetensors stores a tied tensor once: load it with the model's tie_weights(), or "
+                         "write torch output (.pt) where both names share one storage")
+
+
+def _check_loads(state: "OrderedDict[str, OutTensor]", opts: FixOptions, notes: list[str]) -> None:
+    """With a model: what the output's state_dict would get from load_state_dict(strict=True), asked of torch's
+    own loading code; refuse (exit 1, nothing written) when it would fail beyond --allow-missing/--allow-unexpected."""
+    from .compare import _check, _allowances
+    from .errors import CheckFailed
+
+    assert opts.model is not None
+    entries = [(k, tuple(o.source.shape), o.dtype) for k, o in state.items() if isinstance(o, OutTensor)]
+    check = _check(opts.model, entries, None)
+    np_set = set(opts.model.non_persistent)
+    unexpected = [k for k in check.unexpected if k not in np_set]
+    allowed_m, allowed_u = _allowances(opts.allow_missing, opts.allow_unexpected, check, unexpected)
+    missing = [k for k in check.missing if k not in allowed_m]
+    mismatched = [m for m in check.mismatched if m.key not in allowed_m]
+    unexpected = [k for k in check.unexpected if k not in allowed_u]
+    if missing or mismatched or unexpected or check.errors:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing ({', '.join(missing[:3])}{'…' if len(missing) > 3 else ''})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])}"
+                         f"{'…' if len(unexpected) > 3 else ''})")
+        if mismatched:
+            parts.append(f"{len(mismatched)} of another shape ({', '.join(m.key for m in mismatched[:3])})")
+        if check.errors:
+            parts.append(f"the model's loading code: {check.errors[0][:120]}")
+        import shlex
+
+        closest = (f"the closest fix: {' '.join(shlex.quote(f) for f in opts.closest)}" if opts.closest else
+                   "`ckpt-doctor inspect --model` shows the closest fix")
+        raise CheckFailed(f"the output would still not load strictly into {opts.model.source}: {'; '.join(parts)}. "
+                          f"Nothing was written; {closest} (--allow-missing/--allow-unexpected accept intended "
+                          "differences)")
+    if allowed_m or allowed_u:
+        notes.append(f"accepted: {len(allowed_m)} model keys left missing (--allow-missing), {len(allowed_u)} extra "
+                     "keys (--allow-unexpected)")
+
+
 def _is_module_root(ckpt: Checkpoint, root: str) -> bool:
     return ckpt.model_class is not None and root == (ckpt.state_dict_root or "")
 
@@ -308,6 +375,12 @@ def _rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]
         rebuilt = [(k, _rebuild(v, join(path, k), root, state, records, drops, outs, out_tensor, cut, problems))
                    for k, v in items]
         return OrderedDict(rebuilt) if isinstance(obj, OrderedDict) else dict(rebuilt)
+    if isinstance(obj, frozenset):  # written as builtins.frozenset, which torch.load(weights_only=True) refuses
+        from .safepickle.policy import user_allowed
+
+        if "builtins.frozenset" not in user_allowed():
+            problems.append((path, GlobalRef("builtins", "frozenset", Verdict.SAFE, "a frozenset value")))
+        return obj
     if isinstance(obj, (list, tuple)):
         if obj and all(o is None or isinstance(o, (bool, int, float, str)) for o in obj) or type(obj) is SizeValue:
             return obj

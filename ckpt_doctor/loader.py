@@ -12,7 +12,7 @@ from .devices import mapper
 from .errors import ReadError
 from .modelspec import model_keys
 from .readers import read_checkpoint
-from .records import Checkpoint, Format
+from .records import Checkpoint, Format, relative_to_root
 from .transforms import plan_keys
 
 
@@ -50,7 +50,8 @@ def _tensors_via_torch_load(ckpt: Checkpoint, device_map: dict[str, str]) -> dic
     return flat
 
 
-def load(path: str | Path, device: Any = "auto", *, checkpoint: Checkpoint | None = None) -> StateDict:
+def load(path: str | Path, device: Any = "auto", *, checkpoint: Checkpoint | None = None,
+         select: str | None = None) -> StateDict:
     """The state_dict inside any checkpoint, each tensor on a device this machine has.
 
     `device`: "auto" (cuda:N if present, else cuda:0, else mps, else cpu), a device ("cpu", "cuda:1"), or a
@@ -59,16 +60,22 @@ def load(path: str | Path, device: Any = "auto", *, checkpoint: Checkpoint | Non
     """
     from .tensordata import load_tensor
 
+    from .records import relative_to_root
+
     ckpt = checkpoint or read_checkpoint(path)
     ckpt.refuse_if_unsafe("load it", code_too=False)  # a pickled whole model is rescued tensor by tensor
-    if ckpt.state_dict_root is None:
-        raise ReadError(f"{ckpt.path}: no state_dict found (no container that holds mostly tensors)")
+    root = select if select is not None else ckpt.state_dict_root
+    if root is None:
+        raise ReadError(f"{ckpt.path}: no state_dict found (no container that holds mostly tensors); name the "
+                        "part with select=")
+    records = relative_to_root(ckpt.tensors, root)
+    if not records:
+        raise ReadError(f"{ckpt.path}: {root!r} holds no tensors")
     map_fn = mapper(device)
     device_map = {saved: map_fn(saved) for saved in ckpt.devices}
     by_path = _tensors_via_torch_load(ckpt, device_map)
     out = StateDict()
-    root = ckpt.state_dict_root
-    for record in ckpt.state_dict_tensors():
+    for record in records:
         full = f"{root}.{record.key}" if root else record.key
         if by_path is not None and full in by_path:
             out[record.key] = by_path[full]
@@ -79,28 +86,62 @@ def load(path: str | Path, device: Any = "auto", *, checkpoint: Checkpoint | Non
     return out
 
 
-def load_into(model: Any, path: str | Path, fix: str | None = "auto", device: Any = None) -> Comparison:
-    """Apply the inferred fix to the keys, load strictly into `model`, and return the comparison report.
+def load_into(model: Any, path: str | Path, fix: str | None = "auto", device: Any = None, *,
+              select: str | None = None, allow_missing: str | None = None,
+              allow_unexpected: str | None = None) -> Comparison:
+    """Load the checkpoint into `model` strictly, after the fix `inspect --model` infers, and return the comparison
+    of what was loaded — the state after the fix, with the fix it applied in `suggested_fix`.
 
-    `fix="auto"` applies the prefix changes `inspect --model` suggests (not a mapping by order, which only
-    `ckpt-doctor fix --map-by-order` does, with its checks); `fix=None` loads the keys as they are.
+    `fix="auto"` applies the renames, drops and tied names `inspect --model` suggests (not a mapping by order,
+    which only `ckpt-doctor fix --map-by-order` does, with its checks); `fix=None` loads the keys as they are.
+    `select` picks another state_dict in the file (`model_ema`); `allow_missing` / `allow_unexpected` (regexes)
+    accept intended differences, as on the command line: those keys keep the model's own values. Raises ReadError
+    naming what still fails.
     """
+    import re
+
+    from dataclasses import replace as _replace
+
+    from .compare import compare_tensors
+
     ckpt = read_checkpoint(path)
     keys = model_keys(model, type(model).__name__)
-    comparison = compare_checkpoint(ckpt, keys)
+    before = compare_checkpoint(ckpt, keys, select=select)
     target = device
     if target is None:
         first = next((p for p in model.parameters()), None)
         target = str(first.device) if first is not None and first.device.type != "meta" else "auto"
-    state = load(path, target, checkpoint=ckpt)
-    transforms = list(comparison.transforms) if fix == "auto" and comparison.fix_kind in ("rename", "none") else []
+    root = (before.fix_root or before.state_dict_root) if fix == "auto" else \
+        (select if select is not None else ckpt.state_dict_root)
+    state = load(path, target, checkpoint=ckpt, select=root)
+    transforms = list(before.transforms) if fix == "auto" and before.fix_kind in ("rename", "allowed", "none") else []
     plan = plan_keys(list(state), transforms)
     fixed = OrderedDict((new, state[old]) for old, new in plan.mapping.items())
+    for alias, source in keys.tied.items():  # a tied name the file lacks is the same Parameter as one it has
+        if alias not in fixed:
+            present = next((s for s in source if s in fixed), None)
+            if present is not None:
+                fixed[alias] = fixed[present]
+    missing_ok = re.compile(allow_missing) if allow_missing else None
+    unexpected_ok = re.compile(allow_unexpected) if allow_unexpected else None
+    for key in [k for k in fixed if unexpected_ok and unexpected_ok.search(k) and k not in keys.by_key()]:
+        del fixed[key]
+    own = model.state_dict()
+    for key, value in own.items():  # accepted as missing: the model keeps its own value
+        if key not in fixed and missing_ok and missing_ok.search(key):
+            fixed[key] = value
     try:
         model.load_state_dict(fixed, strict=True)
     except RuntimeError as exc:
-        first_line = str(exc).strip().splitlines()
-        detail = " ".join(line.strip() for line in first_line[:3])
-        raise ReadError(f"{ckpt.path}: strict load into {type(model).__name__} failed after the inferred fix "
-                        f"({comparison.fix_kind}): {detail[:300]}") from None
-    return comparison
+        lines = str(exc).strip().splitlines()
+        detail = " ".join(line.strip() for line in lines[:3])
+        how = f"after the inferred fix ({' '.join(before.suggested_fix)})" if transforms else "as it is"
+        raise ReadError(f"{ckpt.path}: strict load into {type(model).__name__} {how} failed: {detail[:300]}"
+                        + ("; pass allow_missing= / allow_unexpected= to accept intended differences"
+                           if not (allow_missing or allow_unexpected) else "")) from None
+    records = [t for t in (relative_to_root(ckpt.tensors, root) if root is not None else [])]
+    by_key = {t.key: t for t in records}
+    loaded = [_replace(by_key[old], key=new) for old, new in plan.mapping.items()]
+    after = compare_tensors(loaded, keys, root=root, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
+    return _replace(after, suggested_fix=before.suggested_fix, fix_kind=before.fix_kind,
+                    transforms=tuple(transforms), renames=before.renames, dropped=before.dropped)

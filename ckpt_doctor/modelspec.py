@@ -7,7 +7,8 @@ import importlib
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +25,25 @@ class ModelEntry:
 
 @dataclass(frozen=True)
 class ModelKeys:
-    """What a strict load needs: the state_dict keys in order, and the non-persistent buffers it skips."""
+    """What a strict load needs: the state_dict keys in order, and the non-persistent buffers it skips; with the
+    model itself (built on meta) when there is one, so that torch's own loading code can be asked."""
 
     source: str
     entries: tuple[ModelEntry, ...]
     non_persistent: tuple[str, ...] = ()
     flags: tuple[str, ...] = ()  # how `fix` is told about this model: --model SPEC [--model-arg k=v ...]
+    model: Any = field(default=None, compare=False, repr=False)  # the nn.Module on meta; None for a checkpoint
+    tied: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)  # name -> its other names
+    groups: tuple[tuple[int, tuple[str, ...]], ...] = ()  # (numel, names) per distinct Parameter
 
     def by_key(self) -> dict[str, ModelEntry]:
         return {e.key: e for e in self.entries}
+
+    def parameter_groups(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
+        """(elements, its names) for each distinct Parameter: a tied one counts once."""
+        if self.groups:
+            return self.groups
+        return tuple((prod(e.shape), (e.key,)) for e in self.entries if e.is_parameter)
 
 
 def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -117,12 +128,23 @@ def build_model(spec: str, model_args: dict[str, Any] | None = None, device: str
 
 def model_keys(model: Any, source: str = "") -> ModelKeys:
     sd = model.state_dict(keep_vars=True)
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    named = model.named_parameters(remove_duplicate=False)
+    by_object: dict[int, list[str]] = {}
+    sizes: dict[int, int] = {}
+    for name, p in named:
+        by_object.setdefault(id(p), []).append(name)
+        sizes[id(p)] = p.numel()
+    params = {n for names in by_object.values() for n in names}
     entries = tuple(ModelEntry(k, tuple(v.shape), str(v.dtype).removeprefix("torch."), k in params)
                     for k, v in sd.items())
     buffers = [name for name, _ in model.named_buffers(remove_duplicate=False)]
     non_persistent = tuple(b for b in buffers if b not in sd)
-    return ModelKeys(source or type(model).__name__, entries, non_persistent)
+    from .compare import tied_names
+
+    tied = {k: tuple(v) for k, v in tied_names(model).items() if k in sd}
+    groups = tuple((sizes[i], tuple(n for n in names if n in sd)) for i, names in by_object.items()
+                   if any(n in sd for n in names))
+    return ModelKeys(source or type(model).__name__, entries, non_persistent, model=model, tied=tied, groups=groups)
 
 
 def keys_from_spec(spec: str, model_args: dict[str, Any] | None = None) -> ModelKeys:

@@ -43,7 +43,7 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
                        checkpoint: Checkpoint | None = None, model: str | None = None,
                        model_args: dict[str, Any] | None = None, allow_missing: str | None = None,
                        allow_unexpected: str | None = None, min_loaded: float | None = None,
-                       values: bool = False) -> InspectReport:
+                       values: bool = False, select: str | None = None) -> InspectReport:
     """What `inspect` reports; with `model`, also the comparison with that model (or reference checkpoint)."""
     folder = checkpoint is None and Path(path).is_dir()
     try:
@@ -73,8 +73,10 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
                 compile_regex(pattern, flag)
         keys = keys_from_spec(model, model_args)
         model_shapes = {e.key: e.shape for e in keys.entries}
-        comparison = compare_checkpoint(ckpt, keys, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
-                                        min_loaded=min_loaded)
+        if select is not None and not any(t.key.startswith(select + ".") for t in ckpt.tensors):
+            raise UsageError(f"--select {select!r} holds no tensors in {ckpt.path}")
+        comparison = compare_checkpoint(ckpt, keys, select=select, allow_missing=allow_missing,
+                                        allow_unexpected=allow_unexpected, min_loaded=min_loaded)
         if values:
             diffs = value_differences(ckpt, model)
     elif values:

@@ -236,7 +236,7 @@ def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int)
 
 
 def run_ddp(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs: tuple[Any, ...], reference: list[Any],
-            gpus: int, timeout: float) -> RunResult:
+            gpus: int, timeout: float, select: str | None = None) -> RunResult:
     """Spawn `gpus` ranks (nccl on as many GPUs, else gloo on the CPU); each reports through a JSON file."""
     import torch
 
@@ -253,7 +253,8 @@ def run_ddp(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs: tupl
         torch.save({"inputs": list(inputs), "reference": reference}, job / "io.pt")
         (job / "job.json").write_text(json.dumps({"checkpoint": str(Path(ckpt).resolve()), "model": model_spec,
                                                   "model_args": {k: repr(v) for k, v in model_args.items()},
-                                                  "backend": backend, "world_size": world, "cwd": os.getcwd()}))
+                                                  "backend": backend, "world_size": world, "cwd": os.getcwd(),
+                                                  "select": select}))
         port = _free_port()
         procs = []
         for rank in range(world):
@@ -381,9 +382,12 @@ def first_difference(model_a: Any, model_b: Any, inputs: tuple[Any, ...]) -> str
 
 def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: InputSpec, gpus: int = 2,
            modes: tuple[Mode, ...] = (Mode.SINGLE, Mode.DP, Mode.DDP), timeout: float = 300.0,
-           summary: bool = False, compare_to: str | None = None, allow_skip: bool = False) -> VerifyReport:
+           summary: bool = False, compare_to: str | None = None, allow_skip: bool = False,
+           select: str | None = None) -> VerifyReport:
+    from dataclasses import replace
+
     from .compare import compare_checkpoint
-    from .loader import load
+    from .loader import load_into
     from .modelspec import build_model, model_keys
     from .readers import read_checkpoint
 
@@ -393,11 +397,12 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
     checkpoint.refuse_if_unsafe("verify it — nothing from it was loaded or run",
                                 f"Rescue its weights first: ckpt-doctor fix {ckpt} -o clean.pt, then verify clean.pt")
     model = build_model(model_spec, model_args, "cpu")
-    comparison = compare_checkpoint(checkpoint, model_keys(model, model_spec))
+    # Saved devices this machine lacks are no obstacle here: every run maps them to its own device.
+    comparison = replace(compare_checkpoint(checkpoint, model_keys(model, model_spec), select=select),
+                         missing_devices=())
     if not comparison.strict_ok:
         return VerifyReport(ckpt, model_spec, (), comparison, allow_skip=allow_skip)
-    state = load(ckpt, "cpu", checkpoint=checkpoint)
-    model.load_state_dict(state, strict=True)
+    load_into(model, ckpt, fix=None, device="cpu", select=select)  # the file as it is; tied names filled
     inputs = make_inputs(inputs_spec)
     device = "cuda:0" if cuda_count() else "cpu"
     runs: list[RunResult] = []
@@ -412,24 +417,24 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
             rows = tuple(module_summary(cpu_model, inputs))
         if compare_to:
             other = build_model(model_spec, model_args, "cpu")
-            other.load_state_dict(load(compare_to, "cpu"), strict=True)
+            load_into(other, compare_to, fix=None, device="cpu")
             diff_at = first_difference(cpu_model, other, inputs) or "none: every module's output agrees"
     if single.status is Status.PASS:
         if Mode.DP in modes:
             runs.append(run_dp(model, inputs, reference, gpus))
         if Mode.DDP in modes:
-            runs.append(run_ddp(ckpt, model_spec, model_args, inputs, reference, gpus, timeout))
+            runs.append(run_ddp(ckpt, model_spec, model_args, inputs, reference, gpus, timeout, select))
     return VerifyReport(ckpt, model_spec, tuple(runs), None, rows, diff_at, allow_skip)
 
 
 def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any], spec: InputSpec,
-                          allow_skip: bool) -> VerifyReport | None:
+                          allow_skip: bool, select: str | None = None) -> VerifyReport | None:
     """Launched by torchrun: join its group, run this rank, and let rank 0 report for all (across nodes too)."""
     import torch
     import torch.distributed as dist
 
     from ._ddp_worker import run_rank
-    from .loader import load
+    from .loader import load_into
     from .modelspec import build_model
 
     world = int(os.environ["WORLD_SIZE"])
@@ -441,11 +446,11 @@ def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any]
         dist.init_process_group(backend)
     try:
         model = build_model(model_spec, model_args, "cpu")
-        model.load_state_dict(load(ckpt, "cpu"), strict=True)
+        load_into(model, ckpt, fix=None, device="cpu", select=select)
         inputs = make_inputs(spec)  # seeded: every rank draws the same batch
         single, reference = run_single(model, inputs, "cpu")
         start = time.perf_counter()
-        result = run_rank(ckpt, model_spec, model_args, list(inputs), reference, backend)
+        result = run_rank(ckpt, model_spec, model_args, list(inputs), reference, backend, select)
         results: list[Any] = [None] * world
         dist.all_gather_object(results, result)
         dist.barrier()  # nobody tears the group down while a peer still uses it (gloo aborts otherwise)

@@ -21,3 +21,40 @@ def torch_view(obj, prefix: str = "") -> dict[str, tuple[list[int], str, str]]:
 
 def doctor_view(data: dict) -> dict[str, tuple[list[int], str, str]]:
     return {t["key"]: (t["shape"], t["dtype"], t["device"]) for t in data["tensors"]}
+
+
+def torch_verdict(model, state_dict) -> dict:
+    """What torch itself says when `state_dict` is really loaded into `model` (CPU tensors): the missing and
+    unexpected keys (as its post hooks see them) and the size mismatches it reports."""
+    import re
+
+    seen: dict = {}
+    handle = model.register_load_state_dict_post_hook(
+        lambda module, incompatible: seen.update(missing=list(incompatible.missing_keys),
+                                                 unexpected=list(incompatible.unexpected_keys)))
+    mismatched = []
+    try:
+        model.load_state_dict(state_dict, strict=False)
+    except RuntimeError as exc:
+        mismatched = re.findall(r"size mismatch for (.+?): copying", str(exc))
+    finally:
+        handle.remove()
+    return {"missing": seen["missing"], "unexpected": seen["unexpected"], "mismatched": mismatched}
+
+
+def torch_filled_fraction(model, state_dict) -> float:
+    """The share of the model's parameter elements (a tied Parameter once) that a real load_state_dict(strict=False)
+    writes: every parameter is set to NaN first, and what is no longer NaN afterwards was filled."""
+    import math
+
+    unique = {id(p): p for p in model.parameters()}.values()
+    with torch.no_grad():
+        for p in unique:
+            p.fill_(math.nan)
+    try:
+        model.load_state_dict(state_dict, strict=False)
+    except RuntimeError:
+        pass  # size mismatches are reported after everything else was copied
+    total = sum(p.numel() for p in unique)
+    filled = sum(p.numel() for p in unique if not torch.isnan(p).any())
+    return filled / total if total else 1.0

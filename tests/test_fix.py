@@ -421,8 +421,8 @@ def test_an_optimizer_state_dict_is_not_taken_for_the_weights(cli, tmp_path):
 
 def test_torch_size_values_stay_torch_size(cli, tmp_path):
     path = tmp_path / "shapes.pt"
-    torch.save({"w": torch.zeros(2), "b": torch.zeros(2), "c": torch.zeros(1), "param_shapes": [{"w": torch.Size([8, 4])}],
-                "empty": torch.Size([])}, path)
+    torch.save({"w": torch.zeros(2), "b": torch.zeros(2), "c": torch.zeros(1),
+                "param_shapes": [{"w": torch.Size([8, 4])}], "empty": torch.Size([])}, path)
     out = tmp_path / "out.pt"
     assert cli("fix", path, "-o", out).exit_code == 0
     loaded = torch.load(out, weights_only=True)

@@ -192,6 +192,30 @@ def test_allow_global_is_like_add_safe_globals_and_refuses_what_runs_code(tmp_pa
     assert refused.exit_code == 2 and "refused" in refused.stderr
 
 
+
+@pytest.mark.parametrize("module, name", [("transformers.training_args", "TrainingArguments"),
+                                          ("accelerate.state", "PartialState"),
+                                          ("accelerate.utils.dataclasses", "AcceleratorConfig")])
+def test_classes_whose_construction_runs_code_are_not_allow_listed(module, name):
+    """Called by REDUCE, a dataclass runs __post_init__ with arguments the file chooses (TrainingArguments opens a
+    path of the file's choosing; PartialState rewrites process-wide state): they are findings, not safe."""
+    from ckpt_doctor.safepickle.policy import Verdict, classify
+
+    assert classify(module, name)[0] is not Verdict.SAFE
+
+
+def test_fix_keeps_a_frozenset_only_when_allowed(tmp_path, cli):
+    path, out = tmp_path / "f.pt", tmp_path / "out.pt"
+    torch.save({"w": torch.zeros(2), "meta": frozenset({1, 2})}, path)
+    refused = cli("fix", path, "-o", out)
+    assert refused.exit_code == 2 and "--drop '^meta$'" in refused.stderr and not out.exists()
+    assert cli("fix", path, "-o", out, "--allow-global", "builtins.frozenset").exit_code == 0
+    with torch.serialization.safe_globals([frozenset]):
+        assert torch.load(out, weights_only=True)["meta"] == frozenset({1, 2})
+    dropped = tmp_path / "dropped.pt"
+    assert cli("fix", path, "-o", dropped, "--drop", "^meta$").exit_code == 0
+    assert list(torch.load(dropped, weights_only=True)) == ["w"]
+
 # --- scan and inspect agree: the cases where two walkers used to disagree ------------------------------------
 
 def legacy_protocol_1_payload(tmp_path, canary) -> bytes:

@@ -95,9 +95,10 @@ def _short(s: str) -> bytes:
     return b"\x8c" + bytes([len(raw)]) + raw
 
 
-NAMES = [("os", "system"), ("builtins", "eval"), ("__builtin__", "eval"), ("torch", "Size"), ("collections", "OrderedDict"),
-         ("torch._utils", "_rebuild_tensor_v2"), ("torch", "os.system"), ("mypkg.nets", "Net"), ("builtins", "str"),
-         ("copy_reg", "_reconstructor"), ("posix", "system"), ("subprocess", "Popen"), ("torch.nn.modules.linear", "Linear")]
+NAMES = [("os", "system"), ("builtins", "eval"), ("__builtin__", "eval"), ("torch", "Size"),
+         ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch", "os.system"),
+         ("mypkg.nets", "Net"), ("builtins", "str"), ("copy_reg", "_reconstructor"), ("posix", "system"),
+         ("subprocess", "Popen"), ("torch.nn.modules.linear", "Linear")]
 
 
 @st.composite
@@ -172,7 +173,8 @@ def pickle_programs(draw) -> bytes:
             out += b"Q"
         elif kind == 14:
             inner = draw(pickle_programs())
-            out += draw(st.sampled_from([b"B" + struct.pack("<I", len(inner)), b"\x8e" + struct.pack("<Q", len(inner))]))
+            out += draw(st.sampled_from([b"B" + struct.pack("<I", len(inner)),
+                                         b"\x8e" + struct.pack("<Q", len(inner))]))
             out += inner
             depth += 1
         elif kind == 15:

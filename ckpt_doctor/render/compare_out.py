@@ -11,65 +11,147 @@ from ..compare import Comparison, fix_command
 def comparison_json(c: Comparison) -> dict[str, Any]:
     return {
         "ok": c.ok,
-        "strict_load_ok": c.strict_ok,
+        "strict_load_ok": c.plain_strict_ok,
+        "verdict": verdict_text(c),
         "model": c.model,
         "state_dict_root": c.state_dict_root,
+        "fix_root": c.fix_root,
+        "oracle": "torch load_state_dict" if c.oracle else "names and shapes (a reference checkpoint)",
         "matched": len(c.matched),
         "missing": list(c.missing),
         "unexpected": list(c.unexpected),
         "mismatched": [{"key": m.key, "checkpoint_shape": list(m.checkpoint_shape), "model_shape": list(m.model_shape)}
                        for m in c.mismatched],
+        "tied": [{"key": alias, "filled_by": source} for alias, source in c.tied],
+        "errors": list(c.errors),
         "dtype_differs": [{"key": k, "checkpoint_dtype": a, "model_dtype": b} for k, a, b in c.dtype_differs],
         "non_persistent": list(c.non_persistent),
         "bn_stats_missing": list(c.bn_stats_missing),
+        "missing_devices": list(c.missing_devices),
         "allowed_missing": list(c.allowed_missing),
         "allowed_unexpected": list(c.allowed_unexpected),
         "loaded_fraction": c.loaded_fraction,
         "suggested_fix": list(c.suggested_fix),
         "fix_kind": c.fix_kind,
         "fix_loaded_fraction": c.fix_loaded_fraction,
+        "renames": [{"old": old, "new": new} for old, new in c.renames],
+        "dropped": list(c.dropped),
+        "dropped_parameters": c.leftover_elements,
+        "left_missing": list(c.left_missing),
+        "after_fix": None if c.after is None else {
+            "missing": list(c.after.missing), "unexpected": list(c.after.unexpected),
+            "mismatched": [m.key for m in c.after.mismatched], "errors": list(c.after.errors)},
         "ambiguous": list(c.ambiguous),
     }
 
 
 def verdict_rows(c: Comparison, shapes: dict[str, tuple], model_shapes: dict[str, tuple]) -> list[list[str]]:
-    """[key, verdict, checkpoint shape, model shape] rows, repeated blocks collapsed."""
+    """[key, verdict, checkpoint shape, model shape] rows: keys the fix renames shown once as `old → new`, repeated
+    blocks collapsed."""
     mismatched = {m.key for m in c.mismatched}
+    matched = set(c.matched)
     dtypes = {k for k, _, _ in c.dtype_differs}
-    entries: list[tuple[str, str]] = []
+    at = fix_prefix(c)
+    renamed = {new: at + old for old, new in c.renames}
+    renamed_old = set(renamed.values())
+    tied = dict(c.tied)
+    entries: list[tuple[str, str, tuple | None]] = []
     for key in model_shapes:
+        ck = shapes.get(key)
         if key in mismatched:
             verdict = "shape mismatch"
+        elif key in renamed and key not in matched:  # missing, or filled by the model's code (a BN counter)
+            how = "selected by the fix" if renamed[key] == at + key else "renamed by the fix"
+            entries.append((f"{renamed[key]} → {key}", how, shapes.get(renamed[key])))
+            continue
+        elif key in tied:
+            verdict = f"tied: filled by {tied[key]}"
         elif key in c.missing:
             verdict = "missing (BatchNorm stats)" if key in c.bn_stats_missing else "missing"
+        elif ck is None and key not in c.allowed_missing and c.oracle:
+            verdict = "filled by the model's loading code"  # e.g. BatchNorm's num_batches_tracked
         elif key in c.allowed_missing:
-            verdict = "missing (allowed)"
+            verdict = "missing, allowed"
         elif key in dtypes:
             verdict = "dtype differs"
         else:
             verdict = "matched"
-        entries.append((key, verdict))
-    entries += [(k, "unexpected") for k in c.unexpected]
-    entries += [(k, "unexpected (allowed)") for k in c.allowed_unexpected]
-    entries += [(k, "non-persistent buffer") for k in c.non_persistent]
-    sigs = [(v, shapes.get(k), model_shapes.get(k)) for k, v in entries]
+        entries.append((key, verdict, ck))
+    entries += [(k, "unexpected", shapes.get(k)) for k in c.unexpected if k not in renamed_old]
+    entries += [(k, "unexpected, allowed", shapes.get(k)) for k in c.allowed_unexpected]
+    entries += [(k, "non-persistent buffer", shapes.get(k)) for k in c.non_persistent]
+    model_of = {label: label.split(" → ")[-1] for label, _, _ in entries}
+    sigs = [(v, ck, model_shapes.get(model_of[k])) for k, v, ck in entries]
     rows = []
-    for label, members in collapse_labels([k for k, _ in entries], sigs):
-        key, verdict = entries[members[0]]
-        ck = shapes.get(key)
-        md = model_shapes.get(key)
+    for label, members in collapse_labels([k for k, _, _ in entries], sigs):
+        key, verdict, ck = entries[members[0]]
+        md = model_shapes.get(model_of[key])
         count = f" ×{len(members)}" if len(members) > 1 else ""
         rows.append([label, verdict + count, "" if ck is None else str(list(ck)), "" if md is None else str(list(md))])
     return rows
 
 
+def fix_prefix(c: Comparison) -> str:
+    """How the keys of the part the fix selects are spelled among the compared ones (relative to
+    `state_dict_root`, else from the file's root): `model.` for a fix that selects `state_dict.model`."""
+    if c.fix_root is None:
+        return ""
+    root = c.state_dict_root
+    if root is not None and (root == "" or c.fix_root.startswith(root + ".")):
+        return c.fix_root[len(root) + 1 if root else 0:] + "."
+    return c.fix_root + "."
+
+
+def verdict_text(c: Comparison) -> str:
+    """One line that says what the exit code says: OK, OK only with the allowances given, or FAILS and why."""
+    total = c.model_key_count or len(c.matched) + len(c.missing) + len(c.mismatched) + len(c.allowed_missing)
+    filled = f"{c.loaded_fraction:.1%} of parameters filled"
+    problems = []
+    if c.missing:
+        problems.append(f"{len(c.missing)} missing")
+    if c.unexpected:
+        problems.append(f"{len(c.unexpected)} unexpected")
+    if c.mismatched:
+        problems.append(f"{len(c.mismatched)} of another shape")
+    if c.non_persistent:
+        n = len(c.non_persistent)
+        problems.append(f"{n} non-persistent buffer{'s' if n > 1 else ''} in the file")
+    if c.errors:
+        problems.append(f"{len(c.errors)} errors from the model's loading code")
+    if c.missing_devices:
+        problems.append(f"saved on {', '.join(c.missing_devices)}, which this machine lacks (torch.load fails)")
+    n = len(c.tied)
+    tied = (f"; {n} tied name{'s' if n > 1 else ''} filled by the Parameter {'they share' if n > 1 else 'it shares'} "
+            f"(a plain load_state_dict(strict=True) calls {'them' if n > 1 else 'it'} missing until the fix line "
+            f"writes {'them' if n > 1 else 'it'})") if c.tied else ""
+    accepted = []
+    if c.allowed_missing:
+        accepted.append(f"{len(c.allowed_missing)} missing or reshaped keys accepted by --allow-missing")
+    if c.allowed_unexpected:
+        accepted.append(f"{len(c.allowed_unexpected)} extra keys accepted by --allow-unexpected")
+    low = c.min_loaded is not None and c.loaded_fraction < c.min_loaded
+    if problems:
+        return f"strict load FAILS: {', '.join(problems)}; {len(c.matched)} of {total} model keys match; {filled}"
+    if low:
+        return f"FAILS --min-loaded {c.min_loaded:.1%}: only {filled}" + \
+            (f" ({'; '.join(accepted)})" if accepted else "")
+    if accepted:
+        return f"OK with the allowances given: {'; '.join(accepted)}; {filled}{tied}"
+    if c.tied:
+        return f"loads: {len(c.matched)} of {total} model keys from the file{tied}; {filled}"
+    return f"strict load OK: {len(c.matched)} of {total} model keys loaded; {filled}"
+
+
 def comparison_lines(c: Comparison, path: str) -> list[tuple[str, str]]:
-    total = len(c.matched) + len(c.missing) + len(c.mismatched) + len(c.allowed_missing)
-    lines = [("verdict", ("strict load OK" if c.strict_ok else "strict load FAILS") +
-              f": {len(c.matched)} of {total} model keys match; {len(c.missing)} missing, {len(c.unexpected)} "
-              f"unexpected, {len(c.mismatched)} shape mismatches")]
-    lines.append(("loaded", f"{c.loaded_fraction:.1%} of the model's parameters would be filled by this file"
-                            + (f" (minimum {c.min_loaded:.1%})" if c.min_loaded is not None else "")))
+    lines = [("verdict", verdict_text(c))]
+    if not c.oracle:
+        lines.append(("compared", "names and shapes with a reference checkpoint (no model: torch's loading code "
+                                  "was not asked)"))
+    for alias, source in c.tied[:5]:
+        lines.append(("tied", f"{alias} is the same Parameter as {source}: filled by it (torch output from `fix` "
+                              "writes both names)"))
+    for message in c.errors[:5]:
+        lines.append(("error", f"from the model's own loading code: {message[:300]}"))
     if c.non_persistent:
         lines.append(("non-persistent", f"{', '.join(c.non_persistent)}: the model keeps these as non-persistent "
                                          "buffers; harmless to drop, but a strict load rejects them"))
@@ -81,29 +163,50 @@ def comparison_lines(c: Comparison, path: str) -> list[tuple[str, str]]:
         k, a, b = c.dtype_differs[0]
         lines.append(("dtype", f"{len(c.dtype_differs)} tensors differ in dtype (e.g. {k}: {a} vs {b}); "
                                "load_state_dict casts them"))
-    if c.allowed_missing or c.allowed_unexpected:
-        lines.append(("allowed", f"{len(c.allowed_missing)} missing/mismatched and {len(c.allowed_unexpected)} "
-                                 "unexpected keys accepted by --allow-missing/--allow-unexpected"))
     if c.suggested_fix:
-        if c.fix_kind == "rename":
-            how = "makes a strict load succeed"
-        elif c.fix_kind == "map-by-order":
-            how = "maps tensors by position: names differ, the shapes agree"
-        elif c.fix_kind == "partial":
-            how = "the closest match found; a strict load still fails"
-        elif c.strict_ok:
-            how = "writes the state_dict alone"
-        elif c.non_persistent and not (c.missing or c.unexpected or c.mismatched):
-            how = "drops the non-persistent buffers; then a strict load succeeds"
-        else:
-            how = (f"a strict load still fails: {len(c.mismatched)} shape mismatches, {len(c.missing)} missing — "
-                   "accept an intended change with --allow-missing")
+        how = _fix_reason(c)
         if c.fix_loaded_fraction is not None:
             how += f"; it would fill {c.fix_loaded_fraction:.1%} of the parameters"
         lines.append(("fix", f"{fix_command(path, c)}   ({how})"))
-    for pos in c.ambiguous[:10]:
-        lines.append(("ambiguous", f"position {pos} has a neighbour of the same shape: check it (verify "
-                                   "--summary --compare-to)"))
-    if len(c.ambiguous) > 10:
-        lines.append(("ambiguous", f"… {len(c.ambiguous) - 10} more"))
+    if c.after is not None and not c.after.ok and c.fix_kind == "partial":
+        left = [*c.after.missing[:3], *c.after.unexpected[:3], *(m.key for m in c.after.mismatched[:3])]
+        lines.append(("remains", f"after that fix: {len(c.after.missing)} missing, {len(c.after.unexpected)} "
+                                 f"unexpected, {len(c.after.mismatched)} of another shape ({', '.join(left[:5])}…)"))
+    if c.ambiguous:
+        lines.append(("ambiguous", f"{len(c.ambiguous)} positions share their shape with another (e.g. "
+                                   f"{c.ambiguous[0]}): any permutation of them fits; check with verify --summary "
+                                   "--compare-to"))
     return lines
+
+
+def _fix_reason(c: Comparison) -> str:
+    parts = []
+    if c.renames:
+        parts.append(f"renames {len(c.renames)} keys onto the model's")
+    leftovers = [k for k in c.dropped if k not in set(c.replaced)]
+    if leftovers:
+        parts.append(f"drops {len(leftovers)} the model has no place for ({', '.join(leftovers[:3])}"
+                     f"{'…' if len(leftovers) > 3 else ''}; {c.leftover_elements:,} parameters)")
+    if c.replaced:
+        parts.append(f"drops {len(c.replaced)} whose shape differs from the model's ({', '.join(c.replaced[:3])}"
+                     f"{'…' if len(c.replaced) > 3 else ''}: a new head?)")
+    if c.fix_kind == "allowed":
+        parts.append(f"the model keeps its own {len(c.left_missing)} there, accepted by the --allow-missing in the "
+                     "line")
+    elif c.fix_kind == "map-by-order":
+        parts.append("maps tensors by position: names differ, the shapes agree")
+        if c.ambiguous:
+            parts.append(f"it refuses while {len(c.ambiguous)} positions are ambiguous (below): add --force once "
+                         "checked")
+    elif c.fix_kind == "partial":
+        parts.append("the closest fix found; a strict load still fails")
+    if c.missing_devices:
+        parts.append(f"re-tags {', '.join(c.missing_devices)}")
+    if c.ties:
+        parts.append(f"writes {len(c.ties)} tied name{'s' if len(c.ties) > 1 else ''} as the tensor "
+                     f"{'they share' if len(c.ties) > 1 else 'it shares'} ({c.ties[0][0]})")
+    if not parts:
+        parts.append("writes the state_dict alone")
+    if c.fix_kind in ("rename", "allowed", "retag", "none"):
+        parts.append("then a strict load succeeds" if c.fix_kind != "allowed" else "then it loads")
+    return "; ".join(parts)

@@ -45,10 +45,21 @@ def inspect_table(report: InspectReport, full: bool = False) -> str:
 
 
 def comparison_table(report: InspectReport) -> str:
-    from .compare_out import verdict_rows
+    from .compare_out import fix_prefix, verdict_rows
 
-    shapes = {t.key: t.shape for t in report.checkpoint.state_dict_tensors()}
+    from ..records import relative_to_root
+
+    c = report.comparison
+    shapes = {t.key: t.shape for t in relative_to_root(report.checkpoint.tensors, c.state_dict_root)}
+    if c.fix_root is not None:  # the part the fix selects, spelled as the rows spell it
+        at = fix_prefix(c)
+        shapes.update({at + t.key: t.shape for t in relative_to_root(report.checkpoint.tensors, c.fix_root)})
     body = verdict_rows(report.comparison, shapes, report.model_shapes)
+    if report.filter:
+        from ..transforms import compile_regex
+
+        pattern = compile_regex(report.filter, "--filter")
+        body = [row for row in body if pattern.search(row[0])]
     return simple_table(["key", "verdict", "checkpoint", "model"], body)
 
 
