@@ -339,12 +339,21 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
               "checkpoints (finds a layer a mapping by order got wrong).")
 @click.option("--select", metavar="PATH", help="Verify the state_dict at PATH in the file (model_ema, "
               "state_dict.model) instead of the one found.")
+@click.option("--allow-missing", metavar="REGEX", help="Accept model keys matching REGEX being missing or of another "
+              "shape: the model keeps its own values there (a fine-tuned head), as in inspect --model.")
+@click.option("--allow-unexpected", metavar="REGEX", help="Accept (and leave out) checkpoint keys matching REGEX the "
+              "model does not have.")
+@click.option("--rtol", type=click.FloatRange(min=0), help="Relative tolerance for comparing outputs (default: "
+              "torch.testing.assert_close's for each output's dtype, x16 where the batch was split).")
+@click.option("--atol", type=click.FloatRange(min=0), help="Absolute tolerance for comparing outputs (default as "
+              "--rtol).")
 @allow_global_option
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
 def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes: tuple[str, ...], input_dtype: str,
            input_range: str, input_fn: str | None, gpus: int, modes: str, timeout: float, allow_skip: bool,
-           summary: bool, compare_to: str | None, select: str | None, allow_global: tuple[str, ...],
+           summary: bool, compare_to: str | None, select: str | None, allow_missing: str | None,
+           allow_unexpected: str | None, rtol: float | None, atol: float | None, allow_global: tuple[str, ...],
            as_json: bool) -> int:
     """Prove a checkpoint works: strict load, then run it alone, under DataParallel and under DDP.
 
@@ -377,11 +386,19 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
     if dtype is None:
         raise UsageError(f"--input-dtype {input_dtype!r} is not a torch dtype")
     spec = InputSpec(tuple(parse_shape(s) for s in input_shapes), dtype, bounds[0], bounds[1], input_fn)
+    from .outputs import Tolerance
+    from .transforms import compile_regex
+
+    for flag, pattern in (("--allow-missing", allow_missing), ("--allow-unexpected", allow_unexpected)):
+        if pattern is not None:
+            compile_regex(pattern, flag)
+    tolerance = Tolerance(rtol, atol)
     args = parse_model_args(model_args)
     if check_torchrun():
         from .verify import verify_under_torchrun
 
-        report = verify_under_torchrun(ckpt, model_spec, args, spec, allow_skip, select)
+        report = verify_under_torchrun(ckpt, model_spec, args, spec, allow_skip, select, allow_missing,
+                                       allow_unexpected, tolerance)
         code = 0 if report is None else _report_verify(report, as_json, compare_to)  # rank 0 reports for all
         # gloo's threads can abort the interpreter's teardown once a peer has left ("terminate called without an
         # active exception"): the verdict is out, so leave without that teardown.
@@ -392,7 +409,7 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
         if sys.stderr.isatty():
             say(f"verifying {ckpt} with {model_spec} (modes {modes}, --gpus {gpus}) …")
         report = run_verify(ckpt, model_spec, args, spec, gpus, parse_modes(modes), timeout, summary, compare_to,
-                            allow_skip, select)
+                            allow_skip, select, allow_missing, allow_unexpected, tolerance)
     return _report_verify(report, as_json, compare_to)
 
 
@@ -408,20 +425,27 @@ def _report_verify(report, as_json: bool, compare_to: str | None) -> int:
 
         for label, text in comparison_lines(report.comparison, report.checkpoint):
             say(f"{label:<10}  {text}")
-        say("strict load failed: nothing was run; repair the file first", color="red")
+        say("strict load failed: nothing was run; repair the file first (the fix line), or accept intended "
+            "differences with --allow-missing / --allow-unexpected", color="red")
         return 1
     if not as_json:
         click.echo(verify_table(report))
-    if report.first_difference:
-        say(f"first module whose output differs from {compare_to}: {report.first_difference}")
+    if report.compared_to:
+        say(f"first module whose output differs from {report.compared_to}: {report.first_difference}"
+            if report.first_difference else f"every module's output agrees with {report.compared_to}")
     skipped = [r.mode.value for r in report.runs if r.status.value == "skipped"]
     if report.ok:
-        say("verify: every requested mode passed" + (f" (skipped, allowed: {', '.join(skipped)})" if skipped else ""))
+        say("verify: every requested mode passed" + (f" (skipped, allowed by --allow-skip: {', '.join(skipped)})"
+                                                     if skipped else ""))
     else:
         failed = [r.mode.value for r in report.runs if r.status.value == "fail"]
         parts = [f"failed: {', '.join(failed)}"] if failed else []
+        if report.first_difference:
+            parts.append(f"outputs differ from {report.compared_to}")
         if skipped:
-            parts.append(f"skipped for lack of hardware: {', '.join(skipped)} (pass --allow-skip to accept that)")
+            parts.append(f"skipped for lack of hardware: {', '.join(skipped)}"
+                         + (" (accepted by --allow-skip)" if report.allow_skip else
+                            " (pass --allow-skip to accept that)"))
         say("verify did not pass — " + "; ".join(parts), color="red")
     return 0 if report.ok else 1
 

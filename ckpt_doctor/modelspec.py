@@ -159,7 +159,12 @@ def keys_from_spec(spec: str, model_args: dict[str, Any] | None = None) -> Model
                         for t in ref.state_dict_tensors())
         return ModelKeys(spec, entries, flags=("--model", spec))
     keys = model_keys(build_model(spec, model_args, "meta"), spec)
+    return replace(keys, flags=spec_flags(spec, model_args))
+
+
+def spec_flags(spec: str, model_args: dict[str, Any] | None = None) -> tuple[str, ...]:
+    """How a command line names this model: --model SPEC [--model-arg k=v ...]."""
     flags = ["--model", spec]
     for k, v in (model_args or {}).items():
         flags += ["--model-arg", f"{k}={v!r}"]
-    return replace(keys, flags=tuple(flags))
+    return tuple(flags)

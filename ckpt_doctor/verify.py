@@ -10,11 +10,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ._ddp_worker import RankJob, RankResult, run_rank, user_frame, write_job
 from .errors import UsageError
+from .outputs import Tolerance, compare_outputs, flat_outputs
 
 
 class Mode(str, enum.Enum):
@@ -39,7 +41,10 @@ class RunResult:
     max_abs_diff: float | None
     seconds: float
     detail: str
-    peak_memory: dict[str, int] = field(default_factory=dict)  # CUDA device -> peak bytes
+    peak_memory: dict[str, int] = field(default_factory=dict)  # "cuda:0" (allocated) or "cpu" (RSS) -> peak bytes
+    rtol: float | None = None  # the tolerance its outputs were compared with
+    atol: float | None = None
+    ranks: tuple[Any, ...] = ()  # DDP: each rank's RankResult
 
 
 @dataclass(frozen=True)
@@ -57,12 +62,16 @@ class VerifyReport:
     runs: tuple[RunResult, ...]
     comparison: Any = None  # the strict-load verdict when it failed
     summary: tuple[ModuleRow, ...] = ()
-    first_difference: str | None = None
+    first_difference: str | None = None  # with compared_to: the first module whose output differs
     allow_skip: bool = False
+    compared_to: str | None = None
+    tolerance: Tolerance = Tolerance()
 
     @property
     def ok(self) -> bool:
         if self.comparison is not None and not self.comparison.strict_ok:
+            return False
+        if self.first_difference is not None:
             return False
         allowed = {Status.PASS, Status.SKIPPED} if self.allow_skip else {Status.PASS}
         return bool(self.runs) and all(r.status in allowed for r in self.runs)
@@ -117,39 +126,6 @@ def make_inputs(spec: InputSpec) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def tolerance(dtype: Any) -> float:
-    import torch
-
-    return {torch.float64: 1e-9, torch.float16: 1e-2, torch.bfloat16: 2e-2}.get(dtype, 1e-4)
-
-
-def flat_outputs(out: Any) -> list[Any]:
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        return [t for v in out.values() for t in flat_outputs(v)]
-    if isinstance(out, (list, tuple)):
-        return [t for v in out for t in flat_outputs(v)]
-    if hasattr(out, "to_tuple"):
-        return flat_outputs(out.to_tuple())
-    return []
-
-
-def max_diff(a: list[Any], b: list[Any]) -> tuple[float, float]:
-    """(max |a-b|, the tolerance scaled to the reference's magnitude)."""
-    worst, tol = 0.0, 0.0
-    for x, y in zip(a, b):
-        x, y = x.detach().double().cpu(), y.detach().double().cpu()
-        if x.shape != y.shape:
-            return float("inf"), 0.0
-        if x.numel():
-            worst = max(worst, float((x - y).abs().max()))
-            tol = max(tol, tolerance(y.dtype) * max(1.0, float(y.abs().max())))
-    return worst, tol
-
-
 def cuda_count() -> int:
     import torch
 
@@ -161,8 +137,13 @@ def _to(inputs: tuple[Any, ...], device: Any) -> tuple[Any, ...]:
 
 
 def _peak(devices: list[int]) -> dict[str, int]:
+    """The CUDA devices' peak allocations; on the CPU, this process's peak RSS."""
     import torch
 
+    if not devices:
+        import resource
+
+        return {"cpu": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     return {f"cuda:{d}": int(torch.cuda.max_memory_allocated(d)) for d in devices}
 
 
@@ -187,7 +168,8 @@ def run_single(model: Any, inputs: tuple[Any, ...], device: str) -> tuple[RunRes
     except Exception as exc:  # the user's forward can raise anything; it is this run's verdict, not a crash
         message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         return RunResult(Mode.SINGLE, 1, "-", (device,), Status.FAIL, None, time.perf_counter() - start,
-                         f"forward failed: {type(exc).__name__}: {message} (check --input-shape)"), []
+                         f"forward failed: {type(exc).__name__}: {message}"
+                         + (f" (at {user_frame(exc)})" if user_frame(exc) else "") + " (check --input-shape)"), []
     elapsed = time.perf_counter() - start
     if not out:
         return RunResult(Mode.SINGLE, 1, "-", (device,), Status.FAIL, None, elapsed,
@@ -202,7 +184,8 @@ def run_single(model: Any, inputs: tuple[Any, ...], device: str) -> tuple[RunRes
                      _peak(cuda)), [t.detach().cpu() for t in out]
 
 
-def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int) -> RunResult:
+def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int,
+           tolerance: Tolerance = Tolerance()) -> RunResult:
     import torch
 
     start = time.perf_counter()
@@ -211,79 +194,86 @@ def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int)
         wrapped = torch.nn.DataParallel(model.cpu().eval())
         with torch.no_grad():
             out = flat_outputs(wrapped(*inputs))
-        diff, tol = max_diff(out, reference)
-        status = Status.FAIL if diff > tol else Status.SKIPPED
+        diff = compare_outputs(out, reference, tolerance)
+        status = Status.SKIPPED if diff.ok else Status.FAIL
         detail = (f"no CUDA device: ran nn.DataParallel on the CPU, where it only calls the model (outputs "
-                  f"{'match' if diff <= tol else 'DIFFER'}); a {gpus}-GPU run needs {gpus} GPUs")
-        return RunResult(Mode.DP, 1, "-", ("cpu",), status, diff, time.perf_counter() - start, detail)
+                  f"{'match' if diff.ok else 'DIFFER: ' + diff.detail}); a {gpus}-GPU run needs {gpus} GPUs")
+        return RunResult(Mode.DP, 1, "-", ("cpu",), status, diff.max_abs_diff, time.perf_counter() - start, detail,
+                         _peak([]), diff.rtol, diff.atol)
     used = list(range(min(gpus, have)))
     _reset_peak(used)
     wrapped = torch.nn.DataParallel(model.to(f"cuda:{used[0]}").eval(), device_ids=used)
     with torch.no_grad():
         out = flat_outputs(wrapped(*_to(inputs, f"cuda:{used[0]}")))
-    diff, tol = max_diff(out, reference)
+    diff = compare_outputs(out, reference, tolerance, split=len(used) > 1)
     elapsed = time.perf_counter() - start
     devices = tuple(f"cuda:{d}" for d in used)
-    if diff > tol:
-        return RunResult(Mode.DP, len(used), "-", devices, Status.FAIL, diff, elapsed,
-                         f"outputs differ from single by {diff:.3g} (tolerance {tol:.3g})", _peak(used))
+    if not diff.ok:
+        return RunResult(Mode.DP, len(used), "-", devices, Status.FAIL, diff.max_abs_diff, elapsed,
+                         f"outputs differ from single: {diff.describe()}; {diff.detail}", _peak(used), diff.rtol,
+                         diff.atol)
     if len(used) < gpus:
-        return RunResult(Mode.DP, len(used), "-", devices, Status.SKIPPED, diff, elapsed,
+        return RunResult(Mode.DP, len(used), "-", devices, Status.SKIPPED, diff.max_abs_diff, elapsed,
                          f"needs {gpus} CUDA devices, found {have}: ran DataParallel on {', '.join(devices)} only "
-                         "(outputs match single)", _peak(used))
-    return RunResult(Mode.DP, len(used), "-", devices, Status.PASS, diff, elapsed,
-                     f"scatter/gather over {len(used)} GPUs matches single", _peak(used))
+                         f"(outputs match single: {diff.describe()})", _peak(used), diff.rtol, diff.atol)
+    return RunResult(Mode.DP, len(used), "-", devices, Status.PASS, diff.max_abs_diff, elapsed,
+                     f"scatter/gather over {len(used)} GPUs matches single ({diff.describe()})", _peak(used),
+                     diff.rtol, diff.atol)
 
 
-def run_ddp(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs: tuple[Any, ...], reference: list[Any],
-            gpus: int, timeout: float, select: str | None = None) -> RunResult:
-    """Spawn `gpus` ranks (nccl on as many GPUs, else gloo on the CPU); each reports through a JSON file."""
+def run_ddp(job: RankJob, inputs: tuple[Any, ...], reference: list[Any], timeout: float) -> RunResult:
+    """Spawn the job's ranks (nccl on as many GPUs, else gloo on the CPU); each reports a RankResult as JSON."""
     import torch
 
     start = time.perf_counter()
-    world = gpus
-    have = cuda_count()
-    backend = "nccl" if have >= world and torch.distributed.is_nccl_available() else "gloo"
-    if inputs[0].shape[0] < world:
-        return RunResult(Mode.DDP, world, backend, (), Status.FAIL, None, 0.0,
-                         f"the batch ({inputs[0].shape[0]}) is smaller than the world size ({world}); give a batch "
-                         "of at least one sample per rank")
     with tempfile.TemporaryDirectory(prefix="ckpt-doctor-ddp-") as tmp:
-        job = Path(tmp)
-        torch.save({"inputs": list(inputs), "reference": reference}, job / "io.pt")
-        (job / "job.json").write_text(json.dumps({"checkpoint": str(Path(ckpt).resolve()), "model": model_spec,
-                                                  "model_args": {k: repr(v) for k, v in model_args.items()},
-                                                  "backend": backend, "world_size": world, "cwd": os.getcwd(),
-                                                  "select": select}))
+        folder = Path(tmp)
+        torch.save({"inputs": list(inputs), "reference": reference}, folder / "io.pt")
+        write_job(folder, job)
         port = _free_port()
         procs = []
-        for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        for rank in range(job.world_size):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(job.world_size), LOCAL_RANK=str(rank),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                       CKPT_DOCTOR_DDP_JOB=str(job))
+                       CKPT_DOCTOR_DDP_JOB=str(folder))
             procs.append(subprocess.Popen([sys.executable, "-m", "ckpt_doctor._ddp_worker"], env=env,
-                                          stdout=subprocess.DEVNULL, stderr=open(job / f"rank{rank}.log", "wb"),
+                                          stdout=subprocess.DEVNULL, stderr=open(folder / f"rank{rank}.log", "wb"),
                                           start_new_session=True))
         failed = _wait(procs, timeout)
-        results = [_rank_result(job, r, p, failed) for r, p in enumerate(procs)]
-    elapsed = time.perf_counter() - start
-    devices = tuple(r.get("device", "?") for r in results)
-    # A rank that died or hung comes first: its peers' errors (a closed socket) are only the echo.
-    errors = sorted((r for r in results if r.get("status") != "pass"),
-                    key=lambda r: (not r.get("root_cause"), r["rank"]))
-    diff = max((r.get("max_abs_diff") or 0.0 for r in results), default=0.0)
-    peak = {r["device"]: r["peak_memory"] for r in results if r.get("peak_memory")}
-    where = f"gloo on the CPU ({have} CUDA device{'s' if have != 1 else ''} here, {world} needed for nccl)" \
-        if backend == "gloo" else f"nccl on {world} GPUs"
+        results = [_rank_result(folder, r, p, failed) for r, p in enumerate(procs)]
+    return ddp_outcome(results, job.backend, inputs[0].shape[0], time.perf_counter() - start)
+
+
+def ddp_outcome(results: list[RankResult], backend: str, batch: int, elapsed: float,
+                launcher: str | None = None) -> RunResult:
+    """The DDP run's verdict from its ranks' records: a rank that failed on its own comes first (its peers'
+    closed connections are only the echo), with its exception and the model line that raised."""
+    world = len(results)
+    have = cuda_count()
+    devices = tuple(r.device for r in results)
+    errors = sorted((r for r in results if r.status != "pass"), key=lambda r: (not r.root_cause, r.rank))
+    diff = max((r.max_abs_diff or 0.0 for r in results), default=0.0)
+    rtol = max((r.rtol for r in results if r.rtol is not None), default=None)
+    atol = max((r.atol for r in results if r.atol is not None), default=None)
+    peak = {(r.device if backend == "nccl" else f"rank {r.rank} (RSS)"): r.peak_memory for r in results
+            if r.peak_memory}
+    where = launcher or (f"gloo on the CPU ({have} CUDA device{'s' if have != 1 else ''} here, {world} needed for "
+                         "nccl)" if backend == "gloo" else f"nccl on {world} GPUs")
+    sizes = sorted({len(r.samples) for r in results if r.samples})
+    split = ""
+    if batch % world:
+        split = (f"; batch {batch} split as DistributedSampler does: {sizes[-1] if sizes else '?'} samples per rank, "
+                 f"{-(-batch // world) * world - batch} repeated")
     if errors:
         first = errors[0]
-        also = f" (also: {', '.join(str(r['rank']) for r in errors[1:])} failed too)" \
-            if len(errors) > 1 else ""
+        at = f" (at {first.where})" if first.where else ""
+        also = f" (also: rank {', '.join(str(r.rank) for r in errors[1:])} failed)" if len(errors) > 1 else ""
         return RunResult(Mode.DDP, world, backend, devices, Status.FAIL, diff, elapsed,
-                         f"rank {first['rank']}: {first.get('error', 'failed')}{also}", peak)
+                         f"rank {first.rank}: {first.error or 'failed'}{at}{also}", peak, rtol, atol, tuple(results))
+    tol = f" within rtol {rtol:.3g}, atol {atol:.3g}" if rtol is not None and atol is not None else ""
     return RunResult(Mode.DDP, world, backend, devices, Status.PASS, diff, elapsed,
-                     f"{where}: shard outputs match single, one backward + SGD step, replicas identical, "
-                     "state_dict round-trip exact", peak)
+                     f"{where}: shard outputs match single{tol}{split}; one backward + SGD step, replicas identical, "
+                     "state_dict round-trip exact", peak, rtol, atol, tuple(results))
 
 
 def _free_port() -> int:
@@ -321,20 +311,19 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> dict[int, str]:
     return reasons
 
 
-def _rank_result(job: Path, rank: int, proc: subprocess.Popen, reasons: dict[int, str]) -> dict[str, Any]:
-    path = job / f"rank{rank}.json"
+def _rank_result(folder: Path, rank: int, proc: subprocess.Popen, reasons: dict[int, str]) -> RankResult:
+    path = folder / f"rank{rank}.json"
     if path.exists():
-        result = json.loads(path.read_text())
-        if proc.returncode == 0 or result.get("status") == "fail":
+        result = RankResult.from_json(json.loads(path.read_text()))
+        if proc.returncode == 0 or result.status == "fail":
             return result
     if rank in reasons:
-        return {"rank": rank, "status": "fail", "error": reasons[rank], "root_cause": "hung" in reasons[rank]}
+        return RankResult(rank, error=reasons[rank], root_cause="hung" in reasons[rank])
     code = proc.returncode
     how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with {code}"
-    log = (job / f"rank{rank}.log").read_text(errors="replace").strip().splitlines()
+    log = (folder / f"rank{rank}.log").read_text(errors="replace").strip().splitlines()
     last = next((line for line in reversed(log) if line.strip()), "")
-    return {"rank": rank, "status": "fail", "error": f"{how}" + (f": {last[-200:]}" if last else ""),
-            "root_cause": True}
+    return RankResult(rank, error=how + (f": {last[-200:]}" if last else ""))
 
 
 def _run_with_leaf_hooks(model: Any, inputs: tuple[Any, ...], on_output: Callable[[str, Any, Any], None]) -> None:
@@ -364,8 +353,10 @@ def module_summary(model: Any, inputs: tuple[Any, ...]) -> list[ModuleRow]:
     return rows
 
 
-def first_difference(model_a: Any, model_b: Any, inputs: tuple[Any, ...]) -> str | None:
-    """The first leaf module (in execution order) whose output differs between two loaded models."""
+def first_difference(model_a: Any, model_b: Any, inputs: tuple[Any, ...],
+                     tolerance: Tolerance = Tolerance()) -> str | None:
+    """The first leaf module (in execution order) whose output differs between two loaded models (assert_close's
+    rule, at the default tolerance of each output's dtype: the same batch, the same kernels)."""
 
     def outputs(model: Any) -> list[tuple[str, list[Any]]]:
         seen: list[tuple[str, list[Any]]] = []
@@ -374,21 +365,26 @@ def first_difference(model_a: Any, model_b: Any, inputs: tuple[Any, ...]) -> str
         return seen
 
     for (name, a), (_, b) in zip(outputs(model_a), outputs(model_b)):
-        diff, tol = max_diff(a, b)
-        if diff > tol:
-            return f"{name} (max |diff| {diff:.3g})"
+        diff = compare_outputs(a, b, tolerance)
+        if not diff.ok:
+            return f"{name} ({diff.describe()})"
     return None
 
 
 def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: InputSpec, gpus: int = 2,
            modes: tuple[Mode, ...] = (Mode.SINGLE, Mode.DP, Mode.DDP), timeout: float = 300.0,
            summary: bool = False, compare_to: str | None = None, allow_skip: bool = False,
-           select: str | None = None) -> VerifyReport:
+           select: str | None = None, allow_missing: str | None = None, allow_unexpected: str | None = None,
+           tolerance: Tolerance = Tolerance()) -> VerifyReport:
+    """Strict load (with the allowances given), then the runs asked for. `compare_to` is loaded with the fix
+    `inspect --model` infers for it, so the file a checkpoint was repaired from compares as it is."""
     from dataclasses import replace
+
+    import torch
 
     from .compare import compare_checkpoint
     from .loader import load_into
-    from .modelspec import build_model, model_keys
+    from .modelspec import build_model, model_keys, spec_flags
     from .readers import read_checkpoint
 
     if gpus < 1:
@@ -396,13 +392,18 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
     checkpoint = read_checkpoint(ckpt)
     checkpoint.refuse_if_unsafe("verify it — nothing from it was loaded or run",
                                 f"Rescue its weights first: ckpt-doctor fix {ckpt} -o clean.pt, then verify clean.pt")
+    torch.manual_seed(SEED)  # every process builds the model after this seed: keys the file lacks start equal
     model = build_model(model_spec, model_args, "cpu")
     # Saved devices this machine lacks are no obstacle here: every run maps them to its own device.
-    comparison = replace(compare_checkpoint(checkpoint, model_keys(model, model_spec), select=select),
+    keys = replace(model_keys(model, model_spec), flags=spec_flags(model_spec, model_args))
+    comparison = replace(compare_checkpoint(checkpoint, keys, select=select,
+                                            allow_missing=allow_missing, allow_unexpected=allow_unexpected),
                          missing_devices=())
     if not comparison.strict_ok:
         return VerifyReport(ckpt, model_spec, (), comparison, allow_skip=allow_skip)
-    load_into(model, ckpt, fix=None, device="cpu", select=select)  # the file as it is; tied names filled
+    # the file as it is: tied names filled, what the allowances accept kept from the model
+    load_into(model, ckpt, fix=None, device="cpu", select=select, allow_missing=allow_missing,
+              allow_unexpected=allow_unexpected)
     inputs = make_inputs(inputs_spec)
     device = "cuda:0" if cuda_count() else "cpu"
     runs: list[RunResult] = []
@@ -416,24 +417,34 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
         if summary:
             rows = tuple(module_summary(cpu_model, inputs))
         if compare_to:
+            torch.manual_seed(SEED)
             other = build_model(model_spec, model_args, "cpu")
-            load_into(other, compare_to, fix=None, device="cpu")
-            diff_at = first_difference(cpu_model, other, inputs) or "none: every module's output agrees"
+            load_into(other, compare_to, fix="auto", device="cpu", allow_missing=allow_missing,
+                      allow_unexpected=allow_unexpected)
+            diff_at = first_difference(cpu_model, other, inputs, tolerance)
     if single.status is Status.PASS:
         if Mode.DP in modes:
-            runs.append(run_dp(model, inputs, reference, gpus))
+            runs.append(run_dp(model, inputs, reference, gpus, tolerance))
         if Mode.DDP in modes:
-            runs.append(run_ddp(ckpt, model_spec, model_args, inputs, reference, gpus, timeout, select))
-    return VerifyReport(ckpt, model_spec, tuple(runs), None, rows, diff_at, allow_skip)
+            backend = "nccl" if cuda_count() >= gpus and torch.distributed.is_nccl_available() else "gloo"
+            job = RankJob(str(Path(ckpt).resolve()), model_spec, {k: repr(v) for k, v in model_args.items()},
+                          backend, gpus, os.getcwd(), select, allow_missing, allow_unexpected, tolerance.rtol,
+                          tolerance.atol, SEED)
+            runs.append(run_ddp(job, inputs, reference, timeout))
+    return VerifyReport(ckpt, model_spec, tuple(runs), None, rows, diff_at, allow_skip, compare_to, tolerance)
+
+
+SEED = 0
 
 
 def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any], spec: InputSpec,
-                          allow_skip: bool, select: str | None = None) -> VerifyReport | None:
+                          allow_skip: bool, select: str | None = None, allow_missing: str | None = None,
+                          allow_unexpected: str | None = None,
+                          tolerance: Tolerance = Tolerance()) -> VerifyReport | None:
     """Launched by torchrun: join its group, run this rank, and let rank 0 report for all (across nodes too)."""
     import torch
     import torch.distributed as dist
 
-    from ._ddp_worker import run_rank
     from .loader import load_into
     from .modelspec import build_model
 
@@ -445,27 +456,28 @@ def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any]
             torch.cuda.set_device(local)
         dist.init_process_group(backend)
     try:
+        torch.manual_seed(SEED)
         model = build_model(model_spec, model_args, "cpu")
-        load_into(model, ckpt, fix=None, device="cpu", select=select)
+        load_into(model, ckpt, fix=None, device="cpu", select=select, allow_missing=allow_missing,
+                  allow_unexpected=allow_unexpected)
         inputs = make_inputs(spec)  # seeded: every rank draws the same batch
         single, reference = run_single(model, inputs, "cpu")
         start = time.perf_counter()
-        result = run_rank(ckpt, model_spec, model_args, list(inputs), reference, backend, select)
-        results: list[Any] = [None] * world
-        dist.all_gather_object(results, result)
+        job = RankJob(str(Path(ckpt).resolve()), model_spec, {k: repr(v) for k, v in model_args.items()}, backend,
+                      world, os.getcwd(), select, allow_missing, allow_unexpected, tolerance.rtol, tolerance.atol,
+                      SEED)
+        result = run_rank(job, list(inputs), reference)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, asdict(result))
         dist.barrier()  # nobody tears the group down while a peer still uses it (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()
     if int(os.environ["RANK"]) != 0:
         return None
-    errors = [r for r in results if r["status"] != "pass"]
-    diff = max((r.get("max_abs_diff") or 0.0 for r in results), default=0.0)
-    run = RunResult(Mode.DDP, world, backend, tuple(r["device"] for r in results),
-                    Status.FAIL if errors else Status.PASS, diff, time.perf_counter() - start,
-                    f"rank {errors[0]['rank']}: {errors[0].get('error')}" if errors else
-                    f"joined torchrun's group ({backend}, {world} ranks): shards match, replicas identical after a "
-                    "step, state_dict round-trip exact")
-    return VerifyReport(ckpt, model_spec, (single, run), allow_skip=allow_skip)
+    results = [RankResult.from_json(r) for r in gathered]
+    run = ddp_outcome(results, backend, inputs[0].shape[0], time.perf_counter() - start,
+                      launcher=f"joined torchrun's group ({backend}, {world} ranks)")
+    return VerifyReport(ckpt, model_spec, (single, run), allow_skip=allow_skip, tolerance=tolerance)
 
 
 def check_torchrun() -> bool:
