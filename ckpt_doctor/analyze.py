@@ -158,8 +158,16 @@ def human_bytes(n: int) -> str:
 
 
 def parameter_count(ckpt: Checkpoint) -> int:
-    """Elements in floating tensors of the state_dict (what people mean by "parameters")."""
+    """Elements in floating tensors of the state_dict (what people mean by "parameters"), a tied one once."""
     from .dtypes import FLOATING
 
     tensors = ckpt.state_dict_tensors() or ckpt.tensors
-    return sum(t.numel for t in tensors if t.dtype in FLOATING or t.dtype.startswith("complex"))
+    seen: set[tuple] = set()  # one tensor under two names (tied weights) is counted once
+    total = 0
+    for t in tensors:
+        if t.dtype in FLOATING or t.dtype.startswith("complex"):
+            ident = (t.storage.ident, t.storage_offset, t.shape, t.stride) if t.storage is not None else (t.key,)
+            if ident not in seen:
+                seen.add(ident)
+                total += t.numel
+    return total

@@ -43,6 +43,7 @@ class LoadCheck:
     errors: tuple[str, ...] = ()  # anything else the model's own loading code reported
     matched: tuple[str, ...] = ()
     filled: frozenset[str] | None = None  # model names whose tensor torch's loading code copied into (None: unknown)
+    overwritten: tuple[tuple[str, str], ...] = ()  # (key whose value stays, key copied first into one Parameter)
 
     @property
     def ok(self) -> bool:
@@ -84,11 +85,13 @@ class Comparison:
     model_key_count: int = 0
     fix_root: str | None = None  # the part of the file the fix selects, when not `state_dict_root`
     leftover_elements: int = 0  # elements of the dropped leftovers (not of a replaced head)
+    # (key that stays, key overwritten): two different tensors of the file loaded into one tied Parameter
+    tie_conflicts: tuple[tuple[str, str], ...] = ()
     ties: tuple[tuple[str, str], ...] = ()  # (alias, key) the fix writes as one tensor (names after the fix)
 
     @property
     def strict_ok(self) -> bool:
-        return not (self.missing or self.unexpected or self.mismatched or self.non_persistent or self.errors
+        return not (self.missing or self.unexpected or self.mismatched or self.errors
                     or self.missing_devices)
 
     @property
@@ -167,8 +170,18 @@ def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], meta
     matched = tuple(k for k in sd if k not in bad and k not in set(unexpected))
     filled = frozenset(name for name, t in [*model.named_parameters(remove_duplicate=False),
                                             *model.named_buffers(remove_duplicate=False)] if id(t) in copied.ids)
+    key_of = {id(t): k for k, t in sd.items()}
+    last: dict[int, str] = {}
+    overwritten: list[tuple[str, str]] = []
+    for target, source in copied.order:  # one Parameter filled from two keys: the last copy is what stays
+        key = key_of.get(source)
+        if key is None:
+            continue
+        if target in last and last[target] != key:
+            overwritten.append((key, last[target]))
+        last[target] = key
     return LoadCheck(tuple(missing), tuple(unexpected), tuple(mismatched), tuple(tied), tuple(errors), matched,
-                     filled)
+                     filled, tuple(overwritten))
 
 
 class _CopyTargets:
@@ -177,17 +190,20 @@ class _CopyTargets:
 
     def __init__(self) -> None:
         self.ids: set[int] = set()
+        self.order: list[tuple[int, int]] = []  # (target, source) of every copy, in order
         self._mode: Any = None
 
     def __enter__(self) -> "_CopyTargets":
         from torch.overrides import TorchFunctionMode
 
-        ids = self.ids
+        ids, order = self.ids, self.order
 
         class Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 if getattr(func, "__name__", "") == "copy_" and args:
                     ids.add(id(args[0]))
+                    if len(args) > 1:
+                        order.append((id(args[0]), id(args[1])))
                 return func(*args, **(kwargs or {}))
 
         self._mode = Mode()
@@ -310,8 +326,8 @@ def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str 
     check = _check(model, entries, metadata)
     by_key = model.by_key()
     np_set = set(model.non_persistent)
-    non_persistent = tuple(k for k in check.unexpected if k in np_set)
-    unexpected = [k for k in check.unexpected if k not in np_set]
+    non_persistent = tuple(k for k in check.unexpected if k in np_set)  # of the unexpected keys: named as such
+    unexpected = list(check.unexpected)
     fraction = _fraction(model, check)
     dtypes = tuple((t.key, t.dtype, by_key[t.key].dtype) for t in tensors
                    if t.key in by_key and t.key in check.matched and t.dtype != by_key[t.key].dtype)
@@ -338,15 +354,30 @@ def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str 
         model=model.source, state_dict_root=root, fix_root=fix.root, matched=check.matched, missing=missing,
         unexpected=tuple(k for k in unexpected if k not in allowed_u),
         mismatched=tuple(m for m in check.mismatched if m.key not in allowed_m), dtype_differs=dtypes,
-        non_persistent=non_persistent, loaded_fraction=round(fraction, 6), suggested_fix=tuple(flags),
-        fix_kind=fix.kind, fix_loaded_fraction=None if fix.fraction is None else round(fix.fraction, 6),
+        non_persistent=tuple(k for k in non_persistent if k not in allowed_u), loaded_fraction=fraction,
+        suggested_fix=tuple(flags),
+        fix_kind=fix.kind, fix_loaded_fraction=fix.fraction,
         ambiguous=tuple(fix.ambiguous), bn_stats_missing=bn_missing, allowed_missing=tuple(allowed_m),
         allowed_unexpected=tuple(allowed_u), min_loaded=min_loaded, transforms=tuple(fix.transforms),
         tied=check.tied, errors=check.errors, renames=tuple(fix.kept if fix.root is not None else fix.renames),
         dropped=tuple(fix.dropped),
         left_missing=tuple(fix.left_missing), after=fix.after, oracle=model.model is not None,
         replaced=tuple(fix.replaced), model_key_count=len(model.entries), ties=tuple(ties),
-        leftover_elements=leftover_elements)
+        leftover_elements=leftover_elements, tie_conflicts=_different_tensors(check.overwritten, tensors))
+
+
+def _different_tensors(pairs: tuple[tuple[str, str], ...],
+                       tensors: list[TensorRecord]) -> tuple[tuple[str, str], ...]:
+    """The pairs of keys that are not one tensor of the file under two names (a tied pair written tied)."""
+    by_key = {t.key: t for t in tensors}
+
+    def ident(key: str) -> tuple:
+        t = by_key.get(key)
+        if t is None or t.storage is None:
+            return (key,)
+        return (t.storage.ident, t.storage_offset, t.shape, t.stride)
+
+    return tuple((kept, lost) for kept, lost in pairs if ident(kept) != ident(lost))
 
 
 def _check(model: ModelKeys, entries: list[tuple[str, tuple[int, ...], str]], metadata: Any) -> LoadCheck:
@@ -456,7 +487,10 @@ def infer_fix(tensors: list[TensorRecord], model: ModelKeys, check: LoadCheck, *
             return Fix(kind="map-by-order", fraction=1.0, ambiguous=by_order)
     if fix.kind == "partial" and (fix.fraction or 0) <= _fraction(model, check) and not fix.dropped:
         fix = Fix()
-    if fix.kind == "none" and check.missing and not (check.unexpected or check.mismatched or check.errors):
+    if fix.kind in ("allowed", "partial") and not fix.fraction:
+        fix = Fix()  # a fix that fills nothing (drops every key, accepts every one missing) is no fix
+    if fix.kind == "none" and check.missing and not (check.unexpected or check.mismatched or check.errors) \
+            and _fraction(model, check) > 0:
         # Nothing in the file can fill them (a counter older files lack): loading is right only if the user
         # accepts that the model keeps its own values there, which the line says with --allow-missing.
         return Fix(kind="allowed", left_missing=list(check.missing), after=check, fraction=_fraction(model, check))

@@ -126,6 +126,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     notes: list[str] = []
     transforms = list(opts.transforms)
     select = opts.select
+    auto_select = False
     if opts.auto or opts.map_by_order or opts.reorder:
         if opts.model is None:
             raise UsageError("--auto, --map-by-order and --reorder need --model SPEC")
@@ -135,7 +136,8 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         from .compare import compare_checkpoint
 
         comparison = compare_checkpoint(ckpt, opts.model, select=select)
-        if select is None and (comparison.fix_root or comparison.state_dict_root):
+        auto_select = select is None and bool(comparison.fix_root or comparison.state_dict_root)
+        if auto_select:
             select = comparison.fix_root or comparison.state_dict_root
         transforms += list(comparison.transforms)
         if comparison.fix_kind == "map-by-order":
@@ -149,7 +151,8 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     root = select if select is not None else ckpt.state_dict_root
     if select is not None:
         _check_select(ckpt, select)
-        applied.append(f"--select {select}")
+        if not (opts.auto and auto_select):  # --auto's own --select is already in its line
+            applied.append(f"--select {select}")
     if root is None:
         raise PlanError(f"{ckpt.path}: no state_dict found to repair; name the part to write with --select PATH")
     flat_output = select is not None or fmt is OutputFormat.SAFETENSORS or root == "" or _is_module_root(ckpt, root)

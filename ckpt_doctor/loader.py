@@ -127,8 +127,8 @@ def load_into(model: Any, path: str | Path, fix: str | None = "auto", device: An
     for key in [k for k in fixed if unexpected_ok and unexpected_ok.search(k) and k not in keys.by_key()]:
         del fixed[key]
     own = model.state_dict()
-    for key, value in own.items():  # accepted as missing: the model keeps its own value
-        if key not in fixed and missing_ok and missing_ok.search(key):
+    for key, value in own.items():  # accepted as missing or reshaped: the model keeps its own value
+        if missing_ok and missing_ok.search(key) and (key not in fixed or _shape(fixed[key]) != _shape(value)):
             fixed[key] = value
     try:
         model.load_state_dict(fixed, strict=True)
@@ -145,3 +145,7 @@ def load_into(model: Any, path: str | Path, fix: str | None = "auto", device: An
     after = compare_tensors(loaded, keys, root=root, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
     return _replace(after, suggested_fix=before.suggested_fix, fix_kind=before.fix_kind,
                     transforms=tuple(transforms), renames=before.renames, dropped=before.dropped)
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.shape) if hasattr(value, "shape") else None

@@ -114,10 +114,17 @@ def build_model(spec: str, model_args: dict[str, Any] | None = None, device: str
     factory = resolve_attr(spec)
     if not callable(factory):
         raise ModelSpecError(f"--model {spec!r} is not a class or a factory function")
+    import warnings
+
     try:
-        with torch.device(device):
+        with torch.device(device), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a constructor copying into meta parameters: "... is a no-op"
             model = factory(**(model_args or {}))
     except Exception as exc:  # the user's constructor can raise anything
+        if device == "meta":
+            # Some constructors read their own weights back (`.item()`, `.numpy()`), which meta tensors cannot
+            # do: build that model on the CPU (its own code, its own memory) rather than not at all.
+            return build_model(spec, model_args, "cpu")
         args = ", ".join(f"{k}={v!r}" for k, v in (model_args or {}).items())
         raise ModelSpecError(f"--model {spec!r}: building {getattr(factory, '__name__', spec)}({args}) failed: "
                              f"{type(exc).__name__}: {exc}") from None

@@ -318,10 +318,12 @@ def find_state_dict_root(flat: Flat) -> tuple[str | None, tuple[str, ...]]:
         return "", tuple(sorted(p for p in candidates if p))
     # Drop candidates nested in another candidate (a module inside a state_dict holder).
     top = {p: n for p, n in candidates.items() if not any(p.startswith(q + ".") for q in candidates if q != p)}
-    for name in STATE_DICT_NAMES:
-        if name in top:
-            root = name
-            break
+    # The model's own weights before a copy of them (EMA, teacher): by the name of the container's last part
+    # (`state_dict.model` as `model`), else the biggest.
+    rank = {name: i for i, name in enumerate(STATE_DICT_NAMES)}
+    named = [p for p in top if p.rsplit(".", 1)[-1] in rank]
+    if named:
+        root = min(named, key=lambda p: (rank[p.rsplit(".", 1)[-1]], p.count("."), p))
     else:
         root = max(top, key=lambda p: (top[p], -len(p)))
     return root, tuple(p for p in top if p != root)

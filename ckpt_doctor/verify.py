@@ -169,7 +169,8 @@ def run_single(model: Any, inputs: tuple[Any, ...], device: str) -> tuple[RunRes
         message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         return RunResult(Mode.SINGLE, 1, "-", (device,), Status.FAIL, None, time.perf_counter() - start,
                          f"forward failed: {type(exc).__name__}: {message}"
-                         + (f" (at {user_frame(exc)})" if user_frame(exc) else "") + " (check --input-shape)"), []
+                         + (f" (at {user_frame(exc)})" if user_frame(exc) else "")
+                         + " (check --input-shape, or give the inputs with --input module:function)"), []
     elapsed = time.perf_counter() - start
     if not out:
         return RunResult(Mode.SINGLE, 1, "-", (device,), Status.FAIL, None, elapsed,

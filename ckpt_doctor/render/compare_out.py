@@ -23,6 +23,7 @@ def comparison_json(c: Comparison) -> dict[str, Any]:
         "mismatched": [{"key": m.key, "checkpoint_shape": list(m.checkpoint_shape), "model_shape": list(m.model_shape)}
                        for m in c.mismatched],
         "tied": [{"key": alias, "filled_by": source} for alias, source in c.tied],
+        "tie_conflicts": [{"kept": kept, "overwritten": lost} for kept, lost in c.tie_conflicts],
         "errors": list(c.errors),
         "dtype_differs": [{"key": k, "checkpoint_dtype": a, "model_dtype": b} for k, a, b in c.dtype_differs],
         "non_persistent": list(c.non_persistent),
@@ -77,7 +78,8 @@ def verdict_rows(c: Comparison, shapes: dict[str, tuple], model_shapes: dict[str
         else:
             verdict = "matched"
         entries.append((key, verdict, ck))
-    entries += [(k, "unexpected", shapes.get(k)) for k in c.unexpected if k not in renamed_old]
+    entries += [(k, "unexpected", shapes.get(k)) for k in c.unexpected
+                if k not in renamed_old and k not in set(c.non_persistent)]
     entries += [(k, "unexpected, allowed", shapes.get(k)) for k in c.allowed_unexpected]
     entries += [(k, "non-persistent buffer", shapes.get(k)) for k in c.non_persistent]
     model_of = {label: label.split(" → ")[-1] for label, _, _ in entries}
@@ -106,20 +108,18 @@ def verdict_text(c: Comparison) -> str:
     """One line that says what the exit code says: OK, OK only with the allowances given, or FAILS and why."""
     total = c.model_key_count or len(c.matched) + len(c.missing) + len(c.mismatched) + len(c.allowed_missing)
     filled = f"{c.loaded_fraction:.1%} of parameters filled"
+    at = f" (the state_dict at {c.state_dict_root})" if c.state_dict_root else ""
     problems = []
     if c.missing:
         problems.append(f"{len(c.missing)} missing")
     if c.unexpected:
-        problems.append(f"{len(c.unexpected)} unexpected")
+        n = len([k for k in c.unexpected if k in set(c.non_persistent)])
+        problems.append(f"{len(c.unexpected)} unexpected" + (f" ({n} of them non-persistent buffers of the model)"
+                                                              if n else ""))
     if c.mismatched:
         problems.append(f"{len(c.mismatched)} of another shape")
-    if c.non_persistent:
-        n = len(c.non_persistent)
-        problems.append(f"{n} non-persistent buffer{'s' if n > 1 else ''} in the file")
     if c.errors:
         problems.append(f"{len(c.errors)} errors from the model's loading code")
-    if c.missing_devices:
-        problems.append(f"saved on {', '.join(c.missing_devices)}, which this machine lacks (torch.load fails)")
     n = len(c.tied)
     tied = (f"; {n} tied name{'s' if n > 1 else ''} filled by the Parameter {'they share' if n > 1 else 'it shares'} "
             f"(a plain load_state_dict(strict=True) calls {'them' if n > 1 else 'it'} missing until the fix line "
@@ -130,16 +130,21 @@ def verdict_text(c: Comparison) -> str:
     if c.allowed_unexpected:
         accepted.append(f"{len(c.allowed_unexpected)} extra keys accepted by --allow-unexpected")
     low = c.min_loaded is not None and c.loaded_fraction < c.min_loaded
+    devices = f"saved on {', '.join(c.missing_devices)}, which this machine lacks" if c.missing_devices else ""
     if problems:
-        return f"strict load FAILS: {', '.join(problems)}; {len(c.matched)} of {total} model keys match; {filled}"
+        return (f"strict load FAILS{at}: {', '.join(problems + ([devices] if devices else []))}; {len(c.matched)} "
+                f"of {total} model keys match; {filled}")
+    if devices:
+        return (f"FAILS here: torch.load(path) fails on this machine ({devices}); with the devices mapped, the "
+                f"strict load{at} succeeds: {len(c.matched)} of {total} model keys{tied}; {filled}")
     if low:
-        return f"FAILS --min-loaded {c.min_loaded:.1%}: only {filled}" + \
+        return f"FAILS --min-loaded {c.min_loaded:.1%}{at}: only {filled}" + \
             (f" ({'; '.join(accepted)})" if accepted else "")
     if accepted:
-        return f"OK with the allowances given: {'; '.join(accepted)}; {filled}{tied}"
+        return f"OK with the allowances given{at}: {'; '.join(accepted)}; {filled}{tied}"
     if c.tied:
-        return f"loads: {len(c.matched)} of {total} model keys from the file{tied}; {filled}"
-    return f"strict load OK: {len(c.matched)} of {total} model keys loaded; {filled}"
+        return f"loads{at}: {len(c.matched)} of {total} model keys from the file{tied}; {filled}"
+    return f"strict load OK{at}: {len(c.matched)} of {total} model keys loaded; {filled}"
 
 
 def comparison_lines(c: Comparison, path: str) -> list[tuple[str, str]]:
@@ -150,6 +155,9 @@ def comparison_lines(c: Comparison, path: str) -> list[tuple[str, str]]:
     for alias, source in c.tied[:5]:
         lines.append(("tied", f"{alias} is the same Parameter as {source}: filled by it (torch output from `fix` "
                               "writes both names)"))
+    for kept, lost in c.tie_conflicts[:5]:
+        lines.append(("tied", f"WARNING: {kept} and {lost} are two different tensors in the file but one Parameter "
+                              f"in the model: torch loads both into it and keeps {kept}; {lost}'s values are lost"))
     for message in c.errors[:5]:
         lines.append(("error", f"from the model's own loading code: {message[:300]}"))
     if c.non_persistent:
@@ -206,7 +214,9 @@ def _fix_reason(c: Comparison) -> str:
         parts.append(f"writes {len(c.ties)} tied name{'s' if len(c.ties) > 1 else ''} as the tensor "
                      f"{'they share' if len(c.ties) > 1 else 'it shares'} ({c.ties[0][0]})")
     if not parts:
-        parts.append("writes the state_dict alone")
+        root = c.fix_root or c.state_dict_root
+        parts.append(f"writes the state_dict at {root} alone, as the file to hand to load_state_dict" if root else
+                     "writes the state_dict alone")
     if c.fix_kind in ("rename", "allowed", "retag", "none"):
         parts.append("then a strict load succeeds" if c.fix_kind != "allowed" else "then it loads")
     return "; ".join(parts)

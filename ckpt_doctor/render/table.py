@@ -72,7 +72,11 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
     shown = f" ({len(report.tensors)} shown by --filter)" if report.filter else ""
     lines.append(("tensors", f"{len(ckpt.tensors):,}{shown} in {report.storage_count:,} storages · "
                              f"{report.parameter_count:,} parameters · {human_bytes(report.total_bytes)}"))
-    if ckpt.state_dict_root is not None:
+    chosen = report.comparison.state_dict_root if report.comparison is not None else ckpt.state_dict_root
+    if chosen is not None and chosen != ckpt.state_dict_root:
+        found = ckpt.state_dict_root or "(the file's root)"
+        lines.append(("state_dict", f"{chosen or '(the file root)'} (selected; the one found: {found})"))
+    elif ckpt.state_dict_root is not None:
         root = ckpt.state_dict_root or "(the file's root)"
         others = f" (other state_dicts: {', '.join(ckpt.other_state_dicts)})" if ckpt.other_state_dicts else ""
         lines.append(("state_dict", root + others))
