@@ -10,12 +10,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from .assemble import stream
 from .dtypes import FLOATING, element_size, torch_dtype_name
 from .errors import PlanError, UsageError, WriteError
-from .records import Checkpoint, Format, GlobalRef, TensorRecord, Verdict, ancestors, relative_to_root
+from .records import Assembly, Checkpoint, Format, GlobalRef, TensorRecord, Verdict, ancestors, relative_to_root
+from .safepickle.unpickler import Opaque, RawTensor, SizeValue
+from .tensordata import tensor_bytes
 from .transforms import Op, Transform, plan_keys
 from .tree import has_tensor, join
-from .safepickle.unpickler import Opaque, RawTensor, SizeValue
 from .writers.atomic import atomic_output, check_destination
 from .writers.pickler import TensorOut, dumps
 from .writers.safetensors_writer import TensorBytes, write_safetensors
@@ -121,6 +123,9 @@ def _device_for(saved: str, table: tuple[tuple[str, str], ...]) -> str:
 
 
 def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
+    if ckpt.distributed.get("shard_of"):
+        raise PlanError(f"{ckpt.path}: one rank's shard of a distributed checkpoint holds only parts of its tensors; "
+                        f"consolidate the folder: ckpt-doctor fix {ckpt.distributed['shard_of']} -o {output}")
     fmt = output_format(output, opts.format)
     applied: list[str] = []
     notes: list[str] = []
@@ -152,11 +157,18 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     if select is not None:
         _check_select(ckpt, select)
         if not (opts.auto and auto_select):  # --auto's own --select is already in its line
-            applied.append(f"--select {select}")
+            applied.append(f"--select {select or chr(39) * 2}")
     if root is None:
         raise PlanError(f"{ckpt.path}: no state_dict found to repair; name the part to write with --select PATH")
-    flat_output = select is not None or fmt is OutputFormat.SAFETENSORS or root == "" or _is_module_root(ckpt, root)
-    if fmt is OutputFormat.SAFETENSORS and select is None and root:
+    # A distributed checkpoint (DCP, ZeRO) gives its model weights by default, in any format; `--select ''` gives all
+    # of it, nested as saved (what dcp_to_torch_save writes).
+    whole_tree = select == "" and bool(ckpt.distributed) and fmt is OutputFormat.TORCH
+    flat_output = not whole_tree and (select is not None or fmt is OutputFormat.SAFETENSORS or root == ""
+                                      or _is_module_root(ckpt, root) or bool(ckpt.distributed))
+    if ckpt.distributed and select is None and root:
+        notes.append(f"a distributed checkpoint: wrote the model's state_dict at {root!r}, as load_state_dict takes "
+                     "it; the rest (optimizer state, other values) with --select PATH, all of it with --select ''")
+    elif fmt is OutputFormat.SAFETENSORS and select is None and root:
         notes.append(f"safetensors holds tensors only: wrote the state_dict at {root!r}; the rest of the "
                      "checkpoint (optimizer, metadata) is left out")
 
@@ -232,7 +244,14 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         outs = []
         full_records = {t.key: t for t in ckpt.tensors}
         cut = set()
-        tree = _rebuild(ckpt.root, "", root, state, full_records, drops, outs, out_tensor, cut, problems)
+        if whole_tree:  # every tensor where it was saved: none is taken out as the state_dict
+            if renames or opts.model is not None:
+                raise PlanError("--select '' writes the checkpoint as it was saved; renames and --model apply to one "
+                                "state_dict: name it with --select PATH")
+            state.clear()
+            mapping = {}
+        tree = _rebuild(ckpt.root, "", "\0" if whole_tree else root, state, full_records, drops, outs, out_tensor, cut,
+                        problems)
         outs = list(state.values()) + outs
         under = _tensors_under(cut - {root}, full_records, prefix)
         dropped += under + sorted(p for p in cut - {root} if not any(k == p or k.startswith(p + ".") for k in under))
@@ -285,7 +304,7 @@ def _tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...]
 def _check_loads(state: "OrderedDict[str, OutTensor]", opts: FixOptions, notes: list[str]) -> None:
     """With a model: what the output's state_dict would get from load_state_dict(strict=True), asked of torch's
     own loading code; refuse (exit 1, nothing written) when it would fail beyond --allow-missing/--allow-unexpected."""
-    from .compare import _check, _allowances
+    from .compare import _allowances, _check
     from .errors import CheckFailed
 
     assert opts.model is not None
@@ -325,6 +344,8 @@ def _is_module_root(ckpt: Checkpoint, root: str) -> bool:
 
 
 def _check_select(ckpt: Checkpoint, select: str) -> None:
+    if select == "" and ckpt.tensors:
+        return  # the whole checkpoint
     if not any(t.key.startswith(select + ".") for t in ckpt.tensors):
         tops = sorted({t.key.split(".", 1)[0] for t in ckpt.tensors})[:8]
         raise PlanError(f"{ckpt.path}: --select {select!r} holds no tensors; the file's top-level entries with "
@@ -538,11 +559,25 @@ def _tied_duplicates(outs: list[OutTensor]) -> dict[str, str]:
 
 # --- execution --------------------------------------------------------------------------------------------
 
+def _raise_open_files_limit() -> None:
+    """A distributed checkpoint can hold thousands of files, each kept open once opened: lift the soft limit on open
+    descriptors to the hard one (as `ulimit -n` would), which a process may always do."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+    except (ImportError, ValueError, OSError):
+        pass  # not POSIX, or not allowed: the default limit stays
+
+
 class _Sources:
     """Open read-only descriptors of the input files, closed together."""
 
     def __init__(self) -> None:
         self.fds: dict[str, int] = {}
+        _raise_open_files_limit()
 
     def fd(self, path: Path) -> int:
         key = str(path)
@@ -568,7 +603,7 @@ def _convert_producer(src_fd: int, offset: int, nbytes: int, src: str, dst: str)
             chunk = bytearray(os.pread(src_fd, min(step, nbytes - done), offset + done))
             if not chunk:
                 raise WriteError("input ended early while converting")
-            data = _bytes_of(torch.frombuffer(chunk, dtype=getattr(torch, src)).to(getattr(torch, dst)))
+            data = tensor_bytes(torch.frombuffer(chunk, dtype=getattr(torch, src)).to(getattr(torch, dst)))
             write_bytes(fd, at + written, data)
             crc = crc32(data, crc)
             done += len(chunk)
@@ -580,14 +615,29 @@ def _convert_producer(src_fd: int, offset: int, nbytes: int, src: str, dst: str)
     return produce
 
 
-def _bytes_of(tensor: Any) -> bytes:
-    """A tensor's bytes in memory order, without numpy (not a dependency)."""
-    import torch
+def _assembly_producer(assembly: Assembly, what: str, dtype: str, sources: _Sources) -> Callable:
+    """A tensor of several files' pieces (DCP, ZeRO), assembled straight into the output in CHUNK-sized blocks and
+    converted on the way when asked; the tiling of its pieces is checked as it goes (a gap: nothing written)."""
 
-    buf = bytearray(tensor.numel() * tensor.element_size())
-    if buf:
-        torch.frombuffer(buf, dtype=tensor.dtype).copy_(tensor.reshape(-1))
-    return bytes(buf)
+    def produce(fd: int, at: int, progress: Progress | None) -> int:
+        state = [0, at]  # crc, where the next block goes
+
+        def sink(block: bytes) -> None:
+            if dtype != assembly.dtype:
+                import torch
+
+                block = tensor_bytes(torch.frombuffer(bytearray(block), dtype=getattr(torch, assembly.dtype))
+                                     .to(getattr(torch, dtype)))
+            write_bytes(fd, state[1], block)
+            state[0] = crc32(block, state[0])
+            state[1] += len(block)
+            if progress:
+                progress.advance(len(block))
+
+        stream(assembly, what, sources.fd, sink, CHUNK)
+        return state[0]
+
+    return produce
 
 
 def _contiguous_producer(record: TensorRecord, dtype: str) -> Callable:
@@ -599,7 +649,7 @@ def _contiguous_producer(record: TensorRecord, dtype: str) -> Callable:
         tensor = load_tensor(record)
         if dtype != record.dtype:
             tensor = tensor.to(getattr(torch, dtype))
-        data = _bytes_of(tensor.contiguous()) if tensor.numel() else b""
+        data = tensor_bytes(tensor.contiguous()) if tensor.numel() else b""
         write_bytes(fd, at, data)
         if progress:
             progress.advance(record.nbytes)
@@ -756,9 +806,14 @@ def _torch_layout(plan: FixPlan, sources: _Sources,
         ident = st.ident
         out = storages.get(ident)
         if out is None:
-            fd = sources.fd(st.file)
             nbytes = _converted_nbytes(st.nbytes, rec.dtype, t.dtype)
             key = st.entry.rsplit("/", 1)[1] if archive is not None else str(len(storages))
+            if st.assembly is not None:
+                storages[ident] = out = StorageOut(key, nbytes, produce=_assembly_producer(st.assembly, rec.key, t.dtype,
+                                                                                           sources))
+                expected[t.key] = TensorOut(rec, out.key, t.device, t.dtype, out.nbytes // element_size(t.dtype))
+                continue
+            fd = sources.fd(st.file)
             if t.dtype != rec.dtype:
                 out = StorageOut(key, nbytes, produce=_convert_producer(fd, st.offset, st.nbytes, rec.dtype, t.dtype))
             else:
@@ -792,7 +847,10 @@ def _safetensors_layout(plan: FixPlan, sources: _Sources) -> list[TensorBytes]:
         st = rec.storage
         assert st is not None
         nbytes = rec.numel * element_size(t.dtype)
-        if rec.is_contiguous and t.dtype == rec.dtype:
+        if st.assembly is not None:
+            entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes,
+                                       produce=_assembly_producer(st.assembly, rec.key, t.dtype, sources)))
+        elif rec.is_contiguous and t.dtype == rec.dtype:
             whole = rec.storage_offset == 0 and nbytes == st.nbytes
             entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes, sources.fd(st.file), rec.file_offset or 0,
                                        st.crc if whole else None))

@@ -22,6 +22,7 @@ class Format(str, enum.Enum):
     SAFETENSORS = "safetensors"
     PICKLE = "pickle"
     SHARDED = "sharded"
+    DCP = "torch-dcp"  # a torch.distributed.checkpoint folder
 
 
 def fast_new(cls: type, **fields: Any) -> Any:
@@ -48,6 +49,28 @@ def span_elements(shape: tuple[int, ...], stride: tuple[int, ...]) -> int | None
 
 
 @dataclass(frozen=True)
+class Piece:
+    """One saved chunk of a tensor that several files hold parts of (a DCP chunk, a ZeRO partition's slice)."""
+
+    file: Path
+    offset: int  # absolute byte offset, in `file`, of the chunk's first element
+    offsets: tuple[int, ...]  # where the chunk sits in its Assembly's grid
+    sizes: tuple[int, ...]
+    stride: tuple[int, ...]  # of the chunk's saved bytes, in elements
+    label: str = ""  # how to name it in an error: "__1_0.distcp item at byte 1261"
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """A tensor made of pieces: laid in a grid (the tensor's shape, or (numel,) for a flat partition), the output
+    is the grid in row-major order. The pieces must tile the grid exactly; see assemble.py."""
+
+    grid: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
 class StorageRecord:
     """One block of tensor bytes in a file: where it is and what it was saved as."""
 
@@ -59,6 +82,7 @@ class StorageRecord:
     offset: int  # absolute byte offset of the storage's first byte in `file`
     entry: str = ""  # zip member name, for writers that copy whole entries
     crc: int | None = None  # crc32 of exactly these bytes when the file records it (torch zip members)
+    assembly: Assembly | None = None  # the bytes are not one range but pieces of several files (DCP, ZeRO)
 
     @property
     def ident(self) -> tuple[str, str]:
@@ -139,6 +163,8 @@ class Checkpoint:
     files: tuple[Path, ...] = ()
     non_persistent: tuple[str, ...] = field(default=())  # buffers a whole-model pickle marks non-persistent
     hazards: tuple[Hazard, ...] = ()
+    layouts: dict[str, str] = field(default_factory=dict)  # key -> how a distributed checkpoint holds it
+    distributed: dict[str, Any] = field(default_factory=dict)  # what a DCP / ZeRO folder is: variant, ranks, files
 
     @property
     def unsafe_globals(self) -> tuple[GlobalRef, ...]:

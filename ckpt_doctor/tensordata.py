@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 def read_bytes(record: TensorRecord) -> bytes:
     """The bytes a tensor can touch, from its first element to its last (views included)."""
     assert record.storage is not None
+    if record.storage.assembly is not None:  # pieces of several files (DCP, ZeRO): assembled in memory
+        from .assemble import assembled_bytes
+
+        return assembled_bytes(record.storage.assembly, record.key)
     start = record.file_offset
     assert start is not None
     size = record.span_bytes
@@ -36,6 +40,16 @@ def load_tensor(record: TensorRecord) -> "torch.Tensor":
     buf = bytearray(read_bytes(record))
     flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
     return flat.as_strided(record.shape, record.stride)
+
+
+def tensor_bytes(tensor: "torch.Tensor") -> bytes:
+    """A tensor's elements in row-major order as bytes, without numpy (not a dependency)."""
+    import torch
+
+    buf = bytearray(tensor.numel() * tensor.element_size())
+    if buf:
+        torch.frombuffer(buf, dtype=tensor.dtype).copy_(tensor.reshape(-1))
+    return bytes(buf)
 
 
 def storage_nbytes(record: TensorRecord) -> int:

@@ -61,6 +61,10 @@ def _read(path: Path, survey: Survey) -> Checkpoint:
     kind = survey.container
     if kind is Container.EMPTY:
         raise ReadError(f"{path}: file is empty (0 bytes)")
+    if kind is Container.ZIP and survey.items:
+        from .dcp import read_dcp_shard
+
+        return read_dcp_shard(path, survey)
     if kind is Container.ZIP:
         from .torch_zip import read_torch_zip
 
@@ -134,6 +138,14 @@ def _looks_like_checkpoint(path: Path) -> bool:
 
 
 def read_folder(folder: Path) -> Checkpoint:
+    from .dcp import is_dcp_folder, read_dcp
+
+    try:
+        names = os.listdir(folder)
+    except PermissionError:
+        raise ReadError(f"{folder}: permission denied (cannot list the folder)") from None
+    if is_dcp_folder(names):
+        return read_dcp(folder, names)
     chosen, candidates = find_in_folder(folder)
     if chosen is None:
         if not candidates:

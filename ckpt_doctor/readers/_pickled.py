@@ -57,8 +57,8 @@ def tensor_record(path: Path, key: str, raw: RawTensor) -> TensorRecord:
 
 def build_checkpoint(path: Path, fmt: Format, root: Any, unpicklers: list[SafeUnpickler],
                      ts_members: TorchScriptMembers | None = None, notes: tuple[str, ...] = (),
-                     extra_globals: tuple[GlobalRef, ...] = ()) -> Checkpoint:
-    budget = limits.max_tree_nodes(sum(u.length for u in unpicklers))
+                     extra_globals: tuple[GlobalRef, ...] = (), extra_bytes: int = 0) -> Checkpoint:
+    budget = limits.max_tree_nodes(sum(u.length for u in unpicklers) + extra_bytes)
     try:
         flat: Flat = flatten(root, ts_members, budget)
     except RecursionError as exc:

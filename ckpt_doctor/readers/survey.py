@@ -49,6 +49,8 @@ class Survey:
     main_pickle: bytes | None = None  # the data.pkl torch would unpickle
     main_walk: Walk | None = None
     tar: Any = None  # torch_tar.TarLayout
+    items: list[Survey] = field(default_factory=list)  # each archive of a DCP shard, walked (its offset: .base)
+    base: int = 0  # where this archive starts in its file (an item of a DCP shard)
     budget: list[int] = field(default_factory=new_budget)  # what walking this file may cost, all walks together
 
     @property
@@ -91,6 +93,8 @@ def survey_file(path: Path) -> Survey:
         survey = Survey(path, size, container, head)
         if container is Container.ZIP:
             _survey_zip(survey, fd)
+            if survey.zip is None or survey.zip.other_readers:
+                _survey_items(survey, fd)
         elif container is Container.TAR:
             _survey_tar(survey, fd)
         elif container is Container.NUMPY:
@@ -168,17 +172,19 @@ def _is_magic(data: Any, end: int) -> bool:
         return False  # a malformed first pickle simply is not the magic number
 
 
-def _survey_zip(survey: Survey, fd: int) -> None:
+def _survey_zip(survey: Survey, fd: int, base: int = 0) -> None:
+    """The archive at `base` (an item of a DCP shard when not 0) of `survey.size` bytes."""
     path = survey.path
     try:
-        index = read_zip_index(fd, survey.size, str(path))
+        index = read_zip_index(fd, survey.size, str(path), base)
     except ZipTooBig as exc:
         survey.zip_error = exc
         survey.refused = str(exc).removeprefix(f"{path}: ")  # no fallback reader goes through it either
         return
     except ReadError as exc:
         survey.zip_error = exc
-        _survey_broken_zip(survey, fd)
+        if not base:
+            _survey_broken_zip(survey, fd)
         return
     survey.zip = index
     budget = [limits.MAX_INFLATED_TOTAL]
@@ -188,7 +194,7 @@ def _survey_zip(survey: Survey, fd: int) -> None:
                                      f"named {dup} (ignoring case): torch's reader picks one by its sort order, other "
                                      "readers another" + ("; every copy was walked" if _is_pickle_name(dup) else "")))
     chosen = index.find(prefix + "data.pkl")
-    with mapped(fd, survey.size) as whole:
+    with mapped(fd, base + survey.size) as whole:
         for member in index.members:
             name = member.name
             rel = name[len(prefix):] if name.startswith(prefix) else name
@@ -209,7 +215,8 @@ def _survey_zip(survey: Survey, fd: int) -> None:
         survey.hazards.append(Hazard(Verdict.DANGEROUS, f"zip readers disagree on this archive: "
                                      f"{index.other_readers}; torch sees one set of members, np.load and other "
                                      "Python tools another (both were walked)"))
-        _survey_zipfile_view(survey, fd)
+        if not base:
+            _survey_zipfile_view(survey, fd)
     code = [m.name for m in index.members if m.name[len(prefix):].startswith("code/") and not m.is_dir]
     if "constants.pkl" in index.records():
         survey.hazards.append(Hazard(Verdict.CODE, "a TorchScript archive: torch.load hands it to torch.jit.load, "
@@ -217,6 +224,61 @@ def _survey_zip(survey: Survey, fd: int) -> None:
     elif code:
         survey.hazards.append(Hazard(Verdict.CODE, f"{len(code)} TorchScript code files under code/ "
                                      "(executable by torch.jit.load)"))
+
+
+def split_archives(fd: int, size: int) -> list[tuple[int, int]]:
+    """(offset, length) of each zip archive of a file that is several laid end to end (a torch.distributed.checkpoint
+    shard: one `torch.save` archive per item); [] unless they tile the whole file. An archive ends with its end
+    record, whose directory offset and size (relative to the archive's start) lead back to exactly that record."""
+    items: list[tuple[int, int]] = []
+    start = 0
+    with mapped(fd, size) as data:
+        at = data.find(b"PK\x05\x06", 0)
+        while at >= 0 and len(items) < limits.MAX_ZIP_MEMBERS:
+            if at + 22 > size:
+                return []
+            cd_size, cd_offset, comment = struct.unpack_from("<IIH", data, at + 12)
+            end_of_dir = at
+            if at - start >= 20 + 56 and data[at - 20:at - 16] == b"PK\x06\x07":  # torch always writes zip64
+                (z64_at,) = struct.unpack_from("<Q", data, at - 12)
+                if start + z64_at + 56 <= at and data[start + z64_at:start + z64_at + 4] == b"PK\x06\x06":
+                    cd_size, cd_offset = struct.unpack_from("<QQ", data, start + z64_at + 40)
+                    end_of_dir = start + z64_at
+            if start + cd_offset + cd_size == end_of_dir and at + 22 + comment <= size:
+                items.append((start, at + 22 + comment - start))
+                start = at + 22 + comment
+            at = data.find(b"PK\x05\x06", max(at + 1, start))
+    return items if start == size and len(items) > 1 else []
+
+
+def _survey_items(survey: Survey, fd: int) -> None:
+    """A file of archives end to end (a DCP shard): each is walked as the stream torch's DCP reader hands to
+    torch.load. The two whole-file views were walked too; their disagreement is then what such a file is."""
+    items = split_archives(fd, survey.size)
+    if not items:
+        return
+    survey.zip_error = None  # the whole file is no archive, but each of its items is
+    survey.hazards = [h for h in survey.hazards if not h.what.startswith("zip readers disagree")]
+    survey.notes.append(f"{len(items)} torch.save archives end to end (a torch.distributed.checkpoint shard); "
+                        "each was walked")
+    for offset, length in items:
+        item = survey_item(survey.path, fd, offset, length, survey.budget)
+        survey.globals.extend(item.globals)
+        survey.hazards.extend(item.hazards)
+        if item.refused:
+            survey.refused = survey.refused or item.refused
+        if item.zip_error is not None:
+            survey.notes.append(f"the archive at byte {offset}: {str(item.zip_error).removeprefix(f'{survey.path}: ')}")
+        survey.items.append(item)
+
+
+def survey_item(path: Path, fd: int, offset: int, length: int, budget: list[int] | None = None) -> Survey:
+    """One archive inside a file (a DCP item), walked as its own zip."""
+    item = Survey(path, length, Container.ZIP, os.pread(fd, 16, offset), base=offset)
+    if budget is not None:
+        item.budget = budget
+    _survey_zip(item, fd, offset)
+    return item
 
 
 def _survey_member(survey: Survey, fd: int, whole: Any, member: ZipMember, is_main: bool, budget: list[int]) -> None:

@@ -102,22 +102,26 @@ class ZipTooBig(ReadError):
     """The directory is past a resource bound: no reader, ours or a fallback, should go through it."""
 
 
-def read_zip_index(fd: int, file_size: int, path: str) -> ZipIndex:
-    """The archive's members. Raises ReadError naming what is broken where torch's reader would fail too."""
-    eocd_at = _locate_end_record(fd, file_size)
+def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipIndex:
+    """The archive's members. Raises ReadError naming what is broken where torch's reader would fail too.
+
+    `base`: where the archive starts in the file (a torch.distributed.checkpoint shard holds one archive per item,
+    end to end, each read by torch as a stream of its own); `file_size` is then the archive's length. Offsets in the
+    archive are relative to `base`; the members' offsets returned are absolute in the file."""
+    eocd_at = _locate_end_record(fd, file_size, base)
     if eocd_at is None:
         raise ReadError(f"{path}: zip archive has no end-of-central-directory record "
                         "(the file is truncated or not a complete zip)")
-    eocd = os.pread(fd, 22, eocd_at)
+    eocd = os.pread(fd, 22, base + eocd_at)
     _, disk, cd_disk, on_disk, count, cd_size, cd_offset, _ = struct.unpack("<IHHHHIIH", eocd)
     zip64 = False
     if eocd_at >= 20 + 56:
-        loc = os.pread(fd, 20, eocd_at - 20)
+        loc = os.pread(fd, 20, base + eocd_at - 20)
         if loc[:4] == _ZIP64_LOCATOR:
             (z64_at,) = struct.unpack_from("<Q", loc, 8)
             if z64_at > file_size - 56:
                 raise ReadError(f"{path}: zip64 end record points past the end of the file (corrupt archive)")
-            rec = os.pread(fd, 56, z64_at)
+            rec = os.pread(fd, 56, base + z64_at)
             if rec[:4] == _ZIP64_EOCD:
                 if struct.unpack_from("<I", loc, 16)[0] != 1:
                     raise ReadError(f"{path}: zip archive spans several disks, which torch's reader refuses")
@@ -133,7 +137,7 @@ def read_zip_index(fd: int, file_size: int, path: str) -> ZipIndex:
     if cd_size > limits.MAX_ZIP_DIRECTORY:
         raise ZipTooBig(f"{path}: zip central directory of {cd_size:,} bytes, more than the "
                         f"{limits.MAX_ZIP_DIRECTORY >> 20} MB ckpt-doctor reads (a bomb, or no checkpoint)")
-    cd = os.pread(fd, cd_size, cd_offset)
+    cd = os.pread(fd, cd_size, base + cd_offset)
     entries = []
     p = 0
     for _ in range(count):
@@ -158,7 +162,7 @@ def read_zip_index(fd: int, file_size: int, path: str) -> ZipIndex:
             raise ReadError(f"{path}: zip member {name} runs past the end of the file (truncated)")
         p += 46 + nlen + xlen + clen
         entries.append((name, usize, csize, method, crc, local_at, flags, bool(attrs & 0x10) or name.endswith("/")))
-    index = ZipIndex(_locate_data(fd, file_size, entries), path)
+    index = ZipIndex(_locate_data(fd, file_size, entries, base), path)
     # Python's zipfile (np.load, most tools) reads the same archive differently: it shifts every offset by the
     # bytes between where the directory ends and where the end record is, and reads entries until the directory's
     # size is used up. When that could give it other members, say so: the survey then walks its view too.
@@ -171,14 +175,14 @@ def read_zip_index(fd: int, file_size: int, path: str) -> ZipIndex:
     return index
 
 
-def _locate_end_record(fd: int, file_size: int) -> int | None:
+def _locate_end_record(fd: int, file_size: int, base: int = 0) -> int | None:
     """miniz's search: 4 KB blocks from the end backwards, the last signature with a whole record after it, giving up
     once it has looked about 64 KB back."""
     if file_size < 22:
         return None
     at = max(file_size - 4096, 0)
     while True:
-        block = os.pread(fd, min(4096, file_size - at), at)
+        block = os.pread(fd, min(4096, file_size - at), base + at)
         i = len(block) - 4
         while i >= 0:
             i = block.rfind(b"PK\x05\x06", 0, i + 4)
@@ -210,22 +214,23 @@ def _zip64_extra(extra: bytes, usize: int, csize: int, local_at: int, path: str)
     raise ReadError(f"{path}: zip64 sizes missing from the central directory (corrupt archive)")
 
 
-def _locate_data(fd: int, file_size: int, entries: list) -> list[ZipMember]:
+def _locate_data(fd: int, file_size: int, entries: list, base: int = 0) -> list[ZipMember]:
     # Local headers sit between the payloads. A small archive is read whole (one syscall for 20,000 headers);
     # a big one gets one pread per header (a memory map would fault in, and count in RSS, 64 KB around each).
-    whole = os.pread(fd, file_size, 0) if file_size <= limits.ZIP_WHOLE_READ else None
+    whole = os.pread(fd, file_size, base) if file_size <= limits.ZIP_WHOLE_READ else None
     located = []
     for name, usize, csize, method, crc, local_at, flags, is_dir in entries:
         if whole is not None:
             head, at = whole, local_at
         else:
-            head, at = os.pread(fd, 30, local_at), 0
+            head, at = os.pread(fd, 30, base + local_at), 0
         data_at = -1
         if len(head) >= at + 30:
             sig, nlen, xlen = _LOCAL_HEADER.unpack_from(head, at)
             if sig == _LOCAL and local_at + 30 + nlen + xlen + csize <= file_size:
                 data_at = local_at + 30 + nlen + xlen
-        located.append(ZipMember(name, data_at, usize, csize, method, crc, local_at, flags, is_dir))
+        located.append(ZipMember(name, data_at + base if data_at >= 0 else -1, usize, csize, method, crc, base + local_at,
+                                  flags, is_dir))
     return located
 
 

@@ -30,6 +30,8 @@ def inspect_json(report: InspectReport) -> dict[str, Any]:
                                 "nbytes": t.nbytes}
         if t.storage is not None:
             item["storage"] = t.storage.key
+        if t.key in ckpt.layouts:
+            item["layout"] = ckpt.layouts[t.key]
         if report.stats is not None:
             s = report.stats.get(t.key)
             item["stats"] = None if s is None else {
@@ -59,6 +61,8 @@ def inspect_json(report: InspectReport) -> dict[str, Any]:
         "non_persistent_buffers": list(ckpt.non_persistent),
         "notes": list(ckpt.notes) + list(report.extra_notes),
     }
+    if ckpt.distributed:
+        out["distributed"] = ckpt.distributed
     if len(ckpt.files) > 1:
         out["files"] = [str(f) for f in ckpt.files]
     if report.stats is not None:

@@ -17,6 +17,9 @@ def inspect_table(report: InspectReport, full: bool = False) -> str:
         return comparison_table(report)
     rows = [Row(t.key, (t,)) for t in report.tensors] if full else collapse(list(report.tensors))
     headers = ["key", "shape", "dtype", "device", "size"]
+    layouts = report.checkpoint.layouts
+    if layouts:
+        headers.append("layout (as saved)")
     with_stats = report.stats is not None
     if with_stats:
         headers += ["min", "max", "mean", "std", "nan/inf"]
@@ -27,6 +30,8 @@ def inspect_table(report: InspectReport, full: bool = False) -> str:
         if len(row.tensors) > 1:
             size = f"{len(row.tensors)} × {size}"
         line = [row.label, str(list(t.shape)), t.dtype, t.device, size]
+        if layouts:
+            line.append(layouts.get(t.key, ""))
         if with_stats:
             stats = [report.stats.get(x.key) for x in row.tensors]  # type: ignore[union-attr]
             s = stats[0]
@@ -82,6 +87,8 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         lines.append(("state_dict", root + others))
     elif ckpt.tensors:
         lines.append(("state_dict", "not found (no container holds mostly tensors)"))
+    if ckpt.distributed.get("contents"):
+        lines.append(("contents", " · ".join(ckpt.distributed["contents"])))
     for p in report.prefixes:
         where = ("leading" if not p.where else f"leading, after {p.where}") if p.leading else f"after {p.where!r}"
         lines.append(("prefix", f"{p.prefix} ({where}) on {p.count:,} of {p.total:,} keys"))

@@ -1,0 +1,169 @@
+"""Tensors made of pieces (a DCP chunk per rank, a ZeRO partition per rank), streamed in the output's order.
+
+An Assembly lays its pieces in a grid; the output is the grid in row-major order. Each piece is cut into runs, the
+longest stretches that are contiguous both in the piece's saved bytes and in the output (a dim-0 shard is one run,
+a dim-1 shard one run per row), and the runs of all pieces are merged by output position. Merging checks the
+tiling: a run that does not start where the previous ended is a gap or an overlap, named, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from math import prod
+
+from .dtypes import element_size
+from .errors import ReadError
+from .records import Assembly, Piece
+
+Run = tuple[int, int, Piece, int]  # (output element, piece element, piece, elements)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def is_contiguous(piece: Piece) -> bool:
+    expected = contiguous_strides(piece.sizes)
+    return all(size == 1 or a == b for size, a, b in zip(piece.sizes, piece.stride, expected))
+
+
+def _runs(grid: tuple[int, ...], piece: Piece) -> Iterator[Run]:
+    """A piece's runs in output order (its saved bytes taken as contiguous: see `read_piece` otherwise)."""
+    sizes, offsets = piece.sizes, piece.offsets
+    if not grid:
+        yield 0, 0, piece, 1
+        return
+    if 0 in sizes:
+        return
+    k = len(grid) - 1
+    while k > 0 and sizes[k] == grid[k]:
+        k -= 1  # the dims after k are whole: one run spans them
+    out_strides = contiguous_strides(grid)
+    src_strides = contiguous_strides(sizes)
+    length = sizes[k] * prod(grid[k + 1:])
+    base = offsets[k] * out_strides[k]
+    for index in itertools.product(*(range(sizes[d]) for d in range(k))):
+        out = base + sum((offsets[d] + i) * out_strides[d] for d, i in enumerate(index))
+        src = sum(i * src_strides[d] for d, i in enumerate(index))
+        yield out, src, piece, length
+
+
+def coverage_problem(assembly: Assembly) -> str | None:
+    """Why the pieces cannot tile the grid, from their shapes alone (what inspect can say without reading)."""
+    grid = assembly.grid
+    total = 0
+    for p in assembly.pieces:
+        if len(p.offsets) != len(grid) or len(p.sizes) != len(grid) or len(p.stride) != len(grid):
+            return f"a chunk of rank {len(p.sizes)} in a tensor of rank {len(grid)} ({p.label})"
+        if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(p.offsets, p.sizes, grid)):
+            return f"chunk at {list(p.offsets)} of size {list(p.sizes)} lies outside the shape {list(grid)} ({p.label})"
+        total += prod(p.sizes)
+    want = prod(grid)
+    if total < want:
+        return f"the chunks cover {total:,} of its {want:,} elements"
+    if total > want:
+        return f"the chunks hold {total:,} elements for its {want:,}: some overlap"
+    return None
+
+
+def ordered_runs(assembly: Assembly, what: str) -> Iterator[Run]:
+    """Every run of every piece by output position, adjacent runs of one piece merged; raises on a gap or overlap."""
+    merged = heapq.merge(*(_runs(assembly.grid, p) for p in assembly.pieces), key=lambda r: r[0])
+    expected = 0
+    pending: Run | None = None
+    for run in merged:
+        out, src, piece, length = run
+        if out != expected:
+            where = "an overlap" if out < expected else f"a gap of {out - expected:,} elements"
+            raise ReadError(f"{what}: its chunks leave {where} at element {min(out, expected):,} of "
+                            f"{prod(assembly.grid):,}; nothing written")
+        expected = out + length
+        if pending is not None and pending[2] is piece and pending[1] + pending[3] == src:
+            pending = (pending[0], pending[1], piece, pending[3] + length)
+            continue
+        if pending is not None:
+            yield pending
+        pending = run
+    if pending is not None:
+        yield pending
+    if expected != prod(assembly.grid):
+        raise ReadError(f"{what}: its chunks cover {expected:,} of its {prod(assembly.grid):,} elements; nothing "
+                        "written")
+
+
+def read_piece(piece: Piece, dtype: str, fd: int) -> bytes:
+    """A piece's elements in row-major order, honouring the stride it was saved with."""
+    import torch
+
+    from .tensordata import tensor_bytes
+
+    elsize = element_size(dtype)
+    span = sum((s - 1) * st for s, st in zip(piece.sizes, piece.stride)) + 1 if prod(piece.sizes) else 0
+    data = bytearray(os.pread(fd, span * elsize, piece.offset))
+    if len(data) != span * elsize:
+        raise ReadError(f"{piece.file}: {piece.label} is cut short ({len(data)} of {span * elsize} bytes)")
+    flat = torch.frombuffer(data, dtype=getattr(torch, dtype)) if data else torch.empty(0)
+    return tensor_bytes(flat.as_strided(piece.sizes, piece.stride))
+
+
+def stream(assembly: Assembly, what: str, fd_of: Callable[[object], int], sink: Callable[[bytes], None],
+           block: int) -> None:
+    """Hand the assembled bytes to `sink` in output order, in blocks of about `block` bytes."""
+    elsize = element_size(assembly.dtype)
+    loaded: dict[int, bytes] = {}  # non-contiguous pieces, read whole once (bounded by one chunk)
+    buf = bytearray()
+    for _out, src, piece, length in ordered_runs(assembly, what):
+        nbytes = length * elsize
+        if not is_contiguous(piece):
+            data = loaded.get(id(piece))
+            if data is None:
+                data = loaded[id(piece)] = read_piece(piece, assembly.dtype, fd_of(piece.file))
+            buf += data[src * elsize:src * elsize + nbytes]
+        else:
+            at = piece.offset + src * elsize
+            done = 0
+            while done < nbytes:
+                step = min(nbytes - done, max(block - len(buf), elsize))
+                got = os.pread(fd_of(piece.file), step, at + done)
+                if len(got) != step:
+                    raise ReadError(f"{piece.file}: {piece.label} is cut short (the file ends at byte "
+                                    f"{at + done + len(got):,}); nothing written")
+                buf += got
+                done += step
+                if len(buf) >= block:
+                    sink(bytes(buf))
+                    buf.clear()
+            continue
+        if len(buf) >= block:
+            sink(bytes(buf))
+            buf.clear()
+    if buf:
+        sink(bytes(buf))
+
+
+def assembled_bytes(assembly: Assembly, what: str) -> bytes:
+    """The whole tensor in memory (inspect --values, verify): the pieces read once each."""
+    fds: dict[str, int] = {}
+    out = bytearray()
+
+    def fd_of(path: object) -> int:
+        key = str(path)
+        if key not in fds:
+            fds[key] = os.open(key, os.O_RDONLY)
+        return fds[key]
+
+    try:
+        stream(assembly, what, fd_of, out.extend, 8 << 20)
+    except FileNotFoundError as exc:
+        raise ReadError(f"{what}: {exc.filename} is missing") from None
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return bytes(out)

@@ -1,0 +1,442 @@
+"""torch.distributed.checkpoint (DCP) folders: `.metadata` and `__R_N.distcp` files, read as torch's DCP reader does.
+
+`.metadata` (one, or `__R.metadata` per rank when saved without collectives: their union) is unpickled by the
+safe unpickler, where DCP's dataclasses are inert records. It gives each tensor's global shape and dtype and its
+chunks; `storage_data` says which file holds each chunk and where: an item `[offset, offset + length)` that is a
+complete `torch.save` archive of its own. Each item is walked and read like any torch zip (nothing from it runs),
+and a tensor becomes an Assembly of its chunks (assemble.py) that `fix` streams into one output tensor. Non-tensor
+values are items too; they are put back along `planner_data`'s paths as torch's `set_element` does (an int in a
+path makes a list: optimizer `param_groups` stay lists, integer state keys stay integers). Never split on dots.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from math import prod
+from pathlib import Path
+from typing import Any
+
+from ..dtypes import element_size
+from ..errors import ReadError
+from ..records import Assembly, Checkpoint, Format, GlobalRef, Piece, StorageRecord
+from ..safepickle.unpickler import Opaque, RawTensor, StorageRef
+from ._pickled import build_checkpoint
+from .survey import survey_file, survey_item
+
+METADATA = ".metadata"
+SHARD = re.compile(r"__(\d+)_(\d+)\.distcp")
+RANK_METADATA = re.compile(r"__(\d+)\.metadata")
+MAX_LIST_INDEX = 1 << 20  # a list index in planner_data past this is no state_dict (a memory bomb of Nones)
+
+
+def is_dcp_folder(names: list[str]) -> bool:
+    return METADATA in names or any(RANK_METADATA.fullmatch(n) or n.endswith(".distcp") for n in names)
+
+
+def metadata_files(folder: Path, names: list[str]) -> list[Path]:
+    if METADATA in names:
+        return [folder / METADATA]
+    return [folder / n for n in sorted((n for n in names if RANK_METADATA.fullmatch(n)),
+                                       key=lambda n: int(RANK_METADATA.fullmatch(n).group(1)))]
+
+
+class _Meta:
+    """The parts of DCP's Metadata this reader uses, merged over the metadata files."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, tuple[tuple[int, ...], str, list[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
+        self.values: list[str] = []  # fqns of BytesStorageMetadata items
+        self.paths: dict[str, tuple] = {}
+        self.storage: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int, tuple[str, ...]]] = {}
+        self.version = ""
+
+
+def _state(obj: Any, cls: str, where: Path) -> Any:
+    ref = obj.ckd.ref if isinstance(obj, Opaque) else None
+    if ref is None or ref.name != cls or not ref.module.startswith("torch.distributed."):
+        found = ref.qualname if ref is not None else type(obj).__name__
+        raise ReadError(f"{where}: not torch.distributed.checkpoint metadata (expected a {cls}, found {found})")
+    return obj.ckd.state
+
+
+def _field(state: Any, name: str, where: Path) -> Any:
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+        state = {**(state[0] or {}), **state[1]}  # (dict, slots) from a class with __slots__
+    if not isinstance(state, dict) or name not in state:
+        raise ReadError(f"{where}: DCP metadata without its {name!r} field")
+    return state[name]
+
+
+def _ints(value: Any, what: str, where: Path) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(type(v) is int and v >= 0 for v in value):
+        raise ReadError(f"{where}: {what} is not a list of sizes ({str(value)[:60]})")
+    return tuple(value)
+
+
+def _read_metadata(path: Path, meta: _Meta, unpicklers: list) -> None:
+    import io
+
+    from ..safepickle.unpickler import SafeUnpickler
+    from ._pickled import run_unpickler
+
+    from ..safepickle import limits
+
+    size = path.stat().st_size
+    if size > limits.MAX_UNPICKLE_BYTES:
+        raise ReadError(f"{path}: {size:,} bytes of DCP metadata, over the {limits.MAX_UNPICKLE_BYTES >> 20} MB "
+                        "ckpt-doctor unpickles")
+    up = SafeUnpickler(io.BytesIO(path.read_bytes()), path.name, None)
+    unpicklers.append(up)
+    state = _state(run_unpickler(up, path), "Metadata", path)
+    meta.version = str(_field(state, "version", path)) if isinstance(state, dict) and "version" in state else ""
+    sdm = _field(state, "state_dict_metadata", path)
+    planner = _field(state, "planner_data", path) if isinstance(state, dict) and "planner_data" in state else {}
+    storage = _field(state, "storage_data", path)
+    if not isinstance(sdm, dict) or not isinstance(storage, dict):
+        raise ReadError(f"{path}: DCP metadata whose state_dict_metadata or storage_data is not a dict")
+    for fqn, md in sdm.items():
+        if not isinstance(fqn, str):
+            raise ReadError(f"{path}: DCP metadata names an item by a {type(fqn).__name__}, not a string")
+        ref = md.ckd.ref.qualname if isinstance(md, Opaque) and md.ckd.ref is not None else ""
+        if ref.endswith("BytesStorageMetadata"):
+            if fqn not in meta.values:
+                meta.values.append(fqn)
+            continue
+        tsm = _state(md, "TensorStorageMetadata", path)
+        size = _ints(_field(tsm, "size", path), f"the size of {fqn}", path)
+        props = _state(_field(tsm, "properties", path), "TensorProperties", path)
+        dtype = props[0] if isinstance(props, tuple) and props else _field(props, "dtype", path)
+        name = getattr(dtype, "name", None)
+        if not isinstance(name, str):
+            raise ReadError(f"{path}: {fqn} has no torch dtype in its metadata")
+        chunks = []
+        for chunk in _field(tsm, "chunks", path) or []:
+            cs = _state(chunk, "ChunkStorageMetadata", path)
+            chunks.append((_ints(_field(cs, "offsets", path), f"a chunk offset of {fqn}", path),
+                           _ints(_field(cs, "sizes", path), f"a chunk size of {fqn}", path)))
+        known = meta.tensors.get(fqn)
+        if known is not None:
+            if known[:2] != (size, name):
+                raise ReadError(f"{path}: {fqn} is {name}{list(size)} here but {known[1]}{list(known[0])} in another "
+                                "rank's metadata")
+            known[2].extend(c for c in chunks if c not in known[2])
+        else:
+            meta.tensors[fqn] = (size, name, chunks)
+    if isinstance(planner, dict):
+        for fqn, p in planner.items():
+            if isinstance(fqn, str) and isinstance(p, tuple) and p and all(
+                    type(k) is str or type(k) is int and 0 <= k < MAX_LIST_INDEX for k in p):
+                meta.paths.setdefault(fqn, p)
+    for index, info in storage.items():
+        mi = _state(index, "MetadataIndex", path)
+        si = _state(info, "_StorageInfo", path)
+        fqn = _field(mi, "fqn", path)
+        offset = mi.get("offset") if isinstance(mi, dict) else None  # absent for a non-tensor value
+        rel, at, length = _field(si, "relative_path", path), _field(si, "offset", path), _field(si, "length", path)
+        transforms = si.get("transform_descriptors") if isinstance(si, dict) else None
+        if not (isinstance(rel, str) and type(at) is int and type(length) is int and at >= 0 and length >= 0):
+            raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} is malformed")
+        if "/" in rel or "\\" in rel or rel in ("", ".", ".."):
+            raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} names {rel[:80]!r}, not a file in the "
+                            "folder")
+        key = (fqn, None if offset is None else _ints(offset, f"a storage offset of {fqn}", path))
+        meta.storage[key] = (rel, at, length, tuple(transforms or ()))
+
+
+def _layout(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
+    """How the chunks split the tensor, in words: `whole`, `Shard(0) 2 ways [4, 3]`, `2-D split 4 ways`."""
+    if len(chunks) <= 1:
+        return "whole (one chunk)"
+    dims = [d for d in range(len(size)) if len({c[0][d] for c in chunks}) > 1]
+    empty = sum(1 for c in chunks if 0 in c[1])
+    tail = f", {empty} empty" if empty else ""
+    if len(dims) == 1:
+        d = dims[0]
+        parts = [c[1][d] for c in sorted(chunks, key=lambda c: c[0][d])]
+        uneven = " uneven" if len(set(p for p in parts if p)) > 1 or empty else ""
+        return f"Shard({d}) {len(chunks)} ways{uneven} {parts}{tail}"
+    if not dims:
+        return f"{len(chunks)} chunks{tail}"
+    return f"{len(dims)}-D split on dims {dims}, {len(chunks)} chunks{tail}"
+
+
+def set_element(root: dict, path: tuple, value: Any) -> None:
+    """torch.distributed.checkpoint._traverse.set_element: an int key makes (and extends) a list."""
+    cur: Any = root
+    for prev, key in zip(path, path[1:]):
+        default: Any = {} if type(key) is str else []
+        if isinstance(cur, dict):
+            cur = cur.setdefault(prev, default)
+        else:
+            while len(cur) <= prev:
+                cur.append(None)
+            if cur[prev] is None:
+                cur[prev] = default
+            cur = cur[prev]
+        if not isinstance(cur, (dict, list)):
+            raise ReadError(f"two items of the checkpoint claim the path {list(path)[:6]}")
+    key = path[-1]
+    if type(key) is int:
+        if not isinstance(cur, list):
+            raise ReadError(f"two items of the checkpoint claim the path {list(path)[:6]}")
+        while len(cur) <= key:
+            cur.append(None)
+    elif not isinstance(cur, dict):
+        raise ReadError(f"two items of the checkpoint claim the path {list(path)[:6]}")
+    cur[key] = value
+
+
+class _Items:
+    """Each item's file opened and checked once; each item walked and read as the torch.save archive it is."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.sizes: dict[str, int] = {}
+        self.globals: list[GlobalRef] = []
+        self.hazards: list = []
+        self.walked_bytes = 0
+        self.budget: list[int] | None = None
+
+    def open(self, rel: str, fqn: str) -> tuple[Path, int]:
+        path = self.folder / rel
+        if rel not in self.sizes:
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                raise ReadError(f"{self.folder}: {rel} is missing (it holds {fqn}, among others): the checkpoint is "
+                                "incomplete") from None
+            except OSError as exc:
+                raise ReadError(f"{self.folder}: {rel} cannot be read ({exc.strerror})") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise ReadError(f"{self.folder}: {rel} is not a regular file (a device, a pipe or a folder)")
+            self.sizes[rel] = st.st_size
+        return path, self.sizes[rel]
+
+    def read(self, rel: str, at: int, length: int, transforms: tuple[str, ...], fqn: str) -> Checkpoint:
+        from ..safepickle.walker import new_budget
+        from .torch_zip import read_torch_zip
+
+        path, size = self.open(rel, fqn)
+        label = f"{rel} item at byte {at}"
+        if transforms:
+            raise ReadError(f"{self.folder}: {fqn} is stored through {', '.join(transforms)} ({label}); "
+                            "ckpt-doctor reads uncompressed DCP items only")
+        if at + length > size:
+            raise ReadError(f"{self.folder}: {rel} ends at byte {size:,}, but {fqn} is stored at bytes {at:,} to "
+                            f"{at + length:,}: the file is truncated")
+        if self.budget is None:
+            self.budget = new_budget()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if os.pread(fd, 4, at) != b"PK\x03\x04":
+                kind = "safetensors-format DCP folder (FileSystemWriter(serialization_format=SAFETENSORS))" \
+                    if os.pread(fd, 9, 0)[8:9] == b"{" else "folder whose items are not torch.save archives"
+                raise ReadError(f"{self.folder}: {fqn} ({label}) is no torch.save archive: a {kind}, which "
+                                "ckpt-doctor does not read yet")
+            item = survey_item(path, fd, at, length, self.budget)
+        finally:
+            os.close(fd)
+        self.globals.extend(item.globals)
+        self.hazards.extend(item.hazards)
+        if item.refused:
+            raise ReadError(f"{path}: refused to read {label}: {item.refused}")
+        try:
+            ckpt = read_torch_zip(path, item)
+        except ReadError as exc:
+            raise ReadError(f"{self.folder}: {fqn} ({label}): {str(exc).removeprefix(f'{path}: ')}") from None
+        self.walked_bytes += len(item.main_pickle or b"")
+        return ckpt
+
+
+def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
+    metas = metadata_files(folder, names)
+    if not metas:
+        shards = [n for n in names if n.endswith(".distcp")]
+        raise ReadError(f"{folder}: {len(shards)} .distcp files but no .metadata: the folder is incomplete, or was "
+                        "written by a storage writer without one (Hugging Face's), which ckpt-doctor does not read yet")
+    meta = _Meta()
+    unpicklers: list = []
+    survey_globals: list[GlobalRef] = []
+    hazards: list = []
+    for path in metas:
+        survey = survey_file(path)
+        survey_globals.extend(survey.globals)
+        hazards.extend(survey.hazards)
+        if survey.refused:
+            raise ReadError(f"{path}: refused to read it: {survey.refused}")
+        try:
+            _read_metadata(path, meta, unpicklers)
+        except ReadError as exc:
+            findings = survey.finding_names()
+            if findings:
+                raise ReadError(f"{exc} — and it would run code: {', '.join(findings[:4])}", findings) from None
+            raise
+    items = _Items(folder)
+    root: dict = {}
+    layouts: dict[str, str] = {}
+    files: set[str] = set()
+    problems: list[str] = []
+    order = list(meta.paths) + [f for f in [*meta.tensors, *meta.values] if f not in meta.paths]
+    for fqn in order:
+        path = meta.paths.get(fqn, (fqn,))
+        if fqn in meta.tensors:
+            size, dtype, chunks = meta.tensors[fqn]
+            pieces = []
+            for offsets, sizes in chunks:
+                where = meta.storage.get((fqn, offsets))
+                if where is None:
+                    problems.append(f"{fqn}: no file holds its chunk at {list(offsets)} of size {list(sizes)}")
+                    continue
+                rel, at, length, transforms = where
+                files.add(rel)
+                chunk = items.read(rel, at, length, transforms, fqn)
+                rec = chunk.tensors[0] if len(chunk.tensors) == 1 and chunk.tensors[0].key == "" else None
+                if rec is None or rec.storage is None:
+                    raise ReadError(f"{folder}: {fqn}: {rel} item at byte {at} holds no single tensor")
+                if rec.shape != sizes or rec.dtype != dtype:
+                    raise ReadError(f"{folder}: {fqn}: {rel} item at byte {at} holds {rec.dtype}{list(rec.shape)}, "
+                                    f"the metadata says {dtype}{list(sizes)}")
+                pieces.append(Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride,
+                                    f"{rel} item at byte {at}"))
+            assembly = Assembly(size, tuple(pieces), dtype)
+            from ..assemble import coverage_problem
+
+            problem = coverage_problem(assembly) if len(pieces) == len(chunks) else None
+            if problem:
+                problems.append(f"{fqn}: {problem}")
+            nbytes = prod(size) * element_size(dtype)
+            ref = StorageRef(fqn, dtype, prod(size), "cpu")
+            ref.resolved = StorageRecord(key=fqn, dtype=dtype, nbytes=nbytes, device="cpu", file=metas[0], offset=0,
+                                         assembly=assembly)
+            stride = tuple(_contiguous(size))
+            set_element(root, path, RawTensor(ref, dtype, 0, size, stride))
+            layouts[".".join(str(p) for p in path)] = _layout(size, chunks)
+        else:
+            where = meta.storage.get((fqn, None))
+            if where is None:
+                problems.append(f"{fqn}: no file holds this value")
+                continue
+            rel, at, length, transforms = where
+            files.add(rel)
+            set_element(root, path, items.read(rel, at, length, transforms, fqn).root)
+    restored = _integer_state_keys(root)
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; … {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise ReadError(f"{folder}: the checkpoint is incomplete: {shown}")
+    ranks = sorted({int(m.group(1)) for n in files if (m := SHARD.fullmatch(n))})
+    variant = ["per-rank metadata (saved without collectives)"] if metas[0].name != METADATA else []
+    sharded = sum(1 for v in layouts.values() if not v.startswith("whole"))
+    distributed = {"format": "torch.distributed.checkpoint", "version": meta.version, "files": len(files),
+                   "ranks": len(ranks), "variant": variant or ["one .metadata"],
+                   "tensors": len(meta.tensors), "sharded_tensors": sharded, "values": len(meta.values)}
+    notes = (f"torch.distributed.checkpoint folder: {len(meta.tensors)} tensors ({sharded} sharded) and "
+             f"{len(meta.values)} other values in {len(files)} files from {len(ranks)} ranks; shapes are the "
+             "global (unsharded) ones",)
+    if restored:
+        notes += (f"optimizer state keys at {', '.join(restored[:3])} are integers again: DCP saves them as strings, "
+                  "and Optimizer.load_state_dict matches state to the integer ids in param_groups",)
+    ckpt = build_checkpoint(folder, Format.DCP, root, unpicklers, notes=notes,
+                            extra_globals=tuple(survey_globals + items.globals), extra_bytes=items.walked_bytes)
+    from dataclasses import replace
+
+    distributed["contents"] = _contents(root, ckpt.state_dict_root)
+
+    return replace(ckpt, files=(*metas, *(folder / f for f in sorted(files))), hazards=tuple(hazards + items.hazards),
+                   layouts=layouts, distributed=distributed)
+
+
+def _integer_state_keys(tree: Any, path: str = "") -> list[str]:
+    """Give an optimizer state_dict ({"state", "param_groups"}) its integer state keys back where DCP turned them
+    into strings ("0", "1", …) and its param_groups still list those integers as params; returns where it did."""
+    done: list[str] = []
+    if isinstance(tree, dict):
+        state, groups = tree.get("state"), tree.get("param_groups")
+        if isinstance(state, dict) and isinstance(groups, list) and state:
+            ids = {p for g in groups if isinstance(g, dict) for p in (g.get("params") or []) if type(p) is int}
+            keys = list(state)
+            if all(isinstance(k, str) and k.isdigit() and int(k) in ids for k in keys):
+                tree["state"] = {int(k): state[k] for k in keys}
+                done.append(f"{path}.state" if path else "state")
+        for key, value in tree.items():
+            done += _integer_state_keys(value, f"{path}.{key}" if path else str(key))
+    return done
+
+
+def _contents(root: dict, model_root: str | None) -> list[str]:
+    """What each top-level item is: the model's weights, an optimizer's state, other tensors, a value."""
+    out = []
+    for name, value in root.items():
+        tensors = _count_tensors(value)
+        if isinstance(value, dict) and "state" in value and "param_groups" in value:
+            what = f"{_n(tensors)} (optimizer state)"
+        elif str(name) == model_root:
+            what = f"{_n(tensors)} (model weights)"
+        elif tensors:
+            what = _n(tensors)
+        else:
+            what = "a value" if not isinstance(value, (dict, list)) else f"{len(value)} values"
+        out.append(f"{name}: {what}")
+    return out
+
+
+def _n(count: int) -> str:
+    return f"{count} tensor" + ("" if count == 1 else "s")
+
+
+def _count_tensors(value: Any) -> int:
+    if isinstance(value, RawTensor):
+        return 1
+    if isinstance(value, dict):
+        return sum(_count_tensors(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_count_tensors(v) for v in value)
+    return 0
+
+
+def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
+    """One `__R_N.distcp` file on its own: its items, named by the folder's metadata when it is beside it. Shapes are
+    the chunks' (local); the folder is what holds whole tensors, and `fix` refuses a lone shard."""
+    from .torch_zip import read_torch_zip
+
+    folder = path.parent
+    names: dict[int, str] = {}
+    meta = _Meta()
+    metas = metadata_files(folder, os.listdir(folder))
+    for m in metas:
+        try:
+            _read_metadata(m, meta, [])
+        except (ReadError, OSError):
+            names.clear()
+            break
+        for (fqn, offsets), (rel, at, _length, _t) in meta.storage.items():
+            if rel == path.name:
+                names[at] = fqn if offsets is None or fqn not in meta.tensors or len(meta.tensors[fqn][2]) == 1                     else f"{fqn}@{list(offsets)}"
+    root: dict = {}
+    for item in survey.items:
+        if item.refused:
+            raise ReadError(f"{path}: refused to read the item at byte {item.base}: {item.refused}")
+        ckpt = read_torch_zip(path, item)
+        root[names.get(item.base, f"item@{item.base}")] = ckpt.root
+    shard = SHARD.fullmatch(path.name)
+    whose = f"rank {shard.group(1)}'s" if shard else "one"
+    if names:
+        fqns = {n.split("@")[0] for n in names.values()}
+        note = (f"{whose} shard of the torch.distributed.checkpoint folder {folder}: {len(survey.items)} items, parts "
+                f"of {len(fqns)} of its {len(meta.tensors) + len(meta.values)} entries; shapes here are the chunks' "
+                f"own. Inspect or fix the folder for whole tensors: ckpt-doctor fix {folder} -o model.safetensors")
+    else:
+        note = (f"{whose} shard of a torch.distributed.checkpoint folder ({len(survey.items)} items); without its "
+                ".metadata beside it the items' names are unknown and shapes are the chunks' own")
+    ckpt = build_checkpoint(path, Format.TORCH_ZIP, root, [], notes=(note,),
+                            extra_bytes=sum(len(i.main_pickle or b"") for i in survey.items))
+    from dataclasses import replace
+
+    return replace(ckpt, distributed={"format": "torch.distributed.checkpoint", "shard_of": str(folder)})
+
+
+def _contiguous(shape: tuple[int, ...]) -> list[int]:
+    from ..assemble import contiguous_strides
+
+    return list(contiguous_strides(shape))

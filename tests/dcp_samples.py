@@ -1,0 +1,107 @@
+"""torch.distributed.checkpoint folders written by torch's own DCP with two gloo ranks on the CPU, and beside each
+the full (unsharded) state every rank saw, saved with torch.save: what consolidating the folder must give back."""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(10, 7)
+        self.bn = torch.nn.BatchNorm1d(7)
+        self.l2 = torch.nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.bn(self.l1(x))))
+
+
+def _full(obj):
+    """The unsharded value of a state: DTensors gathered, containers kept."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.full_tensor()
+    if isinstance(obj, dict):
+        return {k: _full(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_full(v) for v in obj]
+    return obj
+
+
+def _save(state: dict, folder: Path, rank: int, **kwargs) -> None:
+    full = _full(state)
+    dcp.save(state, checkpoint_id=str(folder), **kwargs)
+    if rank == 0:
+        torch.save(full, folder.with_suffix(".full.pt"))
+
+
+def _rank(rank: int, out: str, port: int) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    root = Path(out)
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    # Bare DTensors: uneven Shard(0), Shard(1) in bf16, Replicate int64, an empty shard, a 0-d tensor, values.
+    _save({"s0": distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)]),
+           "s1": distribute_tensor(torch.randn(3, 5).to(torch.bfloat16), mesh, [Shard(1)]),
+           "rep": distribute_tensor(torch.arange(6, dtype=torch.int64), mesh, [Replicate()]),
+           "empty": distribute_tensor(torch.ones(1, 4), mesh, [Shard(0)]),
+           "scalar": torch.tensor(3.5), "step": 7, "nested": {"a.b": torch.ones(2)}}, root / "dtensors", rank)
+    # FSDP2 (fully_shard on a CPU mesh) with Adam, through get_state_dict: FQN keys, a param_groups list.
+    torch.manual_seed(0)
+    model = Net()
+    fully_shard(model.l1, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 10)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    _save({"model": msd, "optim": osd, "epoch": 3}, root / "fsdp2", rank)
+    # DDP-style: every rank holds the same plain tensors; the raw optimizer state_dict keeps integer keys.
+    torch.manual_seed(0)
+    plain = Net()
+    popt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    plain(torch.randn(4, 10)).sum().backward()
+    popt.step()
+    _save({"model": plain.state_dict(), "optimizer": popt.state_dict()}, root / "ddp", rank)
+    # Saved without collectives: one __R.metadata per rank, each describing only its own chunks.
+    _save({"w": distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])}, root / "nocoll", rank,
+          use_collectives=False)
+    # A value whose unpickling would call a function (functools.partial of print): a payload in a real item.
+    _save({"w": torch.ones(3), "hook": functools.partial(print, "payload ran")}, root / "payload", rank)
+    # torch's safetensors-format writer: each rank file is one safetensors blob, not torch.save archives.
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    dcp.save({"w": torch.ones(4, 3)}, storage_writer=FileSystemWriter(
+        str(root / "stformat"), serialization_format=SerializationFormat.SAFETENSORS))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_samples(out: Path) -> Path:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(str(out), port), nprocs=2)
+    return out
+
+
+if __name__ == "__main__":
+    write_samples(Path(sys.argv[1]))
