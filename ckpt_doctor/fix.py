@@ -809,8 +809,8 @@ def _torch_layout(plan: FixPlan, sources: _Sources,
             nbytes = _converted_nbytes(st.nbytes, rec.dtype, t.dtype)
             key = st.entry.rsplit("/", 1)[1] if archive is not None else str(len(storages))
             if st.assembly is not None:
-                storages[ident] = out = StorageOut(key, nbytes, produce=_assembly_producer(st.assembly, rec.key, t.dtype,
-                                                                                           sources))
+                produce = _assembly_producer(st.assembly, rec.key, t.dtype, sources)
+                storages[ident] = out = StorageOut(key, nbytes, produce=produce)
                 expected[t.key] = TensorOut(rec, out.key, t.device, t.dtype, out.nbytes // element_size(t.dtype))
                 continue
             fd = sources.fd(st.file)

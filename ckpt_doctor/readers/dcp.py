@@ -412,7 +412,8 @@ def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
             break
         for (fqn, offsets), (rel, at, _length, _t) in meta.storage.items():
             if rel == path.name:
-                names[at] = fqn if offsets is None or fqn not in meta.tensors or len(meta.tensors[fqn][2]) == 1                     else f"{fqn}@{list(offsets)}"
+                whole = offsets is None or fqn not in meta.tensors or len(meta.tensors[fqn][2]) == 1
+                names[at] = fqn if whole else f"{fqn}@{list(offsets)}"
     root: dict = {}
     for item in survey.items:
         if item.refused:

@@ -66,7 +66,8 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
             if nbytes > member.size or member.method != 0 or member.offset < 0 or member.is_dir:
                 raise ReadError(f"{path}: storage {name} holds {member.size} bytes but {nbytes} are needed "
                                 "(the file is corrupt)")
-            ref.resolved = fast_new(StorageRecord, key=f"{survey.base}:{ref.key}" if survey.base else ref.key, dtype=ref.dtype, nbytes=nbytes, device=ref.location,
+            key = f"{survey.base}:{ref.key}" if survey.base else ref.key  # a DCP item: one storage "0" each
+            ref.resolved = fast_new(StorageRecord, key=key, dtype=ref.dtype, nbytes=nbytes, device=ref.location,
                                     file=path, offset=member.offset, entry=member.name,
                                     crc=member.crc if member.size == nbytes else None)
 
