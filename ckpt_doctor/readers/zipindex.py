@@ -229,8 +229,8 @@ def _locate_data(fd: int, file_size: int, entries: list, base: int = 0) -> list[
             sig, nlen, xlen = _LOCAL_HEADER.unpack_from(head, at)
             if sig == _LOCAL and local_at + 30 + nlen + xlen + csize <= file_size:
                 data_at = local_at + 30 + nlen + xlen
-        located.append(ZipMember(name, data_at + base if data_at >= 0 else -1, usize, csize, method, crc, base + local_at,
-                                  flags, is_dir))
+        data_at = data_at + base if data_at >= 0 else -1
+        located.append(ZipMember(name, data_at, usize, csize, method, crc, base + local_at, flags, is_dir))
     return located
 
 
