@@ -206,7 +206,9 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
               "model lacks.")
 @click.option("--tie", "ties", multiple=True, metavar="ALIAS=KEY", help="Also write ALIAS as the same tensor as KEY "
               "(one storage), as a model with tied weights expects (lm_head.weight=transformer.wte.weight).")
-@click.option("--format", "format_", type=click.Choice(["torch", "safetensors"]), help="Override the suffix.")
+@click.option("--format", "format_", type=click.Choice(["torch", "safetensors", "dcp"]),
+              help="Override the suffix. dcp: a torch.distributed.checkpoint folder (OUT is a folder) that dcp.load "
+                   "reads into an FSDP2/DTensor model, to resume distributed training.")
 @click.option("--max-shard-size", metavar="SIZE", help="Split the output into shards of at most SIZE (5GB, "
               "500MB, 2GiB) with an OUT.index.json naming them, as Hugging Face does.")
 @click.option("--dry-run", is_flag=True, help="Print old → new for every key and what the output would hold; "
@@ -277,7 +279,7 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
         checkpoint.refuse_if_unsafe("rewrite it", "To keep only its tensors, add --allow-unsafe --select PATH "
                                                   "(nothing it names is ever written)", code_too=False)
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
-    if not dry_run and shard_bytes is None:
+    if not dry_run and shard_bytes is None and fmt is not OutputFormat.DCP:  # a DCP folder: checked as it is written
         check_destination(out_path, checkpoint.files, force)
     model = None
     if model_spec:
@@ -307,7 +309,7 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     if shard_bytes is not None:
         result = execute_sharded(plan, shard_bytes, progress_bar(), not no_verify, force)
     else:
-        result = execute(plan, progress_callback=progress_bar(), verify=not no_verify)
+        result = execute(plan, progress_callback=progress_bar(), verify=not no_verify, force=force)
     if as_json:
         from .render.json_out import dumps
 

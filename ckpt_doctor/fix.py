@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the comparison is imported only with --model: a plain repai
 class OutputFormat(str, enum.Enum):
     TORCH = "torch"
     SAFETENSORS = "safetensors"
+    DCP = "dcp"  # a torch.distributed.checkpoint folder, written by torch's own DCP writer
 
 
 SUFFIX_FORMAT = {".safetensors": OutputFormat.SAFETENSORS, ".pt": OutputFormat.TORCH, ".pth": OutputFormat.TORCH,
@@ -162,9 +163,11 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         raise PlanError(f"{ckpt.path}: no state_dict found to repair; name the part to write with --select PATH")
     # A distributed checkpoint (DCP, ZeRO) gives its model weights by default, in any format; `--select ''` gives all
     # of it, nested as saved (what dcp_to_torch_save writes).
-    whole_tree = select == "" and bool(ckpt.distributed) and fmt is OutputFormat.TORCH
+    nested_format = fmt in (OutputFormat.TORCH, OutputFormat.DCP)  # formats that hold a tree, not only tensors
+    whole_tree = select == "" and bool(ckpt.distributed) and nested_format
     flat_output = not whole_tree and (select is not None or fmt is OutputFormat.SAFETENSORS or root == ""
                                       or _is_module_root(ckpt, root) or bool(ckpt.distributed))
+    notes += ckpt.distributed.get("fix_notes", [])
     if ckpt.distributed and select is None and root:
         notes.append(f"a distributed checkpoint: wrote the model's state_dict at {root!r}, as load_state_dict takes "
                      "it; the rest (optimizer state, other values) with --select PATH, all of it with --select ''")
@@ -184,6 +187,13 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
             dropped.append(t.key)
         else:
             kept.append(t)
+    seen_keys: set[str] = set()
+    for t in kept if flat_output else ckpt.tensors:  # a nested output finds every tensor by its dotted path
+        if t.key in seen_keys:
+            raise PlanError(f"{ckpt.path}: two tensors are both named {t.key!r} once their nesting is joined with "
+                            "dots ({'a.b': {'c': x}} and {'a': {'b.c': y}}); ckpt-doctor cannot tell them apart in "
+                            "its output: write one of them with --select PATH")
+        seen_keys.add(t.key)
     plan = plan_keys([t.key for t in kept], renames)
     applied += [" ".join(t.flags()) for t in transforms if not opts.auto]
     mapping = dict(plan.mapping)
@@ -214,7 +224,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     if flat_output:
         tree: Any = state
         outs = list(state.values())
-        if root == "" and select is None and fmt is OutputFormat.TORCH and isinstance(ckpt.root, dict):
+        if root == "" and select is None and nested_format and isinstance(ckpt.root, dict):
             # A flat state_dict with a few other entries (a version number, a config): keep them as they were.
             full_records = {t.key: t for t in ckpt.tensors}
             nested: set[str] = set()
@@ -272,6 +282,9 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     for t in outs:
         if t.source.storage is None:
             raise PlanError(f"{t.source.key}: has no data in the file (a meta tensor); drop it with --drop")
+    if fmt is OutputFormat.DCP and any(t.device != "cpu" for t in outs):
+        notes.append("a DCP folder holds CPU tensors: the saved devices are not kept (dcp.load fills the tensors "
+                     "of the model it is given, wherever they are)")
     if fmt is OutputFormat.TORCH:
         from .devices import missing_devices
 
@@ -659,8 +672,13 @@ def _contiguous_producer(record: TensorRecord, dtype: str) -> Callable:
 
 
 def execute(plan: FixPlan, progress_callback: Callable[[int, int], None] | None = None,
-            verify: bool = True) -> FixResult:
+            verify: bool = True, force: bool = False) -> FixResult:
     """Write the planned output atomically and, unless told not to, re-read it and compare every tensor."""
+    if plan.format is OutputFormat.DCP:
+        from .writers.dcp_writer import write_dcp
+
+        size = write_dcp(plan, verify, force)
+        return FixResult(plan, size, verify)
     check_destination(plan.output, (plan.input, *{t.source.storage.file for t in plan.tensors if t.source.storage}),
                       force=True)
     sources = _Sources()

@@ -23,6 +23,7 @@ class Format(str, enum.Enum):
     PICKLE = "pickle"
     SHARDED = "sharded"
     DCP = "torch-dcp"  # a torch.distributed.checkpoint folder
+    DEEPSPEED = "deepspeed-zero"  # a DeepSpeed save folder (ZeRO partitions consolidated)
 
 
 def fast_new(cls: type, **fields: Any) -> Any:

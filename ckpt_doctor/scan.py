@@ -139,6 +139,40 @@ def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str]]
     return files, problems
 
 
+def _with_dcp_items(results: list[FileScan]) -> list[FileScan]:
+    """In a torch.distributed.checkpoint folder, the byte ranges its metadata names are what torch's DCP reader
+    loads: each is walked too (a range need not start where the file's own archives do)."""
+    from dataclasses import replace
+
+    from .readers.dcp import METADATA, RANK_METADATA, metadata_items
+    from .readers.survey import survey_item
+
+    folders = {r.path.parent for r in results if r.path.name == METADATA or RANK_METADATA.fullmatch(r.path.name)}
+    ranges: dict[Path, list[tuple[int, int]]] = {}
+    for folder in folders:
+        ranges.update(metadata_items(folder))
+    out = []
+    for result in results:
+        spans = ranges.get(result.path)
+        if spans:
+            extra_globals, extra_hazards = [], []
+            fd = os.open(result.path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                for at, length in sorted(set(spans)):
+                    if at + length <= size:
+                        item = survey_item(result.path, fd, at, length)
+                        extra_globals += item.globals
+                        extra_hazards += item.hazards
+            finally:
+                os.close(fd)
+            known = {h.what for h in result.hazards}
+            result = replace(result, globals=tuple(_dedupe([*result.globals, *extra_globals])),
+                             hazards=(*result.hazards, *(h for h in extra_hazards if h.what not in known)))
+        out.append(result)
+    return out
+
+
 def scan(paths: list[str]) -> ScanReport:
     files, problems = files_to_scan(paths)
     results: list[FileScan] = []
@@ -149,6 +183,7 @@ def scan(paths: list[str]) -> ScanReport:
             skipped.append(str(path))
         else:
             results.append(result)
+    results = _with_dcp_items(results)
     for folder in (Path(p) for p in paths if Path(p).is_dir()):
         if not any(folder in r.path.parents for r in results):
             count = sum(1 for s in skipped if folder in Path(s).parents)

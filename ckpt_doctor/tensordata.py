@@ -19,7 +19,13 @@ def read_bytes(record: TensorRecord) -> bytes:
     if record.storage.assembly is not None:  # pieces of several files (DCP, ZeRO): assembled in memory
         from .assemble import assembled_bytes
 
-        return assembled_bytes(record.storage.assembly, record.key)
+        data = assembled_bytes(record.storage.assembly, record.key)
+        if record.storage.assembly.dtype != record.dtype:  # a 16-bit buffer read as float32, as zero_to_fp32 does
+            import torch
+
+            src = torch.frombuffer(bytearray(data), dtype=getattr(torch, record.storage.assembly.dtype))
+            data = tensor_bytes(src.to(getattr(torch, record.dtype)))
+        return data
     start = record.file_offset
     assert start is not None
     size = record.span_bytes

@@ -95,6 +95,37 @@ def _rank(rank: int, out: str, port: int) -> None:
     dist.destroy_process_group()
 
 
+def _load_rank(rank: int, folder: str, out: str, port: int) -> None:
+    """Resume as FSDP2 training would: shard a fresh Net over 2 ranks, dcp.load into its sharded state_dict."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(1)
+    model = Net()
+    fully_shard(model, mesh=mesh)
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state)
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save(full, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def load_into_fsdp2(folder: Path, out: Path) -> dict:
+    """What a 2-rank FSDP2 Net holds after dcp.load from `folder`, gathered."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_load_rank, args=(str(folder), str(out), port), nprocs=2)
+    return torch.load(out, weights_only=True)
+
+
 def write_samples(out: Path) -> Path:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

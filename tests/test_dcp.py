@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
-from tests.dcp_samples import Net, write_samples
+from tests.dcp_samples import Net, load_into_fsdp2, write_samples
 from tests.payloads import os_system_pickle
 
 NET = "tests/dcp_samples.py:Net"
@@ -207,3 +207,97 @@ def test_formats_not_read_yet_say_so(samples, tmp_path):
     (bare / ".metadata").unlink()
     result = run_cli("inspect", bare)
     assert result.exit_code == 2 and "no .metadata" in result.stderr, result.stderr
+
+
+def _edit_metadata(folder: Path, name: str, change) -> None:
+    """Rewrite a metadata file this test run wrote (plain pickle: the test trusts its own files)."""
+    import pickle
+
+    path = folder / name
+    meta = pickle.loads(path.read_bytes())
+    change(meta)
+    path.write_bytes(pickle.dumps(meta, protocol=4))
+
+
+def test_metadata_files_that_disagree_are_refused(samples, tmp_path):
+    """A use_collectives=False folder whose second metadata claims rank 0's chunk from its own file: torch's reader
+    would take one of the two silently; the output would hold the wrong rows."""
+    folder = tmp_path / "nocoll"
+    shutil.copytree(samples / "nocoll", folder)
+
+    def claim(meta):
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = next(iter(meta.storage_data.values()))
+        meta.storage_data[MetadataIndex("w", torch.Size([0, 0]), 0)] = _StorageInfo(info.relative_path, 0, info.length)
+
+    _edit_metadata(folder, "__1.metadata", claim)
+    out = tmp_path / "w.safetensors"
+    result = run_cli("fix", folder, "-o", out)
+    assert result.exit_code == 2 and "metadata files disagree" in result.stderr and not out.exists(), result.stderr
+
+
+@pytest.mark.parametrize("paths", [{"s0": ("x",), "rep": ("x",)}, {"s0": ("a", "b"), "rep": ("a",)}])
+def test_two_items_at_one_path_are_refused(samples, tmp_path, paths):
+    folder = tmp_path / "dtensors"
+    shutil.copytree(samples / "dtensors", folder)
+    _edit_metadata(folder, ".metadata", lambda meta: meta.planner_data.update(paths))
+    result = run_cli("fix", folder, "-o", tmp_path / "out.pt", "--select", "")
+    assert result.exit_code == 2 and "two items of the checkpoint claim the path" in result.stderr, result.stderr
+
+
+def test_two_tensors_of_one_dotted_name_are_refused(samples, tmp_path):
+    folder = tmp_path / "dtensors"
+    shutil.copytree(samples / "dtensors", folder)
+    _edit_metadata(folder, ".metadata", lambda meta: meta.planner_data.update({"rep": ("nested.a", "b")}))
+    for suffix in (".safetensors", ".pt"):
+        out = tmp_path / f"out{suffix}"
+        result = run_cli("fix", folder, "-o", out, "--select", "")
+        assert result.exit_code == 2 and "both named 'nested.a.b'" in result.stderr and not out.exists(), result.stderr
+
+
+def test_a_pipe_for_metadata_is_refused_not_waited_on(samples, tmp_path):
+    import os
+
+    folder = tmp_path / "dtensors"
+    shutil.copytree(samples / "dtensors", folder)
+    (folder / ".metadata").unlink()
+    os.mkfifo(folder / ".metadata")
+    result = run_cli("inspect", folder)
+    assert result.exit_code == 2 and "not a regular file" in result.stderr, result.stderr
+
+
+def test_a_payload_appended_to_a_shard_is_seen_by_inspect_and_scan(samples, tmp_path):
+    """Bytes after the items that only whole-file readers (torch.load, zipfile) see."""
+    import io
+
+    folder = tmp_path / "dtensors"
+    shutil.copytree(samples / "dtensors", folder)
+    buf = io.BytesIO()
+    torch.save({"hook": __import__("functools").partial(print, "payload ran")}, buf)
+    with open(folder / "__0_0.distcp", "ab") as f:
+        f.write(b"\0" * 100 + buf.getvalue())
+    for command in ("inspect", "scan"):
+        result = run_cli(command, folder)
+        assert result.exit_code == 1 and "functools.partial" in result.stdout + result.stderr, result.stderr
+
+
+def test_a_single_file_becomes_a_dcp_folder_fsdp2_resumes_from(tmp_path):
+    """fix --format dcp: torch's dcp.load fills a 2-rank FSDP2 model with exactly the file's tensors."""
+    torch.manual_seed(0)
+    source = {"module." + k: v for k, v in Net().state_dict().items()}  # saved from DataParallel
+    path = tmp_path / "dp.pt"
+    torch.save(source, path)
+    folder = tmp_path / "resume"
+    result = run_cli("fix", path, "-o", folder, "--format", "dcp", "--strip-module")
+    assert result.exit_code == 0, result.stderr
+    loaded = load_into_fsdp2(folder, tmp_path / "gathered.pt")
+    for key, value in source.items():
+        assert same_bits(loaded[key.removeprefix("module.")], value), key
+    again = run_cli("fix", path, "-o", folder, "--format", "dcp", "--strip-module")
+    assert again.exit_code == 2 and "already exists" in again.stderr
+    (tmp_path / "notdcp").mkdir()
+    (tmp_path / "notdcp" / "keep.txt").write_text("mine")
+    refused = run_cli("fix", path, "-o", tmp_path / "notdcp", "--format", "dcp", "--force")
+    assert refused.exit_code == 2 and (tmp_path / "notdcp" / "keep.txt").read_text() == "mine"

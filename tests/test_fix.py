@@ -444,3 +444,18 @@ def test_every_unwritable_entry_is_named_at_once_and_drops_are_counted(cli, tmp_
     fixed = cli("fix", path, "-o", tmp_path / "out.pt", "--drop", "^(args|hparams)$", "--json")
     assert fixed.exit_code == 0
     assert set(fixed.json()["dropped"]) == {"args", "hparams"}
+
+
+def test_two_tensors_of_one_dotted_name_in_a_torch_file_are_refused(tmp_path):
+    """{'nested': {'a.b': x}, 'nested.a': {'b': y}}: both are 'nested.a.b' once joined; neither output may keep one
+    and silently lose (or duplicate) the other."""
+    import torch
+
+    from tests.conftest import run_cli
+
+    path = tmp_path / "clash.pt"
+    torch.save({"nested": {"a.b": torch.ones(2)}, "nested.a": {"b": torch.arange(3)}}, path)
+    for suffix in (".pt", ".safetensors"):
+        out = tmp_path / f"out{suffix}"
+        result = run_cli("fix", path, "-o", out)
+        assert result.exit_code == 2 and "two tensors are both named" in result.stderr and not out.exists()

@@ -53,8 +53,13 @@ def read_file(path: Path, survey: Survey | None = None) -> Checkpoint:
             raise ReadError(f"{exc} — and it would run code: {shown}", findings) from None
         raise
     globals_ = tuple({(g.module, g.name): g for g in [*survey.globals, *ckpt.globals]}.values())
-    return replace(ckpt, globals=globals_, hazards=tuple(survey.hazards),
+    ckpt = replace(ckpt, globals=globals_, hazards=tuple(survey.hazards),
                    notes=tuple(dict.fromkeys([*ckpt.notes, *survey.notes])))
+    if path.name.endswith("_states.pt"):
+        from .deepspeed import rank_file_note
+
+        ckpt = rank_file_note(ckpt)
+    return ckpt
 
 
 def _read(path: Path, survey: Survey) -> Checkpoint:
@@ -146,6 +151,11 @@ def read_folder(folder: Path) -> Checkpoint:
         raise ReadError(f"{folder}: permission denied (cannot list the folder)") from None
     if is_dcp_folder(names):
         return read_dcp(folder, names)
+    from .deepspeed import find_tag_folder, read_deepspeed
+
+    tag_dir = find_tag_folder(folder, names)
+    if tag_dir is not None:
+        return read_deepspeed(folder, tag_dir)
     chosen, candidates = find_in_folder(folder)
     if chosen is None:
         if not candidates:

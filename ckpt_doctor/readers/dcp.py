@@ -28,7 +28,7 @@ from .survey import survey_file, survey_item
 METADATA = ".metadata"
 SHARD = re.compile(r"__(\d+)_(\d+)\.distcp")
 RANK_METADATA = re.compile(r"__(\d+)\.metadata")
-MAX_LIST_INDEX = 1 << 20  # a list index in planner_data past this is no state_dict (a memory bomb of Nones)
+MAX_PATH_DEPTH = 256  # planner_data paths nest a few levels; thousands is no state_dict
 
 
 def is_dcp_folder(names: list[str]) -> bool:
@@ -51,6 +51,7 @@ class _Meta:
         self.paths: dict[str, tuple] = {}
         self.storage: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int, tuple[str, ...]]] = {}
         self.version = ""
+        self.chunk_sets: dict[str, set] = {}
 
 
 def _state(obj: Any, cls: str, where: Path) -> Any:
@@ -83,7 +84,10 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list) -> None:
 
     from ..safepickle import limits
 
-    size = path.stat().st_size
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise ReadError(f"{path}: not a regular file (a device, a pipe or a folder)")
+    size = st.st_size
     if size > limits.MAX_UNPICKLE_BYTES:
         raise ReadError(f"{path}: {size:,} bytes of DCP metadata, over the {limits.MAX_UNPICKLE_BYTES >> 20} MB "
                         "ckpt-doctor unpickles")
@@ -112,7 +116,10 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list) -> None:
         if not isinstance(name, str):
             raise ReadError(f"{path}: {fqn} has no torch dtype in its metadata")
         chunks = []
-        for chunk in _field(tsm, "chunks", path) or []:
+        listed = _field(tsm, "chunks", path) or []
+        if not isinstance(listed, list):
+            raise ReadError(f"{path}: the chunks of {fqn} are not a list")
+        for chunk in listed:
             cs = _state(chunk, "ChunkStorageMetadata", path)
             chunks.append((_ints(_field(cs, "offsets", path), f"a chunk offset of {fqn}", path),
                            _ints(_field(cs, "sizes", path), f"a chunk size of {fqn}", path)))
@@ -121,28 +128,46 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list) -> None:
             if known[:2] != (size, name):
                 raise ReadError(f"{path}: {fqn} is {name}{list(size)} here but {known[1]}{list(known[0])} in another "
                                 "rank's metadata")
-            known[2].extend(c for c in chunks if c not in known[2])
+            seen = meta.chunk_sets[fqn]
+            for c in chunks:
+                if c not in seen:
+                    seen.add(c)
+                    known[2].append(c)
         else:
             meta.tensors[fqn] = (size, name, chunks)
+            meta.chunk_sets[fqn] = set(chunks)
     if isinstance(planner, dict):
         for fqn, p in planner.items():
-            if isinstance(fqn, str) and isinstance(p, tuple) and p and all(
-                    type(k) is str or type(k) is int and 0 <= k < MAX_LIST_INDEX for k in p):
-                meta.paths.setdefault(fqn, p)
+            if not (isinstance(fqn, str) and isinstance(p, tuple) and 0 < len(p) <= MAX_PATH_DEPTH
+                    and all(type(k) is str or type(k) is int and k >= 0 for k in p)):
+                raise ReadError(f"{path}: planner_data gives {str(fqn)[:60]} a path that is no list of keys "
+                                f"(of at most {MAX_PATH_DEPTH} names or indices)")
+            if meta.paths.setdefault(fqn, p) != p:
+                raise ReadError(f"{path}: planner_data puts {fqn} at {list(p)[:6]}, another rank's metadata at "
+                                f"{list(meta.paths[fqn])[:6]}: the metadata files disagree")
     for index, info in storage.items():
         mi = _state(index, "MetadataIndex", path)
         si = _state(info, "_StorageInfo", path)
         fqn = _field(mi, "fqn", path)
+        if not isinstance(fqn, str):
+            raise ReadError(f"{path}: a storage entry names its item by a {type(fqn).__name__}, not a string")
         offset = mi.get("offset") if isinstance(mi, dict) else None  # absent for a non-tensor value
         rel, at, length = _field(si, "relative_path", path), _field(si, "offset", path), _field(si, "length", path)
         transforms = si.get("transform_descriptors") if isinstance(si, dict) else None
+        if transforms is not None and not (isinstance(transforms, (list, tuple))
+                                           and all(isinstance(t, str) for t in transforms)):
+            raise ReadError(f"{path}: the storage entry of {fqn[:80]} has malformed transform descriptors")
         if not (isinstance(rel, str) and type(at) is int and type(length) is int and at >= 0 and length >= 0):
             raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} is malformed")
         if "/" in rel or "\\" in rel or rel in ("", ".", ".."):
             raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} names {rel[:80]!r}, not a file in the "
                             "folder")
         key = (fqn, None if offset is None else _ints(offset, f"a storage offset of {fqn}", path))
-        meta.storage[key] = (rel, at, length, tuple(transforms or ()))
+        entry = (rel, at, length, tuple(transforms or ()))
+        if meta.storage.setdefault(key, entry) != entry:
+            raise ReadError(f"{path}: {fqn} at {list(key[1] or [])} is stored in {rel} at byte {at} here, in "
+                            f"{meta.storage[key][0]} at byte {meta.storage[key][1]} in another rank's metadata: the "
+                            "metadata files disagree")
 
 
 def _layout(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
@@ -162,30 +187,61 @@ def _layout(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int
     return f"{len(dims)}-D split on dims {dims}, {len(chunks)} chunks{tail}"
 
 
-def set_element(root: dict, path: tuple, value: Any) -> None:
-    """torch.distributed.checkpoint._traverse.set_element: an int key makes (and extends) a list."""
+def set_element(root: dict, path: tuple, value: Any, limit: int) -> None:
+    """torch.distributed.checkpoint._traverse.set_element: an int key makes (and extends) a list. Stricter than
+    torch's: a path through a value, a string key into a list, or a second value for one place is an error (torch
+    would silently keep the last), and a list index is below `limit`, the number of entries (each slot of a real
+    list holds one)."""
+    where = list(path)[:6]
     cur: Any = root
     for prev, key in zip(path, path[1:]):
         default: Any = {} if type(key) is str else []
         if isinstance(cur, dict):
             cur = cur.setdefault(prev, default)
-        else:
+        elif type(prev) is int and prev < limit:
             while len(cur) <= prev:
                 cur.append(None)
             if cur[prev] is None:
                 cur[prev] = default
             cur = cur[prev]
+        else:
+            raise ReadError(f"planner_data path {where} indexes a list by {str(prev)[:40]!r}")
         if not isinstance(cur, (dict, list)):
-            raise ReadError(f"two items of the checkpoint claim the path {list(path)[:6]}")
+            raise ReadError(f"two items of the checkpoint claim the path {where} (one is a value, one goes through it)")
     key = path[-1]
-    if type(key) is int:
-        if not isinstance(cur, list):
-            raise ReadError(f"two items of the checkpoint claim the path {list(path)[:6]}")
-        while len(cur) <= key:
-            cur.append(None)
-    elif not isinstance(cur, dict):
-        raise ReadError(f"two items of the checkpoint claim the path {list(path)[:6]}")
+    if isinstance(cur, dict):
+        if key in cur:
+            raise ReadError(f"two items of the checkpoint claim the path {where}")
+        cur[key] = value
+        return
+    if type(key) is not int or key >= limit:
+        raise ReadError(f"planner_data path {where} indexes a list by {str(key)[:40]!r}")
+    while len(cur) <= key:
+        cur.append(None)
+    if cur[key] is not None:
+        raise ReadError(f"two items of the checkpoint claim the path {where}")
     cur[key] = value
+
+
+def _place(folder: Path, root: dict, path: tuple, value: Any, limit: int) -> None:
+    try:
+        set_element(root, path, value, limit)
+    except ReadError as exc:
+        raise ReadError(f"{folder}: {exc}") from None
+
+
+def _whole_file_views(folder: Path, files: set[str], items: dict[str, list[tuple[int, int]]]) -> tuple[list, list]:
+    """What torch.load and Python's zipfile would read of each shard taken whole (a payload after the items is
+    seen there): globals and hazards. Their disagreement is what a shard is when its items tile it exactly."""
+    globals_, hazards = [], []
+    for rel in sorted(files):
+        survey = survey_file(folder / rel, thorough=False)
+        globals_ += survey.globals
+        spans = sorted(items.get(rel, []))
+        tiled = spans and spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])) \
+            and spans[-1][0] + spans[-1][1] == survey.size
+        hazards += [h for h in survey.hazards if not (tiled and h.what.startswith("zip readers disagree"))]
+    return globals_, hazards
 
 
 class _Items:
@@ -261,6 +317,12 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
     survey_globals: list[GlobalRef] = []
     hazards: list = []
     for path in metas:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            raise ReadError(f"{path}: cannot be read ({exc.strerror})") from None
+        if not stat.S_ISREG(mode):  # a pipe would block the open below
+            raise ReadError(f"{path}: not a regular file (a device, a pipe or a folder)")
         survey = survey_file(path)
         survey_globals.extend(survey.globals)
         hazards.extend(survey.hazards)
@@ -311,7 +373,7 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
             ref.resolved = StorageRecord(key=fqn, dtype=dtype, nbytes=nbytes, device="cpu", file=metas[0], offset=0,
                                          assembly=assembly)
             stride = tuple(_contiguous(size))
-            set_element(root, path, RawTensor(ref, dtype, 0, size, stride))
+            _place(folder, root, path, RawTensor(ref, dtype, 0, size, stride), len(order))
             layouts[".".join(str(p) for p in path)] = _layout(size, chunks)
         else:
             where = meta.storage.get((fqn, None))
@@ -320,8 +382,12 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
                 continue
             rel, at, length, transforms = where
             files.add(rel)
-            set_element(root, path, items.read(rel, at, length, transforms, fqn).root)
+            _place(folder, root, path, items.read(rel, at, length, transforms, fqn).root, len(order))
     restored = _integer_state_keys(root)
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for rel, at, length, _t in meta.storage.values():
+        spans.setdefault(rel, []).append((at, length))
+    view_globals, view_hazards = _whole_file_views(folder, files, spans)
     if problems:
         shown = "; ".join(problems[:3]) + (f"; … {len(problems) - 3} more" if len(problems) > 3 else "")
         raise ReadError(f"{folder}: the checkpoint is incomplete: {shown}")
@@ -338,12 +404,16 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
         notes += (f"optimizer state keys at {', '.join(restored[:3])} are integers again: DCP saves them as strings, "
                   "and Optimizer.load_state_dict matches state to the integer ids in param_groups",)
     ckpt = build_checkpoint(folder, Format.DCP, root, unpicklers, notes=notes,
-                            extra_globals=tuple(survey_globals + items.globals), extra_bytes=items.walked_bytes)
+                            extra_globals=tuple(survey_globals + items.globals + view_globals),
+                            extra_bytes=items.walked_bytes)
     from dataclasses import replace
 
-    distributed["contents"] = _contents(root, ckpt.state_dict_root)
+    if not all(isinstance(v, RawTensor) for v in root.values()):  # a flat state_dict needs no contents line
+        distributed["contents"] = _contents(root, ckpt.state_dict_root)
+    distributed["fix_notes"] = list(notes[1:])
 
-    return replace(ckpt, files=(*metas, *(folder / f for f in sorted(files))), hazards=tuple(hazards + items.hazards),
+    return replace(ckpt, files=(*metas, *(folder / f for f in sorted(files))),
+                   hazards=tuple(hazards + items.hazards + view_hazards),
                    layouts=layouts, distributed=distributed)
 
 
@@ -393,6 +463,21 @@ def _count_tensors(value: Any) -> int:
     if isinstance(value, list):
         return sum(_count_tensors(v) for v in value)
     return 0
+
+
+def metadata_items(folder: Path) -> dict[Path, list[tuple[int, int]]]:
+    """Each byte range the folder's metadata names, by file: what torch's DCP reader hands torch.load (for `scan`,
+    which walks them beside each file's own views). Empty when the metadata cannot be read (scan reports it)."""
+    meta = _Meta()
+    try:
+        for path in metadata_files(folder, os.listdir(folder)):
+            _read_metadata(path, meta, [])
+    except (ReadError, OSError):
+        return {}
+    ranges: dict[Path, list[tuple[int, int]]] = {}
+    for rel, at, length, _t in meta.storage.values():
+        ranges.setdefault(folder / rel, []).append((at, length))
+    return ranges
 
 
 def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:

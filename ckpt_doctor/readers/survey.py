@@ -77,8 +77,12 @@ class Survey:
             self.refused = self.refused or result.refused
 
 
-def survey_file(path: Path) -> Survey:
-    """Walk every pickle of the file at `path`. Raises ReadError only when the file cannot be opened or read."""
+def survey_file(path: Path, thorough: bool = True) -> Survey:
+    """Walk every pickle of the file at `path`. Raises ReadError only when the file cannot be opened or read.
+
+    `thorough=False` skips the two walks that read a whole file looking for signatures (splitting a DCP shard into
+    its archives, and local headers of an archive whose directory is broken): the DCP reader, which knows each item
+    of a shard from its metadata, walks those itself and asks here only what torch.load and zipfile would read."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except PermissionError:
@@ -92,8 +96,8 @@ def survey_file(path: Path) -> Survey:
         container, head = sniff(fd, size)
         survey = Survey(path, size, container, head)
         if container is Container.ZIP:
-            _survey_zip(survey, fd)
-            if survey.zip is None or survey.zip.other_readers:
+            _survey_zip(survey, fd, local_scan=thorough)
+            if thorough and (survey.zip is None or survey.zip.other_readers):
                 _survey_items(survey, fd)
         elif container is Container.TAR:
             _survey_tar(survey, fd)
@@ -172,7 +176,7 @@ def _is_magic(data: Any, end: int) -> bool:
         return False  # a malformed first pickle simply is not the magic number
 
 
-def _survey_zip(survey: Survey, fd: int, base: int = 0) -> None:
+def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True) -> None:
     """The archive at `base` (an item of a DCP shard when not 0) of `survey.size` bytes."""
     path = survey.path
     try:
@@ -183,8 +187,10 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0) -> None:
         return
     except ReadError as exc:
         survey.zip_error = exc
-        if not base:
+        if not base and local_scan:
             _survey_broken_zip(survey, fd)
+        elif not base:
+            _survey_zipfile_view(survey, fd)
         return
     survey.zip = index
     budget = [limits.MAX_INFLATED_TOTAL]

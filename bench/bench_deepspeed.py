@@ -1,0 +1,101 @@
+"""Benchmark: consolidating DeepSpeed ZeRO-2 and ZeRO-3 checkpoints, against DeepSpeed's own zero_to_fp32 and `cp -r`.
+
+    python bench/bench_deepspeed.py [--dir /tmp/ckpt-bench] [--rounds 3]
+
+The checkpoints are written by DeepSpeed itself (DS_ACCELERATOR=cpu, two gloo ranks, Adam): a model of 16
+Linear(2048, 2048) layers, 268 MB of fp32 weights. Targets: `fix` ≤ 0.5× the time of `zero_to_fp32` and ≤ 1.5×
+`cp -r` of the tag folder, peak RSS ≤ 150 MB; `inspect` of the folder ≤ 0.3 s. Every command runs once per round, in
+turn; the best time of each is printed beside its baselines from the same rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import bench_args, compile_bytecode, measure_rounds, row  # noqa: E402
+
+WRITE = '''
+import os, sys
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch, torch.multiprocessing as mp
+
+def rank(r, out, stage):
+    import deepspeed
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29640 + stage), RANK=str(r), LOCAL_RANK=str(r),
+                      WORLD_SIZE="2")
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(16)])
+    config = {"train_batch_size": 2, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.backward(engine(torch.randn(1, 2048)).sum())
+    engine.step()
+    engine.save_checkpoint(out, tag="global_step1")
+
+if __name__ == "__main__":
+    mp.spawn(rank, args=(sys.argv[1], int(sys.argv[2])), nprocs=2)
+'''
+
+
+def folder_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20
+
+
+def main() -> None:
+    args = bench_args(__doc__)
+    work = Path(args.dir)
+    exe = shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(sys.executable), "ckpt-doctor")
+    compile_bytecode()
+    for stage in (2, 3):
+        ckpt = work / f"zero{stage}"
+        if not (ckpt / "latest").exists():
+            script = work / "write_zero.py"
+            script.write_text(WRITE)
+            subprocess.run([sys.executable, str(script), str(ckpt), str(stage)], check=True,
+                           env={**os.environ, "DS_ACCELERATOR": "cpu"}, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+        outputs = [work / f"zero{stage}_fp32.safetensors", work / f"zero{stage}_official.pt", work / "zero_copy"]
+
+        def clean() -> None:
+            for out in outputs:
+                if out.is_dir():
+                    shutil.rmtree(out)
+                elif out.exists():
+                    out.unlink()
+            os.sync()
+
+        official = ("import os; os.environ['DS_ACCELERATOR'] = 'cpu'; "
+                    "from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict as c; "
+                    f"c({str(ckpt)!r}, {str(outputs[1])!r}, safe_serialization=False)")
+        cmds = {
+            "zero_to_fp32 (deepspeed's own)": [sys.executable, "-c", official],
+            "cp -r tag folder + sync": ["sh", "-c", f"cp -r {ckpt / 'global_step1'} {outputs[2]} && sync"],
+            "fix -o fp32.safetensors": [exe, "fix", str(ckpt), "-o", str(outputs[0])],
+            "inspect FOLDER --json": [exe, "inspect", str(ckpt), "--json"],
+        }
+        results = measure_rounds(cmds, args.rounds, before=clean)
+        best = {label: (min(times), rss) for label, (times, rss) in results.items()}
+        print(f"ZeRO-{stage}: {ckpt} ({folder_mb(ckpt / 'global_step1'):.0f} MB in the tag folder, 268 MB of fp32 "
+              f"weights; 2 gloo ranks, Adam); best of {args.rounds} interleaved rounds")
+        t_off, _ = best["zero_to_fp32 (deepspeed's own)"]
+        t_cp, _ = best["cp -r tag folder + sync"]
+        for label, (seconds, rss) in best.items():
+            extra = f"  {seconds / t_off:.2f}x zero_to_fp32, {seconds / t_cp:.2f}x cp -r" if label.startswith("fix") \
+                else ""
+            print(row(label, seconds, rss) + extra)
+        t_fix, rss_fix = best["fix -o fp32.safetensors"]
+        t_inspect, _ = best["inspect FOLDER --json"]
+        print(f"targets: fix <= 0.5x zero_to_fp32: {'met' if t_fix <= 0.5 * t_off else 'NOT met'}; <= 1.5x cp -r: "
+              f"{'met' if t_fix <= 1.5 * t_cp else 'NOT met'}; peak RSS <= 150 MB: "
+              f"{'met' if rss_fix <= 150 else 'NOT met'}; inspect <= 0.3 s: {'met' if t_inspect <= 0.3 else 'NOT met'}")
+        clean()
+
+
+if __name__ == "__main__":
+    main()

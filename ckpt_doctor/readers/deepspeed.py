@@ -1,0 +1,328 @@
+"""DeepSpeed ZeRO checkpoint folders, consolidated as DeepSpeed's own `zero_to_fp32.py` does — without deepspeed.
+
+A save folder holds `latest` (the tag) and `<tag>/`: `mp_rank_00_model_states.pt` (ZeRO-1/2) or one
+`zero_pp_rank_R_mp_rank_00_model_states.pt` per rank (ZeRO-3), and one `*_optim_states.pt` per rank. Every file is
+read by this tool's own readers (nothing deepspeed pickled is imported; its enum and loss-scaler records are inert).
+
+The fp32 master weights are rebuilt as zero_to_fp32 does, each parameter an Assembly of slices of the ranks' flat
+partitions (streamed by `fix`, never concatenated in memory):
+- ZeRO-1/2: per param group, the ranks' `single_partition_of_fp32_groups[g]` laid end to end; the group's
+  `param_shapes` taken in order, `numel` each (plus `param_alignment_paddings` when saved); the total must match to
+  within the 2 × world-size alignment, as zero_to_fp32 checks.
+- ZeRO-3: each parameter is `ceil(numel / ws)` elements of every rank's `fp32_flat_groups` (concatenated over
+  sub-groups), at the same offset on every rank; the ranks' slices laid end to end and cut to `numel`.
+Then buffers (from rank 0's `module`, floating ones as float32 as zero_to_fp32 does), frozen parameters, and
+`shared_params` aliases as the same tensor (tied in a torch output).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import OrderedDict
+from dataclasses import replace
+from math import ceil, prod
+from pathlib import Path
+from typing import Any
+
+from ..dtypes import element_size
+from ..errors import ReadError
+from ..records import Assembly, Checkpoint, Format, Piece, StorageRecord
+from ..safepickle.unpickler import Opaque, RawTensor, StorageRef
+
+MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
+OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+FP32 = "fp32_weights"
+
+
+def find_tag_folder(folder: Path, names: list[str]) -> Path | None:
+    """The folder holding a DeepSpeed checkpoint's rank files: `folder` itself, or the one `latest` names."""
+    if any(MODEL_STATES.fullmatch(n) for n in names):
+        return folder
+    if "latest" in names and (folder / "latest").is_file():
+        raw = (folder / "latest").read_bytes()[:256]
+        try:
+            tag = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            return None
+        if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
+            raise ReadError(f"{folder}/latest names {tag[:60]!r}, not a tag folder beside it")
+        if (folder / tag).is_dir():
+            return folder / tag
+        raise ReadError(f"{folder}/latest names the tag {tag!r}, but there is no folder {folder / tag}: the "
+                        "checkpoint is incomplete")
+    return None
+
+
+def _natural(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _get(tree: Any, *path: Any, what: str, where: Path) -> Any:
+    for key in path:
+        if not isinstance(tree, (dict, list)) or (key not in tree if isinstance(tree, dict) else key >= len(tree)):
+            raise ReadError(f"{where}: not a DeepSpeed ZeRO file: no {what}")
+        tree = tree[key]
+    return tree
+
+
+def _stage(value: Any) -> int | None:
+    if isinstance(value, Opaque) and value.ckd.args and type(value.ckd.args[0]) is int:
+        return value.ckd.args[0]  # ZeroStageEnum(2), never called
+    return value if type(value) is int else None
+
+
+def _flat(raw: Any, what: str, where: Path) -> tuple[Path, int, int, str]:
+    """(file, byte offset of element 0, numel, dtype) of a 1-D contiguous partition tensor."""
+    if not isinstance(raw, RawTensor) or raw.storage is None or raw.storage.resolved is None:
+        raise ReadError(f"{where}: {what} is not a tensor saved in the file")
+    if len(raw.shape) != 1 or raw.shape[0] and raw.stride != (1,):
+        raise ReadError(f"{where}: {what} is not a flat (1-D, contiguous) partition")
+    st = raw.storage.resolved
+    return st.file, st.offset + raw.offset * element_size(raw.dtype), raw.shape[0], raw.dtype
+
+
+class _Partitions:
+    """One rank's flat vectors (a group's partition, or ZeRO-3's sub-groups end to end) as one virtual vector."""
+
+    def __init__(self, parts: list[tuple[Path, int, int, str]], label: str) -> None:
+        self.parts, self.label = parts, label
+        self.length = sum(p[2] for p in parts)
+
+    def pieces(self, start: int, count: int, at: int) -> list[Piece]:
+        """Pieces covering [start, start + count) of the vector, placed from `at` in the output's flat grid."""
+        out = []
+        base = 0
+        for file, offset, numel, dtype in self.parts:
+            lo, hi = max(start, base), min(start + count, base + numel)
+            if lo < hi:
+                out.append(Piece(file, offset + (lo - base) * element_size(dtype), (at + lo - start,), (hi - lo,),
+                                 (1,), f"{self.label} elements {lo:,}-{hi:,}"))
+            base += numel
+        return out
+
+
+def _tensor(key: str, shape: tuple[int, ...], dtype: str, pieces: list[Piece], source: Path) -> RawTensor:
+    """A parameter of `shape` assembled from flat pieces of `dtype` (the partitions' own)."""
+    numel = prod(shape)
+    assembly = Assembly((numel,), tuple(pieces), dtype)
+    ref = StorageRef(key, dtype, numel, "cpu")
+    ref.resolved = StorageRecord(key=key, dtype=dtype, nbytes=numel * element_size(dtype), device="cpu", file=source,
+                                 offset=0, assembly=assembly)
+    from ..assemble import contiguous_strides
+
+    return RawTensor(ref, dtype, 0, shape, contiguous_strides(shape))
+
+
+def _as_float32(key: str, raw: RawTensor, source: Path) -> RawTensor:
+    """A floating buffer saved in 16 bits, read as float32 (zero_to_fp32 calls .float() on it)."""
+    if raw.dtype not in ("float16", "bfloat16") or raw.storage is None or raw.storage.resolved is None:
+        return raw
+    st = raw.storage.resolved
+    piece = Piece(st.file, st.offset + raw.offset * element_size(raw.dtype), (0,) * len(raw.shape), raw.shape,
+                  raw.stride, f"{key} in {st.file.name}")
+    numel = prod(raw.shape)
+    ref = StorageRef(key, "float32", numel, "cpu")
+    ref.resolved = StorageRecord(key=f"{key} (float32)", dtype="float32", nbytes=numel * 4, device="cpu",
+                                 file=source, offset=0, assembly=Assembly(raw.shape, (piece,), raw.dtype))
+    from ..assemble import contiguous_strides
+
+    return RawTensor(ref, "float32", 0, raw.shape, contiguous_strides(raw.shape))
+
+
+def _shape(value: Any, name: str, where: Path) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(type(v) is int and v >= 0 for v in value):
+        raise ReadError(f"{where}: the shape of {name} is not a list of sizes")
+    return tuple(value)
+
+
+def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
+    from . import read_file
+
+    names = sorted(os.listdir(tag_dir), key=_natural)
+    model_files = [tag_dir / n for n in names if MODEL_STATES.fullmatch(n)]
+    optim_files = [tag_dir / n for n in names if OPTIM_STATES.fullmatch(n)]
+    if not model_files:
+        raise ReadError(f"{tag_dir}: no *_model_states.pt: not a DeepSpeed checkpoint folder, or an incomplete one")
+    ckpts = {p: read_file(p) for p in [*model_files, *optim_files]}
+    models = [ckpts[p].root for p in model_files]
+    m0, first = models[0], model_files[0]
+    if not isinstance(m0, dict) or "buffer_names" not in m0:
+        raise ReadError(f"{first}: not a DeepSpeed model-states file (no buffer_names)")
+    module = _get(m0, "module", what="module", where=first)
+    buffer_names = _get(m0, "buffer_names", what="buffer_names", where=first)
+    param_shapes = _get(m0, "param_shapes", what="param_shapes", where=first)
+    if isinstance(param_shapes, dict):
+        param_shapes = [param_shapes]
+    stage = None
+    world = 1
+    optims = [ckpts[p].root for p in optim_files]
+    if optims:
+        osd = _get(optims[0], "optimizer_state_dict", what="optimizer_state_dict", where=optim_files[0])
+        stage = _stage(osd.get("zero_stage")) if isinstance(osd, dict) else None
+        count = osd.get("partition_count") if isinstance(osd, dict) else None
+        world = max(count) if isinstance(count, list) and count else count if type(count) is int else len(optims)
+        if stage is None:
+            raise ReadError(f"{optim_files[0]}: no zero_stage in its optimizer_state_dict: not a ZeRO checkpoint")
+        ranks = {int(m.group(1)) for n in names if (m := OPTIM_STATES.fullmatch(n))}
+        missing = [r for r in range(world) if r not in ranks]
+        if missing or len(optims) != world:
+            shown = ", ".join(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in missing[:4]) or \
+                f"{len(optims)} files for {world} ranks"
+            raise ReadError(f"{tag_dir}: the optimizer states of {world} ranks are needed, missing: {shown}: the "
+                            "checkpoint is incomplete")
+    if stage == 3 and len(model_files) != world:
+        raise ReadError(f"{tag_dir}: ZeRO-3 needs a model-states file per rank ({world}), found {len(model_files)}")
+
+    state: OrderedDict[str, Any] = OrderedDict()
+    layouts: dict[str, str] = {}
+    for name in buffer_names if isinstance(buffer_names, list) else []:
+        raw = module.get(name) if isinstance(module, dict) else None
+        if isinstance(raw, RawTensor):
+            state[name] = _as_float32(name, raw, first)
+    frozen = m0.get("frozen_param_shapes") or {}
+    fragments = [m.get("frozen_param_fragments") or {} for m in models]
+    for name, shape in frozen.items() if isinstance(frozen, dict) else []:
+        shape = _shape(shape, name, first)
+        if stage == 3:
+            parts = [_Partitions([_flat(_get(f, name, what=f"frozen fragment {name}", where=p), name, p)], p.name)
+                     for f, p in zip(fragments, model_files)]
+            numel, chunk = prod(shape), ceil(prod(shape) / world)
+            pieces = [pc for r, part in enumerate(parts)
+                      for pc in part.pieces(0, max(0, min(chunk, numel - r * chunk)), r * chunk)]
+            state[name] = _tensor(f"{FP32}.{name}", shape, parts[0].parts[0][3], pieces, first)
+            layouts[f"{FP32}.{name}"] = f"ZeRO-3 frozen, {world} ranks × {chunk:,}"
+        else:
+            state[name] = _get(fragments[0], name, what=f"frozen fragment {name}", where=first)
+    if stage in (1, 2):
+        key = "single_partition_of_fp32_groups"
+        per_rank = [_get(o, "optimizer_state_dict", key, what=key, where=p) for o, p in zip(optims, optim_files)]
+        paddings = optims[0]["optimizer_state_dict"].get("param_alignment_paddings")
+        for g, shapes in enumerate(param_shapes):
+            parts = [(_flat(_get(pr, g, what=f"{key}[{g}]", where=p), f"{key}[{g}]", p), p)
+                     for pr, p in zip(per_rank, optim_files)]
+            ranks = [_Partitions([part], f"{p.name} {key}[{g}]") for part, p in parts]
+            group = _Concat(ranks)
+            offset = 0
+            pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
+            for j, (name, shape) in enumerate(shapes.items()):
+                shape = _shape(shape, name, first)
+                numel = prod(shape)
+                state[name] = _tensor(f"{FP32}.{name}", shape, parts[0][0][3], group.pieces(offset, numel), first)
+                layouts[f"{FP32}.{name}"] = f"ZeRO-{stage} flat partitions of group {g}, {world} ranks"
+                offset += numel + (pads[j] if isinstance(pads, list) and j < len(pads) and type(pads[j]) is int
+                                   else 0)
+            align = 2 * world
+            if ceil(offset / align) * align != ceil(group.length / align) * align:
+                raise ReadError(f"{tag_dir}: param group {g} takes {offset:,} elements of the {group.length:,} its "
+                                "partitions hold: the checkpoint does not match its param_shapes")
+    elif stage == 3:
+        key = "fp32_flat_groups"
+        ranks = []
+        for o, p in zip(optims, optim_files):
+            groups = _get(o, "optimizer_state_dict", key, what=key, where=p)
+            ranks.append(_Partitions([_flat(t, f"{key}[{i}]", p) for i, t in enumerate(groups)], f"{p.name} {key}"))
+        offset = 0
+        merged = OrderedDict((n, s) for shapes in param_shapes for n, s in shapes.items())
+        for name, shape in merged.items():
+            shape = _shape(shape, name, first)
+            numel = prod(shape)
+            chunk = ceil(numel / world)
+            pieces = [pc for r, part in enumerate(ranks)
+                      for pc in part.pieces(offset, max(0, min(chunk, numel - r * chunk)), r * chunk)]
+            state[name] = _tensor(f"{FP32}.{name}", shape, ranks[0].parts[0][3], pieces, first)
+            pad = chunk * world - numel
+            layouts[f"{FP32}.{name}"] = f"ZeRO-3 partitions, {world} ranks × {chunk:,}" + (f" ({pad} padding)"
+                                                                                         if pad else "")
+            offset += chunk
+        if offset != ranks[0].length:
+            raise ReadError(f"{tag_dir}: the parameters take {offset:,} elements of each rank's {ranks[0].length:,}: "
+                            "the checkpoint does not match its param_shapes")
+    shared = m0.get("shared_params") or {}
+    for alias, owner in shared.items() if isinstance(shared, dict) else []:
+        if owner in state:
+            state[alias] = state[owner]
+    recovered = []
+    if stage in (1, 2) and isinstance(module, dict):
+        # Parameters no optimizer partition holds and no frozen_param_shapes lists (ZeRO-1 saves none of its frozen
+        # parameters): zero_to_fp32 leaves them out, and a strict load then fails. `module` holds them whole.
+        for name, raw in module.items():
+            if name not in state and isinstance(raw, RawTensor) and name not in shared:
+                state[name] = raw
+                recovered.append(name)
+    root: OrderedDict[str, Any] = OrderedDict()
+    offered = []
+    if stage is not None:
+        root[FP32] = state
+        offered.append(f"{FP32}: the fp32 master weights rebuilt from the optimizer partitions (what zero_to_fp32 "
+                       "writes; the default)")
+    if stage != 3 and isinstance(module, dict):
+        root["module"] = module
+        offered.append("module: the weights the engine held, as saved (16-bit in fp16/bf16 training): --select "
+                       "module")
+    for k, v in m0.items():
+        if k not in ("module", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+                     "shared_params", "buffer_names") and not isinstance(v, RawTensor):
+            root.setdefault(k, v)
+    if stage is not None:
+        root["zero_stage"] = stage
+    from ._pickled import build_checkpoint
+
+    what = f"ZeRO-{stage}" if stage is not None else "without ZeRO optimizer states"
+    notes = (f"DeepSpeed checkpoint {what} (tag {tag_dir.name}, {world} ranks, {len(ckpts)} files); "
+             + "; ".join(offered),)
+    if recovered:
+        notes += (f"{len(recovered)} parameters no optimizer partition holds ({', '.join(recovered[:4])}"
+                  f"{', …' if len(recovered) > 4 else ''}: frozen ones) are taken from module as saved; "
+                  "zero_to_fp32 leaves them out and a strict load of its output fails",)
+    ckpt = build_checkpoint(folder, Format.DEEPSPEED, root, [], notes=notes,
+                            extra_bytes=sum(len(c.tensors) * 64 for c in ckpts.values()) + (1 << 16))
+    globals_ = tuple({(g.module, g.name): g for c in ckpts.values() for g in c.globals}.values())
+    return replace(ckpt, globals=globals_, hazards=tuple(h for c in ckpts.values() for h in c.hazards),
+                   state_dict_root=FP32 if stage is not None else ckpt.state_dict_root,
+                   other_state_dicts=tuple(o for o in (*ckpt.other_state_dicts, ckpt.state_dict_root)
+                                           if o and (stage is None or o != FP32)),
+                   files=tuple(ckpts), layouts=layouts,
+                   distributed={"format": "deepspeed", "zero_stage": stage, "ranks": world, "tag": tag_dir.name,
+                                "files": len(ckpts), "offered": [o.split(":")[0] for o in offered],
+                                "fix_notes": list(notes[1:])})
+
+
+class _Concat:
+    """The ranks' partitions of one ZeRO-1/2 param group, end to end: rank 0's, then rank 1's, …"""
+
+    def __init__(self, ranks: list[_Partitions]) -> None:
+        self.ranks = ranks
+        self.length = sum(r.length for r in ranks)
+
+    def pieces(self, start: int, count: int) -> list[Piece]:
+        out, base = [], 0
+        for rank in self.ranks:
+            lo, hi = max(start, base), min(start + count, base + rank.length)
+            if lo < hi:
+                out += rank.pieces(lo - base, hi - lo, lo - start)
+            base += rank.length
+        if start + count > self.length:
+            raise ReadError(f"{self.ranks[0].label}: the parameters need elements up to {start + count:,}, the ranks' "
+                            f"partitions hold {self.length:,}: the checkpoint does not match its param_shapes")
+        return out
+
+
+def rank_file_note(ckpt: Checkpoint) -> Checkpoint:
+    """One file of a DeepSpeed folder opened alone: say what it is, and refuse to `fix` the ones that hold only one
+    rank's part (ZeRO-3 model states, any optimizer states)."""
+    name = ckpt.path.name
+    root = ckpt.root if isinstance(ckpt.root, dict) else {}
+    optim = OPTIM_STATES.fullmatch(name) and isinstance(root.get("optimizer_state_dict"), dict)
+    model = MODEL_STATES.fullmatch(name) and "buffer_names" in root
+    if not (optim or model):
+        return ckpt
+    folder = ckpt.path.parent
+    save_dir = folder.parent if (folder.parent / "latest").is_file() else folder
+    if model and not MODEL_STATES.fullmatch(name).group(1):
+        note = (f"DeepSpeed model states (ZeRO-1/2 or none): `module` holds the weights the engine held; the fp32 "
+                f"master weights are in the optimizer partitions: ckpt-doctor inspect {save_dir}")
+        return replace(ckpt, notes=(*ckpt.notes, note))
+    note = (f"one rank's part of the DeepSpeed checkpoint in {save_dir}: its tensors are partitions, not whole "
+            f"weights; consolidate the folder: ckpt-doctor fix {save_dir} -o model.safetensors")
+    return replace(ckpt, notes=(*ckpt.notes, note), distributed={"format": "deepspeed", "shard_of": str(save_dir)})

@@ -1,0 +1,154 @@
+"""`fix --format dcp`: a torch.distributed.checkpoint folder that `dcp.load` reads into an FSDP2 / DTensor model.
+
+The folder is written by torch's own DCP writer (`dcp.save(..., no_dist=True)`, one rank, each tensor one chunk),
+so torch's reader is sure to accept it; what is handed to it is the planned tree with every tensor read from the
+source's records (never unpickled). It is written into a temporary folder beside OUT, each file synced, read back
+by ckpt-doctor's own DCP reader and compared tensor by tensor (crc32 of the bytes) with the source, and only then
+renamed onto OUT. An existing OUT is replaced only with --force, and only when it is itself a DCP folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from ..errors import PlanError, WriteError
+
+_DCP_FILES = (".metadata", ".distcp")
+
+
+def _is_dcp_folder(path: Path) -> bool:
+    names = os.listdir(path)
+    return ".metadata" in names and all(n.endswith(_DCP_FILES) for n in names)
+
+
+def check_dcp_destination(output: Path, inputs: tuple[Path, ...], force: bool) -> None:
+    if output.exists() or output.is_symlink():
+        if any(output == i or output in i.parents for i in inputs):
+            raise WriteError(f"{output}: is (or holds) the input; the input is never modified — write elsewhere")
+        if not force:
+            raise WriteError(f"{output}: already exists; pass --force to replace it")
+        if not output.is_dir() or output.is_symlink() or not _is_dcp_folder(output):
+            raise WriteError(f"{output}: exists and is not a DCP folder (.metadata and .distcp files only); "
+                             "ckpt-doctor replaces nothing else, even with --force")
+    parent = output.parent if str(output.parent) else Path(".")
+    if not parent.is_dir():
+        raise WriteError(f"{output}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise WriteError(f"{output}: folder {parent} is not writable (permission denied)")
+
+
+def _materialize(tree: Any, tensors: dict[str, Any]) -> Any:
+    """The planned tree with torch tensors at its leaves (one per source storage, so tied names stay one tensor)."""
+    from ..fix import OutTensor
+    from ..safepickle.unpickler import Opaque, SizeValue
+
+    if isinstance(tree, OutTensor):
+        return tensors[tree.key]
+    if isinstance(tree, dict):
+        return OrderedDict((k, _materialize(v, tensors)) for k, v in tree.items()) if isinstance(tree, OrderedDict) \
+            else {k: _materialize(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, SizeValue):
+        import torch
+
+        return torch.Size(tree)
+    if isinstance(tree, (list, tuple)):
+        items = [_materialize(v, tensors) for v in tree]
+        return items if isinstance(tree, list) else tuple(items)
+    if isinstance(tree, Opaque) or isinstance(tree, type) and issubclass(tree, Opaque):
+        raise PlanError("a DCP folder holds tensors and plain values; this checkpoint holds objects of other classes "
+                        "(write the state_dict alone with --select PATH)")
+    return tree
+
+
+def _load(plan) -> dict[str, Any]:
+    import torch
+
+    from ..tensordata import load_tensor
+
+    by_storage: dict[Any, Any] = {}
+    tensors: dict[str, Any] = {}
+    for t in plan.tensors:
+        ident = (t.source.storage.ident, t.source.storage_offset, t.source.shape, t.source.stride, t.dtype) \
+            if t.source.storage is not None else t.key
+        if ident not in by_storage:
+            value = load_tensor(t.source)
+            by_storage[ident] = value.to(getattr(torch, t.dtype)) if t.dtype != t.source.dtype else value
+        tensors[t.key] = by_storage[ident]
+    return tensors
+
+
+def write_dcp(plan, verify: bool, force: bool) -> int:
+    """Write `plan` as a DCP folder at plan.output; returns its size in bytes."""
+    output = plan.output
+    inputs = (plan.input, *{t.source.storage.file for t in plan.tensors if t.source.storage})
+    check_dcp_destination(output, inputs, force)
+    tensors = _load(plan)
+    tree = _materialize(plan.tree, tensors) if plan.tree is not None else \
+        OrderedDict((t.key, tensors[t.key]) for t in plan.tensors)
+    if not isinstance(tree, dict):
+        raise PlanError("a DCP folder saves a dict; this checkpoint's root is not one (write it with --select PATH)")
+    parent = output.parent if str(output.parent) else Path(".")
+    tmp = parent / f".{output.name}.ckpt-doctor-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        import warnings
+
+        with warnings.catch_warnings():  # "torch.distributed is … uninitialized, assuming … a single process": yes
+            warnings.simplefilter("ignore")
+            dcp.save(tree, storage_writer=FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
+        if verify:
+            _verify(tmp, plan, tensors)
+        _fsync_folder(tmp)
+        if output.exists():
+            old = parent / f".{output.name}.ckpt-doctor-old-{os.getpid()}"
+            os.rename(output, old)
+            os.rename(tmp, output)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, output)
+        fd = os.open(parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise WriteError(f"{output}: write failed ({exc.strerror}); nothing was written") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sum(p.stat().st_size for p in output.iterdir())
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _verify(folder: Path, plan, tensors: dict[str, Any]) -> None:
+    """Read the folder back with ckpt-doctor's DCP reader: the same tensors, bit for bit (crc32 of the bytes)."""
+    import zlib
+
+    from ..readers import read_checkpoint
+    from ..tensordata import read_bytes, tensor_bytes
+
+    written = {t.key: t for t in read_checkpoint(folder).tensors}
+    if set(written) != set(tensors):
+        differ = sorted(set(written) ^ set(tensors))[:3]
+        raise WriteError(f"{plan.output}: verification failed: the folder holds other tensors than planned ({differ}); "
+                         "nothing written")
+    for key, value in tensors.items():
+        got = written[key]
+        if got.shape != tuple(value.shape) or got.dtype != str(value.dtype).removeprefix("torch."):
+            raise WriteError(f"{plan.output}: verification failed for {key}: wrote {got.dtype}{list(got.shape)}; "
+                             "nothing written")
+        if zlib.crc32(read_bytes(got)) != zlib.crc32(tensor_bytes(value.contiguous())):
+            raise WriteError(f"{plan.output}: verification failed: {key} does not match its source; nothing written")

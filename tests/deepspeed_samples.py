@@ -1,0 +1,74 @@
+"""DeepSpeed ZeRO checkpoints written by DeepSpeed itself (DS_ACCELERATOR=cpu, two gloo ranks): ZeRO-1, -2 and -3,
+fp32 and bf16, with a tied weight, a frozen layer, two param groups and sizes that do not divide by the world size."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+# (name, stage, bf16)
+VARIANTS = (("z1", 1, False), ("z2", 2, False), ("z2_bf16", 2, True), ("z3", 3, False), ("z3_bf16", 3, True))
+
+
+class TiedNet(torch.nn.Module):
+    """An embedding tied to the output layer, a frozen projection, a LayerNorm, a floating buffer and an integer
+    one; odd sizes everywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 6)
+        self.frozen = torch.nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.norm = torch.nn.LayerNorm(6)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 6))
+        self.register_buffer("steps", torch.tensor(5))
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        x = self.frozen(x.to(self.frozen.weight.dtype))
+        x = self.norm(x.to(self.norm.weight.dtype)) * self.scale.to(x.dtype)
+        return self.head(x.to(self.head.weight.dtype))
+
+
+def _rank(rank: int, out: str, port: int) -> None:
+    import deepspeed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    deepspeed.init_distributed(dist_backend="gloo")
+    for name, stage, bf16 in VARIANTS:
+        torch.manual_seed(0)
+        model = TiedNet()
+        decay = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith("weight")]
+        rest = [p for n, p in model.named_parameters() if p.requires_grad and not n.endswith("weight")]
+        groups = [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
+        config = {"train_batch_size": 4, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+                  "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+                  "bf16": {"enabled": bf16}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+        tokens = torch.randint(0, 11, (2, 3))
+        loss = engine(tokens.view(-1)).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        engine.save_checkpoint(str(Path(out) / name), tag="global_step1", client_state={"epoch": 3})
+
+
+def write_samples(out: Path) -> Path:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(str(out), port), nprocs=2)
+    return out
+
+
+if __name__ == "__main__":
+    write_samples(Path(sys.argv[1]))

@@ -1,0 +1,130 @@
+"""DeepSpeed ZeRO folders written by DeepSpeed on the CPU (two gloo ranks): consolidated bit for bit as DeepSpeed's own
+zero_to_fp32 does it, in the same key order, without importing deepspeed; incomplete folders and lone rank files
+refused with the file to use named."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+
+pytest.importorskip("deepspeed", reason="DeepSpeed writes the samples (it is in the test extra)")
+
+from tests.deepspeed_samples import VARIANTS, TiedNet, write_samples  # noqa: E402
+
+NET = "tests/deepspeed_samples.py:TiedNet"
+NAMES = [name for name, _, _ in VARIANTS]
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory) -> Path:
+    return write_samples(tmp_path_factory.mktemp("deepspeed"))
+
+
+def official(folder: Path) -> dict:
+    """What DeepSpeed's zero_to_fp32 rebuilds (it unpickles with weights_only=False: files this test wrote)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(folder))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                                                                    b.contiguous().reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fix_is_bitwise_zero_to_fp32(samples, tmp_path, name):
+    out = tmp_path / "fp32.pt"
+    result = run_cli("fix", samples / name, "-o", out)
+    assert result.exit_code == 0, result.stderr
+    mine, theirs = torch.load(out, weights_only=True), official(samples / name)
+    extra = [k for k in mine if k not in theirs]
+    assert [k for k in mine if k in theirs] == list(theirs)
+    for key, value in theirs.items():
+        assert same_bits(mine[key], value), key
+    if name == "z1":  # ZeRO-1 saves no frozen_param_shapes: zero_to_fp32 drops the frozen layer, ckpt-doctor does not
+        assert extra == ["frozen.weight", "frozen.bias"] and "taken from module" in result.stderr
+        module = torch.load(samples / name / "global_step1" / "mp_rank_00_model_states.pt", weights_only=False)
+        assert all(same_bits(mine[k], module["module"][k]) for k in extra)
+    else:
+        assert extra == []
+    assert mine["head.weight"].data_ptr() == mine["embed.weight"].data_ptr()  # shared_params stay one tensor
+    TiedNet().load_state_dict({k: v.float() for k, v in mine.items()}, strict=True)
+
+
+@pytest.mark.parametrize("name", ["z2_bf16", "z3"])
+def test_safetensors_output_holds_the_same_weights(samples, tmp_path, name):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "fp32.safetensors"
+    assert run_cli("fix", samples / name, "-o", out).exit_code == 0
+    mine, theirs = load_file(out), official(samples / name)
+    assert set(mine) == set(theirs) - {"head.weight"}  # safetensors cannot share: the tie is noted in its metadata
+    for key, value in mine.items():
+        assert same_bits(value, theirs[key]), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inspect_lists_whole_weights_and_their_partitions(samples, name):
+    result = run_cli("inspect", samples / name, "--json")
+    assert result.exit_code == 0, result.stderr
+    data = result.json()
+    stage = int(name[1])
+    assert data["format"] == "deepspeed-zero" and data["state_dict_root"] == "fp32_weights"
+    assert data["distributed"]["zero_stage"] == stage and data["distributed"]["ranks"] == 2
+    shapes = {t["key"].removeprefix("fp32_weights."): t["shape"] for t in data["tensors"]
+              if t["key"].startswith("fp32_weights.")}
+    want = {k: list(v.shape) for k, v in official(samples / name).items()}
+    if name == "z1":
+        want.update({"frozen.weight": [6, 6], "frozen.bias": [6]})
+    assert shapes == want
+    layouts = {t["key"]: t.get("layout", "") for t in data["tensors"]}
+    assert layouts["fp32_weights.norm.bias"].startswith(f"ZeRO-{stage}")
+    if stage == 3:
+        assert layouts["fp32_weights.norm.bias"].endswith("2 ranks × 3")
+        assert "module" not in data["distributed"]["offered"]
+    else:
+        assert "module" in data["distributed"]["offered"]
+        module = run_cli("fix", samples / name, "-o", samples / f"{name}_module.pt", "--select", "module")
+        assert module.exit_code == 0, module.stderr
+        want = "bfloat16" if name.endswith("bf16") else "float32"
+        assert str(torch.load(samples / f"{name}_module.pt")["embed.weight"].dtype) == f"torch.{want}"
+
+
+def test_inspect_model_and_verify(samples):
+    result = run_cli("inspect", samples / "z3_bf16", "--model", NET, "--json")
+    assert result.exit_code == 0, result.stderr
+    comparison = result.json()["comparison"]
+    assert comparison["strict_load_ok"] is True and comparison["loaded_fraction"] == 1.0
+    ran = run_cli("verify", samples / "z2", "--model", NET, "--input-shape", "4", "--input-dtype", "int64",
+                  "--input-range", "0,11", "--mode", "single")
+    assert ran.exit_code == 0, ran.stderr
+
+
+def test_incomplete_folders_name_what_is_missing(samples, tmp_path):
+    folder = tmp_path / "z2"
+    shutil.copytree(samples / "z2", folder)
+    out = tmp_path / "out.pt"
+    (folder / "global_step1" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    result = run_cli("fix", folder, "-o", out)
+    assert result.exit_code == 2 and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in result.stderr, result.stderr
+    assert not out.exists() and "Traceback" not in result.stderr
+    (folder / "latest").write_text("global_step9")
+    result = run_cli("inspect", folder)
+    assert result.exit_code == 2 and "global_step9" in result.stderr, result.stderr
+
+
+def test_a_lone_rank_file_is_refused_with_the_folder_named(samples, tmp_path):
+    rank = samples / "z3" / "global_step1" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    result = run_cli("inspect", rank)
+    assert result.exit_code == 0 and f"one rank's part of the DeepSpeed checkpoint in {samples / 'z3'}" in result.stderr
+    out = tmp_path / "rank0.pt"
+    refused = run_cli("fix", rank, "-o", out)
+    assert refused.exit_code == 2 and f"ckpt-doctor fix {samples / 'z3'}" in refused.stderr and not out.exists()
+    scan = run_cli("scan", samples / "z3")
+    assert scan.exit_code == 0, scan.stdout + scan.stderr
