@@ -96,3 +96,21 @@ def measure_rounds(cmds: dict[str, list[str]], rounds: int, before=None) -> dict
 def row(label: str, seconds: float, rss: float, base_seconds: float | None = None, base_label: str = "") -> str:
     ratio = f"  {base_seconds / seconds:6.1f}x faster than {base_label}" if base_seconds and seconds else ""
     return f"{label:<44} {seconds:8.3f} s  {rss:8.1f} MB{ratio}"
+
+
+def consolidation_report(cmds: dict[str, list[str]], rounds: int, before, official: str, copy: str, fix: str,
+                         inspect: str) -> None:
+    """Run `cmds` in interleaved rounds and print each best time beside the official tool's and the copy's, then
+    the consolidation targets: fix <= 0.5x the official tool and <= 1.5x the copy, <= 150 MB; inspect <= 0.3 s."""
+    results = measure_rounds(cmds, rounds, before=before)
+    best = {label: (min(times), rss) for label, (times, rss) in results.items()}
+    t_off, t_cp = best[official][0], best[copy][0]
+    for label, (seconds, rss) in best.items():
+        extra = f"  {seconds / t_off:.2f}x {official.split()[0]}, {seconds / t_cp:.2f}x cp -r" \
+            if label.startswith("fix") else ""
+        print(row(label, seconds, rss) + extra)
+    t_fix, rss_fix = best[fix]
+    t_inspect = best[inspect][0]
+    print(f"targets ({fix}): <= 0.5x {official.split()[0]}: {'met' if t_fix <= 0.5 * t_off else 'NOT met'}; "
+          f"<= 1.5x cp -r: {'met' if t_fix <= 1.5 * t_cp else 'NOT met'}; peak RSS <= 150 MB: "
+          f"{'met' if rss_fix <= 150 else 'NOT met'}; inspect <= 0.3 s: {'met' if t_inspect <= 0.3 else 'NOT met'}")

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import bench_args, compile_bytecode, measure_rounds, row  # noqa: E402
+from _measure import bench_args, compile_bytecode, consolidation_report  # noqa: E402
 
 WRITE = '''
 import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -80,22 +80,10 @@ def main() -> None:
         "fix -o model.safetensors (weights)": [exe, "fix", str(ckpt), "-o", str(outputs[0])],
         "inspect FOLDER --json": [exe, "inspect", str(ckpt), "--json"],
     }
-    results = measure_rounds(cmds, args.rounds, before=clean)
-    best = {label: (min(times), rss) for label, (times, rss) in results.items()}
     print(f"checkpoint: {ckpt} ({folder_bytes(ckpt) / 2**20:.0f} MB in {len(os.listdir(ckpt))} files; FSDP2 on 2 "
           f"gloo ranks, model + Adam); best of {args.rounds} interleaved rounds")
-    t_off, _ = best["dcp_to_torch_save (everything)"]
-    t_cp, _ = best["cp -r + sync"]
-    for label, (seconds, rss) in best.items():
-        extra = ""
-        if label.startswith("fix"):
-            extra = f"  {seconds / t_off:.2f}x dcp_to_torch_save, {seconds / t_cp:.2f}x cp -r"
-        print(row(label, seconds, rss) + extra)
-    t_all, rss_all = best["fix --select '' -o all.pt (everything)"]
-    t_inspect, _ = best["inspect FOLDER --json"]
-    print(f"targets: fix <= 0.5x dcp_to_torch_save: {'met' if t_all <= 0.5 * t_off else 'NOT met'}; "
-          f"<= 1.5x cp -r: {'met' if t_all <= 1.5 * t_cp else 'NOT met'}; peak RSS <= 150 MB: "
-          f"{'met' if rss_all <= 150 else 'NOT met'}; inspect <= 0.3 s: {'met' if t_inspect <= 0.3 else 'NOT met'}")
+    consolidation_report(cmds, args.rounds, clean, "dcp_to_torch_save (everything)", "cp -r + sync",
+                         "fix --select '' -o all.pt (everything)", "inspect FOLDER --json")
     clean()
 
 

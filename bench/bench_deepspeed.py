@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import bench_args, compile_bytecode, measure_rounds, row  # noqa: E402
+from _measure import bench_args, compile_bytecode, consolidation_report  # noqa: E402
 
 WRITE = '''
 import os, sys
@@ -79,21 +79,10 @@ def main() -> None:
             "fix -o fp32.safetensors": [exe, "fix", str(ckpt), "-o", str(outputs[0])],
             "inspect FOLDER --json": [exe, "inspect", str(ckpt), "--json"],
         }
-        results = measure_rounds(cmds, args.rounds, before=clean)
-        best = {label: (min(times), rss) for label, (times, rss) in results.items()}
         print(f"ZeRO-{stage}: {ckpt} ({folder_mb(ckpt / 'global_step1'):.0f} MB in the tag folder, 268 MB of fp32 "
               f"weights; 2 gloo ranks, Adam); best of {args.rounds} interleaved rounds")
-        t_off, _ = best["zero_to_fp32 (deepspeed's own)"]
-        t_cp, _ = best["cp -r tag folder + sync"]
-        for label, (seconds, rss) in best.items():
-            extra = f"  {seconds / t_off:.2f}x zero_to_fp32, {seconds / t_cp:.2f}x cp -r" if label.startswith("fix") \
-                else ""
-            print(row(label, seconds, rss) + extra)
-        t_fix, rss_fix = best["fix -o fp32.safetensors"]
-        t_inspect, _ = best["inspect FOLDER --json"]
-        print(f"targets: fix <= 0.5x zero_to_fp32: {'met' if t_fix <= 0.5 * t_off else 'NOT met'}; <= 1.5x cp -r: "
-              f"{'met' if t_fix <= 1.5 * t_cp else 'NOT met'}; peak RSS <= 150 MB: "
-              f"{'met' if rss_fix <= 150 else 'NOT met'}; inspect <= 0.3 s: {'met' if t_inspect <= 0.3 else 'NOT met'}")
+        consolidation_report(cmds, args.rounds, clean, "zero_to_fp32 (deepspeed's own)", "cp -r tag folder + sync",
+                             "fix -o fp32.safetensors", "inspect FOLDER --json")
         clean()
 
 

@@ -98,6 +98,18 @@ def ordered_runs(assembly: Assembly, what: str) -> Iterator[Run]:
                         "written")
 
 
+def whole_piece_runs(assembly: Assembly, what: str) -> list[Run] | None:
+    """The runs in output order when each is a whole piece whose crc32 its archive records (a dim-0 shard, a
+    replicated tensor): such a tensor is copied by the kernel and its crc combined, not summed. None otherwise."""
+    runs = []
+    for run in ordered_runs(assembly, what):
+        _out, src, piece, length = run
+        if src or piece.crc is None or length != prod(piece.sizes) or not is_contiguous(piece):
+            return None
+        runs.append(run)
+    return runs
+
+
 def read_piece(piece: Piece, dtype: str, fd: int) -> bytes:
     """A piece's elements in row-major order, honouring the stride it was saved with."""
     import torch

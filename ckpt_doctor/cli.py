@@ -122,7 +122,9 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
     """Show what a checkpoint holds: keys, shapes, dtypes, saved devices, prefixes, metadata, unsafe globals.
 
     CKPT is a file (torch zip, legacy torch, TorchScript, safetensors, a pickle) or a folder (a shard
-    index with its shards, a Hugging Face model folder). The format is found from the bytes. Nothing in
+    index with its shards, a Hugging Face model folder, a torch.distributed.checkpoint folder, a DeepSpeed
+    ZeRO save folder, a Lightning or accelerate folder: whole tensors with their global shapes, and how
+    each was sharded). The format is found from the bytes. Nothing in
     the file is run: pickles are read by an unpickler that imports nothing. Every global off the
     allow-list is listed with its verdict — code (a class torch.load would import and call, e.g. a
     whole pickled model) or dangerous (os, subprocess, eval, …) — and makes the exit code 1, exactly
@@ -244,6 +246,9 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     ckpt-doctor fix train.ckpt -o model.pt --select state_dict --strip-prefix model. --drop '^optimizer'
     ckpt-doctor fix model.pth -o fixed.pt --model mypkg.nets:ResNet --auto
     ckpt-doctor fix gpu.pt -o cpu.pt --map-location cpu
+    ckpt-doctor fix ckpt/step_1000/ -o model.safetensors    (a DCP or DeepSpeed folder: consolidated)
+    ckpt-doctor fix ckpt/step_1000/ -o full.pt --select ''  (all of it: optimizer state, step, …)
+    ckpt-doctor fix model.pt -o resume_dir --format dcp     (a DCP folder FSDP2 can dcp.load)
     """
     import signal
 

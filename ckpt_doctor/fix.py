@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from .assemble import stream
+from .assemble import stream, whole_piece_runs
 from .dtypes import FLOATING, element_size, torch_dtype_name
 from .errors import PlanError, UsageError, WriteError
 from .records import Assembly, Checkpoint, Format, GlobalRef, TensorRecord, Verdict, ancestors, relative_to_root
@@ -21,7 +21,7 @@ from .tree import has_tensor, join
 from .writers.atomic import atomic_output, check_destination
 from .writers.pickler import TensorOut, dumps
 from .writers.safetensors_writer import TensorBytes, write_safetensors
-from .writers.stream import CHUNK, Progress, WrittenRanges, crc32, write_bytes
+from .writers.stream import CHUNK, Progress, WrittenRanges, copy_range, crc32, crc32_combine, write_bytes
 from .writers.torch_writer import StorageOut, write_torch_zip
 
 if TYPE_CHECKING:  # the comparison is imported only with --model: a plain repair starts that much sooner
@@ -633,6 +633,15 @@ def _assembly_producer(assembly: Assembly, what: str, dtype: str, sources: _Sour
     converted on the way when asked; the tiling of its pieces is checked as it goes (a gap: nothing written)."""
 
     def produce(fd: int, at: int, progress: Progress | None) -> int:
+        whole = whole_piece_runs(assembly, what) if dtype == assembly.dtype and crc32_combine is not None else None
+        if whole is not None:  # each chunk a whole archived storage: kernel copies, crcs combined (see stream.py)
+            crc, elsize = 0, element_size(dtype)
+            for out, _src, piece, length in whole:
+                nbytes = length * elsize
+                copy_range(sources.fd(piece.file), piece.offset, nbytes, fd, at + out * elsize, progress,
+                           known_crc=piece.crc)
+                crc = crc32_combine(crc, piece.crc, nbytes)
+            return crc
         state = [0, at]  # crc, where the next block goes
 
         def sink(block: bytes) -> None:

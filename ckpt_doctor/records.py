@@ -59,6 +59,7 @@ class Piece:
     sizes: tuple[int, ...]
     stride: tuple[int, ...]  # of the chunk's saved bytes, in elements
     label: str = ""  # how to name it in an error: "__1_0.distcp item at byte 1261"
+    crc: int | None = None  # crc32 of exactly the piece's bytes, when its archive records it (a whole storage)
 
 
 @dataclass(frozen=True)

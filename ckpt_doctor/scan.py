@@ -139,19 +139,24 @@ def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str]]
     return files, problems
 
 
-def _with_dcp_items(results: list[FileScan]) -> list[FileScan]:
+def _with_dcp_items(results: list[FileScan], skipped: list[str]) -> tuple[list[FileScan], list[str]]:
     """In a torch.distributed.checkpoint folder, the byte ranges its metadata names are what torch's DCP reader
     loads: each is walked too (a range need not start where the file's own archives do)."""
     from dataclasses import replace
 
-    from .readers.dcp import METADATA, RANK_METADATA, metadata_items
+    from .readers.dcp import METADATA, RANK_METADATA, inflate_zstd, metadata_items
     from .readers.survey import survey_item
+    from .safepickle import limits
 
     folders = {r.path.parent for r in results if r.path.name == METADATA or RANK_METADATA.fullmatch(r.path.name)}
-    ranges: dict[Path, list[tuple[int, int]]] = {}
+    ranges: dict[Path, list[tuple[int, int, tuple[str, ...]]]] = {}
     for folder in folders:
         ranges.update(metadata_items(folder))
+    # A shard of compressed items holds no pickle a file reader sees: it is scanned through its items.
+    results = results + [FileScan(Path(p), "other", None, ()) for p in skipped if Path(p) in ranges]
+    skipped = [p for p in skipped if Path(p) not in ranges]
     out = []
+    errors: list[str] = []
     for result in results:
         spans = ranges.get(result.path)
         if spans:
@@ -159,18 +164,34 @@ def _with_dcp_items(results: list[FileScan]) -> list[FileScan]:
             fd = os.open(result.path, os.O_RDONLY)
             try:
                 size = os.fstat(fd).st_size
-                for at, length in sorted(set(spans)):
-                    if at + length <= size:
+                for at, length, transforms in sorted(set(spans)):
+                    if at + length > size:
+                        continue
+                    if transforms:  # a zstd-compressed item: walked inflated (to at most what one may hold)
+                        try:
+                            inflated, _, full = inflate_zstd(result.path, at, length, limits.MAX_INFLATED_TOTAL,
+                                                             f"{result.path} item at byte {at}")
+                        except CkptDoctorError as exc:
+                            errors.append(str(exc))
+                            continue
+                        ifd = os.open(inflated, os.O_RDONLY)
+                        try:
+                            item = survey_item(inflated, ifd, 0, full)
+                        finally:
+                            os.close(ifd)
+                    else:
                         item = survey_item(result.path, fd, at, length)
-                        extra_globals += item.globals
-                        extra_hazards += item.hazards
+                    extra_globals += item.globals
+                    extra_hazards += item.hazards
             finally:
                 os.close(fd)
             known = {h.what for h in result.hazards}
             result = replace(result, globals=tuple(_dedupe([*result.globals, *extra_globals])),
-                             hazards=(*result.hazards, *(h for h in extra_hazards if h.what not in known)))
+                             hazards=(*result.hazards, *(h for h in extra_hazards if h.what not in known)),
+                             error=result.error or (errors[0] if errors else None))
+            errors.clear()
         out.append(result)
-    return out
+    return out, skipped
 
 
 def scan(paths: list[str]) -> ScanReport:
@@ -183,7 +204,7 @@ def scan(paths: list[str]) -> ScanReport:
             skipped.append(str(path))
         else:
             results.append(result)
-    results = _with_dcp_items(results)
+    results, skipped = _with_dcp_items(results, skipped)
     for folder in (Path(p) for p in paths if Path(p).is_dir()):
         if not any(folder in r.path.parents for r in results):
             count = sum(1 for s in skipped if folder in Path(s).parents)

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
+from tests.helpers import spawn_two  # noqa: E402
 
 
 class Net(torch.nn.Module):
@@ -41,7 +42,10 @@ def _full(obj):
 
 def _save(state: dict, folder: Path, rank: int, **kwargs) -> None:
     full = _full(state)
-    dcp.save(state, checkpoint_id=str(folder), **kwargs)
+    if "storage_writer" in kwargs:
+        dcp.save(state, **kwargs)
+    else:
+        dcp.save(state, checkpoint_id=str(folder), **kwargs)
     if rank == 0:
         torch.save(full, folder.with_suffix(".full.pt"))
 
@@ -85,12 +89,28 @@ def _rank(rank: int, out: str, port: int) -> None:
           use_collectives=False)
     # A value whose unpickling would call a function (functools.partial of print): a payload in a real item.
     _save({"w": torch.ones(3), "hook": functools.partial(print, "payload ran")}, root / "payload", rank)
-    # torch's safetensors-format writer: each rank file is one safetensors blob, not torch.save archives.
+    # One file per item (single_file_per_rank=False): __R_0.distcp, __R_1.distcp, ...
     from torch.distributed.checkpoint import FileSystemWriter
+
+    _save({"w": distribute_tensor(torch.randn(7, 2), mesh, [Shard(0)]), "b": torch.arange(3.0)},
+          root / "multifile", rank, storage_writer=FileSystemWriter(str(root / "multifile"),
+                                                                    single_file_per_rank=False))
+    # torch's ZStandard extension: every item a zstd frame around its archive (transform_descriptors).
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    _save({"w": distribute_tensor(torch.randn(6, 5), mesh, [Shard(1)]), "zeros": torch.zeros(1000), "step": 2},
+          root / "zstd", rank, storage_writer=FileSystemWriter(str(root / "zstd"), _extensions=[ZStandard()]))
+    # DCP's Hugging Face storage writer, every rank saving its own shard: safetensors files, no .metadata.
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+    _save({"w": distribute_tensor(torch.randn(7, 4), mesh, [Shard(0)]), "b": torch.arange(5.0)}, root / "hf", rank,
+          storage_writer=HuggingFaceStorageWriter(str(root / "hf"), save_distributed=True))
+    # torch's safetensors-format writer: each rank file is one safetensors blob, not torch.save archives.
     from torch.distributed.checkpoint.filesystem import SerializationFormat
 
-    dcp.save({"w": torch.ones(4, 3)}, storage_writer=FileSystemWriter(
-        str(root / "stformat"), serialization_format=SerializationFormat.SAFETENSORS))
+    _save({"w": distribute_tensor(torch.randn(7, 4), mesh, [Shard(0)]), "b": torch.arange(5.0), "step": 3},
+          root / "stformat", rank, storage_writer=FileSystemWriter(
+              str(root / "stformat"), serialization_format=SerializationFormat.SAFETENSORS))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -119,18 +139,12 @@ def _load_rank(rank: int, folder: str, out: str, port: int) -> None:
 
 def load_into_fsdp2(folder: Path, out: Path) -> dict:
     """What a 2-rank FSDP2 Net holds after dcp.load from `folder`, gathered."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_load_rank, args=(str(folder), str(out), port), nprocs=2)
+    spawn_two(_load_rank, str(folder), str(out))
     return torch.load(out, weights_only=True)
 
 
 def write_samples(out: Path) -> Path:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(str(out), port), nprocs=2)
+    spawn_two(_rank, str(out))
     return out
 
 

@@ -4,14 +4,15 @@ fp32 and bf16, with a tied weight, a frozen layer, two param groups and sizes th
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
+from tests.helpers import spawn_two  # noqa: E402
 
 # (name, stage, bf16)
 VARIANTS = (("z1", 1, False), ("z2", 2, False), ("z2_bf16", 2, True), ("z3", 3, False), ("z3_bf16", 3, True))
@@ -63,10 +64,7 @@ def _rank(rank: int, out: str, port: int) -> None:
 
 
 def write_samples(out: Path) -> Path:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(str(out), port), nprocs=2)
+    spawn_two(_rank, str(out))
     return out
 
 

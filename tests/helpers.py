@@ -58,3 +58,15 @@ def torch_filled_fraction(model, state_dict) -> float:
     total = sum(p.numel() for p in unique)
     filled = sum(p.numel() for p in unique if not torch.isnan(p).any())
     return filled / total if total else 1.0
+
+
+def spawn_two(fn, *args) -> None:
+    """Run fn(rank, *args, port) in two processes (two gloo ranks), with a free port for their rendezvous."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(fn, args=(*args, port), nprocs=2)

@@ -57,7 +57,7 @@ def assert_same_tree(got, want, where: str = "") -> None:
         assert got == want, (where, got, want)
 
 
-@pytest.mark.parametrize("name", ["dtensors", "fsdp2", "ddp", "nocoll"])
+@pytest.mark.parametrize("name", ["dtensors", "fsdp2", "ddp", "nocoll", "multifile", "zstd", "stformat", "hf"])
 def test_inspect_lists_the_global_shapes(samples, name):
     result = run_cli("inspect", samples / name, "--json")
     assert result.exit_code == 0, result.stderr
@@ -78,11 +78,13 @@ def test_layouts_say_how_each_tensor_was_split(samples):
     assert data["metadata"]["step"] == 7
     nocoll = run_cli("inspect", samples / "nocoll", "--json").json()
     assert "per-rank metadata" in nocoll["distributed"]["variant"][0]
+    multifile = run_cli("inspect", samples / "multifile", "--json").json()
+    assert multifile["distributed"]["files"] > 2 and "one file per item" in multifile["distributed"]["variant"][0]
     table = run_cli("inspect", samples / "fsdp2")
     assert "optim: 18 tensors (optimizer state)" in table.stderr and "model: 9 tensors (model weights)" in table.stderr
 
 
-@pytest.mark.parametrize("name", ["dtensors", "fsdp2", "ddp", "nocoll"])
+@pytest.mark.parametrize("name", ["dtensors", "fsdp2", "ddp", "nocoll", "multifile", "zstd", "stformat", "hf"])
 def test_fix_everything_is_bitwise_the_saved_state(samples, tmp_path, name):
     out = tmp_path / "all.pt"
     result = run_cli("fix", samples / name, "-o", out, "--select", "")
@@ -199,9 +201,7 @@ def test_a_lone_shard_names_its_folder_and_fix_refuses_it(samples, tmp_path):
     assert scan.exit_code == 0, scan.stdout + scan.stderr
 
 
-def test_formats_not_read_yet_say_so(samples, tmp_path):
-    result = run_cli("inspect", samples / "stformat")
-    assert result.exit_code == 2 and "safetensors-format DCP folder" in result.stderr, result.stderr
+def test_a_folder_without_metadata_says_so(samples, tmp_path):
     bare = tmp_path / "no_metadata"
     shutil.copytree(samples / "fsdp2", bare)
     (bare / ".metadata").unlink()
@@ -301,3 +301,53 @@ def test_a_single_file_becomes_a_dcp_folder_fsdp2_resumes_from(tmp_path):
     (tmp_path / "notdcp" / "keep.txt").write_text("mine")
     refused = run_cli("fix", path, "-o", tmp_path / "notdcp", "--format", "dcp", "--force")
     assert refused.exit_code == 2 and (tmp_path / "notdcp" / "keep.txt").read_text() == "mine"
+
+
+def test_accelerate_fsdp_layout_reads_the_model_folder(samples, tmp_path):
+    """accelerate's save_state under FSDP (SHARDED_STATE_DICT): pytorch_model_fsdp_0/ and optimizer_0/ DCP folders
+    beside the scheduler and random states (laid out as accelerate does; writing it needs GPUs)."""
+    folder = tmp_path / "acc"
+    folder.mkdir()
+    shutil.copytree(samples / "fsdp2", folder / "pytorch_model_fsdp_0")
+    shutil.copytree(samples / "fsdp2", folder / "optimizer_0")
+    torch.save({"step_size": 1}, folder / "scheduler.bin")
+    torch.save({"step": 1}, folder / "random_states_0.pkl")
+    result = run_cli("inspect", folder, "--json")
+    assert result.exit_code == 0, result.stderr
+    data = result.json()
+    assert data["format"] == "torch-dcp" and data["state_dict_root"] == "model"
+    assert "pytorch_model_fsdp_0/" in data["notes"][0]
+
+
+def test_zstd_items_are_read_and_walked(samples, tmp_path):
+    """A payload inside a zstd-compressed value item is found by scan and inspect once inflated."""
+    import io
+    import pickle
+
+    import zstandard
+
+    folder = tmp_path / "zstd"
+    shutil.copytree(samples / "zstd", folder)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    index = next(k for k in meta.storage_data if k.fqn == "step")
+    info = meta.storage_data[index]
+    buf = io.BytesIO()
+    torch.save(__import__("functools").partial(print, "payload ran"), buf)
+    frame = zstandard.ZstdCompressor().compress(buf.getvalue())
+    shard = folder / info.relative_path
+    at = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(frame)
+    meta.storage_data[index] = type(info)(info.relative_path, at, len(frame), info.transform_descriptors)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta, protocol=4))
+    for command in ("scan", "inspect"):
+        result = run_cli(command, folder)
+        assert result.exit_code == 1 and "functools.partial" in result.stdout + result.stderr, result.stderr
+
+
+def test_a_hugging_face_writer_shard_names_its_folder(samples, tmp_path):
+    shard = sorted((samples / "hf").glob("*.safetensors"))[0]
+    result = run_cli("inspect", shard)
+    assert result.exit_code == 0 and "Hugging Face storage writer" in result.stderr, result.stderr
+    refused = run_cli("fix", shard, "-o", tmp_path / "one.pt")
+    assert refused.exit_code == 2 and f"ckpt-doctor fix {samples / 'hf'}" in refused.stderr

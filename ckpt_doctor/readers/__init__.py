@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from dataclasses import replace
 from pathlib import Path
@@ -59,6 +60,12 @@ def read_file(path: Path, survey: Survey | None = None) -> Checkpoint:
         from .deepspeed import rank_file_note
 
         ckpt = rank_file_note(ckpt)
+    elif ckpt.format is Format.SAFETENSORS and "DCP_SHARDING_INFO" in ckpt.metadata:
+        note = (f"one rank's shard written by torch.distributed.checkpoint's Hugging Face storage writer: shapes are "
+                f"its chunks'; inspect or fix the folder for whole tensors: ckpt-doctor fix {path.parent} -o "
+                "model.safetensors")
+        ckpt = replace(ckpt, notes=(*ckpt.notes, note),
+                       distributed={"format": "torch.distributed.checkpoint", "shard_of": str(path.parent)})
     return ckpt
 
 
@@ -142,6 +149,20 @@ def _looks_like_checkpoint(path: Path) -> bool:
     return kind is Container.PICKLE and (head[:1] == b"\x80" or path.name.endswith(CHECKPOINT_SUFFIXES))
 
 
+def _accelerate_fsdp_model(folder: Path, names: list[str]) -> Path | None:
+    """accelerate's save_state with FSDP's sharded state dict: `pytorch_model_fsdp_0/` (a DCP folder) beside
+    `optimizer_0/`, the scheduler and random states. The model's folder, when there is exactly one."""
+    from .dcp import is_dcp_folder
+
+    found = [folder / n for n in names if re.fullmatch(r"pytorch_model_fsdp_\d+", n) and (folder / n).is_dir()]
+    if len(found) != 1:
+        return None
+    try:
+        return found[0] if is_dcp_folder(os.listdir(found[0])) else None
+    except OSError:
+        return None
+
+
 def read_folder(folder: Path) -> Checkpoint:
     from .dcp import is_dcp_folder, read_dcp
 
@@ -151,6 +172,17 @@ def read_folder(folder: Path) -> Checkpoint:
         raise ReadError(f"{folder}: permission denied (cannot list the folder)") from None
     if is_dcp_folder(names):
         return read_dcp(folder, names)
+    from .dcp import hf_shard_files, read_hf_shards
+
+    hf_shards = hf_shard_files(folder, names)
+    if hf_shards:
+        return read_hf_shards(folder, hf_shards)
+    fsdp = _accelerate_fsdp_model(folder, names)
+    if fsdp is not None:  # accelerate's save_state under FSDP: the model is a DCP folder of its own
+        ckpt = read_dcp(fsdp, os.listdir(fsdp))
+        note = (f"accelerate save_state folder (FSDP): the model is read from {fsdp.name}/; the optimizer, "
+                "scheduler and random states beside it can be inspected by name")
+        return replace(ckpt, notes=(note, *ckpt.notes))
     from .deepspeed import find_tag_folder, read_deepspeed
 
     tag_dir = find_tag_folder(folder, names)
@@ -169,7 +201,12 @@ def read_folder(folder: Path) -> Checkpoint:
                             "torch zip, tar, pickle or safetensors)")
         names = ", ".join(p.name for p in candidates[:5])
         raise ReadError(f"{folder}: folder holds {len(candidates)} checkpoints ({names}); name the file to open")
-    return read_sharded(chosen) if chosen.name.endswith(".index.json") else read_file(chosen)
+    ckpt = read_sharded(chosen) if chosen.name.endswith(".index.json") else read_file(chosen)
+    if "optimizer.bin" in names and any(n.startswith("random_states_") for n in names):
+        note = (f"accelerate save_state folder: the model is {chosen.name}; optimizer.bin (an optimizer's "
+                "state_dict), the scheduler and random states beside it can be inspected by name")
+        ckpt = replace(ckpt, notes=(note, *ckpt.notes))
+    return ckpt
 
 
 def read_json(path: Path, what: str, max_bytes: int) -> object:

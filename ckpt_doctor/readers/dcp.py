@@ -21,6 +21,7 @@ from typing import Any
 from ..dtypes import element_size
 from ..errors import ReadError
 from ..records import Assembly, Checkpoint, Format, GlobalRef, Piece, StorageRecord
+from ..safepickle import limits
 from ..safepickle.unpickler import Opaque, RawTensor, StorageRef
 from ._pickled import build_checkpoint
 from .survey import survey_file, survey_item
@@ -223,6 +224,20 @@ def set_element(root: dict, path: tuple, value: Any, limit: int) -> None:
     cur[key] = value
 
 
+def _lightning_meta(folder: Path, names: list[str], root: dict) -> Checkpoint | None:
+    """Lightning's ModelParallelStrategy saves the non-distributed part of its state (step, epoch, loops) in
+    `meta.pt` beside the DCP files: read like any file, its values join the tree where no item is."""
+    if "meta.pt" not in names:
+        return None
+    from . import read_file
+
+    meta = read_file(folder / "meta.pt")
+    if isinstance(meta.root, dict) and not meta.tensors:
+        for key, value in meta.root.items():
+            root.setdefault(key, value)
+    return meta
+
+
 def _place(folder: Path, root: dict, path: tuple, value: Any, limit: int) -> None:
     try:
         set_element(root, path, value, limit)
@@ -247,8 +262,10 @@ def _whole_file_views(folder: Path, files: set[str], items: dict[str, list[tuple
 class _Items:
     """Each item's file opened and checked once; each item walked and read as the torch.save archive it is."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, meta: _Meta | None = None) -> None:
         self.folder = folder
+        self.meta = meta
+        self.blobs: dict[str, dict[str, tuple[Any, tuple[int, ...]]] | None] = {}
         self.sizes: dict[str, int] = {}
         self.globals: list[GlobalRef] = []
         self.hazards: list = []
@@ -270,27 +287,66 @@ class _Items:
             self.sizes[rel] = st.st_size
         return path, self.sizes[rel]
 
-    def read(self, rel: str, at: int, length: int, transforms: tuple[str, ...], fqn: str) -> Checkpoint:
+    def blob(self, rel: str, fqn: str) -> dict[str, tuple[Any, tuple[int, ...]]] | None:
+        """torch's safetensors serialization format: a shard's tensors are one safetensors blob after its value
+        items (their storage entries give offsets into the blob's data, not the file). {fqn: (record, the chunk's
+        offsets from DCP_SHARDING_INFO)}, or None for a shard of torch.save archives."""
+        if rel in self.blobs:
+            return self.blobs[rel]
+        path, size = self.open(rel, fqn)
+        ends = [at + n for (f, off), (r, at, n, _t) in self.meta.storage.items() if r == rel and off is None] \
+            if self.meta is not None else []
+        base = max(ends, default=0)
+        found = None
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if size - base > 8 and os.pread(fd, 1, base + 8) == b"{":
+                from .safetensors_reader import read_safetensors
+
+                blob = read_safetensors(path, fd, size, base)
+                info = blob.metadata.get("DCP_SHARDING_INFO")
+                if info is not None:
+                    from . import parse_json
+
+                    sharding = parse_json(info.encode(), path, "DCP_SHARDING_INFO")
+                    if not isinstance(sharding, dict):
+                        raise ReadError(f"{path}: DCP_SHARDING_INFO is not a JSON object")
+                    found = {}
+                    for rec in blob.tensors:
+                        saved = sharding.get(rec.key, {}).get("saved_offsets") \
+                            if isinstance(sharding.get(rec.key), dict) else None
+                        found[rec.key] = (rec, _ints(saved, f"the saved offsets of {rec.key}", path)
+                                          if saved is not None else (0,) * len(rec.shape))
+        finally:
+            os.close(fd)
+        self.blobs[rel] = found
+        return found
+
+    def read(self, rel: str, at: int, length: int, transforms: tuple[str, ...], fqn: str,
+             expect: int | None = None) -> Checkpoint:
+        """The item's archive, read; `expect`: the bytes its tensor holds (bounds a compressed item's inflation)."""
         from ..safepickle.walker import new_budget
         from .torch_zip import read_torch_zip
 
         path, size = self.open(rel, fqn)
         label = f"{rel} item at byte {at}"
-        if transforms:
-            raise ReadError(f"{self.folder}: {fqn} is stored through {', '.join(transforms)} ({label}); "
-                            "ckpt-doctor reads uncompressed DCP items only")
         if at + length > size:
             raise ReadError(f"{self.folder}: {rel} ends at byte {size:,}, but {fqn} is stored at bytes {at:,} to "
                             f"{at + length:,}: the file is truncated")
+        if transforms:
+            if transforms != ("stream.zstd/1",) and not (len(transforms) == 1 and
+                                                         transforms[0].startswith("stream.zstd/1.")):
+                raise ReadError(f"{self.folder}: {fqn} is stored through {', '.join(transforms)} ({label}), a "
+                                "transform ckpt-doctor does not know")
+            cap = (expect if expect is not None else limits.MAX_UNPICKLE_BYTES) + (1 << 20)
+            path, at, length = inflate_zstd(path, at, length, cap, f"{self.folder}: {fqn} ({label})")
         if self.budget is None:
             self.budget = new_budget()
         fd = os.open(path, os.O_RDONLY)
         try:
             if os.pread(fd, 4, at) != b"PK\x03\x04":
-                kind = "safetensors-format DCP folder (FileSystemWriter(serialization_format=SAFETENSORS))" \
-                    if os.pread(fd, 9, 0)[8:9] == b"{" else "folder whose items are not torch.save archives"
-                raise ReadError(f"{self.folder}: {fqn} ({label}) is no torch.save archive: a {kind}, which "
-                                "ckpt-doctor does not read yet")
+                raise ReadError(f"{self.folder}: {fqn} ({label}) is no torch.save archive (nor a tensor of a "
+                                "safetensors blob the metadata leads to)")
             item = survey_item(path, fd, at, length, self.budget)
         finally:
             os.close(fd)
@@ -304,6 +360,57 @@ class _Items:
             raise ReadError(f"{self.folder}: {fqn} ({label}): {str(exc).removeprefix(f'{path}: ')}") from None
         self.walked_bytes += len(item.main_pickle or b"")
         return ckpt
+
+
+_INFLATED: list[str] = []  # temporary folders of inflated zstd items, removed when the process ends
+
+
+def inflate_zstd(path: Path, at: int, length: int, cap: int, what: str) -> tuple[Path, int, int]:
+    """A zstd-compressed item (DCP's `stream.zstd` transform) inflated into a private temporary file, at most `cap`
+    bytes (a tensor item inflates to its bytes plus a small archive around them): (file, 0, its length). The item
+    is then read like any other, and `fix` streams its tensor from that file."""
+    try:
+        import zstandard
+    except ImportError:
+        raise ReadError(f"{what}: zstd-compressed; reading it needs the zstandard package "
+                        "(pip install zstandard)") from None
+    import atexit
+    import shutil
+    import tempfile
+
+    if not _INFLATED:
+        _INFLATED.append(tempfile.mkdtemp(prefix="ckpt-doctor-zstd-"))
+        atexit.register(shutil.rmtree, _INFLATED[0], True)
+    fd = os.open(path, os.O_RDONLY)
+    out_fd, out_name = tempfile.mkstemp(dir=_INFLATED[0], suffix=".zip")
+
+    class _Slice:
+        def __init__(self) -> None:
+            self.pos = 0
+
+        def read(self, n: int = -1) -> bytes:
+            n = length - self.pos if n < 0 else min(n, length - self.pos)
+            data = os.pread(fd, n, at + self.pos) if n > 0 else b""
+            self.pos += len(data)
+            return data
+
+    total = 0
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(_Slice(), read_across_frames=True)
+        while True:
+            block = reader.read(8 << 20)
+            if not block:
+                break
+            total += len(block)
+            if total > cap:
+                raise ReadError(f"{what}: inflates past the {cap:,} bytes it can hold (a zstd bomb?)")
+            os.write(out_fd, block)
+    except zstandard.ZstdError as exc:
+        raise ReadError(f"{what}: is not a valid zstd stream ({exc})") from None
+    finally:
+        os.close(fd)
+        os.close(out_fd)
+    return Path(out_name), 0, total
 
 
 def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
@@ -335,7 +442,7 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
             if findings:
                 raise ReadError(f"{exc} — and it would run code: {', '.join(findings[:4])}", findings) from None
             raise
-    items = _Items(folder)
+    items = _Items(folder, meta)
     root: dict = {}
     layouts: dict[str, str] = {}
     files: set[str] = set()
@@ -353,15 +460,27 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
                     continue
                 rel, at, length, transforms = where
                 files.add(rel)
-                chunk = items.read(rel, at, length, transforms, fqn)
+                blob = items.blob(rel, fqn)
+                if blob is not None:  # torch's safetensors format: the tensor is named in the shard's blob
+                    rec, saved = blob.get(fqn, (None, None))
+                    if rec is None or saved != offsets:
+                        raise ReadError(f"{folder}: {fqn}: {rel} holds no chunk of it at {list(offsets)}")
+                    if rec.shape != sizes or rec.dtype != dtype:
+                        raise ReadError(f"{folder}: {fqn}: {rel} holds {rec.dtype}{list(rec.shape)}, the metadata "
+                                        f"says {dtype}{list(sizes)}")
+                    pieces.append(Piece(rec.storage.file, rec.storage.offset, offsets, sizes, rec.stride,
+                                        f"{rel} safetensors entry {fqn}"))
+                    continue
+                chunk = items.read(rel, at, length, transforms, fqn, prod(sizes) * element_size(dtype))
                 rec = chunk.tensors[0] if len(chunk.tensors) == 1 and chunk.tensors[0].key == "" else None
                 if rec is None or rec.storage is None:
                     raise ReadError(f"{folder}: {fqn}: {rel} item at byte {at} holds no single tensor")
                 if rec.shape != sizes or rec.dtype != dtype:
                     raise ReadError(f"{folder}: {fqn}: {rel} item at byte {at} holds {rec.dtype}{list(rec.shape)}, "
                                     f"the metadata says {dtype}{list(sizes)}")
+                whole = rec.storage_offset == 0 and rec.nbytes == rec.storage.nbytes and rec.is_contiguous
                 pieces.append(Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride,
-                                    f"{rel} item at byte {at}"))
+                                    f"{rel} item at byte {at}", rec.storage.crc if whole else None))
             assembly = Assembly(size, tuple(pieces), dtype)
             from ..assemble import coverage_problem
 
@@ -383,6 +502,10 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
             rel, at, length, transforms = where
             files.add(rel)
             _place(folder, root, path, items.read(rel, at, length, transforms, fqn).root, len(order))
+    lightning = _lightning_meta(folder, names, root)
+    if lightning is not None:
+        survey_globals.extend(lightning.globals)
+        hazards.extend(lightning.hazards)
     restored = _integer_state_keys(root)
     spans: dict[str, list[tuple[int, int]]] = {}
     for rel, at, length, _t in meta.storage.values():
@@ -393,6 +516,11 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
         raise ReadError(f"{folder}: the checkpoint is incomplete: {shown}")
     ranks = sorted({int(m.group(1)) for n in files if (m := SHARD.fullmatch(n))})
     variant = ["per-rank metadata (saved without collectives)"] if metas[0].name != METADATA else []
+    per_rank = [int(m.group(2)) for n in files if (m := SHARD.fullmatch(n))]
+    if per_rank and max(per_rank) > 0:
+        variant.append("one file per item (single_file_per_rank=False)")
+    if lightning is not None:
+        variant.append("Lightning ModelParallelStrategy (meta.pt beside it)")
     sharded = sum(1 for v in layouts.values() if not v.startswith("whole"))
     distributed = {"format": "torch.distributed.checkpoint", "version": meta.version, "files": len(files),
                    "ranks": len(ranks), "variant": variant or ["one .metadata"],
@@ -412,7 +540,8 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
         distributed["contents"] = _contents(root, ckpt.state_dict_root)
     distributed["fix_notes"] = list(notes[1:])
 
-    return replace(ckpt, files=(*metas, *(folder / f for f in sorted(files))),
+    extra_files = (folder / "meta.pt",) if lightning is not None else ()
+    return replace(ckpt, files=(*metas, *(folder / f for f in sorted(files)), *extra_files),
                    hazards=tuple(hazards + items.hazards + view_hazards),
                    layouts=layouts, distributed=distributed)
 
@@ -465,7 +594,93 @@ def _count_tensors(value: Any) -> int:
     return 0
 
 
-def metadata_items(folder: Path) -> dict[Path, list[tuple[int, int]]]:
+def hf_shard_files(folder: Path, names: list[str]) -> list[Path]:
+    """Safetensors files written by DCP's Hugging Face storage writer (no .metadata; each header's __metadata__ holds
+    DCP_SHARDING_INFO): one per rank and file index. [] for an ordinary folder of safetensors files."""
+    files = sorted(folder / n for n in names if n.endswith(".safetensors"))
+    found = []
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    continue
+                n = int.from_bytes(head, "little")
+                if n > limits.MAX_SAFETENSORS_HEADER:
+                    continue
+                if b'"DCP_SHARDING_INFO"' in f.read(min(n, 1 << 20)):
+                    found.append(path)
+        except OSError:
+            continue
+    return found
+
+
+def read_hf_shards(folder: Path, shards: list[Path]) -> Checkpoint:
+    """A folder DCP's HuggingFaceStorageWriter wrote with save_distributed: every rank's chunks in safetensors files,
+    each placed by its saved_offsets; a tensor's global shape is the largest offset + size over its chunks (the
+    writer records no global shape), and its chunks must tile it."""
+    from . import parse_json
+    from .safetensors_reader import read_safetensors
+
+    chunks: dict[str, list[tuple[tuple[int, ...], Any]]] = {}
+    for path in shards:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            blob = read_safetensors(path, fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        sharding = parse_json(str(blob.metadata.get("DCP_SHARDING_INFO", "{}")).encode(), path, "DCP_SHARDING_INFO")
+        if not isinstance(sharding, dict):
+            raise ReadError(f"{path}: DCP_SHARDING_INFO is not a JSON object")
+        for rec in blob.tensors:
+            info = sharding.get(rec.key)
+            saved = info.get("saved_offsets") if isinstance(info, dict) else None
+            offsets = _ints(saved, f"the saved offsets of {rec.key}", path) if saved is not None \
+                else (0,) * len(rec.shape)
+            if len(offsets) != len(rec.shape):
+                raise ReadError(f"{path}: {rec.key} has {len(offsets)} saved offsets for {len(rec.shape)} dims")
+            chunks.setdefault(rec.key, []).append((offsets, rec))
+    from ..assemble import coverage_problem
+
+    root: dict = {}
+    layouts: dict[str, str] = {}
+    problems = []
+    for fqn, parts in chunks.items():
+        dtypes = {rec.dtype for _, rec in parts}
+        if len(dtypes) > 1:
+            raise ReadError(f"{folder}: the chunks of {fqn} disagree on its dtype ({', '.join(sorted(dtypes))})")
+        dtype = dtypes.pop()
+        rank = len(parts[0][0])
+        size = tuple(max(o[d] + r.shape[d] for o, r in parts) for d in range(rank))
+        pieces = tuple(Piece(r.storage.file, r.storage.offset, o, r.shape, r.stride, f"{r.storage.file.name} "
+                             f"entry {fqn}") for o, r in parts)
+        assembly = Assembly(size, pieces, dtype)
+        problem = coverage_problem(assembly)
+        if problem:
+            problems.append(f"{fqn}: {problem}")
+        ref = StorageRef(fqn, dtype, prod(size), "cpu")
+        ref.resolved = StorageRecord(key=fqn, dtype=dtype, nbytes=prod(size) * element_size(dtype), device="cpu",
+                                     file=shards[0], offset=0, assembly=assembly)
+        root[fqn] = RawTensor(ref, dtype, 0, size, tuple(_contiguous(size)))
+        layouts[fqn] = _layout(size, [(o, r.shape) for o, r in parts])
+    if problems:
+        raise ReadError(f"{folder}: the checkpoint is incomplete (the writer records no global shapes: a missing "
+                        f"shard file shows as a gap): {'; '.join(problems[:3])}")
+    sharded = sum(1 for v in layouts.values() if not v.startswith("whole"))
+    notes = (f"torch.distributed.checkpoint folder written by its Hugging Face storage writer: {len(root)} tensors "
+             f"({sharded} sharded) in {len(shards)} safetensors files; shapes are the largest offset + size over each "
+             "tensor's chunks (the writer records no global shape)",)
+    ckpt = build_checkpoint(folder, Format.DCP, root, [], notes=notes)
+    from dataclasses import replace
+
+    return replace(ckpt, files=tuple(shards), layouts=layouts,
+                   distributed={"format": "torch.distributed.checkpoint", "files": len(shards),
+                                "ranks": len({p.name.split("-model-")[0] for p in shards}),
+                                "variant": ["Hugging Face storage writer (safetensors shards, no .metadata)"],
+                                "tensors": len(root), "sharded_tensors": sharded, "values": 0})
+
+
+def metadata_items(folder: Path) -> dict[Path, list[tuple[int, int, tuple[str, ...]]]]:
     """Each byte range the folder's metadata names, by file: what torch's DCP reader hands torch.load (for `scan`,
     which walks them beside each file's own views). Empty when the metadata cannot be read (scan reports it)."""
     meta = _Meta()
@@ -474,9 +689,9 @@ def metadata_items(folder: Path) -> dict[Path, list[tuple[int, int]]]:
             _read_metadata(path, meta, [])
     except (ReadError, OSError):
         return {}
-    ranges: dict[Path, list[tuple[int, int]]] = {}
-    for rel, at, length, _t in meta.storage.values():
-        ranges.setdefault(folder / rel, []).append((at, length))
+    ranges: dict[Path, list[tuple[int, int, tuple[str, ...]]]] = {}
+    for rel, at, length, transforms in meta.storage.values():
+        ranges.setdefault(folder / rel, []).append((at, length, transforms))
     return ranges
 
 

@@ -17,17 +17,19 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def read_safetensors(path: Path, fd: int, size: int) -> Checkpoint:
-    if size < 8:
+def read_safetensors(path: Path, fd: int, size: int, base: int = 0) -> Checkpoint:
+    """The safetensors blob at `base` (a DCP shard in torch's safetensors format holds one after its value items),
+    running to the end of the file."""
+    if size - base < 8:
         raise ReadError(f"{path}: safetensors file shorter than its 8-byte header length")
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, base))
     if n > limits.MAX_SAFETENSORS_HEADER:
         raise ReadError(f"{path}: safetensors header length {n} is over the 100 MB limit (corrupt file)")
-    if 8 + n > size:
+    if 8 + n > size - base:
         raise ReadError(f"{path}: safetensors header length {n} runs past the end of the file (truncated)")
     from . import parse_json
 
-    raw = os.pread(fd, n, 8)
+    raw = os.pread(fd, n, base + 8)
     if raw.count(b'"data_offsets"') > limits.MAX_TENSORS:  # before parsing: 1.7 million entries took 2 GB
         raise ReadError(f"{path}: safetensors header lists more than {limits.MAX_TENSORS:,} tensors; refusing to "
                         "read it")
@@ -38,7 +40,7 @@ def read_safetensors(path: Path, fd: int, size: int) -> Checkpoint:
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ReadError(f"{path}: safetensors __metadata__ must map strings to strings")
-    data_start = 8 + n
+    data_start = base + 8 + n
     data_len = size - data_start
     spans = []
     tensors = []
