@@ -139,7 +139,8 @@ def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str]]
     return files, problems
 
 
-def _with_dcp_items(results: list[FileScan], skipped: list[str]) -> tuple[list[FileScan], list[str]]:
+def _with_dcp_items(results: list[FileScan], skipped: list[str],
+                    unread: list[str]) -> tuple[list[FileScan], list[str]]:
     """In a torch.distributed.checkpoint folder, the byte ranges its metadata names are what torch's DCP reader
     loads: each is walked too (a range need not start where the file's own archives do)."""
     from dataclasses import replace
@@ -150,8 +151,11 @@ def _with_dcp_items(results: list[FileScan], skipped: list[str]) -> tuple[list[F
 
     folders = {r.path.parent for r in results if r.path.name == METADATA or RANK_METADATA.fullmatch(r.path.name)}
     ranges: dict[Path, list[tuple[int, int, tuple[str, ...]]]] = {}
-    for folder in folders:
-        ranges.update(metadata_items(folder))
+    for folder in sorted(folders):
+        try:
+            ranges.update(metadata_items(folder))
+        except CkptDoctorError as exc:
+            unread.append(f"{exc} — the items torch's DCP loader would unpickle from it were not all walked")
     # A shard of compressed items holds no pickle a file reader sees: it is scanned through its items.
     results = results + [FileScan(Path(p), "other", None, ()) for p in skipped if Path(p) in ranges]
     skipped = [p for p in skipped if Path(p) not in ranges]
@@ -179,6 +183,7 @@ def _with_dcp_items(results: list[FileScan], skipped: list[str]) -> tuple[list[F
                             item = survey_item(inflated, ifd, 0, full)
                         finally:
                             os.close(ifd)
+                            os.unlink(inflated)  # walked: not kept
                     else:
                         item = survey_item(result.path, fd, at, length)
                     extra_globals += item.globals
@@ -204,7 +209,7 @@ def scan(paths: list[str]) -> ScanReport:
             skipped.append(str(path))
         else:
             results.append(result)
-    results, skipped = _with_dcp_items(results, skipped)
+    results, skipped = _with_dcp_items(results, skipped, problems)
     for folder in (Path(p) for p in paths if Path(p).is_dir()):
         if not any(folder in r.path.parents for r in results):
             count = sum(1 for s in skipped if folder in Path(s).parents)

@@ -351,3 +351,72 @@ def test_a_hugging_face_writer_shard_names_its_folder(samples, tmp_path):
     assert result.exit_code == 0 and "Hugging Face storage writer" in result.stderr, result.stderr
     refused = run_cli("fix", shard, "-o", tmp_path / "one.pt")
     assert refused.exit_code == 2 and f"ckpt-doctor fix {samples / 'hf'}" in refused.stderr
+
+
+def test_format_dcp_never_replaces_its_input_or_a_foreign_folder(samples, tmp_path):
+    folder = tmp_path / "in"
+    shutil.copytree(samples / "ddp", folder)
+    before = sorted(p.name for p in folder.iterdir())
+    sneaky = tmp_path / "x" / ".." / "in"
+    (tmp_path / "x").mkdir()
+    result = run_cli("fix", folder, "-o", sneaky, "--format", "dcp", "--force")
+    assert result.exit_code == 2 and "input" in result.stderr and sorted(p.name for p in folder.iterdir()) == before
+    victim = tmp_path / "victim"
+    (victim / "precious.distcp").mkdir(parents=True)
+    (victim / "precious.distcp" / "thesis.tex").write_text("years of work")
+    (victim / ".metadata").write_bytes(b"")
+    result = run_cli("fix", folder, "-o", victim, "--format", "dcp", "--force")
+    assert result.exit_code == 2 and (victim / "precious.distcp" / "thesis.tex").read_text() == "years of work"
+
+
+def test_a_zstd_item_that_is_no_archive_is_refused_before_it_is_inflated(samples, tmp_path):
+    import glob
+    import pickle
+
+    import zstandard
+
+    folder = tmp_path / "zstd"
+    shutil.copytree(samples / "zstd", folder)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    index = next(k for k in meta.storage_data if k.fqn == "step")
+    info = meta.storage_data[index]
+    frame = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))  # 64 MB of zeros in a few KB
+    shard = folder / info.relative_path
+    at = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(frame)
+    meta.storage_data[index] = type(info)(info.relative_path, at, len(frame), info.transform_descriptors)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta, protocol=4))
+    import subprocess
+    import sys
+
+    before = set(glob.glob("/tmp/ckpt-doctor-zstd-*"))
+    result = subprocess.run([sys.executable, "-m", "ckpt_doctor", "inspect", str(folder)], capture_output=True,
+                            text=True, timeout=120, check=False, env={**__import__("os").environ, "TMPDIR": "/tmp"})
+    assert result.returncode == 2 and "other than a torch.save archive" in result.stderr, result.stderr
+    assert set(glob.glob("/tmp/ckpt-doctor-zstd-*")) <= before  # the command's temporary folder is gone
+
+
+def test_scan_walks_the_items_of_metadata_it_finds_odd(samples, tmp_path):
+    """A planner_data entry torch's loader ignores must not stop scan from walking the items dcp.load unpickles."""
+    folder = tmp_path / "payload"
+    shutil.copytree(samples / "payload", folder)
+    _edit_metadata(folder, ".metadata", lambda meta: meta.planner_data.update({"zzz": ()}))
+    result = run_cli("scan", folder)
+    assert result.exit_code == 1 and "functools.partial" in result.stdout, result.stdout + result.stderr
+
+
+def test_consolidates_into_a_sharded_safetensors_folder(samples, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "model.safetensors"
+    result = run_cli("fix", samples / "fsdp2", "-o", out, "--max-shard-size", "200B")
+    assert result.exit_code == 0, result.stderr
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    state = {}
+    for shard in set(index["weight_map"].values()):
+        state.update(load_file(tmp_path / shard))
+    assert len(set(index["weight_map"].values())) > 1
+    assert_same_tree(state, torch.load(samples / "fsdp2.full.pt", weights_only=True)["model"])

@@ -128,3 +128,36 @@ def test_a_lone_rank_file_is_refused_with_the_folder_named(samples, tmp_path):
     assert refused.exit_code == 2 and f"ckpt-doctor fix {samples / 'z3'}" in refused.stderr and not out.exists()
     scan = run_cli("scan", samples / "z3")
     assert scan.exit_code == 0, scan.stdout + scan.stderr
+
+
+def _retouch(path: Path, change) -> None:
+    """Rewrite a rank file this test run wrote (torch.load of its own file; the test trusts it)."""
+    state = torch.load(path, weights_only=False)
+    change(state)
+    torch.save(state, path)
+
+
+def test_tampered_folders_are_refused_not_misread(samples, tmp_path):
+    """Partitions of two dtypes (read at one element size they would give wrong bytes), paddings that do not list
+    one size per parameter, a pipe for a rank file, a `latest` of a megabyte: each exits 2, nothing written."""
+    import os
+
+    cases = {
+        "dtype": lambda step: _retouch(step / "zero_pp_rank_1_mp_rank_00_optim_states.pt", lambda s: s[
+            "optimizer_state_dict"]["single_partition_of_fp32_groups"].__setitem__(0, s["optimizer_state_dict"][
+                "single_partition_of_fp32_groups"][0].to(torch.bfloat16))),
+        "paddings": lambda step: _retouch(step / "zero_pp_rank_0_mp_rank_00_optim_states.pt", lambda s: s[
+            "optimizer_state_dict"].__setitem__("param_alignment_paddings", [[0, 0, 0, 0], [0]])),
+        "fifo": lambda step: ((step / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink(),
+                              os.mkfifo(step / "zero_pp_rank_1_mp_rank_00_optim_states.pt")),
+        "latest": lambda step: (step.parent / "latest").write_bytes(b"\0" * (1 << 20)),
+    }
+    expected = {"dtype": "share one dtype", "paddings": "param_alignment_paddings", "fifo": "not a regular file",
+                "latest": "not a tag folder"}
+    for name, spoil in cases.items():
+        folder = tmp_path / name
+        shutil.copytree(samples / "z2", folder)
+        spoil(folder / "global_step1")
+        out = tmp_path / f"{name}.safetensors"
+        result = run_cli("fix", folder, "-o", out)
+        assert result.exit_code == 2 and expected[name] in result.stderr and not out.exists(), (name, result.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import sys
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,7 @@ def _ints(value: Any, what: str, where: Path) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _read_metadata(path: Path, meta: _Meta, unpicklers: list) -> None:
+def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = True) -> None:
     import io
 
     from ..safepickle.unpickler import SafeUnpickler
@@ -141,6 +142,8 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list) -> None:
         for fqn, p in planner.items():
             if not (isinstance(fqn, str) and isinstance(p, tuple) and 0 < len(p) <= MAX_PATH_DEPTH
                     and all(type(k) is str or type(k) is int and k >= 0 for k in p)):
+                if not strict:  # scan only wants the items: a bad path does not hide them
+                    continue
                 raise ReadError(f"{path}: planner_data gives {str(fqn)[:60]} a path that is no list of keys "
                                 f"(of at most {MAX_PATH_DEPTH} names or indices)")
             if meta.paths.setdefault(fqn, p) != p:
@@ -325,9 +328,6 @@ class _Items:
     def read(self, rel: str, at: int, length: int, transforms: tuple[str, ...], fqn: str,
              expect: int | None = None) -> Checkpoint:
         """The item's archive, read; `expect`: the bytes its tensor holds (bounds a compressed item's inflation)."""
-        from ..safepickle.walker import new_budget
-        from .torch_zip import read_torch_zip
-
         path, size = self.open(rel, fqn)
         label = f"{rel} item at byte {at}"
         if at + length > size:
@@ -340,6 +340,17 @@ class _Items:
                                 "transform ckpt-doctor does not know")
             cap = (expect if expect is not None else limits.MAX_UNPICKLE_BYTES) + (1 << 20)
             path, at, length = inflate_zstd(path, at, length, cap, f"{self.folder}: {fqn} ({label})")
+            if expect is None:  # a value: unpickled now, its inflated copy not needed after
+                try:
+                    return self._read_archive(path, at, length, fqn, label)
+                finally:
+                    os.unlink(path)
+        return self._read_archive(path, at, length, fqn, label)
+
+    def _read_archive(self, path: Path, at: int, length: int, fqn: str, label: str) -> Checkpoint:
+        from ..safepickle.walker import new_budget
+        from .torch_zip import read_torch_zip
+
         if self.budget is None:
             self.budget = new_budget()
         fd = os.open(path, os.O_RDONLY)
@@ -374,13 +385,13 @@ def inflate_zstd(path: Path, at: int, length: int, cap: int, what: str) -> tuple
     except ImportError:
         raise ReadError(f"{what}: zstd-compressed; reading it needs the zstandard package "
                         "(pip install zstandard)") from None
-    import atexit
     import shutil
     import tempfile
 
     if not _INFLATED:
         _INFLATED.append(tempfile.mkdtemp(prefix="ckpt-doctor-zstd-"))
-        atexit.register(shutil.rmtree, _INFLATED[0], True)
+        _remove_on_exit(_INFLATED[0])
+    room = shutil.disk_usage(_INFLATED[0]).free - (1 << 30)  # a gigabyte is left to the rest of the machine
     fd = os.open(path, os.O_RDONLY)
     out_fd, out_name = tempfile.mkstemp(dir=_INFLATED[0], suffix=".zip")
 
@@ -395,22 +406,46 @@ def inflate_zstd(path: Path, at: int, length: int, cap: int, what: str) -> tuple
             return data
 
     total = 0
+    done = False
     try:
-        reader = zstandard.ZstdDecompressor().stream_reader(_Slice(), read_across_frames=True)
+        # One frame, as torch's reader (zstandard's stream_reader) takes it; what follows the frame is ignored.
+        reader = zstandard.ZstdDecompressor().stream_reader(_Slice(), read_across_frames=False)
         while True:
             block = reader.read(8 << 20)
             if not block:
                 break
+            if not total and block[:4] != b"PK\x03\x04":  # an item is a torch.save archive: nothing else is written
+                raise ReadError(f"{what}: inflates to something other than a torch.save archive")
             total += len(block)
             if total > cap:
                 raise ReadError(f"{what}: inflates past the {cap:,} bytes it can hold (a zstd bomb?)")
+            if total > room:
+                raise ReadError(f"{what}: inflating it needs more temporary disk than is free in "
+                                f"{_INFLATED[0]} (set TMPDIR to a roomier folder)")
             os.write(out_fd, block)
+        done = True
     except zstandard.ZstdError as exc:
         raise ReadError(f"{what}: is not a valid zstd stream ({exc})") from None
     finally:
         os.close(fd)
         os.close(out_fd)
+        if not done:
+            os.unlink(out_name)
     return Path(out_name), 0, total
+
+
+def _remove_on_exit(folder: str) -> None:
+    """Remove the temporary folder when the process ends, also on SIGTERM/SIGHUP (atexit alone misses those)."""
+    import atexit
+    import shutil
+    import signal
+    import threading
+
+    atexit.register(shutil.rmtree, folder, True)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
 
 
 def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
@@ -682,13 +717,14 @@ def read_hf_shards(folder: Path, shards: list[Path]) -> Checkpoint:
 
 def metadata_items(folder: Path) -> dict[Path, list[tuple[int, int, tuple[str, ...]]]]:
     """Each byte range the folder's metadata names, by file: what torch's DCP reader hands torch.load (for `scan`,
-    which walks them beside each file's own views). Empty when the metadata cannot be read (scan reports it)."""
+    which walks them beside each file's own views). Raises ReadError when the metadata cannot be read: the items
+    DCP's loader would unpickle are then unknown, and scan must not call the folder clean."""
     meta = _Meta()
     try:
         for path in metadata_files(folder, os.listdir(folder)):
-            _read_metadata(path, meta, [])
-    except (ReadError, OSError):
-        return {}
+            _read_metadata(path, meta, [], strict=False)
+    except OSError as exc:
+        raise ReadError(f"{folder}: its metadata cannot be read ({exc.strerror})") from None
     ranges: dict[Path, list[tuple[int, int, tuple[str, ...]]]] = {}
     for rel, at, length, transforms in meta.storage.values():
         ranges.setdefault(folder / rel, []).append((at, length, transforms))

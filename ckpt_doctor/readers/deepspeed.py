@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections import OrderedDict
 from dataclasses import replace
 from math import ceil, prod
@@ -40,12 +41,13 @@ def find_tag_folder(folder: Path, names: list[str]) -> Path | None:
     if any(MODEL_STATES.fullmatch(n) for n in names):
         return folder
     if "latest" in names and (folder / "latest").is_file():
-        raw = (folder / "latest").read_bytes()[:256]
+        with open(folder / "latest", "rb") as f:
+            raw = f.read(257)  # a tag is a short name; nothing longer is read
         try:
             tag = raw.decode("utf-8").strip()
         except UnicodeDecodeError:
             return None
-        if not tag or "/" in tag or "\\" in tag or tag in (".", ".."):
+        if not tag or len(raw) > 256 or not tag.isprintable() or "/" in tag or "\\" in tag or tag in (".", ".."):
             raise ReadError(f"{folder}/latest names {tag[:60]!r}, not a tag folder beside it")
         if (folder / tag).is_dir():
             return folder / tag
@@ -82,12 +84,21 @@ def _flat(raw: Any, what: str, where: Path) -> tuple[Path, int, int, str]:
     return st.file, st.offset + raw.offset * element_size(raw.dtype), raw.shape[0], raw.dtype
 
 
+def _one_dtype(dtypes: list[str], what: str) -> str:
+    """The partitions' dtype: one for all (a tensor's pieces are read at one element size)."""
+    if len(set(dtypes)) > 1:
+        raise ReadError(f"{what}: partitions in {', '.join(sorted(set(dtypes)))} where all should share one dtype "
+                        "(the checkpoint is corrupt or was tampered with)")
+    return dtypes[0] if dtypes else "float32"
+
+
 class _Partitions:
     """One rank's flat vectors (a group's partition, or ZeRO-3's sub-groups end to end) as one virtual vector."""
 
     def __init__(self, parts: list[tuple[Path, int, int, str]], label: str) -> None:
         self.parts, self.label = parts, label
         self.length = sum(p[2] for p in parts)
+        self.dtype = _one_dtype([p[3] for p in parts], label)
 
     def pieces(self, start: int, count: int, at: int) -> list[Piece]:
         """Pieces covering [start, start + count) of the vector, placed from `at` in the output's flat grid."""
@@ -144,6 +155,13 @@ def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
     optim_files = [tag_dir / n for n in names if OPTIM_STATES.fullmatch(n)]
     if not model_files:
         raise ReadError(f"{tag_dir}: no *_model_states.pt: not a DeepSpeed checkpoint folder, or an incomplete one")
+    for p in [*model_files, *optim_files]:  # a pipe would block the open
+        try:
+            mode = os.stat(p).st_mode
+        except OSError as exc:
+            raise ReadError(f"{p}: cannot be read ({exc.strerror})") from None
+        if not stat.S_ISREG(mode):
+            raise ReadError(f"{p}: not a regular file (a device, a pipe or a folder)")
     ckpts = {p: read_file(p) for p in [*model_files, *optim_files]}
     models = [ckpts[p].root for p in model_files]
     m0, first = models[0], model_files[0]
@@ -190,7 +208,7 @@ def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
             numel, chunk = prod(shape), ceil(prod(shape) / world)
             pieces = [pc for r, part in enumerate(parts)
                       for pc in part.pieces(0, max(0, min(chunk, numel - r * chunk)), r * chunk)]
-            state[name] = _tensor(f"{FP32}.{name}", shape, parts[0].parts[0][3], pieces, first)
+            state[name] = _tensor(f"{FP32}.{name}", shape, _one_dtype([p.dtype for p in parts], name), pieces, first)
             layouts[f"{FP32}.{name}"] = f"ZeRO-3 frozen, {world} ranks × {chunk:,}"
         else:
             state[name] = _get(fragments[0], name, what=f"frozen fragment {name}", where=first)
@@ -203,15 +221,19 @@ def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
                      for pr, p in zip(per_rank, optim_files)]
             ranks = [_Partitions([part], f"{p.name} {key}[{g}]") for part, p in parts]
             group = _Concat(ranks)
+            dtype = _one_dtype([r.dtype for r in ranks], f"{tag_dir}: {key}[{g}]")
             offset = 0
             pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
+            if paddings is not None and not (isinstance(pads, list) and len(pads) == len(shapes)
+                                             and all(type(x) is int and x >= 0 for x in pads)):
+                raise ReadError(f"{optim_files[0]}: param_alignment_paddings of group {g} should be {len(shapes)} "
+                                "sizes, one per parameter (as zero_to_fp32 requires)")
             for j, (name, shape) in enumerate(shapes.items()):
                 shape = _shape(shape, name, first)
                 numel = prod(shape)
-                state[name] = _tensor(f"{FP32}.{name}", shape, parts[0][0][3], group.pieces(offset, numel), first)
+                state[name] = _tensor(f"{FP32}.{name}", shape, dtype, group.pieces(offset, numel), first)
                 layouts[f"{FP32}.{name}"] = f"ZeRO-{stage} flat partitions of group {g}, {world} ranks"
-                offset += numel + (pads[j] if isinstance(pads, list) and j < len(pads) and type(pads[j]) is int
-                                   else 0)
+                offset += numel + (pads[j] if pads is not None else 0)
             align = 2 * world
             if ceil(offset / align) * align != ceil(group.length / align) * align:
                 raise ReadError(f"{tag_dir}: param group {g} takes {offset:,} elements of the {group.length:,} its "
@@ -222,6 +244,7 @@ def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
         for o, p in zip(optims, optim_files):
             groups = _get(o, "optimizer_state_dict", key, what=key, where=p)
             ranks.append(_Partitions([_flat(t, f"{key}[{i}]", p) for i, t in enumerate(groups)], f"{p.name} {key}"))
+        dtype = _one_dtype([r.dtype for r in ranks], f"{tag_dir}: {key}")
         offset = 0
         merged = OrderedDict((n, s) for shapes in param_shapes for n, s in shapes.items())
         for name, shape in merged.items():
@@ -230,7 +253,7 @@ def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
             chunk = ceil(numel / world)
             pieces = [pc for r, part in enumerate(ranks)
                       for pc in part.pieces(offset, max(0, min(chunk, numel - r * chunk)), r * chunk)]
-            state[name] = _tensor(f"{FP32}.{name}", shape, ranks[0].parts[0][3], pieces, first)
+            state[name] = _tensor(f"{FP32}.{name}", shape, dtype, pieces, first)
             pad = chunk * world - numel
             layouts[f"{FP32}.{name}"] = f"ZeRO-3 partitions, {world} ranks × {chunk:,}" + (f" ({pad} padding)"
                                                                                          if pad else "")

@@ -10,25 +10,43 @@ renamed onto OUT. An existing OUT is replaced only with --force, and only when i
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import stat
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError, WriteError
 
-_DCP_FILES = (".metadata", ".distcp")
+_DCP_NAME = re.compile(r"\.metadata|__\d+\.metadata|__\d+_\d+\.distcp")
 
 
 def _is_dcp_folder(path: Path) -> bool:
+    """Only what a DCP writer leaves: regular files named .metadata, __R.metadata, __R_N.distcp, a metadata file
+    that starts a pickle. --force replaces nothing else."""
     names = os.listdir(path)
-    return ".metadata" in names and all(n.endswith(_DCP_FILES) for n in names)
+    if ".metadata" not in names:
+        return False
+    for name in names:
+        entry = path / name
+        if not _DCP_NAME.fullmatch(name) or entry.is_symlink() or not stat.S_ISREG(entry.lstat().st_mode):
+            return False
+    with open(path / ".metadata", "rb") as f:
+        return f.read(1) == b"\x80"
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    """Whether one path is the other or inside it, after following every symlink and `..`."""
+    a, b = a.resolve(), b.resolve()
+    return a == b or a in b.parents or b in a.parents
 
 
 def check_dcp_destination(output: Path, inputs: tuple[Path, ...], force: bool) -> None:
+    if any(_overlaps(output, i) for i in inputs):
+        raise WriteError(f"{output}: is, holds or lies inside the input; the input is never modified — write "
+                         "elsewhere")
     if output.exists() or output.is_symlink():
-        if any(output == i or output in i.parents for i in inputs):
-            raise WriteError(f"{output}: is (or holds) the input; the input is never modified — write elsewhere")
         if not force:
             raise WriteError(f"{output}: already exists; pass --force to replace it")
         if not output.is_dir() or output.is_symlink() or not _is_dcp_folder(output):
@@ -84,7 +102,9 @@ def _load(plan) -> dict[str, Any]:
 def write_dcp(plan, verify: bool, force: bool) -> int:
     """Write `plan` as a DCP folder at plan.output; returns its size in bytes."""
     output = plan.output
-    inputs = (plan.input, *{t.source.storage.file for t in plan.tensors if t.source.storage})
+    inputs = (plan.input, *{t.source.storage.file for t in plan.tensors if t.source.storage},
+              *{p.file for t in plan.tensors if t.source.storage and t.source.storage.assembly
+                for p in t.source.storage.assembly.pieces})
     check_dcp_destination(output, inputs, force)
     tensors = _load(plan)
     tree = _materialize(plan.tree, tensors) if plan.tree is not None else \
