@@ -319,9 +319,8 @@ def test_accelerate_fsdp_layout_reads_the_model_folder(samples, tmp_path):
     assert "pytorch_model_fsdp_0/" in data["notes"][0]
 
 
-def test_zstd_items_are_read_and_walked(samples, tmp_path):
-    """A payload inside a zstd-compressed value item is found by scan and inspect once inflated."""
-    import io
+def _zstd_with_step(samples: Path, tmp_path: Path, content: bytes) -> Path:
+    """A copy of the zstd sample whose `step` value item is `content`, compressed, appended to its shard."""
     import pickle
 
     import zstandard
@@ -331,15 +330,23 @@ def test_zstd_items_are_read_and_walked(samples, tmp_path):
     meta = pickle.loads((folder / ".metadata").read_bytes())
     index = next(k for k in meta.storage_data if k.fqn == "step")
     info = meta.storage_data[index]
-    buf = io.BytesIO()
-    torch.save(__import__("functools").partial(print, "payload ran"), buf)
-    frame = zstandard.ZstdCompressor().compress(buf.getvalue())
+    frame = zstandard.ZstdCompressor().compress(content)
     shard = folder / info.relative_path
     at = shard.stat().st_size
     with open(shard, "ab") as f:
         f.write(frame)
     meta.storage_data[index] = type(info)(info.relative_path, at, len(frame), info.transform_descriptors)
     (folder / ".metadata").write_bytes(pickle.dumps(meta, protocol=4))
+    return folder
+
+
+def test_zstd_items_are_read_and_walked(samples, tmp_path):
+    """A payload inside a zstd-compressed value item is found by scan and inspect once inflated."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(__import__("functools").partial(print, "payload ran"), buf)
+    folder = _zstd_with_step(samples, tmp_path, buf.getvalue())
     for command in ("scan", "inspect"):
         result = run_cli(command, folder)
         assert result.exit_code == 1 and "functools.partial" in result.stdout + result.stderr, result.stderr
@@ -371,22 +378,8 @@ def test_format_dcp_never_replaces_its_input_or_a_foreign_folder(samples, tmp_pa
 
 def test_a_zstd_item_that_is_no_archive_is_refused_before_it_is_inflated(samples, tmp_path):
     import glob
-    import pickle
 
-    import zstandard
-
-    folder = tmp_path / "zstd"
-    shutil.copytree(samples / "zstd", folder)
-    meta = pickle.loads((folder / ".metadata").read_bytes())
-    index = next(k for k in meta.storage_data if k.fqn == "step")
-    info = meta.storage_data[index]
-    frame = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))  # 64 MB of zeros in a few KB
-    shard = folder / info.relative_path
-    at = shard.stat().st_size
-    with open(shard, "ab") as f:
-        f.write(frame)
-    meta.storage_data[index] = type(info)(info.relative_path, at, len(frame), info.transform_descriptors)
-    (folder / ".metadata").write_bytes(pickle.dumps(meta, protocol=4))
+    folder = _zstd_with_step(samples, tmp_path, b"\0" * (64 << 20))  # 64 MB of zeros in a few KB
     import subprocess
     import sys
 
