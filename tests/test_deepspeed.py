@@ -161,3 +161,29 @@ def test_tampered_folders_are_refused_not_misread(samples, tmp_path):
         out = tmp_path / f"{name}.safetensors"
         result = run_cli("fix", folder, "-o", out)
         assert result.exit_code == 2 and expected[name] in result.stderr and not out.exists(), (name, result.stderr)
+
+
+@pytest.mark.parametrize("name", ["z2", "z3"])
+def test_optimizer_state_per_parameter_is_adams_own_step(samples, tmp_path, name):
+    """The per-parameter Adam state (cut from the partitions like the weights) must be what moved each weight: the
+    step from the initial weights, by torch's AdamW formula, gives the fp32 weights zero_to_fp32 agrees with."""
+    out = tmp_path / "all.pt"
+    result = run_cli("fix", samples / name, "-o", out, "--select", "")
+    assert result.exit_code == 0, result.stderr
+    tree = torch.load(out, weights_only=True)
+    optimizer, weights = tree["optimizer"], tree["fp32_weights"]
+    torch.manual_seed(0)
+    initial = TiedNet().state_dict()
+    checked = 0
+    for group in optimizer["param_groups"]:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        for param in group["params"]:
+            state = optimizer["state"][param]
+            step = float(state["step"])
+            m_hat = state["exp_avg"] / (1 - beta1 ** step)
+            v_hat = state["exp_avg_sq"] / (1 - beta2 ** step)
+            expected = initial[param] * (1 - lr * wd) - lr * m_hat / (v_hat.sqrt() + eps)
+            torch.testing.assert_close(weights[param], expected)
+            checked += 1
+    assert checked == 3  # embed.weight (head.weight is tied to it), norm.weight, norm.bias; frozen has no state

@@ -212,6 +212,7 @@ def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
             layouts[f"{FP32}.{name}"] = f"ZeRO-3 frozen, {world} ranks × {chunk:,}"
         else:
             state[name] = _get(fragments[0], name, what=f"frozen fragment {name}", where=first)
+    slots: list[tuple[int, str, tuple[int, ...], int, int]] = []  # (group, name, shape, offset, numel)
     if stage in (1, 2):
         key = "single_partition_of_fp32_groups"
         per_rank = [_get(o, "optimizer_state_dict", key, what=key, where=p) for o, p in zip(optims, optim_files)]
@@ -233,6 +234,7 @@ def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
                 numel = prod(shape)
                 state[name] = _tensor(f"{FP32}.{name}", shape, dtype, group.pieces(offset, numel), first)
                 layouts[f"{FP32}.{name}"] = f"ZeRO-{stage} flat partitions of group {g}, {world} ranks"
+                slots.append((g, name, shape, offset, numel))
                 offset += numel + (pads[j] if pads is not None else 0)
             align = 2 * world
             if ceil(offset / align) * align != ceil(group.length / align) * align:
@@ -254,6 +256,7 @@ def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
             pieces = [pc for r, part in enumerate(ranks)
                       for pc in part.pieces(offset, max(0, min(chunk, numel - r * chunk)), r * chunk)]
             state[name] = _tensor(f"{FP32}.{name}", shape, dtype, pieces, first)
+            slots.append((0, name, shape, offset, numel))
             pad = chunk * world - numel
             layouts[f"{FP32}.{name}"] = f"ZeRO-3 partitions, {world} ranks × {chunk:,}" + (f" ({pad} padding)"
                                                                                          if pad else "")
@@ -275,10 +278,15 @@ def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
                 recovered.append(name)
     root: OrderedDict[str, Any] = OrderedDict()
     offered = []
+    optimizer = _optimizer_state(stage, world, optims, optim_files, slots, param_shapes, first) if optims else None
     if stage is not None:
         root[FP32] = state
         offered.append(f"{FP32}: the fp32 master weights rebuilt from the optimizer partitions (what zero_to_fp32 "
                        "writes; the default)")
+    if optimizer is not None:
+        root["optimizer"] = optimizer
+        offered.append("optimizer: the optimizer's state per parameter, keyed by name (exp_avg, exp_avg_sq, step), "
+                       "rebuilt from the partitions like the weights: --select optimizer")
     if stage != 3 and isinstance(module, dict):
         root["module"] = module
         offered.append("module: the weights the engine held, as saved (16-bit in fp16/bf16 training): --select "
@@ -309,6 +317,60 @@ def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
                    distributed={"format": "deepspeed", "zero_stage": stage, "ranks": world, "tag": tag_dir.name,
                                 "files": len(ckpts), "offered": [o.split(":")[0] for o in offered],
                                 "fix_notes": list(notes[1:])})
+
+
+def _optimizer_state(stage: int | None, world: int, optims: list, files: list[Path], slots: list,
+                     param_shapes: list, source: Path) -> dict | None:
+    """The optimizer's state as torch's name-keyed optimizer state_dicts hold it (FSDP's get_optimizer_state_dict
+    does the same): every per-element state (exp_avg, exp_avg_sq) cut from the ranks' partitions exactly as the
+    fp32 weights are, each 0-d state (step) shared by the parameters of its group."""
+    if stage in (1, 2):
+        where = ("optimizer_state_dict", "base_optimizer_state")
+    elif stage == 3:
+        where = ("optimizer_state_dict", "optimizer_state_dict")
+    else:
+        return None
+    bases = [_get(o, *where, what="the optimizer's state_dict", where=p) for o, p in zip(optims, files)]
+    states = [_get(b, "state", what="optimizer state", where=p) for b, p in zip(bases, files)]
+    groups = sorted(k for k in states[0] if type(k) is int) if isinstance(states[0], dict) else []
+    per_key: dict[str, Any] = {}  # key -> _Concat (ZeRO-1/2: by group) or per-rank _Partitions (ZeRO-3)
+    scalars: dict[tuple[int, str], Any] = {}
+    for key, value in (states[0].get(groups[0], {}).items() if groups else []):
+        if isinstance(value, RawTensor) and value.shape == ():
+            for g in groups:
+                scalars[(g, key)] = _get(states[0], g, key, what=f"state[{g}].{key}", where=files[0])
+            continue
+        if not isinstance(value, RawTensor):
+            continue
+        ranks = [_Partitions([_flat(_get(st, g, key, what=f"state[{g}].{key}", where=p), f"state[{g}].{key}", p)
+                              for g in groups], f"{p.name} state.{key}") for st, p in zip(states, files)]
+        per_key[key] = ranks
+    out: OrderedDict[str, Any] = OrderedDict()
+    for g, name, shape, offset, numel in slots:
+        entry: OrderedDict[str, Any] = OrderedDict()
+        for key, ranks in per_key.items():
+            dtype = _one_dtype([r.dtype for r in ranks], f"{files[0].parent}: optimizer state {key}")
+            if stage == 3:
+                chunk = ceil(numel / world)
+                pieces = [pc for r, part in enumerate(ranks)
+                          for pc in part.pieces(offset, max(0, min(chunk, numel - r * chunk)), r * chunk)]
+            else:
+                by_group = [_Partitions([part.parts[g]], part.label) for part in ranks]
+                pieces = _Concat(by_group).pieces(offset, numel)
+            entry[key] = _tensor(f"optimizer.state.{name}.{key}", shape, dtype, pieces, source)
+        for (sg, key), value in scalars.items():
+            if sg == (g if stage != 3 else groups[0]):
+                entry.setdefault(key, value)
+        out[name] = entry
+    names_by_group = [list(shapes) for shapes in param_shapes]
+    param_groups = []
+    listed = _get(bases[0], "param_groups", what="param_groups", where=files[0])
+    for i, group in enumerate(listed if isinstance(listed, list) else []):
+        if isinstance(group, dict):
+            copy = {k: v for k, v in group.items() if k != "params"}
+            copy["params"] = names_by_group[i] if i < len(names_by_group) else []
+            param_groups.append(copy)
+    return {"state": out, "param_groups": param_groups}
 
 
 class _Concat:
