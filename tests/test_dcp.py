@@ -413,3 +413,32 @@ def test_consolidates_into_a_sharded_safetensors_folder(samples, tmp_path):
         state.update(load_file(tmp_path / shard))
     assert len(set(index["weight_map"].values())) > 1
     assert_same_tree(state, torch.load(samples / "fsdp2.full.pt", weights_only=True)["model"])
+
+
+def test_tied_weights_stay_tied_through_a_dcp_folder(tmp_path):
+    """dcp.save would write a tied tensor twice and every reader would give back two; fix --format dcp names the
+    second as another name of the first's chunks, which dcp.load fills and ckpt-doctor reads back as one tensor."""
+    import torch.distributed.checkpoint as dcp
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    torch.manual_seed(0)
+    source = Tied().state_dict()
+    torch.save(source, tmp_path / "tied.pt")
+    folder = tmp_path / "tied_dcp"
+    assert run_cli("fix", tmp_path / "tied.pt", "-o", folder, "--format", "dcp").exit_code == 0
+    shared = run_cli("inspect", folder, "--json").json()["shared"]
+    assert shared == [{"storage": shared[0]["storage"], "keys": ["emb.weight", "head.weight"], "tied": True}]
+    back = tmp_path / "back.pt"
+    assert run_cli("fix", folder, "-o", back).exit_code == 0
+    loaded = torch.load(back, weights_only=True)
+    assert loaded["head.weight"].data_ptr() == loaded["emb.weight"].data_ptr()
+    assert same_bits(loaded["head.weight"], source["emb.weight"])
+    target = {"emb.weight": torch.zeros(5, 3), "head.weight": torch.zeros(5, 3)}
+    dcp.load(target, checkpoint_id=str(folder), no_dist=True)
+    assert same_bits(target["head.weight"], source["head.weight"])

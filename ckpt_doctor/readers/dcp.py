@@ -483,6 +483,7 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
     files: set[str] = set()
     problems: list[str] = []
     order = list(meta.paths) + [f for f in [*meta.tensors, *meta.values] if f not in meta.paths]
+    shared: dict[tuple, StorageRef] = {}  # the chunks of a tensor -> its storage: names of the same chunks are tied
     for fqn in order:
         path = meta.paths.get(fqn, (fqn,))
         if fqn in meta.tensors:
@@ -517,6 +518,12 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
                 pieces.append(Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride,
                                     f"{rel} item at byte {at}", rec.storage.crc if whole else None))
             assembly = Assembly(size, tuple(pieces), dtype)
+            tie_key = (size, dtype, tuple((p.file, p.offset, p.offsets, p.sizes) for p in pieces))
+            tied = shared.get(tie_key) if pieces else None
+            if tied is not None:  # a second name of the same chunks (a tie a writer recorded): one tensor
+                _place(folder, root, path, RawTensor(tied, dtype, 0, size, tuple(_contiguous(size))), len(order))
+                layouts[".".join(str(p) for p in path)] = _layout(size, chunks) + " (tied)"
+                continue
             from ..assemble import coverage_problem
 
             problem = coverage_problem(assembly) if len(pieces) == len(chunks) else None
@@ -527,6 +534,7 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
             ref.resolved = StorageRecord(key=fqn, dtype=dtype, nbytes=nbytes, device="cpu", file=metas[0], offset=0,
                                          assembly=assembly)
             stride = tuple(_contiguous(size))
+            shared[tie_key] = ref
             _place(folder, root, path, RawTensor(ref, dtype, 0, size, stride), len(order))
             layouts[".".join(str(p) for p in path)] = _layout(size, chunks)
         else:

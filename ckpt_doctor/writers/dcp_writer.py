@@ -120,9 +120,12 @@ def write_dcp(plan, verify: bool, force: bool) -> int:
 
         import warnings
 
+        ties = _untie(tree)
         with warnings.catch_warnings():  # "torch.distributed is … uninitialized, assuming … a single process": yes
             warnings.simplefilter("ignore")
             dcp.save(tree, storage_writer=FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
+        if ties:
+            _record_ties(tmp, ties)
         if verify:
             _verify(tmp, plan, tensors)
         _fsync_folder(tmp)
@@ -143,6 +146,66 @@ def write_dcp(plan, verify: bool, force: bool) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return sum(p.stat().st_size for p in output.iterdir())
+
+
+def _leaves(tree: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
+    if isinstance(tree, dict):
+        return [leaf for k, v in tree.items() for leaf in _leaves(v, (*path, k))]
+    if isinstance(tree, list):
+        return [leaf for i, v in enumerate(tree) for leaf in _leaves(v, (*path, i))]
+    return [(path, tree)]
+
+
+def _untie(tree: dict) -> list[tuple[tuple, tuple]]:
+    """Take every second name of a tied tensor out of the tree (DCP would save it twice, and read back two tensors);
+    returns (alias path, owner path) pairs, written into the metadata by _record_ties."""
+    import torch
+
+    owners: dict[int, tuple] = {}
+    ties = []
+    for path, value in _leaves(tree):
+        if isinstance(value, torch.Tensor):
+            owner = owners.setdefault(id(value), path)
+            if owner != path:
+                ties.append((path, owner))
+    for path, _ in ties:
+        parent = tree
+        for key in path[:-1]:
+            parent = parent[key]
+        if isinstance(parent, dict):
+            del parent[path[-1]]
+        else:  # a list keeps its length: the slot is filled from the owner's item on load
+            parent[path[-1]] = None
+    return ties
+
+
+def _record_ties(folder: Path, ties: list[tuple[tuple, tuple]]) -> None:
+    """Name each alias in the folder's metadata as a second name of its owner's chunks (its own planner path, the
+    owner's storage entries): dcp.load fills it from the same bytes, and a reader sees one tensor under two names.
+    The metadata is the one torch's writer just wrote into our temporary folder, rewritten with torch's classes."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    path = folder / ".metadata"
+    meta = pickle.loads(path.read_bytes())  # noqa: S301 (written by dcp.save a moment ago, in our own folder)
+
+    def fqn(p: tuple) -> str:
+        return ".".join(str(k) for k in p)
+
+    for alias, owner in ties:
+        a, o = fqn(alias), fqn(owner)
+        meta.state_dict_metadata[a] = meta.state_dict_metadata[o]
+        meta.planner_data[a] = alias
+        for index, info in list(meta.storage_data.items()):
+            if index.fqn == o:
+                meta.storage_data[MetadataIndex(a, index.offset, index.index)] = info
+    tmp = path.with_name(".metadata.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(meta, f, protocol=4)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _fsync_folder(folder: Path) -> None:
