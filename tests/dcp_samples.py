@@ -89,6 +89,20 @@ def _rank(rank: int, out: str, port: int) -> None:
           use_collectives=False)
     # A value whose unpickling would call a function (functools.partial of print): a payload in a real item.
     _save({"w": torch.ones(3), "hook": functools.partial(print, "payload ran")}, root / "payload", rank)
+    # A ShardedTensor, what FSDP1's SHARDED_STATE_DICT holds (FSDP1 itself needs an accelerator to run; the tensor
+    # it would hand DCP is made here directly, chunked on dim 0 over the two ranks).
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    torch.manual_seed(0)
+    whole = torch.randn(7, 4)
+    st = sharded_tensor.empty(ChunkShardingSpec(dim=0, placements=["rank:0/cpu", "rank:1/cpu"]), 7, 4)
+    for shard in st.local_shards():
+        at, rows = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+        shard.tensor.copy_(whole[at:at + rows])
+    dcp.save({"model": {"w": st, "b": torch.arange(3.0)}}, checkpoint_id=str(root / "sharded_tensor"))
+    if rank == 0:
+        torch.save({"model": {"w": whole, "b": torch.arange(3.0)}}, root / "sharded_tensor.full.pt")
     # One file per item (single_file_per_rank=False): __R_0.distcp, __R_1.distcp, ...
     from torch.distributed.checkpoint import FileSystemWriter
 

@@ -57,7 +57,8 @@ def assert_same_tree(got, want, where: str = "") -> None:
         assert got == want, (where, got, want)
 
 
-@pytest.mark.parametrize("name", ["dtensors", "fsdp2", "ddp", "nocoll", "multifile", "zstd", "stformat", "hf"])
+@pytest.mark.parametrize("name", ["dtensors", "fsdp2", "ddp", "nocoll", "multifile", "zstd", "stformat", "hf",
+                                  "sharded_tensor"])
 def test_inspect_lists_the_global_shapes(samples, name):
     result = run_cli("inspect", samples / name, "--json")
     assert result.exit_code == 0, result.stderr
@@ -84,7 +85,8 @@ def test_layouts_say_how_each_tensor_was_split(samples):
     assert "optim: 18 tensors (optimizer state)" in table.stderr and "model: 9 tensors (model weights)" in table.stderr
 
 
-@pytest.mark.parametrize("name", ["dtensors", "fsdp2", "ddp", "nocoll", "multifile", "zstd", "stformat", "hf"])
+@pytest.mark.parametrize("name", ["dtensors", "fsdp2", "ddp", "nocoll", "multifile", "zstd", "stformat", "hf",
+                                  "sharded_tensor"])
 def test_fix_everything_is_bitwise_the_saved_state(samples, tmp_path, name):
     out = tmp_path / "all.pt"
     result = run_cli("fix", samples / name, "-o", out, "--select", "")
