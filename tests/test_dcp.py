@@ -444,3 +444,92 @@ def test_tied_weights_stay_tied_through_a_dcp_folder(tmp_path):
     target = {"emb.weight": torch.zeros(5, 3), "head.weight": torch.zeros(5, 3)}
     dcp.load(target, checkpoint_id=str(folder), no_dist=True)
     assert same_bits(target["head.weight"], source["head.weight"])
+
+
+def _two_items_sharing_bytes(out: Path) -> None:
+    """`a` and `b`: two items starting at byte 0 of one shard and sharing its data entry; `b`'s archive goes on with
+    a second data.pkl and directory that read the same bytes through strides (1, 2). torch's loader gives two
+    different tensors. (Built by the second attack on the DCP reader.)"""
+    import io
+    import pickle
+    import struct
+    import zlib
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    def saved(t: torch.Tensor) -> bytes:
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        return buf.getvalue()
+
+    def directory(z: bytes) -> list[tuple[str, bytes]]:
+        n, _, at = struct.unpack("<HII", z[z.rfind(b"PK\x05\x06") + 10:z.rfind(b"PK\x05\x06") + 20])
+        records = []
+        for _ in range(n):
+            nlen, xlen, clen = struct.unpack("<HHH", z[at + 28:at + 34])
+            end = at + 46 + nlen + xlen + clen
+            records.append((z[at + 46:at + 46 + nlen].decode(), z[at:end]))
+            at = end
+        return records
+
+    def member(z: bytes, name: str) -> bytes:
+        record = dict(directory(z))[name]
+        (local,), (size,) = struct.unpack("<I", record[42:46]), struct.unpack("<I", record[20:24])
+        nlen, xlen = struct.unpack("<HH", z[local + 26:local + 30])
+        return z[local + 30 + nlen + xlen:local + 30 + nlen + xlen + size]
+
+    storage = torch.arange(6, dtype=torch.float32)
+    first, second = saved(storage.view(2, 3)), saved(torch.as_strided(storage, (2, 3), (1, 2)))
+    pkl = next(n for n, _ in directory(first) if n.endswith("data.pkl"))
+    other = member(second, pkl)
+    name, crc, at = pkl.encode(), zlib.crc32(other), len(first)
+    local = b"PK\x03\x04" + struct.pack("<HHHHHIIIHH", 20, 0, 0, 0, 0, crc, len(other), len(other), len(name), 0)
+    local += name + other
+    central = b""
+    for entry, record in directory(first):
+        if entry == pkl:
+            record = b"PK\x01\x02" + struct.pack("<HHHHHHIIIHHHHHII", 20, 20, 0, 0, 0, 0, crc, len(other), len(other),
+                                                  len(name), 0, 0, 0, 0, 0, at) + name
+        central += record
+    count = len(directory(first))
+    end = b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, count, count, len(central), at + len(local), 0)
+    shard = first + local + central + end
+    (out / "__0_0.distcp").write_bytes(shard)
+    props = TensorProperties(dtype=torch.float32)
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([2, 3]))
+    tensors = {k: TensorStorageMetadata(props, torch.Size([2, 3]), [chunk]) for k in ("a", "b")}
+    storage_data = {MetadataIndex("a", torch.Size([0, 0]), 0): _StorageInfo("__0_0.distcp", 0, len(first)),
+                    MetadataIndex("b", torch.Size([0, 0]), 0): _StorageInfo("__0_0.distcp", 0, len(shard))}
+    meta = Metadata(state_dict_metadata=tensors, planner_data={"a": ("a",), "b": ("b",)}, storage_data=storage_data)
+    (out / ".metadata").write_bytes(pickle.dumps(meta))
+
+def test_shared_bytes_read_through_other_strides_are_not_a_tie(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "tie"
+    folder.mkdir()
+    _two_items_sharing_bytes(folder)
+    truth = {"a": torch.zeros(2, 3), "b": torch.zeros(2, 3)}
+    dcp.load(truth, checkpoint_id=str(folder), no_dist=True)  # torch's own loader
+    assert not torch.equal(truth["a"], truth["b"])
+    out = tmp_path / "out.pt"
+    assert run_cli("fix", folder, "-o", out, "--select", "").exit_code == 0
+    mine = torch.load(out, weights_only=True)
+    assert same_bits(mine["a"], truth["a"]) and same_bits(mine["b"], truth["b"].contiguous())
+
+
+def test_hf_chunks_of_different_ranks_are_named(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    for i, (tensor, offsets) in enumerate(((torch.ones(2, 2), [0, 0]), (torch.ones(4), [2])), 1):
+        info = json.dumps({"w": {"saved_offsets": offsets}})
+        save_file({"w": tensor}, folder / f"shard-0000{i}-model-00001-of-00001.safetensors",
+                  metadata={"DCP_SHARDING_INFO": info, "format": "pt"})
+    result = run_cli("inspect", folder)
+    assert result.exit_code == 2 and "disagree on its number of dimensions" in result.stderr, result.stderr

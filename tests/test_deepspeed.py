@@ -187,3 +187,16 @@ def test_optimizer_state_per_parameter_is_adams_own_step(samples, tmp_path, name
             torch.testing.assert_close(weights[param], expected)
             checked += 1
     assert checked == 3  # embed.weight (head.weight is tied to it), norm.weight, norm.bias; frozen has no state
+
+
+def test_zero3_steps_come_from_each_parameters_own_group(samples, tmp_path):
+    folder = tmp_path / "z3"
+    shutil.copytree(samples / "z3", folder)
+    for rank in (0, 1):
+        _retouch(folder / "global_step1" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                 lambda s: s["optimizer_state_dict"]["optimizer_state_dict"]["state"][1].__setitem__(
+                     "step", torch.tensor(7.0)))
+    out = tmp_path / "all.pt"
+    assert run_cli("fix", folder, "-o", out, "--select", "").exit_code == 0
+    state = torch.load(out, weights_only=True)["optimizer"]["state"]
+    assert float(state["norm.bias"]["step"]) == 7.0 and float(state["embed.weight"]["step"]) == 1.0

@@ -518,7 +518,10 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
                 pieces.append(Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride,
                                     f"{rel} item at byte {at}", rec.storage.crc if whole else None))
             assembly = Assembly(size, tuple(pieces), dtype)
-            tie_key = (size, dtype, tuple((p.file, p.offset, p.offsets, p.sizes) for p in pieces))
+            # Names are one tensor only when every chunk is the same storage entry read the same way (a writer that
+            # records a tie names the same entries twice); shared bytes read through other strides are not a tie.
+            tie_key = (size, dtype, tuple((meta.storage.get((fqn, p.offsets)), p.file, p.offset, p.stride, p.offsets,
+                                           p.sizes) for p in pieces))
             tied = shared.get(tie_key) if pieces else None
             if tied is not None:  # a second name of the same chunks (a tie a writer recorded): one tensor
                 _place(folder, root, path, RawTensor(tied, dtype, 0, size, tuple(_contiguous(size))), len(order))
@@ -689,6 +692,9 @@ def read_hf_shards(folder: Path, shards: list[Path]) -> Checkpoint:
     layouts: dict[str, str] = {}
     problems = []
     for fqn, parts in chunks.items():
+        if len({len(o) for o, _ in parts}) > 1:
+            raise ReadError(f"{folder}: the chunks of {fqn} disagree on its number of dimensions "
+                            f"({', '.join(str(len(o)) for o, _ in parts)})")
         dtypes = {rec.dtype for _, rec in parts}
         if len(dtypes) > 1:
             raise ReadError(f"{folder}: the chunks of {fqn} disagree on its dtype ({', '.join(sorted(dtypes))})")

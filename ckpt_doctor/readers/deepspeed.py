@@ -319,6 +319,18 @@ def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
                                 "fix_notes": list(notes[1:])})
 
 
+def _subgroup_at(offset: int, per_key: dict[str, Any], groups: list[int]) -> int:
+    """ZeRO-3: the sub-group whose flat partition holds a parameter's first element (its `step` is that group's)."""
+    if not per_key or not groups:
+        return groups[0] if groups else 0
+    base = 0
+    for g, part in zip(groups, next(iter(per_key.values()))[0].parts):
+        if offset < base + part[2]:
+            return g
+        base += part[2]
+    return groups[-1]
+
+
 def _optimizer_state(stage: int | None, world: int, optims: list, files: list[Path], slots: list,
                      param_shapes: list, source: Path) -> dict | None:
     """The optimizer's state as torch's name-keyed optimizer state_dicts hold it (FSDP's get_optimizer_state_dict
@@ -358,8 +370,9 @@ def _optimizer_state(stage: int | None, world: int, optims: list, files: list[Pa
                 by_group = [_Partitions([part.parts[g]], part.label) for part in ranks]
                 pieces = _Concat(by_group).pieces(offset, numel)
             entry[key] = _tensor(f"optimizer.state.{name}.{key}", shape, dtype, pieces, source)
+        own = g if stage != 3 else _subgroup_at(offset, per_key, groups)
         for (sg, key), value in scalars.items():
-            if sg == (g if stage != 3 else groups[0]):
+            if sg == own:
                 entry.setdefault(key, value)
         out[name] = entry
     names_by_group = [list(shapes) for shapes in param_shapes]
