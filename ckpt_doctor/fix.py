@@ -165,6 +165,14 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     # of it, nested as saved (what dcp_to_torch_save writes).
     nested_format = fmt in (OutputFormat.TORCH, OutputFormat.DCP)  # formats that hold a tree, not only tensors
     whole_tree = select == "" and bool(ckpt.distributed) and nested_format
+    # An optimizer's state_dict ({"state", "param_groups"}) is only loadable whole: selected, it keeps its nesting.
+    subtree = _subtree(ckpt.root, select) if select else _MISSING
+    optimizer_select = isinstance(subtree, dict) and "state" in subtree and "param_groups" in subtree
+    if optimizer_select and fmt is OutputFormat.SAFETENSORS:
+        notes.append(f"{select!r} is an optimizer's state_dict: safetensors holds its tensors only (no param_groups), "
+                     "which Optimizer.load_state_dict cannot take; write a .pt to keep it whole")
+        optimizer_select = False
+    whole_tree = whole_tree or optimizer_select
     flat_output = not whole_tree and (select is not None or fmt is OutputFormat.SAFETENSORS or root == ""
                                       or _is_module_root(ckpt, root) or bool(ckpt.distributed))
     notes += ckpt.distributed.get("fix_notes", [])
@@ -256,12 +264,18 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         cut = set()
         if whole_tree:  # every tensor where it was saved: none is taken out as the state_dict
             if renames or opts.model is not None:
-                raise PlanError("--select '' writes the checkpoint as it was saved; renames and --model apply to one "
-                                "state_dict: name it with --select PATH")
+                raise PlanError(f"--select {select or chr(39) * 2} writes that part as it was saved; renames and "
+                                "--model apply to a model's state_dict: name it with --select PATH")
             state.clear()
             mapping = {}
-        tree = _rebuild(ckpt.root, "", "\0" if whole_tree else root, state, full_records, drops, outs, out_tensor, cut,
-                        problems)
+        base, base_path = (subtree, select) if optimizer_select else (ckpt.root, "")
+        cut_prefix = len(select) + 1 if optimizer_select else 0  # the output's keys are the selected part's own
+
+        def maker(key: str, record: TensorRecord) -> OutTensor:
+            return out_tensor(key[cut_prefix:], record)
+
+        tree = _rebuild(base, base_path, "\0" if whole_tree else root, state, full_records, drops, outs, maker,
+                        cut, problems)
         outs = list(state.values()) + outs
         under = _tensors_under(cut - {root}, full_records, prefix)
         dropped += under + sorted(p for p in cut - {root} if not any(k == p or k.startswith(p + ".") for k in under))
@@ -356,10 +370,36 @@ def _is_module_root(ckpt: Checkpoint, root: str) -> bool:
     return ckpt.model_class is not None and root == (ckpt.state_dict_root or "")
 
 
+_MISSING = object()
+
+
+def _subtree(obj: Any, path: str) -> Any:
+    """The value at a dotted key path (keys that hold dots themselves are tried first), or _MISSING."""
+    if path == "":
+        return obj
+    if isinstance(obj, dict):
+        items = sorted(((str(k), v) for k, v in obj.items() if isinstance(k, (str, int))), key=lambda kv: -len(kv[0]))
+    elif isinstance(obj, list):
+        items = [(str(i), v) for i, v in enumerate(obj)]
+    else:
+        return _MISSING
+    for name, value in items:
+        if path == name:
+            return value
+        if path.startswith(name + "."):
+            found = _subtree(value, path[len(name) + 1:])
+            if found is not _MISSING:
+                return found
+    return _MISSING
+
+
 def _check_select(ckpt: Checkpoint, select: str) -> None:
     if select == "" and ckpt.tensors:
         return  # the whole checkpoint
     if not any(t.key.startswith(select + ".") for t in ckpt.tensors):
+        if ckpt.distributed.get("format") == "deepspeed" and select == "module":
+            raise PlanError(f"{ckpt.path}: ZeRO-3 saves only 0-element placeholders in module; the weights are "
+                            "fp32_weights (the default)")
         tops = sorted({t.key.split(".", 1)[0] for t in ckpt.tensors})[:8]
         raise PlanError(f"{ckpt.path}: --select {select!r} holds no tensors; the file's top-level entries with "
                         f"tensors are: {', '.join(tops)}")

@@ -533,3 +533,13 @@ def test_hf_chunks_of_different_ranks_are_named(tmp_path):
                   metadata={"DCP_SHARDING_INFO": info, "format": "pt"})
     result = run_cli("inspect", folder)
     assert result.exit_code == 2 and "disagree on its number of dimensions" in result.stderr, result.stderr
+
+
+def test_selecting_the_optimizer_keeps_it_a_state_dict(samples, tmp_path):
+    """--select optim writes {'state', 'param_groups'} as saved (a flat dict of its tensors would load nowhere)."""
+    out = tmp_path / "optim.pt"
+    result = run_cli("fix", samples / "fsdp2", "-o", out, "--select", "optim")
+    assert result.exit_code == 0, result.stderr
+    assert_same_tree(torch.load(out, weights_only=True), torch.load(samples / "fsdp2.full.pt", weights_only=True)["optim"])
+    flat = run_cli("fix", samples / "fsdp2", "-o", tmp_path / "optim.safetensors", "--select", "optim")
+    assert flat.exit_code == 0 and "write a .pt to keep it whole" in flat.stderr

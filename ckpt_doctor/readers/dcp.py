@@ -571,9 +571,9 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
     distributed = {"format": "torch.distributed.checkpoint", "version": meta.version, "files": len(files),
                    "ranks": len(ranks), "variant": variant or ["one .metadata"],
                    "tensors": len(meta.tensors), "sharded_tensors": sharded, "values": len(meta.values)}
-    notes = (f"torch.distributed.checkpoint folder: {len(meta.tensors)} tensors ({sharded} sharded) and "
-             f"{len(meta.values)} other values in {len(files)} files from {len(ranks)} ranks; shapes are the "
-             "global (unsharded) ones",)
+    notes = (f"torch.distributed.checkpoint folder: {_count(len(meta.tensors), 'tensor')} ({sharded} sharded) and "
+             f"{_count(len(meta.values), 'other value')} in {_count(len(files), 'file')} from "
+             f"{_count(len(ranks), 'rank')}; shapes are the global (unsharded) ones",)
     if restored:
         notes += (f"optimizer state keys at {', '.join(restored[:3])} are integers again: DCP saves them as strings, "
                   "and Optimizer.load_state_dict matches state to the integer ids in param_groups",)
@@ -624,6 +624,10 @@ def _contents(root: dict, model_root: str | None) -> list[str]:
             what = "a value" if not isinstance(value, (dict, list)) else f"{len(value)} values"
         out.append(f"{name}: {what}")
     return out
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def _n(count: int) -> str:
