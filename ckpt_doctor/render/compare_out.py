@@ -156,9 +156,9 @@ def comparison_lines(c: Comparison, path: str) -> list[tuple[str, str]]:
         lines.append(("tied", f"{alias} is the same Parameter as {source}: filled by it (torch output from `fix` "
                               "writes both names)"))
     for kept, lost in c.tie_conflicts[:5]:
-        lines.append(("tied", f"WARNING: {kept} and {lost} are two different tensors in the file but one Parameter "
-                              f"in the model: torch loads both into it and keeps {kept}'s values; {lost}'s are lost if they differ (the "
-                              "file's two tensors are not one storage, so ckpt-doctor cannot tell without reading them)"))
+        lines.append(("tied", f"WARNING: {kept} and {lost} are two tensors in the file but one Parameter in the "
+                              f"model: torch loads both into it and keeps {kept}'s values; {lost}'s are lost if they "
+                              "differ (two storages: ckpt-doctor cannot tell without reading the data)"))
     for message in c.errors[:5]:
         lines.append(("error", f"from the model's own loading code: {message[:300]}"))
     if c.non_persistent:
