@@ -22,6 +22,14 @@ Exit codes (every command):
 Set CKPT_DOCTOR_DEBUG=1 to see a traceback instead of a one-line error."""
 
 
+DIFF_EXIT_CODES = """\b
+Exit codes:
+  0  the checkpoints are the same (bit for bit, or within --atol/--rtol)
+  1  they differ, or one of them would run code under torch.load(weights_only=False)
+  2  could not do what was asked (bad usage, unreadable input)
+Set CKPT_DOCTOR_DEBUG=1 to see a traceback instead of a one-line error."""
+
+
 def _use_color(stream: Any, no_color: bool) -> bool:
     return not no_color and "NO_COLOR" not in os.environ and hasattr(stream, "isatty") and stream.isatty()
 
@@ -37,6 +45,20 @@ allow_global_option = click.option(
     "--allow-global", "allow_global", multiple=True, metavar="MODULE.NAME",
     help="Also accept this global as safe (repeatable), as torch.serialization.add_safe_globals does: for your own "
          "config classes. Names known to run code (os, sys, eval, …) cannot be allowed.")
+
+
+def _write_page(path: str, text: str, inputs: tuple[Path, ...]) -> None:
+    """An --html page, written as every output is: a temporary file beside it, synced, renamed; never an input."""
+    from .writers.atomic import atomic_output, check_destination
+
+    out = Path(path)
+    check_destination(out, inputs, force=True)
+    data = text.encode("utf-8")
+    with atomic_output(out, len(data)) as (fd, _tmp):
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    say(f"wrote {out} ({len(data) / 1024:.0f} KB, self-contained: opens offline)")
 
 
 def _allow(names: tuple[str, ...]) -> None:
@@ -89,6 +111,7 @@ def main() -> None:
     ckpt-doctor fix model.pth -o clean.safetensors --strip-module
     ckpt-doctor verify clean.safetensors --model pkg.nets:Net --input-shape 8,3,32,32 --gpus 2
     ckpt-doctor scan downloads/                         which code the pickles would run
+    ckpt-doctor diff base.pt tuned.pt --html d.html     what fine-tuning changed, layer by layer
     """
 
 
@@ -112,13 +135,16 @@ def main() -> None:
 @click.option("--select", metavar="PATH", help="With --model: compare the state_dict at PATH (model_ema, "
               "state_dict.model) instead of the one ckpt-doctor finds.")
 @click.option("--values", is_flag=True, help="With a reference checkpoint as --model: max |difference| per tensor.")
+@click.option("--html", "html_out", metavar="FILE", help="Also write a self-contained page (no network): parameters "
+              "per module, per-tensor value histograms and NaN/Inf/constant flags (reads the data, as --stats), the "
+              "verdict and fix with --model.")
 @allow_global_option
 @click.option("--no-color", is_flag=True, help="No colour on stderr (NO_COLOR is honoured too).")
 @handle_errors
 def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bool, model_spec: str | None,
             model_args: tuple[str, ...], allow_missing: str | None, allow_unexpected: str | None,
-            min_loaded: float | None, select: str | None, values: bool, allow_global: tuple[str, ...],
-            no_color: bool) -> int:
+            min_loaded: float | None, select: str | None, values: bool, html_out: str | None,
+            allow_global: tuple[str, ...], no_color: bool) -> int:
     """Show what a checkpoint holds: keys, shapes, dtypes, saved devices, prefixes, metadata, unsafe globals.
 
     CKPT is a file (torch zip, legacy torch, TorchScript, safetensors, a pickle) or a folder (a shard
@@ -157,10 +183,14 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
         args = parse_model_args(model_args)
     if select is not None and not model_spec:
         raise UsageError("--select needs --model (it picks the state_dict compared with the model)")
-    report = inspect_checkpoint(ckpt, stats=stats, filter=filter_, model=model_spec,
+    report = inspect_checkpoint(ckpt, stats=stats or bool(html_out), filter=filter_, model=model_spec,
                                 model_args=args, allow_missing=allow_missing,
                                 allow_unexpected=allow_unexpected, min_loaded=min_loaded, values=values,
                                 select=select)
+    if html_out:
+        from .render.html import inspect_html
+
+        _write_page(html_out, inspect_html(report), report.checkpoint.files or (report.checkpoint.path,))
     if as_json:
         from .render.json_out import dumps, inspect_json
 
@@ -322,6 +352,59 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     for line in fix_summary(plan, result):
         say(line)
     return 0
+
+
+@main.command(epilog=DIFF_EXIT_CODES)
+@click.argument("a", type=click.Path(path_type=str))
+@click.argument("b", type=click.Path(path_type=str))
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance: pairs within it count "
+              "as the same (torch.isclose's rule, |B - A| <= atol + rtol*|A|).")
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (see --atol).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object on stdout instead of the table.")
+@click.option("--full", is_flag=True, help="One row per tensor; by default repeated blocks are collapsed.")
+@click.option("--html", "html_out", metavar="FILE", help="Also write a self-contained page (no network): the verdict, "
+              "the largest changes, a heat map of relative change over depth.")
+@allow_global_option
+@handle_errors
+def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, full: bool, html_out: str | None,
+         allow_global: tuple[str, ...]) -> int:
+    """What changed between two checkpoints: per tensor, shape and dtype changes, max |B - A|, the relative change
+    ||B - A|| / ||A|| and the cosine similarity; which tensors stayed bit-identical, which exist on one side only,
+    and the BatchNorm layers whose running statistics moved while their weights did not.
+
+    A and B may be any format ckpt-doctor reads (a .pt and its .safetensors copy compare equal). Names are matched
+    as `inspect A --model B` matches them, so a DataParallel file lines up with its clean copy. Tensors are read one
+    pair at a time; nothing in either file is run. Exit 0 when they are the same (bit for bit, or within
+    --atol/--rtol), 1 when they differ, like diff(1).
+
+    \b
+    ckpt-doctor diff pretrained.pt finetuned.pt
+    ckpt-doctor diff model.pt model.safetensors --json
+    ckpt-doctor diff run1/last.ckpt run2/last.ckpt --atol 1e-6
+
+    The table goes to stdout, the summary to stderr.
+    """
+    from .diff import diff_checkpoints
+    from .render.diff_out import diff_json, diff_summary, diff_table
+
+    gc.disable()
+    _allow(allow_global)
+    if atol < 0 or rtol < 0:
+        raise UsageError("--atol and --rtol are tolerances: 0 or more")
+    report = diff_checkpoints(a, b, atol=atol, rtol=rtol)
+    if html_out:
+        from .render.html import diff_html
+
+        _write_page(html_out, diff_html(report), (report.a.path, report.b.path))
+    if as_json:
+        from .render.json_out import dumps
+
+        click.echo(dumps(diff_json(report)))
+    else:
+        click.echo(diff_table(report, full))
+    for line in diff_summary(report):
+        say(line)
+    return 0 if report.same else 1
 
 
 @main.command(epilog=EXIT_CODES)

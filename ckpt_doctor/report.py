@@ -106,6 +106,7 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
 
 def value_differences(ckpt: Checkpoint, reference: str) -> dict[str, float]:
     """max |a - b| for tensors present in both checkpoints with the same shape (read one pair at a time)."""
+    from .diff import pair_stats
     from .modelspec import is_checkpoint_spec
     from .tensordata import load_tensor
 
@@ -117,8 +118,7 @@ def value_differences(ckpt: Checkpoint, reference: str) -> dict[str, float]:
         o = other.get(t.key)
         if o is None or o.shape != t.shape or t.dtype == "bool" or o.dtype == "bool":
             continue
-        a, b = load_tensor(t).double(), load_tensor(o).double()
-        diffs[t.key] = float((a - b).abs().max()) if a.numel() else 0.0
+        diffs[t.key] = pair_stats(load_tensor(t), load_tensor(o)).max_abs  # the one comparison `diff` makes too
     return diffs
 
 

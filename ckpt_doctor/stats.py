@@ -9,6 +9,7 @@ from .records import TensorRecord
 from .tensordata import load_tensor
 
 CHUNK = 1 << 24
+HIST_BINS = 16
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,12 @@ class TensorStats:
     std: float | None
     nan: int
     inf: int
+    hist: tuple[int, ...] = ()  # counts of the finite values in HIST_BINS equal bins from min to max
+
+    @property
+    def constant(self) -> bool:
+        """Every finite value the same (all zeros, or one constant)."""
+        return self.min is not None and self.min == self.max
 
 
 def tensor_stats(record: TensorRecord) -> TensorStats | None:
@@ -50,7 +57,17 @@ def tensor_stats(record: TensorRecord) -> TensorStats | None:
         return TensorStats(None, None, None, None, nan, inf)
     mean = total / finite_count
     var = max(total_sq / finite_count - mean * mean, 0.0) * finite_count / max(finite_count - 1, 1)
-    return TensorStats(lo, hi, mean, math.sqrt(var), nan, inf)
+    hist = [0] * HIST_BINS
+    if hi > lo:  # a second pass over the tensor already in memory
+        for start in range(0, tensor.numel(), CHUNK):
+            chunk = tensor[start:start + CHUNK].to(torch.float64)
+            chunk = chunk[torch.isfinite(chunk)]
+            counts = torch.histc(chunk, bins=HIST_BINS, min=lo, max=hi) if chunk.numel() else None
+            if counts is not None:
+                hist = [h + int(c) for h, c in zip(hist, counts.tolist())]
+    else:
+        hist[0] = finite_count
+    return TensorStats(lo, hi, mean, math.sqrt(var), nan, inf, tuple(hist))
 
 
 def batchnorm_at_init(tensors: list[TensorRecord], stats: dict[str, TensorStats | None]) -> list[str]:

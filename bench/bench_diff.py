@@ -1,0 +1,64 @@
+"""Benchmark: `ckpt-doctor diff A B` of two 1 GB checkpoints, against reading both once (`cat A B > /dev/null`).
+
+    python bench/bench_diff.py [--dir /tmp/ckpt-bench] [--gb 1.0] [--rounds 3]
+
+B is A with one tensor in eight scaled (written by torch in a child process). Targets: diff <= 2x the `cat` of both
+files, peak RSS <= 200 MB; `--html` adds <= 1 s for a 20,000-tensor pair. Each figure beside its baseline from the
+same interleaved rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import bench_args, compile_bytecode, make_checkpoint, measure_rounds, row  # noqa: E402
+
+CHANGE = """
+import sys, torch
+state = torch.load(sys.argv[1], mmap=True, weights_only=True)
+out = {k: (v * 1.001 if i % 8 == 0 else v) for i, (k, v) in enumerate(state.items())}
+torch.save(out, sys.argv[2])
+"""
+
+
+def main() -> None:
+    args = bench_args(__doc__)
+    work = Path(args.dir)
+    a = work / f"diff_a_{args.gb}gb.pt"
+    b = work / f"diff_b_{args.gb}gb.pt"
+    make_checkpoint(a, int(args.gb * 2**30), 1000)
+    if not b.exists():
+        subprocess.run([sys.executable, "-c", CHANGE, str(a), str(b)], check=True)
+    many = work / "many_20000.pt"
+    make_checkpoint(many, 64 << 20, 20000)
+    compile_bytecode()
+    exe = shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(sys.executable), "ckpt-doctor")
+    page = work / "diff.html"
+    cmds = {
+        "cat A B > /dev/null": ["sh", "-c", f"cat {a} {b} > /dev/null"],
+        "ckpt-doctor diff A B --json": [exe, "diff", str(a), str(b), "--json"],
+        "diff, 20,000 tensors": [exe, "diff", str(many), str(many), "--json"],
+        "diff, 20,000 tensors, --html": [exe, "diff", str(many), str(many), "--json", "--html", str(page)],
+    }
+    results = measure_rounds(cmds, args.rounds)
+    best = {label: (min(times), rss) for label, (times, rss) in results.items()}
+    print(f"A {a} and B {b} ({a.stat().st_size / 2**30:.2f} GB each, 1,000 tensors, 125 changed); "
+          f"best of {args.rounds} interleaved rounds")
+    t_cat = best["cat A B > /dev/null"][0]
+    for label, (seconds, rss) in best.items():
+        extra = f"  {seconds / t_cat:.2f}x cat" if label == "ckpt-doctor diff A B --json" else ""
+        print(row(label, seconds, rss) + extra)
+    t_diff, rss_diff = best["ckpt-doctor diff A B --json"]
+    html_cost = best["diff, 20,000 tensors, --html"][0] - best["diff, 20,000 tensors"][0]
+    print(f"--html for 20,000 tensors: +{html_cost:.3f} s, page {page.stat().st_size / 2**20:.2f} MB")
+    print(f"targets: diff <= 2x cat: {'met' if t_diff <= 2 * t_cat else 'NOT met'}; peak RSS <= 200 MB: "
+          f"{'met' if rss_diff <= 200 else 'NOT met'}; --html <= +1 s: {'met' if html_cost <= 1 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""`ckpt-doctor diff A B`: pairs built at run time; every figure checked against torch computing it directly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3, padding=1),
+                                                                  torch.nn.BatchNorm2d(3)) for _ in range(3)])
+        self.head = torch.nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x).mean((2, 3)))
+
+
+@pytest.fixture
+def base(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    path = tmp_path / "a.pt"
+    torch.save(model.state_dict(), path)
+    return model, path
+
+
+def test_the_same_weights_in_two_formats_are_identical(base, tmp_path):
+    from safetensors.torch import save_file
+
+    model, path = base
+    other = tmp_path / "a.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, other)
+    result = run_cli("diff", path, other, "--json")
+    assert result.exit_code == 0, result.stderr
+    data = result.json()
+    assert data["identical"] and data["counts"]["identical"] == len(model.state_dict())
+
+
+def test_a_frozen_backbone_whose_batchnorm_drifted_is_named(base, tmp_path):
+    """requires_grad off does not stop BatchNorm's running averages in train mode: the classic fine-tuning slip."""
+    model, path = base
+    for p in model.backbone.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    model.train()
+    for _ in range(3):
+        opt.zero_grad()
+        (model(torch.randn(4, 3, 8, 8)) - 1).pow(2).mean().backward()
+        opt.step()
+    tuned = tmp_path / "b.pt"
+    torch.save(model.state_dict(), tuned)
+    result = run_cli("diff", path, tuned, "--json")
+    assert result.exit_code == 1
+    data = result.json()
+    assert data["bn_drift"] == ["backbone.0.1", "backbone.1.1", "backbone.2.1"]
+    status = {t["key"]: t["status"] for t in data["tensors"]}
+    assert status["backbone.0.0.weight"] == "identical" and status["head.weight"] == "changed"
+    assert "3 layers whose running stats changed while their weights stayed bit-identical (a frozen BatchNorm left " \
+           "in train mode?): backbone.0.1, backbone.1.1, backbone.2.1" in run_cli("diff", path, tuned).stderr
+
+
+def test_one_perturbed_tensor_tops_the_list_with_torchs_figures(base, tmp_path):
+    model, path = base
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["backbone.1.0.weight"] += 1e-3 * torch.randn_like(state["backbone.1.0.weight"])
+    state["head.bias"] += 1e-7
+    other = tmp_path / "b.pt"
+    torch.save(state, other)
+    result = run_cli("diff", path, other, "--json")
+    assert result.exit_code == 1
+    rows = {t["key"]: t for t in result.json()["tensors"]}
+    a, b = model.state_dict()["backbone.1.0.weight"].double(), state["backbone.1.0.weight"].double()
+    row = rows["backbone.1.0.weight"]
+    assert row["max_abs"] == pytest.approx(float((b - a).abs().max()), rel=1e-12)
+    assert row["rel"] == pytest.approx(float((b - a).norm() / a.norm()), rel=1e-9)
+    assert row["cosine"] == pytest.approx(float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0)),
+                                          rel=1e-9)
+    summary = run_cli("diff", path, other).stderr
+    assert summary.index("top change  backbone.1.0.weight") < summary.index("top change  head.bias")
+    close = run_cli("diff", path, other, "--atol", "1e-6", "--json")  # head.bias within atol, the conv not
+    assert {t["key"]: t["status"] for t in close.json()["tensors"]}["head.bias"] == "close"
+
+
+def test_names_are_matched_as_inspect_matches_them(base, tmp_path):
+    model, path = base
+    wrapped = tmp_path / "dp.pt"
+    torch.save({"module." + k: v for k, v in model.state_dict().items()}, wrapped)
+    result = run_cli("diff", wrapped, path, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert "--strip-module" in result.json()["renamed_by"]
+
+
+def test_a_missing_tensor_is_named(base, tmp_path):
+    model, path = base
+    state = dict(model.state_dict())
+    del state["head.bias"]
+    other = tmp_path / "b.pt"
+    torch.save(state, other)
+    result = run_cli("diff", path, other, "--json")
+    assert result.exit_code == 1
+    assert [t["key"] for t in result.json()["tensors"] if t["status"] == "only-a"] == ["head.bias"]
+    assert "only in A  1: head.bias" in run_cli("diff", path, other).stderr
+
+
+def test_an_unreadable_side_is_one_line_and_exit_2(base, tmp_path):
+    _, path = base
+    result = run_cli("diff", path, tmp_path / "nope.pt")
+    assert result.exit_code == 2 and "no such file" in result.stderr and "Traceback" not in result.stderr
