@@ -26,7 +26,7 @@ def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if found is None and shutil.which("apt-get") and os.geteuid() == 0:
         subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "chromium"], capture_output=True,
-                       timeout=600, check=False)
+                       timeout=300, check=False)
         found = shutil.which("chromium")
     if found is None:
         pytest.skip("no Chromium, and it cannot be installed here (apt-get as root)")
