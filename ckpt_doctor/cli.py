@@ -364,16 +364,22 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
 @click.option("--full", is_flag=True, help="One row per tensor; by default repeated blocks are collapsed.")
 @click.option("--html", "html_out", metavar="FILE", help="Also write a self-contained page (no network): the verdict, "
               "the largest changes, a heat map of relative change over depth.")
+@click.option("--strip-prefix", "strip_prefix", multiple=True, metavar="P",
+              help="Map A's names onto B's yourself (as fix does; repeatable): remove a leading P from A's keys.")
+@click.option("--add-prefix", "add_prefix", multiple=True, metavar="P", help="Add a leading P to A's keys.")
+@click.option("--rename", "rename", multiple=True, metavar="REGEX=REPL", help="re.sub on A's keys.")
 @allow_global_option
 @handle_errors
 def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, full: bool, html_out: str | None,
+         strip_prefix: tuple[str, ...], add_prefix: tuple[str, ...], rename: tuple[str, ...],
          allow_global: tuple[str, ...]) -> int:
     """What changed between two checkpoints: per tensor, shape and dtype changes, max |B - A|, the relative change
     ||B - A|| / ||A|| and the cosine similarity; which tensors stayed bit-identical, which exist on one side only,
     and the BatchNorm layers whose running statistics moved while their weights did not.
 
     A and B may be any format ckpt-doctor reads (a .pt and its .safetensors copy compare equal). Names are matched
-    as `inspect A --model B` matches them, so a DataParallel file lines up with its clean copy. Tensors are read one
+    as `inspect A --model B` matches them, so a DataParallel file lines up with its clean copy; or say how with
+    --strip-prefix/--add-prefix/--rename (applied to A's names, as fix applies them). Tensors are read one
     pair at a time; nothing in either file is run. Exit 0 when they are the same (bit for bit, or within
     --atol/--rtol), 1 when they differ, like diff(1).
 
@@ -391,7 +397,11 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, full: bool, ht
     _allow(allow_global)
     if atol < 0 or rtol < 0:
         raise UsageError("--atol and --rtol are tolerances: 0 or more")
-    report = diff_checkpoints(a, b, atol=atol, rtol=rtol)
+    from . import transforms as T
+
+    steps = [T.strip_prefix(p) for p in strip_prefix] + [T.add_prefix(p) for p in add_prefix]
+    steps += [T.rename(r) for r in rename]
+    report = diff_checkpoints(a, b, atol=atol, rtol=rtol, transforms=tuple(steps))
     if html_out:
         from .render.html import diff_html
 

@@ -198,7 +198,8 @@ def _match(a: Checkpoint, b: Checkpoint, b_path: str) -> tuple[dict[str, str], t
 
 
 def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.0, rtol: float = 0.0,
-                     progress=None) -> DiffReport:
+                     transforms: tuple = (), progress=None) -> DiffReport:
+    """`transforms` (fix's --strip-prefix/--add-prefix/--rename) map A's names onto B's instead of the inference."""
     from .readers import read_checkpoint
     from .records import relative_to_root
     from .tensordata import load_tensor
@@ -206,7 +207,14 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
     a, b = read_checkpoint(a_path), read_checkpoint(b_path)
     for ckpt in (a, b):
         ckpt.refuse_if_unsafe("compare it", code_too=False)
-    mapping, flags, a_root = _match(a, b, str(b_path))
+    if transforms:
+        from .transforms import plan_keys
+
+        a_root = a.state_dict_root
+        mapping = dict(plan_keys([t.key for t in a.state_dict_tensors()], list(transforms)).mapping)
+        flags = tuple(f for t in transforms for f in t.flags())
+    else:
+        mapping, flags, a_root = _match(a, b, str(b_path))
     a_tensors = {t.key: t for t in relative_to_root(a.tensors, a_root)}
     b_tensors = {t.key: t for t in b.state_dict_tensors()}
     rows: list[TensorDiff] = []

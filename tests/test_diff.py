@@ -110,3 +110,14 @@ def test_an_unreadable_side_is_one_line_and_exit_2(base, tmp_path):
     _, path = base
     result = run_cli("diff", path, tmp_path / "nope.pt")
     assert result.exit_code == 2 and "no such file" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_names_can_be_mapped_by_hand(base, tmp_path):
+    model, path = base
+    other = tmp_path / "renamed.pt"
+    torch.save({k.replace("backbone.", "encoder."): v for k, v in model.state_dict().items()}, other)
+    result = run_cli("diff", path, other, "--rename", "^backbone\\.=encoder.", "--json")
+    assert result.exit_code == 0, result.stderr
+    data = result.json()
+    assert data["identical"] and data["renamed_by"] == ["--rename", "^backbone\\.=encoder."]
+    assert run_cli("diff", path, other, "--strip-prefix", "nothing.").exit_code == 1  # unmapped: one-sided
