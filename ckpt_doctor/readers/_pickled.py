@@ -55,6 +55,21 @@ def tensor_record(path: Path, key: str, raw: RawTensor) -> TensorRecord:
     return record
 
 
+def assembled_tensor(key: str, dtype: str, shape: tuple[int, ...], assembly: Any, source: Path,
+                     record_key: str | None = None) -> RawTensor:
+    """A contiguous tensor of `dtype` whose bytes are an Assembly of pieces (DCP chunks, ZeRO partitions), as the
+    pickle readers' tensors are: a RawTensor on a resolved storage (named `record_key`, default `key`)."""
+    from math import prod
+
+    from ..assemble import contiguous_strides
+
+    numel = prod(shape)
+    ref = StorageRef(key, dtype, numel, "cpu")
+    ref.resolved = StorageRecord(key=record_key or key, dtype=dtype, nbytes=numel * element_size(dtype), device="cpu",
+                                 file=source, offset=0, assembly=assembly)
+    return RawTensor(ref, dtype, 0, shape, contiguous_strides(shape))
+
+
 def build_checkpoint(path: Path, fmt: Format, root: Any, unpicklers: list[SafeUnpickler],
                      ts_members: TorchScriptMembers | None = None, notes: tuple[str, ...] = (),
                      extra_globals: tuple[GlobalRef, ...] = (), extra_bytes: int = 0) -> Checkpoint:

@@ -19,12 +19,13 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
+from ..assemble import coverage_problem
 from ..dtypes import element_size
 from ..errors import ReadError
-from ..records import Assembly, Checkpoint, Format, GlobalRef, Piece, StorageRecord
+from ..records import Assembly, Checkpoint, Format, GlobalRef, Piece
 from ..safepickle import limits
-from ..safepickle.unpickler import Opaque, RawTensor, StorageRef
-from ._pickled import build_checkpoint
+from ..safepickle.unpickler import Opaque, RawTensor
+from ._pickled import assembled_tensor, build_checkpoint
 from .survey import survey_file, survey_item
 
 METADATA = ".metadata"
@@ -483,7 +484,7 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
     files: set[str] = set()
     problems: list[str] = []
     order = list(meta.paths) + [f for f in [*meta.tensors, *meta.values] if f not in meta.paths]
-    shared: dict[tuple, StorageRef] = {}  # the chunks of a tensor -> its storage: names of the same chunks are tied
+    shared: dict[tuple, RawTensor] = {}  # the chunks of a tensor -> its tensor: names of the same chunks are tied
     for fqn in order:
         path = meta.paths.get(fqn, (fqn,))
         if fqn in meta.tensors:
@@ -524,21 +525,14 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
                                            p.sizes) for p in pieces))
             tied = shared.get(tie_key) if pieces else None
             if tied is not None:  # a second name of the same chunks (a tie a writer recorded): one tensor
-                _place(folder, root, path, RawTensor(tied, dtype, 0, size, tuple(_contiguous(size))), len(order))
+                _place(folder, root, path, RawTensor(tied.storage, dtype, 0, size, tied.stride), len(order))
                 layouts[".".join(str(p) for p in path)] = _layout(size, chunks) + " (tied)"
                 continue
-            from ..assemble import coverage_problem
-
             problem = coverage_problem(assembly) if len(pieces) == len(chunks) else None
             if problem:
                 problems.append(f"{fqn}: {problem}")
-            nbytes = prod(size) * element_size(dtype)
-            ref = StorageRef(fqn, dtype, prod(size), "cpu")
-            ref.resolved = StorageRecord(key=fqn, dtype=dtype, nbytes=nbytes, device="cpu", file=metas[0], offset=0,
-                                         assembly=assembly)
-            stride = tuple(_contiguous(size))
-            shared[tie_key] = ref
-            _place(folder, root, path, RawTensor(ref, dtype, 0, size, stride), len(order))
+            shared[tie_key] = tensor = assembled_tensor(fqn, dtype, size, assembly, metas[0])
+            _place(folder, root, path, tensor, len(order))
             layouts[".".join(str(p) for p in path)] = _layout(size, chunks)
         else:
             where = meta.storage.get((fqn, None))
@@ -690,8 +684,6 @@ def read_hf_shards(folder: Path, shards: list[Path]) -> Checkpoint:
             if len(offsets) != len(rec.shape):
                 raise ReadError(f"{path}: {rec.key} has {len(offsets)} saved offsets for {len(rec.shape)} dims")
             chunks.setdefault(rec.key, []).append((offsets, rec))
-    from ..assemble import coverage_problem
-
     root: dict = {}
     layouts: dict[str, str] = {}
     problems = []
@@ -711,10 +703,7 @@ def read_hf_shards(folder: Path, shards: list[Path]) -> Checkpoint:
         problem = coverage_problem(assembly)
         if problem:
             problems.append(f"{fqn}: {problem}")
-        ref = StorageRef(fqn, dtype, prod(size), "cpu")
-        ref.resolved = StorageRecord(key=fqn, dtype=dtype, nbytes=prod(size) * element_size(dtype), device="cpu",
-                                     file=shards[0], offset=0, assembly=assembly)
-        root[fqn] = RawTensor(ref, dtype, 0, size, tuple(_contiguous(size)))
+        root[fqn] = assembled_tensor(fqn, dtype, size, assembly, shards[0])
         layouts[fqn] = _layout(size, [(o, r.shape) for o, r in parts])
     if problems:
         raise ReadError(f"{folder}: the checkpoint is incomplete (the writer records no global shapes: a missing "
@@ -790,8 +779,3 @@ def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
 
     return replace(ckpt, distributed={"format": "torch.distributed.checkpoint", "shard_of": str(folder)})
 
-
-def _contiguous(shape: tuple[int, ...]) -> list[int]:
-    from ..assemble import contiguous_strides
-
-    return list(contiguous_strides(shape))

@@ -28,8 +28,9 @@ from typing import Any
 
 from ..dtypes import element_size
 from ..errors import ReadError
-from ..records import Assembly, Checkpoint, Format, Piece, StorageRecord
-from ..safepickle.unpickler import Opaque, RawTensor, StorageRef
+from ..records import Assembly, Checkpoint, Format, Piece
+from ..safepickle.unpickler import Opaque, RawTensor
+from ._pickled import assembled_tensor
 
 MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
@@ -115,14 +116,7 @@ class _Partitions:
 
 def _tensor(key: str, shape: tuple[int, ...], dtype: str, pieces: list[Piece], source: Path) -> RawTensor:
     """A parameter of `shape` assembled from flat pieces of `dtype` (the partitions' own)."""
-    numel = prod(shape)
-    assembly = Assembly((numel,), tuple(pieces), dtype)
-    ref = StorageRef(key, dtype, numel, "cpu")
-    ref.resolved = StorageRecord(key=key, dtype=dtype, nbytes=numel * element_size(dtype), device="cpu", file=source,
-                                 offset=0, assembly=assembly)
-    from ..assemble import contiguous_strides
-
-    return RawTensor(ref, dtype, 0, shape, contiguous_strides(shape))
+    return assembled_tensor(key, dtype, shape, Assembly((prod(shape),), tuple(pieces), dtype), source)
 
 
 def _as_float32(key: str, raw: RawTensor, source: Path) -> RawTensor:
@@ -132,13 +126,8 @@ def _as_float32(key: str, raw: RawTensor, source: Path) -> RawTensor:
     st = raw.storage.resolved
     piece = Piece(st.file, st.offset + raw.offset * element_size(raw.dtype), (0,) * len(raw.shape), raw.shape,
                   raw.stride, f"{key} in {st.file.name}")
-    numel = prod(raw.shape)
-    ref = StorageRef(key, "float32", numel, "cpu")
-    ref.resolved = StorageRecord(key=f"{key} (float32)", dtype="float32", nbytes=numel * 4, device="cpu",
-                                 file=source, offset=0, assembly=Assembly(raw.shape, (piece,), raw.dtype))
-    from ..assemble import contiguous_strides
-
-    return RawTensor(ref, "float32", 0, raw.shape, contiguous_strides(raw.shape))
+    return assembled_tensor(key, "float32", raw.shape, Assembly(raw.shape, (piece,), raw.dtype), source,
+                            record_key=f"{key} (float32)")
 
 
 def _shape(value: Any, name: str, where: Path) -> tuple[int, ...]:

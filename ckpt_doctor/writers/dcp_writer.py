@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError, WriteError
+from .atomic import _fsync_dir
 
 _DCP_NAME = re.compile(r"\.metadata|__\d+\.metadata|__\d+_\d+\.distcp")
 
@@ -123,12 +124,12 @@ def write_dcp(plan, verify: bool, force: bool) -> int:
         ties = _untie(tree)
         with warnings.catch_warnings():  # "torch.distributed is … uninitialized, assuming … a single process": yes
             warnings.simplefilter("ignore")
-            dcp.save(tree, storage_writer=FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
+            meta = dcp.save(tree, storage_writer=FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
         if ties:
-            _record_ties(tmp, ties)
+            _record_ties(tmp, meta, ties)
         if verify:
             _verify(tmp, plan, tensors)
-        _fsync_folder(tmp)
+        _fsync_dir(tmp)
         if output.exists():
             old = parent / f".{output.name}.ckpt-doctor-old-{os.getpid()}"
             os.rename(output, old)
@@ -136,11 +137,7 @@ def write_dcp(plan, verify: bool, force: bool) -> int:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, output)
-        fd = os.open(parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(parent)
     except OSError as exc:
         raise WriteError(f"{output}: write failed ({exc.strerror}); nothing was written") from None
     finally:
@@ -179,16 +176,14 @@ def _untie(tree: dict) -> list[tuple[tuple, tuple]]:
     return ties
 
 
-def _record_ties(folder: Path, ties: list[tuple[tuple, tuple]]) -> None:
+def _record_ties(folder: Path, meta: Any, ties: list[tuple[tuple, tuple]]) -> None:
     """Name each alias in the folder's metadata as a second name of its owner's chunks (its own planner path, the
     owner's storage entries): dcp.load fills it from the same bytes, and a reader sees one tensor under two names.
-    The metadata is the one torch's writer just wrote into our temporary folder, rewritten with torch's classes."""
+    `meta` is the Metadata dcp.save returned for this folder (nothing is read back and unpickled); it is written
+    again over the .metadata torch just wrote."""
     import pickle
 
     from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    path = folder / ".metadata"
-    meta = pickle.loads(path.read_bytes())  # noqa: S301 (written by dcp.save a moment ago, in our own folder)
 
     def fqn(p: tuple) -> str:
         return ".".join(str(k) for k in p)
@@ -200,20 +195,13 @@ def _record_ties(folder: Path, ties: list[tuple[tuple, tuple]]) -> None:
         for index, info in list(meta.storage_data.items()):
             if index.fqn == o:
                 meta.storage_data[MetadataIndex(a, index.offset, index.index)] = info
+    path = folder / ".metadata"
     tmp = path.with_name(".metadata.tmp")
     with open(tmp, "wb") as f:
         pickle.dump(meta, f, protocol=4)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _verify(folder: Path, plan, tensors: dict[str, Any]) -> None:
