@@ -15,7 +15,6 @@ from typing import Any
 
 from .records import Checkpoint, TensorRecord
 
-BLOCK = 1 << 22  # elements per float64 block: 32 MB for each of the pair
 
 
 @dataclass(frozen=True)
@@ -61,61 +60,96 @@ class DiffReport:
 
 
 _NUMPY = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", "int32": "<i4", "int16": "<i2",
-          "int8": "i1", "uint8": "u1", "uint16": "<u2", "uint32": "<u4", "uint64": "<u8", "bool": "?"}
-
-
-def as_array(data: bytes, dtype: str) -> Any:
-    """A flat NumPy view of a contiguous tensor's bytes, bfloat16 widened to float32; None for dtypes NumPy lacks."""
-    import numpy as np
-
-    if dtype == "bfloat16":
-        return (np.frombuffer(data, "<u2").astype(np.uint32) << 16).view(np.float32)
-    code = _NUMPY.get(dtype)
-    return None if code is None else np.frombuffer(data, code)
-
-
-_ARRAYS = {*_NUMPY, "bfloat16"}
-PAGE = 4096
+          "int8": "i1", "uint8": "u1", "uint16": "<u2", "uint32": "<u4", "uint64": "<u8", "bool": "?",
+          "bfloat16": "<u2"}  # bfloat16: its bits, widened to float32 block by block
+BLOCK = 1 << 15  # elements per float64 block: 256 KB each, so the arithmetic stays in the CPU's cache
+WINDOW = 1 << 24  # bytes of a tensor mapped at a time, and of each file between drops: memory stays near two windows
+SMALL = 1 << 16  # pairs up to this many bytes are compared as copies: cheaper than setting up two array views
 
 
 def _mappable(t: TensorRecord) -> bool:
     st = t.storage
-    return st is not None and st.assembly is None and t.is_contiguous and t.numel > 0
+    return st is not None and st.assembly is None and t.is_contiguous and t.numel > 0 and t.dtype in _NUMPY
 
 
-class _Buffers:
-    """Reusable read buffers for one pair: no fresh pages to fault in per tensor, no copy kept, so memory is the
-    largest pair whatever the file sizes."""
+class _Mapped:
+    """Each file mapped read-only once; a pair is compared straight from the page cache (no copy), a window at a
+    time, and every WINDOW bytes read the file's pages are dropped from this process (MADV_DONTNEED: they stay in
+    the page cache, this process just stops holding them), so memory does not grow with the files."""
 
     def __init__(self) -> None:
-        self.bufs = [bytearray(), bytearray()]
-        self.fds: dict[str, int] = {}
+        self.maps: dict[str, Any] = {}
+        self.read_since_drop: dict[str, int] = {}
+        self.memcmp = _memcmp()
 
-    def read(self, which: int, t: TensorRecord) -> memoryview:
+    def _map(self, t: TensorRecord, nbytes: int) -> Any:
+        import mmap
         import os
 
         key = str(t.storage.file)
-        fd = self.fds.get(key)
-        if fd is None:
-            fd = self.fds[key] = os.open(key, os.O_RDONLY)
-        if len(self.bufs[which]) < t.nbytes:
-            self.bufs[which] = bytearray(t.nbytes)
-        view = memoryview(self.bufs[which])[:t.nbytes]
-        got = os.preadv(fd, [view], t.file_offset or 0)
-        if got != t.nbytes:
+        mm = self.maps.get(key)
+        if mm is None:
+            fd = os.open(key, os.O_RDONLY)
+            try:
+                mm = self.maps[key] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            finally:
+                os.close(fd)
+            self.read_since_drop[key] = 0
+        start = t.file_offset or 0
+        if start + t.nbytes > len(mm):
             from .errors import ReadError
 
-            raise ReadError(f"{key}: {t.key} is cut short ({got} of {t.nbytes} bytes)")
-        return view
+            raise ReadError(f"{key}: {t.key} is cut short ({max(len(mm) - start, 0)} of {t.nbytes} bytes)")
+        read = self.read_since_drop[key] + nbytes
+        if read > WINDOW and hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_DONTNEED)  # what earlier windows faulted in; re-read from the page cache if needed
+            read = nbytes
+        self.read_since_drop[key] = read
+        return mm
 
-    def read_pair(self, slot: int, ta: TensorRecord, tb: TensorRecord) -> tuple[memoryview, memoryview]:
-        return self.read(2 * slot, ta), self.read(2 * slot + 1, tb)
+    def windows(self, ta: TensorRecord, tb: TensorRecord):
+        """(A's window, B's window) as flat NumPy arrays of their dtypes, WINDOW bytes at a time."""
+        import numpy as np
+
+        code_a, code_b = np.dtype(_NUMPY[ta.dtype]), np.dtype(_NUMPY[tb.dtype])
+        step = WINDOW // max(code_a.itemsize, code_b.itemsize)
+        for first in range(0, ta.numel, step):
+            count = min(step, ta.numel - first)
+            ma, mb = self._map(ta, count * code_a.itemsize), self._map(tb, count * code_b.itemsize)
+            oa = (ta.file_offset or 0) + first * code_a.itemsize
+            ob = (tb.file_offset or 0) + first * code_b.itemsize
+            yield np.frombuffer(ma, code_a, count, oa), np.frombuffer(mb, code_b, count, ob)
+
+    def same_bytes(self, ta: TensorRecord, tb: TensorRecord) -> bool:
+        if ta.dtype != tb.dtype:
+            return False
+        if ta.nbytes <= SMALL:
+            ma, mb = self._map(ta, ta.nbytes), self._map(tb, tb.nbytes)
+            oa, ob = ta.file_offset or 0, tb.file_offset or 0
+            return ma[oa:oa + ta.nbytes] == mb[ob:ob + tb.nbytes]
+        return all(self.memcmp(x, y) for x, y in self.windows(ta, tb))
 
     def close(self) -> None:
-        import os
+        for mm in self.maps.values():
+            try:
+                mm.close()
+            except BufferError:  # an array view still held by an exception's traceback: freed with it
+                pass
 
-        for fd in self.fds.values():
-            os.close(fd)
+
+def _memcmp():
+    """Equal bytes, at memory speed: libc's memcmp on the two arrays (NumPy's compare where there is no libc)."""
+    import numpy as np
+
+    try:
+        import ctypes
+
+        libc_memcmp = ctypes.CDLL(None).memcmp
+        libc_memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        libc_memcmp.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return lambda x, y: x.nbytes == y.nbytes and np.array_equal(x.view(np.uint8), y.view(np.uint8))
+    return lambda x, y: x.nbytes == y.nbytes and libc_memcmp(x.ctypes.data, y.ctypes.data, x.nbytes) == 0
 
 
 def pair_stats(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0) -> PairStats:
@@ -136,44 +170,60 @@ def pair_stats(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0) -> PairStat
 
 
 def array_stats(x: Any, y: Any, identical: bool, atol: float = 0.0, rtol: float = 0.0) -> PairStats:
-    """max |y − x|, ‖y − x‖ / ‖x‖ and the cosine in float64, over blocks (BLAS dot products; NaN equal to NaN), and
-    whether they are within atol + rtol·|x| (torch.isclose's rule). `identical`: the caller compared the bytes, and
-    nothing is computed (cosine is then not given)."""
+    """Compare two flat NumPy arrays: see window_stats."""
+    return PairStats(0.0, 0.0, None, True, True) if identical else window_stats([(x, y)], (False, False), atol, rtol)
+
+
+def window_stats(windows, bf16: tuple[bool, bool], atol: float = 0.0, rtol: float = 0.0) -> PairStats:
+    """max |y − x|, ‖y − x‖ / ‖x‖ and the cosine in float64 over (x, y) windows of two flat arrays (BLAS dot
+    products over cache-sized blocks; NaN equal to NaN), and whether every element is within atol + rtol·|x|
+    (torch.isclose's rule). bf16[i]: that side holds bfloat16 bits (uint16), widened here block by block."""
     import numpy as np
 
-    if identical:
-        return PairStats(0.0, 0.0, None, True, True)
+    u, v, d = np.empty(BLOCK), np.empty(BLOCK), np.empty(BLOCK)
     max_abs = diff_sq = a_sq = b_sq = dot = 0.0
     close = bool(atol or rtol)
+    inf = float("inf")
     with np.errstate(all="ignore"):
-        for start in range(0, x.size, BLOCK):
-            u = x[start:start + BLOCK].astype(np.float64)
-            v = y[start:start + BLOCK].astype(np.float64)
-            d = v - u
-            block_sq = float(np.dot(d, d))
-            if block_sq != block_sq or block_sq == float("inf"):  # NaN or inf somewhere: the careful way
-                both = np.isnan(u) & np.isnan(v)
-                u, v = np.where(both, 0.0, u), np.where(both, 0.0, v)
-                d = np.where(both, 0.0, d)
-                if not np.isfinite(d).all():
-                    max_abs = float("inf")
-                    d = np.where(np.isfinite(d), d, 0.0)
-                block_sq = float(np.dot(d, d)) if max_abs != float("inf") else float("inf")
-                u, v = np.nan_to_num(u), np.nan_to_num(v)
-            if d.size and max_abs != float("inf"):
-                max_abs = max(max_abs, float(d.max()), -float(d.min()))
-            diff_sq += block_sq
-            a_sq += float(np.dot(u, u))
-            b_sq += float(np.dot(v, v))
-            dot += float(np.dot(u, v))
-            if close:
-                close = bool(np.all(np.abs(d) <= atol + rtol * np.abs(u)))
+        for x, y in windows:
+            for start in range(0, x.size, BLOCK):
+                n = min(BLOCK, x.size - start)
+                uu, vv, dd = u[:n], v[:n], d[:n]
+                _widen(x[start:start + n], bf16[0], uu)
+                _widen(y[start:start + n], bf16[1], vv)
+                np.subtract(vv, uu, out=dd)
+                block_sq = float(dd @ dd)
+                if block_sq != block_sq or block_sq == inf:  # NaN or inf somewhere: the careful way
+                    eq = (uu == vv) | (np.isnan(uu) & np.isnan(vv))  # NaN equal to NaN, inf to the same inf
+                    dd = np.where(eq, 0.0, dd)
+                    if not np.isfinite(dd).all():
+                        max_abs = inf
+                    uu, vv = np.where(np.isfinite(uu), uu, 0.0), np.where(np.isfinite(vv), vv, 0.0)
+                    block_sq = inf if max_abs == inf else float(dd @ dd)
+                    if close:
+                        close = bool(np.all(eq | (np.abs(dd) <= atol + rtol * np.abs(uu))))
+                elif close:
+                    close = bool(np.all(np.abs(dd) <= atol + rtol * np.abs(uu)))
+                if max_abs != inf:
+                    max_abs = max(max_abs, float(dd.max()), -float(dd.min()))
+                diff_sq += block_sq
+                a_sq += float(uu @ uu)
+                b_sq += float(vv @ vv)
+                dot += float(uu @ vv)
     norm_a = a_sq ** 0.5
-    rel = 0.0 if diff_sq == 0 else (diff_sq ** 0.5 / norm_a if norm_a else float("inf"))
+    rel = 0.0 if diff_sq == 0 else (diff_sq ** 0.5 / norm_a if norm_a else inf)
     if rel != rel:
-        rel = float("inf")
+        rel = inf
     cosine = dot / (norm_a * b_sq ** 0.5) if norm_a and b_sq and dot == dot else None
-    return PairStats(max_abs, rel, cosine, False, close and max_abs != float("inf"))
+    return PairStats(max_abs, rel, cosine, False, close and max_abs != inf)
+
+
+def _widen(src: Any, bf16: bool, out: Any) -> None:
+    import numpy as np
+
+    if bf16:
+        src = (src.astype(np.uint32) << 16).view(np.float32)
+    np.copyto(out, src, casting="unsafe")
 
 
 def _match(a: Checkpoint, b: Checkpoint, b_path: str) -> tuple[dict[str, str], tuple[str, ...], str | None]:
@@ -219,47 +269,38 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
     b_tensors = {t.key: t for t in b.state_dict_tensors()}
     rows: list[TensorDiff] = []
     done: set[str] = set()
-    total = len(mapping)
-    buffers = _Buffers()
+    mapped = _Mapped()
     try:
-        _compare_all(mapping, a_tensors, b_tensors, rows, done, atol, rtol, load_tensor, buffers, progress, total)
+        for i, (a_key, b_key) in enumerate(mapping.items()):
+            ta, tb = a_tensors.get(a_key), b_tensors.get(b_key)
+            if ta is None:
+                continue
+            if tb is None:
+                rows.append(TensorDiff(a_key, a_key, "only-a", ta.shape, None, ta.dtype, None))
+                continue
+            done.add(b_key)
+            rows.append(_pair(b_key, a_key, ta, tb, atol, rtol, load_tensor, mapped))
+            if progress is not None:
+                progress(i + 1, len(mapping))
     finally:
-        buffers.close()
+        mapped.close()
     rows += [TensorDiff(k, None, "only-b", None, t.shape, None, t.dtype) for k, t in b_tensors.items() if k not in done]
     return DiffReport(a, b, tuple(rows), flags, a_root, b.state_dict_root, atol, rtol, tuple(_bn_drift(rows)))
 
 
-def _compare_all(mapping, a_tensors, b_tensors, rows, done, atol, rtol, load_tensor, buffers, progress, total):
-    """Every pair in A's order, one at a time. (Reading the next pair in a thread while comparing this one gained
-    nothing here: both are bound by memory bandwidth.)"""
-    for i, (a_key, b_key) in enumerate(mapping.items()):
-        ta, tb = a_tensors.get(a_key), b_tensors.get(b_key)
-        if ta is None:
-            continue
-        if tb is None:
-            rows.append(TensorDiff(a_key, a_key, "only-a", ta.shape, None, ta.dtype, None))
-            continue
-        done.add(b_key)
-        readable = ta.shape == tb.shape and _mappable(ta) and _mappable(tb) and ta.dtype in _ARRAYS and \
-            tb.dtype in _ARRAYS
-        data = buffers.read_pair(0, ta, tb) if readable else None
-        rows.append(_pair(b_key, a_key, ta, tb, atol, rtol, load_tensor, data))
-        if progress is not None:
-            progress(i + 1, total)
-
-
 def _pair(key: str, a_key: str, ta: TensorRecord, tb: TensorRecord, atol: float, rtol: float, load,
-          data: tuple[memoryview, memoryview] | None = None) -> TensorDiff:
+          mapped: _Mapped) -> TensorDiff:
+    """One pair, read from the page cache when both are plain runs of bytes (the bytes first: most pairs stop at
+    that compare), else through torch (a strided view, pieces of a sharded folder, a dtype NumPy lacks)."""
     if ta.shape != tb.shape:
         return TensorDiff(key, a_key, "shape", ta.shape, tb.shape, ta.dtype, tb.dtype)
-    stats = None
-    if data is not None:
-        import numpy as np
-
-        da, db = data  # the bytes first: most pairs stop at this compare
-        same = ta.dtype == tb.dtype and np.array_equal(np.frombuffer(da, np.uint8), np.frombuffer(db, np.uint8))
-        stats = array_stats(as_array(da, ta.dtype), as_array(db, tb.dtype), same, atol, rtol)
-    if stats is None:  # a strided view, or a dtype NumPy lacks (float8): through torch
+    if _mappable(ta) and _mappable(tb):
+        if mapped.same_bytes(ta, tb):
+            stats = PairStats(0.0, 0.0, None, True, True)
+        else:
+            bf16 = (ta.dtype == "bfloat16", tb.dtype == "bfloat16")
+            stats = window_stats(mapped.windows(ta, tb), bf16, atol, rtol)
+    else:
         stats = pair_stats(load(ta), load(tb), atol, rtol)
     status = "identical" if stats.identical else "close" if stats.close else "changed"
     return TensorDiff(key, a_key, status, ta.shape, tb.shape, ta.dtype, tb.dtype, stats)

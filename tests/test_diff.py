@@ -121,3 +121,43 @@ def test_names_can_be_mapped_by_hand(base, tmp_path):
     data = result.json()
     assert data["identical"] and data["renamed_by"] == ["--rename", "^backbone\\.=encoder."]
     assert run_cli("diff", path, other, "--strip-prefix", "nothing.").exit_code == 1  # unmapped: one-sided
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32])
+def test_read_in_windows_the_figures_and_tolerance_agree_with_torch(tmp_path, monkeypatch, dtype):
+    """Large tensors are read a window at a time and summed in cache-sized blocks: shrink both so one tensor spans
+    many, and hold every figure and the --atol/--rtol verdict to torch (isclose, with NaN equal to NaN)."""
+    import ckpt_doctor.diff as D
+
+    monkeypatch.setattr(D, "WINDOW", 4096)
+    monkeypatch.setattr(D, "BLOCK", 100)
+    torch.manual_seed(1)
+    a = (torch.randn(3000, dtype=torch.float64) * 50).to(dtype)
+    changes = {"far": a + 7 if dtype == torch.int32 else a * 1.5, "near": a + 1 if dtype == torch.int32 else a * 1.01}
+    specials = dtype.is_floating_point
+    if specials:  # NaN and inf where both sides have them count as equal; an inf against a number does not
+        for t in (a, *changes.values()):
+            t[10], t[2500] = float("nan"), float("inf")
+        changes["inf"] = changes["near"].clone()
+        changes["inf"][1234] = float("-inf")
+    pa, pb = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save({"same": a, **{k: a for k in changes}}, pa)
+    torch.save({"same": a.clone(), **changes}, pb)
+    atol, rtol = (1, 0.002) if dtype == torch.int32 else (1e-3, 0.02)
+    rows = {r.key: r for r in D.diff_checkpoints(pa, pb, atol=atol, rtol=rtol).rows}
+    assert rows["same"].status == "identical"
+    for key, b in changes.items():
+        expected_close = bool(torch.isclose(b.double(), a.double(), rtol=rtol, atol=atol, equal_nan=True).all())
+        assert rows[key].status == ("close" if expected_close else "changed"), key
+        x, y = a.double(), b.double()
+        keep = torch.isfinite(x) & torch.isfinite(y)
+        stats = rows[key].stats
+        if key == "inf":
+            assert stats.max_abs == float("inf")
+            continue
+        d = (y - x)[keep]
+        assert stats.max_abs == pytest.approx(float(d.abs().max()), rel=1e-12)
+        assert stats.rel == pytest.approx(float(d.norm() / x[keep].norm()), rel=1e-9)
+        cos = torch.nn.functional.cosine_similarity(x[keep], y[keep], 0)
+        assert stats.cosine == pytest.approx(float(cos), rel=1e-9)
+    assert (rows["near"].status, rows["far"].status) == ("close", "changed")
