@@ -1,18 +1,23 @@
-"""The command line: parses arguments, calls the library, renders, picks the exit code. No logic of its own."""
+"""The command line: parses arguments, calls the library, renders, picks the exit code. No logic of its own.
+
+argparse, not click: every `ckpt-doctor inspect` pays the import of its parser, and click's costs ~15 ms of a
+~50 ms run (it imports inspect, typing, uuid, datetime …); argparse costs ~2 ms.
+"""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import gc
 import os
 import sys
-from pathlib import Path
-from typing import Any, Callable
-
-import click
 
 from ._version import __version__
 from .errors import CkptDoctorError, UsageError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
+    from typing import Any, Callable
 
 EXIT_CODES = """\b
 Exit codes (every command):
@@ -34,21 +39,33 @@ def _use_color(stream: Any, no_color: bool) -> bool:
     return not no_color and "NO_COLOR" not in os.environ and hasattr(stream, "isatty") and stream.isatty()
 
 
+_ANSI = {"red": 31, "green": 32, "yellow": 33}
+
+
 def say(line: str = "", *, color: str | None = None, no_color: bool = False) -> None:
     """A line for the person, on stderr."""
     if color and _use_color(sys.stderr, no_color):
-        line = click.style(line, fg=color, bold=True)
-    click.echo(line, err=True)
+        line = f"\x1b[1;{_ANSI[color]}m{line}\x1b[0m"
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
-allow_global_option = click.option(
-    "--allow-global", "allow_global", multiple=True, metavar="MODULE.NAME",
-    help="Also accept this global as safe (repeatable), as torch.serialization.add_safe_globals does: for your own "
-         "config classes. Names known to run code (os, sys, eval, …) cannot be allowed.")
+def echo(text: str) -> None:
+    """Data, on stdout."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
-def _write_page(path: str, text: str, inputs: tuple[Path, ...]) -> None:
+def _allow_global_option(p: Any) -> None:
+    p.add_argument("--allow-global", dest="allow_global", action="append", default=[], metavar="MODULE.NAME",
+                   help="Also accept this global as safe (repeatable), as torch.serialization.add_safe_globals does: "
+                   "for your own config classes. Names known to run code (os, sys, eval, …) cannot be allowed.")
+
+
+def _write_page(path: str, text: str, inputs: tuple) -> None:
     """An --html page, written as every output is: a temporary file beside it, synced, renamed; never an input."""
+    from pathlib import Path
+
     from .writers.atomic import atomic_output, check_destination
 
     out = Path(path)
@@ -100,47 +117,180 @@ def handle_errors(func: Callable[..., int]) -> Callable[..., None]:
     return wrapper
 
 
-@click.group(epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="ckpt-doctor")
-def main() -> None:
-    """Inspect, diagnose, repair and verify PyTorch checkpoints — without running code from them.
+MAIN_HELP = """Inspect, diagnose, repair and verify PyTorch checkpoints — without running code from them.
 
-    \b
-    ckpt-doctor inspect model.pth                       what is inside (no torch import, no tensor data read)
-    ckpt-doctor inspect model.pth --model pkg.nets:Net  why it will not load, and the fix command
-    ckpt-doctor fix model.pth -o clean.safetensors --strip-module
-    ckpt-doctor verify clean.safetensors --model pkg.nets:Net --input-shape 8,3,32,32 --gpus 2
-    ckpt-doctor scan downloads/                         which code the pickles would run
-    ckpt-doctor diff base.pt tuned.pt --html d.html     what fine-tuning changed, layer by layer
-    """
+\b
+ckpt-doctor inspect model.pth                       what is inside (no torch import, no tensor data read)
+ckpt-doctor inspect model.pth --model pkg.nets:Net  why it will not load, and the fix command
+ckpt-doctor fix model.pth -o clean.safetensors --strip-module
+ckpt-doctor verify clean.safetensors --model pkg.nets:Net --input-shape 8,3,32,32 --gpus 2
+ckpt-doctor scan downloads/                         which code the pickles would run
+ckpt-doctor diff base.pt tuned.pt --html d.html     what fine-tuning changed, layer by layer
+"""
+
+COMMANDS: dict[str, tuple[Callable[[Any], None], str, Callable[..., None]]] = {}
 
 
-@main.command(epilog=EXIT_CODES)
-@click.argument("ckpt", type=click.Path(path_type=str))
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON object on stdout instead of the table.")
-@click.option("--stats", is_flag=True, help="Read tensor data (one tensor at a time) for min/max/mean/std, "
-              "NaN/Inf counts and BatchNorm layers whose running stats were never updated. Imports torch.")
-@click.option("--filter", "filter_", metavar="REGEX", help="Only list tensors whose key matches REGEX (re.search).")
-@click.option("--full", is_flag=True, help="One row per tensor; by default repeated blocks are collapsed "
-              "(layers.{0..23}.attn.q.weight) and long lists shortened.")
-@click.option("--model", "model_spec", metavar="SPEC", help="Compare with a model: package.module:attr or "
-              "path/to/file.py:attr (a class or factory, built on the meta device), or a reference checkpoint.")
-@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE",
-              help="Argument for the model's constructor (repeatable; values are Python literals).")
-@click.option("--allow-missing", metavar="REGEX", help="Accept model keys matching REGEX being missing or of "
-              "another shape (a new head when fine-tuning).")
-@click.option("--allow-unexpected", metavar="REGEX", help="Accept checkpoint keys matching REGEX the model lacks.")
-@click.option("--min-loaded", type=click.FloatRange(0, 1), metavar="FRACTION",
-              help="Fail unless at least this share of the model's parameters (by elements) is filled, e.g. 0.99.")
-@click.option("--select", metavar="PATH", help="With --model: compare the state_dict at PATH (model_ema, "
-              "state_dict.model) instead of the one ckpt-doctor finds.")
-@click.option("--values", is_flag=True, help="With a reference checkpoint as --model: max |difference| per tensor.")
-@click.option("--html", "html_out", metavar="FILE", help="Also write a self-contained page (no network): parameters "
-              "per module, per-tensor value histograms and NaN/Inf/constant flags (reads the data, as --stats), the "
-              "verdict and fix with --model.")
-@allow_global_option
-@click.option("--no-color", is_flag=True, help="No colour on stderr (NO_COLOR is honoured too).")
-@handle_errors
+def command(options: Callable[[Any], None], epilog: str) -> Callable:
+    """Register a subcommand: `options` adds its arguments to a parser; the function's docstring is its help."""
+
+    def register(func: Callable[..., int]) -> Callable[..., None]:
+        wrapped = handle_errors(func)
+        COMMANDS[func.__name__] = (options, epilog, wrapped)
+        return wrapped
+
+    return register
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The `ckpt-doctor` entry point: parse, run the command, exit with its code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        _parser(None).print_help(sys.stderr)
+        sys.exit(2)
+    name = argv[0] if argv[0] in COMMANDS else None  # only the parser of the command asked for is built
+    args = vars(_parser(name).parse_args(argv))
+    args.pop("command", None)
+    COMMANDS[name][2](**args)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]  # one line and exit 2, as every bad input
+        sys.stderr.write(f"Error: {message} (see `{self.prog} --help`)\n")
+        sys.exit(2)
+
+
+def _parser(only: str | None) -> _Parser:
+    """The parser; with `only`, the other commands are listed but their options not built."""
+    import re
+
+    def formatter(prog: str) -> argparse.HelpFormatter:
+        return _HelpFormatter(prog, max_help_position=30, width=_help_width())
+
+    top = _Parser(prog="ckpt-doctor", description=MAIN_HELP, epilog=EXIT_CODES, formatter_class=formatter,
+                 allow_abbrev=False)
+    top.add_argument("--version", action="version", version=f"ckpt-doctor {__version__}")
+    sub = top.add_subparsers(title="commands", metavar="COMMAND", dest="command")
+    for name, (options, epilog, func) in COMMANDS.items():
+        doc = _dedent(func.__doc__ or "")
+        summary = re.split(r"(?<=[?])\s|[.:]\s", doc, maxsplit=1)[0]  # the first sentence, or up to a colon
+        if only is not None and name != only:
+            sub.add_parser(name, help=summary, formatter_class=formatter)
+            continue
+        p = sub.add_parser(name, help=summary, description=doc, epilog=epilog,
+                           formatter_class=formatter, allow_abbrev=False)
+        options(p)
+    return top
+
+
+@functools.lru_cache(maxsize=None)
+def _help_width() -> int:
+    """The terminal's width (at most 100), as click and shutil find it, without importing shutil at every start:
+    argparse builds a formatter for every option it is given."""
+    try:
+        columns = int(os.environ.get("COLUMNS", "0")) or os.get_terminal_size(sys.__stdout__.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        columns = 80
+    return max(min(columns, 100) - 2, 40)
+
+
+def _dedent(doc: str) -> str:
+    """A docstring with the indent of its second line on removed (as inspect.cleandoc, which imports ast)."""
+    first, _, rest = doc.partition("\n")
+    lines = rest.split("\n")
+    indent = min((len(line) - len(line.lstrip()) for line in lines if line.strip()), default=0)
+    return (first.strip() + "\n" + "\n".join(line[indent:] for line in lines)).strip()
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Paragraphs are re-wrapped to the terminal; a paragraph that starts with \\b is kept as written (examples,
+    tables), as click does."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        out = []
+        for para in text.split("\n\n"):
+            if para.startswith("\b\n"):
+                out.append("\n".join(indent + line for line in para[2:].split("\n")))
+            else:
+                out.append(textwrap.fill(" ".join(para.split()), width, initial_indent=indent,
+                                         subsequent_indent=indent, break_on_hyphens=False))
+        return "\n\n".join(out)
+
+
+def _fraction(text: str) -> float:
+    value = _number(text, float)
+    if not 0 <= value <= 1:
+        raise _type_error(f"{text!r} is not between 0 and 1")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 1:
+        raise _type_error(f"{text!r} is not 1 or more")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _number(text, float)
+    if not value > 0:
+        raise _type_error(f"{text!r} is not more than 0")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _number(text, float)
+    if not value >= 0:
+        raise _type_error(f"{text!r} is not 0 or more")
+    return value
+
+
+def _number(text: str, kind: type) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise _type_error(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+
+
+def _type_error(message: str) -> Exception:
+    return argparse.ArgumentTypeError(message)
+
+
+def _inspect_options(p: Any) -> None:
+    p.add_argument("ckpt", metavar="CKPT", help="A checkpoint file or folder.")
+    p.add_argument("--json", dest="as_json", action="store_true", help="Print a JSON object on stdout instead of the "
+                   "table.")
+    p.add_argument("--stats", action="store_true", help="Read tensor data (one tensor at a time) for "
+                   "min/max/mean/std, NaN/Inf counts and BatchNorm layers whose running stats were never updated. "
+                   "Imports torch.")
+    p.add_argument("--filter", dest="filter_", metavar="REGEX", help="Only list tensors whose key matches REGEX "
+                   "(re.search).")
+    p.add_argument("--full", action="store_true", help="One row per tensor; by default repeated blocks are collapsed "
+                   "(layers.{0..23}.attn.q.weight) and long lists shortened.")
+    p.add_argument("--model", dest="model_spec", metavar="SPEC", help="Compare with a model: package.module:attr or "
+                   "path/to/file.py:attr (a class or factory, built on the meta device), or a reference checkpoint.")
+    p.add_argument("--model-arg", dest="model_args", action="append", default=[], metavar="KEY=VALUE",
+                   help="Argument for the model's constructor (repeatable; values are Python literals).")
+    p.add_argument("--allow-missing", metavar="REGEX", help="Accept model keys matching REGEX being missing or of "
+                   "another shape (a new head when fine-tuning).")
+    p.add_argument("--allow-unexpected", metavar="REGEX", help="Accept checkpoint keys matching REGEX the model "
+                   "lacks.")
+    p.add_argument("--min-loaded", type=_fraction, metavar="FRACTION", help="Fail unless at least this share of the "
+                   "model's parameters (by elements) is filled, e.g. 0.99.")
+    p.add_argument("--select", metavar="PATH", help="With --model: compare the state_dict at PATH (model_ema, "
+                   "state_dict.model) instead of the one ckpt-doctor finds.")
+    p.add_argument("--values", action="store_true", help="With a reference checkpoint as --model: max |difference| "
+                   "per tensor.")
+    p.add_argument("--html", dest="html_out", metavar="FILE", help="Also write a self-contained page (no network): "
+                   "parameters per module, per-tensor value histograms and NaN/Inf/constant flags (reads the data, "
+                   "as --stats), the verdict and fix with --model.")
+    _allow_global_option(p)
+    p.add_argument("--no-color", action="store_true", help="No colour on stderr (NO_COLOR is honoured too).")
+
+
+@command(_inspect_options, EXIT_CODES)
 def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bool, model_spec: str | None,
             model_args: tuple[str, ...], allow_missing: str | None, allow_unexpected: str | None,
             min_loaded: float | None, select: str | None, values: bool, html_out: str | None,
@@ -150,8 +300,9 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
     CKPT is a file (torch zip, legacy torch, TorchScript, safetensors, a pickle) or a folder (a shard
     index with its shards, a Hugging Face model folder, a torch.distributed.checkpoint folder, a DeepSpeed
     ZeRO save folder, a Lightning or accelerate folder: whole tensors with their global shapes, and how
-    each was sharded). The format is found from the bytes. Nothing in
-    the file is run: pickles are read by an unpickler that imports nothing. Every global off the
+    each was sharded). A folder of several checkpoints (a run's saves, a model zoo) is listed one line per file,
+    its subfolders included, with a total; several files are read at once. The format is found from the bytes.
+    Nothing in the file is run: pickles are read by an unpickler that imports nothing. Every global off the
     allow-list is listed with its verdict — code (a class torch.load would import and call, e.g. a
     whole pickled model) or dangerous (os, subprocess, eval, …) — and makes the exit code 1, exactly
     as `ckpt-doctor scan` judges the file; the tensors are listed all the same.
@@ -165,6 +316,7 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
     ckpt-doctor inspect model.pth --model mypkg.nets:ResNet --model-arg num_classes=10
     ckpt-doctor inspect ft.pth --model nets.py:Net --allow-missing '^classifier\\.'
     ckpt-doctor inspect new.pt --model old.pt --values      # compare two checkpoints
+    ckpt-doctor inspect checkpoints/ --json                 # every checkpoint in a folder, one line each
 
     The table goes to stdout, the summary to stderr.
     """
@@ -183,10 +335,17 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
         args = parse_model_args(model_args)
     if select is not None and not model_spec:
         raise UsageError("--select needs --model (it picks the state_dict compared with the model)")
-    report = inspect_checkpoint(ckpt, stats=stats or bool(html_out), filter=filter_, model=model_spec,
-                                model_args=args, allow_missing=allow_missing,
-                                allow_unexpected=allow_unexpected, min_loaded=min_loaded, values=values,
-                                select=select)
+    from .errors import SeveralCheckpoints
+
+    try:
+        report = inspect_checkpoint(ckpt, stats=stats or bool(html_out), filter=filter_, model=model_spec,
+                                    model_args=args, allow_missing=allow_missing,
+                                    allow_unexpected=allow_unexpected, min_loaded=min_loaded, values=values,
+                                    select=select)
+    except SeveralCheckpoints as exc:
+        if model_spec or stats or html_out or filter_:  # those need one checkpoint: the message says to name it
+            raise
+        return _inspect_folder(exc.folder, as_json, no_color)
     if html_out:
         from .render.html import inspect_html
 
@@ -194,11 +353,11 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
     if as_json:
         from .render.json_out import dumps, inspect_json
 
-        click.echo(dumps(inspect_json(report)))
+        echo(dumps(inspect_json(report)))
     else:
         from .render.table import inspect_summary, inspect_table
 
-        click.echo(inspect_table(report, full=full))
+        echo(inspect_table(report, full=full))
         for line in inspect_summary(report, full=full):
             say(line, color="red" if line.startswith(("DANGEROUS", "CODE", "safety", "values", "batchnorm",
                                                       "verdict  strict load F", "verdict  FAILS")) else None,
@@ -206,52 +365,78 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
     return 1 if report.has_problems else 0
 
 
-@main.command(epilog=EXIT_CODES)
-@click.argument("ckpt", type=click.Path(path_type=str))
-@click.option("-o", "--output", required=True, type=click.Path(path_type=str),
-              help="Where to write. The suffix picks the format (.safetensors, or .pt/.pth/.bin for torch).")
-@click.option("--strip-module", is_flag=True, help="Remove a leading `module.` (DataParallel/DDP) where present.")
-@click.option("--add-module", is_flag=True, help="Add a leading `module.` to every key.")
-@click.option("--strip-prefix", multiple=True, metavar="P", help="Remove a leading prefix P where present "
-              "(keys without it are left alone). Repeatable.")
-@click.option("--add-prefix", multiple=True, metavar="P", help="Add prefix P to every key. Repeatable.")
-@click.option("--rename", multiple=True, metavar="REGEX=REPL", help="re.sub(REGEX, REPL, key). Repeatable.")
-@click.option("--drop", multiple=True, metavar="REGEX", help="Leave out tensors and entries whose path matches "
-              "(e.g. --drop '^optimizer'). Repeatable.")
-@click.option("--select", metavar="PATH", help="Write only the tensors under PATH, keyed relative to it: the "
-              "state_dict of a training checkpoint (state_dict, model, ema) or a sub-module of a whole-model pickle.")
-@click.option("--map-location", multiple=True, metavar="DEV|FROM=TO", help="Rewrite saved device tags for good: "
-              "`cpu` (all tensors) or `cuda:3=cuda:0`. Repeatable.")
-@click.option("--dtype", metavar="DT", help="Cast floating tensors to float16, bfloat16 or float32 (integer "
-              "buffers such as num_batches_tracked are untouched).")
-@click.option("--model", "model_spec", metavar="SPEC", help="Model for --auto/--reorder/--map-by-order "
-              "(package.module:attr, file.py:attr or a reference checkpoint).")
-@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Constructor argument.")
-@click.option("--auto", is_flag=True, help="Apply the fix `inspect --model` suggests.")
-@click.option("--reorder", is_flag=True, help="Put keys in the model's state_dict() order.")
-@click.option("--map-by-order", is_flag=True, help="Rename by position, every shape checked; refuses when "
-              "neighbouring tensors share a shape unless --force.")
-@click.option("--allow-missing", metavar="REGEX", help="With --model: the output may lack model keys matching REGEX "
-              "(a new head, kept from the model's own initialisation). Without it, an output that would not load "
-              "strictly is refused.")
-@click.option("--allow-unexpected", metavar="REGEX", help="With --model: the output may hold keys matching REGEX the "
-              "model lacks.")
-@click.option("--tie", "ties", multiple=True, metavar="ALIAS=KEY", help="Also write ALIAS as the same tensor as KEY "
-              "(one storage), as a model with tied weights expects (lm_head.weight=transformer.wte.weight).")
-@click.option("--format", "format_", type=click.Choice(["torch", "safetensors", "dcp"]),
-              help="Override the suffix. dcp: a torch.distributed.checkpoint folder (OUT is a folder) that dcp.load "
-                   "reads into an FSDP2/DTensor model, to resume distributed training.")
-@click.option("--max-shard-size", metavar="SIZE", help="Split the output into shards of at most SIZE (5GB, "
-              "500MB, 2GiB) with an OUT.index.json naming them, as Hugging Face does.")
-@click.option("--dry-run", is_flag=True, help="Print old → new for every key and what the output would hold; "
-              "write nothing.")
-@click.option("--force", is_flag=True, help="Replace an existing output; accept an ambiguous --map-by-order.")
-@click.option("--no-verify", is_flag=True, help="Skip re-reading the output (not recommended).")
-@click.option("--allow-unsafe", is_flag=True, help="Rewrite a file that names dangerous globals, keeping only its "
-              "tensors and plain data (nothing from the file is ever run or written back).")
-@allow_global_option
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-@handle_errors
+def _inspect_folder(folder: Any, as_json: bool, no_color: bool) -> int:
+    """A folder of many checkpoints: one line per file (read several at once), a total; exit as the worst file."""
+    from .listing import list_folder
+    from .render.listing_out import listing_json, listing_summary, listing_table
+
+    listing = list_folder(folder)
+    if as_json:
+        from .render.json_out import dumps
+
+        echo(dumps(listing_json(listing)))
+    elif listing.files:
+        echo(listing_table(listing))
+    for line in listing_summary(listing):
+        say(line, color="red" if line.startswith(("UNSAFE", "Error")) else None, no_color=no_color)
+    return listing.exit_code if listing.files or listing.problems else 2
+
+
+def _fix_options(p: Any) -> None:
+    p.add_argument("ckpt", metavar="CKPT", help="A checkpoint file or folder.")
+    p.add_argument("-o", "--output", required=True, help="Where to write. The suffix picks the format (.safetensors, "
+                   "or .pt/.pth/.bin for torch).")
+    p.add_argument("--strip-module", action="store_true", help="Remove a leading `module.` (DataParallel/DDP) where "
+                   "present.")
+    p.add_argument("--add-module", action="store_true", help="Add a leading `module.` to every key.")
+    p.add_argument("--strip-prefix", action="append", default=[], metavar="P", help="Remove a leading prefix P where "
+                   "present (keys without it are left alone). Repeatable.")
+    p.add_argument("--add-prefix", action="append", default=[], metavar="P", help="Add prefix P to every key. "
+                   "Repeatable.")
+    p.add_argument("--rename", action="append", default=[], metavar="REGEX=REPL", help="re.sub(REGEX, REPL, key). "
+                   "Repeatable.")
+    p.add_argument("--drop", action="append", default=[], metavar="REGEX", help="Leave out tensors and entries whose "
+                   "path matches (e.g. --drop '^optimizer'). Repeatable.")
+    p.add_argument("--select", metavar="PATH", help="Write only the tensors under PATH, keyed relative to it: the "
+                   "state_dict of a training checkpoint (state_dict, model, ema) or a sub-module of a whole-model "
+                   "pickle.")
+    p.add_argument("--map-location", action="append", default=[], metavar="DEV|FROM=TO",
+                   help="Rewrite saved device tags for good: `cpu` (all tensors) or `cuda:3=cuda:0`. Repeatable.")
+    p.add_argument("--dtype", metavar="DT", help="Cast floating tensors to float16, bfloat16 or float32 (integer "
+                   "buffers such as num_batches_tracked are untouched).")
+    p.add_argument("--model", dest="model_spec", metavar="SPEC", help="Model for --auto/--reorder/--map-by-order "
+                   "(package.module:attr, file.py:attr or a reference checkpoint).")
+    p.add_argument("--model-arg", dest="model_args", action="append", default=[], metavar="KEY=VALUE",
+                   help="Constructor argument.")
+    p.add_argument("--auto", action="store_true", help="Apply the fix `inspect --model` suggests.")
+    p.add_argument("--reorder", action="store_true", help="Put keys in the model's state_dict() order.")
+    p.add_argument("--map-by-order", action="store_true", help="Rename by position, every shape checked; refuses "
+                   "when neighbouring tensors share a shape unless --force.")
+    p.add_argument("--allow-missing", metavar="REGEX", help="With --model: the output may lack model keys matching "
+                   "REGEX (a new head, kept from the model's own initialisation). Without it, an output that would "
+                   "not load strictly is refused.")
+    p.add_argument("--allow-unexpected", metavar="REGEX", help="With --model: the output may hold keys matching "
+                   "REGEX the model lacks.")
+    p.add_argument("--tie", dest="ties", action="append", default=[], metavar="ALIAS=KEY",
+                   help="Also write ALIAS as the same tensor as KEY (one storage), as a model with tied weights "
+                   "expects (lm_head.weight=transformer.wte.weight).")
+    p.add_argument("--format", dest="format_", choices=['torch', 'safetensors', 'dcp'],
+                   help="Override the suffix. dcp: a torch.distributed.checkpoint folder (OUT is a folder) that "
+                   "dcp.load reads into an FSDP2/DTensor model, to resume distributed training.")
+    p.add_argument("--max-shard-size", metavar="SIZE", help="Split the output into shards of at most SIZE (5GB, "
+                   "500MB, 2GiB) with an OUT.index.json naming them, as Hugging Face does.")
+    p.add_argument("--dry-run", action="store_true", help="Print old → new for every key and what the output would "
+                   "hold; write nothing.")
+    p.add_argument("--force", action="store_true", help="Replace an existing output; accept an ambiguous "
+                   "--map-by-order.")
+    p.add_argument("--no-verify", action="store_true", help="Skip re-reading the output (not recommended).")
+    p.add_argument("--allow-unsafe", action="store_true", help="Rewrite a file that names dangerous globals, keeping "
+                   "only its tensors and plain data (nothing from the file is ever run or written back).")
+    _allow_global_option(p)
+    p.add_argument("--json", dest="as_json", action="store_true", help="Print the result as JSON on stdout.")
+
+
+@command(_fix_options, EXIT_CODES)
 def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_prefix: tuple[str, ...],
         add_prefix: tuple[str, ...], rename: tuple[str, ...], drop: tuple[str, ...], select: str | None,
         map_location: tuple[str, ...], dtype: str | None, model_spec: str | None, model_args: tuple[str, ...],
@@ -306,6 +491,8 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
         raise UsageError("--model-arg needs --model")
     if (auto or reorder or map_by_order) and not model_spec:
         raise UsageError("--auto, --reorder and --map-by-order need --model SPEC")
+    from pathlib import Path
+
     out_path = Path(output)
     fmt = output_format(out_path, OutputFormat(format_) if format_ else None)
     checkpoint = read_checkpoint(ckpt)
@@ -335,9 +522,9 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
         if as_json:
             from .render.json_out import dumps
 
-            click.echo(dumps(fix_json(plan, None)))
+            echo(dumps(fix_json(plan, None)))
         else:
-            click.echo(dry_run_table(plan))
+            echo(dry_run_table(plan))
         for line in fix_summary(plan, None):
             say(line)
         return 0
@@ -348,28 +535,35 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     if as_json:
         from .render.json_out import dumps
 
-        click.echo(dumps(fix_json(plan, result)))
+        echo(dumps(fix_json(plan, result)))
     for line in fix_summary(plan, result):
         say(line)
     return 0
 
 
-@main.command(epilog=DIFF_EXIT_CODES)
-@click.argument("a", type=click.Path(path_type=str))
-@click.argument("b", type=click.Path(path_type=str))
-@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance: pairs within it count "
-              "as the same (torch.isclose's rule, |B - A| <= atol + rtol*|A|).")
-@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (see --atol).")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON object on stdout instead of the table.")
-@click.option("--full", is_flag=True, help="One row per tensor; by default repeated blocks are collapsed.")
-@click.option("--html", "html_out", metavar="FILE", help="Also write a self-contained page (no network): the verdict, "
-              "the largest changes, a heat map of relative change over depth.")
-@click.option("--strip-prefix", "strip_prefix", multiple=True, metavar="P",
-              help="Map A's names onto B's yourself (as fix does; repeatable): remove a leading P from A's keys.")
-@click.option("--add-prefix", "add_prefix", multiple=True, metavar="P", help="Add a leading P to A's keys.")
-@click.option("--rename", "rename", multiple=True, metavar="REGEX=REPL", help="re.sub on A's keys.")
-@allow_global_option
-@handle_errors
+def _diff_options(p: Any) -> None:
+    p.add_argument("a", metavar="A", help="The checkpoint compared from (the reference).")
+    p.add_argument("b", metavar="B", help="The checkpoint compared with A.")
+    p.add_argument("--atol", type=float, default=0.0, help="Absolute tolerance: pairs within it count as the same "
+                   "(torch.isclose's rule, |B - A| <= atol + rtol*|A|). (default: %(default)s)")
+    p.add_argument("--rtol", type=float, default=0.0, help="Relative tolerance (see --atol). (default: %(default)s)")
+    p.add_argument("--json", dest="as_json", action="store_true", help="Print a JSON object on stdout instead of the "
+                   "table.")
+    p.add_argument("--full", action="store_true", help="One row per tensor; by default repeated blocks are "
+                   "collapsed.")
+    p.add_argument("--html", dest="html_out", metavar="FILE", help="Also write a self-contained page (no network): "
+                   "the verdict, the largest changes, a heat map of relative change over depth.")
+    p.add_argument("--strip-prefix", dest="strip_prefix", action="append", default=[], metavar="P",
+                   help="Map A's names onto B's yourself (as fix does; repeatable): remove a leading P from A's "
+                   "keys.")
+    p.add_argument("--add-prefix", dest="add_prefix", action="append", default=[], metavar="P",
+                   help="Add a leading P to A's keys.")
+    p.add_argument("--rename", dest="rename", action="append", default=[], metavar="REGEX=REPL",
+                   help="re.sub on A's keys.")
+    _allow_global_option(p)
+
+
+@command(_diff_options, DIFF_EXIT_CODES)
 def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, full: bool, html_out: str | None,
          strip_prefix: tuple[str, ...], add_prefix: tuple[str, ...], rename: tuple[str, ...],
          allow_global: tuple[str, ...]) -> int:
@@ -412,47 +606,52 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, full: bool, ht
     if as_json:
         from .render.json_out import dumps
 
-        click.echo(dumps(diff_json(report)))
+        echo(dumps(diff_json(report)))
     else:
-        click.echo(diff_table(report, full))
+        echo(diff_table(report, full))
     for line in diff_summary(report):
         say(line)
     return 0 if report.same else 1
 
 
-@main.command(epilog=EXIT_CODES)
-@click.argument("ckpt", type=click.Path(path_type=str))
-@click.option("--model", "model_spec", required=True, metavar="SPEC",
-              help="package.module:attr or path/to/file.py:attr: the model class or factory.")
-@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Constructor argument.")
-@click.option("--input-shape", "input_shapes", multiple=True, metavar="8,3,32,32",
-              help="Shape of a seeded random input (repeatable for several inputs). The first size is the batch.")
-@click.option("--input-dtype", default="float32", show_default=True, help="dtype of the generated inputs.")
-@click.option("--input-range", default="0,100", show_default=True, metavar="LOW,HIGH",
-              help="Range of integer inputs (token ids).")
-@click.option("--input", "input_fn", metavar="MODULE:FUNCTION", help="A function returning the input(s).")
-@click.option("--gpus", default=2, show_default=True, type=click.IntRange(1), help="DataParallel devices and DDP "
-              "world size.")
-@click.option("--mode", "modes", default="single,dp,ddp", show_default=True, help="Which runs, comma separated.")
-@click.option("--timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="Seconds before a DDP run that has not finished is killed and reported as hung.")
-@click.option("--allow-skip", is_flag=True, help="Exit 0 when a mode was skipped for lack of GPUs.")
-@click.option("--summary", is_flag=True, help="Each module's output shape and parameter count.")
-@click.option("--compare-to", metavar="OTHER_CKPT", help="The first module whose output differs between the two "
-              "checkpoints (finds a layer a mapping by order got wrong).")
-@click.option("--select", metavar="PATH", help="Verify the state_dict at PATH in the file (model_ema, "
-              "state_dict.model) instead of the one found.")
-@click.option("--allow-missing", metavar="REGEX", help="Accept model keys matching REGEX being missing or of another "
-              "shape: the model keeps its own values there (a fine-tuned head), as in inspect --model.")
-@click.option("--allow-unexpected", metavar="REGEX", help="Accept (and leave out) checkpoint keys matching REGEX the "
-              "model does not have.")
-@click.option("--rtol", type=click.FloatRange(min=0), help="Relative tolerance for comparing outputs (default: "
-              "torch.testing.assert_close's for each output's dtype, x16 where the batch was split).")
-@click.option("--atol", type=click.FloatRange(min=0), help="Absolute tolerance for comparing outputs (default as "
-              "--rtol).")
-@allow_global_option
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@handle_errors
+def _verify_options(p: Any) -> None:
+    p.add_argument("ckpt", metavar="CKPT", help="A checkpoint file or folder.")
+    p.add_argument("--model", dest="model_spec", required=True, metavar="SPEC", help="package.module:attr or "
+                   "path/to/file.py:attr: the model class or factory.")
+    p.add_argument("--model-arg", dest="model_args", action="append", default=[], metavar="KEY=VALUE",
+                   help="Constructor argument.")
+    p.add_argument("--input-shape", dest="input_shapes", action="append", default=[], metavar="8,3,32,32",
+                   help="Shape of a seeded random input (repeatable for several inputs). The first size is the "
+                   "batch.")
+    p.add_argument("--input-dtype", default="float32", help="dtype of the generated inputs. (default: %(default)s)")
+    p.add_argument("--input-range", default="0,100", metavar="LOW,HIGH", help="Range of integer inputs (token ids). "
+                   "(default: %(default)s)")
+    p.add_argument("--input", dest="input_fn", metavar="MODULE:FUNCTION", help="A function returning the input(s).")
+    p.add_argument("--gpus", default=2, type=_positive_int, help="DataParallel devices and DDP world size. (default: "
+                   "%(default)s)")
+    p.add_argument("--mode", dest="modes", default="single,dp,ddp", help="Which runs, comma separated. (default: "
+                   "%(default)s)")
+    p.add_argument("--timeout", default=300.0, type=_positive_float, help="Seconds before a DDP run that has not "
+                   "finished is killed and reported as hung. (default: %(default)s)")
+    p.add_argument("--allow-skip", action="store_true", help="Exit 0 when a mode was skipped for lack of GPUs.")
+    p.add_argument("--summary", action="store_true", help="Each module's output shape and parameter count.")
+    p.add_argument("--compare-to", metavar="OTHER_CKPT", help="The first module whose output differs between the two "
+                   "checkpoints (finds a layer a mapping by order got wrong).")
+    p.add_argument("--select", metavar="PATH", help="Verify the state_dict at PATH in the file (model_ema, "
+                   "state_dict.model) instead of the one found.")
+    p.add_argument("--allow-missing", metavar="REGEX", help="Accept model keys matching REGEX being missing or of "
+                   "another shape: the model keeps its own values there (a fine-tuned head), as in inspect --model.")
+    p.add_argument("--allow-unexpected", metavar="REGEX", help="Accept (and leave out) checkpoint keys matching "
+                   "REGEX the model does not have.")
+    p.add_argument("--rtol", type=_non_negative_float, help="Relative tolerance for comparing outputs (default: "
+                   "torch.testing.assert_close's for each output's dtype, x16 where the batch was split).")
+    p.add_argument("--atol", type=_non_negative_float, help="Absolute tolerance for comparing outputs (default as "
+                   "--rtol).")
+    _allow_global_option(p)
+    p.add_argument("--json", dest="as_json", action="store_true", help="Print the report as JSON.")
+
+
+@command(_verify_options, EXIT_CODES)
 def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes: tuple[str, ...], input_dtype: str,
            input_range: str, input_fn: str | None, gpus: int, modes: str, timeout: float, allow_skip: bool,
            summary: bool, compare_to: str | None, select: str | None, allow_missing: str | None,
@@ -522,7 +721,7 @@ def _report_verify(report, as_json: bool, compare_to: str | None) -> int:
     if as_json:
         from .render.json_out import dumps
 
-        click.echo(dumps(verify_json(report)))
+        echo(dumps(verify_json(report)))
     if report.comparison is not None and not report.comparison.strict_ok:
         from .render.compare_out import comparison_lines
 
@@ -532,7 +731,7 @@ def _report_verify(report, as_json: bool, compare_to: str | None) -> int:
             "differences with --allow-missing / --allow-unexpected", color="red")
         return 1
     if not as_json:
-        click.echo(verify_table(report))
+        echo(verify_table(report))
     if report.compared_to:
         say(f"first module whose output differs from {report.compared_to}: {report.first_difference}"
             if report.first_difference else f"every module's output agrees with {report.compared_to}")
@@ -553,13 +752,15 @@ def _report_verify(report, as_json: bool, compare_to: str | None) -> int:
     return 0 if report.ok else 1
 
 
-@main.command(epilog=EXIT_CODES)
-@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
-@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
-@click.option("--all", "show_all", is_flag=True, help="List allow-listed globals too.")
-@allow_global_option
-@click.option("--no-color", is_flag=True, help="No colour on stderr (NO_COLOR is honoured too).")
-@handle_errors
+def _scan_options(p: Any) -> None:
+    p.add_argument("paths", nargs="+", metavar="PATH", help="Files or folders (searched recursively).")
+    p.add_argument("--json", dest="as_json", action="store_true", help="Print the findings as JSON.")
+    p.add_argument("--all", dest="show_all", action="store_true", help="List allow-listed globals too.")
+    _allow_global_option(p)
+    p.add_argument("--no-color", action="store_true", help="No colour on stderr (NO_COLOR is honoured too).")
+
+
+@command(_scan_options, EXIT_CODES)
 def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, allow_global: tuple[str, ...], no_color: bool) -> int:
     """Would torch.load(weights_only=False) run code from these files? Every global every pickle names, judged.
 
@@ -592,9 +793,9 @@ def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, allow_global: tu
     if as_json:
         from .render.json_out import dumps
 
-        click.echo(dumps(scan_json(report)))
+        echo(dumps(scan_json(report)))
     elif report.files:
-        click.echo(scan_table(report, show_all))
+        echo(scan_table(report, show_all))
     if report.exit_code == 2 and len(report.files) + len(report.problems) == 1:
         # one unreadable path: one line, as everywhere
         say(f"Error: {report.errors[0]}", color="red", no_color=no_color)

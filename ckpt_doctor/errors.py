@@ -49,3 +49,12 @@ class WriteError(CkptDoctorError):
 
 class VerifyError(CkptDoctorError):
     """verify could not be run at all (as opposed to running and failing)."""
+
+
+class SeveralCheckpoints(ReadError):
+    """A folder that is not one checkpoint but holds several (a run's saves, a model zoo): `inspect` lists them,
+    one line each; commands that need one checkpoint report this message."""
+
+    def __init__(self, message: str, folder: object) -> None:
+        super().__init__(message)
+        self.folder = folder

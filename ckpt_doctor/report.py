@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from .analyze import PrefixFinding, find_prefixes, parameter_count, shared_groups
-from .errors import ReadError, UsageError
+from .errors import ReadError, SeveralCheckpoints, UsageError
 from .readers import read_checkpoint
 from .records import Checkpoint, Hazard, SharedGroup, TensorRecord, Verdict
 from .devices import missing_devices
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
+    from typing import Any
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
     folder = checkpoint is None and Path(path).is_dir()
     try:
         ckpt = checkpoint or read_checkpoint(path)
+    except SeveralCheckpoints:
+        raise  # `inspect` lists them; for anything else, the message says which to name
     except ReadError as exc:
         if not folder or exc.findings:
             raise

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -33,10 +34,15 @@ class Result:
 
 
 def run_cli(*args: object) -> Result:
-    """The CLI through click's CliRunner, with stdout and stderr kept apart."""
-    runner = CliRunner()
-    result = runner.invoke(main, [str(a) for a in args], catch_exceptions=False)
-    return Result(result.exit_code, result.stdout, result.stderr)
+    """The CLI's entry point in this process, with stdout and stderr captured apart."""
+    out, err = io.StringIO(), io.StringIO()
+    code: object = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in args])
+        except SystemExit as exc:
+            code = exc.code
+    return Result(code if isinstance(code, int) else (0 if code is None else 1), out.getvalue(), err.getvalue())
 
 
 @pytest.fixture

@@ -51,7 +51,7 @@ def test_human_output_warns(tmp_path, cli):
 
 def test_inspect_does_not_import_torch(fixtures):
     code = ("import sys\nfrom ckpt_doctor.cli import main\n"
-            "try:\n    main(['inspect', sys.argv[1], '--json'], standalone_mode=False)\nexcept SystemExit:\n    pass\n"
+            "try:\n    main(['inspect', sys.argv[1], '--json'])\nexcept SystemExit:\n    pass\n"
             "print('torch' in sys.modules, file=sys.stderr)")
     for name in ("plain", "legacy", "safetensors", "torchscript", "whole_model", "sharded_bin"):
         proc = subprocess.run([sys.executable, "-c", code, str(fixtures[name]["path"])], capture_output=True,

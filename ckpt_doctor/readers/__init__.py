@@ -9,7 +9,7 @@ import stat
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import ReadError
+from ..errors import ReadError, SeveralCheckpoints
 from ..records import Checkpoint, Format
 from ..safepickle import limits
 from ..sniff import Container, describe_other
@@ -195,12 +195,13 @@ def read_folder(folder: Path) -> Checkpoint:
                      for p in sorted(sub.iterdir()) if p.is_file() and _looks_like_checkpoint(p)][:4]
             if below:
                 names = ", ".join(str(p.relative_to(folder)) for p in below)
-                raise ReadError(f"{folder}: folder holds no checkpoint at its top level, but its subfolders do "
-                                f"({names}); name one, e.g. ckpt-doctor inspect {below[0]}")
+                raise SeveralCheckpoints(f"{folder}: folder holds no checkpoint at its top level, but its subfolders "
+                                         f"do ({names}); name one, e.g. ckpt-doctor inspect {below[0]}", folder)
             raise ReadError(f"{folder}: folder holds no checkpoint (no *.index.json, and no file whose bytes are a "
                             "torch zip, tar, pickle or safetensors)")
         names = ", ".join(p.name for p in candidates[:5])
-        raise ReadError(f"{folder}: folder holds {len(candidates)} checkpoints ({names}); name the file to open")
+        raise SeveralCheckpoints(f"{folder}: folder holds {len(candidates)} checkpoints ({names}); name the file to "
+                                 "open", folder)
     ckpt = read_sharded(chosen) if chosen.name.endswith(".index.json") else read_file(chosen)
     if "optimizer.bin" in names and any(n.startswith("random_states_") for n in names):
         note = (f"accelerate save_state folder: the model is {chosen.name}; optimizer.bin (an optimizer's "
@@ -234,39 +235,31 @@ def parse_json(raw: bytes, path: Path, what: str) -> object:
         raise ReadError(f"{path}: {what} is not valid JSON ({exc.msg} at {exc.pos})") from None
     except (ValueError, RecursionError) as exc:  # an integer of thousands of digits
         raise ReadError(f"{path}: {what} holds a value no JSON reader accepts ({str(exc)[:80]})") from None
-    if _has_lone_surrogate(value):
+    if _has_lone_surrogate(value, text):
         raise ReadError(f"{path}: {what} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which JSON readers refuse")
     return value
 
 
 def _json_depth(text: str) -> int:
-    """How deep brackets nest (strings skipped), without recursion: a 200,000-deep header must not crash the parser."""
+    """How deep brackets nest (strings skipped), without recursion: a 200,000-deep header must not crash the parser.
+    The strings and everything but brackets are cut out by one regex, and the depth is the highest running sum."""
     if text.count("[") + text.count("{") <= limits.MAX_JSON_DEPTH:
         return 0
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > limits.MAX_JSON_DEPTH:
-                    return deepest
-        elif ch in "]}":
-            depth -= 1
-    return deepest
+    import re
+    from itertools import accumulate
+
+    # a string (an unterminated one runs to the end, as a parser reads it), or any run of other non-bracket text
+    brackets = re.sub(r'"[^"\\]*(?:\\(?:.|$)[^"\\]*)*(?:"|$)|[^"\[\]{}]+', "", text, flags=re.S)
+    return max(accumulate(1 if ch in "[{" else -1 for ch in brackets), default=0)
 
 
-def _has_lone_surrogate(value: object) -> bool:
+def _has_lone_surrogate(value: object, text: str) -> bool:
+    """Text decoded from UTF-8 holds no surrogate: one can only come from a \\uD800-\\uDFFF escape, so the values
+    are walked only when the text has one (a pair that makes one character is fine)."""
+    import re
+
+    if not re.search(r"\\u[dD][89a-fA-F]", text):
+        return False
     stack = [value]
     while stack:
         item = stack.pop()
