@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, OrderedDict, defaultdict
-from dataclasses import dataclass
+from ._record import record
 
 from .records import Checkpoint, SharedGroup, TensorRecord
 
@@ -13,7 +13,7 @@ WRAPPER_TOKENS = ("module", "_orig_mod", "model", "_fsdp_wrapped_module", "_chec
 MAX_WRAPPERS = 8
 
 
-@dataclass(frozen=True)
+@record
 class PrefixFinding:
     prefix: str  # the wrapper token with its dot, e.g. "module."
     where: str  # the key part before it ("" for the outermost, "features." in the middle)
@@ -88,7 +88,7 @@ def shared_groups(tensors: tuple[TensorRecord, ...] | list[TensorRecord]) -> lis
 _NUM = re.compile(r"(?<![^.])(\d+)(?=\.|$)")
 
 
-@dataclass(frozen=True)
+@record
 class Row:
     """One line of the table: a tensor, or a block of tensors that differ only by one index."""
 

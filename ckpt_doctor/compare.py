@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from ._record import field, record
 from typing import Any
 
 from .analyze import find_prefixes
@@ -25,14 +25,14 @@ from .transforms import Op, Transform, add_prefix, flags_for, plan_keys, rename,
 BN_STATS = ("running_mean", "running_var")  # without them a BatchNorm normalizes with its initial statistics
 
 
-@dataclass(frozen=True)
+@record
 class Mismatch:
     key: str
     checkpoint_shape: tuple[int, ...]
     model_shape: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@record
 class LoadCheck:
     """What one strict load of a set of (key, shape, dtype) into the model says."""
 
@@ -50,7 +50,7 @@ class LoadCheck:
         return not (self.missing or self.unexpected or self.mismatched or self.errors)
 
 
-@dataclass(frozen=True)
+@record
 class Comparison:
     """The verdict of a strict load of the checkpoint's state_dict into the model, and the fix for it."""
 
@@ -300,7 +300,7 @@ def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, *, select: str | None
 
 
 def _replace(c: Comparison, **changes: Any) -> Comparison:
-    from dataclasses import replace
+    from ._record import replace
 
     return replace(c, **changes)
 
@@ -427,7 +427,7 @@ def _alternation(keys: list[str] | tuple[str, ...]) -> str:
 
 # --- the fix --------------------------------------------------------------------------------------------------------
 
-@dataclass
+@record(frozen=False)
 class Fix:
     kind: str = "none"  # none | rename | map-by-order | partial
     root: str | None = None  # a --select other than the file's state_dict root

@@ -6,7 +6,7 @@ import enum
 import os
 import re
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from ._record import field, record, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -48,7 +48,7 @@ def output_format(output: Path, requested: OutputFormat | None) -> OutputFormat:
     return fmt
 
 
-@dataclass(frozen=True)
+@record
 class FixOptions:
     transforms: tuple[Transform, ...] = ()
     select: str | None = None
@@ -66,7 +66,7 @@ class FixOptions:
     closest: tuple[str, ...] = ()  # with --auto: the flags of the fix inspect --model infers, for the message
 
 
-@dataclass(frozen=True)
+@record
 class OutTensor:
     key: str  # full key in the output
     source: TensorRecord
@@ -74,7 +74,7 @@ class OutTensor:
     device: str
 
 
-@dataclass(frozen=True)
+@record
 class FixPlan:
     input: Path
     output: Path
@@ -103,7 +103,7 @@ class FixPlan:
         return total
 
 
-@dataclass(frozen=True)
+@record
 class FixResult:
     plan: FixPlan
     bytes: int

@@ -7,13 +7,13 @@ and kept when they look like a checkpoint (a zip, a tar, safetensors, or a pickl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ._record import record
 from pathlib import Path
 
 from .errors import CkptDoctorError
 
 
-@dataclass(frozen=True)
+@record
 class FileLine:
     path: Path
     format: str | None = None
@@ -32,7 +32,7 @@ class FileLine:
         return 2 if self.error else 0
 
 
-@dataclass(frozen=True)
+@record
 class FolderListing:
     folder: Path
     files: tuple[FileLine, ...]

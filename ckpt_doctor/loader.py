@@ -100,7 +100,7 @@ def load_into(model: Any, path: str | Path, fix: str | None = "auto", device: An
     """
     import re
 
-    from dataclasses import replace as _replace
+    from ._record import replace as _replace
 
     from .compare import compare_tensors
 

@@ -7,7 +7,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from ._record import field, record, replace
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ from typing import Any
 from .errors import ModelSpecError, UsageError
 
 
-@dataclass(frozen=True)
+@record
 class ModelEntry:
     key: str
     shape: tuple[int, ...]
@@ -23,7 +23,7 @@ class ModelEntry:
     is_parameter: bool
 
 
-@dataclass(frozen=True)
+@record
 class ModelKeys:
     """What a strict load needs: the state_dict keys in order, and the non-persistent buffers it skips; with the
     model itself (built on meta) when there is one, so that torch's own loading code can be asked."""

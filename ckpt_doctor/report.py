@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from ._record import field, record, replace
 from pathlib import Path
 
 from .analyze import PrefixFinding, find_prefixes, parameter_count, shared_groups
@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # names for annotations only: importing typing costs every st
     from typing import Any
 
 
-@dataclass(frozen=True)
+@record
 class InspectReport:
     checkpoint: Checkpoint
     tensors: tuple[TensorRecord, ...]  # after --filter

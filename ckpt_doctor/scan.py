@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass, field
+from ._record import field, record
 from pathlib import Path
 
 from .errors import CkptDoctorError
@@ -21,7 +21,7 @@ from .safepickle.policy import Verdict
 from .sniff import Container, folder_files
 
 
-@dataclass(frozen=True)
+@record
 class FileScan:
     path: Path
     container: str | None  # what the bytes are: zip, tar, pickle, safetensors, npy, other
@@ -52,7 +52,7 @@ class FileScan:
         return 2 if self.error else 0
 
 
-@dataclass(frozen=True)
+@record
 class ScanReport:
     files: tuple[FileScan, ...]
     problems: tuple[str, ...] = ()  # paths that could not be scanned at all
@@ -143,7 +143,7 @@ def _with_dcp_items(results: list[FileScan], skipped: list[str],
                     unread: list[str]) -> tuple[list[FileScan], list[str]]:
     """In a torch.distributed.checkpoint folder, the byte ranges its metadata names are what torch's DCP reader
     loads: each is walked too (a range need not start where the file's own archives do)."""
-    from dataclasses import replace
+    from ._record import replace
 
     from .readers.dcp import METADATA, RANK_METADATA, inflate_zstd, metadata_items
     from .readers.survey import survey_item

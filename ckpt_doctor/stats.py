@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from ._record import record
 
 from .records import TensorRecord
 from .tensordata import load_tensor
@@ -12,7 +12,7 @@ CHUNK = 1 << 24
 HIST_BINS = 16
 
 
-@dataclass(frozen=True)
+@record
 class TensorStats:
     min: float | None
     max: float | None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import re
 from collections import Counter
-from dataclasses import dataclass
+from ._record import record
 
 from .errors import PlanError, UsageError
 
@@ -22,7 +22,7 @@ class Op(str, enum.Enum):
 APPLY_ORDER = (Op.DROP, Op.STRIP_PREFIX, Op.RENAME, Op.ADD_PREFIX)
 
 
-@dataclass(frozen=True)
+@record
 class Transform:
     op: Op
     arg: str
@@ -86,7 +86,7 @@ def ordered(transforms: list[Transform]) -> list[Transform]:
     return sorted(transforms, key=lambda t: APPLY_ORDER.index(t.op))
 
 
-@dataclass(frozen=True)
+@record
 class KeyPlan:
     """What happens to every key: old -> new for kept keys (in output order), and the dropped ones."""
 

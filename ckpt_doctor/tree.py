@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from ._record import field, record
 
 from .errors import ReadError
 from .safepickle import limits
@@ -22,7 +22,7 @@ STATE_DICT_NAMES = ("state_dict", "model_state_dict", "model_state", "model", "m
 TorchScriptMembers = "Callable[[str], tuple[tuple[str, ...], tuple[str, ...], bool] | None]"  # for annotations
 
 
-@dataclass
+@record(frozen=False)
 class Flat:
     tensors: list[tuple[str, RawTensor]] = field(default_factory=list)
     metadata: "OrderedDict[str, Any]" = field(default_factory=OrderedDict)

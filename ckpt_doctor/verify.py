@@ -379,7 +379,7 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
            tolerance: Tolerance = Tolerance()) -> VerifyReport:
     """Strict load (with the allowances given), then the runs asked for. `compare_to` is loaded with the fix
     `inspect --model` infers for it, so the file a checkpoint was repaired from compares as it is."""
-    from dataclasses import replace
+    from ._record import replace
 
     import torch
 

@@ -64,10 +64,12 @@ def test_folder_without_checkpoints(tmp_path, cli):
 
 
 def test_folder_with_several_checkpoints_asks_which(tmp_path, fixtures, cli):
+    """fix needs one checkpoint: it names the choices (inspect lists them, one line each: test_listing.py)."""
     for name in ("a.pt", "b.pt"):
         shutil.copy(fixtures["plain"]["path"], tmp_path / name)
-    result = cli("inspect", tmp_path)
+    result = cli("fix", tmp_path, "-o", tmp_path.parent / "out.pt")
     assert_one_error_line(result, "a.pt")
+    assert cli("inspect", tmp_path).exit_code == 0
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")

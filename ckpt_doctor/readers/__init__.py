@@ -6,7 +6,7 @@ import json
 import os
 import re
 import stat
-from dataclasses import replace
+from .._record import replace
 from pathlib import Path
 
 from ..errors import ReadError, SeveralCheckpoints

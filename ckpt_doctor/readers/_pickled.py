@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 import struct
-from dataclasses import replace
+from .._record import replace
 from pathlib import Path
 
 from ..dtypes import ELEMENT_SIZE, element_size

@@ -574,7 +574,7 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
     ckpt = build_checkpoint(folder, Format.DCP, root, unpicklers, notes=notes,
                             extra_globals=tuple(survey_globals + items.globals + view_globals),
                             extra_bytes=items.walked_bytes)
-    from dataclasses import replace
+    from .._record import replace
 
     if not all(isinstance(v, RawTensor) for v in root.values()):  # a flat state_dict needs no contents line
         distributed["contents"] = _contents(root, ckpt.state_dict_root)
@@ -713,7 +713,7 @@ def read_hf_shards(folder: Path, shards: list[Path]) -> Checkpoint:
              f"({sharded} sharded) in {len(shards)} safetensors files; shapes are the largest offset + size over each "
              "tensor's chunks (the writer records no global shape)",)
     ckpt = build_checkpoint(folder, Format.DCP, root, [], notes=notes)
-    from dataclasses import replace
+    from .._record import replace
 
     return replace(ckpt, files=tuple(shards), layouts=layouts,
                    distributed={"format": "torch.distributed.checkpoint", "files": len(shards),
@@ -775,7 +775,7 @@ def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
                 ".metadata beside it the items' names are unknown and shapes are the chunks' own")
     ckpt = build_checkpoint(path, Format.TORCH_ZIP, root, [], notes=(note,),
                             extra_bytes=sum(len(i.main_pickle or b"") for i in survey.items))
-    from dataclasses import replace
+    from .._record import replace
 
     return replace(ckpt, distributed={"format": "torch.distributed.checkpoint", "shard_of": str(folder)})
 

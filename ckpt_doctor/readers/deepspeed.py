@@ -21,7 +21,7 @@ import os
 import re
 import stat
 from collections import OrderedDict
-from dataclasses import replace
+from .._record import replace
 from math import ceil, prod
 from pathlib import Path
 from typing import Any

@@ -14,7 +14,7 @@ import os
 import re
 import struct
 import zlib
-from dataclasses import dataclass, field
+from .._record import field, record
 from pathlib import Path
 
 from ..errors import CkptDoctorError, ReadError
@@ -35,7 +35,7 @@ _TEXT_RECORDS = frozenset({"version", ".data/version", "byteorder", ".format_ver
                            ".data/serialization_id", "extra/producer_info.json"})
 
 
-@dataclass
+@record(frozen=False)
 class Survey:
     path: Path
     size: int

@@ -14,7 +14,7 @@ import io
 import os
 import struct
 import tarfile
-from dataclasses import dataclass, field
+from .._record import field, record
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ MEMBERS = ("storages", "tensors", "pickle")
 MAX_TAR_MEMBERS = 100_000  # a torch tar file has three
 
 
-@dataclass
+@record(frozen=False)
 class TarLayout:
     """What torch's tar path would read, and what walking its pickles found."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
-from dataclasses import dataclass
+from .._record import record
 
 from ..errors import UsageError
 
@@ -38,7 +38,7 @@ class Verdict(str, enum.Enum):
 _RANK = {Verdict.SAFE: 0, Verdict.CODE: 1, Verdict.DANGEROUS: 2}
 
 
-@dataclass(frozen=True)
+@record
 class GlobalRef:
     """A global a pickle names, as the pickle spells it, with the verdict on what it resolves to."""
 

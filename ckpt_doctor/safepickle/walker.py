@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copyreg
 import struct
-from dataclasses import dataclass, field
+from .._record import field, record
 
 from . import limits
 from .policy import GlobalRef, Verdict, classify
@@ -51,7 +51,7 @@ class _OutOfTime(_Refuse):
     """The walk met its opcode budget: what follows is not known."""
 
 
-@dataclass
+@record(frozen=False)
 class Walk:
     """What walking a run of pickles found."""
 
@@ -337,9 +337,12 @@ class _Machine:
                         stack.append(value)
                     cur += 2
                     continue
-                if op == 0x4B:  # K BININT1
+                if op == 0x4B or op == 0x4D or op == 0x4A:  # K BININT1, M BININT2, J BININT: 1, 2 or 4 bytes
+                    cur += 2 if op == 0x4B else 3 if op == 0x4D else 5
+                    if cur > n:
+                        self.pos = cur - (1 if op == 0x4B else 2 if op == 0x4D else 4)
+                        raise _Truncated("the data ends inside an opcode's argument")
                     stack.append(NOT)
-                    cur += 2
                     continue
                 if op == 0x28:  # ( MARK
                     metastack.append(stack)
@@ -406,12 +409,6 @@ class _Machine:
                     items, stack = stack, self._pop_mark(metastack)
                     if len(items) % 2 or not stack:
                         raise _Break("SETITEMS without a dict or with an odd number of items")
-                elif op == 0x4D:  # M BININT2
-                    take(2)
-                    stack.append(NOT)
-                elif op == 0x4A:  # J BININT
-                    take(4)
-                    stack.append(NOT)
                 elif op == 0x6A:  # j LONG_BINGET
                     (index,) = _LE4.unpack_from(data, take(4))
                     self._get(stack, memo, index)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass
+from .._record import record
 from typing import Callable
 
 from ..dtypes import TORCH_TO_SAFETENSORS
@@ -13,7 +13,7 @@ from ..errors import WriteError
 from .stream import Progress, WrittenRanges, copy_range, preallocate, write_bytes
 
 
-@dataclass
+@record(frozen=False)
 class TensorBytes:
     """One safetensors entry: dtype, shape and where its contiguous bytes come from."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
+from .._record import record
 from typing import Callable
 
 from .stream import FOLIO, Progress, WrittenRanges, copy_bytes, copy_range, crc32, preallocate, write_bytes
@@ -13,7 +13,7 @@ ALIGN = 64  # torch aligns every payload to 64 bytes (torch.load(mmap=True) reli
 _U32 = 0xFFFFFFFF
 
 
-@dataclass
+@record(frozen=False)
 class StorageOut:
     """One `data/N` entry: where its bytes come from (or a producer for converted bytes), and its crc."""
 
@@ -27,7 +27,7 @@ class StorageOut:
     offset: int = 0  # data offset in the output, set when written
 
 
-@dataclass
+@record(frozen=False)
 class _Entry:
     name: bytes
     header_offset: int
