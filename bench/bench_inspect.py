@@ -2,8 +2,9 @@
 
     python bench/bench_inspect.py [--dir /tmp/ckpt-bench] [--gb 1.5] [--tensors 1000]
 
-Prints each figure beside its baseline measured in the same run, as a ratio. Targets (DESIGN.md):
-inspect >= 30x faster than torch.load, peak RSS <= 60 MB; 20,000 tensors in <= 0.5 s.
+Prints each figure beside its baseline measured in the same run, as a ratio. Targets (DESIGN.md): inspect of a
+1-2 GB file <= 0.05 s whole process and <= 30 MB; 20,000 tensors in <= 0.2 s. bench_startup.py measures the same
+against the safetensors library's own listing and `torch.load(mmap=True)`, as medians of interleaved rounds.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def main() -> None:
     print(row("python -c 'import torch' (for scale)", t_import, rss_import))
     print(row("torch.load + listing, 20,000 tensors", t_many_load, rss_many_load))
     print(row("ckpt-doctor inspect --json, 20,000 tensors", t_many, rss_many, t_many_load, "torch.load"))
-    ok = t_load / t_doc >= 30 and rss_doc <= 60 and t_many <= 0.5
-    print(f"targets (>=30x, <=60 MB, 20k tensors <=0.5 s): {'met' if ok else 'NOT met'}")
+    print(f"targets: <= 0.05 s: {'met' if t_doc <= 0.05 else 'NOT met'}; <= 30 MB: "
+          f"{'met' if rss_doc <= 30 else 'NOT met'}; 20,000 tensors <= 0.2 s: {'met' if t_many <= 0.2 else 'NOT met'}")
 
 
 if __name__ == "__main__":
