@@ -5,7 +5,8 @@
 B is A with one tensor in eight scaled, C is A with every tensor scaled (a full fine-tune; written by torch in a child
 process). Targets: diff <= 2x the `cat` of both
 files, peak RSS <= 200 MB; `--html` adds <= 1 s for a 20,000-tensor pair. Each figure beside its baseline from the
-same interleaved rounds.
+same interleaved rounds. A vs C is the case diff's forked worker is for (half the float64 arithmetic on the second
+core); the peak RSS wait4 reports is the larger of diff's and its worker's.
 """
 
 from __future__ import annotations

@@ -4,20 +4,25 @@ Names are matched as `inspect A --model B` matches them (the same inferred renam
 state_dict), so a DataParallel file and its clean copy compare as the same weights. For each pair: shape and dtype
 changes, max |B − A|, the relative change ‖B − A‖ / ‖A‖ and the cosine similarity, computed in float64 over blocks
 of the flattened tensors (never both files in memory). A pair is identical when its bytes are; within --atol/--rtol
-it is close (torch.isclose's rule: |B − A| <= atol + rtol·|A|, NaN equal to NaN).
+it is close (torch.isclose's rule: |B − A| <= atol + rtol·|A|, NaN equal to NaN). When many pairs changed, a forked
+worker takes half of that arithmetic to the second core (_Figures).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from ._record import field, record
 from pathlib import Path
-from typing import Any
+from sys import intern
 
+from .dtypes import element_size
 from .records import Checkpoint, TensorRecord
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
+    from typing import Any
 
 
-@dataclass(frozen=True)
+@record
 class PairStats:
     max_abs: float
     rel: float  # ‖B − A‖ / ‖A‖; inf when A is all zeros and B is not
@@ -26,7 +31,7 @@ class PairStats:
     close: bool  # within the tolerances
 
 
-@dataclass(frozen=True)
+@record
 class TensorDiff:
     key: str  # the name in B (in A when only A has it)
     a_key: str | None
@@ -38,7 +43,7 @@ class TensorDiff:
     stats: PairStats | None = None
 
 
-@dataclass(frozen=True)
+@record
 class DiffReport:
     a: Checkpoint
     b: Checkpoint
@@ -65,6 +70,15 @@ _NUMPY = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", 
 BLOCK = 1 << 15  # elements per float64 block: 256 KB each, so the arithmetic stays in the CPU's cache
 WINDOW = 1 << 24  # bytes of a tensor mapped at a time, and of each file between drops: memory stays near two windows
 SMALL = 1 << 16  # pairs up to this many bytes are compared as copies: cheaper than setting up two array views
+# The float64 arithmetic of a changed pair costs about twice reading it, and threads do not share it out here (the
+# GIL: measured), so past WORKER_AFTER bytes of changed pairs a forked copy of this process takes batches of pieces
+# and computes them from its own maps of the files, while this one compares bytes and computes the rest.
+WORKER_AFTER = 1 << 25  # changed bytes (both sides) seen before the worker is forked: less is not worth a fork
+BATCH = 1 << 24  # bytes (both sides) per message to the worker: a few ms of work against a ~0.1 ms round trip
+BATCH_PIECES = 256  # and at most this many pieces: answers stay far below a pipe's buffer, so the worker never
+# blocks writing one while this process blocks writing it the next batch
+IN_FLIGHT = 2  # batches queued at the worker: one in hand and one waiting, so it never idles on a round trip
+WORKER_TIMEOUT = 60.0  # seconds of silence before the worker is given up on and its batches computed here
 
 
 def _mappable(t: TensorRecord) -> bool:
@@ -72,8 +86,25 @@ def _mappable(t: TensorRecord) -> bool:
     return st is not None and st.assembly is None and t.is_contiguous and t.numel > 0 and t.dtype in _NUMPY
 
 
+def _pieces(ta: TensorRecord, tb: TensorRecord) -> list[tuple]:
+    """The pair in pieces of at most WINDOW bytes a side, each (file A, offset A, dtype A, file B, offset B, dtype B,
+    elements): plain values, so a piece can be sent to the worker, which maps the files itself."""
+    size_a, size_b = element_size(ta.dtype), element_size(tb.dtype)
+    step = WINDOW // max(size_a, size_b)
+    fa, fb = intern(str(ta.storage.file)), intern(str(tb.storage.file))  # pickled once per message, not per piece
+    oa, ob, numel = ta.file_offset or 0, tb.file_offset or 0, ta.numel
+    if numel <= step:  # most pairs
+        return [(fa, oa, ta.dtype, fb, ob, tb.dtype, numel)]
+    return [(fa, oa + first * size_a, ta.dtype, fb, ob + first * size_b, tb.dtype, min(step, numel - first))
+            for first in range(0, numel, step)]
+
+
+def _piece_bytes(piece: tuple) -> int:
+    return piece[6] * (element_size(piece[2]) + element_size(piece[5]))
+
+
 class _Mapped:
-    """Each file mapped read-only once; a pair is compared straight from the page cache (no copy), a window at a
+    """Each file mapped read-only once; a pair is compared straight from the page cache (no copy), a piece at a
     time, and every WINDOW bytes read the file's pages are dropped from this process (MADV_DONTNEED: they stay in
     the page cache, this process just stops holding them), so memory does not grow with the files."""
 
@@ -82,52 +113,51 @@ class _Mapped:
         self.read_since_drop: dict[str, int] = {}
         self.memcmp = _memcmp()
 
-    def _map(self, t: TensorRecord, nbytes: int) -> Any:
+    def _file(self, path: str, nbytes: int) -> Any:
+        """The map of `path`, about to have `nbytes` more of it read."""
         import mmap
         import os
 
-        key = str(t.storage.file)
-        mm = self.maps.get(key)
+        mm = self.maps.get(path)
         if mm is None:
-            fd = os.open(key, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY)
             try:
-                mm = self.maps[key] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                mm = self.maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             finally:
                 os.close(fd)
-            self.read_since_drop[key] = 0
-        start = t.file_offset or 0
+            self.read_since_drop[path] = 0
+        read = self.read_since_drop[path] + nbytes
+        if read > WINDOW and hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_DONTNEED)  # what earlier windows faulted in; re-read from the page cache if needed
+            read = nbytes
+        self.read_since_drop[path] = read
+        return mm
+
+    def check(self, t: TensorRecord) -> None:
+        key = str(t.storage.file)
+        mm, start = self._file(key, 0), t.file_offset or 0
         if start + t.nbytes > len(mm):
             from .errors import ReadError
 
             raise ReadError(f"{key}: {t.key} is cut short ({max(len(mm) - start, 0)} of {t.nbytes} bytes)")
-        read = self.read_since_drop[key] + nbytes
-        if read > WINDOW and hasattr(mm, "madvise"):
-            mm.madvise(mmap.MADV_DONTNEED)  # what earlier windows faulted in; re-read from the page cache if needed
-            read = nbytes
-        self.read_since_drop[key] = read
-        return mm
 
-    def windows(self, ta: TensorRecord, tb: TensorRecord):
-        """(A's window, B's window) as flat NumPy arrays of their dtypes, WINDOW bytes at a time."""
+    def piece(self, piece: tuple) -> tuple[Any, Any]:
+        """(A's part, B's part) of a piece as flat NumPy arrays of their dtypes, over the page cache."""
         import numpy as np
 
-        code_a, code_b = np.dtype(_NUMPY[ta.dtype]), np.dtype(_NUMPY[tb.dtype])
-        step = WINDOW // max(code_a.itemsize, code_b.itemsize)
-        for first in range(0, ta.numel, step):
-            count = min(step, ta.numel - first)
-            ma, mb = self._map(ta, count * code_a.itemsize), self._map(tb, count * code_b.itemsize)
-            oa = (ta.file_offset or 0) + first * code_a.itemsize
-            ob = (tb.file_offset or 0) + first * code_b.itemsize
-            yield np.frombuffer(ma, code_a, count, oa), np.frombuffer(mb, code_b, count, ob)
+        fa, oa, da, fb, ob, db, count = piece
+        code_a, code_b = np.dtype(_NUMPY[da]), np.dtype(_NUMPY[db])
+        ma, mb = self._file(fa, count * code_a.itemsize), self._file(fb, count * code_b.itemsize)
+        return np.frombuffer(ma, code_a, count, oa), np.frombuffer(mb, code_b, count, ob)
 
     def same_bytes(self, ta: TensorRecord, tb: TensorRecord) -> bool:
         if ta.dtype != tb.dtype:
             return False
         if ta.nbytes <= SMALL:
-            ma, mb = self._map(ta, ta.nbytes), self._map(tb, tb.nbytes)
+            ma, mb = self._file(str(ta.storage.file), ta.nbytes), self._file(str(tb.storage.file), tb.nbytes)
             oa, ob = ta.file_offset or 0, tb.file_offset or 0
             return ma[oa:oa + ta.nbytes] == mb[ob:ob + tb.nbytes]
-        return all(self.memcmp(x, y) for x, y in self.windows(ta, tb))
+        return all(self.memcmp(*self.piece(p)) for p in _pieces(ta, tb))
 
     def close(self) -> None:
         for mm in self.maps.values():
@@ -175,12 +205,31 @@ def array_stats(x: Any, y: Any, identical: bool, atol: float = 0.0, rtol: float 
 
 
 def window_stats(windows, bf16: tuple[bool, bool], atol: float = 0.0, rtol: float = 0.0) -> PairStats:
-    """max |y − x|, ‖y − x‖ / ‖x‖ and the cosine in float64 over (x, y) windows of two flat arrays (BLAS dot
-    products over cache-sized blocks; NaN equal to NaN), and whether every element is within atol + rtol·|x|
-    (torch.isclose's rule). bf16[i]: that side holds bfloat16 bits (uint16), widened here block by block."""
+    """max |y − x|, ‖y − x‖ / ‖x‖ and the cosine in float64 over (x, y) windows of two flat arrays, and whether
+    every element is within atol + rtol·|x| (torch.isclose's rule, NaN equal to NaN): see _sums."""
+    return _stats([_sums(windows, bf16, atol, rtol, _scratch())])
+
+
+def _scratch() -> list:
+    """The three float64 blocks _sums works in, each on a 64-byte boundary (a cache line, one AVX-512 vector):
+    NumPy only aligns to 16 bytes, and on such blocks the subtraction and the dot products ran up to twice as slow
+    (_sums: 1.8 ns an element against 1.3). Kept for a whole diff: fresh 256 KB arrays for every pair came as
+    fresh pages from the kernel each time, and faulting them in doubled the system time of a diff."""
     import numpy as np
 
-    u, v, d = np.empty(BLOCK), np.empty(BLOCK), np.empty(BLOCK)
+    row = BLOCK * 8 + 64  # a row and a cache line: the next row starts aligned too
+    raw = np.empty(3 * row + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return [raw[start + i * row:start + i * row + BLOCK * 8].view(np.float64) for i in range(3)]
+
+
+def _sums(windows, bf16: tuple[bool, bool], atol: float, rtol: float, scratch: Any) -> tuple:
+    """(max |y − x|, Σ(y − x)², Σx², Σy², Σxy, every element within atol + rtol·|x|) in float64 over (x, y)
+    windows of two flat arrays: BLAS dot products over cache-sized blocks, NaN equal to NaN, an inf only equal to
+    the same inf. bf16[i]: that side holds bfloat16 bits (uint16), widened here block by block."""
+    import numpy as np
+
+    u, v, d = scratch
     max_abs = diff_sq = a_sq = b_sq = dot = 0.0
     close = bool(atol or rtol)
     inf = float("inf")
@@ -210,6 +259,19 @@ def window_stats(windows, bf16: tuple[bool, bool], atol: float = 0.0, rtol: floa
                 a_sq += float(uu @ uu)
                 b_sq += float(vv @ vv)
                 dot += float(uu @ vv)
+    return max_abs, diff_sq, a_sq, b_sq, dot, close
+
+
+def _stats(parts: list[tuple]) -> PairStats:
+    """One pair's figures from the _sums of its pieces, added exactly (math.fsum): the same figures whichever
+    process computed which piece."""
+    inf = float("inf")
+    if len(parts) == 1:  # most pairs: one piece, nothing to add
+        max_abs, diff_sq, a_sq, b_sq, dot, close = parts[0]
+    else:
+        max_abs = max(p[0] for p in parts)
+        diff_sq, a_sq, b_sq, dot = (_total([p[i] for p in parts]) for i in range(1, 5))
+        close = all(p[5] for p in parts)
     norm_a = a_sq ** 0.5
     rel = 0.0 if diff_sq == 0 else (diff_sq ** 0.5 / norm_a if norm_a else inf)
     if rel != rel:
@@ -218,12 +280,248 @@ def window_stats(windows, bf16: tuple[bool, bool], atol: float = 0.0, rtol: floa
     return PairStats(max_abs, rel, cosine, False, close and max_abs != inf)
 
 
+def _total(values: list[float]) -> float:
+    from math import fsum
+
+    try:
+        return fsum(values)
+    except (ValueError, OverflowError):  # inf − inf, or finite pieces past float64's range: inf or NaN either way
+        return sum(values)
+
+
 def _widen(src: Any, bf16: bool, out: Any) -> None:
     import numpy as np
 
     if bf16:
         src = (src.astype(np.uint32) << 16).view(np.float32)
     np.copyto(out, src, casting="unsafe")
+
+
+def _piece_sums(mapped: _Mapped, piece: tuple, atol: float, rtol: float, scratch: Any) -> tuple:
+    return _sums([mapped.piece(piece)], (piece[2] == "bfloat16", piece[5] == "bfloat16"), atol, rtol, scratch)
+
+
+class _Figures:
+    """The _sums of every changed pair's pieces, in this process or — once WORKER_AFTER changed bytes have gone by —
+    shared with one forked worker: while the worker has fewer than IN_FLIGHT batches, pieces are gathered into the
+    next batch for it; otherwise this process computes them itself, so both cores stay busy. Anything wrong with
+    the worker (it died, went silent, raised) only means its batches are computed here after all."""
+
+    def __init__(self, mapped: _Mapped, atol: float, rtol: float) -> None:
+        self.mapped, self.atol, self.rtol = mapped, atol, rtol
+        self.scratch = _scratch()
+        self.sums: list[tuple | None] = []  # by piece number
+        self.batch: list[tuple[int, tuple]] = []  # (piece number, piece) for the worker's next batch
+        self.batch_bytes = self.changed_bytes = 0
+        self.worker: _Worker | None = None
+        self.no_worker = False  # no fork here, or the worker failed: everything in this process from now on
+
+    def add(self, ta: TensorRecord, tb: TensorRecord) -> PairStats | range:
+        """The pair's figures if this process computed all its pieces now, else the numbers of its pieces, for
+        stats() once finish() has run."""
+        self.changed_bytes += ta.nbytes + tb.nbytes
+        if not self._worker_running():  # the usual case: every piece here, now
+            return _stats([_piece_sums(self.mapped, p, self.atol, self.rtol, self.scratch) for p in _pieces(ta, tb)])
+        first, queued = len(self.sums), False
+        for piece in _pieces(ta, tb):
+            number, size = len(self.sums), _piece_bytes(piece)
+            self.sums.append(None)
+            if self._worker_wants_more():
+                queued = True
+                self.batch.append((number, piece))
+                self.batch_bytes += size
+                if self.batch_bytes >= BATCH or len(self.batch) >= BATCH_PIECES:
+                    self._send()
+            else:
+                self.sums[number] = _piece_sums(self.mapped, piece, self.atol, self.rtol, self.scratch)
+        numbers = range(first, len(self.sums))
+        return numbers if queued else self.stats(numbers)
+
+    def stats(self, numbers: range) -> PairStats:
+        return _stats([self.sums[i] for i in numbers])
+
+    def finish(self) -> None:
+        """The last batch computed here (the worker has its own queue), then every answer from the worker."""
+        for number, piece in self.batch:
+            self.sums[number] = _piece_sums(self.mapped, piece, self.atol, self.rtol, self.scratch)
+        self.batch, self.batch_bytes = [], 0
+        if self.worker is not None:
+            self._receive(wait=True)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+    def _worker_running(self) -> bool:
+        """Whether there is a worker, forking it once WORKER_AFTER changed bytes have gone by."""
+        if self.worker is None and not self.no_worker and self.changed_bytes >= WORKER_AFTER:
+            self.no_worker = not _can_fork()
+            try:
+                self.worker = None if self.no_worker else _Worker(self.atol, self.rtol)
+            except OSError:  # no processes or pipes left
+                self.no_worker = True
+        return self.worker is not None
+
+    def _worker_wants_more(self) -> bool:
+        if self.worker is not None:
+            self._receive(wait=False)
+        return self.worker is not None and len(self.worker.in_flight) < IN_FLIGHT
+
+    def _send(self) -> None:
+        try:
+            self.worker.send(self.batch)
+        except Exception:  # the worker is gone (EPIPE): anything here only costs the worker, never the figures
+            self._fail()
+        self.batch, self.batch_bytes = [], 0
+
+    def _receive(self, wait: bool) -> None:
+        try:
+            for numbers, sums in self.worker.answers(wait):
+                for number, s in zip(numbers, sums):
+                    self.sums[number] = s
+        except Exception:  # it died, closed the pipe, went silent or raised
+            self._fail()
+
+    def _fail(self) -> None:
+        """Give up on the worker: what it held, and the batch gathered for it, are computed here."""
+        worker, self.worker, self.no_worker = self.worker, None, True
+        todo = [*((n, p) for batch in worker.in_flight for n, p in batch), *self.batch]
+        worker.close()
+        self.batch, self.batch_bytes = [], 0
+        for number, piece in todo:
+            self.sums[number] = _piece_sums(self.mapped, piece, self.atol, self.rtol, self.scratch)
+
+
+def _can_fork() -> bool:
+    """A second CPU for the worker to run on, and a process that may fork (pool.can_fork)."""
+    from .pool import can_fork, workers
+
+    return workers() > 1 and can_fork()
+
+
+class _WorkerFailed(Exception):
+    pass
+
+
+class _Worker:
+    """A forked copy of this process that answers batches of pieces with their _sums, in order, over two pipes
+    (length-prefixed pickles). It maps the files itself, ignores Ctrl-C (the parent handles it and closes the
+    pipe), exits when the pipe closes or it is killed, and never returns into the caller's code."""
+
+    def __init__(self, atol: float, rtol: float) -> None:
+        import os
+
+        fds: list[int] = []
+        try:
+            task_r, task_w = os.pipe()
+            fds += (task_r, task_w)
+            answer_r, answer_w = os.pipe()
+            fds += (answer_r, answer_w)
+            pid = os.fork()
+        except OSError:  # out of processes or file descriptors
+            for fd in fds:
+                os.close(fd)
+            raise
+        if pid == 0:  # the worker
+            code = 1
+            try:
+                import signal
+
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                os.close(task_w)
+                os.close(answer_r)
+                _serve(task_r, answer_w, atol, rtol)
+                code = 0
+            finally:
+                os._exit(code)  # no atexit handlers, no flushing the parent's buffered output twice
+        os.close(task_r)
+        os.close(answer_w)
+        self.pid, self.task_w, self.answer_r = pid, task_w, answer_r
+        self.in_flight: list[list[tuple[int, tuple]]] = []  # batches sent and not yet answered, oldest first
+
+    def send(self, batch: list[tuple[int, tuple]]) -> None:
+        _write_message(self.task_w, [piece for _, piece in batch])
+        self.in_flight.append(batch)
+
+    def answers(self, wait: bool):
+        """(piece numbers, their sums) for each batch answered so far; with `wait`, for every batch in flight."""
+        import select
+
+        while self.in_flight:
+            if not select.select([self.answer_r], [], [], WORKER_TIMEOUT if wait else 0)[0]:
+                if wait:
+                    raise _WorkerFailed("no answer")
+                return
+            sums = _read_message(self.answer_r)
+            if sums is None:  # the worker raised: its batch is redone here, where the error (if any) is reported
+                raise _WorkerFailed("raised")
+            if len(sums) != len(self.in_flight[0]):
+                raise _WorkerFailed("a short answer")
+            batch = self.in_flight.pop(0)
+            yield [number for number, _ in batch], sums
+
+    def close(self) -> None:
+        """Stopped for good: by the time this is called it has nothing left to do, or is being given up on (it may
+        be stuck), so it is killed rather than waited for."""
+        import os
+        import signal
+
+        for fd in (self.task_w, self.answer_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            if os.waitpid(self.pid, os.WNOHANG)[0] == 0:  # still ours and running: its pid cannot be reused yet
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+        except ChildProcessError:  # already reaped by someone else
+            pass
+
+
+def _serve(task_r: int, answer_w: int, atol: float, rtol: float) -> None:
+    """The worker's loop: a batch of pieces in, their sums out (None if anything went wrong), until EOF."""
+    mapped, scratch = _Mapped(), _scratch()
+    while True:
+        try:
+            batch = _read_message(task_r)
+        except EOFError:
+            return
+        try:
+            answer = [_piece_sums(mapped, piece, atol, rtol, scratch) for piece in batch]
+        except Exception:
+            answer = None
+        _write_message(answer_w, answer)
+
+
+def _write_message(fd: int, obj: Any) -> None:
+    import os
+    import pickle
+
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = memoryview(len(data).to_bytes(8, "little") + data)
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read_message(fd: int) -> Any:
+    import pickle
+
+    return pickle.loads(_read_exactly(fd, int.from_bytes(_read_exactly(fd, 8), "little")))
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    import os
+
+    chunks = []
+    while n:
+        chunk = os.read(fd, n)
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
 
 
 def _match(a: Checkpoint, b: Checkpoint, b_path: str) -> tuple[dict[str, str], tuple[str, ...], str | None]:
@@ -270,6 +568,8 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
     rows: list[TensorDiff] = []
     done: set[str] = set()
     mapped = _Mapped()
+    figures = _Figures(mapped, atol, rtol)
+    pending: dict[int, range] = {}  # row → its pieces, for pairs whose figures are still being computed
     try:
         for i, (a_key, b_key) in enumerate(mapping.items()):
             ta, tb = a_tensors.get(a_key), b_tensors.get(b_key)
@@ -279,31 +579,45 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
                 rows.append(TensorDiff(a_key, a_key, "only-a", ta.shape, None, ta.dtype, None))
                 continue
             done.add(b_key)
-            rows.append(_pair(b_key, a_key, ta, tb, atol, rtol, load_tensor, mapped))
+            row, pieces = _pair(b_key, a_key, ta, tb, atol, rtol, load_tensor, mapped, figures)
+            if pieces is not None:
+                pending[len(rows)] = pieces
+            rows.append(row)
             if progress is not None:
                 progress(i + 1, len(mapping))
+        figures.finish()
+        for at, pieces in pending.items():
+            r, stats = rows[at], figures.stats(pieces)
+            rows[at] = TensorDiff(r.key, r.a_key, "close" if stats.close else "changed", r.shape_a, r.shape_b,
+                                  r.dtype_a, r.dtype_b, stats)
     finally:
+        figures.close()
         mapped.close()
     rows += [TensorDiff(k, None, "only-b", None, t.shape, None, t.dtype) for k, t in b_tensors.items() if k not in done]
     return DiffReport(a, b, tuple(rows), flags, a_root, b.state_dict_root, atol, rtol, tuple(_bn_drift(rows)))
 
 
 def _pair(key: str, a_key: str, ta: TensorRecord, tb: TensorRecord, atol: float, rtol: float, load,
-          mapped: _Mapped) -> TensorDiff:
+          mapped: _Mapped, figures: _Figures) -> tuple[TensorDiff, range | None]:
     """One pair, read from the page cache when both are plain runs of bytes (the bytes first: most pairs stop at
-    that compare), else through torch (a strided view, pieces of a sharded folder, a dtype NumPy lacks)."""
+    that compare), else through torch (a strided view, pieces of a sharded folder, a dtype NumPy lacks). A changed
+    pair with pieces queued for the worker comes back without its figures, and the numbers of the pieces that will
+    give them (figures.stats, once figures.finish has run)."""
     if ta.shape != tb.shape:
-        return TensorDiff(key, a_key, "shape", ta.shape, tb.shape, ta.dtype, tb.dtype)
+        return TensorDiff(key, a_key, "shape", ta.shape, tb.shape, ta.dtype, tb.dtype), None
     if _mappable(ta) and _mappable(tb):
+        mapped.check(ta)
+        mapped.check(tb)
         if mapped.same_bytes(ta, tb):
             stats = PairStats(0.0, 0.0, None, True, True)
         else:
-            bf16 = (ta.dtype == "bfloat16", tb.dtype == "bfloat16")
-            stats = window_stats(mapped.windows(ta, tb), bf16, atol, rtol)
+            stats = figures.add(ta, tb)
+            if isinstance(stats, range):  # pieces queued for the worker
+                return TensorDiff(key, a_key, "changed", ta.shape, tb.shape, ta.dtype, tb.dtype), stats
     else:
         stats = pair_stats(load(ta), load(tb), atol, rtol)
     status = "identical" if stats.identical else "close" if stats.close else "changed"
-    return TensorDiff(key, a_key, status, ta.shape, tb.shape, ta.dtype, tb.dtype, stats)
+    return TensorDiff(key, a_key, status, ta.shape, tb.shape, ta.dtype, tb.dtype, stats), None
 
 
 def _bn_drift(rows: list[TensorDiff]) -> list[str]:

@@ -27,21 +27,38 @@ def workers() -> int:
 def map_paths(func: Callable[[T], R], items: list[T]) -> list[R]:
     """[func(item) for item in items], spread over forked processes when there are enough items and cores."""
     count = min(workers(), len(items) // MIN_PER_WORKER)
-    if count < 2 or not _can_fork():
+    if count < 2 or not can_fork():
         return [func(item) for item in items]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     chunk = max(1, len(items) // (count * 8))  # a few chunks per process: an odd slow file does not hold up the rest
-    with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork")) as pool:
+    with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork"), initializer=_die_with_parent,
+                             initargs=(os.getpid(),)) as pool:
         return list(pool.map(func, items, chunksize=chunk))
 
 
-def _can_fork() -> bool:
+def _die_with_parent(parent: int) -> None:
+    """A worker ends when ckpt-doctor does, however it ends (SIGTERM, SIGKILL): Linux's parent-death signal, and a
+    check for a parent that was already gone before it was set."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def can_fork() -> bool:
+    """Whether this process may fork a worker: on Linux (elsewhere fork is unsafe with some system libraries, or
+    missing), unless CKPT_DOCTOR_NO_FORK is set, and only with no other Python thread (a fork copies the calling
+    thread alone, so a lock another one holds could stay locked in the worker forever)."""
     import sys
 
     if sys.platform != "linux" or os.environ.get("CKPT_DOCTOR_NO_FORK"):
         return False
-    import threading
-
-    return threading.active_count() == 1  # forking a process with threads can copy a held lock into the child
+    threading = sys.modules.get("threading")
+    return threading is None or threading.active_count() == 1

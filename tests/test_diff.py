@@ -161,3 +161,125 @@ def test_read_in_windows_the_figures_and_tolerance_agree_with_torch(tmp_path, mo
         cos = torch.nn.functional.cosine_similarity(x[keep], y[keep], 0)
         assert stats.cosine == pytest.approx(float(cos), rel=1e-9)
     assert (rows["near"].status, rows["far"].status) == ("close", "changed")
+
+
+def _many_changed_pairs(tmp_path):
+    """Two checkpoints where every pair changed, in several dtypes, with NaN and inf in some, and one the same."""
+    torch.manual_seed(2)
+    a = {f"t{i}": torch.randn(2500 + 300 * i, dtype=torch.float64) for i in range(8)}
+    a["t1"][7], a["t2"][9] = float("nan"), float("inf")
+    b = {k: v * 1.01 for k, v in a.items()}
+    b["t2"][100] = float("-inf")
+    a.update(half=a["t3"].half(), bf16=a["t4"].bfloat16(), f32=a["t5"].float(), ints=(a["t6"] * 99).int(),
+             same=a["t0"].float())
+    b.update(half=b["t3"].half(), bf16=b["t4"].bfloat16(), f32=a["t5"].float() + 1e-4, ints=(b["t6"] * 99).int(),
+             same=a["t0"].float().clone())
+    pa, pb = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save(a, pa)
+    torch.save(b, pb)
+    return pa, pb
+
+
+@pytest.fixture
+def small_worker_batches(monkeypatch):
+    """Shrink the thresholds so a few KB of changed pairs go through the forked worker, many pieces and batches (on
+    one CPU too, where diff itself would not fork)."""
+    import os
+
+    import ckpt_doctor.diff as D
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform: diff stays in one process")
+    monkeypatch.setattr(D, "_can_fork", lambda: True)
+    monkeypatch.setattr(D, "WINDOW", 4096)
+    monkeypatch.setattr(D, "BLOCK", 100)
+    monkeypatch.setattr(D, "BATCH", 6000)
+    monkeypatch.setattr(D, "WORKER_AFTER", 10_000)
+    calls = {"sent": 0, "failed": 0, "pids": []}
+    send, fail, start = D._Worker.send, D._Figures._fail, D._Worker.__init__
+
+    def count_send(self, batch):
+        calls["sent"] += 1
+        return send(self, batch)
+
+    def count_fail(self):
+        calls["failed"] += 1
+        return fail(self)
+
+    def note_pid(self, *args):
+        start(self, *args)
+        calls["pids"].append(self.pid)
+
+    monkeypatch.setattr(D._Worker, "send", count_send)
+    monkeypatch.setattr(D._Figures, "_fail", count_fail)
+    monkeypatch.setattr(D._Worker, "__init__", note_pid)
+    return calls
+
+
+def _figures(report):
+    return [(r.key, r.status, r.stats) for r in report.rows]
+
+
+def test_the_worker_process_gives_exactly_the_figures_computed_here(tmp_path, monkeypatch, small_worker_batches):
+    """Past WORKER_AFTER changed bytes a forked worker computes batches of pieces while this process computes others;
+    every piece's sums are added exactly, so the figures are bit-for-bit those of one process."""
+    import os
+
+    import ckpt_doctor.diff as D
+
+    pa, pb = _many_changed_pairs(tmp_path)
+    atol, rtol = 1e-3, 0.02
+    shared = D.diff_checkpoints(pa, pb, atol=atol, rtol=rtol)
+    assert small_worker_batches["sent"] >= 3 and small_worker_batches["failed"] == 0
+    monkeypatch.setattr(D, "WORKER_AFTER", 1 << 62)
+    alone = D.diff_checkpoints(pa, pb, atol=atol, rtol=rtol)
+    assert _figures(shared) == _figures(alone)
+    assert {r.key: r.status for r in shared.rows}["same"] == "identical"
+    assert sum(r.status in ("changed", "close") for r in shared.rows) == 12
+    with pytest.raises(ChildProcessError):  # the worker was reaped, not left behind
+        os.waitpid(small_worker_batches["pids"][0], os.WNOHANG)
+
+
+def _dies(task_r, answer_w, atol, rtol):
+    import os
+
+    os._exit(3)
+
+
+def _raises(task_r, answer_w, atol, rtol):
+    import ckpt_doctor.diff as D
+
+    D._read_message(task_r)
+    D._write_message(answer_w, None)  # what the worker answers when computing a batch raised
+
+
+def _garbles(task_r, answer_w, atol, rtol):
+    import os
+
+    os.write(answer_w, (5).to_bytes(8, "little") + b"\x80junk")
+
+
+def _hangs(task_r, answer_w, atol, rtol):
+    import time
+
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("worker", [_dies, _raises, _garbles, _hangs])
+def test_a_worker_that_fails_costs_time_never_the_figures(tmp_path, monkeypatch, small_worker_batches, worker):
+    """A worker that dies, raises, answers garbage or goes silent is given up on (killed and reaped) and its
+    batches computed in this process: the same figures, no hang, no traceback."""
+    import os
+
+    import ckpt_doctor.diff as D
+
+    pa, pb = _many_changed_pairs(tmp_path)
+    monkeypatch.setattr(D, "WORKER_AFTER", 1 << 62)
+    expected = _figures(D.diff_checkpoints(pa, pb))
+    monkeypatch.setattr(D, "WORKER_AFTER", 10_000)
+    monkeypatch.setattr(D, "_serve", worker)
+    monkeypatch.setattr(D, "WORKER_TIMEOUT", 0.5)
+    assert _figures(D.diff_checkpoints(pa, pb)) == expected
+    assert small_worker_batches["failed"] == 1 and len(small_worker_batches["pids"]) == 1
+    with pytest.raises(ChildProcessError):
+        os.waitpid(small_worker_batches["pids"][0], os.WNOHANG)
