@@ -43,7 +43,11 @@ _ANSI = {"red": 31, "green": 32, "yellow": 33}
 
 
 def say(line: str = "", *, color: str | None = None, no_color: bool = False) -> None:
-    """A line for the person, on stderr."""
+    """A line for the person, on stderr (control characters from keys or file names escaped)."""
+    if not line.isprintable():
+        from .render.columns import printable
+
+        line = printable(line)
     if color and _use_color(sys.stderr, no_color):
         line = f"\x1b[1;{_ANSI[color]}m{line}\x1b[0m"
     sys.stderr.write(line + "\n")
@@ -69,6 +73,14 @@ def _write_page(path: str, text: str, inputs: tuple) -> None:
     from .writers.atomic import atomic_output, check_destination
 
     out = Path(path)
+    if out.is_file():  # a page written before is replaced (a CI job re-runs); anything else is refused
+        with open(out, "rb") as f:
+            head = f.read(512)
+        from .render.html import GENERATOR
+
+        if GENERATOR.encode() not in head:
+            raise UsageError(f"--html {out}: the file exists and is not a page ckpt-doctor wrote; remove it or name "
+                             "another file")
     check_destination(out, inputs, force=True)
     data = text.encode("utf-8")
     with atomic_output(out, len(data)) as (fd, _tmp):
@@ -120,12 +132,13 @@ def handle_errors(func: Callable[..., int]) -> Callable[..., None]:
 MAIN_HELP = """Inspect, diagnose, repair and verify PyTorch checkpoints — without running code from them.
 
 \b
-ckpt-doctor inspect model.pth                       what is inside (no torch import, no tensor data read)
-ckpt-doctor inspect model.pth --model pkg.nets:Net  why it will not load, and the fix command
+ckpt-doctor inspect model.pth                     what is inside (nothing run)
+ckpt-doctor inspect model.pth --model nets.py:Net why it will not load; the fix
 ckpt-doctor fix model.pth -o clean.safetensors --strip-module
-ckpt-doctor verify clean.safetensors --model pkg.nets:Net --input-shape 8,3,32,32 --gpus 2
-ckpt-doctor scan downloads/                         which code the pickles would run
-ckpt-doctor diff base.pt tuned.pt --html d.html     what fine-tuning changed, layer by layer
+ckpt-doctor verify clean.pt --model nets.py:Net --input-shape 8,3,32,32
+ckpt-doctor scan downloads/                       what its pickles would run
+ckpt-doctor diff base.pt tuned.pt --html d.html   what fine-tuning changed
+ckpt-doctor inspect runs/                         every checkpoint in a folder
 """
 
 COMMANDS: dict[str, tuple[Callable[[Any], None], str, Callable[..., None]]] = {}
@@ -147,16 +160,25 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
         _parser(None).print_help(sys.stderr)
+        sys.stderr.write(f"Error: name a command ({', '.join(COMMANDS)})\n")
         sys.exit(2)
     name = argv[0] if argv[0] in COMMANDS else None  # only the parser of the command asked for is built
-    args = vars(_parser(name).parse_args(argv))
+    parser = _parser(name)
+    parser.command = name
+    args = vars(parser.parse_args(argv))
     args.pop("command", None)
     COMMANDS[name][2](**args)
 
 
 class _Parser(argparse.ArgumentParser):
+    command: str | None = None  # the command asked for: its --help is the one to point at
+
     def error(self, message: str) -> None:  # type: ignore[override]  # one line and exit 2, as every bad input
-        sys.stderr.write(f"Error: {message} (see `{self.prog} --help`)\n")
+        if message.endswith("expected one argument"):  # argparse takes a value starting with "-" for an option
+            message += " (a value that starts with '-' is written --option=-value)"
+        prog = self.prog if self.command is None or self.prog.endswith(self.command) else \
+            f"{self.prog} {self.command}"
+        sys.stderr.write(f"Error: {message} (see `{prog} --help`)\n")
         sys.exit(2)
 
 
@@ -170,7 +192,8 @@ def _parser(only: str | None) -> _Parser:
     top = _Parser(prog="ckpt-doctor", description=MAIN_HELP, epilog=EXIT_CODES, formatter_class=formatter,
                  allow_abbrev=False)
     top.add_argument("--version", action="version", version=f"ckpt-doctor {__version__}")
-    sub = top.add_subparsers(title="commands", metavar="COMMAND", dest="command")
+    sub = top.add_subparsers(title="commands", metavar="COMMAND", dest="command",
+                             description="`ckpt-doctor COMMAND --help` gives each command's options and examples.")
     for name, (options, epilog, func) in COMMANDS.items():
         doc = _dedent(func.__doc__ or "")
         summary = re.split(r"(?<=[?])\s|[.:]\s", doc, maxsplit=1)[0]  # the first sentence, or up to a colon
@@ -235,15 +258,15 @@ def _positive_int(text: str) -> int:
 
 def _positive_float(text: str) -> float:
     value = _number(text, float)
-    if not value > 0:
-        raise _type_error(f"{text!r} is not more than 0")
+    if not 0 < value < float("inf"):
+        raise _type_error(f"{text!r} is not a number more than 0")
     return value
 
 
 def _non_negative_float(text: str) -> float:
     value = _number(text, float)
-    if not value >= 0:
-        raise _type_error(f"{text!r} is not 0 or more")
+    if not 0 <= value < float("inf"):
+        raise _type_error(f"{text!r} is not a number, 0 or more")
     return value
 
 
@@ -544,9 +567,10 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
 def _diff_options(p: Any) -> None:
     p.add_argument("a", metavar="A", help="The checkpoint compared from (the reference).")
     p.add_argument("b", metavar="B", help="The checkpoint compared with A.")
-    p.add_argument("--atol", type=float, default=0.0, help="Absolute tolerance: pairs within it count as the same "
-                   "(torch.isclose's rule, |B - A| <= atol + rtol*|A|). (default: %(default)s)")
-    p.add_argument("--rtol", type=float, default=0.0, help="Relative tolerance (see --atol). (default: %(default)s)")
+    p.add_argument("--atol", type=_non_negative_float, default=0.0, help="Absolute tolerance: pairs within it count "
+                   "as the same (torch.isclose's rule, |B - A| <= atol + rtol*|A|). (default: %(default)s)")
+    p.add_argument("--rtol", type=_non_negative_float, default=0.0, help="Relative tolerance (see --atol). (default: "
+                   "%(default)s)")
     p.add_argument("--json", dest="as_json", action="store_true", help="Print a JSON object on stdout instead of the "
                    "table.")
     p.add_argument("--full", action="store_true", help="One row per tensor; by default repeated blocks are "
@@ -592,8 +616,6 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, full: bool, ht
     # than the product (a 1 GB pair changed throughout: 1.47 s with threads, 1.15 s without). Set before NumPy loads.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     _allow(allow_global)
-    if atol < 0 or rtol < 0:
-        raise UsageError("--atol and --rtol are tolerances: 0 or more")
     from . import transforms as T
 
     steps = [T.strip_prefix(p) for p in strip_prefix] + [T.add_prefix(p) for p in add_prefix]
@@ -623,16 +645,18 @@ def _verify_options(p: Any) -> None:
     p.add_argument("--input-shape", dest="input_shapes", action="append", default=[], metavar="8,3,32,32",
                    help="Shape of a seeded random input (repeatable for several inputs). The first size is the "
                    "batch.")
-    p.add_argument("--input-dtype", default="float32", help="dtype of the generated inputs. (default: %(default)s)")
+    p.add_argument("--input-dtype", default="float32", metavar="DTYPE", help="dtype of the generated inputs. "
+                   "(default: %(default)s)")
     p.add_argument("--input-range", default="0,100", metavar="LOW,HIGH", help="Range of integer inputs (token ids). "
                    "(default: %(default)s)")
     p.add_argument("--input", dest="input_fn", metavar="MODULE:FUNCTION", help="A function returning the input(s).")
-    p.add_argument("--gpus", default=2, type=_positive_int, help="DataParallel devices and DDP world size. (default: "
+    p.add_argument("--gpus", default=2, type=_positive_int, metavar="N", help="DataParallel devices and DDP world "
+                   "size. (default: %(default)s)")
+    p.add_argument("--mode", dest="modes", default="single,dp,ddp", metavar="MODES",
+                   help="Which runs, comma separated. (default: %(default)s)")
+    p.add_argument("--timeout", default=300.0, type=_positive_float, metavar="SECONDS",
+                   help="Seconds before a DDP run that has not finished is killed and reported as hung. (default: "
                    "%(default)s)")
-    p.add_argument("--mode", dest="modes", default="single,dp,ddp", help="Which runs, comma separated. (default: "
-                   "%(default)s)")
-    p.add_argument("--timeout", default=300.0, type=_positive_float, help="Seconds before a DDP run that has not "
-                   "finished is killed and reported as hung. (default: %(default)s)")
     p.add_argument("--allow-skip", action="store_true", help="Exit 0 when a mode was skipped for lack of GPUs.")
     p.add_argument("--summary", action="store_true", help="Each module's output shape and parameter count.")
     p.add_argument("--compare-to", metavar="OTHER_CKPT", help="The first module whose output differs between the two "

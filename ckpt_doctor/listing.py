@@ -1,16 +1,20 @@
 """`inspect DIR` of a folder holding many checkpoints (a run's saves, a model zoo, a downloads folder): one line per
 file, read as `inspect FILE` reads it (the same report, so the same verdict), several files at once.
 
-Files are found as `scan` finds them — recursively, symlinks followed, sniffed by their bytes whatever their name —
-and kept when they look like a checkpoint (a zip, a tar, safetensors, or a pickle).
+Files are found as `scan` finds them — at any depth, symlinks followed, judged by their bytes whatever their name —
+and kept when they are a checkpoint, bear a checkpoint's name, or hold a pickle a loader would run (so whatever
+`scan DIR` flags is listed, and sets the exit code). A subfolder that is one checkpoint is one line.
 """
 
 from __future__ import annotations
 
-from ._record import record
+import os
+import stat
 from pathlib import Path
 
+from ._record import record
 from .errors import CkptDoctorError
+from .safepickle import limits
 
 
 @record
@@ -49,27 +53,94 @@ class FolderListing:
 
 def list_folder(folder: Path) -> FolderListing:
     from .pool import map_paths
-    from .readers import _looks_like_checkpoint
-    from .sniff import folder_files
 
-    found, problems = folder_files(folder)
-    paths = [p for p in found if _looks_like_checkpoint(p)]
-    return FolderListing(folder, tuple(map_paths(inspect_line, paths)), tuple(problems))
+    paths, problems = checkpoint_paths(folder)
+    lines = [line for line in map_paths(inspect_line, paths) if line is not None]
+    return FolderListing(folder, tuple(lines), tuple(problems))
 
 
-def inspect_line(path: Path) -> FileLine:
-    """One file's line: what `inspect FILE` reports, summed up; a file that cannot be read is a line with its error."""
+def checkpoint_paths(folder: Path) -> tuple[list[Path], list[str]]:
+    """What to list under `folder`, at any depth: every regular file (each is judged by inspect_line, which keeps
+    the checkpoints and whatever a loader would unpickle, as scan does), and every subfolder that is one checkpoint
+    (a Hugging Face shard index, a DCP or DeepSpeed folder: one line, not one per shard). Symlinks are followed,
+    each real file listed once (a Hugging Face cache links every snapshot file into blobs/), loops cut; the walk
+    is iterative, so any depth works. Also the paths that could not be listed."""
+    from .readers import is_one_checkpoint
+
+    found: list[Path] = []
+    problems: list[str] = []
+    seen_dirs: set[str] = set()
+    seen_files: set[str] = set()
+    stack = [folder]
+    while stack:
+        here = stack.pop()
+        real = os.path.realpath(here)
+        if real in seen_dirs:
+            continue
+        seen_dirs.add(real)
+        try:
+            names = sorted(os.listdir(here))
+        except OSError as exc:
+            problems.append(f"{here}: cannot be listed ({exc.strerror})")
+            continue
+        if here != folder and is_one_checkpoint(here, names):
+            found.append(here)
+            continue
+        subfolders = []
+        for name in names:
+            path = here / name
+            try:
+                st = os.stat(path)  # follows symlinks
+            except FileNotFoundError:
+                problems.append(f"{path}: symlink points to {os.readlink(path)}, which does not exist"
+                                if os.path.islink(path) else f"{path}: vanished while the folder was listed")
+                continue
+            except OSError as exc:
+                problems.append(f"{path}: cannot be read ({exc.strerror})")
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                subfolders.append(path)
+            elif stat.S_ISREG(st.st_mode):
+                key = os.path.realpath(path)
+                if key not in seen_files:
+                    seen_files.add(key)
+                    found.append(path)
+            if len(found) > limits.MAX_FOLDER_FILES:
+                problems.append(f"{folder}: more than {limits.MAX_FOLDER_FILES:,} files; the rest were not listed")
+                return found, problems
+        stack.extend(reversed(subfolders))
+    found.sort(key=lambda p: p.parts)
+    return found, problems
+
+
+def inspect_line(path: Path) -> FileLine | None:
+    """One line: what `inspect PATH` reports, summed up; a file that cannot be read is a line with its error. None
+    for a file that is no checkpoint and holds nothing a loader would unpickle (a README, an image)."""
     import gc
 
+    from .readers import CHECKPOINT_SUFFIXES, read_file
+    from .readers.survey import survey_file
     from .report import inspect_checkpoint
+    from .scan import holds_no_pickle
+    from .sniff import Container
 
     gc.disable()  # as in `inspect`: acyclic records, nothing for the collector to free (a forked worker too)
     try:
-        report = inspect_checkpoint(path)
+        if path.is_dir():
+            report = inspect_checkpoint(path)
+        else:
+            survey = survey_file(path)
+            kind = survey.container
+            if not path.name.lower().endswith(CHECKPOINT_SUFFIXES) and holds_no_pickle(survey) \
+                    and kind not in (Container.ZIP, Container.TAR, Container.SAFETENSORS):
+                return None
+            report = inspect_checkpoint(path, checkpoint=read_file(path, survey))
     except CkptDoctorError as exc:
         findings = tuple(getattr(exc, "findings", ()))
         verdict = "dangerous" if any(f.endswith("(dangerous)") for f in findings) else "code" if findings else "safe"
         return FileLine(path, error=str(exc), findings=findings, verdict=verdict)
+    except OSError as exc:
+        return FileLine(path, error=f"{path}: cannot be read ({exc.strerror or exc})")
     ckpt = report.checkpoint
     return FileLine(path, ckpt.format.value, len(ckpt.tensors), report.parameter_count, report.total_bytes,
                     tuple(sorted({t.dtype for t in ckpt.tensors})), ckpt.verdict.value, ckpt.finding_names())

@@ -85,7 +85,7 @@ def scan_file(path: Path, *, in_folder: bool = False) -> FileScan | None:
         survey = survey_file(path)
     except CkptDoctorError as exc:
         return FileScan(path, None, None, (), error=str(exc), link=link)
-    if in_folder and _holds_no_pickle(survey):
+    if in_folder and holds_no_pickle(survey):
         return None
     fmt, error = None, None
     try:
@@ -99,7 +99,8 @@ def scan_file(path: Path, *, in_folder: bool = False) -> FileScan | None:
                     tuple(dict.fromkeys(notes)), link)
 
 
-def _holds_no_pickle(survey: Survey) -> bool:
+def holds_no_pickle(survey: Survey) -> bool:
+    """Nothing in the file any loader would unpickle, and no checkpoint container: a README, an image."""
     if survey.globals or survey.hazards:
         return False
     if survey.container in (Container.OTHER, Container.EMPTY):

@@ -71,3 +71,62 @@ def test_a_folder_that_is_one_checkpoint_is_still_read_as_one(tmp_path, cli):
     result = cli("inspect", folder, "--json")
     assert result.exit_code == 0 and result.json()["tensor_count"] == 1
     assert cli("fix", tmp_path, "-o", tmp_path / "x.pt").exit_code == 2  # fix needs one: names the choices
+
+
+def test_what_scan_flags_is_listed_wherever_it_hides(tmp_path, cli):
+    """A pickle with no checkpoint name or PROTO byte that would run code, files two levels down, an empty .pt:
+    all listed, and the exit code is the worst of them (found by a hostile review)."""
+    from tests.payloads import call
+
+    folder = tmp_path / "runs"
+    (folder / "a" / "b").mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, folder / "a" / "b" / "deep.pt")
+    (folder / "helper.dat").write_bytes(call("os", "system", f"touch {tmp_path / 'canary'}") + b".")
+    (folder / "empty.pt").write_bytes(b"")
+    (folder / "README.md").write_text("# notes\n")
+    result = cli("inspect", folder, "--json")
+    files = {f["path"].split("runs/")[1]: f for f in result.json()["files"]}
+    assert sorted(files) == ["a/b/deep.pt", "empty.pt", "helper.dat"], files
+    assert files["helper.dat"]["verdict"] == "dangerous" and result.exit_code == 1
+    assert files["empty.pt"]["error"] and files["a/b/deep.pt"]["tensors"] == 1
+    assert cli("scan", folder).exit_code == 1 and not (tmp_path / "canary").exists()
+
+
+def test_a_checkpoint_folder_inside_is_one_line_and_links_count_once(tmp_path, cli):
+    from safetensors.torch import save_file as save
+
+    folder = tmp_path / "zoo"
+    sharded = folder / "model_a"
+    sharded.mkdir(parents=True)
+    save({"x": torch.ones(2)}, sharded / "model-00001-of-00002.safetensors")
+    save({"y": torch.ones(3)}, sharded / "model-00002-of-00002.safetensors")
+    (sharded / "model.safetensors.index.json").write_text(
+        '{"metadata": {}, "weight_map": {"x": "model-00001-of-00002.safetensors", '
+        '"y": "model-00002-of-00002.safetensors"}}')
+    blobs, snapshot = folder / "hub" / "blobs", folder / "hub" / "snapshots" / "abc"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    torch.save({"z": torch.ones(4)}, blobs / "1234")
+    (snapshot / "pytorch_model.bin").symlink_to(blobs / "1234")
+    (folder / "bad\x1b[8mname.pt").write_bytes((blobs / "1234").read_bytes())
+    (folder / "other.pt").write_bytes((blobs / "1234").read_bytes())
+    data = cli("inspect", folder, "--json").json()
+    lines = {f["path"].split("zoo/")[1]: f for f in data["files"]}
+    assert lines["model_a"]["tensors"] == 2 and lines["model_a"]["format"] == "sharded"
+    assert len([k for k in lines if k.startswith("hub/")]) == 1  # the blob and its link: one file
+    assert data["total"]["tensors"] == 2 + 1 + 1 + 1
+    table = cli("inspect", folder).stdout
+    assert "\x1b" not in table and "bad\\x1b[8mname.pt" in table  # a name cannot recolour or hide a row
+
+
+def test_html_never_overwrites_a_file_it_did_not_write(tmp_path, cli):
+    path = tmp_path / "a.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    precious = tmp_path / "precious.pt"
+    precious.write_bytes(path.read_bytes())
+    refused = cli("inspect", path, "--html", precious)
+    assert refused.exit_code == 2 and "not a page ckpt-doctor wrote" in refused.stderr
+    assert precious.read_bytes() == path.read_bytes()
+    page = tmp_path / "page.html"
+    assert cli("inspect", path, "--html", page).exit_code == 0
+    assert cli("diff", path, path, "--html", page).exit_code == 0  # its own page is replaced (a CI job re-runs)

@@ -142,6 +142,8 @@ def _looks_like_checkpoint(path: Path) -> bool:
         return path.name.endswith(CHECKPOINT_SUFFIXES)  # report it when it is opened, do not hide it
     try:
         kind, head = sniff(fd, os.fstat(fd).st_size)
+    except OSError:  # unreadable (EIO): report it when it is opened, do not hide it
+        return path.name.endswith(CHECKPOINT_SUFFIXES)
     finally:
         os.close(fd)
     if kind in (Container.ZIP, Container.TAR, Container.SAFETENSORS):
@@ -161,6 +163,17 @@ def _accelerate_fsdp_model(folder: Path, names: list[str]) -> Path | None:
         return found[0] if is_dcp_folder(os.listdir(found[0])) else None
     except OSError:
         return None
+
+
+def is_one_checkpoint(folder: Path, names: list[str]) -> bool:
+    """Whether read_folder reads `folder` as one checkpoint of several files (a shard index, a DCP, DeepSpeed or
+    accelerate FSDP folder), asked with the same tests it uses."""
+    from .dcp import hf_shard_files, is_dcp_folder
+    from .deepspeed import find_tag_folder
+
+    return (is_dcp_folder(names) or any(n.endswith(".index.json") for n in names)
+            or bool(hf_shard_files(folder, names)) or _accelerate_fsdp_model(folder, names) is not None
+            or find_tag_folder(folder, names) is not None)
 
 
 def read_folder(folder: Path) -> Checkpoint:
@@ -191,8 +204,14 @@ def read_folder(folder: Path) -> Checkpoint:
     chosen, candidates = find_in_folder(folder)
     if chosen is None:
         if not candidates:
-            below = [p for sub in sorted(folder.iterdir()) if sub.is_dir()
-                     for p in sorted(sub.iterdir()) if p.is_file() and _looks_like_checkpoint(p)][:4]
+            from ..listing import checkpoint_paths
+
+            below = []  # checkpoints at any depth (inspect lists them all; the others name them)
+            for p in checkpoint_paths(folder)[0]:
+                if p.is_dir() or _looks_like_checkpoint(p):
+                    below.append(p)
+                    if len(below) == 4:
+                        break
             if below:
                 names = ", ".join(str(p.relative_to(folder)) for p in below)
                 raise SeveralCheckpoints(f"{folder}: folder holds no checkpoint at its top level, but its subfolders "

@@ -13,12 +13,32 @@ if TYPE_CHECKING:  # names for annotations only: importing typing costs every st
     from typing import Any, Iterator
 
 
+READ_UP_TO = 16 << 20  # files up to this size are read whole; bigger ones mapped (a truncation then is SIGBUS)
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    parts = []
+    at = 0
+    while at < size:
+        chunk = os.pread(fd, size - at, at)
+        if not chunk:  # cut short since its size was taken: walk what there is (it ends early, as torch would)
+            break
+        parts.append(chunk)
+        at += len(chunk)
+    return b"".join(parts) if len(parts) != 1 else parts[0]
+
+
 @contextlib.contextmanager
 def mapped(fd: int, size: int) -> Iterator[Any]:
     """The file as a read-only memory map: the walker reads it in place, so a gigabyte pickle costs no copy, and
-    pages the walker skips (a string's payload) are never touched. A file system that cannot map gets a read."""
+    pages the walker skips (a string's payload) are never touched. A file system that cannot map gets a read, and
+    so does a file of at most READ_UP_TO bytes (a copy costs little there, and a file truncated by another process
+    while it is read is then reported, not a crash)."""
     if size == 0:
         yield b""
+        return
+    if size <= READ_UP_TO:  # read, not mapped: a file cut short while mapped would kill the process (SIGBUS)
+        yield _read_all(fd, size)
         return
     try:
         view = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)

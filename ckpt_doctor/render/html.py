@@ -42,8 +42,11 @@ def _num(x: float | None) -> str:
     return f"{x:.4g}"
 
 
+GENERATOR = "<meta name=generator content=ckpt-doctor>"  # how --html knows a page it may replace
+
+
 def page(title: str, body: list[str]) -> str:
-    return ("<!doctype html><html lang=en><head><meta charset=utf-8><meta name=viewport "
+    return ("<!doctype html><html lang=en><head><meta charset=utf-8>" + GENERATOR + "<meta name=viewport "
             "content='width=device-width,initial-scale=1'><title>" + _e(title) + "</title><style>" + CSS +
             "</style></head><body>" + "".join(body) + "</body></html>")
 
