@@ -157,6 +157,7 @@ def command(options: Callable[[Any], None], epilog: str) -> Callable:
 
 def main(argv: list[str] | None = None) -> None:
     """The `ckpt-doctor` entry point: parse, run the command, exit with its code."""
+    from_console = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
         _parser(None).print_help(sys.stderr)
@@ -167,7 +168,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.command = name
     args = vars(parser.parse_args(argv))
     args.pop("command", None)
-    COMMANDS[name][2](**args)
+    try:
+        COMMANDS[name][2](**args)
+    finally:
+        if from_console:  # the process ends here: Python's shutdown would run the cycle collector over every
+            gc.freeze()  # object made (~2.5 ms for 1,000 tensors); frozen objects are skipped by it
 
 
 class _Parser(argparse.ArgumentParser):
