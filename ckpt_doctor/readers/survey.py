@@ -209,7 +209,7 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True)
             rel = name[len(prefix):] if name.startswith(prefix) else name
             if member.is_dir:
                 continue
-            head = member_head(fd, member, 16)
+            head = member_head(fd, member, 16, index)
             if head[:6] == b"\x93NUMPY":  # an .npy, whatever its name: np.load reads any member by its magic
                 _survey_npy_member(survey, fd, member, budget)
                 continue
