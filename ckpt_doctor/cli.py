@@ -247,6 +247,12 @@ class _HelpFormatter(argparse.HelpFormatter):
         return "\n\n".join(out)
 
 
+def _path(text: str) -> str:
+    if not text:
+        raise _type_error("an empty path names no file (use . for this folder)")
+    return text
+
+
 def _fraction(text: str) -> float:
     value = _number(text, float)
     if not 0 <= value <= 1:
@@ -287,7 +293,7 @@ def _type_error(message: str) -> Exception:
 
 
 def _inspect_options(p: Any) -> None:
-    p.add_argument("ckpt", metavar="CKPT", help="A checkpoint file or folder.")
+    p.add_argument("ckpt", metavar="CKPT", type=_path, help="A checkpoint file or folder.")
     p.add_argument("--json", dest="as_json", action="store_true", help="Print a JSON object on stdout instead of the "
                    "table.")
     p.add_argument("--stats", action="store_true", help="Read tensor data (one tensor at a time) for "
@@ -311,9 +317,9 @@ def _inspect_options(p: Any) -> None:
                    "state_dict.model) instead of the one ckpt-doctor finds.")
     p.add_argument("--values", action="store_true", help="With a reference checkpoint as --model: max |difference| "
                    "per tensor.")
-    p.add_argument("--html", dest="html_out", metavar="FILE", help="Also write a self-contained page (no network): "
-                   "parameters per module, per-tensor value histograms and NaN/Inf/constant flags (reads the data, "
-                   "as --stats), the verdict and fix with --model.")
+    p.add_argument("--html", dest="html_out", metavar="FILE", type=_path, help="Also write a self-contained page (no "
+                   "network): parameters per module, per-tensor value histograms and NaN/Inf/constant flags (reads "
+                   "the data, as --stats), the verdict and fix with --model.")
     _allow_global_option(p)
     p.add_argument("--no-color", action="store_true", help="No colour on stderr (NO_COLOR is honoured too).")
 
@@ -371,8 +377,10 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
                                     allow_unexpected=allow_unexpected, min_loaded=min_loaded, values=values,
                                     select=select)
     except SeveralCheckpoints as exc:
-        if model_spec or stats or html_out or filter_:  # those need one checkpoint: the message says to name it
-            raise
+        needs_one = [flag for flag, given in (("--model", model_spec), ("--stats", stats), ("--html", html_out),
+                                              ("--filter", filter_), ("--values", values)) if given]
+        if needs_one:  # a listing has one line per file: these need the file named
+            raise UsageError(f"{exc} ({needs_one[0]} needs one checkpoint)") from None
         return _inspect_folder(exc.folder, as_json, no_color)
     if html_out:
         from .render.html import inspect_html
@@ -411,9 +419,9 @@ def _inspect_folder(folder: Any, as_json: bool, no_color: bool) -> int:
 
 
 def _fix_options(p: Any) -> None:
-    p.add_argument("ckpt", metavar="CKPT", help="A checkpoint file or folder.")
-    p.add_argument("-o", "--output", required=True, help="Where to write. The suffix picks the format (.safetensors, "
-                   "or .pt/.pth/.bin for torch).")
+    p.add_argument("ckpt", metavar="CKPT", type=_path, help="A checkpoint file or folder.")
+    p.add_argument("-o", "--output", required=True, type=_path, help="Where to write. The suffix picks the format "
+                   "(.safetensors, or .pt/.pth/.bin for torch).")
     p.add_argument("--strip-module", action="store_true", help="Remove a leading `module.` (DataParallel/DDP) where "
                    "present.")
     p.add_argument("--add-module", action="store_true", help="Add a leading `module.` to every key.")
@@ -570,8 +578,8 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
 
 
 def _diff_options(p: Any) -> None:
-    p.add_argument("a", metavar="A", help="The checkpoint compared from (the reference).")
-    p.add_argument("b", metavar="B", help="The checkpoint compared with A.")
+    p.add_argument("a", metavar="A", type=_path, help="The checkpoint compared from (the reference).")
+    p.add_argument("b", metavar="B", type=_path, help="The checkpoint compared with A.")
     p.add_argument("--atol", type=_non_negative_float, default=0.0, help="Absolute tolerance: pairs within it count "
                    "as the same (torch.isclose's rule, |B - A| <= atol + rtol*|A|). (default: %(default)s)")
     p.add_argument("--rtol", type=_non_negative_float, default=0.0, help="Relative tolerance (see --atol). (default: "
@@ -580,8 +588,8 @@ def _diff_options(p: Any) -> None:
                    "table.")
     p.add_argument("--full", action="store_true", help="One row per tensor; by default repeated blocks are "
                    "collapsed.")
-    p.add_argument("--html", dest="html_out", metavar="FILE", help="Also write a self-contained page (no network): "
-                   "the verdict, the largest changes, a heat map of relative change over depth.")
+    p.add_argument("--html", dest="html_out", metavar="FILE", type=_path, help="Also write a self-contained page (no "
+                   "network): the verdict, the largest changes, a heat map of relative change over depth.")
     p.add_argument("--strip-prefix", dest="strip_prefix", action="append", default=[], metavar="P",
                    help="Map A's names onto B's yourself (as fix does; repeatable): remove a leading P from A's "
                    "keys.")
@@ -642,7 +650,7 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, full: bool, ht
 
 
 def _verify_options(p: Any) -> None:
-    p.add_argument("ckpt", metavar="CKPT", help="A checkpoint file or folder.")
+    p.add_argument("ckpt", metavar="CKPT", type=_path, help="A checkpoint file or folder.")
     p.add_argument("--model", dest="model_spec", required=True, metavar="SPEC", help="package.module:attr or "
                    "path/to/file.py:attr: the model class or factory.")
     p.add_argument("--model-arg", dest="model_args", action="append", default=[], metavar="KEY=VALUE",
@@ -782,7 +790,7 @@ def _report_verify(report, as_json: bool, compare_to: str | None) -> int:
 
 
 def _scan_options(p: Any) -> None:
-    p.add_argument("paths", nargs="+", metavar="PATH", help="Files or folders (searched recursively).")
+    p.add_argument("paths", nargs="+", metavar="PATH", type=_path, help="Files or folders (searched recursively).")
     p.add_argument("--json", dest="as_json", action="store_true", help="Print the findings as JSON.")
     p.add_argument("--all", dest="show_all", action="store_true", help="List allow-listed globals too.")
     _allow_global_option(p)

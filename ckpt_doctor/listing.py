@@ -8,6 +8,7 @@ and kept when they are a checkpoint, bear a checkpoint's name, or hold a pickle 
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -92,11 +93,18 @@ def checkpoint_paths(folder: Path) -> tuple[list[Path], list[str]]:
             try:
                 st = os.stat(path)  # follows symlinks
             except FileNotFoundError:
-                problems.append(f"{path}: symlink points to {os.readlink(path)}, which does not exist"
-                                if os.path.islink(path) else f"{path}: vanished while the folder was listed")
+                from .sniff import dangling
+
+                problems.append(dangling(path) if os.path.islink(path) else
+                                f"{path}: vanished while the folder was listed")
                 continue
             except OSError as exc:
-                problems.append(f"{path}: cannot be read ({exc.strerror})")
+                if exc.errno == errno.ELOOP:
+                    from .sniff import dangling
+
+                    problems.append(dangling(path))
+                else:
+                    problems.append(f"{path}: cannot be read ({exc.strerror})")
                 continue
             if stat.S_ISDIR(st.st_mode):
                 subfolders.append(path)

@@ -33,9 +33,17 @@ def map_paths(func: Callable[[T], R], items: list[T]) -> list[R]:
     from concurrent.futures import ProcessPoolExecutor
 
     chunk = max(1, len(items) // (count * 8))  # a few chunks per process: an odd slow file does not hold up the rest
-    with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork"), initializer=_die_with_parent,
-                             initargs=(os.getpid(),)) as pool:
-        return list(pool.map(func, items, chunksize=chunk))
+    from concurrent.futures.process import BrokenProcessPool
+
+    try:
+        with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork"),
+                                 initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
+            return list(pool.map(func, items, chunksize=chunk))
+    except BrokenProcessPool:  # a worker was killed (the system out of memory?): said, not an internal error
+        from .errors import CkptDoctorError
+
+        raise CkptDoctorError("a worker process reading the files was killed (out of memory?); run again with "
+                              "CKPT_DOCTOR_NO_FORK=1 to read them one at a time in this process") from None
 
 
 def _die_with_parent(parent: int) -> None:

@@ -18,7 +18,7 @@ from .readers import read_file
 from .readers.survey import Survey, survey_file
 from .records import GlobalRef, Hazard
 from .safepickle.policy import Verdict
-from .sniff import Container, folder_files
+from .sniff import Container, dangling, folder_files
 
 
 @record
@@ -125,7 +125,7 @@ def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str]]
     for raw in paths:
         path = Path(raw)
         if path.is_symlink() and not path.exists():
-            problems.append(f"{path}: symlink points to {os.readlink(path)}, which does not exist")
+            problems.append(dangling(path))
         elif path.is_dir():
             found, missing = folder_files(path)
             problems += missing

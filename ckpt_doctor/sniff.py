@@ -9,6 +9,7 @@ walked as a pickle from byte 0 (readers/survey.py), as torch.load would read it 
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import stat
 import struct
@@ -154,6 +155,17 @@ def describe_other(head: bytes, size: int) -> str:
     return "no torch zip, tar, pickle or safetensors signature"
 
 
+def dangling(path: Path | str) -> str:
+    """Why a symlink leads nowhere: its target is missing, or the links loop."""
+    target = os.readlink(path)
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"{path}: symlinks loop ({path} -> {target} -> …)"
+    return f"{path}: symlink points to {target}, which does not exist"
+
+
 def folder_files(folder: Path) -> tuple[list[Path], list[str]]:
     """Every regular file under `folder`, symlinks followed (loops cut), and the paths that could not be read."""
     found: list[Path] = []
@@ -175,7 +187,7 @@ def folder_files(folder: Path) -> tuple[list[Path], list[str]]:
             try:
                 mode = path.stat().st_mode  # follows symlinks: a Hugging Face snapshot is all links into blobs/
             except FileNotFoundError:
-                problems.append(f"{path}: symlink points to {os.readlink(path)}, which does not exist")
+                problems.append(dangling(path))
                 continue
             except OSError as exc:
                 problems.append(f"{path}: cannot be read ({exc.strerror})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import errno
 import os
 import re
 import stat
@@ -25,11 +26,17 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         st = os.stat(path)
     except FileNotFoundError:
         if os.path.islink(path):
-            raise ReadError(f"{path}: symlink points to {os.readlink(path)}, which does not exist") from None
+            from ..sniff import dangling
+
+            raise ReadError(dangling(path)) from None
         raise ReadError(f"{path}: no such file or directory") from None
     except PermissionError:
         raise ReadError(f"{path}: permission denied") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            from ..sniff import dangling
+
+            raise ReadError(dangling(path)) from None
         raise ReadError(f"{path}: cannot be read ({exc.strerror})") from None
     if stat.S_ISDIR(st.st_mode):
         return read_folder(path)

@@ -63,6 +63,11 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
             if member is None:
                 raise ReadError(f"{path}: data.pkl names storage {ref.key} but the archive has no {name}")
             nbytes = ref.numel * element_size(ref.dtype)
+            if member.method != 0 and nbytes <= member.size and member.offset >= 0 and not member.is_dir:
+                raise ReadError(f"{path}: storage {name} is compressed in the archive (zip method {member.method}; "
+                                "torch.save stores them uncompressed, so the file was re-zipped): torch.load inflates "
+                                "it, but ckpt-doctor reads storages in place and cannot yet; load it with torch.load "
+                                "and torch.save it again")
             if nbytes > member.size or member.method != 0 or member.offset < 0 or member.is_dir:
                 raise ReadError(f"{path}: storage {name} holds {member.size} bytes but {nbytes} are needed "
                                 "(the file is corrupt)")

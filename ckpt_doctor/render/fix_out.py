@@ -38,18 +38,22 @@ def dry_run_table(plan: FixPlan) -> str:
     return simple_table(["key", "", "output key"], rows)
 
 
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def fix_summary(plan: FixPlan, result: FixResult | None) -> list[str]:
     renamed = sum(1 for o, n in plan.renamed.items() if o != n)
     lines = []
     what = f"{len(plan.tensors) - len(plan.tied)} tensors, {human_bytes(plan.nbytes)}, {plan.format.value}"
     if result is None:
-        lines.append(f"dry run: {plan.output} would hold {what}; {renamed} keys renamed, {len(plan.dropped)} "
-                     "dropped; nothing written")
+        lines.append(f"dry run: {plan.output} would hold {what}; {_n(renamed, 'key')} renamed, "
+                     f"{len(plan.dropped)} dropped; nothing written")
     else:
         check = "verified: every storage re-read and its crc32 compared with the source" if result.verified else \
             "NOT verified (--no-verify)"
         lines.append(f"wrote {result.plan.output}: {what} ({human_bytes(result.bytes)} on disk); "
-                     f"{renamed} keys renamed, {len(plan.dropped)} dropped; {check}")
+                     f"{_n(renamed, 'key')} renamed, {len(plan.dropped)} dropped; {check}")
     if plan.applied:
         lines.append("applied: " + "; ".join(plan.applied))
     if result is not None and result.shards:

@@ -25,7 +25,8 @@ def check_destination(output: Path, inputs: tuple[Path, ...], force: bool) -> No
         raise WriteError(f"{output}: already exists; pass --force to replace it")
     parent = output.parent if str(output.parent) else Path(".")
     if not parent.is_dir():
-        raise WriteError(f"{output}: folder {parent} does not exist")
+        raise WriteError(f"{output}: {parent} is a file, not a folder" if parent.exists() else
+                         f"{output}: folder {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise WriteError(f"{output}: folder {parent} is not writable (permission denied)")
 
