@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import pickle
+import _pickle  # pickle.UnpicklingError is this class; pickle.py itself is not needed
 import struct
 from .._record import replace
 from pathlib import Path
@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # names for annotations only: importing typing costs every st
     from typing import Any
 
 # What a corrupt or hostile pickle can raise from inside the C unpickler; each becomes one ReadError.
-PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+PICKLE_ERRORS = (_pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
                  OverflowError, UnicodeDecodeError, RecursionError, MemoryError, struct.error, ImportError)
 
 
