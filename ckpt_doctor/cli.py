@@ -456,7 +456,7 @@ def _fix_options(p: Any) -> None:
     p.add_argument("--tie", dest="ties", action="append", default=[], metavar="ALIAS=KEY",
                    help="Also write ALIAS as the same tensor as KEY (one storage), as a model with tied weights "
                    "expects (lm_head.weight=transformer.wte.weight).")
-    p.add_argument("--format", dest="format_", choices=['torch', 'safetensors', 'dcp'],
+    p.add_argument("--format", dest="format_", choices=["torch", "safetensors", "dcp"],
                    help="Override the suffix. dcp: a torch.distributed.checkpoint folder (OUT is a folder) that "
                    "dcp.load reads into an FSDP2/DTensor model, to resume distributed training.")
     p.add_argument("--max-shard-size", metavar="SIZE", help="Split the output into shards of at most SIZE (5GB, "
