@@ -134,6 +134,14 @@ def _refuse_del(self: Any, name: str) -> None:
     raise FrozenInstanceError(f"cannot delete field {name!r}")
 
 
+def fast_new(cls: type, **fields: Any) -> Any:
+    """A record of `cls` made without __init__'s argument binding and the frozen __setattr__ guard: the readers
+    make one per tensor, and binding costs ~1.1 µs against 0.5 µs. The caller gives every field."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
 def replace(obj: Any, /, **changes: Any) -> Any:
     """A copy of `obj` with some fields changed (dataclasses.replace); the copy of a record is made without a
     second pass through __init__ (the readers re-key 20,000 tensors with it)."""
@@ -145,7 +153,4 @@ def replace(obj: Any, /, **changes: Any) -> Any:
     for name in changes:
         if name not in fields:
             raise TypeError(f"{type(obj).__name__}() got an unexpected keyword argument {name!r}")
-    new = object.__new__(type(obj))
-    new.__dict__.update(obj.__dict__)
-    new.__dict__.update(changes)
-    return new
+    return fast_new(type(obj), **{**obj.__dict__, **changes})

@@ -31,6 +31,9 @@ class PairStats:
     close: bool  # within the tolerances
 
 
+IDENTICAL = PairStats(0.0, 0.0, None, True, True)  # the same bytes: nothing computed, no cosine given
+
+
 @record
 class TensorDiff:
     key: str  # the name in B (in A when only A has it)
@@ -183,7 +186,8 @@ def _memcmp():
 
 
 def pair_stats(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0) -> PairStats:
-    """Compare two torch tensors of one shape: see array_stats."""
+    """Compare two torch tensors of one shape (a strided view, pieces of a sharded folder, a dtype NumPy lacks): the
+    same figures _sums gives a mapped pair."""
     import torch
 
     def flat(t: Any) -> Any:
@@ -196,18 +200,9 @@ def pair_stats(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0) -> PairStat
     identical = a.dtype == b.dtype and a.shape == b.shape and (
         a.numel() == 0 or torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
         if a.dtype != torch.bool else torch.equal(a, b))
-    return array_stats(flat(a), flat(b), identical, atol, rtol)
-
-
-def array_stats(x: Any, y: Any, identical: bool, atol: float = 0.0, rtol: float = 0.0) -> PairStats:
-    """Compare two flat NumPy arrays: see window_stats."""
-    return PairStats(0.0, 0.0, None, True, True) if identical else window_stats([(x, y)], (False, False), atol, rtol)
-
-
-def window_stats(windows, bf16: tuple[bool, bool], atol: float = 0.0, rtol: float = 0.0) -> PairStats:
-    """max |y − x|, ‖y − x‖ / ‖x‖ and the cosine in float64 over (x, y) windows of two flat arrays, and whether
-    every element is within atol + rtol·|x| (torch.isclose's rule, NaN equal to NaN): see _sums."""
-    return _stats([_sums(windows, bf16, atol, rtol, _scratch())])
+    if identical:
+        return IDENTICAL
+    return _stats([_sums([(flat(a), flat(b))], (False, False), atol, rtol, _scratch())])
 
 
 def _scratch() -> list:
@@ -609,7 +604,7 @@ def _pair(key: str, a_key: str, ta: TensorRecord, tb: TensorRecord, atol: float,
         mapped.check(ta)
         mapped.check(tb)
         if mapped.same_bytes(ta, tb):
-            stats = PairStats(0.0, 0.0, None, True, True)
+            stats = IDENTICAL
         else:
             stats = figures.add(ta, tb)
             if isinstance(stats, range):  # pieces queued for the worker

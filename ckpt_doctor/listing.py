@@ -8,14 +8,10 @@ and kept when they are a checkpoint, bear a checkpoint's name, or hold a pickle 
 
 from __future__ import annotations
 
-import errno
-import os
-import stat
 from pathlib import Path
 
 from ._record import record
 from .errors import CkptDoctorError
-from .safepickle import limits
 
 
 @record
@@ -62,63 +58,14 @@ def list_folder(folder: Path) -> FolderListing:
 
 def checkpoint_paths(folder: Path) -> tuple[list[Path], list[str]]:
     """What to list under `folder`, at any depth: every regular file (each is judged by inspect_line, which keeps
-    the checkpoints and whatever a loader would unpickle, as scan does), and every subfolder that is one checkpoint
-    (a Hugging Face shard index, a DCP or DeepSpeed folder: one line, not one per shard). Symlinks are followed,
-    each real file listed once (a Hugging Face cache links every snapshot file into blobs/), loops cut; the walk
-    is iterative, so any depth works. Also the paths that could not be listed."""
+    the checkpoints and whatever a loader would unpickle, as scan does), every subfolder that is one checkpoint
+    (a Hugging Face shard index, a DCP or DeepSpeed folder: one line, not one per shard), each real file once; in
+    path order. Also the paths that could not be read."""
     from .readers import is_one_checkpoint
+    from .sniff import folder_files
 
-    found: list[Path] = []
-    problems: list[str] = []
-    seen_dirs: set[str] = set()
-    seen_files: set[str] = set()
-    stack = [folder]
-    while stack:
-        here = stack.pop()
-        real = os.path.realpath(here)
-        if real in seen_dirs:
-            continue
-        seen_dirs.add(real)
-        try:
-            names = sorted(os.listdir(here))
-        except OSError as exc:
-            problems.append(f"{here}: cannot be listed ({exc.strerror})")
-            continue
-        if here != folder and is_one_checkpoint(here, names):
-            found.append(here)
-            continue
-        subfolders = []
-        for name in names:
-            path = here / name
-            try:
-                st = os.stat(path)  # follows symlinks
-            except FileNotFoundError:
-                from .sniff import dangling
-
-                problems.append(dangling(path) if os.path.islink(path) else
-                                f"{path}: vanished while the folder was listed")
-                continue
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    from .sniff import dangling
-
-                    problems.append(dangling(path))
-                else:
-                    problems.append(f"{path}: cannot be read ({exc.strerror})")
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                subfolders.append(path)
-            elif stat.S_ISREG(st.st_mode):
-                key = os.path.realpath(path)
-                if key not in seen_files:
-                    seen_files.add(key)
-                    found.append(path)
-            if len(found) > limits.MAX_FOLDER_FILES:
-                problems.append(f"{folder}: more than {limits.MAX_FOLDER_FILES:,} files; the rest were not listed")
-                return found, problems
-        stack.extend(reversed(subfolders))
-    found.sort(key=lambda p: p.parts)
-    return found, problems
+    found, problems = folder_files(folder, whole=is_one_checkpoint, once=True)
+    return sorted(found, key=lambda p: p.parts), problems
 
 
 def inspect_line(path: Path) -> FileLine | None:
@@ -130,7 +77,6 @@ def inspect_line(path: Path) -> FileLine | None:
     from .readers.survey import survey_file
     from .report import inspect_checkpoint
     from .scan import holds_no_pickle
-    from .sniff import Container
 
     gc.disable()  # as in `inspect`: acyclic records, nothing for the collector to free (a forked worker too)
     try:
@@ -138,10 +84,8 @@ def inspect_line(path: Path) -> FileLine | None:
             report = inspect_checkpoint(path)
         else:
             survey = survey_file(path)
-            kind = survey.container
-            if not path.name.lower().endswith(CHECKPOINT_SUFFIXES) and holds_no_pickle(survey) \
-                    and kind not in (Container.ZIP, Container.TAR, Container.SAFETENSORS):
-                return None
+            if not path.name.lower().endswith(CHECKPOINT_SUFFIXES) and holds_no_pickle(survey):
+                return None  # (a zip, tar or safetensors file always holds something: holds_no_pickle says no)
             report = inspect_checkpoint(path, checkpoint=read_file(path, survey))
     except CkptDoctorError as exc:
         findings = tuple(getattr(exc, "findings", ()))

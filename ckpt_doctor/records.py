@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from ._record import field, record
+from ._record import fast_new, field, record  # noqa: F401  (fast_new: re-exported for the readers)
 from math import prod
 from pathlib import Path
 
@@ -27,14 +27,6 @@ class Format(str, enum.Enum):
     SHARDED = "sharded"
     DCP = "torch-dcp"  # a torch.distributed.checkpoint folder
     DEEPSPEED = "deepspeed-zero"  # a DeepSpeed save folder (ZeRO partitions consolidated)
-
-
-def fast_new(cls: type, **fields: Any) -> Any:
-    """Build a frozen record without its per-field __setattr__ guard: the readers make one per tensor, and
-    the guarded __init__ costs ~1.4 µs against 0.3 µs, a third of the time to list 20,000 tensors."""
-    obj = object.__new__(cls)
-    obj.__dict__.update(fields)
-    return obj
 
 
 def span_elements(shape: tuple[int, ...], stride: tuple[int, ...]) -> int | None:

@@ -47,9 +47,11 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, name and extra lengths
 class ZipIndex:
     """The members of an archive, in central-directory order, and torch's way of finding them."""
 
-    def __init__(self, members: list[ZipMember], path: str) -> None:
+    def __init__(self, members: list[ZipMember], path: str, whole: bytes | None = None, base: int = 0) -> None:
         self.members = members
         self.path = path
+        self.whole = whole  # the archive's bytes, when a small one was read whole to find its members
+        self.base = base  # where the archive starts in its file
         self._by_name: dict[str, list[int]] = {}
         for i, m in enumerate(members):
             self._by_name.setdefault(_fold(m.name), []).append(i)
@@ -58,8 +60,6 @@ class ZipIndex:
         self.prefix = first.split("/", 1)[0] if "/" in first else None
         self.torch_problem: str | None = None
         self.other_readers: str | None = None  # why Python's zipfile could see other members than torch
-        self.whole: bytes | None = None  # the archive's bytes, when a small one was read whole to find its members
-        self.base = 0
         if not members:
             self.torch_problem = "the archive is empty"
         elif self.prefix is None:
@@ -164,8 +164,7 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
         p += 46 + nlen + xlen + clen
         entries.append((name, usize, csize, method, crc, local_at, flags, bool(attrs & 0x10) or name.endswith("/")))
     members, whole = _locate_data(fd, file_size, entries, base)
-    index = ZipIndex(members, path)
-    index.whole, index.base = whole, base
+    index = ZipIndex(members, path, whole, base)
     # Python's zipfile (np.load, most tools) reads the same archive differently: it shifts every offset by the
     # bytes between where the directory ends and where the end record is, and reads entries until the directory's
     # size is used up. When that could give it other members, say so: the survey then walks its view too.
