@@ -23,7 +23,7 @@ from ..safepickle import limits
 from ..safepickle.policy import GlobalRef, Verdict
 from ..safepickle.walker import Walk, new_budget, starts_pickle, walk
 from ..sniff import Container, sniff
-from .mapping import mapped
+from .mapping import READ_UP_TO, mapped
 from .zipindex import ZipIndex, ZipMember, ZipTooBig, local_members, member_head, read_member, read_zip_index
 
 TYPE_CHECKING = False
@@ -55,6 +55,8 @@ class Survey:
     items: list[Survey] = field(default_factory=list)  # each archive of a DCP shard, walked (its offset: .base)
     base: int = 0  # where this archive starts in its file (an item of a DCP shard)
     budget: list[int] = field(default_factory=new_budget)  # what walking this file may cost, all walks together
+    overlap: bool = False  # the main pickle may be walked in a forked child while the reader unpickles it
+    pending: Any = field(default=None, repr=False, compare=False)  # that walk, until settle()
 
     @property
     def findings(self) -> list[GlobalRef]:
@@ -71,6 +73,19 @@ class Survey:
         names += [f"{h.what} ({h.verdict.value})" for h in self.hazards]
         return tuple(dict.fromkeys(names))
 
+    def settle(self) -> bool:
+        """Take the main pickle's walk when it ran in a forked child (`survey_file(overlap=True)`), as if it had
+        been walked here, in order. False when the survey had to be done again from the start (the child failed
+        after other walks here had spent the budget it started from): what was read before is to be read again."""
+        pending, self.pending = self.pending, None
+        return pending is None or pending.take()
+
+    def abandon(self) -> None:
+        """Stop a pending walk without waiting for it (the caller is failing anyway)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.forked.close()
+
     def _add(self, result: Walk) -> None:
         self.globals.extend(result.globals)
         self.notes.extend(result.notes)
@@ -80,12 +95,16 @@ class Survey:
             self.refused = self.refused or result.refused
 
 
-def survey_file(path: Path, thorough: bool = True) -> Survey:
+def survey_file(path: Path, thorough: bool = True, overlap: bool = False) -> Survey:
     """Walk every pickle of the file at `path`. Raises ReadError only when the file cannot be opened or read.
 
     `thorough=False` skips the two walks that read a whole file looking for signatures (splitting a DCP shard into
     its archives, and local headers of an archive whose directory is broken): the DCP reader, which knows each item
-    of a shard from its metadata, walks those itself and asks here only what torch.load and zipfile would read."""
+    of a shard from its metadata, walks those itself and asks here only what torch.load and zipfile would read.
+
+    `overlap=True`: a torch zip's data.pkl of some size may be walked in a forked child, so that the reader can
+    unpickle it meanwhile (on another core). Nothing of the survey may be used until `settle()`; read_file does that
+    before it looks at the survey, and reports nothing it read unless the walk allows it (readers/__init__.py)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except PermissionError:
@@ -97,7 +116,7 @@ def survey_file(path: Path, thorough: bool = True) -> Survey:
     try:
         size = os.fstat(fd).st_size
         container, head = sniff(fd, size)
-        survey = Survey(path, size, container, head)
+        survey = Survey(path, size, container, head, overlap=overlap)
         if container is Container.ZIP:
             _survey_zip(survey, fd, local_scan=thorough)
             if thorough and (survey.zip is None or survey.zip.other_readers):
@@ -156,7 +175,7 @@ def _walk_on(first: Walk, rest: Walk) -> None:
     first.refused = first.refused or rest.refused
 
 
-_MAGIC_PICKLE = re.compile(rb"\A\x80[\x02-\x05]\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19\.\Z")
+_MAGIC_PICKLE = rb"\A\x80[\x02-\x05]\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19\.\Z"  # compiled when first used (re caches it)
 
 
 def _is_magic(data: Any, end: int) -> bool:
@@ -165,7 +184,7 @@ def _is_magic(data: Any, end: int) -> bool:
     if end > 256:
         return False
     first = bytes(data[:end])
-    if _MAGIC_PICKLE.match(first):
+    if re.match(_MAGIC_PICKLE, first):
         return True
     import io
 
@@ -203,23 +222,22 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True)
                                      f"named {dup} (ignoring case): torch's reader picks one by its sort order, other "
                                      "readers another" + ("; every copy was walked" if _is_pickle_name(dup) else "")))
     chosen = index.find(prefix + "data.pkl")
-    with mapped(fd, base + survey.size) as whole:
-        for member in index.members:
-            name = member.name
-            rel = name[len(prefix):] if name.startswith(prefix) else name
-            if member.is_dir:
-                continue
-            head = member_head(fd, member, 16, index)
-            if head[:6] == b"\x93NUMPY":  # an .npy, whatever its name: np.load reads any member by its magic
-                _survey_npy_member(survey, fd, member, budget)
-                continue
-            if rel in _TEXT_RECORDS or rel.startswith("data/") and not _is_pickle_name(rel) \
-                    or rel.startswith("code/") and rel.endswith(".py"):
-                continue  # text records, storages (raw tensor bytes) and TorchScript source: never unpickled
-            is_main = member is chosen
-            if not is_main and not starts_pickle(head):
-                continue  # no opcode at its start: nothing any loader would unpickle (and nothing inflated)
-            _survey_member(survey, fd, whole, member, is_main, budget)
+    for member in index.members:
+        name = member.name
+        rel = name[len(prefix):] if name.startswith(prefix) else name
+        if member.is_dir:
+            continue
+        head = member_head(fd, member, 16, index)
+        if head[:6] == b"\x93NUMPY":  # an .npy, whatever its name: np.load reads any member by its magic
+            _survey_npy_member(survey, fd, member, budget)
+            continue
+        if rel in _TEXT_RECORDS or rel.startswith("data/") and not _is_pickle_name(rel) \
+                or rel.startswith("code/") and rel.endswith(".py"):
+            continue  # text records, storages (raw tensor bytes) and TorchScript source: never unpickled
+        is_main = member is chosen
+        if not is_main and not starts_pickle(head):
+            continue  # no opcode at its start: nothing any loader would unpickle (and nothing inflated)
+        _survey_member(survey, fd, member, is_main, budget)
     if index.other_readers:
         survey.hazards.append(Hazard(Verdict.DANGEROUS, f"zip readers disagree on this archive: "
                                      f"{index.other_readers}; torch sees one set of members, np.load and other "
@@ -290,36 +308,113 @@ def survey_item(path: Path, fd: int, offset: int, length: int, budget: list[int]
     return item
 
 
-def _survey_member(survey: Survey, fd: int, whole: Any, member: ZipMember, is_main: bool, budget: list[int]) -> None:
+def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, budget: list[int]) -> None:
     """Walk one member that starts a pickle. A big stored one is walked in place in the file's map; only the
     data.pkl torch would unpickle is kept, for the reader, when it is small enough to unpickle."""
     name = member.name
-    in_place = member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 \
-        and not member.is_dir and not isinstance(whole, bytes)
-    if in_place:
-        view = memoryview(whole)[member.offset:member.offset + member.size]
-        try:
-            result = walk(view, name, budget=survey.budget)
-        finally:
-            view.release()
-        data = None
-    else:
+    result = data = None
+    if member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 and not member.is_dir \
+            and survey.base + survey.size > READ_UP_TO:
+        with mapped(fd, survey.base + survey.size) as whole:
+            if not isinstance(whole, bytes):  # mapped (a file system that cannot map gets it read below)
+                view = memoryview(whole)[member.offset:member.offset + member.size]
+                try:
+                    result = walk(view, name, budget=survey.budget)
+                finally:
+                    view.release()
+    if result is None:
         try:
             data = read_member(fd, member, str(survey.path), check_crc=False, budget=budget)
         except ReadError as exc:
             survey.notes.append(str(exc))
             return
+        if is_main and _may_overlap(survey, data):
+            try:
+                survey.pending = _PendingWalk(survey, member, data)
+                return
+            except OSError:  # out of processes: walked here
+                pass
         result = walk(data, name, budget=survey.budget)
     if not (is_main or _is_pickle_name(name)) and not result.pickles:
         return  # a member that is no pickle (a text file, an image): nothing a loader would unpickle
     survey._add(result)
     if is_main:
-        survey.main_walk = result
-        survey.broken = result.broken
-        survey.main_pickle = data if data is not None and len(data) <= limits.MAX_UNPICKLE_BYTES else None
-        if result.pickles and result.pickles[0][1] < member.size:
-            survey.notes.append(f"{name} holds {member.size - result.pickles[0][1]} bytes after its end, which torch "
-                                "ignores")
+        _take_main_walk(survey, member, result, data)
+
+
+def _take_main_walk(survey: Survey, member: ZipMember, result: Walk, data: bytes | None) -> None:
+    survey.main_walk = result
+    survey.broken = result.broken
+    survey.main_pickle = data if data is not None and len(data) <= limits.MAX_UNPICKLE_BYTES else None
+    if result.pickles and result.pickles[0][1] < member.size:
+        survey.notes.append(f"{member.name} holds {member.size - result.pickles[0][1]} bytes after its end, which "
+                            "torch ignores")
+
+
+OVERLAP_BYTES = (64 << 10, 32 << 20)  # a data.pkl this big is walked in a child: under ~5 ms of walk a fork
+# does not pay; over the top, unpickling what the walk may yet refuse would take seconds
+
+
+def _may_overlap(survey: Survey, data: bytes) -> bool:
+    if not survey.overlap or survey.refused or not OVERLAP_BYTES[0] <= len(data) <= OVERLAP_BYTES[1]:
+        return False
+    from .. import pool
+
+    return pool.can_fork() and pool.workers() > 1
+
+
+class _PendingWalk:
+    """The walk of a zip's main pickle, running in a forked child; `take` puts its result into the survey where
+    walking it in `_survey_member` would have: its globals, notes and hazards before those of any later walk."""
+
+    def __init__(self, survey: Survey, member: ZipMember, data: bytes) -> None:
+        from ..pool import Forked
+
+        self.survey, self.member, self.data = survey, member, data
+        self.at = (len(survey.globals), len(survey.notes), len(survey.hazards))
+        self.refused = survey.refused
+        self.budget = list(survey.budget)  # what the child starts from; a walk here after this spends it too
+        self.forked = Forked(_walk_wire, data, member.name, self.budget)
+        survey.main_pickle = data if len(data) <= limits.MAX_UNPICKLE_BYTES else None  # for the reader, now
+
+    def take(self) -> bool:
+        from ..pool import ForkFailed
+        from ..safepickle.walker import from_wire
+
+        survey = self.survey
+        try:
+            wire, budget = self.forked.result()
+            result = from_wire(wire)
+        except (ForkFailed, ValueError, TypeError):
+            result, budget = None, None
+        if survey.budget != self.budget:  # walks here went on from the budget the main walk was to spend first
+            fresh = survey_file(survey.path)  # the survey again, every walk in its order
+            for name in Survey.__record_fields__:
+                setattr(survey, name, getattr(fresh, name))
+            return False
+        if result is None:  # the child failed: walked here, from the same budget
+            result = walk(self.data, self.member.name, budget=survey.budget)
+        else:
+            survey.budget[:] = budget
+        g, n, h = self.at
+        later = survey.globals[g:], survey.notes[n:], survey.hazards[h:], survey.refused
+        del survey.globals[g:], survey.notes[n:], survey.hazards[h:]
+        survey.refused = self.refused
+        survey._add(result)
+        _take_main_walk(survey, self.member, result, self.data)
+        survey.globals += later[0]
+        survey.notes += later[1]
+        survey.hazards += later[2]
+        survey.refused = survey.refused or later[3]
+        return True
+
+
+def _walk_wire(data: bytes, source: str, budget: list[int]) -> tuple:
+    """In the child: the walk as plain values, and what it left of the budget."""
+    from ..safepickle.walker import to_wire
+
+    result = walk(data, source, budget=budget)
+    return to_wire(result), budget
 
 
 def _survey_npy_member(survey: Survey, fd: int, member: ZipMember, budget: list[int]) -> None:

@@ -18,8 +18,9 @@ from .survey import Survey
 from .zipindex import ZipIndex, read_member
 
 _RECORDS_TORCH_READS = (".data/serialization_id", ".format_version", ".storage_alignment", "byteorder")
-_CLASS_RE = re.compile(r"^class (\w+)\(([\w.]+)\):\n((?:  .*\n|\n)*)", re.MULTILINE)
-_LIST_RE = re.compile(r"^  (__parameters__|__buffers__) = \[(.*?)\]", re.MULTILINE)
+# TorchScript source, parsed (never run) only for a TorchScript archive: compiled then (re caches them)
+_CLASS_RE = r"(?m)^class (\w+)\(([\w.]+)\):\n((?:  .*\n|\n)*)"
+_LIST_RE = r"(?m)^  (__parameters__|__buffers__) = \[(.*?)\]"
 
 
 def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
@@ -109,9 +110,9 @@ def _script_members(fd: int, index: ZipIndex, prefix: str, path: Path):
             continue
         module = name[len(code_prefix):-3].replace("/", ".")
         text = read_member(fd, member, str(path), check_crc=False).decode("utf-8", "replace")
-        for match in _CLASS_RE.finditer(text):
+        for match in re.finditer(_CLASS_RE, text):
             cls, base, body = match.group(1), match.group(2), match.group(3)
-            lists = {k: tuple(re.findall(r'"([^"]+)"', v)) for k, v in _LIST_RE.findall(body)}
+            lists = {k: tuple(re.findall(r'"([^"]+)"', v)) for k, v in re.findall(_LIST_RE, body)}
             classes[f"{module}.{cls}"] = (lists.get("__parameters__", ()), lists.get("__buffers__", ()),
                                          base == "Module")
     return classes.get

@@ -42,6 +42,7 @@ class ZipMember(namedtuple("ZipMember", "name offset size compressed_size method
 _CENTRAL_HEADER = struct.Struct("<4s4xHHxxxxLLLHHHHxxLL")  # sig, flags, method, crc, sizes, name/extra/comment,
 # disk, external attributes, local header offset
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, name and extra lengths
+HEAD_BYTES = 16  # of each member's data, kept from reading its local header (what member_head is asked for)
 
 
 class ZipIndex:
@@ -52,10 +53,16 @@ class ZipIndex:
         self.path = path
         self.whole = whole  # the archive's bytes, when a small one was read whole to find its members
         self.base = base  # where the archive starts in its file
-        self._by_name: dict[str, list[int]] = {}
+        self.heads: dict[int, bytes] = {}  # data offset -> the first HEAD_BYTES there, read with a local header
+        # folded name -> its member's position; names several members share -> all their positions
+        self._by_name: dict[str, int] = {}
+        self._shared: dict[str, list[int]] = {}
+        by_name = self._by_name
         for i, m in enumerate(members):
-            self._by_name.setdefault(_fold(m.name), []).append(i)
-        self.duplicates = sorted(members[ix[0]].name for ix in self._by_name.values() if len(ix) > 1)
+            folded = _fold(m.name)
+            if by_name.setdefault(folded, i) != i:
+                self._shared.setdefault(folded, [by_name[folded]]).append(i)
+        self.duplicates = sorted(members[ix[0]].name for ix in self._shared.values())
         first = members[0].name if members else ""
         self.prefix = first.split("/", 1)[0] if "/" in first else None
         self.torch_problem: str | None = None
@@ -75,16 +82,19 @@ class ZipIndex:
 
     def find(self, name: str) -> ZipMember | None:
         """The member torch's reader returns for `name`: ASCII case ignored, duplicates settled as miniz does."""
-        hits = self._by_name.get(_fold(name))
-        if not hits:
+        folded = _fold(name)
+        hit = self._by_name.get(folded)
+        if hit is None:
             return None
-        if len(hits) == 1:
-            return self.members[hits[0]]
+        if folded not in self._shared:
+            return self.members[hit]
         return self.members[_miniz_pick([m.name for m in self.members], name)]
 
     def all_named(self, name: str) -> list[ZipMember]:
         """Every member torch could mean by `name` (several when the archive has duplicates)."""
-        return [self.members[i] for i in self._by_name.get(_fold(name), [])]
+        folded = _fold(name)
+        hits = self._shared.get(folded) or ([self._by_name[folded]] if folded in self._by_name else [])
+        return [self.members[i] for i in hits]
 
     def records(self) -> list[str]:
         """Member names relative to the archive's folder, as torch's `get_all_records` lists them."""
@@ -93,7 +103,8 @@ class ZipIndex:
 
 
 def _fold(name: str) -> str:
-    return name.translate(_ASCII_LOWER)
+    """ASCII letters lowered, nothing else (miniz's comparison): str.lower() where that is the same thing."""
+    return name.lower() if name.isascii() else name.translate(_ASCII_LOWER)
 
 
 _ASCII_LOWER = {c: c + 32 for c in range(65, 91)}
@@ -163,8 +174,9 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
             raise ReadError(f"{path}: zip member {name} runs past the end of the file (truncated)")
         p += 46 + nlen + xlen + clen
         entries.append((name, usize, csize, method, crc, local_at, flags, bool(attrs & 0x10) or name.endswith("/")))
-    members, whole = _locate_data(fd, file_size, entries, base)
+    members, whole, heads = _locate_data(fd, file_size, entries, base)
     index = ZipIndex(members, path, whole, base)
+    index.heads = heads
     # Python's zipfile (np.load, most tools) reads the same archive differently: it shifts every offset by the
     # bytes between where the directory ends and where the end record is, and reads entries until the directory's
     # size is used up. When that could give it other members, say so: the survey then walks its view too.
@@ -220,22 +232,27 @@ def _locate_data(fd: int, file_size: int, entries: list, base: int = 0) -> tuple
     # Local headers sit between the payloads. A small archive is read whole (one syscall for 20,000 headers);
     # a big one gets one pread per header (a memory map would fault in, and count in RSS, 64 KB around each).
     # (Only when there are many headers: a DCP item of 8 MB has five, and 100 items read whole cost 0.1 s.)
+    # Otherwise each pread takes the first HEAD_BYTES of the member's data with its header (torch pads the extra
+    # field to 64-byte alignment): what the survey checks of every member (member_head) costs no second call.
     many = len(entries) > 64 or file_size <= 1 << 20
     whole = os.pread(fd, file_size, base) if file_size <= limits.ZIP_WHOLE_READ and many else None
     located = []
+    heads: dict[int, bytes] = {}
     for name, usize, csize, method, crc, local_at, flags, is_dir in entries:
         if whole is not None:
             head, at = whole, local_at
         else:
-            head, at = os.pread(fd, 30, base + local_at), 0
+            head, at = os.pread(fd, 30 + len(name) + 128 + HEAD_BYTES, base + local_at), 0
         data_at = -1
         if len(head) >= at + 30:
             sig, nlen, xlen = _LOCAL_HEADER.unpack_from(head, at)
             if sig == _LOCAL and local_at + 30 + nlen + xlen + csize <= file_size:
                 data_at = local_at + 30 + nlen + xlen
+                if whole is None and data_at + HEAD_BYTES <= local_at + len(head):
+                    heads[base + data_at] = head[data_at - local_at:data_at - local_at + HEAD_BYTES]
         data_at = data_at + base if data_at >= 0 else -1
         located.append(ZipMember(name, data_at, usize, csize, method, crc, base + local_at, flags, is_dir))
-    return located, whole
+    return located, whole, heads
 
 
 def member_head(fd: int, member: ZipMember, size: int, index: ZipIndex | None = None) -> bytes:
@@ -246,6 +263,8 @@ def member_head(fd: int, member: ZipMember, size: int, index: ZipIndex | None = 
     if index is not None and index.whole is not None and member.method == 0:
         start = member.offset - index.base
         return index.whole[start:start + min(member.compressed_size, size)]
+    if index is not None and member.method == 0 and size <= HEAD_BYTES and member.offset in index.heads:
+        return index.heads[member.offset][:min(member.compressed_size, size)]
     raw = os.pread(fd, min(member.compressed_size, size if member.method == 0 else 1 << 16), member.offset)
     if member.method == 0:
         return raw

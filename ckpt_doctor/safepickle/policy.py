@@ -11,7 +11,6 @@ The static walker and the safe unpickler both ask `classify`; nothing else decid
 
 from __future__ import annotations
 
-import contextlib
 import enum
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from .._record import record
@@ -20,7 +19,7 @@ from ..errors import UsageError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
-    from typing import Iterable, Iterator
+    from typing import Iterable
 
 
 class Verdict(str, enum.Enum):
@@ -279,16 +278,22 @@ def check_user_allowance(name: str) -> str:
     return name
 
 
-@contextlib.contextmanager
-def allowed_globals(names: Iterable[str]) -> Iterator[None]:
-    """Also allow `names` (dotted) while the block runs, as `torch.serialization.safe_globals` does for torch.load."""
-    global _user_allowed
-    before = _user_allowed
-    _user_allowed = before | {check_user_allowance(n) for n in names}
-    try:
-        yield
-    finally:
-        _user_allowed = before
+class allowed_globals:
+    """`with allowed_globals(names):` also allows `names` (dotted) while the block runs, as
+    `torch.serialization.safe_globals` does for torch.load. (A class, not a contextlib generator: importing
+    contextlib costs every start.)"""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = names
+
+    def __enter__(self) -> None:
+        global _user_allowed
+        self.before = _user_allowed
+        _user_allowed = self.before | {check_user_allowance(n) for n in self.names}
+
+    def __exit__(self, *exc: object) -> None:
+        global _user_allowed
+        _user_allowed = self.before
 
 
 def allow_globals(names: Iterable[str]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import _pickle  # pickle.Unpickler itself (the C one), without pickle.py's own import (~0.7 ms a start)
 from collections import Counter, OrderedDict
@@ -13,7 +12,7 @@ from .policy import TENSOR_REBUILDERS, GlobalRef, Verdict, classify, resolve
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
-    from typing import Any, Callable, Iterator
+    from typing import Any, Callable
 
 
 class Opaque:
@@ -364,29 +363,33 @@ class MalformedPickle(ValueError):
     """A global the allow-list accepts was given arguments torch's own rebuild would refuse."""
 
 
-@contextlib.contextmanager
-def memory_guard() -> Iterator[None]:
-    """Cap the address space while a pickle is read, so a memo or allocation bomb is a MemoryError, not an OOM kill."""
-    try:
-        import resource
+class memory_guard:
+    """`with memory_guard():` caps the address space while a pickle is read, so a memo or allocation bomb is a
+    MemoryError, not an OOM kill. (A class, not a contextlib generator: importing contextlib costs every start.)"""
 
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        with open("/proc/self/statm") as f:
-            used = int(f.read().split()[0]) * resource.getpagesize()
-    except (ImportError, OSError, ValueError):
-        yield
-        return
-    cap = used + limits.UNPICKLE_HEADROOM
-    if hard != resource.RLIM_INFINITY:
-        cap = min(cap, hard)
-    if soft != resource.RLIM_INFINITY and soft <= cap:
-        yield
-        return
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    def __enter__(self) -> None:
+        self.restore = None
+        try:
+            import resource
+
+            soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+            with open("/proc/self/statm") as f:
+                used = int(f.read().split()[0]) * resource.getpagesize()
+        except (ImportError, OSError, ValueError):
+            return
+        cap = used + limits.UNPICKLE_HEADROOM
+        if hard != resource.RLIM_INFINITY:
+            cap = min(cap, hard)
+        if soft != resource.RLIM_INFINITY and soft <= cap:
+            return
+        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+        self.restore = (soft, hard)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.restore is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_AS, self.restore)
 
 
 class SafeUnpickler(_pickle.Unpickler):
@@ -413,6 +416,8 @@ class SafeUnpickler(_pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         key = (module, name)
         if key not in self._classes:
+            if len(self._classes) >= limits.MAX_DISTINCT_GLOBALS:  # the walk refuses such a pickle; bounded here
+                raise _pickle.UnpicklingError(f"more than {limits.MAX_DISTINCT_GLOBALS:,} distinct globals")
             self._classes[key] = self._find_class(module, name)
         return self._classes[key]
 
