@@ -27,8 +27,11 @@ def samples(tmp_path_factory) -> Path:
 
 def official(folder: Path) -> dict:
     """What DeepSpeed's zero_to_fp32 rebuilds (it unpickles with weights_only=False: files this test wrote)."""
+    import tqdm
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    tqdm.tqdm.monitor_interval = 0  # its progress bars start no monitor thread, which would outlive the test and
+    # keep ckpt-doctor from forking in the tests after it (pool.can_fork: no other thread)
     return get_fp32_state_dict_from_zero_checkpoint(str(folder))
 
 

@@ -351,7 +351,7 @@ def _take_main_walk(survey: Survey, member: ZipMember, result: Walk, data: bytes
                             "torch ignores")
 
 
-OVERLAP_BYTES = (64 << 10, 32 << 20)  # a data.pkl this big is walked in a child: under ~5 ms of walk a fork
+OVERLAP_BYTES = (64 << 10, 16 << 20)  # a data.pkl this big is walked in a child: under ~5 ms of walk a fork
 # does not pay; over the top, unpickling what the walk may yet refuse would take seconds
 
 

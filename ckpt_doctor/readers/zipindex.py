@@ -150,17 +150,25 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
         raise ZipTooBig(f"{path}: zip central directory of {cd_size:,} bytes, more than the "
                         f"{limits.MAX_ZIP_DIRECTORY >> 20} MB ckpt-doctor reads (a bomb, or no checkpoint)")
     cd = os.pread(fd, cd_size, base + cd_offset)
-    entries = []
+    # Local headers sit between the payloads. A small archive is read whole (one syscall for 20,000 headers); a big
+    # one gets one pread per header (a memory map would fault in, and count in RSS, 64 KB around each), which also
+    # takes the first HEAD_BYTES of the member's data (torch pads the extra field to 64-byte alignment): what the
+    # survey checks of every member (member_head) then costs no second call. (Only when there are many headers: a
+    # DCP item of 8 MB has five, and 100 items read whole cost 0.1 s.)
+    whole = os.pread(fd, file_size, base) if file_size <= limits.ZIP_WHOLE_READ and (
+        count > 64 or file_size <= 1 << 20) else None
+    heads: dict[int, bytes] = {}
+    members = []
+    new_member = tuple.__new__  # ZipMember's fields in order, without namedtuple's __new__ frame per member
+    unpack_central, unpack_local = _CENTRAL_HEADER.unpack_from, _LOCAL_HEADER.unpack_from
     p = 0
     for _ in range(count):
         if p + 46 > len(cd):
             raise ReadError(f"{path}: zip central directory is corrupt")
-        (sig, flags, method, crc, csize, usize, nlen, xlen, clen, _disk, attrs,
-         local_at) = _CENTRAL_HEADER.unpack_from(cd, p)
+        sig, flags, method, crc, csize, usize, nlen, xlen, clen, _disk, attrs, local_at = unpack_central(cd, p)
         if sig != _CENTRAL or p + 46 + nlen + xlen + clen > len(cd):
             raise ReadError(f"{path}: zip central directory is corrupt")
-        raw_name = cd[p + 46:p + 46 + nlen]
-        name = raw_name.decode("utf-8", "surrogateescape")
+        name = cd[p + 46:p + 46 + nlen].decode("utf-8", "surrogateescape")
         if usize == 0xFFFFFFFF or csize == 0xFFFFFFFF or local_at == 0xFFFFFFFF:
             usize, csize, local_at = _zip64_extra(cd[p + 46 + nlen:p + 46 + nlen + xlen], usize, csize, local_at, path)
         elif method == 0 and csize != usize or usize and not csize:
@@ -173,8 +181,19 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
         if local_at + 30 + csize > file_size:
             raise ReadError(f"{path}: zip member {name} runs past the end of the file (truncated)")
         p += 46 + nlen + xlen + clen
-        entries.append((name, usize, csize, method, crc, local_at, flags, bool(attrs & 0x10) or name.endswith("/")))
-    members, whole, heads = _locate_data(fd, file_size, entries, base)
+        if whole is not None:
+            head, at = whole, local_at
+        else:
+            head, at = os.pread(fd, 30 + nlen + 128 + HEAD_BYTES, base + local_at), 0
+        data_at = -1
+        if len(head) >= at + 30:
+            sig, lnlen, lxlen = unpack_local(head, at)
+            if sig == _LOCAL and local_at + 30 + lnlen + lxlen + csize <= file_size:
+                data_at = base + local_at + 30 + lnlen + lxlen
+                if whole is None and 30 + lnlen + lxlen + HEAD_BYTES <= len(head):
+                    heads[data_at] = head[30 + lnlen + lxlen:30 + lnlen + lxlen + HEAD_BYTES]
+        members.append(new_member(ZipMember, (name, data_at, usize, csize, method, crc, base + local_at, flags,
+                                              bool(attrs & 0x10) or name.endswith("/"))))
     index = ZipIndex(members, path, whole, base)
     index.heads = heads
     # Python's zipfile (np.load, most tools) reads the same archive differently: it shifts every offset by the
@@ -226,33 +245,6 @@ def _zip64_extra(extra: bytes, usize: int, csize: int, local_at: int, path: str)
             return usize, csize, local_at
         q += 4 + size
     raise ReadError(f"{path}: zip64 sizes missing from the central directory (corrupt archive)")
-
-
-def _locate_data(fd: int, file_size: int, entries: list, base: int = 0) -> tuple[list[ZipMember], bytes | None]:
-    # Local headers sit between the payloads. A small archive is read whole (one syscall for 20,000 headers);
-    # a big one gets one pread per header (a memory map would fault in, and count in RSS, 64 KB around each).
-    # (Only when there are many headers: a DCP item of 8 MB has five, and 100 items read whole cost 0.1 s.)
-    # Otherwise each pread takes the first HEAD_BYTES of the member's data with its header (torch pads the extra
-    # field to 64-byte alignment): what the survey checks of every member (member_head) costs no second call.
-    many = len(entries) > 64 or file_size <= 1 << 20
-    whole = os.pread(fd, file_size, base) if file_size <= limits.ZIP_WHOLE_READ and many else None
-    located = []
-    heads: dict[int, bytes] = {}
-    for name, usize, csize, method, crc, local_at, flags, is_dir in entries:
-        if whole is not None:
-            head, at = whole, local_at
-        else:
-            head, at = os.pread(fd, 30 + len(name) + 128 + HEAD_BYTES, base + local_at), 0
-        data_at = -1
-        if len(head) >= at + 30:
-            sig, nlen, xlen = _LOCAL_HEADER.unpack_from(head, at)
-            if sig == _LOCAL and local_at + 30 + nlen + xlen + csize <= file_size:
-                data_at = local_at + 30 + nlen + xlen
-                if whole is None and data_at + HEAD_BYTES <= local_at + len(head):
-                    heads[base + data_at] = head[data_at - local_at:data_at - local_at + HEAD_BYTES]
-        data_at = data_at + base if data_at >= 0 else -1
-        located.append(ZipMember(name, data_at, usize, csize, method, crc, base + local_at, flags, is_dir))
-    return located, whole, heads
 
 
 def member_head(fd: int, member: ZipMember, size: int, index: ZipIndex | None = None) -> bytes:
