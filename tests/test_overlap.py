@@ -13,7 +13,7 @@ from ckpt_doctor import pool
 from ckpt_doctor.readers import survey as survey_module
 from ckpt_doctor.readers.survey import survey_file
 from ckpt_doctor.safepickle.walker import from_wire, to_wire, walk
-from payloads import _str, call, global_op, state_dict_with_payload, torch_zip
+from tests.payloads import _str, call, global_op, state_dict_with_payload, torch_zip
 
 pytestmark = pytest.mark.skipif(not pool.can_fork() or pool.workers() < 2,
                                 reason="the overlap needs fork and two cores (it is off otherwise)")
@@ -95,34 +95,52 @@ def test_a_broken_pickle_fails_with_the_same_message(tmp_path, cli, monkeypatch,
     assert forked[0] == 2 and forked[2].count("\n") == 1
 
 
-def test_walks_after_the_forked_one_keep_their_order(tmp_path, cli, monkeypatch, forks):
-    """A pickle member after data.pkl is walked here while the child walks data.pkl, from a budget data.pkl should
-    have spent first: the survey is then done again in order, and the outcome is still the sequential one."""
-    canary = tmp_path / "CANARY"
+def _zip(members: dict[str, bytes]) -> bytes:
     import io
     import zipfile
 
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
-        z.writestr("archive/data.pkl", state_dict_with_payload(canary))
-        z.writestr("archive/data/0", struct.pack("<4f", 1, 2, 3, 4))
-        z.writestr("archive/version", "3\n")
-        z.writestr("archive/extra.pkl", b"\x80\x02" + call("builtins", "eval", "1") + b".")
+        for name, data in members.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def test_every_member_is_walked_in_its_order(tmp_path, cli, monkeypatch, forks):
+    """A pickle member after data.pkl, walked in the child after data.pkl as here: findings in the same order."""
+    canary = tmp_path / "CANARY"
     path = tmp_path / "two_pickles.pt"
-    path.write_bytes(buf.getvalue())
-    redone = []
-    real = survey_module._PendingWalk.take
-
-    def take(self) -> bool:
-        kept = real(self)
-        redone.append(not kept)
-        return kept
-
-    monkeypatch.setattr(survey_module._PendingWalk, "take", take)
+    path.write_bytes(_zip({"archive/data.pkl": state_dict_with_payload(canary),
+                           "archive/data/0": struct.pack("<4f", 1, 2, 3, 4), "archive/version": b"3\n",
+                           "archive/extra.pkl": b"\x80\x02" + call("builtins", "eval", "1") + b"."}))
     forked, alone = both_ways(cli, monkeypatch, "inspect", path, "--json")
     assert forked == alone
-    assert redone == [True]
     assert forked[0] == 1 and "builtins.eval" in forked[1] and "os.system" in forked[1]
+    assert forked[1].index("os.system") < forked[1].index("builtins.eval")
+    assert forks
+
+
+def test_a_data_pkl_the_survey_does_not_take_is_read_again(tmp_path, cli, monkeypatch, forks):
+    """A data.pkl that starts as a NumPy array is checked as one (np.load reads any member by its magic), so the
+    survey keeps no main pickle: the reader, which was handed data.pkl's bytes early, must read as it would after."""
+    import numpy as np
+    import io
+
+    npy = io.BytesIO()
+    np.save(npy, np.arange(4, dtype=np.float32))
+    path = tmp_path / "npy_data.pt"
+    path.write_bytes(_zip({"archive/data.pkl": npy.getvalue(), "archive/version": b"3\n"}))
+    kept = []
+    real = survey_module._PendingSurvey.take
+
+    def take(self) -> bool:
+        kept.append(real(self))
+        return kept[-1]
+
+    monkeypatch.setattr(survey_module._PendingSurvey, "take", take)
+    forked, alone = both_ways(cli, monkeypatch, "inspect", path)
+    assert forked == alone
+    assert kept == [False] and forked[0] == 2
 
 
 def test_a_child_that_fails_leaves_the_walk_to_this_process(tmp_path, cli, monkeypatch, forks):

@@ -52,9 +52,9 @@ def read_file(path: Path, survey: Survey | None = None) -> Checkpoint:
     survey = survey or survey_file(path, overlap=True)
     early: Checkpoint | Exception | None = None
     if survey.pending is not None:
-        # The main pickle is being walked in a forked child: unpickle it meanwhile (inert callables only, the
-        # address space capped). Nothing of it is reported, nor any error it met, before the walk is in and
-        # allows reading the file at all, so the outcome is the one reading after the walk would give.
+        # The archive's members are being surveyed (walked) in a forked child: unpickle data.pkl meanwhile (inert
+        # callables only, the address space capped). Nothing of it is reported, nor any error it met, before the
+        # survey is in and allows reading the file at all, so the outcome is the one reading after it would give.
         try:
             early = _read(path, survey)
         except Exception as exc:  # noqa: BLE001 - raised below, once the walk has had its say
@@ -63,7 +63,7 @@ def read_file(path: Path, survey: Survey | None = None) -> Checkpoint:
             survey.abandon()
             raise
         if not survey.settle():
-            early = None  # the survey was done again: so is the reading
+            early = None  # the survey does not keep the bytes the reader was given: read again
     try:
         if survey.refused:
             raise ReadError(f"{path}: refused to read it: {survey.refused}")

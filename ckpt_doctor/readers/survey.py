@@ -55,8 +55,8 @@ class Survey:
     items: list[Survey] = field(default_factory=list)  # each archive of a DCP shard, walked (its offset: .base)
     base: int = 0  # where this archive starts in its file (an item of a DCP shard)
     budget: list[int] = field(default_factory=new_budget)  # what walking this file may cost, all walks together
-    overlap: bool = False  # the main pickle may be walked in a forked child while the reader unpickles it
-    pending: Any = field(default=None, repr=False, compare=False)  # that walk, until settle()
+    overlap: bool = False  # a zip's members may be surveyed in a forked child while the reader unpickles data.pkl
+    pending: Any = field(default=None, repr=False, compare=False)  # that survey, until settle()
 
     @property
     def findings(self) -> list[GlobalRef]:
@@ -74,17 +74,17 @@ class Survey:
         return tuple(dict.fromkeys(names))
 
     def settle(self) -> bool:
-        """Take the main pickle's walk when it ran in a forked child (`survey_file(overlap=True)`), as if it had
-        been walked here, in order. False when the survey had to be done again from the start (the child failed
-        after other walks here had spent the budget it started from): what was read before is to be read again."""
+        """Take the results of the members' survey when it ran in a forked child (`survey_file(overlap=True)`):
+        the survey is then complete, as surveying here makes it. False when data.pkl, which the reader was given
+        meanwhile, is not the survey's main pickle after all (a walk would not take it): read again."""
         pending, self.pending = self.pending, None
         return pending is None or pending.take()
 
     def abandon(self) -> None:
-        """Stop a pending walk without waiting for it (the caller is failing anyway)."""
+        """Stop a pending survey without waiting for it (the caller is failing anyway)."""
         pending, self.pending = self.pending, None
         if pending is not None:
-            pending.forked.close()
+            pending.close()
 
     def _add(self, result: Walk) -> None:
         self.globals.extend(result.globals)
@@ -102,9 +102,10 @@ def survey_file(path: Path, thorough: bool = True, overlap: bool = False) -> Sur
     its archives, and local headers of an archive whose directory is broken): the DCP reader, which knows each item
     of a shard from its metadata, walks those itself and asks here only what torch.load and zipfile would read.
 
-    `overlap=True`: a torch zip's data.pkl of some size may be walked in a forked child, so that the reader can
-    unpickle it meanwhile (on another core). Nothing of the survey may be used until `settle()`; read_file does that
-    before it looks at the survey, and reports nothing it read unless the walk allows it (readers/__init__.py)."""
+    `overlap=True`: the members of a torch zip with a data.pkl of some size may be surveyed in a forked child, so
+    that the reader can unpickle data.pkl meanwhile (on another core). Nothing of the survey may be used until
+    `settle()`; read_file does that before it looks at the survey, and reports nothing it read unless the survey
+    allows it (readers/__init__.py)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except PermissionError:
@@ -222,6 +223,21 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True)
                                      f"named {dup} (ignoring case): torch's reader picks one by its sort order, other "
                                      "readers another" + ("; every copy was walked" if _is_pickle_name(dup) else "")))
     chosen = index.find(prefix + "data.pkl")
+    if _may_overlap(survey, index, chosen):
+        try:
+            survey.pending = _PendingSurvey(survey, fd, index, chosen, budget)
+            return
+        except (OSError, ReadError):  # out of processes or descriptors, or data.pkl unreadable: surveyed here
+            pass
+    _survey_members(survey, fd, index, chosen, budget)
+
+
+def _survey_members(survey: Survey, fd: int, index: ZipIndex, chosen: ZipMember | None, budget: list[int],
+                    main_data: bytes | None = None) -> None:
+    """Every member of the archive, in directory order: each that starts a pickle walked, each .npy checked.
+    `main_data`: the bytes of `chosen` (data.pkl), already read."""
+    prefix = (index.prefix + "/") if index.prefix is not None else ""
+    base = survey.base
     for member in index.members:
         name = member.name
         rel = name[len(prefix):] if name.startswith(prefix) else name
@@ -237,7 +253,7 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True)
         is_main = member is chosen
         if not is_main and not starts_pickle(head):
             continue  # no opcode at its start: nothing any loader would unpickle (and nothing inflated)
-        _survey_member(survey, fd, member, is_main, budget)
+        _survey_member(survey, fd, member, is_main, budget, main_data if is_main else None)
     if index.other_readers:
         survey.hazards.append(Hazard(Verdict.DANGEROUS, f"zip readers disagree on this archive: "
                                      f"{index.other_readers}; torch sees one set of members, np.load and other "
@@ -308,13 +324,14 @@ def survey_item(path: Path, fd: int, offset: int, length: int, budget: list[int]
     return item
 
 
-def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, budget: list[int]) -> None:
+def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, budget: list[int],
+                   data: bytes | None = None) -> None:
     """Walk one member that starts a pickle. A big stored one is walked in place in the file's map; only the
     data.pkl torch would unpickle is kept, for the reader, when it is small enough to unpickle."""
     name = member.name
-    result = data = None
-    if member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 and not member.is_dir \
-            and survey.base + survey.size > READ_UP_TO:
+    result = None
+    if data is None and member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 \
+            and not member.is_dir and survey.base + survey.size > READ_UP_TO:
         with mapped(fd, survey.base + survey.size) as whole:
             if not isinstance(whole, bytes):  # mapped (a file system that cannot map gets it read below)
                 view = memoryview(whole)[member.offset:member.offset + member.size]
@@ -323,98 +340,112 @@ def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, bu
                 finally:
                     view.release()
     if result is None:
-        try:
-            data = read_member(fd, member, str(survey.path), check_crc=False, budget=budget)
-        except ReadError as exc:
-            survey.notes.append(str(exc))
-            return
-        if is_main and _may_overlap(survey, data):
+        if data is None:
             try:
-                survey.pending = _PendingWalk(survey, member, data)
+                data = read_member(fd, member, str(survey.path), check_crc=False, budget=budget)
+            except ReadError as exc:
+                survey.notes.append(str(exc))
                 return
-            except OSError:  # out of processes: walked here
-                pass
         result = walk(data, name, budget=survey.budget)
     if not (is_main or _is_pickle_name(name)) and not result.pickles:
         return  # a member that is no pickle (a text file, an image): nothing a loader would unpickle
     survey._add(result)
     if is_main:
-        _take_main_walk(survey, member, result, data)
+        survey.main_walk = result
+        survey.broken = result.broken
+        survey.main_pickle = data if data is not None and len(data) <= limits.MAX_UNPICKLE_BYTES else None
+        if result.pickles and result.pickles[0][1] < member.size:
+            survey.notes.append(f"{name} holds {member.size - result.pickles[0][1]} bytes after its end, which "
+                                "torch ignores")
 
 
-def _take_main_walk(survey: Survey, member: ZipMember, result: Walk, data: bytes | None) -> None:
-    survey.main_walk = result
-    survey.broken = result.broken
-    survey.main_pickle = data if data is not None and len(data) <= limits.MAX_UNPICKLE_BYTES else None
-    if result.pickles and result.pickles[0][1] < member.size:
-        survey.notes.append(f"{member.name} holds {member.size - result.pickles[0][1]} bytes after its end, which "
-                            "torch ignores")
-
-
-OVERLAP_BYTES = (64 << 10, 16 << 20)  # a data.pkl this big is walked in a child: under ~5 ms of walk a fork
+OVERLAP_BYTES = (64 << 10, 16 << 20)  # a data.pkl this big is surveyed in a child: under ~5 ms of walk a fork
 # does not pay; over the top, unpickling what the walk may yet refuse would take seconds
 
 
-def _may_overlap(survey: Survey, data: bytes) -> bool:
-    if not survey.overlap or survey.refused or not OVERLAP_BYTES[0] <= len(data) <= OVERLAP_BYTES[1]:
+def _may_overlap(survey: Survey, index: ZipIndex, chosen: ZipMember | None) -> bool:
+    """Whether the rest of this survey may run in a child: asked for, a stored data.pkl of a size worth it, and
+    nothing else left to walk once the members are (no other view of the archive, no archive inside the file)."""
+    if not survey.overlap or survey.refused or index.other_readers or survey.base or chosen is None:
+        return False
+    if chosen.method != 0 or chosen.offset < 0 or chosen.is_dir or chosen.flags & 1:
+        return False
+    if not OVERLAP_BYTES[0] <= chosen.size <= OVERLAP_BYTES[1]:
         return False
     from .. import pool
 
     return pool.can_fork() and pool.workers() > 1
 
 
-class _PendingWalk:
-    """The walk of a zip's main pickle, running in a forked child; `take` puts its result into the survey where
-    walking it in `_survey_member` would have: its globals, notes and hazards before those of any later walk."""
+class _PendingSurvey:
+    """The members of a zip surveyed in a forked child (`_survey_members`, exactly as here), while this process
+    unpickles data.pkl: read here first, so the child walks the very bytes the reader unpickles. Nothing else is
+    surveyed here meanwhile, so taking the child's results in place of the survey's is the same as surveying here."""
 
-    def __init__(self, survey: Survey, member: ZipMember, data: bytes) -> None:
+    def __init__(self, survey: Survey, fd: int, index: ZipIndex, chosen: ZipMember, budget: list[int]) -> None:
         from ..pool import Forked
 
-        self.survey, self.member, self.data = survey, member, data
-        self.at = (len(survey.globals), len(survey.notes), len(survey.hazards))
-        self.refused = survey.refused
-        self.budget = list(survey.budget)  # what the child starts from; a walk here after this spends it too
-        self.forked = Forked(_walk_wire, data, member.name, self.budget)
-        survey.main_pickle = data if len(data) <= limits.MAX_UNPICKLE_BYTES else None  # for the reader, now
+        self.survey, self.index, self.chosen, self.budget = survey, index, chosen, budget
+        self.data = read_member(fd, chosen, str(survey.path), check_crc=False)  # stored: no inflating
+        self.fd = os.dup(fd)  # for surveying here after all, should the child fail (survey_file closes its own)
+        try:
+            self.forked = Forked(_members_wire, survey, self.fd, index, chosen, budget, self.data)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        survey.main_pickle = self.data  # for the reader, until settle() says whether the survey keeps it
 
     def take(self) -> bool:
+        """The survey as the child left it (or as surveying here leaves it); whether data.pkl's bytes, which the
+        reader may have used, are still the survey's main pickle (they are unless the walk did not take them)."""
         from ..pool import ForkFailed
-        from ..safepickle.walker import from_wire
 
         survey = self.survey
         try:
-            wire, budget = self.forked.result()
-            result = from_wire(wire)
-        except (ForkFailed, ValueError, TypeError):
-            result, budget = None, None
-        if survey.budget != self.budget:  # walks here went on from the budget the main walk was to spend first
-            fresh = survey_file(survey.path)  # the survey again, every walk in its order
-            for name in Survey.__record_fields__:
-                setattr(survey, name, getattr(fresh, name))
-            return False
-        if result is None:  # the child failed: walked here, from the same budget
-            result = walk(self.data, self.member.name, budget=survey.budget)
-        else:
-            survey.budget[:] = budget
-        g, n, h = self.at
-        later = survey.globals[g:], survey.notes[n:], survey.hazards[h:], survey.refused
-        del survey.globals[g:], survey.notes[n:], survey.hazards[h:]
-        survey.refused = self.refused
-        survey._add(result)
-        _take_main_walk(survey, self.member, result, self.data)
-        survey.globals += later[0]
-        survey.notes += later[1]
-        survey.hazards += later[2]
-        survey.refused = survey.refused or later[3]
-        return True
+            try:
+                _from_wire(survey, self.forked.result())
+            except (ForkFailed, ValueError, TypeError):
+                _survey_members(survey, self.fd, self.index, self.chosen, self.budget, self.data)
+        finally:
+            os.close(self.fd)
+        return survey.main_pickle is self.data
+
+    def close(self) -> None:
+        self.forked.close()
+        os.close(self.fd)
 
 
-def _walk_wire(data: bytes, source: str, budget: list[int]) -> tuple:
-    """In the child: the walk as plain values, and what it left of the budget."""
+_WIRE_FIELDS = ("notes", "refused", "broken", "budget")  # plain values, taken as they are
+
+
+def _members_wire(survey: Survey, fd: int, index: ZipIndex, chosen: ZipMember, budget: list[int],
+                  data: bytes) -> tuple:
+    """In the child: survey the members, and give back what that changed, as plain values (for marshal)."""
     from ..safepickle.walker import to_wire
 
-    result = walk(data, source, budget=budget)
-    return to_wire(result), budget
+    survey.pending = None
+    _survey_members(survey, fd, index, chosen, budget, data)
+    refs = [(g.module, g.name, g.verdict.value, g.reason, g.source) for g in survey.globals]
+    hazards = [(h.verdict.value, h.what) for h in survey.hazards]
+    main = to_wire(survey.main_walk) if survey.main_walk is not None else None
+    return (refs, hazards, main, survey.main_pickle is data, *[getattr(survey, name) for name in _WIRE_FIELDS])
+
+
+def _from_wire(survey: Survey, wire: tuple) -> None:
+    """The child's answer into the survey: all of it, or (ValueError, TypeError) nothing."""
+    from ..safepickle.walker import from_wire
+
+    refs, hazards, main, kept_main, *fields = wire
+    if len(fields) != len(_WIRE_FIELDS):
+        raise ValueError("a short answer")
+    refs = [GlobalRef(module, name, Verdict(verdict), reason, source) for module, name, verdict, reason, source in refs]
+    hazards = [Hazard(Verdict(verdict), what) for verdict, what in hazards]
+    main = from_wire(main) if main is not None else None
+    survey.globals, survey.hazards, survey.main_walk = refs, hazards, main
+    if not kept_main:
+        survey.main_pickle = None
+    for name, value in zip(_WIRE_FIELDS, fields):
+        setattr(survey, name, value)
 
 
 def _survey_npy_member(survey: Survey, fd: int, member: ZipMember, budget: list[int]) -> None:
