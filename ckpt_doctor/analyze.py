@@ -49,7 +49,7 @@ def find_prefixes(keys: list[str]) -> list[PrefixFinding]:
     # the first few of each key, in keys of a sensible length.
     middle: dict[tuple[str, str], int] = defaultdict(int)
     for key in keys:
-        if len(key) - cut > 1024:
+        if len(key) - cut > 1024 or key.find("mod", cut) < 0:  # every token holds "mod": most keys need no regex
             continue
         for i, m in enumerate(_MIDDLE_TOKEN.finditer(key, cut)):
             if i == 4:
@@ -71,7 +71,7 @@ def find_prefixes(keys: list[str]) -> list[PrefixFinding]:
 
 def shared_groups(tensors: tuple[TensorRecord, ...] | list[TensorRecord]) -> list[SharedGroup]:
     """Tensors reading one storage: tied weights (same bytes) or views (different parts)."""
-    by_storage: "OrderedDict[tuple, list[TensorRecord]]" = OrderedDict()
+    by_storage: dict[tuple, list[TensorRecord]] = {}
     for t in tensors:
         if t.storage is not None:
             by_storage.setdefault(t.storage.ident, []).append(t)

@@ -172,7 +172,7 @@ def _ints(value: Any) -> tuple[int, ...]:
         for item in value:
             if type(item) is not int or not -_INT64 <= item < _INT64:
                 raise TypeError("shape/stride is not a tuple of 64-bit ints")
-        return tuple(value)
+        return value if type(value) is tuple else tuple(value)
     raise TypeError("shape/stride is not a tuple of 64-bit ints")
 
 
