@@ -11,11 +11,10 @@ import json
 import marshal
 import os
 import struct
-import zipfile
 import zlib
 from pathlib import Path
 
-from tests.payloads import _str, call, global_op, torch_zip
+from tests.payloads import _str, call, global_op, stored_zip, torch_zip
 
 
 def _proto(n: int) -> bytes:
@@ -98,7 +97,7 @@ def malicious(canary: Path, legacy_template: bytes) -> dict[str, bytes]:
         "pickle_then_zip.pt": _proto(2) + call("os", "system", sh) + b"." +
                               torch_zip(_tensor_dict(b"N"), {"0": b"\0" * 16}),
         "legacy_object_payload.pt": _legacy_with_payload(legacy_template, call("os", "system", sh)),
-        "torchscript_constants.pt": _zip_members({"m/data.pkl": _tensor_dict(b"N"), "m/data/0": b"\0" * 16,
+        "torchscript_constants.pt": stored_zip({"m/data.pkl": _tensor_dict(b"N"), "m/data/0": b"\0" * 16,
                                                   "m/constants.pkl": _proto(2) + call("os", "system", sh) + b".",
                                                   "m/code/__torch__.py": b"class M(Module):\n  pass\n"}),
         "asyncio_subprocess.pkl": _proto(2) + call("asyncio", "create_subprocess_shell", sh) + b".",
@@ -113,16 +112,8 @@ def _framed(body: bytes) -> bytes:
     return _proto(5) + b"\x95" + struct.pack("<Q", len(body)) + body
 
 
-def _zip_members(members: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
-        for name, data in members.items():
-            z.writestr(name, data)
-    return buf.getvalue()
-
-
 def _zip_with_extra(main: bytes, extra: bytes) -> bytes:
-    return _zip_members({"archive/data.pkl": main, "archive/data/0": b"\0" * 16, "archive/extra.pkl": extra,
+    return stored_zip({"archive/data.pkl": main, "archive/data/0": b"\0" * 16, "archive/extra.pkl": extra,
                          "archive/version": b"3\n"})
 
 
@@ -173,8 +164,8 @@ def broken(tmp: Path, good_zip: bytes, good_legacy: bytes, good_st: bytes) -> di
         "zip_flipped_cd.pt": _flip(good_zip, good_zip.rfind(b"PK\x01\x02") + 20),
         "zip_bad_crc_data_pkl.pt": _flip(good_zip, good_zip.find(b"data.pkl") + 80),
         "zip_local_header_gone.pt": good_zip.replace(b"PK\x03\x04", b"XX\x03\x04", 1),
-        "zip_without_data_pkl.pt": _zip_members({"a/readme.txt": b"hello"}),
-        "zip_two_data_pkl.pt": _zip_members({"a/data.pkl": b"\x80\x02}.", "b/data.pkl": b"\x80\x02}."}),
+        "zip_without_data_pkl.pt": stored_zip({"a/readme.txt": b"hello"}),
+        "zip_two_data_pkl.pt": stored_zip({"a/data.pkl": b"\x80\x02}.", "b/data.pkl": b"\x80\x02}."}),
         "zip_deflate_bomb.pt": big_inflate,
         "legacy_cut_object.pt": good_legacy[:300],
         "legacy_cut_storage.pt": good_legacy[:-40],

@@ -41,6 +41,15 @@ def state_dict_with_payload(canary: Path) -> bytes:
             call("os", "system", touch_command(canary)) + b"u.")
 
 
+def stored_zip(members: dict[str, bytes]) -> bytes:
+    """A zip archive of `members` (name -> bytes), stored, in the order given."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
 def torch_zip(pickle_bytes: bytes, storages: dict[str, bytes], prefix: str = "archive") -> bytes:
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:

@@ -13,7 +13,7 @@ from ckpt_doctor import pool
 from ckpt_doctor.readers import survey as survey_module
 from ckpt_doctor.readers.survey import survey_file
 from ckpt_doctor.safepickle.walker import from_wire, to_wire, walk
-from tests.payloads import _str, call, global_op, state_dict_with_payload, torch_zip
+from tests.payloads import _str, call, global_op, state_dict_with_payload, stored_zip, torch_zip
 
 pytestmark = pytest.mark.skipif(not pool.can_fork() or pool.workers() < 2,
                                 reason="the overlap needs fork and two cores (it is off otherwise)")
@@ -95,22 +95,11 @@ def test_a_broken_pickle_fails_with_the_same_message(tmp_path, cli, monkeypatch,
     assert forked[0] == 2 and forked[2].count("\n") == 1
 
 
-def _zip(members: dict[str, bytes]) -> bytes:
-    import io
-    import zipfile
-
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
-        for name, data in members.items():
-            z.writestr(name, data)
-    return buf.getvalue()
-
-
 def test_every_member_is_walked_in_its_order(tmp_path, cli, monkeypatch, forks):
     """A pickle member after data.pkl, walked in the child after data.pkl as here: findings in the same order."""
     canary = tmp_path / "CANARY"
     path = tmp_path / "two_pickles.pt"
-    path.write_bytes(_zip({"archive/data.pkl": state_dict_with_payload(canary),
+    path.write_bytes(stored_zip({"archive/data.pkl": state_dict_with_payload(canary),
                            "archive/data/0": struct.pack("<4f", 1, 2, 3, 4), "archive/version": b"3\n",
                            "archive/extra.pkl": b"\x80\x02" + call("builtins", "eval", "1") + b"."}))
     forked, alone = both_ways(cli, monkeypatch, "inspect", path, "--json")
@@ -129,7 +118,7 @@ def test_a_data_pkl_the_survey_does_not_take_is_read_again(tmp_path, cli, monkey
     npy = io.BytesIO()
     np.save(npy, np.arange(4, dtype=np.float32))
     path = tmp_path / "npy_data.pt"
-    path.write_bytes(_zip({"archive/data.pkl": npy.getvalue(), "archive/version": b"3\n"}))
+    path.write_bytes(stored_zip({"archive/data.pkl": npy.getvalue(), "archive/version": b"3\n"}))
     kept = []
     real = survey_module._PendingSurvey.take
 

@@ -15,7 +15,8 @@ import zipfile
 import pytest
 import torch
 
-from tests.payloads import (MAGIC_PICKLE, _str, call, global_op, tar_checkpoint, tar_legacy_polyglot, torch_zip)
+from tests.payloads import (MAGIC_PICKLE, _str, call, global_op, stored_zip, tar_checkpoint, tar_legacy_polyglot,
+                            torch_zip)
 
 MODEL = "fixtures.models:SmallCNN"
 
@@ -52,14 +53,6 @@ def legacy_file(object_pickle: bytes) -> bytes:
             struct.pack("<q", 4) + b"\0" * 16)
 
 
-def zip_members(members: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
-        for name, data in members.items():
-            z.writestr(name, data)
-    return buf.getvalue()
-
-
 def containers(entry: bytes, tmp_path) -> dict[str, object]:
     """The same payload in every container: bare pickle, torch zip, legacy, TorchScript-like zip, tar, sharded."""
     sd = state_dict_pickle(entry)
@@ -72,7 +65,7 @@ def containers(entry: bytes, tmp_path) -> dict[str, object]:
         "bare.pkl": b"\x80\x02" + entry + b".",
         "zip.pt": torch_zip(sd, {"0": b"\0" * 16}),
         "legacy.pt": legacy_file(state_dict_pickle(entry, legacy=True)),
-        "script.pt": zip_members({"m/data.pkl": state_dict_pickle(b"N"), "m/data/0": b"\0" * 16,
+        "script.pt": stored_zip({"m/data.pkl": state_dict_pickle(b"N"), "m/data/0": b"\0" * 16,
                                   "m/constants.pkl": b"\x80\x02" + entry + b".", "m/version": b"3\n",
                                   "m/code/__torch__.py": b"class M(Module):\n  pass\n"}),
         "tar.tar": tar_checkpoint({"w": [0.0] * 4}, storages_payload=entry),
@@ -302,7 +295,7 @@ def test_zip_members_are_found_as_torch_finds_them(tmp_path, cli):
             assert result.exit_code == 1 and "os.system" in result.stderr and "members named" in result.stderr
     # A name in another case: torch's lookup ignores ASCII case, so torch loads this file.
     upper = tmp_path / "upper.pt"
-    upper.write_bytes(zip_members({"archive/DATA.PKL": evil, "archive/data/0": b"\0" * 16, "archive/version": b"3\n"}))
+    upper.write_bytes(stored_zip({"archive/DATA.PKL": evil, "archive/data/0": b"\0" * 16, "archive/version": b"3\n"}))
     assert cli("inspect", upper).exit_code == 1 and "os.system" in cli("inspect", upper).stderr
     # Bytes after the end record: torch loads the archive; so does ckpt-doctor, and names the payload.
     for extra in (10, 1024, 65_000):
