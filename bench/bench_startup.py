@@ -7,9 +7,8 @@ fresh Python; listing the same torch file with `torch.load(mmap=True)`; `python 
 per round, in turn (a slow spell hits all alike); the median and the best of the rounds are printed, with peak RSS.
 Targets (issue 16): inspect --json and the table of a 1-2 GB safetensors or torch zip file <= 0.05 s whole process
 (median), <= 30 MB, and faster than the `safe_open` listing; a 20,000-tensor torch file <= 0.2 s; `scan` of one
-file the same; `--help` <= 0.05 s; `inspect DIR` of 500 checkpoints of a few MB <= 2 s. The 20,000-tensor file is
-also run with CKPT_DOCTOR_NO_FORK=1, which keeps its safety walk from running beside the unpickle on a second core.
-The modules `inspect` imports, and what each costs (python -X importtime), are listed last, so a regression shows.
+file the same; `--help` <= 0.05 s; `inspect DIR` of 500 checkpoints of a few MB <= 2 s. The modules `inspect`
+imports, and what each costs (python -X importtime), are listed last, so a regression shows.
 """
 
 from __future__ import annotations
@@ -86,7 +85,6 @@ def main() -> None:
         "inspect, table (torch zip)": [exe, "inspect", str(pt)],
         "scan (torch zip)": [exe, "scan", str(pt)],
         "inspect --json (20,000 tensors)": [exe, "inspect", str(many), "--json"],
-        "the same, walk not forked": ["env", "CKPT_DOCTOR_NO_FORK=1", exe, "inspect", str(many), "--json"],
         "inspect DIR (500 checkpoints)": [exe, "inspect", str(folder), "--json"],
     }
     results = measure_rounds(cmds, rounds)
@@ -99,9 +97,6 @@ def main() -> None:
     peer_st, peer_pt = med["safe_open listing (safetensors)"], med["torch.load(mmap=True) listing (torch zip)"]
     print(f"inspect --json vs safe_open on its own format: {peer_st / med['inspect --json (safetensors)']:.2f}x "
           f"faster; vs torch.load(mmap=True): {peer_pt / med['inspect --json (torch zip)']:.1f}x faster")
-    print(f"20,000 tensors: the safety walk forked beside the unpickle saves "
-          f"{med['the same, walk not forked'] - med['inspect --json (20,000 tensors)']:.3f} s of "
-          f"{med['the same, walk not forked']:.3f} s (the unforked run includes starting `env`)")
     checks = [
         ("1-2 GB file, inspect/scan <= 0.05 s", all(med[k] <= 0.05 for k in cmds if k.startswith(
             ("inspect --json (s", "inspect --json (t", "inspect, table", "scan")))),

@@ -82,7 +82,7 @@ def scan_file(path: Path, *, in_folder: bool = False) -> FileScan | None:
     """The scan of one file; None for a file of a folder that holds no pickle at all (a README, an image)."""
     link = os.readlink(path) if path.is_symlink() else None
     try:
-        survey = survey_file(path, overlap=not in_folder)  # read_file settles it before anything is used
+        survey = survey_file(path)
     except CkptDoctorError as exc:
         return FileScan(path, None, None, (), error=str(exc), link=link)
     if in_folder and holds_no_pickle(survey):

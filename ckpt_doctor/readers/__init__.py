@@ -49,30 +49,11 @@ def read_file(path: Path, survey: Survey | None = None) -> Checkpoint:
     """One checkpoint file. Every pickle in it is walked first (survey.py); what the walk found is the
     checkpoint's globals, and stays known when the file then fails to read: a broken file that names a global
     off the allow-list is reported as unsafe (exit 1), not merely as corrupt."""
-    survey = survey or survey_file(path, overlap=True)
-    early: Checkpoint | Exception | None = None
-    if survey.pending is not None:
-        # The archive's members are being surveyed (walked) in a forked child: unpickle data.pkl meanwhile (inert
-        # callables only, the address space capped). Nothing of it is reported, nor any error it met, before the
-        # survey is in and allows reading the file at all, so the outcome is the one reading after it would give.
-        try:
-            early = _read(path, survey)
-        except Exception as exc:  # noqa: BLE001 - raised below, once the walk has had its say
-            early = exc
-        except BaseException:
-            survey.abandon()
-            raise
-        if not survey.settle():
-            early = None  # the survey does not keep the bytes the reader was given: read again
+    survey = survey or survey_file(path)
     try:
         if survey.refused:
             raise ReadError(f"{path}: refused to read it: {survey.refused}")
-        if early is None:
-            ckpt = _read(path, survey)
-        elif isinstance(early, Exception):
-            raise early
-        else:
-            ckpt = early
+        ckpt = _read(path, survey)
     except ReadError as exc:
         findings = survey.finding_names()
         if findings and not exc.findings:

@@ -55,8 +55,6 @@ class Survey:
     items: list[Survey] = field(default_factory=list)  # each archive of a DCP shard, walked (its offset: .base)
     base: int = 0  # where this archive starts in its file (an item of a DCP shard)
     budget: list[int] = field(default_factory=new_budget)  # what walking this file may cost, all walks together
-    overlap: bool = False  # a zip's members may be surveyed in a forked child while the reader unpickles data.pkl
-    pending: Any = field(default=None, repr=False, compare=False)  # that survey, until settle()
 
     @property
     def findings(self) -> list[GlobalRef]:
@@ -73,19 +71,6 @@ class Survey:
         names += [f"{h.what} ({h.verdict.value})" for h in self.hazards]
         return tuple(dict.fromkeys(names))
 
-    def settle(self) -> bool:
-        """Take the results of the members' survey when it ran in a forked child (`survey_file(overlap=True)`):
-        the survey is then complete, as surveying here makes it. False when data.pkl, which the reader was given
-        meanwhile, is not the survey's main pickle after all (a walk would not take it): read again."""
-        pending, self.pending = self.pending, None
-        return pending is None or pending.take()
-
-    def abandon(self) -> None:
-        """Stop a pending survey without waiting for it (the caller is failing anyway)."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.close()
-
     def _add(self, result: Walk) -> None:
         self.globals.extend(result.globals)
         self.notes.extend(result.notes)
@@ -95,17 +80,12 @@ class Survey:
             self.refused = self.refused or result.refused
 
 
-def survey_file(path: Path, thorough: bool = True, overlap: bool = False) -> Survey:
+def survey_file(path: Path, thorough: bool = True) -> Survey:
     """Walk every pickle of the file at `path`. Raises ReadError only when the file cannot be opened or read.
 
     `thorough=False` skips the two walks that read a whole file looking for signatures (splitting a DCP shard into
     its archives, and local headers of an archive whose directory is broken): the DCP reader, which knows each item
-    of a shard from its metadata, walks those itself and asks here only what torch.load and zipfile would read.
-
-    `overlap=True`: the members of a torch zip with a data.pkl of some size may be surveyed in a forked child, so
-    that the reader can unpickle data.pkl meanwhile (on another core). Nothing of the survey may be used until
-    `settle()`; read_file does that before it looks at the survey, and reports nothing it read unless the survey
-    allows it (readers/__init__.py)."""
+    of a shard from its metadata, walks those itself and asks here only what torch.load and zipfile would read."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except PermissionError:
@@ -117,7 +97,7 @@ def survey_file(path: Path, thorough: bool = True, overlap: bool = False) -> Sur
     try:
         size = os.fstat(fd).st_size
         container, head = sniff(fd, size)
-        survey = Survey(path, size, container, head, overlap=overlap)
+        survey = Survey(path, size, container, head)
         if container is Container.ZIP:
             _survey_zip(survey, fd, local_scan=thorough)
             if thorough and (survey.zip is None or survey.zip.other_readers):
@@ -223,21 +203,6 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True)
                                      f"named {dup} (ignoring case): torch's reader picks one by its sort order, other "
                                      "readers another" + ("; every copy was walked" if _is_pickle_name(dup) else "")))
     chosen = index.find(prefix + "data.pkl")
-    if _may_overlap(survey, index, chosen):
-        try:
-            survey.pending = _PendingSurvey(survey, fd, index, chosen, budget)
-            return
-        except (OSError, ReadError):  # out of processes or descriptors, or data.pkl unreadable: surveyed here
-            pass
-    _survey_members(survey, fd, index, chosen, budget)
-
-
-def _survey_members(survey: Survey, fd: int, index: ZipIndex, chosen: ZipMember | None, budget: list[int],
-                    main_data: bytes | None = None) -> None:
-    """Every member of the archive, in directory order: each that starts a pickle walked, each .npy checked.
-    `main_data`: the bytes of `chosen` (data.pkl), already read."""
-    prefix = (index.prefix + "/") if index.prefix is not None else ""
-    base = survey.base
     for member in index.members:
         name = member.name
         rel = name[len(prefix):] if name.startswith(prefix) else name
@@ -253,7 +218,7 @@ def _survey_members(survey: Survey, fd: int, index: ZipIndex, chosen: ZipMember 
         is_main = member is chosen
         if not is_main and not starts_pickle(head):
             continue  # no opcode at its start: nothing any loader would unpickle (and nothing inflated)
-        _survey_member(survey, fd, member, is_main, budget, main_data if is_main else None)
+        _survey_member(survey, fd, member, is_main, budget)
     if index.other_readers:
         survey.hazards.append(Hazard(Verdict.DANGEROUS, f"zip readers disagree on this archive: "
                                      f"{index.other_readers}; torch sees one set of members, np.load and other "
@@ -324,14 +289,13 @@ def survey_item(path: Path, fd: int, offset: int, length: int, budget: list[int]
     return item
 
 
-def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, budget: list[int],
-                   data: bytes | None = None) -> None:
+def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, budget: list[int]) -> None:
     """Walk one member that starts a pickle. A big stored one is walked in place in the file's map; only the
     data.pkl torch would unpickle is kept, for the reader, when it is small enough to unpickle."""
     name = member.name
-    result = None
-    if data is None and member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 \
-            and not member.is_dir and survey.base + survey.size > READ_UP_TO:
+    result = data = None
+    if member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 and not member.is_dir \
+            and survey.base + survey.size > READ_UP_TO:
         with mapped(fd, survey.base + survey.size) as whole:
             if not isinstance(whole, bytes):  # mapped (a file system that cannot map gets it read below)
                 view = memoryview(whole)[member.offset:member.offset + member.size]
@@ -340,12 +304,11 @@ def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, bu
                 finally:
                     view.release()
     if result is None:
-        if data is None:
-            try:
-                data = read_member(fd, member, str(survey.path), check_crc=False, budget=budget)
-            except ReadError as exc:
-                survey.notes.append(str(exc))
-                return
+        try:
+            data = read_member(fd, member, str(survey.path), check_crc=False, budget=budget)
+        except ReadError as exc:
+            survey.notes.append(str(exc))
+            return
         result = walk(data, name, budget=survey.budget)
     if not (is_main or _is_pickle_name(name)) and not result.pickles:
         return  # a member that is no pickle (a text file, an image): nothing a loader would unpickle
@@ -355,97 +318,8 @@ def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, bu
         survey.broken = result.broken
         survey.main_pickle = data if data is not None and len(data) <= limits.MAX_UNPICKLE_BYTES else None
         if result.pickles and result.pickles[0][1] < member.size:
-            survey.notes.append(f"{name} holds {member.size - result.pickles[0][1]} bytes after its end, which "
-                                "torch ignores")
-
-
-OVERLAP_BYTES = (64 << 10, 16 << 20)  # a data.pkl this big is surveyed in a child: under ~5 ms of walk a fork
-# does not pay; over the top, unpickling what the walk may yet refuse would take seconds
-
-
-def _may_overlap(survey: Survey, index: ZipIndex, chosen: ZipMember | None) -> bool:
-    """Whether the rest of this survey may run in a child: asked for, a stored data.pkl of a size worth it, and
-    nothing else left to walk once the members are (no other view of the archive, no archive inside the file)."""
-    if not survey.overlap or survey.refused or index.other_readers or survey.base or chosen is None:
-        return False
-    if chosen.method != 0 or chosen.offset < 0 or chosen.is_dir or chosen.flags & 1:
-        return False
-    if not OVERLAP_BYTES[0] <= chosen.size <= OVERLAP_BYTES[1]:
-        return False
-    from .. import pool
-
-    return pool.can_fork() and pool.workers() > 1
-
-
-class _PendingSurvey:
-    """The members of a zip surveyed in a forked child (`_survey_members`, exactly as here), while this process
-    unpickles data.pkl: read here first, so the child walks the very bytes the reader unpickles. Nothing else is
-    surveyed here meanwhile, so taking the child's results in place of the survey's is the same as surveying here."""
-
-    def __init__(self, survey: Survey, fd: int, index: ZipIndex, chosen: ZipMember, budget: list[int]) -> None:
-        from ..pool import Forked
-
-        self.survey, self.index, self.chosen, self.budget = survey, index, chosen, budget
-        self.data = read_member(fd, chosen, str(survey.path), check_crc=False)  # stored: no inflating
-        self.fd = os.dup(fd)  # for surveying here after all, should the child fail (survey_file closes its own)
-        try:
-            self.forked = Forked(_members_wire, survey, self.fd, index, chosen, budget, self.data)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        survey.main_pickle = self.data  # for the reader, until settle() says whether the survey keeps it
-
-    def take(self) -> bool:
-        """The survey as the child left it (or as surveying here leaves it); whether data.pkl's bytes, which the
-        reader may have used, are still the survey's main pickle (they are unless the walk did not take them)."""
-        from ..pool import ForkFailed
-
-        survey = self.survey
-        try:
-            try:
-                _from_wire(survey, self.forked.result())
-            except (ForkFailed, ValueError, TypeError):
-                _survey_members(survey, self.fd, self.index, self.chosen, self.budget, self.data)
-        finally:
-            os.close(self.fd)
-        return survey.main_pickle is self.data
-
-    def close(self) -> None:
-        self.forked.close()
-        os.close(self.fd)
-
-
-_WIRE_FIELDS = ("notes", "refused", "broken", "budget")  # plain values, taken as they are
-
-
-def _members_wire(survey: Survey, fd: int, index: ZipIndex, chosen: ZipMember, budget: list[int],
-                  data: bytes) -> tuple:
-    """In the child: survey the members, and give back what that changed, as plain values (for marshal)."""
-    from ..safepickle.walker import to_wire
-
-    survey.pending = None
-    _survey_members(survey, fd, index, chosen, budget, data)
-    refs = [(g.module, g.name, g.verdict.value, g.reason, g.source) for g in survey.globals]
-    hazards = [(h.verdict.value, h.what) for h in survey.hazards]
-    main = to_wire(survey.main_walk) if survey.main_walk is not None else None
-    return (refs, hazards, main, survey.main_pickle is data, *[getattr(survey, name) for name in _WIRE_FIELDS])
-
-
-def _from_wire(survey: Survey, wire: tuple) -> None:
-    """The child's answer into the survey: all of it, or (ValueError, TypeError) nothing."""
-    from ..safepickle.walker import from_wire
-
-    refs, hazards, main, kept_main, *fields = wire
-    if len(fields) != len(_WIRE_FIELDS):
-        raise ValueError("a short answer")
-    refs = [GlobalRef(module, name, Verdict(verdict), reason, source) for module, name, verdict, reason, source in refs]
-    hazards = [Hazard(Verdict(verdict), what) for verdict, what in hazards]
-    main = from_wire(main) if main is not None else None
-    survey.globals, survey.hazards, survey.main_walk = refs, hazards, main
-    if not kept_main:
-        survey.main_pickle = None
-    for name, value in zip(_WIRE_FIELDS, fields):
-        setattr(survey, name, value)
+            survey.notes.append(f"{name} holds {member.size - result.pickles[0][1]} bytes after its end, which torch "
+                                "ignores")
 
 
 def _survey_npy_member(survey: Survey, fd: int, member: ZipMember, budget: list[int]) -> None:

@@ -70,20 +70,6 @@ class Walk:
         return [g for g in self.globals if g.verdict is not Verdict.SAFE]
 
 
-def to_wire(result: Walk) -> tuple:
-    """A Walk as plain values (for marshal, from a forked walk); `from_wire` makes it a Walk again. `seen` is
-    left out: it only serves the walk while it runs."""
-    return ([(g.module, g.name, g.verdict.value, g.reason, g.source) for g in result.globals], result.pickles,
-            result.end, result.broken, result.truncated, result.refused, result.notes, result.anomalies)
-
-
-def from_wire(wire: tuple) -> Walk:
-    refs, pickles, end, broken, truncated, refused, notes, anomalies = wire
-    return Walk([GlobalRef(module, name, Verdict(verdict), reason, source)
-                 for module, name, verdict, reason, source in refs], [(a, b) for a, b in pickles], end, broken,
-                truncated, refused, notes, anomalies)
-
-
 def new_budget() -> list[int]:
     """What one file may cost the walker, shared by every walk of it: [nested bytes left, opcodes left]."""
     return [limits.MAX_NESTED_BYTES, limits.MAX_PICKLE_OPCODES]
