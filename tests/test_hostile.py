@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import struct
 import subprocess
 import sys
@@ -18,6 +19,9 @@ import zlib
 import pytest
 import torch
 
+from ckpt_doctor.safepickle import limits
+from tests.conftest import ROOT
+from ckpt_doctor.safepickle.walker import walk
 from tests.payloads import _str, global_op, object_npy, tar_members, torch_zip
 from tests.test_safety import legacy_file
 
@@ -423,3 +427,50 @@ def test_inspect_of_a_folder_it_cannot_read_still_names_what_its_files_run(tmp_p
     result = cli("inspect", folder)
     assert result.exit_code == cli("scan", folder).exit_code == 1
     assert "posix.system" in result.stderr
+
+
+def _deep_tuple(depth: int) -> bytes:
+    return b")" + b"\x85" * depth  # EMPTY_TUPLE wrapped `depth` times by TUPLE1
+
+
+@pytest.mark.parametrize("how", ["key", "set", "laundered by a call", "laundered through a list"])
+def test_tuples_nested_too_deep_to_hash_are_refused_not_a_crash(tmp_path, how):
+    """Hashing a tuple recurses in C once per level, without a recursion check: a dict key nested a million deep
+    (a 1 MB pickle) killed the process with SIGSEGV. The walker bounds the nesting, also of tuples handed back by
+    an allow-listed call (build_intlist returns its argument; _rebuild_from_type_v2 unpacks a list into a call)."""
+    half = limits.MAX_TUPLE_DEPTH // 2 + 10
+    identity = global_op("torch.jit._pickle", "build_intlist")
+    body = {
+        "key": b"}" + _deep_tuple(1_000_000) + b"Ns",
+        "set": b"}" + _str("s") + global_op("builtins", "set") + b"]" + _deep_tuple(1_000_000) + b"a\x85Rs",
+        # identity(deep) wrapped deeper, twice: each piece under the bound, the whole over it, ~3x the bound
+        "laundered by a call": b"}" + identity + b"(" + _deep_tuple(half) + b"tR" + b"\x85" * half + b"Ns",
+        "laundered through a list": b"}" + global_op("torch._tensor", "_rebuild_from_type_v2") + b"(" + identity
+                                    + b"N]" + _deep_tuple(half) + b"aNtR" + b"\x85" * half + b"Ns",
+    }[how]
+    path = tmp_path / "deep.pt"
+    path.write_bytes(torch_zip(b"\x80\x02" + body + b".", {}))
+    for command in ("inspect", "scan"):
+        proc = subprocess.run([sys.executable, "-m", "ckpt_doctor", command, str(path)], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode in (1, 2), (command, proc.returncode, proc.stderr[-300:])  # not -11 (SIGSEGV)
+        assert "nested" in proc.stderr and "deep" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_honest_nesting_and_many_tensors_are_not_taken_for_deep_tuples(tmp_path, cli):
+    """The bound is on nesting, not on how many tuples a pickle builds: a tensor's rebuild arguments hold the
+    previous call's result, and 12,000 tensors must not add up to a depth. What Python pickles nested 200 deep
+    (its pickler stops near 1,000) reads as CPython reads it."""
+    state = {f"w{i}": torch.zeros(1) for i in range(12_000)}
+    nested: object = ()
+    for _ in range(200):
+        nested = (nested, 1)
+    state["meta"] = {nested: "key"}
+    path = tmp_path / "many.pt"
+    torch.save(state, path)
+    result = cli("inspect", path, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json()["tensor_count"] == 12_000
+    assert walk(pickle.dumps({nested: [nested, {nested}]}, protocol=2), "p").refused is None
+    assert pickle.loads(pickle.dumps({nested: 1}))  # CPython reads it: nothing to refuse

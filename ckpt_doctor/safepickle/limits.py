@@ -32,6 +32,11 @@ MAX_DISTINCT_GLOBALS = 10_000
 # is not walked: a named error.
 MAX_PICKLE_OPCODES = 15_000_000
 
+# Tuples nested in tuples: hashing one (a dict key, a set member) recurses in C once per level, with no recursion
+# check, and a 1 MB pickle of TUPLE1s nested a million deep took CPython's stack and the process with it (SIGSEGV).
+# CPython's pickler itself cannot write one deeper than its recursion limit (1,000 by default).
+MAX_TUPLE_DEPTH = 10_000
+
 # A single string or byte string the unpickler would build: checkpoints hold tensor bytes outside their pickles,
 # and a 700 MB value costs three times its size on the way to a report.
 MAX_PICKLE_VALUE = 256 << 20

@@ -23,7 +23,11 @@ from . import limits
 from .policy import GlobalRef, Verdict, classify
 
 # What the walker knows of a stack value: a str it can read back (kept as (start, end, codec) into the data, so a
-# big string is never copied), definitely not a str, or unknown (the result of a call: it might be a str).
+# big string is never copied), definitely not a str, or unknown (the result of a call: it might be a str). A tuple
+# is its nesting depth, an int (hashing a tuple recurses in C once per level: see limits.MAX_TUPLE_DEPTH).
+# What a call returns is UNK, as deep as `handed` (in _Machine.run) at most: a call (an identity such as
+# build_intlist, _rebuild_from_type_v2's func(*args), persistent_load) may hand back one of its arguments or an item
+# of one, or of a container it was given, so `handed` is the deepest tuple ever given to a call or a container.
 _NOT_STR = object()
 _UNKNOWN = object()
 _UTF8, _RAW_UNICODE, _QUOTED, _BYTES_STR = 0, 1, 2, 3
@@ -33,6 +37,14 @@ _VALID = frozenset(b"(.012FIJKLMNPQRSTUVXabcdeghijlopqrstu}])G\x80\x81\x82\x83\x
 _LE4 = struct.Struct("<I")
 _LE4S = struct.Struct("<i")
 _LE8 = struct.Struct("<Q")
+
+
+def _deepest(values: list, handed: int) -> int:
+    """`handed` raised to the depth of the deepest tuple among `values`, given to a call or a container."""
+    for value in values:
+        if value.__class__ is int and value > handed:
+            handed = value
+    return handed
 
 
 class _Break(Exception):
@@ -288,6 +300,8 @@ class _Machine:
         unpack4 = _LE4.unpack_from
         memo_limit = self.memo_limit
         memo_cap = limits.MAX_MEMO_ENTRIES
+        max_depth = limits.MAX_TUPLE_DEPTH
+        handed = 1  # how deep a tuple a call's result (UNK) may be (the readers' own tuples are flat)
         # The hottest opcodes of torch's data.pkl (about 30 per tensor) are handled first, inline, on a local
         # cursor: this loop runs 600,000 times for a 20,000-tensor checkpoint.
         cur = self.pos
@@ -368,28 +382,40 @@ class _Machine:
                         self._nested(start, end, cur, True)
                     cur = end
                     continue
-                if op == 0x74:  # t TUPLE
-                    if not metastack:
-                        self.pos = cur + 1
-                        raise _Break("no MARK to pop")
-                    stack = metastack.pop()
-                    stack.append(NOT)
-                    cur += 1
-                    continue
-                if 0x85 <= op <= 0x87:  # TUPLE1-3
-                    count = op - 0x84
-                    if len(stack) < count:
-                        self.pos = cur + 1
-                        raise _Break("stack underflow")
-                    del stack[-count:]
-                    stack.append(NOT)
+                if op == 0x74 or 0x85 <= op <= 0x87:  # t TUPLE (of the items since the MARK), TUPLE1-3
+                    if op == 0x74:
+                        if not metastack:
+                            self.pos = cur + 1
+                            raise _Break("no MARK to pop")
+                        items, stack = stack, metastack.pop()
+                    else:
+                        count = op - 0x84
+                        if len(stack) < count:
+                            self.pos = cur + 1
+                            raise _Break("stack underflow")
+                        items = stack[-count:]
+                        del stack[-count:]
+                    depth = 0
+                    for value in items:
+                        if value.__class__ is int:
+                            if value > depth:
+                                depth = value
+                        elif value is UNK and handed > depth:
+                            depth = handed
+                    depth += 1
+                    if depth > max_depth:
+                        self._refuse(f"tuples nested {depth:,} deep at byte {cur}: hashing one overflows CPython's "
+                                     "stack (no pickler writes one)")
+                    stack.append(depth)
                     cur += 1
                     continue
                 if op == 0x52:  # R REDUCE: callable(*args) may return anything
                     if len(stack) < 2:
                         self.pos = cur + 1
                         raise _Break("stack underflow")
-                    stack.pop()
+                    args = stack.pop()
+                    if args.__class__ is int and args - 1 > handed:
+                        handed = args - 1  # the deepest of its arguments
                     stack[-1] = UNK
                     cur += 1
                     continue
@@ -401,6 +427,8 @@ class _Machine:
                     if not stack:
                         self.pos = cur + 1
                         raise _Break("stack underflow")
+                    if stack[-1].__class__ is int and stack[-1] - 1 > handed:
+                        handed = stack[-1] - 1  # a legacy ("module", obj) id hands obj back
                     stack[-1] = UNK
                     cur += 1
                     continue
@@ -410,6 +438,7 @@ class _Machine:
                     items, stack = stack, self._pop_mark(metastack)
                     if len(items) % 2 or not stack:
                         raise _Break("SETITEMS without a dict or with an odd number of items")
+                    handed = _deepest(items, handed)
                 elif op == 0x6A:  # j LONG_BINGET
                     (index,) = _LE4.unpack_from(data, take(4))
                     self._get(stack, memo, index)
@@ -435,7 +464,7 @@ class _Machine:
                     if len(stack) < 2:
                         raise _Break("stack underflow")
                     name_v, module_v = stack.pop(), stack.pop()
-                    if name_v is NOT or module_v is NOT:
+                    if name_v is NOT or module_v is NOT or name_v.__class__ is int or module_v.__class__ is int:
                         raise _Break("STACK_GLOBAL needs two str")
                     if type(name_v) is tuple and type(module_v) is tuple:
                         try:
@@ -551,38 +580,47 @@ class _Machine:
                 elif op == 0x61:  # a APPEND
                     if len(stack) < 2:
                         raise _Break("stack underflow")
+                    handed = _deepest(stack[-1:], handed)
                     stack.pop()
                 elif op in (0x65, 0x90):  # e APPENDS, ADDITEMS
+                    handed = _deepest(stack, handed)
                     stack = self._pop_mark(metastack)
                     if not stack:
                         raise _Break("no list or set below the MARK")
                 elif op == 0x73:  # s SETITEM
                     if len(stack) < 3:
                         raise _Break("stack underflow")
+                    handed = _deepest(stack[-2:], handed)
                     del stack[-2:]
                 elif op == 0x62:  # b BUILD: __setstate__ may run; the instance stays on the stack
                     if len(stack) < 2:
                         raise _Break("stack underflow")
+                    handed = _deepest(stack[-1:], handed)
                     stack.pop()
                 elif op in (0x6C, 0x64, 0x91):  # l LIST, d DICT, FROZENSET
                     items, stack = stack, self._pop_mark(metastack)
                     if op == 0x64 and len(items) % 2:
                         raise _Break("odd number of items for DICT")
+                    handed = _deepest(items, handed)
                     stack.append(NOT)
                 elif op == 0x81:  # NEWOBJ: cls.__new__(cls, *args)
                     if len(stack) < 2:
                         raise _Break("stack underflow")
+                    if stack[-1].__class__ is int and stack[-1] - 1 > handed:
+                        handed = stack[-1] - 1
                     stack.pop()
                     stack[-1] = UNK
                 elif op == 0x92:  # NEWOBJ_EX
                     if len(stack) < 3:
                         raise _Break("stack underflow")
+                    handed = _deepest(stack[-2:], handed)
                     del stack[-2:]
                     stack[-1] = UNK
                 elif op == 0x6F:  # o OBJ: MARK cls args... → cls(*args)
                     items, stack = stack, self._pop_mark(metastack)
                     if not items:
                         raise _Break("OBJ without a class")
+                    handed = _deepest(items, handed)
                     stack.append(UNK)
                 elif op == 0x69:  # i INST: MARK args... INST module name → module.name(*args)
                     if not metastack:
@@ -596,6 +634,7 @@ class _Machine:
                     except UnicodeDecodeError:
                         raise _Break("a global's name is not UTF-8") from None
                     self._global(module, name, pos)
+                    handed = _deepest(stack, handed)
                     stack = self._pop_mark(metastack)
                     stack.append(UNK)
                 elif op in (0x82, 0x83, 0x84):  # EXT1, EXT2, EXT4: a global by number, from copyreg's registry
