@@ -48,12 +48,13 @@ HEAD_BYTES = 16  # of each member's data, kept from reading its local header (wh
 class ZipIndex:
     """The members of an archive, in central-directory order, and torch's way of finding them."""
 
-    def __init__(self, members: list[ZipMember], path: str, whole: bytes | None = None, base: int = 0) -> None:
+    def __init__(self, members: list[ZipMember], path: str, whole: bytes | None = None, base: int = 0,
+                 heads: dict[int, bytes] | None = None) -> None:
         self.members = members
         self.path = path
         self.whole = whole  # the archive's bytes, when a small one was read whole to find its members
         self.base = base  # where the archive starts in its file
-        self.heads: dict[int, bytes] = {}  # data offset -> the first HEAD_BYTES there, read with a local header
+        self.heads = heads or {}  # data offset -> the first HEAD_BYTES there, read with its local header
         # folded name -> its member's position; names several members share -> all their positions
         self._by_name: dict[str, int] = {}
         self._shared: dict[str, list[int]] = {}
@@ -194,8 +195,7 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
                     heads[data_at] = head[30 + lnlen + lxlen:30 + lnlen + lxlen + HEAD_BYTES]
         members.append(new_member(ZipMember, (name, data_at, usize, csize, method, crc, base + local_at, flags,
                                               bool(attrs & 0x10) or name.endswith("/"))))
-    index = ZipIndex(members, path, whole, base)
-    index.heads = heads
+    index = ZipIndex(members, path, whole, base, heads)
     # Python's zipfile (np.load, most tools) reads the same archive differently: it shifts every offset by the
     # bytes between where the directory ends and where the end record is, and reads entries until the directory's
     # size is used up. When that could give it other members, say so: the survey then walks its view too.
