@@ -24,10 +24,9 @@ from .policy import GlobalRef, Verdict, classify
 
 # What the walker knows of a stack value: a str it can read back (kept as (start, end, codec) into the data, so a
 # big string is never copied), definitely not a str, or unknown (the result of a call: it might be a str). A tuple
-# is its nesting depth, an int (hashing a tuple recurses in C once per level: see limits.MAX_TUPLE_DEPTH).
-# What a call returns is UNK, as deep as `handed` (in _Machine.run) at most: a call (an identity such as
-# build_intlist, _rebuild_from_type_v2's func(*args), persistent_load) may hand back one of its arguments or an item
-# of one, or of a container it was given, so `handed` is the deepest tuple ever given to a call or a container.
+# is its nesting depth, an int (hashing a tuple recurses in C once per level: see limits.MAX_TUPLE_DEPTH). Only
+# tuples nested in tuples count: a tuple a call hands back (an identity such as build_intlist returns its argument)
+# starts again from 0, so depth laundered through calls is not bounded here.
 _NOT_STR = object()
 _UNKNOWN = object()
 _UTF8, _RAW_UNICODE, _QUOTED, _BYTES_STR = 0, 1, 2, 3
@@ -37,14 +36,6 @@ _VALID = frozenset(b"(.012FIJKLMNPQRSTUVXabcdeghijlopqrstu}])G\x80\x81\x82\x83\x
 _LE4 = struct.Struct("<I")
 _LE4S = struct.Struct("<i")
 _LE8 = struct.Struct("<Q")
-
-
-def _deepest(values: list, handed: int) -> int:
-    """`handed` raised to the depth of the deepest tuple among `values`, given to a call or a container."""
-    for value in values:
-        if value.__class__ is int and value > handed:
-            handed = value
-    return handed
 
 
 class _Break(Exception):
@@ -301,7 +292,6 @@ class _Machine:
         memo_limit = self.memo_limit
         memo_cap = limits.MAX_MEMO_ENTRIES
         max_depth = limits.MAX_TUPLE_DEPTH
-        handed = 1  # how deep a tuple a call's result (UNK) may be (the readers' own tuples are flat)
         # The hottest opcodes of torch's data.pkl (about 30 per tensor) are handled first, inline, on a local
         # cursor: this loop runs 600,000 times for a 20,000-tensor checkpoint.
         cur = self.pos
@@ -397,11 +387,8 @@ class _Machine:
                         del stack[-count:]
                     depth = 0
                     for value in items:
-                        if value.__class__ is int:
-                            if value > depth:
-                                depth = value
-                        elif value is UNK and handed > depth:
-                            depth = handed
+                        if value.__class__ is int and value > depth:
+                            depth = value
                     depth += 1
                     if depth > max_depth:
                         self._refuse(f"tuples nested {depth:,} deep at byte {cur}: hashing one overflows CPython's "
@@ -413,9 +400,7 @@ class _Machine:
                     if len(stack) < 2:
                         self.pos = cur + 1
                         raise _Break("stack underflow")
-                    args = stack.pop()
-                    if args.__class__ is int and args - 1 > handed:
-                        handed = args - 1  # the deepest of its arguments
+                    stack.pop()
                     stack[-1] = UNK
                     cur += 1
                     continue
@@ -427,8 +412,6 @@ class _Machine:
                     if not stack:
                         self.pos = cur + 1
                         raise _Break("stack underflow")
-                    if stack[-1].__class__ is int and stack[-1] - 1 > handed:
-                        handed = stack[-1] - 1  # a legacy ("module", obj) id hands obj back
                     stack[-1] = UNK
                     cur += 1
                     continue
@@ -438,7 +421,6 @@ class _Machine:
                     items, stack = stack, self._pop_mark(metastack)
                     if len(items) % 2 or not stack:
                         raise _Break("SETITEMS without a dict or with an odd number of items")
-                    handed = _deepest(items, handed)
                 elif op == 0x6A:  # j LONG_BINGET
                     (index,) = _LE4.unpack_from(data, take(4))
                     self._get(stack, memo, index)
@@ -580,47 +562,38 @@ class _Machine:
                 elif op == 0x61:  # a APPEND
                     if len(stack) < 2:
                         raise _Break("stack underflow")
-                    handed = _deepest(stack[-1:], handed)
                     stack.pop()
                 elif op in (0x65, 0x90):  # e APPENDS, ADDITEMS
-                    handed = _deepest(stack, handed)
                     stack = self._pop_mark(metastack)
                     if not stack:
                         raise _Break("no list or set below the MARK")
                 elif op == 0x73:  # s SETITEM
                     if len(stack) < 3:
                         raise _Break("stack underflow")
-                    handed = _deepest(stack[-2:], handed)
                     del stack[-2:]
                 elif op == 0x62:  # b BUILD: __setstate__ may run; the instance stays on the stack
                     if len(stack) < 2:
                         raise _Break("stack underflow")
-                    handed = _deepest(stack[-1:], handed)
                     stack.pop()
                 elif op in (0x6C, 0x64, 0x91):  # l LIST, d DICT, FROZENSET
                     items, stack = stack, self._pop_mark(metastack)
                     if op == 0x64 and len(items) % 2:
                         raise _Break("odd number of items for DICT")
-                    handed = _deepest(items, handed)
                     stack.append(NOT)
                 elif op == 0x81:  # NEWOBJ: cls.__new__(cls, *args)
                     if len(stack) < 2:
                         raise _Break("stack underflow")
-                    if stack[-1].__class__ is int and stack[-1] - 1 > handed:
-                        handed = stack[-1] - 1
                     stack.pop()
                     stack[-1] = UNK
                 elif op == 0x92:  # NEWOBJ_EX
                     if len(stack) < 3:
                         raise _Break("stack underflow")
-                    handed = _deepest(stack[-2:], handed)
                     del stack[-2:]
                     stack[-1] = UNK
                 elif op == 0x6F:  # o OBJ: MARK cls args... → cls(*args)
                     items, stack = stack, self._pop_mark(metastack)
                     if not items:
                         raise _Break("OBJ without a class")
-                    handed = _deepest(items, handed)
                     stack.append(UNK)
                 elif op == 0x69:  # i INST: MARK args... INST module name → module.name(*args)
                     if not metastack:
@@ -634,7 +607,6 @@ class _Machine:
                     except UnicodeDecodeError:
                         raise _Break("a global's name is not UTF-8") from None
                     self._global(module, name, pos)
-                    handed = _deepest(stack, handed)
                     stack = self._pop_mark(metastack)
                     stack.append(UNK)
                 elif op in (0x82, 0x83, 0x84):  # EXT1, EXT2, EXT4: a global by number, from copyreg's registry
