@@ -477,3 +477,26 @@ def test_honest_nesting_and_many_tensors_are_not_taken_for_deep_tuples(tmp_path,
     result = cli("inspect", path, "--json")
     assert result.exit_code == 0, result.stderr
     assert result.json()["tensor_count"] == n
+
+
+def test_a_pickle_cannot_rebind_a_torch_dtype_for_the_rest_of_the_file(tmp_path, cli):
+    """torch.float32 is one object for every mention of it; BUILD with slot state would have changed it for every
+    tensor after (and put a 3**40-leaf tuple in the report). torch's dtypes take no state: the file fails to read."""
+    shared = b"N" + b"22\x87" * 40  # a tuple sharing its parts 40 levels deep (three references to each level)
+    data = (b"\x80\x02}" + _str("a") + global_op("torch", "float32") + b"N}" + _str("value") + shared + b"s\x86b"
+            + b"s.")
+    path = tmp_path / "token.pt"
+    path.write_bytes(torch_zip(data, {}))
+    result = cli("inspect", path)
+    assert result.exit_code == 2
+    assert "torch.float32 cannot be given state" in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_an_unexpected_persistent_id_is_named_briefly(tmp_path, cli):
+    """Its note shows at most 80 characters, made without building the whole repr (3**14 leaves, 300 times)."""
+    shared = b"N" + b"22\x87" * 14
+    path = tmp_path / "persid.pt"
+    path.write_bytes(torch_zip(b"\x80\x02" + shared + b"q\x010" + b"h\x01Q0" * 300 + b"N.", {}))
+    result = cli("scan", path, "--json")
+    notes = [n for f in result.json()["files"] for n in f["notes"] if "unexpected persistent id" in n]
+    assert notes and all(len(n) <= len("unexpected persistent id ") + 80 for n in notes)

@@ -120,13 +120,17 @@ class RawTensor:
 
 
 class _Token:
-    """A torch object a pickle may name as a value (a dtype, a device, a storage class), kept as its name."""
+    """A torch object a pickle may name as a value (a dtype, a device, a storage class), kept as its name. One
+    token serves every mention of its global, so a pickle's BUILD must not change it (torch's own are immutable)."""
 
     __slots__ = ("value",)
     torch_name = ""
 
     def __init__(self, value: str) -> None:
         self.value = value
+
+    def __setstate__(self, state: Any) -> None:
+        raise TypeError(f"{self!r} cannot be given state (BUILD on a torch dtype, device or storage type)")
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and other.value == self.value  # type: ignore[attr-defined]
@@ -174,6 +178,16 @@ def _ints(value: Any) -> tuple[int, ...]:
                 raise TypeError("shape/stride is not a tuple of 64-bit ints")
         return value if type(value) is tuple else tuple(value)
     raise TypeError("shape/stride is not a tuple of 64-bit ints")
+
+
+def _short_repr(value: Any) -> str:
+    """At most ~80 characters of repr, made without building the whole one (a tuple sharing its parts 40 levels deep
+    has 3**40 leaves)."""
+    import reprlib
+
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother = 3, 40, 40
+    return short.repr(value)[:80]
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -467,5 +481,5 @@ class SafeUnpickler(_pickle.Unpickler):
                     return StorageRef(ref.key, ref.dtype, int(view_numel), ref.location, view_of=ref,
                                       view_offset=int(view_offset) * elsize)
                 return ref
-        self.notes.append(f"unexpected persistent id {pid!r:.80}")
+        self.notes.append(f"unexpected persistent id {_short_repr(pid)}")
         return _opaque_class(None)(pid)
