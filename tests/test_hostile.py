@@ -500,3 +500,18 @@ def test_an_unexpected_persistent_id_is_named_briefly(tmp_path, cli):
     result = cli("scan", path, "--json")
     notes = [n for f in result.json()["files"] for n in f["notes"] if "unexpected persistent id" in n]
     assert notes and all(len(n) <= len("unexpected persistent id ") + 80 for n in notes)
+
+
+def test_a_chain_of_slices_is_refused_not_a_crash(tmp_path):
+    """builtins.slice is on torch's allow-list and really called; CPython frees a slice without the trashcan that
+    tuples and lists use, so slice(slice(slice(...))) 300,000 deep took the process down (SIGSEGV) when freed."""
+    depth = 300_000
+    data = (b"\x80\x02" + global_op("builtins", "slice") + b"q\x00" + b"h\x00" * (depth - 1) + b"N" + b"\x85R" * depth
+            + b".")
+    path = tmp_path / "slices.pt"
+    path.write_bytes(torch_zip(data, {}))
+    for command in ("inspect", "scan"):
+        proc = subprocess.run([sys.executable, "-m", "ckpt_doctor", command, str(path)], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 2, (command, proc.returncode, proc.stderr[-300:])  # not -11 (SIGSEGV)
+        assert "a slice of slices" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
