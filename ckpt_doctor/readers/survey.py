@@ -23,7 +23,7 @@ from ..safepickle import limits
 from ..safepickle.policy import GlobalRef, Verdict
 from ..safepickle.walker import Walk, new_budget, starts_pickle, walk
 from ..sniff import Container, sniff
-from .mapping import READ_UP_TO, mapped
+from .mapping import mapped
 from .zipindex import ZipIndex, ZipMember, ZipTooBig, local_members, member_head, read_member, read_zip_index
 
 TYPE_CHECKING = False
@@ -294,10 +294,9 @@ def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, bu
     data.pkl torch would unpickle is kept, for the reader, when it is small enough to unpickle."""
     name = member.name
     result = data = None
-    if member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 and not member.is_dir \
-            and survey.base + survey.size > READ_UP_TO:
-        with mapped(fd, survey.base + survey.size) as whole:
-            if not isinstance(whole, bytes):  # mapped (a file system that cannot map gets it read below)
+    if member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 and not member.is_dir:
+        with mapped(fd, survey.base + survey.size) as whole:  # a file this big is mapped (READ_UP_TO), not read
+            if not isinstance(whole, bytes):  # (a file system that cannot map gets the member read below)
                 view = memoryview(whole)[member.offset:member.offset + member.size]
                 try:
                     result = walk(view, name, budget=survey.budget)
