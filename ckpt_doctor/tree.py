@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
 from ._record import field, record
 
@@ -302,25 +303,27 @@ def find_state_dict_root(flat: Flat) -> tuple[str | None, tuple[str, ...]]:
         return None, ()
     candidates: dict[str, int] = {}
     modules = set(flat.modules)
+    optimizers = set(flat.optimizers)
+    keys = sorted(key for key, _ in flat.tensors)
     for path, (direct, total) in flat.containers.items():
         if path in modules:
-            # A module is a candidate only at the top of a module tree.
-            if any(path.startswith(m + ".") or (m == "" and path) for m in modules if m != path):
-                continue
+            if path and _under_any(path, modules):
+                continue  # a module is a candidate only at the top of a module tree
         elif direct == 0 or direct * 2 < total:
             continue
         if any("optim" in part or "scheduler" in part for part in path.split(".")):
             continue
-        if any(path == o or path.startswith(o + ".") or o == "" for o in flat.optimizers):
+        if path in optimizers or _under_any(path, optimizers):
             continue  # an optimizer's per-parameter state (state.0.exp_avg …) is no model's state_dict
-        under = sum(1 for key, _ in flat.tensors if path == "" or key.startswith(path + "."))
-        candidates[path] = under
+        # Keys under `path.` sort between `path.` and `path/` ("/" follows "."): counted by bisection, not by a
+        # scan of every key for every container (40,000 one-tensor dicts would take minutes).
+        candidates[path] = len(keys) if path == "" else bisect_left(keys, path + "/") - bisect_left(keys, path + ".")
     if not candidates:
         return None, ()
     if "" in candidates:
         return "", tuple(sorted(p for p in candidates if p))
     # Drop candidates nested in another candidate (a module inside a state_dict holder).
-    top = {p: n for p, n in candidates.items() if not any(p.startswith(q + ".") for q in candidates if q != p)}
+    top = {p: n for p, n in candidates.items() if not _under_any(p, candidates)}
     # The model's own weights before a copy of them (EMA, teacher): by the name of the container's last part
     # (`state_dict.model` as `model`), else the biggest.
     rank = {name: i for i, name in enumerate(STATE_DICT_NAMES)}
@@ -330,3 +333,16 @@ def find_state_dict_root(flat: Flat) -> tuple[str | None, tuple[str, ...]]:
     else:
         root = max(top, key=lambda p: (top[p], -len(p)))
     return root, tuple(p for p in top if p != root)
+
+
+def _under_any(path: str, paths: "set[str] | dict[str, int]") -> bool:
+    """Whether `path` lies under one of `paths` (the root "" holds everything else): its own prefixes are looked
+    up, so the cost is the path's length, not the number of paths."""
+    if "" in paths:
+        return True
+    at = path.find(".")
+    while at >= 0:
+        if path[:at] in paths:
+            return True
+        at = path.find(".", at + 1)
+    return False

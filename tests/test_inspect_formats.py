@@ -77,6 +77,34 @@ def test_state_dict_root(fixtures, cli, name, root):
         assert data["other_state_dicts"] == ["ema"]
 
 
+def test_many_state_dict_like_containers(tmp_path, cli):
+    # 40,000 one-tensor dicts: each is a state_dict candidate. Choosing among them once took minutes (every
+    # candidate's tensors were counted by scanning every key); the table names the first few and counts the rest.
+    n = 40_000
+    base = torch.arange(float(n))
+    torch.save({f"m{i}": {"w": base[i:i + 1]} for i in range(n)}, tmp_path / "many.pt")
+    result = cli("inspect", tmp_path / "many.pt", "--json")
+    assert result.exit_code == 0, result.stderr
+    data = result.json()
+    assert len(data["tensors"]) == n
+    assert data["state_dict_root"] == "m0" and len(data["other_state_dicts"]) == n - 1
+    table = cli("inspect", tmp_path / "many.pt")
+    line = next(x for x in table.stderr.splitlines() if x.startswith("state_dict"))
+    assert line.endswith(f"m8, … {n - 9} more (--full))"), line
+    full = cli("inspect", tmp_path / "many.pt", "--full").stderr
+    assert f"m{n - 1})" in next(x for x in full.splitlines() if x.startswith("state_dict"))
+
+
+def test_state_dict_root_among_nested_candidates(tmp_path, cli):
+    # The model's weights under a named holder win over a bigger copy; a holder nested in another is not listed.
+    t = torch.zeros
+    torch.save({"teacher": {"a": t(1), "b": t(1), "c": t(1)}, "state_dict": {"model": {"a": t(1)}, "x": t(1)},
+                "optimizer": {"state": {0: {"exp_avg": t(1)}}, "param_groups": [{"params": [0]}]}}, tmp_path / "n.pt")
+    data = cli("inspect", tmp_path / "n.pt", "--json").json()
+    assert data["state_dict_root"] == "state_dict"
+    assert data["other_state_dicts"] == ["teacher"]
+
+
 @pytest.mark.parametrize("name,prefixes", [("dataparallel", ["module."]), ("ddp", ["module."]),
                                            ("compiled", ["_orig_mod."]), ("lightning", ["model."]),
                                            ("plain", [])])

@@ -83,7 +83,9 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         lines.append(("state_dict", f"{chosen or '(the file root)'} (selected; the one found: {found})"))
     elif ckpt.state_dict_root is not None:
         root = ckpt.state_dict_root or "(the file's root)"
-        others = f" (other state_dicts: {', '.join(ckpt.other_state_dicts)})" if ckpt.other_state_dicts else ""
+        others = ckpt.other_state_dicts
+        shown = others if full or len(others) <= 8 else (*others[:8], f"… {len(others) - 8} more (--full)")
+        others = f" (other state_dicts: {', '.join(shown)})" if others else ""
         lines.append(("state_dict", root + others))
     elif ckpt.tensors:
         lines.append(("state_dict", "not found (no container holds mostly tensors)"))
