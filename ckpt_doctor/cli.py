@@ -118,6 +118,12 @@ def handle_errors(func: Callable[..., int]) -> Callable[..., None]:
             sys.exit(130)
         except BrokenPipeError:
             sys.exit(0)
+        except RecursionError:  # the readers and fix walk on stacks of their own; a path that does not is no crash
+            if debug:
+                raise
+            say("Error: the checkpoint nests containers deeper than this command can follow (past Python's "
+                "recursion limit)", color="red")
+            sys.exit(2)
         except Exception as exc:  # a bug in ckpt-doctor: still one line, never a traceback by default
             if debug:
                 raise

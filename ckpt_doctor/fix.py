@@ -17,7 +17,7 @@ from .records import Assembly, Checkpoint, Format, GlobalRef, TensorRecord, Verd
 from .safepickle.unpickler import Opaque, RawTensor, SizeValue
 from .tensordata import tensor_bytes
 from .transforms import Op, Transform, plan_keys
-from .tree import has_tensor, join
+from .tree import has_tensor, join, run_nested
 from .writers.atomic import atomic_output, check_destination
 from .writers.pickler import TensorOut, dumps
 from .writers.safetensors_writer import TensorBytes, write_safetensors
@@ -25,6 +25,8 @@ from .writers.stream import CHUNK, Progress, WrittenRanges, copy_range, crc32, c
 from .writers.torch_writer import StorageOut, write_torch_zip
 
 if TYPE_CHECKING:  # the comparison is imported only with --model: a plain repair starts that much sooner
+    from typing import Generator
+
     from .modelspec import ModelKeys
 
 
@@ -435,43 +437,61 @@ def _rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]
              out_tensor: Callable[[str, TensorRecord], OutTensor], cut: set[str], problems: list) -> Any:
     """The original tree with the state_dict at `root` replaced by `state`; dropped entries left out, and their
     paths added to `cut`; objects that cannot be written added to `problems` as (path, global)."""
-    if path == root:
-        return state
-    if isinstance(obj, RawTensor):
-        record = records.get(path)
-        if record is None:
-            raise PlanError(f"internal: tensor at {path} not listed")
-        out = out_tensor(path, record)
-        outs.append(out)
-        return out
-    if isinstance(obj, dict):
-        items = [(k, v) for k, v in obj.items() if _kept(join(path, k), drops, cut)]
-        for k, _ in items:
-            if isinstance(k, Opaque) or isinstance(k, type) and issubclass(k, Opaque):
-                check_writable(k, join(path, k), problems)
-        rebuilt = [(k, _rebuild(v, join(path, k), root, state, records, drops, outs, out_tensor, cut, problems))
-                   for k, v in items]
-        return OrderedDict(rebuilt) if isinstance(obj, OrderedDict) else dict(rebuilt)
-    if isinstance(obj, frozenset):  # written as builtins.frozenset, which torch.load(weights_only=True) refuses
-        from .safepickle.policy import user_allowed
 
-        if "builtins.frozenset" not in user_allowed():
-            problems.append((path, GlobalRef("builtins", "frozenset", Verdict.SAFE, "a frozenset value")))
-        return obj
-    if isinstance(obj, (list, tuple)):
-        if obj and all(o is None or isinstance(o, (bool, int, float, str)) for o in obj) or type(obj) is SizeValue:
+    inside: set[int] = set()  # the containers being rebuilt: one met again within itself is a cycle
+
+    def rebuilt(obj: Any, path: str) -> Generator:  # yields the rebuilding of each child, sent its result
+        if path == root:
+            return state
+        if isinstance(obj, (dict, list, tuple)) and id(obj) in inside:
+            raise PlanError(f"{path}: the {type(obj).__name__} holds itself (a cycle): torch.save writes that, fix "
+                            f"writes trees; leave the repeat out with --drop '{re.escape(path)}$'")
+        if isinstance(obj, RawTensor):
+            record = records.get(path)
+            if record is None:
+                raise PlanError(f"internal: tensor at {path} not listed")
+            out = out_tensor(path, record)
+            outs.append(out)
+            return out
+        if isinstance(obj, dict):
+            items = [(k, v) for k, v in obj.items() if _kept(join(path, k), drops, cut)]
+            for k, _ in items:
+                if isinstance(k, Opaque) or isinstance(k, type) and issubclass(k, Opaque):
+                    check_writable(k, join(path, k), problems)
+            pairs = []
+            inside.add(id(obj))
+            for k, v in items:
+                pairs.append((k, (yield rebuilt(v, join(path, k)))))
+            inside.discard(id(obj))
+            return OrderedDict(pairs) if isinstance(obj, OrderedDict) else dict(pairs)
+        if isinstance(obj, frozenset):  # written as builtins.frozenset, which torch.load(weights_only=True) refuses
+            from .safepickle.policy import user_allowed
+
+            if "builtins.frozenset" not in user_allowed():
+                problems.append((path, GlobalRef("builtins", "frozenset", Verdict.SAFE, "a frozenset value")))
             return obj
-        items = [_rebuild(v, join(path, i), root, state, records, drops, outs, out_tensor, cut, problems)
-                 for i, v in enumerate(obj) if _kept(join(path, i), drops, cut)]
-        return items if isinstance(obj, list) else tuple(items)
-    if isinstance(obj, Opaque):
-        if has_tensor(obj):
-            raise PlanError(f"{path or 'the file'} is a pickled {obj.ckd.ref.qualname if obj.ckd.ref else 'object'} "
-                            f"holding tensors; write its weights alone with --select {path or '…'}")
-        check_writable(obj, path, problems)
-    elif isinstance(obj, type) and issubclass(obj, Opaque):
-        check_writable(obj, path, problems)
-    return obj
+        if isinstance(obj, (list, tuple)):
+            if obj and all(o is None or isinstance(o, (bool, int, float, str)) for o in obj) or \
+                    type(obj) is SizeValue:
+                return obj
+            values = []
+            inside.add(id(obj))
+            for i, v in enumerate(obj):
+                if _kept(join(path, i), drops, cut):
+                    values.append((yield rebuilt(v, join(path, i))))
+            inside.discard(id(obj))
+            return values if isinstance(obj, list) else tuple(values)
+        if isinstance(obj, Opaque):
+            if has_tensor(obj):
+                raise PlanError(f"{path or 'the file'} is a pickled "
+                                f"{obj.ckd.ref.qualname if obj.ckd.ref else 'object'} holding tensors; write its "
+                                f"weights alone with --select {path or '…'}")
+            check_writable(obj, path, problems)
+        elif isinstance(obj, type) and issubclass(obj, Opaque):
+            check_writable(obj, path, problems)
+        return obj
+
+    return run_nested(rebuilt(obj, path))
 
 
 def check_writable(obj: Any, path: str, problems: list) -> None:
@@ -561,13 +581,17 @@ def _in_source_order(tree: "OrderedDict[Any, Any]", source: dict, mapping: dict[
 
 def _out_tensors(obj: Any) -> list[OutTensor]:
     """The OutTensors inside a rebuilt entry, in order."""
-    if isinstance(obj, OutTensor):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [o for v in obj for o in _out_tensors(v)]
-    return []
+    found: list[OutTensor] = []
+    todo = [obj]  # depth first, on a list: an entry can nest as deep as torch.save writes
+    while todo:
+        item = todo.pop()
+        if isinstance(item, OutTensor):
+            found.append(item)
+        elif isinstance(item, dict):
+            todo.extend(reversed(list(item.values())))
+        elif isinstance(item, (list, tuple)):
+            todo.extend(reversed(item))
+    return found
 
 
 def _dropped(path: str, drops: list[Transform]) -> bool:
@@ -892,17 +916,22 @@ def _torch_layout(plan: FixPlan, sources: _Sources,
 
 
 def _to_pickle_tree(tree: Any, expected: dict[str, TensorOut]) -> Any:
-    if isinstance(tree, OutTensor):
-        return expected[tree.key]
-    if isinstance(tree, OrderedDict):
-        return OrderedDict((k, _to_pickle_tree(v, expected)) for k, v in tree.items())
-    if isinstance(tree, dict):
-        return {k: _to_pickle_tree(v, expected) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_to_pickle_tree(v, expected) for v in tree]
-    if isinstance(tree, tuple) and type(tree) is not SizeValue:
-        return tuple(_to_pickle_tree(v, expected) for v in tree)
-    return tree
+    def converted(tree: Any) -> Generator:  # yields the conversion of each child, sent its result
+        if isinstance(tree, OutTensor):
+            return expected[tree.key]
+        if isinstance(tree, dict):
+            pairs = []
+            for k, v in tree.items():
+                pairs.append((k, (yield converted(v))))
+            return OrderedDict(pairs) if isinstance(tree, OrderedDict) else dict(pairs)
+        if isinstance(tree, (list, tuple)) and type(tree) is not SizeValue:
+            values = []
+            for v in tree:
+                values.append((yield converted(v)))
+            return values if isinstance(tree, list) else tuple(values)
+        return tree
+
+    return run_nested(converted(tree))
 
 
 def _safetensors_layout(plan: FixPlan, sources: _Sources) -> list[TensorBytes]:

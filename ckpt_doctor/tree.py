@@ -12,7 +12,7 @@ from .safepickle.unpickler import Opaque, RawTensor, _Token
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
-    from typing import Any
+    from typing import Any, Generator
 
 # Names under which training checkpoints keep the model's weights, most telling first.
 STATE_DICT_NAMES = ("state_dict", "model_state_dict", "model_state", "model", "module", "net", "network",
@@ -40,7 +40,7 @@ def join(prefix: str, name: Any) -> str:
     key = f"{prefix}.{name}" if prefix else name
     if len(key) > limits.MAX_KEY_LENGTH:
         raise ReadError(f"a key path is longer than {limits.MAX_KEY_LENGTH:,} characters ({key[:60]}…); refusing "
-                        "to list it (one long key reused at every level of nested containers?)")
+                        "to list it (containers nested thousands deep, or one long key reused at every level?)")
     return key
 
 
@@ -76,6 +76,11 @@ def _leaf_value(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+# Markers on the walk's stack: where a container's walk ends, and where a container's counts are recorded.
+_LEAVE = object()
+_CONTAINER = object()
+
+
 class Walker:
     def __init__(self, ts_members: TorchScriptMembers | None = None, max_nodes: int | None = None) -> None:
         self.flat = Flat()
@@ -89,6 +94,23 @@ class Walker:
         self._sizes: dict[int, int] = {}
 
     def walk(self, obj: Any, path: str) -> None:
+        """Walk `obj` as the tree at `path`: depth first, in the file's order. The walk keeps its own stack, as the
+        unpickler does: torch.save writes containers nested up to Python's recursion limit (1,000) and torch.load
+        reads them back, so the walk must not stop short of that (a call per level would)."""
+        tasks: list[tuple] = [(obj, path, None)]
+        while tasks:
+            value, where, name = tasks.pop()
+            if value is _LEAVE:  # a container's walk ends here
+                self._ancestors.discard(where)
+            elif value is _CONTAINER:  # (direct tensors, direct items), recorded after what came before it
+                self.flat.containers[where] = name
+            else:
+                later = self._visit(value, where if name is None else join(where, name))
+                if later:
+                    tasks.extend(reversed(later))
+
+    def _visit(self, obj: Any, path: str) -> list[tuple] | None:
+        """One object of the tree; for a container, what is under it, in order, as (value, parent path, name)."""
         self.nodes += 1
         if self.nodes > self.max_nodes:
             raise ReadError(f"the pickle expands to more than {self.max_nodes:,} objects; refusing to walk it "
@@ -101,12 +123,12 @@ class Walker:
                 raise ReadError(f"the tensors' key paths add up to more than {limits.MAX_KEY_BYTES >> 20} MB "
                                 "(keys nested hundreds of levels deep?); refusing to list them")
             self.flat.tensors.append((path, obj))
-            return
+            return None
         if isinstance(obj, (dict, list, tuple, Opaque)):
             key = id(obj)
             if key in self._ancestors:
                 self._meta(path, "<cycle>")
-                return
+                return None
             first = self._seen.get(key)
             if first is not None and not has_tensor(obj, self._has_tensor):
                 # Listed once; still counted whole, so a few KB of shared lists cannot pass for a small tree.
@@ -115,16 +137,16 @@ class Walker:
                     raise ReadError(f"the pickle expands to more than {self.max_nodes:,} objects through shared "
                                     "references (a pickle bomb); refusing to walk it")
                 self._meta(path, f"<the same object as {first or 'the root'}>")
-                return
+                return None
             if first is None and (not isinstance(obj, (list, tuple, dict)) or obj):
                 self._seen[key] = path
             self._ancestors.add(key)
-            try:
-                self._container(obj, path)
-            finally:
-                self._ancestors.discard(key)
-            return
+            later: list[tuple] = []
+            self._container(obj, path, later)
+            later.append((_LEAVE, key, None))
+            return later
         self._meta(path, obj)
+        return None
 
     def _meta(self, path: str, value: Any) -> None:
         if len(self.flat.metadata) >= limits.MAX_METADATA:
@@ -132,7 +154,7 @@ class Walker:
         else:
             self.flat.metadata[path] = _leaf_value(value)
 
-    def _container(self, obj: Any, path: str) -> None:
+    def _container(self, obj: Any, path: str, later: list[tuple]) -> None:
         if isinstance(obj, dict):
             items = list(obj.items())
             if "state" in obj and "param_groups" in obj:
@@ -143,46 +165,47 @@ class Walker:
                 return
             items = list(enumerate(obj))
         else:
-            self._object(obj, path)
+            self._object(obj, path, later)
             return
         direct = sum(isinstance(v, RawTensor) for _, v in items)
         self.flat.containers[path] = (direct, len(items))
         if not items and path:
             self._meta(path, obj if isinstance(obj, (list, tuple)) else {})
-        for key, value in items:
-            self.walk(value, join(path, key))
+        if direct == len(items):  # a state_dict: tensors only, listed now, as they would be next
+            for key, value in items:
+                self._visit(value, join(path, key))
+        else:
+            later.extend((value, path, key) for key, value in items)
 
-    def _object(self, obj: Opaque, path: str) -> None:
+    def _object(self, obj: Opaque, path: str, later: list[tuple]) -> None:
         data = obj.ckd
         ref = data.ref
         if _is_module(obj):
-            self._module(obj, path)
+            self._module(obj, path, later)
             return
         if ref is not None and ref.module.startswith("__torch__") and self.ts_members is not None:
             members = self.ts_members(ref.qualname)
             if members is not None and members[2]:
-                self._script_module(obj, path, members)
+                self._script_module(obj, path, members, later)
                 return
         walked = False
         for part in (data.args, data.kwargs, data.state, data.items, data.dictitems):
             if part in ((), {}, None, []):
                 continue
             if isinstance(part, dict) and isinstance(data.state, dict) and part is data.state:
-                self.flat.containers[path] = (sum(isinstance(v, RawTensor) for v in part.values()), len(part))
-                for key, value in part.items():
-                    self.walk(value, join(path, key))
+                later.append((_CONTAINER, path, (sum(isinstance(v, RawTensor) for v in part.values()), len(part))))
+                later.extend((value, path, key) for key, value in part.items())
             elif isinstance(part, tuple) and part is data.state and len(part) == 2 and isinstance(part[0], dict):
-                for key, value in part[0].items():  # (dict state, slots state)
-                    self.walk(value, join(path, key))
+                later.extend((value, path, key) for key, value in part[0].items())  # (dict state, slots state)
             elif has_tensor(part, self._has_tensor):
-                self.walk(part, path)
+                later.append((part, path, None))
             else:
                 continue
             walked = True
         if not walked:
             self._meta(path, obj)
 
-    def _module(self, obj: Opaque, path: str) -> None:
+    def _module(self, obj: Opaque, path: str, later: list[tuple]) -> None:
         state = obj.ckd.state
         self.flat.modules.append(path)
         if obj.ckd.ref is not None:
@@ -201,15 +224,13 @@ class Walker:
                     self.flat.non_persistent.append(key)
                     continue
                 direct += 1
-                self.walk(tensor, key)
+                later.append((tensor, key, None))
         children = state.get("_modules")
-        self.flat.containers[path] = (direct, direct + (len(children) if isinstance(children, dict) else 0))
+        later.append((_CONTAINER, path, (direct, direct + (len(children) if isinstance(children, dict) else 0))))
         if isinstance(children, dict):
-            for name, child in children.items():
-                if child is not None:
-                    self.walk(child, join(path, name))
+            later.extend((child, path, name) for name, child in children.items() if child is not None)
 
-    def _script_module(self, obj: Opaque, path: str, members: tuple) -> None:
+    def _script_module(self, obj: Opaque, path: str, members: tuple, later: list[tuple]) -> None:
         params, buffers, _ = members
         state = obj.ckd.state if isinstance(obj.ckd.state, dict) else {}
         self.flat.modules.append(path)
@@ -219,13 +240,31 @@ class Walker:
             value = state.get(name)
             if isinstance(value, RawTensor):
                 direct += 1
-                self.walk(value, join(path, name))
-        self.flat.containers[path] = (direct, len(state))
+                later.append((value, path, name))
+        later.append((_CONTAINER, path, (direct, len(state))))
         for name, value in state.items():
             if isinstance(value, Opaque) and value.ckd.ref is not None and self.ts_members is not None:
                 sub = self.ts_members(value.ckd.ref.qualname)
                 if sub is not None and sub[2]:
-                    self.walk(value, join(path, name))
+                    later.append((value, path, name))
+
+
+def run_nested(top: Generator) -> Any:
+    """The result of a recursive computation over a tree from a file, written as generators: each yields the
+    generator of a sub-call where it would call itself, and is sent that call's result. They run on a list, not on
+    Python's stack, because torch.save writes containers nested as deep as the recursion limit itself."""
+    stack = [top]
+    value = None
+    while stack:
+        try:
+            child = stack[-1].send(value)
+        except StopIteration as done:
+            stack.pop()
+            value = done.value
+        else:
+            stack.append(child)
+            value = None
+    return value
 
 
 def has_tensor(obj: Any, memo: dict[int, bool] | None = None) -> bool:

@@ -459,3 +459,62 @@ def test_two_tensors_of_one_dotted_name_in_a_torch_file_are_refused(tmp_path):
         out = tmp_path / f"out{suffix}"
         result = run_cli("fix", path, "-o", out)
         assert result.exit_code == 2 and "two tensors are both named" in result.stderr and not out.exists()
+
+
+def _nest(depth: int, leaf, wrap):
+    for i in range(depth):
+        leaf = wrap(leaf, i)
+    return leaf
+
+
+def _depth_and_leaf(obj, step):
+    depth = 0
+    while True:
+        inner = step(obj)
+        if inner is None:
+            return depth, obj
+        obj, depth = inner, depth + 1
+
+
+@pytest.mark.parametrize("kind,depth", [("tuple", 800), ("dict", 400), ("list", 400)])
+def test_containers_nested_as_deep_as_torch_save_writes(cli, tmp_path, kind, depth):
+    # torch.save pickles containers as deep as Python's recursion limit allows (tuples ~1,000 levels, dicts and lists
+    # ~500: its persistent_id runs per object) and torch.load reads them back. inspect refused tuples past ~330 levels
+    # ("nests too deeply"), and fix failed on all three with an internal RecursionError.
+    wrap = {"tuple": lambda x, i: (x, i), "dict": lambda x, i: {"x": x}, "list": lambda x, i: [x]}[kind]
+    step = {"tuple": lambda x: x[0] if isinstance(x, tuple) else None,
+            "dict": lambda x: x["x"] if isinstance(x, dict) and "x" in x else None,
+            "list": lambda x: x[0] if isinstance(x, list) else None}[kind]
+    weight = torch.arange(3.0)
+    torch.save({"w": weight, "deep": _nest(depth, torch.ones(2), wrap)}, tmp_path / "deep.pt")
+    src = tmp_path / "deep.pt"
+
+    data = cli("inspect", src, "--json")
+    assert data.exit_code == 0, data.stderr
+    keys = [t["key"] for t in data.json()["tensors"]]
+    assert keys[0] == "w" and len(keys) == 2 and keys[1].count(".") == depth
+
+    run_fix(cli, src, tmp_path / "out.pt")
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert torch.equal(out["w"], weight)
+    assert _depth_and_leaf(out["deep"], step)[0] == depth
+    assert torch.equal(_depth_and_leaf(out["deep"], step)[1], torch.ones(2))
+    diff = cli("diff", src, tmp_path / "out.pt")
+    assert diff.exit_code == 0 and "identical" in diff.stderr
+
+
+def test_a_container_holding_itself_is_refused_with_the_drop_that_fixes_it(cli, tmp_path):
+    meta: dict = {"epoch": 3}
+    meta["back"] = meta
+    torch.save({"w": torch.ones(2), "meta": meta}, tmp_path / "cyc.pt")
+    inspected = cli("inspect", tmp_path / "cyc.pt")
+    assert inspected.exit_code == 0 and "meta.back=<cycle>" in inspected.stderr
+    result = cli("fix", tmp_path / "cyc.pt", "-o", tmp_path / "out.pt")
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines()[-1] == ("Error: meta.back: the dict holds itself (a cycle): torch.save "
+                                                      "writes that, fix writes trees; leave the repeat out with "
+                                                      "--drop 'meta\\.back$'")
+    assert not (tmp_path / "out.pt").exists()
+    run_fix(cli, tmp_path / "cyc.pt", tmp_path / "out.pt", "--drop", "meta\\.back$")
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["meta"] == {"epoch": 3} and torch.equal(out["w"], torch.ones(2))

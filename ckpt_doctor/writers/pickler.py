@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..dtypes import element_size
 from ..errors import WriteError
@@ -53,25 +53,39 @@ class Emitter:
         self._memo[(module, name)] = slot
         self.out.append(b"q" + bytes([slot]) if slot < 256 else b"r" + struct.pack("<I", slot))
 
-    def emit(self, obj: Any) -> None:
-        kind = type(obj)  # the common exact types first: a state_dict is thousands of keys and tensors
-        if kind is str:
-            self.out.append(_str_op(obj))
-        elif kind is TensorOut:
-            self._tensor(obj)
-        elif kind is int:
-            self.out.append(_int_op(obj))
-        else:
-            self._emit_any(obj)
+    def emit(self, root: Any) -> None:
+        """Write `root` depth first on a stack of generators, one per open container, not a call per level:
+        torch.save writes containers nested as deep as Python's recursion limit, and so must a repair."""
+        write = self.out.append
+        stack: list[tuple[Any, int]] = [(iter((root,)), 0)]
+        open_: set[int] = set()  # the containers being written: one met again inside itself is a cycle
+        while stack:
+            for obj in stack[-1][0]:
+                kind = type(obj)  # the common exact types first: a state_dict is thousands of keys and tensors
+                if kind is str:
+                    write(_str_op(obj))
+                elif kind is TensorOut:
+                    self._tensor(obj)
+                elif kind is int:
+                    write(_int_op(obj))
+                elif obj is None or kind is bool or kind is float:
+                    write(b"N" if obj is None else b"\x88" if obj is True else b"\x89" if obj is False
+                          else b"G" + struct.pack(">d", obj))
+                else:
+                    if id(obj) in open_:
+                        raise WriteError(f"the checkpoint holds a {kind.__name__} inside itself (a cycle), which "
+                                         "cannot be written back; leave that entry out with --drop")
+                    open_.add(id(obj))
+                    stack.append((self._emit_any(obj), id(obj)))
+                    break
+            else:
+                open_.discard(stack.pop()[1])
 
-    def _emit_any(self, obj: Any) -> None:
+    def _emit_any(self, obj: Any) -> Iterator[Any]:
+        """Write `obj`'s opcodes; yield each object inside it, to be written in its place."""
         write: Callable[[bytes], None] = self.out.append
-        if obj is None:
-            write(b"N")
-        elif obj is True:
-            write(b"\x88")
-        elif obj is False:
-            write(b"\x89")
+        if isinstance(obj, bool):
+            write(b"\x88" if obj else b"\x89")
         elif isinstance(obj, int):
             write(_int_op(obj))
         elif isinstance(obj, float):
@@ -80,78 +94,75 @@ class Emitter:
             write(_str_op(obj))
         elif isinstance(obj, bytearray):
             self.global_("builtins", "bytearray")
-            self.emit(bytes(obj))
+            yield bytes(obj)
             write(b"\x85R")
         elif isinstance(obj, bytes):
             self.global_("_codecs", "encode")
-            self.emit((obj.decode("latin1"), "latin1"))
+            yield (obj.decode("latin1"), "latin1")
             write(b"R")
         elif isinstance(obj, TensorOut):
             self._tensor(obj)
         elif type(obj) is SizeValue:
             self.global_("torch", "Size")
-            self._tuple(tuple(obj))
+            yield from self._tuple(tuple(obj))
             write(b"\x85R")
         elif isinstance(obj, tuple):
-            self._tuple(obj)
+            yield from self._tuple(obj)
         elif isinstance(obj, list):
             write(b"]")
-            self._batch(obj, b"e")
+            yield from self._batch(obj, b"e")
         elif isinstance(obj, OrderedDict):
             self.global_("collections", "OrderedDict")
             write(b")R")
-            self._dict_items(obj)
+            yield from self._dict_items(obj)
         elif isinstance(obj, dict):
             write(b"}")
-            self._dict_items(obj)
+            yield from self._dict_items(obj)
         elif isinstance(obj, (set, frozenset)):
             self.global_("builtins", "set" if isinstance(obj, set) else "frozenset")
-            self.emit(list(obj))
+            yield list(obj)
             write(b"\x85R")
         elif isinstance(obj, complex):
             self.global_("builtins", "complex")
-            self.emit((obj.real, obj.imag))
+            yield (obj.real, obj.imag)
             write(b"R")
         elif isinstance(obj, Opaque):
-            self._opaque(obj)
+            yield from self._opaque(obj)
         elif isinstance(obj, type) and issubclass(obj, Opaque):
             self._global_of(obj.__ref__)
         elif isinstance(obj, DType):
             self.global_("torch", obj.name)
         elif isinstance(obj, Device):
             self.global_("torch", "device")
-            self.emit((obj.spec,))
+            yield (obj.spec,)
             write(b"R")
         else:
             raise WriteError(f"cannot write a {type(obj).__name__} into a torch checkpoint")
 
-    def _tuple(self, items: tuple) -> None:
+    def _tuple(self, items: tuple) -> Iterator[Any]:
         if not items:
             self.out.append(b")")
         elif len(items) <= 3:
-            for item in items:
-                self.emit(item)
+            yield from items
             self.out.append(b"\x85\x86\x87"[len(items) - 1:len(items)])
         else:
             self.out.append(b"(")
-            for item in items:
-                self.emit(item)
+            yield from items
             self.out.append(b"t")
 
-    def _batch(self, items: list, op: bytes) -> None:
+    def _batch(self, items: list, op: bytes) -> Iterator[Any]:
         for start in range(0, len(items), 1000):
             self.out.append(b"(")
-            for item in items[start:start + 1000]:
-                self.emit(item)
+            yield from items[start:start + 1000]
             self.out.append(op)
 
-    def _dict_items(self, d: dict) -> None:
+    def _dict_items(self, d: dict) -> Iterator[Any]:
         items = list(d.items())
         for start in range(0, len(items), 1000):
             self.out.append(b"(")
             for key, value in items[start:start + 1000]:
-                self.emit(key)
-                self.emit(value)
+                yield key
+                yield value
             self.out.append(b"u")
 
     def _tensor(self, t: TensorOut) -> None:
@@ -194,24 +205,23 @@ class Emitter:
             self.unknown.append(full)
         self.global_(module, name)
 
-    def _opaque(self, obj: Opaque) -> None:
+    def _opaque(self, obj: Opaque) -> Iterator[Any]:
         data = obj.ckd
         self._global_of(data.ref)
-        self._tuple(tuple(data.args))
+        yield from self._tuple(tuple(data.args))
         self.out.append(b"R" if data.via_reduce else b"\x81")
         if data.items:
             self.out.append(b"(")
-            for item in data.items:
-                self.emit(item)
+            yield from data.items
             self.out.append(b"e")
         if data.dictitems:
             self.out.append(b"(")
             for key, value in data.dictitems:
-                self.emit(key)
-                self.emit(value)
+                yield key
+                yield value
             self.out.append(b"u")
         if data.state is not None:
-            self.emit(data.state)
+            yield data.state
             self.out.append(b"b")
 
 
