@@ -455,6 +455,59 @@ def test_tuples_nested_too_deep_to_hash_are_refused_not_a_crash(tmp_path, how):
         assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("route", ["build_intlist", "restore_type_tag", "_rebuild_from_type_v2", "persistent id"])
+def test_tuples_nested_through_calls_are_refused_not_a_crash(tmp_path, route):
+    """An allow-listed call that hands back its argument (torch.jit's build_intlist and restore_type_tag, torch's
+    _rebuild_from_type_v2 around one, a legacy ("module", obj) persistent id) starts a tuple's depth again from 0 in
+    the walk: one call and one TUPLE1 a level, 400,000 levels, built a dict key whose hash took the process down
+    (SIGSEGV). The unpickler measures what such calls hand back."""
+    n = 400_000
+    build = global_op("torch.jit._pickle", "build_intlist") + b"q\x01"
+    body = {
+        "build_intlist": build + b"0}" + b"h\x01" * n + b"N" + b"\x85R\x85" * n,
+        "restore_type_tag": global_op("torch.jit._pickle", "restore_type_tag") + b"q\x01" + b"0}" + b"h\x01" * n
+        + b"N" + b"\x85R\x85" * n,
+        "_rebuild_from_type_v2": global_op("torch._tensor", "_rebuild_from_type_v2") + b"q\x02" + b"0" + build
+        + b"0}" + b"h\x02(h\x01N]" * n + b"N" + b"\x85aNtR" * n,
+        "persistent id": b"}" + _str("module") * n + b"N" + b"\x86Q\x85" * n,
+    }[route]
+    path = tmp_path / "laundered.pt"
+    path.write_bytes(torch_zip(b"\x80\x02" + body + b"Ns.", {}))
+    for command in ("inspect", "scan"):
+        proc = _in_a_child(command, path)
+        assert proc.returncode == 2, (command, proc.returncode, proc.stderr[-300:])  # not -11 (SIGSEGV)
+        assert proc.stderr.count("\n") == 1, proc.stderr
+        assert f"a call hands back tuples nested {limits.MAX_TUPLE_DEPTH + 1:,} deep" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("how", ["shared parts", "one key set again and again", "set members"])
+def test_keys_that_take_billions_of_steps_to_hash_are_refused_not_a_hang(tmp_path, cli, how):
+    """Depth bounds one hash's recursion, not its work. A 40-level key of three references to the level below is
+    120 bytes and 3**40 tuples to hash (3.11 does not cache a tuple's hash: it ran for hours); a 9,999-deep key set
+    two million times in one SETITEMS is 2 * 10**10. The walk counts what hashing the keys visits."""
+    body = {
+        "shared parts": b"}" + b"N" + b"22\x87" * 40 + b"Ns",
+        "one key set again and again": b"}(" + b"N" + b"\x85" * 9_999 + b"q\x01N" + b"h\x01N" * 1_999 + b"u",
+        "set members": global_op("builtins", "frozenset") + b"(" + b"N" + b"22\x87" * 30 + b"\x91\x85R",
+    }[how]
+    path = tmp_path / "flood.pt"
+    path.write_bytes(torch_zip(b"\x80\x02" + body + b".", {}))
+    for command in ("inspect", "scan"):
+        result = cli(command, path)
+        assert result.exit_code == 2, (command, result.stderr)
+        assert f"add up to more than {limits.MAX_HASHED_TUPLES:,} tuples to hash" in result.stderr, result.stderr
+        assert result.stderr.count("\n") == 1
+
+
+def test_honest_tuple_keys_are_hashed_without_a_refusal(tmp_path, cli):
+    """What torch.save writes for a dict keyed by tuples, shared ones included, is far under the bound."""
+    pair = (("layer", 1), ("layer", 2))
+    torch.save({"w": torch.zeros(1), "index": {(pair, i): i for i in range(50_000)}, "again": {pair: [pair] * 100}},
+               tmp_path / "keys.pt")
+    result = cli("inspect", tmp_path / "keys.pt")
+    assert result.exit_code == 0, result.stderr
+
+
 def _tagged(t: torch.Tensor) -> torch.Tensor:
     t.tag = "x"  # a Python attribute: torch.save writes _rebuild_from_type_v2(func, Tensor, args, state)
     return t

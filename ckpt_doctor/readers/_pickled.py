@@ -12,7 +12,7 @@ from ..errors import CkptDoctorError, ReadError
 from ..records import Checkpoint, Format, GlobalRef, StorageRecord, TensorRecord, fast_new, span_elements
 from ..tree import Flat, TorchScriptMembers, find_state_dict_root, flatten
 from ..safepickle import limits
-from ..safepickle.unpickler import RawTensor, SafeUnpickler, StorageRef
+from ..safepickle.unpickler import RawTensor, Refused, SafeUnpickler, StorageRef
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # names for annotations only: importing typing costs every st
 
 # What a corrupt or hostile pickle can raise from inside the C unpickler; each becomes one ReadError.
 PICKLE_ERRORS = (_pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
-                 OverflowError, UnicodeDecodeError, RecursionError, MemoryError, struct.error, ImportError)
+                 OverflowError, UnicodeDecodeError, RecursionError, MemoryError, struct.error, ImportError, Refused)
 
 
 def run_unpickler(unpickler: SafeUnpickler, path: Path) -> Any:
@@ -28,6 +28,8 @@ def run_unpickler(unpickler: SafeUnpickler, path: Path) -> Any:
         return unpickler.load()
     except CkptDoctorError:
         raise
+    except Refused as exc:
+        raise ReadError(f"{path}: refused to read it: {unpickler.source}: {exc}") from None
     except PICKLE_ERRORS as exc:
         raise ReadError(f"{path}: {unpickler.source} is not a valid pickle "
                         f"({type(exc).__name__}: {str(exc)[:120]})") from exc

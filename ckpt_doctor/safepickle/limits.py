@@ -37,6 +37,11 @@ MAX_PICKLE_OPCODES = 15_000_000
 # CPython's pickler itself cannot write one deeper than its recursion limit (1,000 by default).
 MAX_TUPLE_DEPTH = 10_000
 
+# Tuples visited hashing the dict keys and set members of one file, shared parts counted each time they are reached
+# (the walk counts them; CPython 3.11 does not cache a tuple's hash). ~0.2 s of hashing; a 120-byte key of three
+# references to the level below, 40 levels deep, is 3**40.
+MAX_HASHED_TUPLES = 10_000_000
+
 # A single string or byte string the unpickler would build: checkpoints hold tensor bytes outside their pickles,
 # and a 700 MB value costs three times its size on the way to a report.
 MAX_PICKLE_VALUE = 256 << 20

@@ -180,6 +180,34 @@ def _ints(value: Any) -> tuple[int, ...]:
     raise TypeError("shape/stride is not a tuple of 64-bit ints")
 
 
+# The tuple depth of each tuple a call has handed back, by id, with the tuple itself (so that no id is reused while
+# it is listed): emptied when a load ends.
+_DEPTHS: dict[int, tuple[tuple, int]] = {}
+
+
+def _handed_back(value: Any) -> Any:
+    """`value`, which a call hands back as it was given (build_intlist, restore_type_tag, a legacy ("module", obj)
+    persistent id), refused if tuples nest in it deeper than limits.MAX_TUPLE_DEPTH. The walk counts tuples built in
+    tuples, and one a call hands back starts again from 0 there: a chain of such calls (5 bytes a level) built a key
+    whose hash recursed in C once per level and took the process down."""
+    if not isinstance(value, tuple):
+        return value
+    todo: list[tuple[tuple, bool]] = [(value, False)]
+    while todo:  # each tuple once, by id: a tuple sharing its parts 40 levels deep is 40 steps, not 3**40
+        item, done = todo.pop()
+        if done:
+            depth = 1 + max((_DEPTHS[id(c)][1] for c in item if isinstance(c, tuple)), default=0)
+            _DEPTHS[id(item)] = (item, depth)
+        elif id(item) not in _DEPTHS:
+            todo.append((item, True))
+            todo.extend((c, False) for c in item if isinstance(c, tuple) and id(c) not in _DEPTHS)
+    depth = _DEPTHS[id(value)][1]
+    if depth > limits.MAX_TUPLE_DEPTH:
+        raise Refused(f"a call hands back tuples nested {depth:,} deep: hashing one overflows CPython's stack (no "
+                      "pickler writes one)")
+    return value
+
+
 def _short_repr(value: Any) -> str:
     """At most ~80 characters of repr, made without building the whole one (a tuple sharing its parts 40 levels deep
     has 3**40 leaves)."""
@@ -357,12 +385,12 @@ _SAFE_CALLABLES: dict[str, Any] = {
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
     "_codecs.encode": _codecs_encode,
     "copyreg._reconstructor": _reconstructor,
-    "torch.jit._pickle.build_intlist": lambda x: x,
-    "torch.jit._pickle.build_doublelist": lambda x: x,
-    "torch.jit._pickle.build_boollist": lambda x: x,
-    "torch.jit._pickle.build_tensorlist": lambda x: x,
-    "torch.jit._pickle.build_genericlist": lambda x: x,
-    "torch.jit._pickle.restore_type_tag": lambda value, type_str=None: value,
+    "torch.jit._pickle.build_intlist": lambda x: _handed_back(x),
+    "torch.jit._pickle.build_doublelist": lambda x: _handed_back(x),
+    "torch.jit._pickle.build_boollist": lambda x: _handed_back(x),
+    "torch.jit._pickle.build_tensorlist": lambda x: _handed_back(x),
+    "torch.jit._pickle.build_genericlist": lambda x: _handed_back(x),
+    "torch.jit._pickle.restore_type_tag": lambda value, type_str=None: _handed_back(value),
     "builtins.set": _set, "builtins.frozenset": _frozenset, "builtins.bytearray": _bytearray,
     "builtins.complex": _complex, "builtins.slice": _slice,
 }
@@ -379,6 +407,10 @@ def _strict(func: Callable[..., Any], ref: GlobalRef) -> Callable[..., Any]:
             raise MalformedPickle(f"{ref.qualname} is called with malformed arguments ({exc})") from None
 
     return call
+
+
+class Refused(Exception):
+    """A bound no honest pickle reaches, met while unpickling (not a ValueError: _strict passes it on unchanged)."""
 
 
 class MalformedPickle(ValueError):
@@ -463,14 +495,17 @@ class SafeUnpickler(_pickle.Unpickler):
         return _opaque_class(ref)
 
     def load(self) -> Any:
-        with memory_guard():
-            return super().load()
+        try:
+            with memory_guard():
+                return super().load()
+        finally:
+            _DEPTHS.clear()
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent is not None:
-            return self._persistent(pid)
+            return _handed_back(self._persistent(pid))
         if type(pid) is tuple and len(pid) >= 2 and pid[0] == "module":
-            return pid[1]  # a legacy whole-model pickle's container class (torch returns it as is)
+            return _handed_back(pid[1])  # a legacy whole-model pickle's container class (torch returns it as is)
         if type(pid) is tuple and len(pid) >= 5 and pid[0] == "storage":
             storage_type, key, location, numel = pid[1:5]
             view = pid[5] if len(pid) > 5 else None

@@ -24,9 +24,13 @@ from .policy import GlobalRef, Verdict, classify
 
 # What the walker knows of a stack value: a str it can read back (kept as (start, end, codec) into the data, so a
 # big string is never copied), definitely not a str, or unknown (the result of a call: it might be a str). A tuple
-# is its nesting depth, an int (hashing a tuple recurses in C once per level: see limits.MAX_TUPLE_DEPTH). Only
-# tuples nested in tuples count: a tuple a call hands back (an identity such as build_intlist returns its argument)
-# starts again from 0, so depth laundered through calls is not bounded here.
+# is an int: how many tuples below it hashing it visits (shared parts counted each time they are reached: 3**40 for
+# a 40-level tuple of three references to the level below) << _NODES, | its nesting depth (hashing recurses in C
+# once per level: see limits.MAX_TUPLE_DEPTH); a tuple of no tuples is its depth, 1. Only tuples nested in tuples
+# count: a tuple a call hands back (an identity such as build_intlist returns its argument) starts again from 0 here;
+# the unpickler measures what such calls hand back (unpickler._handed_back).
+_NODES = 14
+_DEPTH = (1 << _NODES) - 1  # past MAX_TUPLE_DEPTH: a deeper tuple is refused, and its depth saturates here
 _NOT_STR = object()
 _UNKNOWN = object()
 _UTF8, _RAW_UNICODE, _QUOTED, _BYTES_STR = 0, 1, 2, 3
@@ -74,8 +78,9 @@ class Walk:
 
 
 def new_budget() -> list[int]:
-    """What one file may cost the walker, shared by every walk of it: [nested bytes left, opcodes left]."""
-    return [limits.MAX_NESTED_BYTES, limits.MAX_PICKLE_OPCODES]
+    """What one file may cost the walker, shared by every walk of it: [nested bytes left, opcodes left, tuples
+    left to hash]."""
+    return [limits.MAX_NESTED_BYTES, limits.MAX_PICKLE_OPCODES, limits.MAX_HASHED_TUPLES]
 
 
 def starts_pickle(data: bytes, at: int = 0) -> bool:
@@ -265,6 +270,21 @@ class _Machine:
                          "(an honest pickle numbers its memo from 0)")
         memo[index] = stack[-1]
 
+    def _hashing(self, values: list, at: int) -> None:
+        """Dict keys or set members about to be hashed: what hashing their tuples visits is taken from the file's
+        budget. Depth bounds one hash's recursion, not its work: a 40-level tuple of three references to the level
+        below (120 bytes) is 3**40 tuples to hash, and a 9,999-deep key set two million times is 2 * 10**10."""
+        nodes = 0
+        for value in values:
+            if value.__class__ is int:
+                nodes += (value >> _NODES) + 1
+        if nodes:
+            self.budget[2] -= nodes
+            if self.budget[2] < 0:
+                self._refuse(f"dict keys and set members that are tuples add up to more than "
+                             f"{limits.MAX_HASHED_TUPLES:,} tuples to hash, at byte {at} (a hash flood; no checkpoint "
+                             "needs one)")
+
     def _refuse(self, why: str) -> None:
         """A bound no honest pickle reaches: the file must not be unpickled, but walking on still names what it
         would run."""
@@ -292,6 +312,8 @@ class _Machine:
         memo_limit = self.memo_limit
         memo_cap = limits.MAX_MEMO_ENTRIES
         max_depth = limits.MAX_TUPLE_DEPTH
+        hash_cap = limits.MAX_HASHED_TUPLES  # a count of tuples saturates there (3**40 is no int to add up)
+        nodes_at, depth_mask = _NODES, _DEPTH
         # The hottest opcodes of torch's data.pkl (about 30 per tensor) are handled first, inline, on a local
         # cursor: this loop runs 600,000 times for a 20,000-tensor checkpoint.
         cur = self.pos
@@ -386,14 +408,19 @@ class _Machine:
                         items = stack[-count:]
                         del stack[-count:]
                     depth = 0
+                    below = 0
                     for value in items:
-                        if value.__class__ is int and value > depth:
-                            depth = value
+                        if value.__class__ is int:
+                            below += (value >> nodes_at) + 1
+                            value &= depth_mask
+                            if value > depth:
+                                depth = value
                     depth += 1
                     if depth > max_depth:
                         self._refuse(f"tuples nested {depth:,} deep at byte {cur}: hashing one overflows CPython's "
                                      "stack (no pickler writes one)")
-                    stack.append(depth)
+                        depth = depth_mask
+                    stack.append((below if below < hash_cap else hash_cap) << nodes_at | depth if below else depth)
                     cur += 1
                     continue
                 if op == 0x52:  # R REDUCE: callable(*args) may return anything
@@ -421,6 +448,7 @@ class _Machine:
                     items, stack = stack, self._pop_mark(metastack)
                     if len(items) % 2 or not stack:
                         raise _Break("SETITEMS without a dict or with an odd number of items")
+                    self._hashing(items[0::2], pos)
                 elif op == 0x6A:  # j LONG_BINGET
                     (index,) = _LE4.unpack_from(data, take(4))
                     self._get(stack, memo, index)
@@ -564,12 +592,15 @@ class _Machine:
                         raise _Break("stack underflow")
                     stack.pop()
                 elif op in (0x65, 0x90):  # e APPENDS, ADDITEMS
-                    stack = self._pop_mark(metastack)
+                    items, stack = stack, self._pop_mark(metastack)
                     if not stack:
                         raise _Break("no list or set below the MARK")
+                    if op == 0x90:
+                        self._hashing(items, pos)
                 elif op == 0x73:  # s SETITEM
                     if len(stack) < 3:
                         raise _Break("stack underflow")
+                    self._hashing(stack[-2:-1], pos)
                     del stack[-2:]
                 elif op == 0x62:  # b BUILD: __setstate__ may run; the instance stays on the stack
                     if len(stack) < 2:
@@ -579,6 +610,8 @@ class _Machine:
                     items, stack = stack, self._pop_mark(metastack)
                     if op == 0x64 and len(items) % 2:
                         raise _Break("odd number of items for DICT")
+                    if op != 0x6C:
+                        self._hashing(items[0::2] if op == 0x64 else items, pos)
                     stack.append(NOT)
                 elif op == 0x81:  # NEWOBJ: cls.__new__(cls, *args)
                     if len(stack) < 2:
