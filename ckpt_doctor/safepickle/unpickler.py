@@ -180,28 +180,23 @@ def _ints(value: Any) -> tuple[int, ...]:
     raise TypeError("shape/stride is not a tuple of 64-bit ints")
 
 
-# The tuple depth of each tuple a call has handed back, by id, with the tuple itself (so that no id is reused while
-# it is listed): emptied when a load ends.
-_DEPTHS: dict[int, tuple[tuple, int]] = {}
-
-
-def _handed_back(value: Any) -> Any:
+def _handed_back(value: Any, depths: dict[int, tuple[tuple, int]]) -> Any:
     """`value`, which a call hands back as it was given (build_intlist, restore_type_tag, a legacy ("module", obj)
     persistent id), refused if tuples nest in it deeper than limits.MAX_TUPLE_DEPTH. The walk counts tuples built in
     tuples, and one a call hands back starts again from 0 there: a chain of such calls (5 bytes a level) built a key
-    whose hash recursed in C once per level and took the process down."""
+    whose hash recursed in C once per level and took the process down. `depths`: each tuple measured so far, by id,
+    kept with the tuple (so that no id is reused while it is listed), for one load."""
     if not isinstance(value, tuple):
         return value
     todo: list[tuple[tuple, bool]] = [(value, False)]
     while todo:  # each tuple once, by id: a tuple sharing its parts 40 levels deep is 40 steps, not 3**40
         item, done = todo.pop()
         if done:
-            depth = 1 + max((_DEPTHS[id(c)][1] for c in item if isinstance(c, tuple)), default=0)
-            _DEPTHS[id(item)] = (item, depth)
-        elif id(item) not in _DEPTHS:
+            depths[id(item)] = (item, 1 + max((depths[id(c)][1] for c in item if isinstance(c, tuple)), default=0))
+        elif id(item) not in depths:
             todo.append((item, True))
-            todo.extend((c, False) for c in item if isinstance(c, tuple) and id(c) not in _DEPTHS)
-    depth = _DEPTHS[id(value)][1]
+            todo.extend((c, False) for c in item if isinstance(c, tuple) and id(c) not in depths)
+    depth = depths[id(value)][1]
     if depth > limits.MAX_TUPLE_DEPTH:
         raise Refused(f"a call hands back tuples nested {depth:,} deep: hashing one overflows CPython's stack (no "
                       "pickler writes one)")
@@ -385,15 +380,26 @@ _SAFE_CALLABLES: dict[str, Any] = {
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
     "_codecs.encode": _codecs_encode,
     "copyreg._reconstructor": _reconstructor,
-    "torch.jit._pickle.build_intlist": lambda x: _handed_back(x),
-    "torch.jit._pickle.build_doublelist": lambda x: _handed_back(x),
-    "torch.jit._pickle.build_boollist": lambda x: _handed_back(x),
-    "torch.jit._pickle.build_tensorlist": lambda x: _handed_back(x),
-    "torch.jit._pickle.build_genericlist": lambda x: _handed_back(x),
-    "torch.jit._pickle.restore_type_tag": lambda value, type_str=None: _handed_back(value),
+    "torch.jit._pickle.build_intlist": lambda x: x,  # these hand their argument back: see _HAND_BACK
+    "torch.jit._pickle.build_doublelist": lambda x: x,
+    "torch.jit._pickle.build_boollist": lambda x: x,
+    "torch.jit._pickle.build_tensorlist": lambda x: x,
+    "torch.jit._pickle.build_genericlist": lambda x: x,
+    "torch.jit._pickle.restore_type_tag": lambda value, type_str=None: value,
     "builtins.set": _set, "builtins.frozenset": _frozenset, "builtins.bytearray": _bytearray,
     "builtins.complex": _complex, "builtins.slice": _slice,
 }
+
+
+# Calls that hand back what they were given: what they return is measured (_handed_back).
+_HAND_BACK = frozenset(q for q in _SAFE_CALLABLES if q.startswith("torch.jit._pickle."))
+
+
+def _measured(identity: Callable[..., Any], depths: dict[int, tuple[tuple, int]]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return _handed_back(identity(*args, **kwargs), depths)
+
+    return call
 
 
 def _strict(func: Callable[..., Any], ref: GlobalRef) -> Callable[..., Any]:
@@ -466,6 +472,7 @@ class SafeUnpickler(_pickle.Unpickler):
         self._resolve_storage = resolve_storage
         self._persistent = persistent  # a format's own persistent ids (the tar format's integers)
         self.length = file.getbuffer().nbytes if isinstance(file, io.BytesIO) else 0  # bounds the tree walk
+        self._depths: dict[int, tuple[tuple, int]] = {}  # tuples calls handed back, measured (_handed_back)
 
     def find_class(self, module: str, name: str) -> Any:
         key = (module, name)
@@ -485,6 +492,8 @@ class SafeUnpickler(_pickle.Unpickler):
                 return _strict(func, ref) if func else _opaque_class(ref)
             if qual in _SAFE_CALLABLES:
                 target = _SAFE_CALLABLES[qual]
+                if qual in _HAND_BACK:
+                    target = _measured(target, self._depths)
                 return target if isinstance(target, type) else _strict(target, ref)
             if qual == "torch.nn.parameter.Parameter":
                 return _strict(_parameter, ref)
@@ -499,13 +508,14 @@ class SafeUnpickler(_pickle.Unpickler):
             with memory_guard():
                 return super().load()
         finally:
-            _DEPTHS.clear()
+            self._depths.clear()  # the tuples measured are the tree's own now, or garbage
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent is not None:
-            return _handed_back(self._persistent(pid))
+            return _handed_back(self._persistent(pid), self._depths)
         if type(pid) is tuple and len(pid) >= 2 and pid[0] == "module":
-            return _handed_back(pid[1])  # a legacy whole-model pickle's container class (torch returns it as is)
+            # a legacy whole-model pickle's container class (torch returns it as is)
+            return _handed_back(pid[1], self._depths)
         if type(pid) is tuple and len(pid) >= 5 and pid[0] == "storage":
             storage_type, key, location, numel = pid[1:5]
             view = pid[5] if len(pid) > 5 else None
