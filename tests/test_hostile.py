@@ -475,7 +475,8 @@ def test_tuples_nested_through_calls_are_refused_not_a_crash(tmp_path, route):
                         f"a call hands back tuples nested {limits.MAX_TUPLE_DEPTH + 1:,} deep")
 
 
-@pytest.mark.parametrize("how", ["shared parts", "one key set again and again", "set members"])
+@pytest.mark.parametrize("how", ["shared parts", "one key set again and again", "set members", "set() of a list",
+                                 "OrderedDict() of pairs"])
 def test_keys_that_take_billions_of_steps_to_hash_are_refused_not_a_hang(tmp_path, cli, how):
     """Depth bounds one hash's recursion, not its work. A 40-level key of three references to the level below is
     120 bytes and 3**40 tuples to hash (3.11 does not cache a tuple's hash: it ran for hours); a 9,999-deep key set
@@ -484,6 +485,9 @@ def test_keys_that_take_billions_of_steps_to_hash_are_refused_not_a_hang(tmp_pat
         "shared parts": b"}" + b"N" + b"22\x87" * 40 + b"Ns",
         "one key set again and again": b"}(" + b"N" + b"\x85" * 9_999 + b"q\x01N" + b"h\x01N" * 1_999 + b"u",
         "set members": global_op("builtins", "frozenset") + b"(" + b"N" + b"22\x87" * 30 + b"\x91\x85R",
+        "set() of a list": global_op("builtins", "set") + b"]" + b"N" + b"22\x87" * 40 + b"a\x85R",
+        "OrderedDict() of pairs": global_op("collections", "OrderedDict") + b"]" + b"N" + b"22\x87" * 40
+        + b"K\x01\x86a\x85R",
     }[how]
     path = tmp_path / "flood.pt"
     path.write_bytes(torch_zip(b"\x80\x02" + body + b".", {}))

@@ -271,19 +271,20 @@ class _Machine:
         memo[index] = stack[-1]
 
     def _hashing(self, values: list, at: int) -> None:
-        """Dict keys or set members about to be hashed: what hashing their tuples visits is taken from the file's
-        budget. Depth bounds one hash's recursion, not its work: a 40-level tuple of three references to the level
-        below (120 bytes) is 3**40 tuples to hash, and a 9,999-deep key set two million times is 2 * 10**10."""
+        """Values that are, or may be, hashed: dict keys and set members, and what lists and calls are given (set(),
+        frozenset(), OrderedDict() and Counter() hash the items of their argument). What hashing their tuples visits
+        is taken from the file's budget. Depth bounds one hash's recursion, not its work: a 40-level tuple of three
+        references to the level below (120 bytes) is 3**40 tuples to hash, and a 9,999-deep key set two million
+        times is 2 * 10**10. (A dict or list handed to such a call again and again is not counted again.)"""
         nodes = 0
         for value in values:
             if value.__class__ is int:
                 nodes += (value >> _NODES) + 1
-        if nodes:
-            self.budget[2] -= nodes
-            if self.budget[2] < 0:
-                self._refuse(f"dict keys and set members that are tuples add up to more than "
-                             f"{limits.MAX_HASHED_TUPLES:,} tuples to hash, at byte {at} (a hash flood; no checkpoint "
-                             "needs one)")
+        self.budget[2] -= nodes
+        if self.budget[2] < 0:
+            self._refuse(f"dict keys, set members and call arguments add up to more than "
+                         f"{limits.MAX_HASHED_TUPLES:,} tuples to hash, at byte {at} (a hash flood; no checkpoint "
+                         "needs one)")
 
     def _refuse(self, why: str) -> None:
         """A bound no honest pickle reaches: the file must not be unpickled, but walking on still names what it
@@ -314,6 +315,7 @@ class _Machine:
         max_depth = limits.MAX_TUPLE_DEPTH
         hash_cap = limits.MAX_HASHED_TUPLES  # a count of tuples saturates there (3**40 is no int to add up)
         nodes_at, depth_mask = _NODES, _DEPTH
+        budget = self.budget
         # The hottest opcodes of torch's data.pkl (about 30 per tensor) are handled first, inline, on a local
         # cursor: this loop runs 600,000 times for a 20,000-tensor checkpoint.
         cur = self.pos
@@ -427,7 +429,11 @@ class _Machine:
                     if len(stack) < 2:
                         self.pos = cur + 1
                         raise _Break("stack underflow")
-                    stack.pop()
+                    args = stack.pop()
+                    if args.__class__ is int and args > depth_mask:  # set(), OrderedDict()… hash what they are given
+                        budget[2] -= (args >> nodes_at) + 1
+                        if budget[2] < 0:
+                            self._hashing((), cur)
                     stack[-1] = UNK
                     cur += 1
                     continue
@@ -587,16 +593,15 @@ class _Machine:
                     if not stack:
                         raise _Break("stack underflow")
                     stack.append(stack[-1])
-                elif op == 0x61:  # a APPEND
+                elif op == 0x61:  # a APPEND (a list's items may be handed to set() or OrderedDict(): counted too)
                     if len(stack) < 2:
                         raise _Break("stack underflow")
-                    stack.pop()
+                    self._hashing((stack.pop(),), pos)
                 elif op in (0x65, 0x90):  # e APPENDS, ADDITEMS
                     items, stack = stack, self._pop_mark(metastack)
                     if not stack:
                         raise _Break("no list or set below the MARK")
-                    if op == 0x90:
-                        self._hashing(items, pos)
+                    self._hashing(items, pos)
                 elif op == 0x73:  # s SETITEM
                     if len(stack) < 3:
                         raise _Break("stack underflow")
@@ -610,23 +615,24 @@ class _Machine:
                     items, stack = stack, self._pop_mark(metastack)
                     if op == 0x64 and len(items) % 2:
                         raise _Break("odd number of items for DICT")
-                    if op != 0x6C:
-                        self._hashing(items[0::2] if op == 0x64 else items, pos)
+                    self._hashing(items[0::2] if op == 0x64 else items, pos)
                     stack.append(NOT)
                 elif op == 0x81:  # NEWOBJ: cls.__new__(cls, *args)
                     if len(stack) < 2:
                         raise _Break("stack underflow")
-                    stack.pop()
+                    self._hashing((stack.pop(),), pos)
                     stack[-1] = UNK
                 elif op == 0x92:  # NEWOBJ_EX
                     if len(stack) < 3:
                         raise _Break("stack underflow")
+                    self._hashing(stack[-2:], pos)
                     del stack[-2:]
                     stack[-1] = UNK
                 elif op == 0x6F:  # o OBJ: MARK cls args... → cls(*args)
                     items, stack = stack, self._pop_mark(metastack)
                     if not items:
                         raise _Break("OBJ without a class")
+                    self._hashing(items, pos)
                     stack.append(UNK)
                 elif op == 0x69:  # i INST: MARK args... INST module name → module.name(*args)
                     if not metastack:
