@@ -85,8 +85,7 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         root = ckpt.state_dict_root or "(the file's root)"
         others = ckpt.other_state_dicts
         shown = others if full or len(others) <= 8 else (*others[:8], f"… {len(others) - 8} more (--full)")
-        others = f" (other state_dicts: {', '.join(shown)})" if others else ""
-        lines.append(("state_dict", root + others))
+        lines.append(("state_dict", root + (f" (other state_dicts: {', '.join(shown)})" if others else "")))
     elif ckpt.tensors:
         lines.append(("state_dict", "not found (no container holds mostly tensors)"))
     if ckpt.distributed.get("contents"):

@@ -282,9 +282,12 @@ class _Machine:
                 nodes += (value >> _NODES) + 1
         self.budget[2] -= nodes
         if self.budget[2] < 0:
-            self._refuse(f"dict keys, set members and call arguments add up to more than "
-                         f"{limits.MAX_HASHED_TUPLES:,} tuples to hash, at byte {at} (a hash flood; no checkpoint "
-                         "needs one)")
+            self._flooded(at)
+
+    def _flooded(self, at: int) -> None:
+        """The file's budget of tuples to hash is spent (run() takes from it inline for REDUCE's arguments)."""
+        self._refuse(f"dict keys, set members and call arguments add up to more than {limits.MAX_HASHED_TUPLES:,} "
+                     f"tuples to hash, at byte {at} (a hash flood; no checkpoint needs one)")
 
     def _refuse(self, why: str) -> None:
         """A bound no honest pickle reaches: the file must not be unpickled, but walking on still names what it
@@ -431,9 +434,9 @@ class _Machine:
                         raise _Break("stack underflow")
                     args = stack.pop()
                     if args.__class__ is int and args > depth_mask:  # set(), OrderedDict()… hash what they are given
-                        budget[2] -= (args >> nodes_at) + 1
+                        budget[2] -= (args >> nodes_at) + 1  # _hashing((args,)), inline: once per tensor
                         if budget[2] < 0:
-                            self._hashing((), cur)
+                            self._flooded(cur)
                     stack[-1] = UNK
                     cur += 1
                     continue

@@ -68,9 +68,6 @@ class Emitter:
                     self._tensor(obj)
                 elif kind is int:
                     write(_int_op(obj))
-                elif obj is None or kind is bool or kind is float:
-                    write(b"N" if obj is None else b"\x88" if obj is True else b"\x89" if obj is False
-                          else b"G" + struct.pack(">d", obj))
                 else:
                     if id(obj) in open_:
                         raise WriteError(f"the checkpoint holds a {kind.__name__} inside itself (a cycle), which "
@@ -84,7 +81,9 @@ class Emitter:
     def _emit_any(self, obj: Any) -> Iterator[Any]:
         """Write `obj`'s opcodes; yield each object inside it, to be written in its place."""
         write: Callable[[bytes], None] = self.out.append
-        if isinstance(obj, bool):
+        if obj is None:
+            write(b"N")
+        elif isinstance(obj, bool):
             write(b"\x88" if obj else b"\x89")
         elif isinstance(obj, int):
             write(_int_op(obj))
