@@ -20,14 +20,24 @@ class PrefixFinding:
     count: int
     total: int
     leading: bool  # part of the run of prefixes every key starts with (`_orig_mod.module.`)
+    # A wrapper's prefix: every key under `where` goes through it, nothing sits beside it (DataParallel, DDP,
+    # torch.compile and FSDP wrap a whole module and hold nothing else). False: a possible one only, a component
+    # most keys carry but not all (a partial wrap, or a real submodule of that name beside its siblings).
+    certain: bool = True
 
 
 # A wrapper token that is neither the first nor the last component of a key; one regex pass per key.
 _MIDDLE_TOKEN = re.compile(r"\.(module|_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)(?=\.)")
 
 
-def find_prefixes(keys: list[str]) -> list[PrefixFinding]:
-    """Wrapper tokens found in keys, outermost first. A leading `model.` counts only if every key has it."""
+def find_prefixes(keys: list[str], model_keys: list[str] | None = None) -> list[PrefixFinding]:
+    """Wrapper tokens found in keys, outermost first.
+
+    A wrapper's prefix covers every key under its parent: DataParallel/DDP put `module.` on every key, torch.compile
+    `_orig_mod.` on every key of the compiled module, a wrapped submodule `features.module.` on every key under
+    `features.`. A component of that name with siblings beside it (`self.module = net` next to `self.head`) is a
+    real submodule: in the middle of keys it is not reported; leading, on most keys, it is reported as possible
+    only. With `model_keys`, a component the model's own keys hold at that place is real and not reported."""
     total = len(keys)
     if not total:
         return []
@@ -57,16 +67,33 @@ def find_prefixes(keys: list[str]) -> list[PrefixFinding]:
             middle[(key[cut:m.start() + 1], m.group(1) + ".")] += 1
         if len(middle) > 10_000:
             break
-    for (before, token), count in middle.items():
-        findings.append(PrefixFinding(token, where + before, count, total, False))
+    if middle:
+        under = _keys_under(keys, {where + before for before, _ in middle})
+        for (before, token), count in middle.items():
+            if count == under[where + before]:  # nothing beside it under its parent: a wrapper's
+                findings.append(PrefixFinding(token, where + before, count, total, False))
     if not findings:
-        # A prefix most (not all) keys share is still worth saying: a partial wrap, or a Lightning `model.`.
+        # A prefix most (not all) keys share may be a partial wrap or a Lightning `model.` beside a loss's weight,
+        # or a submodule of that name: possible, not certain.
         firsts = Counter(k.partition(".")[0] for k in keys if "." in k)
         for token in WRAPPER_TOKENS:
             count = firsts[token]
             if count and count * 2 >= total:
-                findings.append(PrefixFinding(token + ".", "", count, total, True))
+                findings.append(PrefixFinding(token + ".", "", count, total, True, certain=False))
+    if model_keys:
+        held = _keys_under(model_keys, {f.where + f.prefix for f in findings})
+        findings = [f for f in findings if not held[f.where + f.prefix]]
     return findings
+
+
+def _keys_under(keys: list[str], parents: set[str]) -> dict[str, int]:
+    """How many keys start with each of these prefixes (each ending in a dot; "" for all): one sort, two bisections
+    a prefix."""
+    from bisect import bisect_left
+
+    ordered = sorted(keys)
+    # The keys starting with `p.` sit together in sorted order, before `p/` (the character after the dot).
+    return {p: (bisect_left(ordered, p[:-1] + "/") - bisect_left(ordered, p)) if p else len(keys) for p in parents}
 
 
 def shared_groups(tensors: tuple[TensorRecord, ...] | list[TensorRecord]) -> list[SharedGroup]:

@@ -102,7 +102,7 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         bn = batchnorm_at_init(list(tensors), table_stats)
     storages = {t.storage.ident: t.storage.nbytes for t in ckpt.tensors if t.storage is not None}
     return InspectReport(
-        checkpoint=ckpt, tensors=tensors, prefixes=tuple(find_prefixes(root_keys)),
+        checkpoint=ckpt, tensors=tensors, prefixes=tuple(find_prefixes(root_keys, list(model_shapes) or None)),
         shared=tuple(shared_groups(ckpt.tensors)), parameter_count=parameter_count(ckpt),
         total_bytes=sum(storages.values()), storage_count=len(storages),
         stats=table_stats, batchnorm_at_init=tuple(bn), filter=filter, comparison=comparison,

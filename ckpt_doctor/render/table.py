@@ -92,7 +92,9 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         lines.append(("contents", " · ".join(ckpt.distributed["contents"])))
     for p in report.prefixes:
         where = ("leading" if not p.where else f"leading, after {p.where}") if p.leading else f"after {p.where!r}"
-        lines.append(("prefix", f"{p.prefix} ({where}) on {p.count:,} of {p.total:,} keys"))
+        lines.append(("prefix", f"{p.prefix} ({where}) on {p.count:,} of {p.total:,} keys" if p.certain else
+                      f"{p.prefix} on {p.count:,} of {p.total:,} keys: possibly a wrapper's, or a submodule named "
+                      f"{p.prefix[:-1]} (not every key carries it)"))
     devices = ckpt.devices
     if devices:
         from collections import Counter
