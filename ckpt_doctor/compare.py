@@ -88,6 +88,7 @@ class Comparison:
     # (key that stays, key overwritten): two different tensors of the file loaded into one tied Parameter
     tie_conflicts: tuple[tuple[str, str], ...] = ()
     ties: tuple[tuple[str, str], ...] = ()  # (alias, key) the fix writes as one tensor (names after the fix)
+    paired: tuple[tuple[str, str], ...] = ()  # of `renames`: (old, new) inferred from shapes alone
 
     @property
     def strict_ok(self) -> bool:
@@ -363,7 +364,8 @@ def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str 
         dropped=tuple(fix.dropped),
         left_missing=tuple(fix.left_missing), after=fix.after, oracle=model.model is not None,
         replaced=tuple(fix.replaced), model_key_count=len(model.entries), ties=tuple(ties),
-        leftover_elements=leftover_elements, tie_conflicts=_different_tensors(check.overwritten, tensors))
+        leftover_elements=leftover_elements, tie_conflicts=_different_tensors(check.overwritten, tensors),
+        paired=tuple(fix.paired))
 
 
 def _different_tensors(pairs: tuple[tuple[str, str], ...],
@@ -442,6 +444,7 @@ class Fix:
     matched: int = 0  # keys that already had the model's name
     replaced: list[str] = field(default_factory=list)  # dropped because the model's tensor there has another shape
     kept: list[tuple[str, str]] = field(default_factory=list)  # (old, new) of every key the model takes
+    paired: list[tuple[str, str]] = field(default_factory=list)  # (old, new) of renames inferred from shapes alone
 
 
 def infer_fix(tensors: list[TensorRecord], model: ModelKeys, check: LoadCheck, *, ckpt: Checkpoint | None = None,
@@ -465,8 +468,10 @@ def infer_fix(tensors: list[TensorRecord], model: ModelKeys, check: LoadCheck, *
             # A part inside the state_dict leaves out the rest of it as surely as a --drop would.
             inside = root is not None and part is not None and (root == "" or part.startswith(root + "."))
             left_out = len(tensors) - len(part_tensors) if inside and part != root else 0
+            # Placed keys first; then fewer left out; then names over shapes (a prefix stripped rather than every
+            # key paired by shape), the fewest guesses by position among them.
             score = (len(fix.renames) + fix.matched, -len(fix.dropped) - len(fix.left_missing) - left_out,
-                     part == root, -len(transforms))
+                     -len(fix.ambiguous), -len(fix.paired), part == root, -len(transforms))
             if best is None or score > best[0]:
                 best = (score, fix)
     fix = best[1] if best is not None else Fix()
@@ -481,9 +486,12 @@ def infer_fix(tensors: list[TensorRecord], model: ModelKeys, check: LoadCheck, *
             fix.kind = "allowed"  # loads once the keys left missing are accepted (--allow-missing, in the line)
         else:
             fix.kind = "partial"
-    if fix.kind != "rename" and len(tensors) == len(model.entries):
+    if (fix.kind != "rename" or fix.paired) and len(tensors) == len(model.entries):
+        # Renames paired by shape win over a mapping of the whole file by order when they fill more, or as much
+        # with fewer positions left to a guess (or none).
         by_order = _map_by_order(tensors, model)
-        if by_order is not None:
+        if by_order is not None and (fix.kind != "rename" or (fix.fraction or 0) < 1.0
+                                     or (fix.ambiguous and len(fix.ambiguous) >= len(by_order))):
             return Fix(kind="map-by-order", fraction=1.0, ambiguous=by_order)
     if fix.kind == "partial" and (fix.fraction or 0) <= _fraction(model, check) and not fix.dropped:
         fix = Fix()
@@ -548,7 +556,37 @@ def _part_tensors(tensors: list[TensorRecord], ckpt: Checkpoint | None, root: st
 def _complete(mapping: dict[str, str], by_key: dict[str, TensorRecord], model: ModelKeys,
               transforms: list[Transform]) -> Fix:
     """After a rename: what matches, what to drop (no place in the model; another shape there), what stays
-    missing."""
+    missing; then the keys left over paired by shape with the model keys still missing (renamed, not dropped)."""
+    fix = _place(mapping, by_key, model, transforms)
+    if not fix.renames and not fix.matched:
+        return fix  # nothing placed by name: pairing every key by shape alone is a mapping by order, not a rename
+    leftovers = [old for old in fix.dropped if old not in set(fix.replaced)]
+    added = "".join(t.arg for t in transforms if t.op is Op.ADD_PREFIX)
+    missing = [k for k in fix.left_missing if k.startswith(added) and len(k) > len(added)]
+    if not leftovers or not missing:
+        return fix
+    model_by_key = model.by_key()
+    pairs, ambiguous = _pair_by_shape(leftovers, by_key, missing, model_by_key)
+    if not pairs:
+        return fix
+    # The renames act on the names as --drop/--strip-prefix/--rename left them, before --add-prefix.
+    staged = plan_keys(list(by_key), [t for t in transforms if t.op is not Op.ADD_PREFIX]).mapping
+    extra = _renames_for([(staged[old], new[len(added):]) for old, new in pairs])
+    try:
+        paired = _place(plan_keys(list(by_key), transforms + extra).mapping, by_key, model, transforms + extra)
+    except PlanError:
+        return fix
+    paired.paired = [(old, new) for old, new in pairs if (old, new) in set(paired.renames)]
+    if len(paired.paired) != len(pairs):
+        return fix  # a rename that reaches further than the keys it names: not offered
+    position = {k: i for i, k in enumerate(by_key)}
+    paired.ambiguous = [f"{position[old]}: {old} → {new} {list(by_key[old].shape)}" for old, new in pairs
+                        if old in ambiguous and by_key[old].numel > 1]
+    return paired
+
+
+def _place(mapping: dict[str, str], by_key: dict[str, TensorRecord], model: ModelKeys,
+           transforms: list[Transform]) -> Fix:
     model_by_key = model.by_key()
     np_set = set(model.non_persistent)
     tied = model.tied
@@ -585,6 +623,74 @@ def _after(model: ModelKeys, tensors: list[TensorRecord], fix: Fix) -> LoadCheck
     by_key = {t.key: t for t in tensors}
     entries = [(new, tuple(by_key[old].shape), by_key[old].dtype) for old, new in plan.mapping.items()]
     return _check(model, entries, None)
+
+
+def _pair_by_shape(leftovers: list[str], by_key: dict[str, TensorRecord], missing: list[str],
+                   model_by_key: dict[str, Any]) -> tuple[list[tuple[str, str]], set[str]]:
+    """(checkpoint key, model key) pairs of one shape and kind (floating or not): first those that also share their
+    last component (`weight`, `running_mean`), then by shape alone. One of a kind on each side is a certain pair;
+    several of one kind on each side pair by position (file order against model order), as a mapping by order
+    does: those keys come back as ambiguous. A kind with more keys on one side than the other is not paired."""
+    from .dtypes import FLOATING
+
+    def floating(dtype: str) -> bool:
+        return dtype in FLOATING or dtype.startswith("complex")
+
+    olds, news = list(leftovers), list(missing)
+    pairs: list[tuple[str, str]] = []
+    ambiguous: set[str] = set()
+    for by_leaf in (True, False):
+        sides: dict[tuple, tuple[list[str], list[str]]] = {}
+        for old in olds:
+            t = by_key[old]
+            sig = (tuple(t.shape), floating(t.dtype), old.rsplit(".", 1)[-1] if by_leaf else "")
+            sides.setdefault(sig, ([], []))[0].append(old)
+        for new in news:
+            e = model_by_key[new]
+            sig = (tuple(e.shape), floating(e.dtype), new.rsplit(".", 1)[-1] if by_leaf else "")
+            if sig in sides:
+                sides[sig][1].append(new)
+        done: set[str] = set()
+        for group_old, group_new in sides.values():
+            if len(group_old) == len(group_new):
+                pairs += zip(group_old, group_new)
+                done.update(group_old, group_new)
+                if len(group_old) > 1:
+                    ambiguous.update(group_old)
+        olds = [k for k in olds if k not in done]
+        news = [k for k in news if k not in done]
+    return pairs, ambiguous
+
+
+def _renames_for(pairs: list[tuple[str, str]]) -> list[Transform]:
+    """Anchored renames that name exactly these keys: the pairs that move the same leaves (`weight`, `bias`) from one
+    module to another share one (`^prefilt_layers\\.0\\.(weight|bias)$` → `prefilt_layers.0.0.\\1`), any other pair
+    gets its own `^old$` → `new`."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for old, new in pairs:
+        old_parent, _, leaf = old.rpartition(".")
+        new_parent, _, new_leaf = new.rpartition(".")
+        if leaf == new_leaf and old_parent and new_parent:
+            groups.setdefault((old_parent + ".", new_parent + "."), []).append(leaf)
+        else:
+            groups.setdefault((old, new), []).append("")
+    out = []
+    for (old_head, new_head), tails in groups.items():
+        if len(tails) == 1:
+            out.append(Transform(Op.RENAME, f"^{_literal(old_head + tails[0])}$", _replacement(new_head + tails[0])))
+        else:
+            alternation = "|".join(_literal(t) for t in tails)
+            out.append(Transform(Op.RENAME, f"^{_literal(old_head)}({alternation})$", _replacement(new_head) + "\\1"))
+    return out
+
+
+def _replacement(text: str) -> str:
+    return text.replace("\\", "\\\\")  # re.sub reads a backslash in the replacement as an escape
+
+
+def _literal(text: str) -> str:
+    """A regex for exactly `text` that holds no `=` (the sign that splits --rename REGEX=REPL)."""
+    return re.escape(text).replace("=", "\\x3d")
 
 
 def _candidates(ckpt_keys: list[str], model_keys: list[str]) -> list[list[Transform]]:

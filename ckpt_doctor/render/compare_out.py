@@ -191,7 +191,12 @@ def comparison_lines(c: Comparison, path: str) -> list[tuple[str, str]]:
 def _fix_reason(c: Comparison) -> str:
     parts = []
     if c.renames:
-        parts.append(f"renames {len(c.renames)} keys onto the model's")
+        by_shape = ""
+        if c.paired:
+            guessed = (f"; {len(c.ambiguous)} of them by position among keys of one shape, listed as ambiguous"
+                       if c.ambiguous else "")
+            by_shape = f" ({len(c.paired)} paired by shape alone{guessed})"
+        parts.append(f"renames {len(c.renames)} keys onto the model's{by_shape}")
     leftovers = [k for k in c.dropped if k not in set(c.replaced)]
     if leftovers:
         parts.append(f"drops {len(leftovers)} the model has no place for ({', '.join(leftovers[:3])}"
