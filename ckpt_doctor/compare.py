@@ -553,6 +553,9 @@ def _part_tensors(tensors: list[TensorRecord], ckpt: Checkpoint | None, root: st
     return list(relative_to_root(ckpt.tensors, chosen))
 
 
+MAX_PAIRED_RENAMES = 64  # a fix line with more --rename flags than this is no suggestion a person can check
+
+
 def _complete(mapping: dict[str, str], by_key: dict[str, TensorRecord], model: ModelKeys,
               transforms: list[Transform]) -> Fix:
     """After a rename: what matches, what to drop (no place in the model; another shape there), what stays
@@ -560,25 +563,24 @@ def _complete(mapping: dict[str, str], by_key: dict[str, TensorRecord], model: M
     fix = _place(mapping, by_key, model, transforms)
     if not fix.renames and not fix.matched:
         return fix  # nothing placed by name: pairing every key by shape alone is a mapping by order, not a rename
+    added = ""
+    for t in transforms:
+        if t.op is Op.ADD_PREFIX:
+            added = t.arg + added  # applied last, each in front of the one before
     leftovers = [old for old in fix.dropped if old not in set(fix.replaced)]
-    added = "".join(t.arg for t in transforms if t.op is Op.ADD_PREFIX)
     missing = [k for k in fix.left_missing if k.startswith(added) and len(k) > len(added)]
     if not leftovers or not missing:
         return fix
-    model_by_key = model.by_key()
-    pairs, ambiguous = _pair_by_shape(leftovers, by_key, missing, model_by_key)
+    pairs, ambiguous = _pair_by_shape(leftovers, by_key, missing, model.by_key())
     if not pairs:
         return fix
-    # The renames act on the names as --drop/--strip-prefix/--rename left them, before --add-prefix.
-    staged = plan_keys(list(by_key), [t for t in transforms if t.op is not Op.ADD_PREFIX]).mapping
-    extra = _renames_for([(staged[old], new[len(added):]) for old, new in pairs])
-    try:
-        paired = _place(plan_keys(list(by_key), transforms + extra).mapping, by_key, model, transforms + extra)
-    except PlanError:
+    # The renames act on the names as --drop/--strip-prefix/--rename left them, before --add-prefix prepends.
+    extra = _renames_for([(mapping[old][len(added):], new[len(added):]) for old, new in pairs],
+                         [name[len(added):] for name in mapping.values()])
+    if len(extra) > MAX_PAIRED_RENAMES:
         return fix
-    paired.paired = [(old, new) for old, new in pairs if (old, new) in set(paired.renames)]
-    if len(paired.paired) != len(pairs):
-        return fix  # a rename that reaches further than the keys it names: not offered
+    paired = _place({**mapping, **dict(pairs)}, by_key, model, transforms + extra)
+    paired.paired = list(pairs)
     position = {k: i for i, k in enumerate(by_key)}
     paired.ambiguous = [f"{position[old]}: {old} → {new} {list(by_key[old].shape)}" for old, new in pairs
                         if old in ambiguous and by_key[old].numel > 1]
@@ -628,28 +630,32 @@ def _after(model: ModelKeys, tensors: list[TensorRecord], fix: Fix) -> LoadCheck
 def _pair_by_shape(leftovers: list[str], by_key: dict[str, TensorRecord], missing: list[str],
                    model_by_key: dict[str, Any]) -> tuple[list[tuple[str, str]], set[str]]:
     """(checkpoint key, model key) pairs of one shape and kind (floating or not): first those that also share their
-    last component (`weight`, `running_mean`), then by shape alone. One of a kind on each side is a certain pair;
-    several of one kind on each side pair by position (file order against model order), as a mapping by order
-    does: those keys come back as ambiguous. A kind with more keys on one side than the other is not paired."""
+    last component (`weight`, `running_mean`) and their layer numbers, then their last component, then the shape
+    alone. One of a kind on each side is a certain pair; several of one kind on each side pair by position (file
+    order against model order), as a mapping by order does: those keys come back as ambiguous. A kind with more
+    keys on one side than the other is not paired."""
     from .dtypes import FLOATING
 
-    def floating(dtype: str) -> bool:
-        return dtype in FLOATING or dtype.startswith("complex")
+    def signature(name: str, shape: tuple, dtype: str, detail: int) -> tuple:
+        kind = (tuple(shape), dtype in FLOATING or dtype.startswith("complex"))
+        if detail == 0:
+            return kind
+        leaf = name.rsplit(".", 1)[-1]
+        return kind + (leaf,) if detail == 1 else kind + (leaf, tuple(c for c in name.split(".") if c.isdigit()))
 
     olds, news = list(leftovers), list(missing)
     pairs: list[tuple[str, str]] = []
     ambiguous: set[str] = set()
-    for by_leaf in (True, False):
+    for detail in (2, 1, 0):
         sides: dict[tuple, tuple[list[str], list[str]]] = {}
         for old in olds:
             t = by_key[old]
-            sig = (tuple(t.shape), floating(t.dtype), old.rsplit(".", 1)[-1] if by_leaf else "")
-            sides.setdefault(sig, ([], []))[0].append(old)
+            sides.setdefault(signature(old, t.shape, t.dtype, detail), ([], []))[0].append(old)
         for new in news:
             e = model_by_key[new]
-            sig = (tuple(e.shape), floating(e.dtype), new.rsplit(".", 1)[-1] if by_leaf else "")
-            if sig in sides:
-                sides[sig][1].append(new)
+            side = sides.get(signature(new, e.shape, e.dtype, detail))
+            if side is not None:
+                side[1].append(new)
         done: set[str] = set()
         for group_old, group_new in sides.values():
             if len(group_old) == len(group_new):
@@ -662,26 +668,77 @@ def _pair_by_shape(leftovers: list[str], by_key: dict[str, TensorRecord], missin
     return pairs, ambiguous
 
 
-def _renames_for(pairs: list[tuple[str, str]]) -> list[Transform]:
-    """Anchored renames that name exactly these keys: the pairs that move the same leaves (`weight`, `bias`) from one
-    module to another share one (`^prefilt_layers\\.0\\.(weight|bias)$` → `prefilt_layers.0.0.\\1`), any other pair
-    gets its own `^old$` → `new`."""
-    groups: dict[tuple[str, str], list[str]] = {}
+def _renames_for(pairs: list[tuple[str, str]], names: list[str]) -> list[Transform]:
+    r"""Anchored renames that turn each old name of these pairs into its new one and touch no other of `names`.
+
+    Pairs that move the same leaves (`weight`, `bias`) from one module to another share one rename
+    (`^prefilt_layers\.0\.(weight|bias)$` → `prefilt_layers.0.0.\1`); such renames that differ only in layer
+    numbers, the same in the old and the new name, share one with `(\d+)` (`^layers\.(\d+)\.norm\.(weight|bias)$`
+    → `layers.\1.ln.\2`) when it names no other key; any other pair gets its own `^old$` → `new`."""
+    moves: dict[tuple[str, str], list[str]] = {}  # (old module, new module) -> leaves
+    singles: list[tuple[str, str]] = []
     for old, new in pairs:
         old_parent, _, leaf = old.rpartition(".")
         new_parent, _, new_leaf = new.rpartition(".")
         if leaf == new_leaf and old_parent and new_parent:
-            groups.setdefault((old_parent + ".", new_parent + "."), []).append(leaf)
+            moves.setdefault((old_parent, new_parent), []).append(leaf)
         else:
-            groups.setdefault((old, new), []).append("")
-    out = []
-    for (old_head, new_head), tails in groups.items():
-        if len(tails) == 1:
-            out.append(Transform(Op.RENAME, f"^{_literal(old_head + tails[0])}$", _replacement(new_head + tails[0])))
-        else:
-            alternation = "|".join(_literal(t) for t in tails)
-            out.append(Transform(Op.RENAME, f"^{_literal(old_head)}({alternation})$", _replacement(new_head) + "\\1"))
+            singles.append((old, new))
+    # Moves alike but for layer numbers: one rename for all, when it reaches exactly their keys.
+    alike: dict[tuple, list[tuple[str, str]]] = {}
+    for (old_parent, new_parent), leaves in moves.items():
+        signature = _number_template(old_parent, new_parent) + (tuple(leaves),)
+        alike.setdefault(signature, []).append((old_parent, new_parent))
+    out: list[Transform] = []
+    targets = {new for _, new in pairs}
+    for signature, members in alike.items():
+        leaves = list(signature[-1])
+        if len(members) > 1 and signature[0] is not None:
+            olds = {f"{old_parent}.{leaf}" for old_parent, _ in members for leaf in leaves}
+            general = _numbered_rename(signature[0], signature[1], leaves)
+            pattern = re.compile(general.arg)
+            if all((n in olds) == bool(pattern.search(n)) for n in names) and \
+                    not any(pattern.search(t) for t in targets):
+                out.append(general)
+                continue
+        for old_parent, new_parent in members:
+            if len(leaves) == 1:
+                singles.append((f"{old_parent}.{leaves[0]}", f"{new_parent}.{leaves[0]}"))
+            else:
+                out.append(Transform(Op.RENAME, f"^{_literal(old_parent + '.')}({'|'.join(map(_literal, leaves))})$",
+                                     _replacement(new_parent + ".") + "\\1"))
+    out += [Transform(Op.RENAME, f"^{_literal(old)}$", _replacement(new)) for old, new in singles]
     return out
+
+
+def _number_template(old: str, new: str) -> tuple:
+    """(old components, new components) with the numbers out (None), when both hold the same numbers in the same
+    order; else (None, (old, new)): a signature of its own."""
+    o, n = old.split("."), new.split(".")
+    numbers = [c for c in o if c.isdigit()]
+    if not numbers or numbers != [c for c in n if c.isdigit()]:
+        return (None, (old, new))
+    return (tuple(None if c.isdigit() else c for c in o), tuple(None if c.isdigit() else c for c in n))
+
+
+def _numbered_rename(old: tuple, new: tuple, leaves: list[str]) -> Transform:
+    r"""`^layers\.(\d+)\.norm\.(weight|bias)$` → `layers.\1.ln.\2` from component templates (None: a number)."""
+    def ref(i: int) -> str:
+        return f"\\{i}" if i < 10 else f"\\g<{i}>"
+
+    pattern = r"\.".join(r"(\d+)" if c is None else _literal(c) for c in old)
+    repl, i = [], 0
+    for c in new:
+        if c is None:
+            i += 1
+            repl.append(ref(i))
+        else:
+            repl.append(_replacement(c))
+    if len(leaves) == 1:
+        tail_pattern, tail_repl = _literal(leaves[0]), _replacement(leaves[0])
+    else:
+        tail_pattern, tail_repl = "(" + "|".join(map(_literal, leaves)) + ")", ref(i + 1)
+    return Transform(Op.RENAME, f"^{pattern}\\.{tail_pattern}$", ".".join(repl) + "." + tail_repl)
 
 
 def _replacement(text: str) -> str:
