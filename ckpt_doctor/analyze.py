@@ -37,7 +37,7 @@ def find_prefixes(keys: list[str], model_keys: list[str] | None = None) -> list[
     `_orig_mod.` on every key of the compiled module, a wrapped submodule `features.module.` on every key under
     `features.`. A component of that name with siblings beside it (`self.module = net` next to `self.head`) is a
     real submodule: in the middle of keys it is not reported; leading, on most keys, it is reported as possible
-    only. With `model_keys`, a component the model's own keys hold at that place is real and not reported."""
+    only. With `model_keys`, a component the model holds itself at that place is real and not reported."""
     total = len(keys)
     if not total:
         return []
@@ -80,10 +80,24 @@ def find_prefixes(keys: list[str], model_keys: list[str] | None = None) -> list[
             count = firsts[token]
             if count and count * 2 >= total:
                 findings.append(PrefixFinding(token + ".", "", count, total, True, certain=False))
-    if model_keys:
-        held = _keys_under(model_keys, {f.where + f.prefix for f in findings})
-        findings = [f for f in findings if not held[f.where + f.prefix]]
+    if model_keys and findings:
+        findings = [f for f in findings if not _held_by(f, keys, model_keys)]
     return findings
+
+
+def _held_by(finding: PrefixFinding, keys: list[str], model_keys: list[str]) -> bool:
+    """Whether the model has this component itself: some of its keys hold it at that place, and the keys that carry
+    it match the model's at least as well as they are as with it taken out (`module.module.fc.weight` against a
+    model with `module.fc.weight`: the outer one is the wrapper)."""
+    head = finding.where + finding.prefix
+    if not _keys_under(model_keys, {head})[head]:
+        return False
+    names = set(model_keys)
+    cut = len(finding.where)
+    under = [k for k in keys if k.startswith(head)]
+    as_they_are = sum(k in names for k in under)
+    without = sum((k[:cut] + k[len(head):]) in names for k in under)
+    return as_they_are >= without
 
 
 def _keys_under(keys: list[str], parents: set[str]) -> dict[str, int]:

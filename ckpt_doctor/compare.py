@@ -89,6 +89,10 @@ class Comparison:
     tie_conflicts: tuple[tuple[str, str], ...] = ()
     ties: tuple[tuple[str, str], ...] = ()  # (alias, key) the fix writes as one tensor (names after the fix)
     paired: tuple[tuple[str, str], ...] = ()  # of `renames`: (old, new) inferred from shapes alone
+    # The share of the model's parameters the check requires from the file: --min-loaded, else all that
+    # --allow-missing does not name (None: no allowance, the strict load alone decides), and why, for the verdict.
+    required_fraction: float | None = None
+    required_reason: str = ""
 
     @property
     def strict_ok(self) -> bool:
@@ -103,8 +107,14 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        """What CI asserts: a strict load succeeds, or only the differences explicitly allowed remain."""
-        return self.strict_ok and (self.min_loaded is None or self.loaded_fraction >= self.min_loaded)
+        """What CI asserts: a strict load succeeds, or only the differences explicitly allowed remain, and the file
+        fills at least the required share of the model's parameters (no check passes on nothing)."""
+        return self.strict_ok and not self.short
+
+    @property
+    def short(self) -> bool:
+        """The file fills less of the model's parameters than the check requires."""
+        return self.required_fraction is not None and self.loaded_fraction < self.required_fraction - 1e-9
 
     @property
     def accepted(self) -> bool:
@@ -349,6 +359,7 @@ def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str 
         # fix checks its output against the model when told of one: the line names the model and what it accepts
         flags += [*model.flags, "--allow-missing", _alternation(fix.left_missing)]
     missing = tuple(k for k in check.missing if k not in allowed_m)
+    required, reason = required_share(model, allow_missing, min_loaded)
     bn_missing = tuple(k for k in (fix.after.missing if fix.after else check.missing) if k.rsplit(".", 1)[-1]
                        in BN_STATS and k in check.missing)
     return Comparison(
@@ -365,7 +376,7 @@ def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str 
         left_missing=tuple(fix.left_missing), after=fix.after, oracle=model.model is not None,
         replaced=tuple(fix.replaced), model_key_count=len(model.entries), ties=tuple(ties),
         leftover_elements=leftover_elements, tie_conflicts=_different_tensors(check.overwritten, tensors),
-        paired=tuple(fix.paired))
+        paired=tuple(fix.paired), required_fraction=required, required_reason=reason)
 
 
 def _different_tensors(pairs: tuple[tuple[str, str], ...],
@@ -418,6 +429,42 @@ def _allowances(allow_missing: str | None, allow_unexpected: str | None, check: 
         pattern = re.compile(allow_unexpected)
         allowed_u = [k for k in unexpected if pattern.search(k)]
     return allowed_m, allowed_u
+
+
+def required_share(model: ModelKeys, allow_missing: str | None, min_loaded: float | None = None
+                   ) -> tuple[float | None, str]:
+    """The share of the model's parameters (elements, a tied Parameter once, as `_fraction` counts them) that a check
+    requires the file to fill, and why: --min-loaded when given; else everything --allow-missing does not name. A
+    pattern that matches every key of the model, or every parameter, names nothing in particular (`.*`, ``): then
+    all of it is required. None without either: the strict load alone decides."""
+    if min_loaded is not None:
+        return min_loaded, f"--min-loaded {min_loaded:g}"
+    if allow_missing is None:
+        return None, ""
+    import shlex
+
+    pattern = re.compile(allow_missing)
+    flag = f"--allow-missing {shlex.quote(allow_missing)}"
+    if all(pattern.search(e.key) for e in model.entries):
+        return 1.0, f"{flag} names every key; name the keys you mean, or set --min-loaded"
+    groups = model.parameter_groups()
+    total = sum(numel for numel, _ in groups)
+    named = sum(numel for numel, names in groups if all(pattern.search(n) for n in names))
+    if total and named == total:
+        return 1.0, f"{flag} names every parameter; name the keys you mean, or set --min-loaded"
+    return ((total - named) / total if total else 1.0), f"every parameter {flag} does not name"
+
+
+def short_of_required(model: ModelKeys, check: LoadCheck, allow_missing: str | None,
+                      min_loaded: float | None = None) -> str | None:
+    """Why a load that torch accepts (within the allowances) still fails the check: it fills less of the model than
+    required (`required_share`); None when it fills enough. For `fix --model --allow-missing`."""
+    required, reason = required_share(model, allow_missing, min_loaded)
+    filled = _fraction(model, check)
+    if required is None or filled >= required - 1e-9:
+        return None
+    return (f"only {filled:.1%} of the model's parameters would come from the checkpoint (required: "
+            f"{required:.1%}: {reason})")
 
 
 def _alternation(keys: list[str] | tuple[str, ...]) -> str:

@@ -155,9 +155,9 @@ CASES = {
     "nested state_dict.model": Case("BNNet", _save(lambda: {"state_dict": {"model": nets.BNNet().state_dict()},
                                                             "step": 1}, "nested.pt"),
                                     root="state_dict.model", code=0, fix_kind="none"),
+    # every difference accepted, nothing loaded: no check passes on nothing
     "everything allowed": Case("Detector", _save(lambda: nets.Classifier(10).state_dict(), "cls.pt"),
-                               args=("--allow-missing", ".*", "--allow-unexpected", ".*"), code=0,
-                               fix_kind="allowed"),
+                               args=("--allow-missing", ".*", "--allow-unexpected", ".*"), fix_kind="allowed"),
 }
 
 
@@ -294,14 +294,23 @@ def test_a_permutation_of_same_shaped_layers_is_refused_without_force(cli, tmp_p
     assert cli("fix", path, "-o", out, *comp["suggested_fix"], "--force").exit_code == 0
 
 
-def test_allowances_are_shown_as_allowances(cli, cases):
-    code, comp = inspect(cli, cases["everything allowed"], CASES["everything allowed"])
-    assert code == 0 and comp["loaded_fraction"] == 0.0
-    assert comp["verdict"].startswith("OK with the allowances given") and "0.0% of parameters filled" in comp["verdict"]
-    low = subprocess.run([sys.executable, "-m", "ckpt_doctor", "inspect", str(cases["everything allowed"]),
-                          *CASES["everything allowed"].cli_args(), "--min-loaded", "0.5"], capture_output=True,
-                         text=True)
-    assert low.returncode == 1 and "FAILS --min-loaded" in low.stderr
+def test_allowances_that_name_every_key_require_everything(cli, cases):
+    """`--allow-missing '.*' --allow-unexpected '.*'` accepts every difference torch reports; a file none of whose
+    keys fill the model then fails (exit 1), as torch's filled fraction says, with the way out in the verdict."""
+    path, case = cases["everything allowed"], CASES["everything allowed"]
+    code, comp = inspect(cli, path, case)
+    model = case.build()
+    assert torch_filled_fraction(model, load_source(path, "")) == 0.0  # torch: nothing of the model comes from it
+    assert code == 1 and comp["ok"] is False and comp["loaded_fraction"] == 0.0
+    assert not comp["missing"] and not comp["unexpected"]  # every difference accepted …
+    assert comp["verdict"] == ("FAILS: only 0.0% of the model's parameters come from the checkpoint (required: "
+                               "100.0%: --allow-missing '.*' names every key; name the keys you mean, or set "
+                               "--min-loaded)")  # … and still no pass
+    assert inspect(cli, path, Case("Detector", case.write, args=("--allow-missing", "", "--allow-unexpected", ".*")))[0] \
+        == 1  # an empty pattern matches every key too
+    low = subprocess.run([sys.executable, "-m", "ckpt_doctor", "inspect", str(path), *case.cli_args(),
+                          "--min-loaded", "0.5"], capture_output=True, text=True)
+    assert low.returncode == 1 and "FAILS --min-loaded" in low.stderr  # an explicit --min-loaded replaces it
 
 
 def test_renames_are_grouped_pairs(cli, cases):

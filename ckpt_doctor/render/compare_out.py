@@ -129,7 +129,6 @@ def verdict_text(c: Comparison) -> str:
         accepted.append(f"{len(c.allowed_missing)} missing or reshaped keys accepted by --allow-missing")
     if c.allowed_unexpected:
         accepted.append(f"{len(c.allowed_unexpected)} extra keys accepted by --allow-unexpected")
-    low = c.min_loaded is not None and c.loaded_fraction < c.min_loaded
     devices = f"saved on {', '.join(c.missing_devices)}, which this machine lacks" if c.missing_devices else ""
     if problems:
         return (f"strict load FAILS{at}: {', '.join(problems + ([devices] if devices else []))}; {len(c.matched)} "
@@ -137,9 +136,12 @@ def verdict_text(c: Comparison) -> str:
     if devices:
         return (f"FAILS here: torch.load(path) fails on this machine ({devices}); with the devices mapped, the "
                 f"strict load{at} succeeds: {len(c.matched)} of {total} model keys{tied}; {filled}")
-    if low:
+    if c.short and c.min_loaded is not None:
         return f"FAILS --min-loaded {c.min_loaded:.1%}{at}: only {filled}" + \
             (f" ({'; '.join(accepted)})" if accepted else "")
+    if c.short:
+        return (f"FAILS{at}: only {c.loaded_fraction:.1%} of the model's parameters come from the checkpoint "
+                f"(required: {c.required_fraction:.1%}: {c.required_reason})")
     if accepted:
         return f"OK with the allowances given{at}: {'; '.join(accepted)}; {filled}{tied}"
     if c.tied:
