@@ -629,7 +629,8 @@ def _complete(mapping: dict[str, str], by_key: dict[str, TensorRecord], model: M
     paired = _place({**mapping, **dict(pairs)}, by_key, model, transforms + extra)
     paired.paired = list(pairs)
     position = {k: i for i, k in enumerate(by_key)}
-    paired.ambiguous = [f"{position[old]}: {old} → {new} {list(by_key[old].shape)}" for old, new in pairs
+    paired.ambiguous = [f"{position[old]}: {old} → {new} {list(by_key[old].shape)}"
+                        for old, new in sorted(pairs, key=lambda pair: position[pair[0]])
                         if old in ambiguous and by_key[old].numel > 1]
     return paired
 
