@@ -97,7 +97,11 @@ def inspect_line(path: Path) -> FileLine | Skipped:
             try:
                 checkpoint = read_file(path, survey)
             except CkptDoctorError as exc:
-                if not path.name.lower().endswith(CHECKPOINT_SUFFIXES) and is_skipped(exc, survey):
+                name = path.name.lower()
+                # a checkpoint's name on something else is an error, but `.tar` is every tar archive's name too
+                named = name.endswith(CHECKPOINT_SUFFIXES) and not (
+                    name.endswith(".tar") and not name.endswith(".pth.tar") and survey.container.value == "tar")
+                if not named and is_skipped(exc, survey):
                     return Skipped(path, str(exc).removeprefix(f"{path}: "))
                 raise
             report = inspect_checkpoint(path, checkpoint=checkpoint)

@@ -7,7 +7,9 @@ registry — for protocols 0 to 5. Where CPython's own checks stop a pickle befo
 underflow, a missing memo entry, a global's name that is not UTF-8) the walker stops too; where the outcome depends
 on what a call returns, it assumes the worst (a call may return the str a later STACK_GLOBAL uses). So the globals
 it reports include every global CPython would ask `find_class` for (tests/test_walker.py checks this against
-CPython's Unpickler on generated pickles), and every global seen before a pickle breaks off is kept.
+CPython's Unpickler on generated pickles), and every global seen before a pickle breaks off is kept — but for one
+that CPython's `find_class` fails on whatever the machine holds (unresolvable(): text read as a pickle), which is
+no finding; the walk goes on past it.
 
 Pickles concatenated after STOP and pickles inside byte strings are walked too. A memo index no honest pickle of
 that length could use is refused before anything unpickles it (limits.max_memo_index).
