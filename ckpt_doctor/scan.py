@@ -119,7 +119,7 @@ def scan_one(path: Path, *, in_folder: bool = False) -> FileScan | Skipped:
 def is_skipped(exc: CkptDoctorError, survey: Survey) -> bool:
     """Whether a file of a folder that did not read as a checkpoint is left out of the folder's verdict: it is
     something else (NotACheckpoint) or holds no pickle, and names nothing a loader would run."""
-    if getattr(exc, "findings", ()) or survey.findings or survey.hazards or survey.refused:
+    if getattr(exc, "findings", ()) or survey.findings or survey.hazards:
         return False
     return isinstance(exc, NotACheckpoint) or holds_no_pickle(survey)
 

@@ -207,13 +207,15 @@ def text_kind(head: bytes) -> str | None:
     lines = text.splitlines()
     if start.startswith("<"):
         return "HTML or XML text (a download that returned a web page?)"
+    if re.match(r"\[[^\]\n]*\][ \t]*\r?\n", start) and not re.match(r"\[\s*[-\d\"{\[\]tfn]", start):
+        return "INI text"
     if start.startswith(("{", "[")):
         return "JSON text"
     if re.match(r"[^\n,]+,sha256=[\w-]+,\d*\r?$", lines[0]):
         return "CSV text (a wheel's RECORD)"
     if re.match(r"(#!.*\n)?(import \w|from [\w.]+ import |class \w|def \w|\"\"\"|@\w)", text):
         return "Python source"
-    if start.startswith(("---", "%YAML")) or re.match(r"(#.*\n|\s*\n)*[A-Za-z_][\w.-]*:(\s|$)", text):
+    if start.startswith(("---", "%YAML")) or re.match(r"(#.*\n|\s*\n)*[a-z_][\w.]*:(\s|$)", text):
         return "YAML text"
     if len(lines) >= 2 and lines[0].count(",") >= 1 and lines[0].count(",") == lines[1].count(","):
         return "CSV text"

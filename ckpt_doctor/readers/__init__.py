@@ -52,6 +52,8 @@ def read_file(path: Path, survey: Survey | None = None) -> Checkpoint:
     survey = survey or survey_file(path)
     try:
         if survey.refused:
+            if survey.container is Container.PICKLE:  # text read as a pickle can ask for a memo of gigabytes
+                _check_pickle(path, survey, known_only=True)
             raise ReadError(f"{path}: refused to read it: {survey.refused}")
         ckpt = _read(path, survey)
     except ReadError as exc:
@@ -165,12 +167,13 @@ def _check_torch_zip(path: Path, survey: Survey) -> None:
                          "(a folder holding data.pkl); extract it and inspect what it holds")
 
 
-def _check_pickle(path: Path, survey: Survey) -> None:
+def _check_pickle(path: Path, survey: Survey, known_only: bool = False) -> None:
     """A file whose first byte is a pickle opcode but which CPython's unpickler rejects before it looks up anything
     (text, an image, an HDF5 file) is named as what it is: torch.load reads no pickle from it. A pickle that ends
-    early after its first bytes (it starts with PROTO, or the data ran out) is left to the reader: a broken one."""
+    early after its first bytes (it starts with PROTO, or the data ran out) is left to the reader: a broken one.
+    known_only: only a file whose bytes say what it is (a refused walk of anything else stays refused)."""
     walked = survey.main_walk
-    if walked is None or survey.globals or survey.hazards or survey.refused:
+    if walked is None or survey.globals or survey.hazards:
         return  # it names globals: a pickle (that may break off later), judged as one
     first_end = walked.pickles[0][1] if walked.pickles else None
     stops = walked.unresolved is not None and (first_end is None or walked.unresolved[0] < first_end)
@@ -179,7 +182,7 @@ def _check_pickle(path: Path, survey: Survey) -> None:
     other = what_else(survey.head)
     if other is not None:
         raise _not_a_checkpoint(path, *other)
-    if survey.head[:1] == b"\x80" or walked.truncated and not stops:
+    if known_only or survey.head[:1] == b"\x80" or walked.truncated and not stops:
         return
     known = describe_other(survey.head, survey.size)
     if not known.startswith("no "):  # a cut safetensors file whose length's first byte is an opcode
