@@ -207,7 +207,7 @@ def text_kind(head: bytes) -> str | None:
     lines = text.splitlines()
     if start.startswith("<"):
         return "HTML or XML text (a download that returned a web page?)"
-    if re.match(r"\[[^\]\n]*\][ \t]*\r?\n", start) and not re.match(r"\[\s*[-\d\"{\[\]tfn]", start):
+    if re.fullmatch(r"\[[^\]]+\]\s*", lines[0].strip()) and not _is_json(lines[0]):  # `[console_scripts]`
         return "INI text"
     if start.startswith(("{", "[")):
         return "JSON text"
@@ -220,6 +220,16 @@ def text_kind(head: bytes) -> str | None:
     if len(lines) >= 2 and lines[0].count(",") >= 1 and lines[0].count(",") == lines[1].count(","):
         return "CSV text"
     return "text"
+
+
+def _is_json(text: str) -> bool:
+    import json
+
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def dangling(path: Path | str) -> str:

@@ -62,7 +62,8 @@ def not_checkpoints() -> dict[str, tuple[bytes, str]]:
     """name -> (bytes, what the message must call it)."""
     return {
         "model.h5": (b"\x89HDF\r\n\x1a\n" + b"\0" * 600, "HDF5 file (Keras/h5py)"),
-        "weights.npy": (_npy(np.arange(6, dtype=np.float32).reshape(2, 3)), "NumPy array (.npy, float32, shape (2, 3))"),
+        "weights.npy": (_npy(np.arange(6, dtype=np.float32).reshape(2, 3)),
+                        "NumPy array (.npy, float32, shape (2, 3))"),
         "objects.npy": (_npy(np.array([{"lr": 0.1}, None], dtype=object), allow_pickle=True),
                         "NumPy array of Python objects"),
         "arrays.npz": (_npz({"a": np.arange(3), "b": np.ones(2)}), "NumPy .npz archive of 2 arrays (a, b)"),
@@ -79,6 +80,10 @@ def not_checkpoints() -> dict[str, tuple[bytes, str]]:
         "metrics.csv": (b"col1,col2\n1,2\n", "CSV text"),
         "train.py": (b"class Net:\n    pass\n", "Python source"),
         "notes.txt": (b"hello\nthere\n", "text"),
+        # read as a pickle, a memo index of gigabytes (refused as a memory bomb): still text
+        "LICENSE": (b"Copyright (c) 1992-2013 The University of Tennessee and The University\n" + b" " * 24 +
+                    b"of Tennessee Research Foundation.  All rights\n" + b" " * 24 + b"reserved.\n", "text"),
+        "entry_points.txt": (b"[console_scripts]\nckpt-doctor = ckpt_doctor.cli:main\n", "INI text"),
     }
 
 

@@ -49,7 +49,8 @@ def scan_table(report: ScanReport, show_safe: bool = False) -> str | None:
         unread = sum(1 for f in report.files if f.error)
         if unread == len(report.files):
             return None
-        return "(no globals off the allow-list" + (f" in the {len(report.files) - unread} file(s) read)" if unread else ")")
+        read = f" in the {len(report.files) - unread} file(s) read" if unread else ""
+        return f"(no globals off the allow-list{read})"
     return simple_table(["file", "verdict", "global", "in", "why"], rows)
 
 

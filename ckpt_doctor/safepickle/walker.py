@@ -89,8 +89,8 @@ def new_budget() -> list[int]:
 
 def unresolvable(module: str, name: str) -> bool:
     """Whether CPython's unpickler fails to look up a global named by text lines (GLOBAL, INST) on any machine, so
-    that it stops there having run nothing the file chose. Text read as a pickle names such "globals": a wheel's RECORD, a
-    CSV, a Python source that starts with `class`.
+    that it stops there having run nothing the file chose. Text read as a pickle names such "globals": a wheel's
+    RECORD, a CSV, a Python source that starts with `class`.
 
     CPython checks no name: `__import__` takes a module or folder of any name sys.path holds (the standard library's
     `lib-dynload` imports as a namespace package, and through its `__loader__` a pickle reaches eval), and `os\\0x`
