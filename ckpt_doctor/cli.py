@@ -825,8 +825,11 @@ def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, allow_global: tu
     ckpt-doctor scan downloaded.pth
     ckpt-doctor scan ~/.cache/huggingface/hub/models--org--name/snapshots/ --json
 
+    A file of a folder that is no checkpoint (text, an image, an HDF5 file, a NumPy array) is skipped with a
+    line saying what it is, unless it names a global off the allow-list (an object array's pickle can).
+
     Exit 1 if anything is code or dangerous; 2 if a path is missing or unreadable, a checkpoint is corrupt,
-    or a folder holds nothing to scan.
+    a file named alone is no checkpoint, or a folder holds nothing to scan.
     """
     from .render.scan_out import scan_json, scan_summary, scan_table
     from .scan import scan as run_scan
@@ -837,8 +840,10 @@ def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, allow_global: tu
         from .render.json_out import dumps
 
         echo(dumps(scan_json(report)))
-    elif report.files:
-        echo(scan_table(report, show_all))
+    else:
+        table = scan_table(report, show_all)
+        if table is not None:
+            echo(table)
     if report.exit_code == 2 and len(report.files) + len(report.problems) == 1:
         # one unreadable path: one line, as everywhere
         say(f"Error: {report.errors[0]}", color="red", no_color=no_color)

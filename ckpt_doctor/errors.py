@@ -58,3 +58,9 @@ class SeveralCheckpoints(ReadError):
     def __init__(self, message: str, folder: object) -> None:
         super().__init__(message)
         self.folder = folder
+
+
+class NotACheckpoint(ReadError):
+    """The file reads fine but is something else — an HDF5 file, a NumPy array, text, an image, an archive — and
+    the message names it and what opens it. `inspect DIR` and `scan DIR` skip such a file (a line says so) unless
+    it also names a global off the allow-list (`findings`): then it is a finding like any unsafe pickle."""

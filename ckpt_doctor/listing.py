@@ -3,15 +3,20 @@ file, read as `inspect FILE` reads it (the same report, so the same verdict), se
 
 Files are found as `scan` finds them — at any depth, symlinks followed, judged by their bytes whatever their name —
 and kept when they are a checkpoint, bear a checkpoint's name, or hold a pickle a loader would run (so whatever
-`scan DIR` flags is listed, and sets the exit code). A subfolder that is one checkpoint is one line.
+`scan DIR` flags is listed, and sets the exit code). A subfolder that is one checkpoint is one line. The other
+files (text, images, HDF5 files, clean NumPy arrays) are skipped, each with what it is, and set no exit code.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ._record import record
+from ._record import field, record
 from .errors import CkptDoctorError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only: scan (and the readers) are imported when a folder is read
+    from .scan import Skipped
 
 
 @record
@@ -38,6 +43,7 @@ class FolderListing:
     folder: Path
     files: tuple[FileLine, ...]
     problems: tuple[str, ...] = ()  # paths under the folder that could not be listed
+    skipped: tuple[Skipped, ...] = field(default=())  # files that are no checkpoint and run nothing
 
     @property
     def exit_code(self) -> int:
@@ -51,9 +57,12 @@ class FolderListing:
 def list_folder(folder: Path) -> FolderListing:
     from .pool import map_paths
 
+    from .scan import Skipped
+
     paths, problems = checkpoint_paths(folder)
-    lines = [line for line in map_paths(inspect_line, paths) if line is not None]
-    return FolderListing(folder, tuple(lines), tuple(problems))
+    results = map_paths(inspect_line, paths)
+    lines = tuple(r for r in results if isinstance(r, FileLine))
+    return FolderListing(folder, lines, tuple(problems), tuple(r for r in results if isinstance(r, Skipped)))
 
 
 def checkpoint_paths(folder: Path) -> tuple[list[Path], list[str]]:
@@ -68,15 +77,16 @@ def checkpoint_paths(folder: Path) -> tuple[list[Path], list[str]]:
     return sorted(found, key=lambda p: p.parts), problems
 
 
-def inspect_line(path: Path) -> FileLine | None:
-    """One line: what `inspect PATH` reports, summed up; a file that cannot be read is a line with its error. None
-    for a file that is no checkpoint and holds nothing a loader would unpickle (a README, an image)."""
+def inspect_line(path: Path) -> FileLine | Skipped:
+    """One line: what `inspect PATH` reports, summed up; a file that cannot be read is a line with its error. A file
+    that is no checkpoint and names nothing off the allow-list (a README, an image, a NumPy array) is Skipped, as
+    `scan DIR` skips it — unless it bears a checkpoint's name (`model.pt` that is a web page is an error)."""
     import gc
 
     from .readers import CHECKPOINT_SUFFIXES, read_file
     from .readers.survey import survey_file
     from .report import inspect_checkpoint
-    from .scan import holds_no_pickle
+    from .scan import Skipped, is_skipped
 
     gc.disable()  # as in `inspect`: acyclic records, nothing for the collector to free (a forked worker too)
     try:
@@ -84,9 +94,17 @@ def inspect_line(path: Path) -> FileLine | None:
             report = inspect_checkpoint(path)
         else:
             survey = survey_file(path)
-            if not path.name.lower().endswith(CHECKPOINT_SUFFIXES) and holds_no_pickle(survey):
-                return None  # (a zip, tar or safetensors file always holds something: holds_no_pickle says no)
-            report = inspect_checkpoint(path, checkpoint=read_file(path, survey))
+            try:
+                checkpoint = read_file(path, survey)
+            except CkptDoctorError as exc:
+                name = path.name.lower()
+                # a checkpoint's name on something else is an error, but `.tar` is every tar archive's name too
+                named = name.endswith(CHECKPOINT_SUFFIXES) and not (
+                    name.endswith(".tar") and not name.endswith(".pth.tar") and survey.container.value == "tar")
+                if not named and is_skipped(exc, survey):
+                    return Skipped(path, str(exc).removeprefix(f"{path}: "))
+                raise
+            report = inspect_checkpoint(path, checkpoint=checkpoint)
     except CkptDoctorError as exc:
         findings = tuple(getattr(exc, "findings", ()))
         verdict = "dangerous" if any(f.endswith("(dangerous)") for f in findings) else "code" if findings else "safe"

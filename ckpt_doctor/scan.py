@@ -3,7 +3,9 @@
 Each file is surveyed (readers/survey.py: every pickle walked statically, wherever it hides) and then read as a
 checkpoint, exactly as `inspect` reads it: the two commands share both steps, so their verdicts cannot differ.
 Folders are scanned as torch and the Hugging Face Hub see them: recursively, symlinks followed, every regular file
-sniffed by its content whatever its name; the folder's verdict is the worst of its files.
+sniffed by its content whatever its name; the folder's verdict is the worst of its files. A file of a folder that is
+no checkpoint (text, an image, an HDF5 file, a NumPy array) and names no global off the allow-list is skipped, with
+a line that says what it is; named alone, it is an error (exit 2).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import stat
 from ._record import field, record
 from pathlib import Path
 
-from .errors import CkptDoctorError
+from .errors import CkptDoctorError, NotACheckpoint
 from .readers import read_file
 from .readers.survey import Survey, survey_file
 from .records import GlobalRef, Hazard
@@ -53,10 +55,18 @@ class FileScan:
 
 
 @record
+class Skipped:
+    """A file of a folder that is no checkpoint and holds nothing a loader would run: said, and left out."""
+
+    path: Path
+    reason: str  # what it is: `not a PyTorch checkpoint: an HDF5 file (Keras/h5py); load it with …`
+
+
+@record
 class ScanReport:
     files: tuple[FileScan, ...]
     problems: tuple[str, ...] = ()  # paths that could not be scanned at all
-    skipped: tuple[str, ...] = field(default=())  # files of a folder that hold no pickle (text, images)
+    skipped: tuple[Skipped, ...] = field(default=())  # files of a folder that are no checkpoint and run nothing
 
     @property
     def verdict(self) -> Verdict:
@@ -79,24 +89,39 @@ class ScanReport:
 
 
 def scan_file(path: Path, *, in_folder: bool = False) -> FileScan | None:
-    """The scan of one file; None for a file of a folder that holds no pickle at all (a README, an image)."""
+    """The scan of one file; None for a file of a folder that is skipped (scan_one)."""
+    result = scan_one(path, in_folder=in_folder)
+    return None if isinstance(result, Skipped) else result
+
+
+def scan_one(path: Path, *, in_folder: bool = False) -> FileScan | Skipped:
+    """The scan of one file. A file found in a folder is Skipped when it is no checkpoint and names nothing off the
+    allow-list (an image, an HDF5 file, a clean NumPy array), or holds no pickle at all (a README)."""
     link = os.readlink(path) if path.is_symlink() else None
     try:
         survey = survey_file(path)
     except CkptDoctorError as exc:
         return FileScan(path, None, None, (), error=str(exc), link=link)
-    if in_folder and holds_no_pickle(survey):
-        return None
     fmt, error = None, None
     try:
         ckpt = read_file(path, survey)
         fmt = ckpt.format.value
         globals_, hazards, notes = ckpt.globals, ckpt.hazards, ckpt.notes
     except CkptDoctorError as exc:
+        if in_folder and is_skipped(exc, survey):
+            return Skipped(path, str(exc).removeprefix(f"{path}: "))
         error = str(exc)
         globals_, hazards, notes = tuple(survey.globals), tuple(survey.hazards), tuple(survey.notes)
     return FileScan(path, survey.container.value, fmt, tuple(_dedupe(globals_)), tuple(hazards), error,
                     tuple(dict.fromkeys(notes)), link)
+
+
+def is_skipped(exc: CkptDoctorError, survey: Survey) -> bool:
+    """Whether a file of a folder that did not read as a checkpoint is left out of the folder's verdict: it is
+    something else (NotACheckpoint) or holds no pickle, and names nothing a loader would run."""
+    if getattr(exc, "findings", ()) or survey.findings or survey.hazards:
+        return False
+    return isinstance(exc, NotACheckpoint) or holds_no_pickle(survey)
 
 
 def holds_no_pickle(survey: Survey) -> bool:
@@ -140,8 +165,8 @@ def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str]]
     return files, problems
 
 
-def _with_dcp_items(results: list[FileScan], skipped: list[str],
-                    unread: list[str]) -> tuple[list[FileScan], list[str]]:
+def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
+                    unread: list[str]) -> tuple[list[FileScan], list[Skipped]]:
     """In a torch.distributed.checkpoint folder, the byte ranges its metadata names are what torch's DCP reader
     loads: each is walked too (a range need not start where the file's own archives do)."""
     from ._record import replace
@@ -158,8 +183,8 @@ def _with_dcp_items(results: list[FileScan], skipped: list[str],
         except CkptDoctorError as exc:
             unread.append(f"{exc} — the items torch's DCP loader would unpickle from it were not all walked")
     # A shard of compressed items holds no pickle a file reader sees: it is scanned through its items.
-    results = results + [FileScan(Path(p), "other", None, ()) for p in skipped if Path(p) in ranges]
-    skipped = [p for p in skipped if Path(p) not in ranges]
+    results = results + [FileScan(s.path, "other", None, ()) for s in skipped if s.path in ranges]
+    skipped = [s for s in skipped if s.path not in ranges]
     out = []
     errors: list[str] = []
     for result in results:
@@ -203,17 +228,17 @@ def _with_dcp_items(results: list[FileScan], skipped: list[str],
 def scan(paths: list[str]) -> ScanReport:
     files, problems = files_to_scan(paths)
     results: list[FileScan] = []
-    skipped: list[str] = []
+    skipped: list[Skipped] = []
     for path, in_folder in files:
-        result = scan_file(path, in_folder=in_folder)
-        if result is None:
-            skipped.append(str(path))
+        result = scan_one(path, in_folder=in_folder)
+        if isinstance(result, Skipped):
+            skipped.append(result)
         else:
             results.append(result)
     results, skipped = _with_dcp_items(results, skipped, problems)
     for folder in (Path(p) for p in paths if Path(p).is_dir()):
         if not any(folder in r.path.parents for r in results):
-            count = sum(1 for s in skipped if folder in Path(s).parents)
-            problems.append(f"{folder}: folder holds nothing to scan (no pickle, zip, tar, safetensors or .npy "
-                            f"among its {count} files)")
+            count = sum(1 for s in skipped if folder in s.path.parents)
+            problems.append(f"{folder}: folder holds nothing to scan: none of its {count} files is a checkpoint or "
+                            "names a global")
     return ScanReport(tuple(results), tuple(problems), tuple(skipped))

@@ -33,15 +33,23 @@ class Container(str, enum.Enum):
     OTHER = "other"
 
 
-# First bytes of files people mistake for checkpoints, for a precise error.
+# First bytes of files people mistake for checkpoints: what they are, and what reads them instead.
 OTHER_KINDS = [
-    (b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"GIF8", "a GIF image"),
-    (b"\x1f\x8b", "a gzip archive"), (b"\x89HDF", "an HDF5 file (Keras/TensorFlow?)"), (b"GGUF", "a GGUF model"),
-    (b"%PDF", "a PDF document"), (b"BZh", "a bzip2 archive"), (b"\xfd7zXZ", "an xz archive"),
-    (b"\x28\xb5\x2f\xfd", "a zstd stream"), (b"PK\x05\x06", "an empty zip archive"), (b"\x7fELF", "an executable"),
-    (b"<", "text (HTML/XML?) — a download that returned a web page?"), (b"{", "JSON text"),
-    (b"version https://git-lfs", "a Git LFS pointer, not the file itself — run `git lfs pull`"),
+    (b"\x89HDF\r\n\x1a\n", "an HDF5 file (Keras/h5py)", "load it with h5py.File or keras.models.load_model"),
+    (b"\x89PNG\r\n\x1a\n", "a PNG image", ""), (b"\xff\xd8\xff", "a JPEG image", ""), (b"GIF87a", "a GIF image", ""),
+    (b"GIF89a", "a GIF image", ""), (b"II*\0", "a TIFF image", ""), (b"MM\0*", "a TIFF image", ""),
+    (b"\x1f\x8b", "a gzip archive", "decompress it (gunzip) and inspect what it holds"),
+    (b"BZh", "a bzip2 archive", "decompress it (bunzip2) and inspect what it holds"),
+    (b"\xfd7zXZ\0", "an xz archive", "decompress it (unxz) and inspect what it holds"),
+    (b"\x28\xb5\x2f\xfd", "a zstd archive", "decompress it (unzstd) and inspect what it holds"),
+    (b"7z\xbc\xaf\x27\x1c", "a 7z archive", "extract it (7z x) and inspect what it holds"),
+    (b"Rar!\x1a\x07", "a RAR archive", "extract it and inspect what it holds"),
+    (b"PK\x05\x06", "an empty zip archive", ""), (b"%PDF", "a PDF document", ""),
+    (b"\x7fELF", "an executable (ELF)", ""), (b"SQLite format 3\0", "an SQLite database", ""),
+    (b"GGUF", "a GGUF model (llama.cpp)", "read it with the gguf package or llama.cpp"),
 ]
+# Not the file itself: what a checkpoint's place holds when its download never happened. An error, never skipped.
+LFS_POINTER = b"version https://git-lfs"
 
 HEAD = 512  # enough for a tar header
 
@@ -149,14 +157,79 @@ def looks_like_safetensors(head: bytes, size: int) -> bool:
 
 
 def describe_other(head: bytes, size: int) -> str:
-    """What a file that is no checkpoint seems to be, for an error message."""
-    for magic, kind in OTHER_KINDS:
-        if head.startswith(magic):
-            return f"the bytes are {kind}"
-    if len(head) >= 8 and int.from_bytes(head[:8], "little") > size:
-        return ("no torch, pickle or safetensors signature; if it is safetensors, its header length runs past the "
-                "end of the file")
+    """Why a file that no reader opens is no checkpoint, for an error message."""
+    if head.startswith(LFS_POINTER):
+        return "the bytes are a Git LFS pointer, not the file itself — run `git lfs pull` in its repository"
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") > size:
+        return "its safetensors header length runs past the end of the file (truncated?)"
     return "no torch zip, tar, pickle or safetensors signature"
+
+
+def what_else(head: bytes) -> tuple[str, str] | None:
+    """What a file that is no PyTorch checkpoint is, from its first bytes, and what reads it (or ""): an image, an
+    archive, an HDF5 file, text (JSON, YAML, CSV, HTML...). None when the bytes say nothing (or say Git LFS pointer:
+    a checkpoint that is missing, not something else)."""
+    for magic, kind, advice in OTHER_KINDS:
+        if head.startswith(magic):
+            return kind, advice
+    if head[4:8] == b"TFL3":
+        return "a TensorFlow Lite model", "load it with tf.lite.Interpreter"
+    if head[:4] == b"RIFF" and head[8:12] in (b"WEBP", b"WAVE", b"AVI "):
+        return {b"WEBP": "a WebP image", b"WAVE": "a WAV recording", b"AVI ": "an AVI video"}[head[8:12]], ""
+    if head.startswith(LFS_POINTER):
+        return None
+    text = text_kind(head)
+    if text is not None:
+        return text, ""
+    if len(head) >= 3 and head[0] == 0x08 and head[1] < 0x80 and head[2] in (0x12, 0x1a, 0x3a):
+        # protobuf: field 1 a small varint (ONNX's ir_version, SavedModel's schema version), then a length field
+        return "a protobuf message (an ONNX model or a TensorFlow graph?)", "load it with onnx.load or TensorFlow"
+    return None
+
+
+def text_kind(head: bytes) -> str | None:
+    """What text the first bytes are (JSON, YAML, CSV, HTML/XML, Python source, plain text), or None when they are
+    not text: UTF-8 (a character cut by the end of `head` allowed) without control characters but tab, newline,
+    carriage return and form feed."""
+    body = head[3:] if head.startswith(b"\xef\xbb\xbf") else head
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(body) - 3 or exc.reason != "unexpected end of data":
+            return None
+        text = body[:exc.start].decode("utf-8")
+    if not text.strip() or not (text.replace("\t", " ").replace("\n", " ").replace("\r", " ").replace("\f", " ")
+                                 .isprintable()):
+        return None
+    import re
+
+    start = text.lstrip()
+    lines = text.splitlines()
+    if start.startswith("<"):
+        return "HTML or XML text (a download that returned a web page?)"
+    if re.fullmatch(r"\[[^\]]+\]\s*", lines[0].strip()) and not _is_json(lines[0]):  # `[console_scripts]`
+        return "INI text"
+    if start.startswith(("{", "[")):
+        return "JSON text"
+    if re.match(r"[^\n,]+,sha256=[\w-]+,\d*\r?$", lines[0]):
+        return "CSV text (a wheel's RECORD)"
+    if re.match(r"(#!.*\n)?(import \w|from [\w.]+ import |class \w|def \w|\"\"\"|@\w)", text):
+        return "Python source"
+    if start.startswith(("---", "%YAML")) or re.match(r"(#.*\n|\s*\n)*[a-z_][\w.]*:(\s|$)", text):
+        return "YAML text"
+    if len(lines) >= 2 and lines[0].count(",") >= 1 and lines[0].count(",") == lines[1].count(","):
+        return "CSV text"
+    return "text"
+
+
+def _is_json(text: str) -> bool:
+    import json
+
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def dangling(path: Path | str) -> str:

@@ -43,6 +43,12 @@ def listing_summary(listing: FolderListing) -> list[str]:
     unreadable = [f for f in files if f.error and not f.findings]
     if unreadable:
         lines.append(f"Error: {len(unreadable)} file(s) could not be read (see the safety column)")
+    from .scan_out import MAX_SKIPPED_LINES
+
+    lines += [f"skipped {_name(listing, s.path)}: {s.reason}" for s in listing.skipped[:MAX_SKIPPED_LINES]]
+    if len(listing.skipped) > MAX_SKIPPED_LINES:
+        lines.append(f"skipped {len(listing.skipped) - MAX_SKIPPED_LINES:,} more files that are no checkpoint and run "
+                     "nothing (--json lists them all)")
     lines += [f"Error: {p}" for p in listing.problems]
     if not files and not listing.problems:
         lines.append(f"Error: {listing.folder}: no checkpoint found in the folder or below it")
@@ -61,5 +67,6 @@ def listing_json(listing: FolderListing) -> dict[str, Any]:
                   "parameters": sum(f.parameters for f in read), "bytes": sum(f.nbytes for f in read),
                   "unsafe": sum(1 for f in listing.files if f.findings),
                   "unreadable": sum(1 for f in listing.files if f.error and not f.findings)},
+        "skipped": [{"path": str(s.path), "reason": s.reason} for s in listing.skipped],
         "problems": list(listing.problems),
     }

@@ -26,12 +26,14 @@ def scan_json(report: ScanReport) -> dict[str, Any]:
         "findings": report.findings,
         "dangerous": sum(len(f.dangerous) for f in report.files),
         "files": [_file_json(f) for f in report.files],
-        "skipped": list(report.skipped),
+        "skipped": [{"path": str(s.path), "reason": s.reason} for s in report.skipped],
         "problems": list(report.problems),
     }
 
 
-def scan_table(report: ScanReport, show_safe: bool = False) -> str:
+def scan_table(report: ScanReport, show_safe: bool = False) -> str | None:
+    """One row per global off the allow-list (every global with show_safe) and per hazard; None when there is
+    nothing to show and no file was read: no claim is made about a file that could not be read."""
     from .columns import simple_table
 
     rows = []
@@ -44,7 +46,11 @@ def scan_table(report: ScanReport, show_safe: bool = False) -> str:
         for h in f.hazards:
             rows.append([str(f.path), h.verdict.value.upper(), "(the file)", "", h.what])
     if not rows:
-        return "(no globals off the allow-list)"
+        unread = sum(1 for f in report.files if f.error)
+        if unread == len(report.files):
+            return None
+        read = f" in the {len(report.files) - unread} file(s) read" if unread else ""
+        return f"(no globals off the allow-list{read})"
     return simple_table(["file", "verdict", "global", "in", "why"], rows)
 
 
@@ -65,6 +71,12 @@ def scan_summary(report: ScanReport) -> list[str]:
             lines.append(f"  also: {f.error}")
         for note in f.notes:
             lines.append(f"  note: {note}")
-    if report.skipped:
-        lines.append(f"{len(report.skipped)} files hold no pickle (text, images): nothing there for torch.load to run")
+    for skipped in report.skipped[:MAX_SKIPPED_LINES]:
+        lines.append(f"skipped {skipped.path}: {skipped.reason}")
+    if len(report.skipped) > MAX_SKIPPED_LINES:
+        lines.append(f"skipped {len(report.skipped) - MAX_SKIPPED_LINES:,} more files that are no checkpoint and run "
+                     "nothing (--json lists them all)")
     return lines
+
+
+MAX_SKIPPED_LINES = 50  # a folder of a dataset's images says so in a screenful

@@ -7,7 +7,9 @@ registry — for protocols 0 to 5. Where CPython's own checks stop a pickle befo
 underflow, a missing memo entry, a global's name that is not UTF-8) the walker stops too; where the outcome depends
 on what a call returns, it assumes the worst (a call may return the str a later STACK_GLOBAL uses). So the globals
 it reports include every global CPython would ask `find_class` for (tests/test_walker.py checks this against
-CPython's Unpickler on generated pickles), and every global seen before a pickle breaks off is kept.
+CPython's Unpickler on generated pickles), and every global seen before a pickle breaks off is kept — but for one
+that CPython's `find_class` fails on whatever the machine holds (unresolvable(): text read as a pickle), which is
+no finding; the walk goes on past it.
 
 Pickles concatenated after STOP and pickles inside byte strings are walked too. A memo index no honest pickle of
 that length could use is refused before anything unpickles it (limits.max_memo_index).
@@ -70,6 +72,8 @@ class Walk:
     refused: str | None = None  # a resource limit the pickle exceeds: it must not be unpickled
     notes: list[str] = field(default_factory=list)
     anomalies: list[str] = field(default_factory=list)  # frames built to be read two ways: a finding
+    # The first GLOBAL/INST CPython cannot look up (unresolvable()): its unpickler stops there. (byte, why)
+    unresolved: tuple[int, str] | None = None
     seen: dict = field(default_factory=dict, repr=False)  # (module, name) -> verdict, for globals already listed
 
     @property
@@ -81,6 +85,23 @@ def new_budget() -> list[int]:
     """What one file may cost the walker, shared by every walk of it: [nested bytes left, opcodes left, tuples
     left to hash]."""
     return [limits.MAX_NESTED_BYTES, limits.MAX_PICKLE_OPCODES, limits.MAX_HASHED_TUPLES]
+
+
+def unresolvable(module: str, name: str) -> bool:
+    """Whether CPython's unpickler fails to look up a global named by text lines (GLOBAL, INST) on any machine, so
+    that it stops there having run nothing the file chose. Text read as a pickle names such "globals": a wheel's
+    RECORD, a CSV, a Python source that starts with `class`.
+
+    CPython checks no name: `__import__` takes a module or folder of any name sys.path holds (the standard library's
+    `lib-dynload` imports as a namespace package, and through its `__loader__` a pickle reaches eval), and `os\\0x`
+    imports os (C code reads the name up to the NUL). So a module that is no dotted identifier proves nothing alone.
+    But when its first part is none, what imports under it is a folder (its only attributes are dunders) or a file of
+    the machine's own, never a module of the file's choosing nor a Python-named parent; and looking up an attribute
+    whose first part is no identifier fails on those (objects that answer any name, such as torch.ops, are reached
+    through Python names only). Both must hold; a name with NUL in it is never taken (it may stand for another)."""
+    if "\0" in module or "\0" in name:
+        return False
+    return not module.split(".", 1)[0].isidentifier() and not name.split(".", 1)[0].isidentifier()
 
 
 def starts_pickle(data: bytes, at: int = 0) -> bool:
@@ -204,7 +225,15 @@ class _Machine:
         return raw.decode("utf-8", "surrogateescape")
 
     # -- findings -----------------------------------------------------------------------------------------------
-    def _global(self, module: str, name: str, at: int) -> object:
+    def _global(self, module: str, name: str, at: int, by_line: bool = False) -> object:
+        """The stack value a global leaves, after listing it. `by_line`: named by GLOBAL or INST, whose text lines
+        CPython cannot look up when unresolvable(): that one is no finding, and the walk goes on past it as if it
+        were found (a loader that did find it would read on)."""
+        if by_line and unresolvable(module, name) and classify(module, name)[0] is not Verdict.DANGEROUS:
+            if self.result.unresolved is None:
+                self.result.unresolved = (at, f"{self.source} at byte {at}: {module[:60]!r} and {name[:60]!r} are "
+                                              "no Python names, which CPython's unpickler stops at")
+            return _UNKNOWN
         seen = self.result.seen
         verdict = seen.get((module, name))
         if verdict is None:  # each distinct global once, where it first appears: a pickle can repeat one 2M times
@@ -478,7 +507,7 @@ class _Machine:
                         module, name = self._text(mod_start, mod_end), self._text(name_start, name_end)
                     except UnicodeDecodeError:
                         raise _Break("a global's name is not UTF-8") from None
-                    stack.append(self._global(module, name, pos))
+                    stack.append(self._global(module, name, pos, by_line=True))
                 elif op == 0x93:  # STACK_GLOBAL
                     if len(stack) < 2:
                         raise _Break("stack underflow")
@@ -648,7 +677,7 @@ class _Machine:
                         module, name = self._text(mod_start, mod_end), self._text(name_start, name_end)
                     except UnicodeDecodeError:
                         raise _Break("a global's name is not UTF-8") from None
-                    self._global(module, name, pos)
+                    self._global(module, name, pos, by_line=True)
                     stack = self._pop_mark(metastack)
                     stack.append(UNK)
                 elif op in (0x82, 0x83, 0x84):  # EXT1, EXT2, EXT4: a global by number, from copyreg's registry
