@@ -6,7 +6,7 @@ import re
 from collections import Counter, OrderedDict, defaultdict
 from ._record import record
 
-from .records import Checkpoint, SharedGroup, TensorRecord
+from .records import SharedGroup, TensorRecord
 
 # Components that wrappers insert into keys: DataParallel/DDP, torch.compile, Lightning, FSDP, EMA helpers.
 WRAPPER_TOKENS = ("module", "_orig_mod", "model", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
@@ -196,19 +196,3 @@ def human_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024  # type: ignore[assignment]
     return str(n)
-
-
-def parameter_count(ckpt: Checkpoint) -> int:
-    """Elements in floating tensors of the state_dict (what people mean by "parameters"), a tied one once."""
-    from .dtypes import FLOATING
-
-    tensors = ckpt.state_dict_tensors() or ckpt.tensors
-    seen: set[tuple] = set()  # one tensor under two names (tied weights) is counted once
-    total = 0
-    for t in tensors:
-        if t.dtype in FLOATING or t.dtype.startswith("complex"):
-            ident = (t.storage.ident, t.storage_offset, t.shape, t.stride) if t.storage is not None else (t.key,)
-            if ident not in seen:
-                seen.add(ident)
-                total += t.numel
-    return total

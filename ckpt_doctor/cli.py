@@ -66,6 +66,14 @@ def _allow_global_option(p: Any) -> None:
                    "for your own config classes. Names known to run code (os, sys, eval, …) cannot be allowed.")
 
 
+def _require_default_load_option(p: Any) -> None:
+    p.add_argument("--require-default-load", action="store_true",
+                   help="Exit 1 unless torch.load(path) with torch's defaults loads the file on this machine: "
+                   "weights_only=True (torch >= 2.6) refuses globals off torch's own list, such as an "
+                   "argparse.Namespace, and a tensor saved on a device this machine lacks needs map_location. For CI "
+                   "before publishing a checkpoint.")
+
+
 def _write_page(path: str, text: str, inputs: tuple) -> None:
     """An --html page, written as every output is: a temporary file beside it, synced, renamed; never an input."""
     from pathlib import Path
@@ -97,6 +105,17 @@ def _allow(names: tuple[str, ...]) -> None:
         allow_globals(names)
 
 
+_ARGV: list[str] = []  # the command line being run: an error's way out is this command, changed
+
+
+def _rerun_command(rerun: Any) -> str:
+    """A way out of an error as the whole command to paste: the user's own, with the flags it needs."""
+    from .advice import command_line, rerun_argv
+
+    argv = rerun_argv(_ARGV, rerun.add, rerun.remove) if _ARGV else None
+    return f"`{command_line(argv)}`" if argv is not None else rerun.describe()
+
+
 def handle_errors(func: Callable[..., int]) -> Callable[..., None]:
     """One `Error: …` line and exit 2 for every failure; tracebacks only with CKPT_DOCTOR_DEBUG=1."""
 
@@ -111,7 +130,7 @@ def handle_errors(func: Callable[..., int]) -> Callable[..., None]:
         except CkptDoctorError as exc:
             if debug:
                 raise
-            say(f"Error: {exc}", color="red")
+            say(f"Error: {exc.render(_rerun_command)}", color="red")
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             say("Error: interrupted")
@@ -169,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         _parser(None).print_help(sys.stderr)
         sys.stderr.write(f"Error: name a command ({', '.join(COMMANDS)})\n")
         sys.exit(2)
+    _ARGV[:] = argv
     name = argv[0] if argv[0] in COMMANDS else None  # only the parser of the command asked for is built
     parser = _parser(name)
     parser.command = name
@@ -261,8 +281,8 @@ def _path(text: str) -> str:
 
 def _fraction(text: str) -> float:
     value = _number(text, float)
-    if not 0 <= value <= 1:
-        raise _type_error(f"{text!r} is not between 0 and 1")
+    if not 0 < value <= 1:
+        raise _type_error(f"{text!r} is not more than 0 and at most 1 (a check that loads nothing proves nothing)")
     return value
 
 
@@ -326,6 +346,7 @@ def _inspect_options(p: Any) -> None:
     p.add_argument("--html", dest="html_out", metavar="FILE", type=_path, help="Also write a self-contained page (no "
                    "network): parameters per module, per-tensor value histograms and NaN/Inf/constant flags (reads "
                    "the data, as --stats), the verdict and fix with --model.")
+    _require_default_load_option(p)
     _allow_global_option(p)
     p.add_argument("--no-color", action="store_true", help="No colour on stderr (NO_COLOR is honoured too).")
 
@@ -334,7 +355,7 @@ def _inspect_options(p: Any) -> None:
 def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bool, model_spec: str | None,
             model_args: tuple[str, ...], allow_missing: str | None, allow_unexpected: str | None,
             min_loaded: float | None, select: str | None, values: bool, html_out: str | None,
-            allow_global: tuple[str, ...], no_color: bool) -> int:
+            require_default_load: bool, allow_global: tuple[str, ...], no_color: bool) -> int:
     """Show what a checkpoint holds: keys, shapes, dtypes, saved devices, prefixes, metadata, unsafe globals.
 
     CKPT is a file (torch zip, legacy torch, TorchScript, safetensors, a pickle) or a folder (a shard
@@ -381,13 +402,13 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
         report = inspect_checkpoint(ckpt, stats=stats or bool(html_out), filter=filter_, model=model_spec,
                                     model_args=args, allow_missing=allow_missing,
                                     allow_unexpected=allow_unexpected, min_loaded=min_loaded, values=values,
-                                    select=select)
+                                    select=select, require_default_load=require_default_load)
     except SeveralCheckpoints as exc:
         needs_one = [flag for flag, given in (("--model", model_spec), ("--stats", stats), ("--html", html_out),
                                               ("--filter", filter_), ("--values", values)) if given]
         if needs_one:  # a listing has one line per file: these need the file named
             raise UsageError(f"{exc} ({needs_one[0]} needs one checkpoint)") from None
-        return _inspect_folder(exc.folder, as_json, no_color)
+        return _inspect_folder(exc.folder, as_json, no_color, require_default_load)
     if html_out:
         from .render.html import inspect_html
 
@@ -399,20 +420,21 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
     else:
         from .render.table import inspect_summary, inspect_table
 
+        from .render.table import summary_problems
+
         echo(inspect_table(report, full=full))
+        bad = summary_problems(report)
         for line in inspect_summary(report, full=full):
-            say(line, color="red" if line.startswith(("DANGEROUS", "CODE", "safety", "values", "batchnorm",
-                                                      "verdict  strict load F", "verdict  FAILS")) else None,
-                no_color=no_color)
-    return 1 if report.has_problems else 0
+            say(line, color="red" if line.split(" ", 1)[0] in bad else None, no_color=no_color)
+    return report.exit_code
 
 
-def _inspect_folder(folder: Any, as_json: bool, no_color: bool) -> int:
+def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_load: bool = False) -> int:
     """A folder of many checkpoints: one line per file (read several at once), a total; exit as the worst file."""
     from .listing import list_folder
     from .render.listing_out import listing_json, listing_summary, listing_table
 
-    listing = list_folder(folder)
+    listing = list_folder(folder, require_default_load)
     if as_json:
         from .render.json_out import dumps
 
@@ -432,22 +454,27 @@ def _fix_options(p: Any) -> None:
                    "present.")
     p.add_argument("--add-module", action="store_true", help="Add a leading `module.` to every key.")
     p.add_argument("--strip-prefix", action="append", default=[], metavar="P", help="Remove a leading prefix P where "
-                   "present (keys without it are left alone). Repeatable.")
-    p.add_argument("--add-prefix", action="append", default=[], metavar="P", help="Add prefix P to every key. "
-                   "Repeatable.")
+                   "present (keys without it are left alone). P is whole key components: module means module. "
+                   "(to cut inside a component, use --rename). Repeatable.")
+    p.add_argument("--add-prefix", action="append", default=[], metavar="P", help="Add prefix P (whole components: "
+                   "model means model.) to every key. Repeatable.")
     p.add_argument("--rename", action="append", default=[], metavar="REGEX=REPL", help="re.sub(REGEX, REPL, key). "
                    "Repeatable.")
     p.add_argument("--drop", action="append", default=[], metavar="REGEX", help="Leave out tensors and entries whose "
                    "path matches (e.g. --drop '^optimizer'). Repeatable.")
     p.add_argument("--select", metavar="PATH", help="Write only the tensors under PATH, keyed relative to it: the "
                    "state_dict of a training checkpoint (state_dict, model, ema) or a sub-module of a whole-model "
-                   "pickle.")
+                   "pickle. --select '' is all of the file: nested as saved in a torch output (exactly as without "
+                   "--select), every tensor in a safetensors one. What is left out is listed as dropped.")
     p.add_argument("--map-location", action="append", default=[], metavar="DEV|FROM=TO",
                    help="Rewrite saved device tags for good: `cpu` (all tensors) or `cuda:3=cuda:0`. Repeatable.")
-    p.add_argument("--dtype", metavar="DT", help="Cast floating tensors to float16, bfloat16 or float32 (integer "
-                   "buffers such as num_batches_tracked are untouched).")
-    p.add_argument("--model", dest="model_spec", metavar="SPEC", help="Model for --auto/--reorder/--map-by-order "
-                   "(package.module:attr, file.py:attr or a reference checkpoint).")
+    p.add_argument("--dtype", metavar="DT", help="Cast floating tensors to float16 (half, fp16), bfloat16 (bf16), "
+                   "float32 (float, fp32) or float64 (double, fp64); integer buffers such as num_batches_tracked are "
+                   "untouched.")
+    p.add_argument("--model", dest="model_spec", metavar="SPEC", help="The model the output must load into "
+                   "(package.module:attr, file.py:attr or a reference checkpoint): the output is checked with torch's "
+                   "loading code before anything is written, and refused when it would not load strictly. Needed by "
+                   "--auto, --reorder and --map-by-order.")
     p.add_argument("--model-arg", dest="model_args", action="append", default=[], metavar="KEY=VALUE",
                    help="Constructor argument.")
     p.add_argument("--auto", action="store_true", help="Apply the fix `inspect --model` suggests.")
@@ -538,10 +565,15 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     out_path = Path(output)
     fmt = output_format(out_path, OutputFormat(format_) if format_ else None)
     checkpoint = read_checkpoint(ckpt)
-    if not allow_unsafe:
+    if not allow_unsafe and checkpoint.dangerous_globals:
         # A whole pickled model (code: its classes) is what fix rescues; what is known to be dangerous needs consent.
-        checkpoint.refuse_if_unsafe("rewrite it", "To keep only its tensors, add --allow-unsafe --select PATH "
-                                                  "(nothing it names is ever written)", code_too=False)
+        from .advice import rescue
+        from .errors import Rerun
+
+        found = rescue(checkpoint)
+        extra = tuple(found.argv[4:]) if found is not None else ("--allow-unsafe",)
+        checkpoint.refuse_if_unsafe("rewrite it", "To keep only its tensors and plain data (nothing it names is ever "
+                                    "run or written): {0}", code_too=False, reruns=(Rerun(add=extra),))
     shard_bytes = parse_size(max_shard_size) if max_shard_size else None
     if not dry_run and shard_bytes is None and fmt is not OutputFormat.DCP:  # a DCP folder: checked as it is written
         check_destination(out_path, checkpoint.files, force)
@@ -558,7 +590,8 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     options = FixOptions(transforms=tuple(steps), select=select, map_location=parse_map_location(map_location),
                          dtype=parse_dtype(dtype), model=model, reorder=reorder, auto=auto,
                          map_by_order=map_by_order, force=force, format=fmt, allow_missing=allow_missing,
-                         allow_unexpected=allow_unexpected, ties=tuple(_parse_tie(t) for t in ties))
+                         allow_unexpected=allow_unexpected, ties=tuple(_parse_tie(t) for t in ties),
+                         dry_run=dry_run)
     plan = plan_fix(checkpoint, out_path, options)
     if dry_run:
         if as_json:
@@ -651,8 +684,8 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, full: bool, ht
     else:
         echo(diff_table(report, full))
     for line in diff_summary(report):
-        say(line)
-    return 0 if report.same else 1
+        say(line, color="red" if line.startswith(("unsafe", "verdict")) and report.exit_code else None)
+    return report.exit_code
 
 
 def _verify_options(p: Any) -> None:
@@ -725,9 +758,9 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
         bounds = (int(low), int(high))
     except ValueError:
         raise UsageError(f"--input-range {input_range!r}: expected LOW,HIGH such as 0,1000") from None
-    from .dtypes import torch_dtype_name
+    from .dtypes import user_dtype_name
 
-    dtype = torch_dtype_name(input_dtype)
+    dtype = user_dtype_name(input_dtype)
     if dtype is None:
         raise UsageError(f"--input-dtype {input_dtype!r} is not a torch dtype")
     spec = InputSpec(tuple(parse_shape(s) for s in input_shapes), dtype, bounds[0], bounds[1], input_fn)
@@ -799,12 +832,14 @@ def _scan_options(p: Any) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH", type=_path, help="Files or folders (searched recursively).")
     p.add_argument("--json", dest="as_json", action="store_true", help="Print the findings as JSON.")
     p.add_argument("--all", dest="show_all", action="store_true", help="List allow-listed globals too.")
+    _require_default_load_option(p)
     _allow_global_option(p)
     p.add_argument("--no-color", action="store_true", help="No colour on stderr (NO_COLOR is honoured too).")
 
 
 @command(_scan_options, EXIT_CODES)
-def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, allow_global: tuple[str, ...], no_color: bool) -> int:
+def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, require_default_load: bool,
+         allow_global: tuple[str, ...], no_color: bool) -> int:
     """Would torch.load(weights_only=False) run code from these files? Every global every pickle names, judged.
 
     \b
@@ -835,7 +870,7 @@ def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, allow_global: tu
     from .scan import scan as run_scan
 
     _allow(allow_global)
-    report = run_scan(list(paths))
+    report = run_scan(list(paths), require_default_load=require_default_load)
     if as_json:
         from .render.json_out import dumps
 
@@ -848,15 +883,21 @@ def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, allow_global: tu
         # one unreadable path: one line, as everywhere
         say(f"Error: {report.errors[0]}", color="red", no_color=no_color)
         return 2
-    for line in scan_summary(report):
-        say(line, color="red" if " — DANGEROUS" in line or " — CODE" in line else None, no_color=no_color)
+    for line, bad in scan_summary(report, with_severity=True):
+        say(line, color="red" if bad else None, no_color=no_color)
     for problem in report.problems:
         say(f"Error: {problem}", color="red", no_color=no_color)
-    if report.exit_code == 1:
-        say(f"{report.findings} finding(s): torch.load(weights_only=False) would run code from "
-            f"{sum(1 for f in report.files if f.exit_code == 1)} file(s). Never load them that way; rescue their "
-            "tensors with `ckpt-doctor fix FILE -o clean.pt` (nothing they name is run or written)",
-            color="red", no_color=no_color)
+    unsafe = sum(1 for f in report.files if f.exit_code == 1)
+    if unsafe:
+        say(f"{report.findings} finding(s): torch.load(weights_only=False) would run code from {unsafe} file(s). "
+            "Never load them that way; each file's rescue line writes its tensors and plain data as a file "
+            "torch.load loads with its defaults (nothing they name is run or written)", color="red",
+            no_color=no_color)
+    refused = sum(1 for f in report.files if f.refused_by_default_load and f.exit_code != 1)
+    if refused:
+        say(f"{refused} file(s) that run nothing are refused by torch.load with its defaults here (see their "
+            "torch.load lines)" + ("" if report.require_default_load else "; --require-default-load makes that "
+                                   "exit 1"), color="red" if report.require_default_load else None, no_color=no_color)
     return report.exit_code
 
 

@@ -93,11 +93,13 @@ class Comparison:
     # --allow-missing does not name (None: no allowance, the strict load alone decides), and why, for the verdict.
     required_fraction: float | None = None
     required_reason: str = ""
+    model_flags: tuple[str, ...] = ()  # how `fix` is told of the model: --model SPEC [--model-arg k=v …]
 
     @property
     def strict_ok(self) -> bool:
-        return not (self.missing or self.unexpected or self.mismatched or self.errors
-                    or self.missing_devices)
+        """load_state_dict(strict=True) succeeds. Saved devices this machine lacks are no part of it: they are a fact
+        of torch.load(path) (DefaultLoad), which --map-location or map_location= settles."""
+        return not (self.missing or self.unexpected or self.mismatched or self.errors)
 
     @property
     def plain_strict_ok(self) -> bool:
@@ -303,11 +305,10 @@ def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, *, select: str | None
     devices = tuple(missing_devices(sorted({t.device for t in tensors})))
     if devices:
         flags = list(comparison.suggested_fix)
-        if "--map-location" not in flags:
+        if flags and "--map-location" not in flags:  # a file rewritten anyway: one that also loads here
             flags += ["--map-location", "cpu"]
-        comparison = _replace(comparison, missing_devices=devices, suggested_fix=tuple(flags),
-                              fix_kind="retag" if comparison.fix_kind == "none" else comparison.fix_kind)
-    return comparison
+        comparison = _replace(comparison, missing_devices=devices, suggested_fix=tuple(flags))
+    return _replace(comparison, model_flags=model.flags)
 
 
 def _replace(c: Comparison, **changes: Any) -> Comparison:

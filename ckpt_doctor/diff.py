@@ -61,7 +61,21 @@ class DiffReport:
 
     @property
     def same(self) -> bool:
+        """The values: every pair identical, or within the tolerances."""
         return all(r.status in ("identical", "close") for r in self.rows)
+
+    @property
+    def unsafe_sides(self) -> tuple[str, ...]:
+        """"A", "B": the sides that would run code under torch.load(weights_only=False) (a whole pickled model:
+        its tensors are compared all the same)."""
+        from .records import Verdict
+
+        return tuple(side for side, ckpt in (("A", self.a), ("B", self.b)) if ckpt.verdict is not Verdict.SAFE)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when the checkpoints are the same and neither would run code; 1 otherwise (as diff(1), and as `scan`)."""
+        return 0 if self.same and not self.unsafe_sides else 1
 
     def count(self, status: str) -> int:
         return sum(1 for r in self.rows if r.status == status)

@@ -33,6 +33,12 @@ DTYPE_ALIASES: dict[str, str] = {
     "float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32",
     "short": "int16", "cfloat": "complex64", "cdouble": "complex128", "chalf": "complex32",
 }
+# Short names people write on a command line (mixed-precision flags and Hugging Face configs): for user input only,
+# never for a name a pickle gives (torch has no `torch.fp16`).
+SHORT_NAMES: dict[str, str] = {
+    "fp16": "float16", "f16": "float16", "bf16": "bfloat16", "fp32": "float32", "f32": "float32",
+    "fp64": "float64", "f64": "float64",
+}
 
 FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
                       "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"})
@@ -53,6 +59,13 @@ def torch_dtype_name(name: str) -> str | None:
     name = name.removeprefix("torch.")
     name = DTYPE_ALIASES.get(name, name)
     return name if name in ELEMENT_SIZE else None
+
+
+def user_dtype_name(text: str) -> str | None:
+    """A dtype as a person writes it on a command line: torch's names and aliases (`half`, `torch.float16`), any
+    case, and the short ones (`fp16`, `bf16`)."""
+    name = text.strip().lower()
+    return torch_dtype_name(SHORT_NAMES.get(name, name))
 
 
 def element_size(dtype: str) -> int:

@@ -2,11 +2,60 @@
 
 from __future__ import annotations
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only
+    from typing import Callable
+
+
+class Rerun:
+    """A way out of an error that is the user's own command, changed: flags added, flags (with their values) taken
+    out. The command line renders it as the whole command to paste; `str()` of the error (the Python API, a log)
+    as the flags to add."""
+
+    __slots__ = ("add", "remove")
+
+    def __init__(self, add: tuple[str, ...] = (), remove: tuple[str, ...] = ()) -> None:
+        self.add, self.remove = tuple(add), tuple(remove)
+
+    def __repr__(self) -> str:
+        return f"Rerun(add={self.add!r}, remove={self.remove!r})"
+
+    def describe(self) -> str:
+        """Without the command it changes: `with --force`, `with --rename 'a=b' instead of --rename 'a='`."""
+        import shlex
+
+        text = "the same command with " + " ".join(shlex.quote(a) for a in self.add) if self.add else \
+            "the same command"
+        if self.remove:
+            text += " instead of " + " ".join(shlex.quote(a) for a in self.remove)
+        return text
+
 
 class CkptDoctorError(Exception):
-    """Base class. The CLI prints `Error: <message>` and exits 2 (could not do what was asked)."""
+    """Base class. The CLI prints `Error: <message>` and exits 2 (could not do what was asked).
+
+    `reruns` are ways out that change the user's command; the message names them `{0}`, `{1}`, … where they go. The
+    command line puts the whole command there (`ckpt-doctor fix a.pt -o b.pt --force`), in backticks."""
 
     exit_code = 2
+
+    def __init__(self, message: str = "", *args: object, reruns: tuple[Rerun, ...] = ()) -> None:
+        super().__init__(message, *args)
+        self.reruns = tuple(reruns)
+
+    def render(self, command: "Callable[[Rerun], str] | None" = None) -> str:
+        """The message with each way out written by `command` (the CLI's: the whole command line), or described."""
+        message = str(self.args[0]) if self.args else ""
+        if not self.reruns:
+            return message
+        import re
+
+        texts = [command(r) if command is not None else r.describe() for r in self.reruns]
+        return re.sub(r"\{(\d)\}", lambda m: texts[int(m.group(1))] if int(m.group(1)) < len(texts) else m.group(),
+                      message)
+
+    def __str__(self) -> str:
+        return self.render()
 
 
 class UsageError(CkptDoctorError):
@@ -20,8 +69,8 @@ class ReadError(CkptDoctorError):
     that also names a global off the allow-list is reported as unsafe (exit 1), not merely as corrupt (exit 2).
     """
 
-    def __init__(self, message: str, findings: tuple[str, ...] = ()) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, findings: tuple[str, ...] = (), *, reruns: tuple[Rerun, ...] = ()) -> None:
+        super().__init__(message, reruns=reruns)
         self.findings = findings
 
     @property
@@ -64,3 +113,15 @@ class NotACheckpoint(ReadError):
     """The file reads fine but is something else — an HDF5 file, a NumPy array, text, an image, an archive — and
     the message names it and what opens it. `inspect DIR` and `scan DIR` skip such a file (a line says so) unless
     it also names a global off the allow-list (`findings`): then it is a finding like any unsafe pickle."""
+
+
+def one_line(text: object, limit: int = 300) -> str:
+    """An exception or message as one line of plain text: escape sequences (torch colours its hints) and line
+    breaks out, cut at a word with an ellipsis — never in the middle of one."""
+    import re
+
+    plain = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", str(text))
+    plain = " ".join(plain.split()) or (type(text).__name__ if isinstance(text, BaseException) else "")
+    if len(plain) > limit:
+        plain = plain[:limit].rsplit(" ", 1)[0] + " …"
+    return plain

@@ -5,14 +5,14 @@ from __future__ import annotations
 import enum
 import os
 import re
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from ._record import field, record, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .assemble import stream, whole_piece_runs
-from .dtypes import FLOATING, element_size, torch_dtype_name
-from .errors import PlanError, UsageError, WriteError
+from .dtypes import FLOATING, element_size, user_dtype_name
+from .errors import PlanError, UsageError, WriteError, one_line
 from .records import Assembly, Checkpoint, Format, GlobalRef, TensorRecord, Verdict, ancestors, relative_to_root
 from .safepickle.unpickler import Opaque, RawTensor, SizeValue
 from .tensordata import tensor_bytes
@@ -66,6 +66,7 @@ class FixOptions:
     allow_unexpected: str | None = None  # with --model: output keys the model may lack
     ties: tuple[tuple[str, str], ...] = ()  # (alias, key): write `alias` as the same tensor as `key`
     closest: tuple[str, ...] = ()  # with --auto: the flags of the fix inspect --model infers, for the message
+    dry_run: bool = False  # planned to be shown, not written: what only writing needs (--force) is not asked
 
 
 @record
@@ -89,6 +90,7 @@ class FixPlan:
     notes: tuple[str, ...] = ()
     tied: dict[str, str] = field(default_factory=dict)  # safetensors: duplicate key -> key written
     metadata: dict[str, str] = field(default_factory=dict)  # safetensors __metadata__
+    ambiguous: tuple[str, ...] = ()  # --map-by-order: the keys whose place another of their shape could take
 
     @property
     def nbytes(self) -> int:
@@ -147,6 +149,13 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         auto_select = select is None and bool(comparison.fix_root or comparison.state_dict_root)
         if auto_select:
             select = comparison.fix_root or comparison.state_dict_root
+        if comparison.paired and comparison.ambiguous and not (opts.force or opts.dry_run):
+            from .errors import Rerun
+
+            raise PlanError(f"--auto: {len(comparison.ambiguous)} of the renames it infers pair keys of one shape by "
+                            f"their order (first: {comparison.ambiguous[0]}), so a swap would go unnoticed; see the "
+                            "mapping with {0}, and write it, once checked, with {1}",
+                            reruns=(Rerun(add=("--dry-run",)), Rerun(add=("--force",))))
         transforms += list(comparison.transforms)
         if comparison.fix_kind == "map-by-order":
             opts = replace(opts, map_by_order=True)
@@ -155,18 +164,30 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         opts = replace(opts, ties=opts.ties + comparison.ties, closest=comparison.suggested_fix)
         if comparison.missing_devices and not opts.map_location:
             opts = replace(opts, map_location=(("*", "cpu"),))
-        applied.append("--auto → " + (" ".join(comparison.suggested_fix) or "(nothing to change)"))
-    root = select if select is not None else ckpt.state_dict_root
+        shown = list(comparison.suggested_fix)
+        if "--map-location" in shown:  # listed once, as its own step, below
+            at = shown.index("--map-location")
+            del shown[at:at + 2]
+        applied.append("--auto → " + (" ".join(shown) or "(nothing to change)"))
+    nested_format = fmt in (OutputFormat.TORCH, OutputFormat.DCP)  # formats that hold a tree, not only tensors
     if select is not None:
         _check_select(ckpt, select)
         if not (opts.auto and auto_select):  # --auto's own --select is already in its line
             applied.append(f"--select {select or chr(39) * 2}")
+    # `--select ''` is all of the file. A format that holds a tree keeps it nested as saved: a training checkpoint
+    # exactly as without --select (its state_dict renamed in place); a distributed one, or a file without a
+    # state_dict, whole as saved (what dcp_to_torch_save writes). A tensors-only format gets every tensor.
+    everything = select == "" and nested_format
+    if everything and not ckpt.distributed and ckpt.state_dict_root is not None and isinstance(ckpt.root, dict):
+        select = None
+    root = select if select is not None else ckpt.state_dict_root
     if root is None:
-        raise PlanError(f"{ckpt.path}: no state_dict found to repair; name the part to write with --select PATH")
-    # A distributed checkpoint (DCP, ZeRO) gives its model weights by default, in any format; `--select ''` gives all
-    # of it, nested as saved (what dcp_to_torch_save writes).
-    nested_format = fmt in (OutputFormat.TORCH, OutputFormat.DCP)  # formats that hold a tree, not only tensors
-    whole_tree = select == "" and bool(ckpt.distributed) and nested_format
+        tops = ", ".join(sorted({t.key.split(".", 1)[0] for t in ckpt.tensors})[:8])
+        raise PlanError(f"{ckpt.path}: no state_dict found to repair (no container holds mostly tensors); name the "
+                        f"part to write with --select PATH (entries with tensors: {tops or 'none'}), or write all of "
+                        "it with --select ''")
+    # A distributed checkpoint (DCP, ZeRO) gives its model weights by default, in any format.
+    whole_tree = everything and select == ""
     # An optimizer's state_dict ({"state", "param_groups"}) is only loadable whole: selected, it keeps its nesting.
     subtree = _subtree(ckpt.root, select) if select else _MISSING
     optimizer_select = isinstance(subtree, dict) and "state" in subtree and "param_groups" in subtree
@@ -207,8 +228,9 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     plan = plan_keys([t.key for t in kept], renames)
     applied += [" ".join(t.flags()) for t in transforms if not opts.auto]
     mapping = dict(plan.mapping)
+    ambiguous: list[str] = []
     if opts.map_by_order:
-        mapping = _map_by_order(kept, mapping, opts.model, opts.force, notes)
+        mapping = _map_by_order(kept, mapping, opts.model, opts.force, notes, opts.dry_run, ambiguous)
         applied.append("--map-by-order")
     if opts.reorder:
         rank = {e.key: i for i, e in enumerate(opts.model.entries)}
@@ -282,6 +304,16 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         under = _tensors_under(cut - {root}, full_records, prefix)
         dropped += under + sorted(p for p in cut - {root} if not any(k == p or k.startswith(p + ".") for k in under))
     refuse_unwritable(problems)
+    # Nothing leaves without being listed: what lies beside the written part, and what a tensors-only output (or
+    # the state_dict's place in a nested one) cannot hold.
+    if not whole_tree and isinstance(ckpt.root, (dict, list, tuple)):
+        part = root if flat_output else None
+        keeps_extras = flat_output and root == "" and select is None and nested_format and isinstance(ckpt.root, dict)
+        listed = set(dropped)
+        for path in left_out(ckpt.root, part if part is not None else root, beside=part is not None,
+                             inside=not keeps_extras):
+            if path not in listed and not _dropped(path, drops):
+                dropped.append(path)
     tied: dict[str, str] = {}
     metadata: dict[str, str] = {}
     if fmt is OutputFormat.SAFETENSORS:
@@ -309,7 +341,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
             notes.append(f"the output keeps the device tags {', '.join(absent)}, which this machine lacks: "
                          "torch.load here needs map_location; add --map-location cpu to rewrite them for good")
     return FixPlan(ckpt.path, output, fmt, tuple(applied), {o: n for o, n in mapping.items()},
-                   tuple(dropped), tuple(outs), tree, tuple(notes), tied, metadata)
+                   tuple(dropped), tuple(outs), tree, tuple(notes), tied, metadata, tuple(ambiguous))
 
 
 def _tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...], fmt: OutputFormat,
@@ -345,8 +377,11 @@ def _check_loads(state: "OrderedDict[str, OutTensor]", opts: FixOptions, notes: 
     missing = [k for k in check.missing if k not in allowed_m]
     mismatched = [m for m in check.mismatched if m.key not in allowed_m]
     unexpected = [k for k in check.unexpected if k not in allowed_u]
-    if missing or mismatched or unexpected or check.errors:
-        parts = []
+    from .compare import short_of_required
+
+    short = short_of_required(opts.model, check, opts.allow_missing)
+    if missing or mismatched or unexpected or check.errors or short:
+        parts = [short] if short else []
         if missing:
             parts.append(f"{len(missing)} missing ({', '.join(missing[:3])}{'…' if len(missing) > 3 else ''})")
         if unexpected:
@@ -355,7 +390,7 @@ def _check_loads(state: "OrderedDict[str, OutTensor]", opts: FixOptions, notes: 
         if mismatched:
             parts.append(f"{len(mismatched)} of another shape ({', '.join(m.key for m in mismatched[:3])})")
         if check.errors:
-            parts.append(f"the model's loading code: {check.errors[0][:120]}")
+            parts.append(f"the model's loading code: {one_line(check.errors[0], 160)}")
         import shlex
 
         closest = (f"the closest fix: {' '.join(shlex.quote(f) for f in opts.closest)}" if opts.closest else
@@ -395,6 +430,46 @@ def _subtree(obj: Any, path: str) -> Any:
     return _MISSING
 
 
+def left_out(tree: Any, part: str, *, beside: bool, inside: bool) -> list[str]:
+    """Paths of the source tree an output at `part` does not hold: with `beside`, every entry beside the part at
+    each level above it (a training checkpoint's `optimizer`, `epoch` when its `model` is written alone); with
+    `inside`, the entries within the part that hold no tensor (a state_dict's `version`, an `_extra_state` object),
+    which a state_dict of tensors cannot hold. A container left out whole is one path."""
+    out: list[str] = []
+    node, at = tree, ""
+    rest = part
+    while rest:  # down the part's path; keys may hold dots themselves, so the longest matching name is taken
+        items = _items(node)
+        step = next(((name, value) for name, value in sorted(items, key=lambda kv: -len(kv[0]))
+                     if rest == name or rest.startswith(name + ".")), None)
+        if step is None:
+            return out
+        if beside:
+            out += [join(at, name) for name, _ in items if name != step[0]]
+        node, at = step[1], join(at, step[0])
+        rest = rest[len(step[0]) + 1:]
+    if inside:
+        todo = [(at, node)]
+        while todo:
+            path, value = todo.pop()
+            for name, child in _items(value):
+                if isinstance(child, RawTensor):
+                    continue
+                if isinstance(child, (dict, list, tuple)) and has_tensor(child):
+                    todo.append((join(path, name), child))
+                elif not (isinstance(child, Opaque) and has_tensor(child)):  # a module's own tensors are written
+                    out.append(join(path, name))
+    return out
+
+
+def _items(node: Any) -> list[tuple[str, Any]]:
+    if isinstance(node, dict):
+        return [(k if isinstance(k, str) else str(k), v) for k, v in node.items()]
+    if isinstance(node, (list, tuple)) and type(node) is not SizeValue:
+        return [(str(i), v) for i, v in enumerate(node)]
+    return []
+
+
 def _check_select(ckpt: Checkpoint, select: str) -> None:
     if select == "" and ckpt.tensors:
         return  # the whole checkpoint
@@ -408,7 +483,7 @@ def _check_select(ckpt: Checkpoint, select: str) -> None:
 
 
 def _map_by_order(kept: list[TensorRecord], mapping: dict[str, str], model: ModelKeys | None, force: bool,
-                  notes: list[str]) -> dict[str, str]:
+                  notes: list[str], dry_run: bool = False, marked: list[str] | None = None) -> dict[str, str]:
     assert model is not None
     entries = list(model.entries)
     olds = list(mapping)
@@ -424,11 +499,20 @@ def _map_by_order(kept: list[TensorRecord], mapping: dict[str, str], model: Mode
     from .compare import ambiguous_positions
 
     ambiguous = ambiguous_positions([by_key[old] for old in olds], [e.key for e in entries])
-    if ambiguous and not force:
+    if marked is not None:
+        counts = Counter(tuple(by_key[old].shape) for old in olds)
+        marked += [old for old in olds if by_key[old].numel > 1 and counts[tuple(by_key[old].shape)] > 1]
+    if ambiguous and not (force or dry_run):
+        from .errors import Rerun
+
         raise PlanError(f"--map-by-order: {len(ambiguous)} positions have a neighbour of the same shape (first: "
-                        f"{ambiguous[0]}), so a swap would go unnoticed; check with --dry-run and pass --force")
-    if ambiguous:
+                        f"{ambiguous[0]}), so a swap would go unnoticed; see the mapping with {{0}}, and write it, "
+                        "once checked, with {1}", reruns=(Rerun(add=("--dry-run",)), Rerun(add=("--force",))))
+    if ambiguous and force:
         notes.append(f"--map-by-order with --force: {len(ambiguous)} ambiguous positions mapped by order")
+    elif ambiguous:
+        notes.append(f"--map-by-order: {len(ambiguous)} positions share their shape with another (marked ≈): a swap "
+                     "among them would go unnoticed; writing this mapping needs --force")
     return {old: entry.key for old, entry in zip(olds, entries)}
 
 
@@ -506,40 +590,52 @@ def check_writable(obj: Any, path: str, problems: list) -> None:
 
 
 def refuse_unwritable(problems: list) -> None:
-    """Exit 2 naming every object fix would have to leave out, and the one --drop that leaves them all out."""
+    """Exit 2 naming every object fix would have to leave out, with the one --drop that leaves them all out (as a
+    command to paste; `.drop` holds its pattern for callers that plan a rescue)."""
     if not problems:
         return
+    from .errors import Rerun
     from .safepickle.policy import resolve
 
     pairs = list(dict.fromkeys((path, ".".join(resolve(r.module, r.name)), r.verdict) for path, r in problems))
     paths = list(dict.fromkeys(path for path, _, _ in pairs))
     names = list(dict.fromkeys(name for _, name, _ in pairs))
     dangerous = any(v is Verdict.DANGEROUS for _, _, v in pairs)
-    keep = "" if dangerous else f", or keep {'it' if len(paths) == 1 else 'them'} with " + \
-        " ".join(f"--allow-global {n}" for n in names)
+    reruns: list[Rerun] = []
+    pattern = None
     if not all(paths):
-        drop = "--select PATH (the file's root itself is such an object)"
-    elif len(paths) == 1:
-        drop = f"--drop '^{re.escape(paths[0])}$'"
+        drop = "--select with the part that holds the tensors (the file's root itself is such an object)"
     else:
-        drop = "--drop '^(" + "|".join(re.escape(p) for p in paths) + ")$'"
+        pattern = f"^{re.escape(paths[0])}$" if len(paths) == 1 else \
+            "^(" + "|".join(re.escape(p) for p in paths) + ")$"
+        reruns.append(Rerun(add=("--drop", pattern)))
+        drop = "{0}"
         tops = list(dict.fromkeys(p.split(".")[0] for p in paths))
-        if len(tops) == 1:
-            drop += f" (or the whole entry: --drop '^{re.escape(tops[0])}$')"
+        if len(paths) > 1 and len(tops) == 1:
+            reruns.append(Rerun(add=("--drop", f"^{re.escape(tops[0])}$")))
+            drop += " (or the whole entry: {1})"
+    keep = ""
+    if not dangerous:
+        at = len(reruns)
+        reruns.append(Rerun(add=tuple(a for n in names for a in ("--allow-global", n))))
+        keep = (f", or keep {'it' if len(paths) == 1 else 'them'} with {{{at}}} (then torch.load needs "
+                f"torch.serialization.add_safe_globals for {'it' if len(names) == 1 else 'them'})")
     refused = "which torch.load(weights_only=True) refuses and ckpt-doctor does not write"
     if len(pairs) == 1:
         path, name, verdict = pairs[0]
         what = f"{path or 'the root'} holds {'an' if name[:1].lower() in 'aeiou' else 'a'} {name} ({verdict.value}), "
-        raise PlanError(f"{what}{refused}. Leave it out with {drop}{keep}")
-    by_path: dict[str, list[str]] = {}
-    for path, name, _ in pairs:
-        by_path.setdefault(path, []).append(name)
-    shown = "; ".join(f"{p or 'the root'} ({', '.join(ns[:2])}{', …' if len(ns) > 2 else ''})"
-                      for p, ns in list(by_path.items())[:6])
-    more = f"; … {len(paths) - 6} more" if len(paths) > 6 else ""
-    if len(names) > 4 and keep:
-        keep = f", or keep them with --allow-global for each of {len(names)} globals ({', '.join(names[:3])}, …)"
-    raise PlanError(f"{len(paths)} entries hold objects {refused}: {shown}{more}. Leave them out with {drop}{keep}")
+        message = f"{what}{refused}. Leave it out with {drop}{keep}"
+    else:
+        by_path: dict[str, list[str]] = {}
+        for path, name, _ in pairs:
+            by_path.setdefault(path, []).append(name)
+        shown = "; ".join(f"{p or 'the root'} ({', '.join(ns[:2])}{', …' if len(ns) > 2 else ''})"
+                          for p, ns in list(by_path.items())[:6])
+        more = f"; … {len(paths) - 6} more" if len(paths) > 6 else ""
+        message = f"{len(paths)} entries hold objects {refused}: {shown}{more}. Leave them out with {drop}{keep}"
+    error = PlanError(message, reruns=tuple(reruns))
+    error.drop = pattern  # type: ignore[attr-defined]
+    raise error
 
 
 def _refs_in(obj: Any) -> list:
@@ -1000,8 +1096,9 @@ def parse_map_location(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 def parse_dtype(value: str | None) -> str | None:
     if value is None:
         return None
-    name = torch_dtype_name(value)
+    name = user_dtype_name(value)
     if name not in ("float16", "bfloat16", "float32", "float64"):
-        raise UsageError(f"--dtype {value!r}: choose float16, bfloat16, float32 or float64")
+        raise UsageError(f"--dtype {value!r}: choose float16 (half, fp16), bfloat16 (bf16), float32 (float, fp32) "
+                         "or float64 (double, fp64)")
     return name
 

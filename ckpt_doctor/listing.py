@@ -9,6 +9,10 @@ files (text, images, HDF5 files, clean NumPy arrays) are skipped, each with what
 
 from __future__ import annotations
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
+    from typing import Any
+
 from pathlib import Path
 
 from ._record import field, record
@@ -30,12 +34,17 @@ class FileLine:
     verdict: str = "safe"  # of its globals and hazards: safe, code, dangerous
     findings: tuple[str, ...] = ()
     error: str | None = None
+    default_load: Any = None  # DefaultLoad: what torch.load(path) with torch's defaults does here
 
     @property
     def exit_code(self) -> int:
         if self.findings:
             return 1
         return 2 if self.error else 0
+
+    @property
+    def refused_by_default_load(self) -> bool:
+        return self.default_load is not None and not self.default_load.ok
 
 
 @record
@@ -44,17 +53,19 @@ class FolderListing:
     files: tuple[FileLine, ...]
     problems: tuple[str, ...] = ()  # paths under the folder that could not be listed
     skipped: tuple[Skipped, ...] = field(default=())  # files that are no checkpoint and run nothing
+    require_default_load: bool = False  # --require-default-load: a file torch.load(path) refuses counts as 1
 
     @property
     def exit_code(self) -> int:
-        """1 when a file would run code (as `inspect FILE`), else 2 when one could not be read, else 0."""
+        """1 when a file would run code (as `inspect FILE`), or torch.load refuses one under --require-default-load;
+        else 2 when one could not be read, else 0."""
         codes = {f.exit_code for f in self.files}
-        if 1 in codes:
+        if 1 in codes or self.require_default_load and any(f.refused_by_default_load for f in self.files):
             return 1
         return 2 if 2 in codes or self.problems else 0
 
 
-def list_folder(folder: Path) -> FolderListing:
+def list_folder(folder: Path, require_default_load: bool = False) -> FolderListing:
     from .pool import map_paths
 
     from .scan import Skipped
@@ -62,7 +73,8 @@ def list_folder(folder: Path) -> FolderListing:
     paths, problems = checkpoint_paths(folder)
     results = map_paths(inspect_line, paths)
     lines = tuple(r for r in results if isinstance(r, FileLine))
-    return FolderListing(folder, lines, tuple(problems), tuple(r for r in results if isinstance(r, Skipped)))
+    return FolderListing(folder, lines, tuple(problems), tuple(r for r in results if isinstance(r, Skipped)),
+                         require_default_load)
 
 
 def checkpoint_paths(folder: Path) -> tuple[list[Path], list[str]]:
@@ -113,4 +125,5 @@ def inspect_line(path: Path) -> FileLine | Skipped:
         return FileLine(path, error=f"{path}: cannot be read ({exc.strerror or exc})")
     ckpt = report.checkpoint
     return FileLine(path, ckpt.format.value, len(ckpt.tensors), report.parameter_count, report.total_bytes,
-                    tuple(sorted({t.dtype for t in ckpt.tensors})), ckpt.verdict.value, ckpt.finding_names())
+                    tuple(sorted({t.dtype for t in ckpt.tensors})), ckpt.verdict.value, ckpt.finding_names(),
+                    default_load=report.default_load)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pickle
+import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from .compare import Comparison, compare_checkpoint
 from .devices import mapper
-from .errors import ReadError
+from .errors import ReadError, one_line
 from .modelspec import model_keys
 from .readers import read_checkpoint
 from .records import Checkpoint, Format, relative_to_root
@@ -27,13 +28,16 @@ def _tensors_via_torch_load(ckpt: Checkpoint, device_map: dict[str, str]) -> dic
     """torch.load(weights_only=True) for plain torch files; None where torch.load would run code or fail."""
     import torch
 
+    from .default_load import default_load
+
     if ckpt.format not in (Format.TORCH_ZIP, Format.TORCH_LEGACY) or ckpt.unsafe_globals or ckpt.hazards:
+        return None
+    if default_load(ckpt).refused:  # torch's unpickler would refuse it (an argparse.Namespace): read the records
         return None
     try:
         loaded = torch.load(ckpt.path, map_location=device_map, weights_only=True)
     except (RuntimeError, ValueError, EOFError, OSError, pickle.UnpicklingError) as exc:
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise ReadError(f"{ckpt.path}: torch.load(weights_only=True) failed: {first}") from None
+        raise ReadError(f"{ckpt.path}: torch.load(weights_only=True) failed: {one_line(exc)}") from None
     flat: dict[str, Any] = {}
 
     def walk(obj: Any, prefix: str) -> None:
@@ -114,7 +118,9 @@ def load_into(model: Any, path: str | Path, fix: str | None = "auto", device: An
     root = (before.fix_root or before.state_dict_root) if fix == "auto" else \
         (select if select is not None else ckpt.state_dict_root)
     state = load(path, target, checkpoint=ckpt, select=root)
-    transforms = list(before.transforms) if fix == "auto" and before.fix_kind in ("rename", "allowed", "none") else []
+    guessed = before.paired and before.ambiguous  # keys of one shape paired by their order: not guessed here
+    transforms = list(before.transforms) if fix == "auto" and before.fix_kind in ("rename", "allowed", "none") \
+        and not guessed else []
     plan = plan_keys(list(state), transforms)
     fixed = OrderedDict((new, state[old]) for old, new in plan.mapping.items())
     for alias, source in keys.tied.items():  # a tied name the file lacks is the same Parameter as one it has
@@ -133,18 +139,39 @@ def load_into(model: Any, path: str | Path, fix: str | None = "auto", device: An
     try:
         model.load_state_dict(fixed, strict=True)
     except RuntimeError as exc:
-        lines = str(exc).strip().splitlines()
-        detail = " ".join(line.strip() for line in lines[:3])
-        how = f"after the inferred fix ({' '.join(before.suggested_fix)})" if transforms else "as it is"
-        raise ReadError(f"{ckpt.path}: strict load into {type(model).__name__} {how} failed: {detail[:300]}"
-                        + ("; pass allow_missing= / allow_unexpected= to accept intended differences"
-                           if not (allow_missing or allow_unexpected) else "")) from None
+        raise ReadError(_load_failure(ckpt, model, exc, before, transforms, allow_missing or allow_unexpected)) \
+            from None
     records = [t for t in (relative_to_root(ckpt.tensors, root) if root is not None else [])]
     by_key = {t.key: t for t in records}
     loaded = [_replace(by_key[old], key=new) for old, new in plan.mapping.items()]
     after = compare_tensors(loaded, keys, root=root, allow_missing=allow_missing, allow_unexpected=allow_unexpected)
     return _replace(after, suggested_fix=before.suggested_fix, fix_kind=before.fix_kind,
                     transforms=tuple(transforms), renames=before.renames, dropped=before.dropped)
+
+
+def _load_failure(ckpt: Checkpoint, model: Any, exc: Exception, before: Comparison, transforms: list,
+                  allowed: str | None) -> str:
+    """Why the strict load failed, in one line of whole words: what is missing and unexpected, and the ways out a
+    caller of load_into has (its keyword arguments; a mapping by order is `ckpt-doctor fix`'s alone)."""
+    parts = []
+    for label, head in (("missing", "Missing"), ("unexpected", "Unexpected")):
+        found = re.search(head + r' key\(s\) in state_dict: ((?:"[^"]*"(?:, )?)+)', str(exc))
+        names = re.findall(r'"([^"]*)"', found.group(1)) if found else []
+        if names:
+            parts.append(f"{len(names)} {label} ({', '.join(names[:3])}{', …' if len(names) > 3 else ''})")
+    detail = "; ".join(parts) or one_line(exc)
+    how = f"after the inferred fix ({' '.join(before.suggested_fix)})" if transforms else "as it is"
+    ways = []
+    if before.paired and before.ambiguous:
+        ways.append(f"the renames that fit pair {len(before.ambiguous)} keys of one shape by their order, which "
+                    "load_into does not guess: check them with ckpt-doctor fix --dry-run and write the file first")
+    if before.fix_kind == "map-by-order":
+        ways.append("the names differ and only a mapping by order fits, which load_into does not guess: write the "
+                    "file with ckpt-doctor fix and its --map-by-order first")
+    if not allowed:
+        ways.append("pass allow_missing= / allow_unexpected= (regexes) to accept intended differences")
+    return f"{ckpt.path}: strict load into {type(model).__name__} {how} failed: {detail}" + \
+        ("; " + "; ".join(ways) if ways else "")
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:

@@ -183,7 +183,7 @@ class Checkpoint:
         names += [f"{h.what} ({h.verdict.value})" for h in self.hazards]
         return tuple(dict.fromkeys(names))
 
-    def refuse_if_unsafe(self, action: str, way_out: str = "", *, code_too: bool = True) -> None:
+    def refuse_if_unsafe(self, action: str, way_out: str = "", *, code_too: bool = True, reruns: tuple = ()) -> None:
         """Raise (exit 1) when the file would run code under torch.load(weights_only=False): nothing is loaded,
         rewritten or run from it. With `code_too=False` only dangerous findings refuse (a whole pickled model,
         which names its classes, can still be rescued tensor by tensor)."""
@@ -195,7 +195,7 @@ class Checkpoint:
         names = self.finding_names()
         shown = ", ".join(names[:4]) + (f", … {len(names) - 4} more" if len(names) > 4 else "")
         raise ReadError(f"{self.path}: would run code under torch.load(weights_only=False) ({shown}); refusing to "
-                        f"{action}" + (f". {way_out}" if way_out else ""), names)
+                        f"{action}" + (f". {way_out}" if way_out else ""), names, reruns=reruns)
 
     @property
     def devices(self) -> tuple[str, ...]:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from ._record import field, record, replace
 from pathlib import Path
 
-from .analyze import PrefixFinding, find_prefixes, parameter_count, shared_groups
+from .analyze import PrefixFinding, find_prefixes, shared_groups
 from .errors import ReadError, SeveralCheckpoints, UsageError
 from .readers import read_checkpoint
 from .records import Checkpoint, Hazard, SharedGroup, TensorRecord, Verdict
+from .advice import Suggestion, fix_suggestions, rescue
+from .default_load import DefaultLoad, default_load
 from .devices import missing_devices
 
 TYPE_CHECKING = False
@@ -22,7 +24,7 @@ class InspectReport:
     tensors: tuple[TensorRecord, ...]  # after --filter
     prefixes: tuple[PrefixFinding, ...]
     shared: tuple[SharedGroup, ...]
-    parameter_count: int
+    parameter_count: int  # elements of the state_dict's parameters, as model.parameters() counts them (tied once)
     total_bytes: int  # of distinct storages
     storage_count: int
     stats: dict[str, Any] | None = None  # key -> stats.TensorStats, with --stats
@@ -33,20 +35,47 @@ class InspectReport:
     missing_devices: tuple[str, ...] = ()  # saved devices this machine lacks (known only when torch is loaded)
     filter: str | None = None
     extra_notes: tuple[str, ...] = field(default=())
+    default_load: DefaultLoad | None = None  # what torch.load(path) with torch's defaults does here
+    suggestions: tuple[tuple[str, Suggestion], ...] = ()  # (what it is for, the command): fix, dry run, rescue
+    buffer_count: int = 0  # elements of its buffers (BatchNorm statistics, counters, masks), apart
+    require_default_load: bool = False  # --require-default-load: a file torch.load(path) refuses is a problem
+
+    @property
+    def needs_code(self) -> bool:
+        """The file names globals off the allow-list: loading it as saved needs (and runs) code."""
+        return self.checkpoint.verdict is not Verdict.SAFE
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        """What makes the exit code 1, each the one value its words are rendered from."""
+        found = []
+        if self.needs_code:
+            found.append("unsafe")
+        if bool(self.stats) and any(s is not None and (s.nan or s.inf) for s in self.stats.values()):
+            found.append("values")
+        if self.batchnorm_at_init:
+            found.append("batchnorm")
+        if self.comparison is not None and not self.comparison.ok:
+            found.append("comparison")
+        if self.require_default_load and self.default_load is not None and not self.default_load.ok:
+            found.append("default-load")
+        return tuple(found)
 
     @property
     def has_problems(self) -> bool:
-        bad_values = bool(self.stats) and any(s is not None and (s.nan or s.inf) for s in self.stats.values())
-        mismatch = self.comparison is not None and not self.comparison.ok
-        unsafe = self.checkpoint.verdict is not Verdict.SAFE
-        return unsafe or bad_values or bool(self.batchnorm_at_init) or mismatch
+        return bool(self.problems)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.problems else 0
 
 
 def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | None = None,
                        checkpoint: Checkpoint | None = None, model: str | None = None,
                        model_args: dict[str, Any] | None = None, allow_missing: str | None = None,
                        allow_unexpected: str | None = None, min_loaded: float | None = None,
-                       values: bool = False, select: str | None = None) -> InspectReport:
+                       values: bool = False, select: str | None = None,
+                       require_default_load: bool = False) -> InspectReport:
     """What `inspect` reports; with `model`, also the comparison with that model (or reference checkpoint)."""
     folder = checkpoint is None and Path(path).is_dir()
     try:
@@ -67,6 +96,7 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
     comparison = None
     model_shapes: dict[str, tuple] = {}
     diffs = None
+    keys = None
     if model is not None:
         from .compare import compare_checkpoint
         from .modelspec import keys_from_spec
@@ -101,12 +131,65 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         table_stats = {t.key: tensor_stats(t) for t in tensors}
         bn = batchnorm_at_init(list(tensors), table_stats)
     storages = {t.storage.ident: t.storage.nbytes for t in ckpt.tensors if t.storage is not None}
+    loads = default_load(ckpt)
+    counts = parameter_counts(ckpt, keys if comparison is not None and comparison.oracle else None)
     return InspectReport(
         checkpoint=ckpt, tensors=tensors, prefixes=tuple(find_prefixes(root_keys, list(model_shapes) or None)),
-        shared=tuple(shared_groups(ckpt.tensors)), parameter_count=parameter_count(ckpt),
+        shared=tuple(shared_groups(ckpt.tensors)), parameter_count=counts[0], buffer_count=counts[1],
         total_bytes=sum(storages.values()), storage_count=len(storages),
         stats=table_stats, batchnorm_at_init=tuple(bn), filter=filter, comparison=comparison,
-        model_shapes=model_shapes, value_diffs=diffs, missing_devices=tuple(missing_devices(ckpt.devices)))
+        model_shapes=model_shapes, value_diffs=diffs, missing_devices=tuple(missing_devices(ckpt.devices)),
+        default_load=loads, require_default_load=require_default_load,
+        suggestions=tuple(_suggestions(ckpt, comparison, loads)))
+
+
+def _suggestions(ckpt: Checkpoint, comparison: Any, loads: DefaultLoad) -> list[tuple[str, Suggestion]]:
+    """The commands `inspect` suggests, each a value the summary, the JSON and the tests share: the fix a comparison
+    infers (see `fix_suggestions`), else the rewrite after which torch.load(path) with torch's defaults loads the
+    file here."""
+    if comparison is not None and (comparison.suggested_fix or ckpt.verdict is not Verdict.SAFE):
+        return fix_suggestions(str(ckpt.path), comparison, bool(ckpt.dangerous_globals))
+    if not loads.ok and loads.applies and (loads.refused or loads.missing_devices):
+        found = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [])
+        if found is not None:
+            return [("torch.load", found)]
+    return []
+
+
+# Buffers torch's own modules register under these names (norm layers' statistics, rotary frequencies): a
+# state_dict keeps no mark of which entries are parameters, so without a model these names (and every integer or
+# bool tensor, which a parameter cannot be) are counted as buffers.
+BUFFER_NAMES = frozenset({"running_mean", "running_var", "num_batches_tracked", "inv_freq"})
+
+
+def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
+    """(parameters, buffer elements) of the state_dict, as `model.parameters()` and `model.buffers()` count them (one
+    tensor under two names once): told apart by the model when one is given, by the pickle when it says (a whole
+    pickled model's Parameters), else by BUFFER_NAMES and dtype."""
+    from .dtypes import FLOATING
+
+    tensors = ckpt.state_dict_tensors() or ckpt.tensors
+    named = {e.key: e.is_parameter for e in model.entries} if model is not None else None
+    marked = any(t.is_parameter for t in tensors)
+    seen: set[tuple] = set()
+    params = buffers = 0
+    for t in tensors:
+        ident = (t.storage.ident, t.storage_offset, t.shape, t.stride) if t.storage is not None else (t.key,)
+        if ident in seen:
+            continue
+        seen.add(ident)
+        if named is not None and t.key in named:
+            is_param = named[t.key]
+        elif marked:
+            is_param = t.is_parameter
+        else:
+            is_param = (t.dtype in FLOATING or t.dtype.startswith("complex")) and \
+                t.key.rsplit(".", 1)[-1] not in BUFFER_NAMES
+        if is_param:
+            params += t.numel
+        else:
+            buffers += t.numel
+    return params, buffers
 
 
 def value_differences(ckpt: Checkpoint, reference: str) -> dict[str, float]:

@@ -15,6 +15,8 @@ import stat
 from ._record import field, record
 from pathlib import Path
 
+from .advice import Suggestion, rescue
+from .default_load import DefaultLoad, default_load
 from .errors import CkptDoctorError, NotACheckpoint
 from .readers import read_file
 from .readers.survey import Survey, survey_file
@@ -33,6 +35,8 @@ class FileScan:
     error: str | None = None  # why it does not read as a checkpoint
     notes: tuple[str, ...] = ()
     link: str | None = None  # where the symlink at `path` points
+    default_load: DefaultLoad | None = None  # what torch.load(path) with torch's defaults does here (when read)
+    rescue: Suggestion | None = None  # the `fix` that writes a file torch.load loads with its defaults, when needed
 
     @property
     def findings(self) -> tuple[GlobalRef, ...]:
@@ -53,6 +57,10 @@ class FileScan:
             return 1
         return 2 if self.error else 0
 
+    @property
+    def refused_by_default_load(self) -> bool:
+        return self.default_load is not None and not self.default_load.ok
+
 
 @record
 class Skipped:
@@ -67,6 +75,7 @@ class ScanReport:
     files: tuple[FileScan, ...]
     problems: tuple[str, ...] = ()  # paths that could not be scanned at all
     skipped: tuple[Skipped, ...] = field(default=())  # files of a folder that are no checkpoint and run nothing
+    require_default_load: bool = False  # --require-default-load: a file torch.load(path) refuses is a finding
 
     @property
     def verdict(self) -> Verdict:
@@ -82,8 +91,11 @@ class ScanReport:
 
     @property
     def exit_code(self) -> int:
-        """1 when anything would run code (the worst file decides), else 2 when something could not be checked."""
+        """1 when anything would run code (the worst file decides), or torch.load with its defaults refuses a file
+        and --require-default-load asks that it not; else 2 when something could not be checked."""
         if self.verdict is not Verdict.SAFE:
+            return 1
+        if self.require_default_load and any(f.refused_by_default_load for f in self.files):
             return 1
         return 2 if self.errors else 0
 
@@ -102,18 +114,21 @@ def scan_one(path: Path, *, in_folder: bool = False) -> FileScan | Skipped:
         survey = survey_file(path)
     except CkptDoctorError as exc:
         return FileScan(path, None, None, (), error=str(exc), link=link)
-    fmt, error = None, None
+    fmt, error, loads, fix = None, None, None, None
     try:
         ckpt = read_file(path, survey)
         fmt = ckpt.format.value
         globals_, hazards, notes = ckpt.globals, ckpt.hazards, ckpt.notes
+        loads = default_load(ckpt)
+        if not loads.ok or ckpt.verdict is not Verdict.SAFE:
+            fix = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [])
     except CkptDoctorError as exc:
         if in_folder and is_skipped(exc, survey):
             return Skipped(path, str(exc).removeprefix(f"{path}: "))
         error = str(exc)
         globals_, hazards, notes = tuple(survey.globals), tuple(survey.hazards), tuple(survey.notes)
     return FileScan(path, survey.container.value, fmt, tuple(_dedupe(globals_)), tuple(hazards), error,
-                    tuple(dict.fromkeys(notes)), link)
+                    tuple(dict.fromkeys(notes)), link, loads, fix)
 
 
 def is_skipped(exc: CkptDoctorError, survey: Survey) -> bool:
@@ -225,7 +240,7 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
     return out, skipped
 
 
-def scan(paths: list[str]) -> ScanReport:
+def scan(paths: list[str], *, require_default_load: bool = False) -> ScanReport:
     files, problems = files_to_scan(paths)
     results: list[FileScan] = []
     skipped: list[Skipped] = []
@@ -241,4 +256,4 @@ def scan(paths: list[str]) -> ScanReport:
             count = sum(1 for s in skipped if folder in s.path.parents)
             problems.append(f"{folder}: folder holds nothing to scan: none of its {count} files is a checkpoint or "
                             "names a global")
-    return ScanReport(tuple(results), tuple(problems), tuple(skipped))
+    return ScanReport(tuple(results), tuple(problems), tuple(skipped), require_default_load)

@@ -51,11 +51,22 @@ class Transform:
 
 
 def strip_prefix(prefix: str) -> Transform:
-    return Transform(Op.STRIP_PREFIX, prefix)
+    """Take a leading `prefix` off the keys that have it. A prefix is whole key components: `module` means
+    `module.` (a blind `k[len(p):]` would leave `.features.0.weight`); `--rename` cuts inside a component."""
+    return Transform(Op.STRIP_PREFIX, _components(prefix, "--strip-prefix"))
 
 
 def add_prefix(prefix: str) -> Transform:
-    return Transform(Op.ADD_PREFIX, prefix)
+    """Put `prefix` (whole components: `model` means `model.`) before every key."""
+    return Transform(Op.ADD_PREFIX, _components(prefix, "--add-prefix"))
+
+
+def _components(prefix: str, flag: str) -> str:
+    parts = prefix[:-1].split(".") if prefix.endswith(".") else prefix.split(".")
+    if not prefix or not all(parts):
+        raise UsageError(f"{flag} {prefix!r}: a prefix is one or more whole key components, such as module or "
+                         "model.encoder (an empty component is no name)")
+    return prefix if prefix.endswith(".") else prefix + "."
 
 
 def rename(spec: str) -> Transform:
@@ -109,11 +120,11 @@ def plan_keys(keys: list[str], transforms: list[Transform], order: list[str] | N
             new = step.apply(new)
             if new is None:
                 break
+        if not well_formed(new):
+            raise _malformed(key, steps, keys)
         if new is None:
             dropped.append(key)
         else:
-            if not new:
-                raise PlanError(f"key {key!r} would become empty")
             mapping[key] = new
     counts = Counter(mapping.values())
     clashes = [name for name, n in counts.items() if n > 1]
@@ -125,6 +136,38 @@ def plan_keys(keys: list[str], transforms: list[Transform], order: list[str] | N
         rank = {name: i for i, name in enumerate(order)}
         mapping = dict(sorted(mapping.items(), key=lambda kv: rank.get(kv[1], len(rank))))
     return KeyPlan(mapping, tuple(dropped))
+
+
+def well_formed(key: str | None) -> bool:
+    """A key torch can name a tensor by: no empty component (no leading, trailing or doubled dot)."""
+    return key is None or (key != "" and not key.startswith(".") and not key.endswith(".") and ".." not in key)
+
+
+def _malformed(key: str, steps: list[Transform], keys: list[str]) -> PlanError:
+    """The refusal of transforms that make a key with an empty component: names the first step that does, with the
+    rename that was meant when one is plain (the dot beside the match taken with it) and makes every key well
+    formed."""
+    from .errors import Rerun
+
+    new: str | None = key
+    for step in steps:
+        before, new = new, step.apply(new)  # type: ignore[arg-type]
+        if not well_formed(new):
+            break
+    what = f"{' '.join(step.flags())} turns {before!r} into {new!r}: a key with an empty component, which no " \
+           "module has; nothing written"
+    if step.op is not Op.RENAME:
+        return PlanError(what)
+    for pattern in (step.arg + r"\.", r"\." + step.arg):
+        meant = Transform(Op.RENAME, pattern, step.repl)
+        try:
+            re.compile(pattern)
+            if all(well_formed(meant.apply(k)) for k in keys) and any(meant.apply(k) != k for k in keys):
+                return PlanError(what + "; the rename with the dot beside it: {0}",
+                                 reruns=(Rerun(add=tuple(meant.flags()), remove=tuple(step.flags())),))
+        except re.error:
+            continue
+    return PlanError(what)
 
 
 def flags_for(transforms: list[Transform]) -> list[str]:

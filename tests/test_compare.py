@@ -187,8 +187,9 @@ def test_saved_device_missing_here_is_reported(fixtures, cli):
     result = cli("inspect", fixtures["cuda3"]["path"])
     if torch.cuda.device_count() >= 4:
         pytest.skip("this machine has cuda:3")
-    assert "cuda:3 does not exist on this machine" in result.stderr
-    assert "--map-location cpu" in result.stderr
+    assert result.exit_code == 0  # a fact of torch.load(path) here, not a problem of the file
+    assert "saved on cuda:3, which this machine lacks" in result.stderr
+    assert "map_location='cpu'" in result.stderr and "--map-location cpu`" in result.stderr
 
 
 # --- Python API ---------------------------------------------------------------------------------------------

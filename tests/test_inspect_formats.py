@@ -119,7 +119,7 @@ def test_mid_key_and_stacked_prefixes(tmp_path, cli):
     torch.save(sd, tmp_path / "mid.pt")
     data = cli("inspect", tmp_path / "mid.pt", "--json").json()
     assert data["prefixes"] == ["module."]
-    assert data["prefix_details"] == [{"prefix": "module.", "where": "features.", "count": 2, "of": 3}]
+    assert data["prefix_details"] == [{"prefix": "module.", "where": "features.", "count": 2, "of": 3, "certain": True}]
     torch.save({f"_orig_mod.module.{k}": v for k, v in sd.items() if k.startswith("head")}, tmp_path / "stack.pt")
     assert cli("inspect", tmp_path / "stack.pt", "--json").json()["prefixes"] == ["_orig_mod.", "module."]
 

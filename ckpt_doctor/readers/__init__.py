@@ -7,6 +7,7 @@ import errno
 import os
 import re
 import stat
+from ..advice import consolidate
 from .._record import replace
 from pathlib import Path
 
@@ -72,8 +73,7 @@ def read_file(path: Path, survey: Survey | None = None) -> Checkpoint:
         ckpt = rank_file_note(ckpt)
     elif ckpt.format is Format.SAFETENSORS and "DCP_SHARDING_INFO" in ckpt.metadata:
         note = (f"one rank's shard written by torch.distributed.checkpoint's Hugging Face storage writer: shapes are "
-                f"its chunks'; inspect or fix the folder for whole tensors: ckpt-doctor fix {path.parent} -o "
-                "model.safetensors")
+                f"its chunks'; inspect or fix the folder for whole tensors: `{consolidate(path.parent)}`")
         ckpt = replace(ckpt, notes=(*ckpt.notes, note),
                        distributed={"format": "torch.distributed.checkpoint", "shard_of": str(path.parent)})
     return ckpt

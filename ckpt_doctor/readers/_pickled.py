@@ -8,7 +8,7 @@ from .._record import replace
 from pathlib import Path
 
 from ..dtypes import ELEMENT_SIZE, element_size
-from ..errors import CkptDoctorError, ReadError
+from ..errors import CkptDoctorError, ReadError, one_line
 from ..records import Checkpoint, Format, GlobalRef, StorageRecord, TensorRecord, fast_new, span_elements
 from ..tree import Flat, TorchScriptMembers, find_state_dict_root, flatten
 from ..safepickle import limits
@@ -32,7 +32,7 @@ def run_unpickler(unpickler: SafeUnpickler, path: Path) -> Any:
         raise ReadError(f"{path}: refused to read it: {unpickler.source}: {exc}") from None
     except PICKLE_ERRORS as exc:
         raise ReadError(f"{path}: {unpickler.source} is not a valid pickle "
-                        f"({type(exc).__name__}: {str(exc)[:120]})") from exc
+                        f"({type(exc).__name__}: {one_line(exc, 160)})") from exc
 
 
 def _view_record(ref: StorageRef) -> StorageRecord | None:

@@ -19,6 +19,7 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
+from ..advice import consolidate
 from ..assemble import coverage_problem
 from ..dtypes import element_size
 from ..errors import ReadError
@@ -769,7 +770,7 @@ def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
         fqns = {n.split("@")[0] for n in names.values()}
         note = (f"{whose} shard of the torch.distributed.checkpoint folder {folder}: {len(survey.items)} items, parts "
                 f"of {len(fqns)} of its {len(meta.tensors) + len(meta.values)} entries; shapes here are the chunks' "
-                f"own. Inspect or fix the folder for whole tensors: ckpt-doctor fix {folder} -o model.safetensors")
+                f"own. Inspect or fix the folder for whole tensors: `{consolidate(folder)}`")
     else:
         note = (f"{whose} shard of a torch.distributed.checkpoint folder ({len(survey.items)} items); without its "
                 ".metadata beside it the items' names are unknown and shapes are the chunks' own")

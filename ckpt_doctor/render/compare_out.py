@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from ..analyze import collapse_labels
-from ..compare import Comparison, fix_command
+from ..compare import Comparison
+from ..errors import one_line
 
 
-def comparison_json(c: Comparison) -> dict[str, Any]:
+def comparison_json(c: Comparison, needs_code: str = "") -> dict[str, Any]:
     return {
-        "ok": c.ok,
+        "ok": c.ok and not needs_code,
         "strict_load_ok": c.plain_strict_ok,
-        "verdict": verdict_text(c),
+        "verdict": full_verdict(c, needs_code),
         "model": c.model,
         "state_dict_root": c.state_dict_root,
         "fix_root": c.fix_root,
@@ -43,6 +44,8 @@ def comparison_json(c: Comparison) -> dict[str, Any]:
             "missing": list(c.after.missing), "unexpected": list(c.after.unexpected),
             "mismatched": [m.key for m in c.after.mismatched], "errors": list(c.after.errors)},
         "ambiguous": list(c.ambiguous),
+        "paired": [{"old": old, "new": new} for old, new in c.paired],
+        "required_fraction": c.required_fraction,
     }
 
 
@@ -129,13 +132,9 @@ def verdict_text(c: Comparison) -> str:
         accepted.append(f"{len(c.allowed_missing)} missing or reshaped keys accepted by --allow-missing")
     if c.allowed_unexpected:
         accepted.append(f"{len(c.allowed_unexpected)} extra keys accepted by --allow-unexpected")
-    devices = f"saved on {', '.join(c.missing_devices)}, which this machine lacks" if c.missing_devices else ""
     if problems:
-        return (f"strict load FAILS{at}: {', '.join(problems + ([devices] if devices else []))}; {len(c.matched)} "
-                f"of {total} model keys match; {filled}")
-    if devices:
-        return (f"FAILS here: torch.load(path) fails on this machine ({devices}); with the devices mapped, the "
-                f"strict load{at} succeeds: {len(c.matched)} of {total} model keys{tied}; {filled}")
+        return (f"strict load FAILS{at}: {', '.join(problems)}; {len(c.matched)} of {total} model keys match; "
+                f"{filled}")
     if c.short and c.min_loaded is not None:
         return f"FAILS --min-loaded {c.min_loaded:.1%}{at}: only {filled}" + \
             (f" ({'; '.join(accepted)})" if accepted else "")
@@ -149,8 +148,18 @@ def verdict_text(c: Comparison) -> str:
     return f"strict load OK{at}: {len(c.matched)} of {total} model keys loaded; {filled}"
 
 
-def comparison_lines(c: Comparison, path: str) -> list[tuple[str, str]]:
-    lines = [("verdict", verdict_text(c))]
+def full_verdict(c: Comparison, needs_code: str = "") -> str:
+    """The verdict line: the strict load's, after what loading the file at all needs (its code, for a whole pickled
+    model or TorchScript) when it does."""
+    if not needs_code:
+        return verdict_text(c)
+    return (f"needs code to load: {needs_code}, which torch.load refuses with its defaults and would import and run "
+            f"with weights_only=False; rescued by the fix line, its state_dict: {verdict_text(c)}")
+
+
+def comparison_lines(c: Comparison, path: str, suggestions: dict[str, Any] | None = None,
+                     needs_code: str = "") -> list[tuple[str, str]]:
+    lines = [("verdict", full_verdict(c, needs_code))]
     if not c.oracle:
         lines.append(("compared", "names and shapes with a reference checkpoint (no model: torch's loading code "
                                   "was not asked)"))
@@ -162,7 +171,7 @@ def comparison_lines(c: Comparison, path: str) -> list[tuple[str, str]]:
                               f"model: torch loads both into it and keeps {kept}'s values; {lost}'s are lost if they "
                               "differ (two storages: ckpt-doctor cannot tell without reading the data)"))
     for message in c.errors[:5]:
-        lines.append(("error", f"from the model's own loading code: {message[:300]}"))
+        lines.append(("error", f"from the model's own loading code: {one_line(message)}"))
     if c.non_persistent:
         lines.append(("non-persistent", f"{', '.join(c.non_persistent)}: the model keeps these as non-persistent "
                                          "buffers; harmless to drop, but a strict load rejects them"))
@@ -174,19 +183,25 @@ def comparison_lines(c: Comparison, path: str) -> list[tuple[str, str]]:
         k, a, b = c.dtype_differs[0]
         lines.append(("dtype", f"{len(c.dtype_differs)} tensors differ in dtype (e.g. {k}: {a} vs {b}); "
                                "load_state_dict casts them"))
-    if c.suggested_fix:
-        how = _fix_reason(c)
+    if suggestions is None and c.suggested_fix:
+        from ..advice import fix_suggestions
+
+        suggestions = dict(fix_suggestions(path, c))
+    suggestions = suggestions or {}
+    if "fix" in suggestions:
+        how = _fix_reason(c) if c.suggested_fix else "writes its state_dict as a file torch.load loads with its " \
+            "defaults; nothing the file names is run or written"
         if c.fix_loaded_fraction is not None:
             how += f"; it would fill {c.fix_loaded_fraction:.1%} of the parameters"
-        lines.append(("fix", f"{fix_command(path, c)}   ({how})"))
+        lines.append(("fix", f"`{suggestions['fix'].command}`   ({how})"))
     if c.after is not None and not c.after.ok and c.fix_kind == "partial":
         left = [*c.after.missing[:3], *c.after.unexpected[:3], *(m.key for m in c.after.mismatched[:3])]
         lines.append(("remains", f"after that fix: {len(c.after.missing)} missing, {len(c.after.unexpected)} "
                                  f"unexpected, {len(c.after.mismatched)} of another shape ({', '.join(left[:5])}…)"))
     if c.ambiguous:
+        check = f"; see the whole mapping with `{suggestions['dry run'].command}`" if "dry run" in suggestions else ""
         lines.append(("ambiguous", f"{len(c.ambiguous)} positions share their shape with another (e.g. "
-                                   f"{c.ambiguous[0]}): any permutation of them fits; check with verify --summary "
-                                   "--compare-to"))
+                                   f"{c.ambiguous[0]}): any permutation of them fits{check}"))
     return lines
 
 
@@ -212,8 +227,7 @@ def _fix_reason(c: Comparison) -> str:
     elif c.fix_kind == "map-by-order":
         parts.append("maps tensors by position: names differ, the shapes agree")
         if c.ambiguous:
-            parts.append(f"it refuses while {len(c.ambiguous)} positions are ambiguous (below): add --force once "
-                         "checked")
+            parts.append(f"--force accepts {len(c.ambiguous)} ambiguous positions (below): check the mapping first")
     elif c.fix_kind == "partial":
         parts.append("the closest fix found; a strict load still fails")
     if c.missing_devices:

@@ -60,6 +60,8 @@ def _labels(rows: list[TensorDiff], limit: int = 6) -> str:
 
 
 def diff_summary(report: DiffReport) -> list[str]:
+    from ..advice import command_line
+
     lines: list[tuple[str, str]] = []
     a, b = report.a, report.b
     lines.append(("A", f"{a.path} ({a.format.value}, {len(a.tensors):,} tensors)"))
@@ -92,8 +94,17 @@ def diff_summary(report: DiffReport) -> list[str]:
     if len(paired) > 1 and any(not r.stats.identical for r in paired):
         lines.append(("depth", sparkline([r.stats.rel for r in paired]) + "  (‖Δ‖/‖A‖ over A's order; ! where A was "
                                "all zeros)"))
-    lines.append(("verdict", "identical" + (" within the tolerances" if counted["close"] else "")
-                  if report.same else "the checkpoints differ"))
+    for side in report.unsafe_sides:
+        ckpt = a if side == "A" else b
+        names = [g.qualname for g in ckpt.unsafe_globals]
+        lines.append(("unsafe", f"{side} ({ckpt.path}) would run code under torch.load(weights_only=False): "
+                                + ", ".join(names[:3]) + (f", … {len(names) - 3} more" if len(names) > 3 else "")
+                                + f"; `{command_line(('scan', str(ckpt.path)))}` says what and where"))
+    values = ("identical" + (" within the tolerances" if counted["close"] else "")) if report.same else \
+        "the checkpoints differ"
+    if report.unsafe_sides:
+        values += f"; but {' and '.join(report.unsafe_sides)} would run code when loaded as saved"
+    lines.append(("verdict", values))
     width = max(len(label) for label, _ in lines)
     return [f"{label:<{width}}  {text}" for label, text in lines]
 
@@ -110,6 +121,7 @@ def diff_json(report: DiffReport) -> dict[str, Any]:
         return out
 
     return {
+        "ok": report.exit_code == 0, "exit_code": report.exit_code, "unsafe": list(report.unsafe_sides),
         "a": str(report.a.path), "b": str(report.b.path), "identical": report.same,
         "atol": report.atol, "rtol": report.rtol, "renamed_by": list(report.renamed_by),
         "counts": {s: report.count(s) for s in ("identical", "close", "changed", "shape", "only-a", "only-b")},

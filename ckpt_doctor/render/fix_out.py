@@ -29,8 +29,9 @@ def fix_json(plan: FixPlan, result: FixResult | None) -> dict[str, Any]:
 
 def dry_run_table(plan: FixPlan) -> str:
     rows = []
+    marked = set(plan.ambiguous)
     for old, new in plan.renamed.items():
-        rows.append([old, "→" if old != new else "=", new])
+        rows.append([old, "≈" if old in marked else "→" if old != new else "=", new])
     for key in plan.dropped:
         rows.append([key, "✗", "(dropped)"])
     from .columns import simple_table

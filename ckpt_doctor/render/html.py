@@ -104,11 +104,15 @@ def inspect_html(report: Any) -> str:
         body.append("<p id=verdict class='verdict ok'>Safe: every global the file names is on the allow-list</p>")
     c = report.comparison
     if c is not None:  # the words and the fix line the terminal prints, from the same code
-        from .compare_out import comparison_lines, verdict_text
+        from .compare_out import comparison_lines, full_verdict
+        from .table import _needs_code
 
-        cls = "ok" if c.ok else "bad"
-        body.append(f"<h2>Against the model</h2><p id=comparison class='verdict {cls}'>{_e(verdict_text(c))}</p>")
-        fixes = [text for label, text in comparison_lines(c, str(ckpt.path)) if label == "fix"]
+        needs_code = _needs_code(ckpt) if report.needs_code else ""
+        cls = "ok" if c.ok and not needs_code else "bad"
+        body.append(f"<h2>Against the model</h2><p id=comparison class='verdict {cls}'>"
+                    f"{_e(full_verdict(c, needs_code))}</p>")
+        fixes = [text for label, text in comparison_lines(c, str(ckpt.path), dict(report.suggestions), needs_code)
+                 if label == "fix"]
         if fixes:
             body.append("<p>The fix:</p><pre id=fix>" + _e(fixes[0]) + "</pre>")
     body.append("<h2>Parameters per module</h2>" + bars(_modules(ckpt.tensors, 1), _params))

@@ -42,13 +42,16 @@ def inspect_json(report: InspectReport) -> dict[str, Any]:
                 "nan": s.nan, "inf": s.inf}
         tensors.append(item)
     out: dict[str, Any] = {
+        "ok": report.exit_code == 0,
+        "exit_code": report.exit_code,
+        "problems": list(report.problems),
         "path": str(ckpt.path),
         "format": ckpt.format.value,
         "tensors": tensors,
         "state_dict_root": ckpt.state_dict_root,
-        "prefixes": list(dict.fromkeys(p.prefix for p in report.prefixes)),
-        "prefix_details": [{"prefix": p.prefix, "where": p.where, "count": p.count, "of": p.total}
-                           for p in report.prefixes],
+        "prefixes": list(dict.fromkeys(p.prefix for p in report.prefixes if p.certain)),
+        "prefix_details": [{"prefix": p.prefix, "where": p.where, "count": p.count, "of": p.total,
+                            "certain": p.certain} for p in report.prefixes],
         "metadata": ckpt.metadata,
         "verdict": ckpt.verdict.value,
         "unsafe_globals": [g.qualname for g in ckpt.unsafe_globals],
@@ -56,6 +59,7 @@ def inspect_json(report: InspectReport) -> dict[str, Any]:
         "hazards": [{"verdict": h.verdict.value, "what": h.what} for h in ckpt.hazards],
         "tensor_count": len(ckpt.tensors),
         "parameter_count": report.parameter_count,
+        "buffer_count": report.buffer_count,
         "total_bytes": report.total_bytes,
         "devices": list(ckpt.devices),
         "shared": [{"storage": g.storage_key, "keys": list(g.keys), "tied": g.same_bytes} for g in report.shared],
@@ -76,10 +80,14 @@ def inspect_json(report: InspectReport) -> dict[str, Any]:
         out["missing_devices"] = list(report.missing_devices)
     if report.value_diffs is not None:
         out["value_diffs"] = report.value_diffs
+    if report.default_load is not None:
+        out["default_load"] = report.default_load.json()
+    out["suggested_commands"] = [dict(s.json(), label=label) for label, s in report.suggestions]
     if report.comparison is not None:
         from .compare_out import comparison_json  # noqa: PLC0415
+        from .table import _needs_code  # noqa: PLC0415
 
-        out["comparison"] = comparison_json(report.comparison)
+        out["comparison"] = comparison_json(report.comparison, _needs_code(ckpt) if report.needs_code else "")
     return out
 
 

@@ -26,8 +26,11 @@ def listing_table(listing: FolderListing) -> str:
             verdict = f.verdict.upper() if f.findings else "unreadable"
             rows.append([_name(listing, f.path), "-", "-", "-", "-", "-", f"{verdict}: {f.error}"])
             continue
+        safety = f.verdict if f.verdict == "safe" else f.verdict.upper()
+        if f.refused_by_default_load and f.verdict == "safe":
+            safety += "; torch.load refuses: " + "; ".join(f.default_load.reasons())
         rows.append([_name(listing, f.path), f.format, f"{f.tensors:,}", f"{f.parameters:,}", human_bytes(f.nbytes),
-                     ",".join(f.dtypes) or "-", f.verdict if f.verdict == "safe" else f.verdict.upper()])
+                     ",".join(f.dtypes) or "-", safety])
     return simple_table(["file", "format", "tensors", "parameters", "size", "dtypes", "safety"], rows)
 
 
@@ -40,6 +43,12 @@ def listing_summary(listing: FolderListing) -> list[str]:
     if unsafe:
         lines.append(f"UNSAFE  {len(unsafe)} file(s) would run code under torch.load(weights_only=False): "
                      + ", ".join(_name(listing, f.path) for f in unsafe[:5]) + (" …" if len(unsafe) > 5 else ""))
+    refused = [f for f in files if f.refused_by_default_load and not f.findings]
+    if refused:
+        lines.append(f"torch.load  {len(refused)} file(s) torch.load(path) refuses with its defaults here: "
+                     + ", ".join(_name(listing, f.path) for f in refused[:5]) + (" …" if len(refused) > 5 else "")
+                     + (" (--require-default-load: exit 1)" if listing.require_default_load else
+                        "; inspecting the file says why, and the way out"))
     unreadable = [f for f in files if f.error and not f.findings]
     if unreadable:
         lines.append(f"Error: {len(unreadable)} file(s) could not be read (see the safety column)")
@@ -62,7 +71,9 @@ def listing_json(listing: FolderListing) -> dict[str, Any]:
         "exit_code": listing.exit_code,
         "files": [{"path": str(f.path), "format": f.format, "tensors": f.tensors, "parameters": f.parameters,
                    "bytes": f.nbytes, "dtypes": list(f.dtypes), "verdict": f.verdict, "findings": list(f.findings),
-                   "error": f.error} for f in listing.files],
+                   "error": f.error,
+                   "default_load": f.default_load.json() if f.default_load is not None else None}
+                  for f in listing.files],
         "total": {"files": len(listing.files), "tensors": sum(f.tensors for f in read),
                   "parameters": sum(f.parameters for f in read), "bytes": sum(f.nbytes for f in read),
                   "unsafe": sum(1 for f in listing.files if f.findings),

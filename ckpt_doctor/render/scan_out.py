@@ -16,7 +16,9 @@ def _file_json(f: FileScan) -> dict[str, Any]:
             "globals": [{"global": g.qualname, "verdict": g.verdict.value, "reason": g.reason, "source": g.source}
                         for g in f.globals],
             "hazards": [{"verdict": h.verdict.value, "what": h.what} for h in f.hazards],
-            "notes": list(f.notes)}
+            "notes": list(f.notes),
+            "default_load": f.default_load.json() if f.default_load is not None else None,
+            "suggested_commands": [dict(f.rescue.json(), label="rescue")] if f.rescue is not None else []}
 
 
 def scan_json(report: ScanReport) -> dict[str, Any]:
@@ -54,8 +56,9 @@ def scan_table(report: ScanReport, show_safe: bool = False) -> str | None:
     return simple_table(["file", "verdict", "global", "in", "why"], rows)
 
 
-def scan_summary(report: ScanReport) -> list[str]:
-    lines = []
+def scan_summary(report: ScanReport, with_severity: bool = False) -> list:
+    """Lines for stderr; with_severity: (line, whether it says why the exit code is 1) pairs, for the colour."""
+    lines: list[tuple[str, bool]] = []
     for f in report.files:
         safe = sum(1 for g in f.globals if g.verdict is Verdict.SAFE)
         what = f.format or f.container or "unreadable"
@@ -66,17 +69,25 @@ def scan_summary(report: ScanReport) -> list[str]:
             names = [g.qualname for g in f.findings] + [h.what.split(":")[0] for h in f.hazards]
             more = f", … {len(names) - 5} more" if len(names) > 5 else ""
             state = f"{f.verdict.value.upper()}: {', '.join(names[:5])}{more}"
-        lines.append(f"{f.path}{link}: {what} — {state} ({safe} allow-listed)")
+        lines.append((f"{f.path}{link}: {what} — {state} ({safe} allow-listed)", f.verdict is not Verdict.SAFE))
+        loads = f.default_load
+        if loads is not None and loads.applies and not loads.ok:
+            trust = (f"; for code you trust: torch.serialization.add_safe_globals([{', '.join(loads.trusted_way_out)}])"
+                     if loads.trusted_way_out else "")
+            lines.append((f"  torch.load: FAILS with torch's defaults here: {'; '.join(loads.reasons())}{trust}",
+                          report.require_default_load))
+        if f.rescue is not None:
+            lines.append((f"  rescue: `{f.rescue.command}` ({f.rescue.why})", False))
         if f.error:
-            lines.append(f"  also: {f.error}")
+            lines.append((f"  also: {f.error}", False))
         for note in f.notes:
-            lines.append(f"  note: {note}")
+            lines.append((f"  note: {note}", False))
     for skipped in report.skipped[:MAX_SKIPPED_LINES]:
-        lines.append(f"skipped {skipped.path}: {skipped.reason}")
+        lines.append((f"skipped {skipped.path}: {skipped.reason}", False))
     if len(report.skipped) > MAX_SKIPPED_LINES:
-        lines.append(f"skipped {len(report.skipped) - MAX_SKIPPED_LINES:,} more files that are no checkpoint and run "
-                     "nothing (--json lists them all)")
-    return lines
+        lines.append((f"skipped {len(report.skipped) - MAX_SKIPPED_LINES:,} more files that are no checkpoint and run "
+                      "nothing (--json lists them all)", False))
+    return lines if with_severity else [line for line, _ in lines]
 
 
 MAX_SKIPPED_LINES = 50  # a folder of a dataset's images says so in a screenful

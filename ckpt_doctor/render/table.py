@@ -75,8 +75,9 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
     kind = "whole-model pickle of " + ckpt.model_class if ckpt.model_class else None
     lines.append(("format", ckpt.format.value + (f" ({kind})" if kind else "")))
     shown = f" ({len(report.tensors)} shown by --filter)" if report.filter else ""
+    buffers = f" + {report.buffer_count:,} in buffers" if report.buffer_count else ""
     lines.append(("tensors", f"{len(ckpt.tensors):,}{shown} in {report.storage_count:,} storages · "
-                             f"{report.parameter_count:,} parameters · {human_bytes(report.total_bytes)}"))
+                             f"{report.parameter_count:,} parameters{buffers} · {human_bytes(report.total_bytes)}"))
     chosen = report.comparison.state_dict_root if report.comparison is not None else ckpt.state_dict_root
     if chosen is not None and chosen != ckpt.state_dict_root:
         found = ckpt.state_dict_root or "(the file's root)"
@@ -103,9 +104,6 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         shown = devices if full or len(devices) <= 8 else devices[:8]
         more = f", … {len(devices) - len(shown)} more devices" if len(shown) < len(devices) else ""
         lines.append(("saved on", ", ".join(f"{d} ({counts[d]:,} tensors)" for d in shown) + more))
-    for d in report.missing_devices:
-        lines.append(("devices", f"{d} does not exist on this machine: load with map_location, or rewrite for "
-                                 f"good with `ckpt-doctor fix {ckpt.path} -o OUT --map-location cpu`"))
     if ckpt.metadata:
         items = list(ckpt.metadata.items())
         limit = len(items) if full else 8
@@ -121,7 +119,9 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         lines.append(("shared", f"… {len(report.shared) - 5} more groups (--full)"))
     if ckpt.non_persistent:
         lines.append(("non-persistent", ", ".join(ckpt.non_persistent) + " (in the pickle, not in state_dict)"))
-    lines += safety_lines(ckpt, full)
+    lines += safety_lines(ckpt, full, report.default_load is not None and report.default_load.applies)
+    if report.default_load is not None:
+        lines += default_load_lines(report)
     for layer in report.batchnorm_at_init:
         lines.append(("batchnorm", f"{layer}: running stats at their initial values (mean 0, var 1, never updated)"))
     if report.stats:
@@ -133,7 +133,8 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
     if report.comparison is not None:
         from .compare_out import comparison_lines
 
-        lines += comparison_lines(report.comparison, str(ckpt.path))
+        lines += comparison_lines(report.comparison, str(ckpt.path), dict(report.suggestions),
+                                  needs_code=_needs_code(ckpt) if report.needs_code else "")
     if report.value_diffs:
         worst = sorted(report.value_diffs.items(), key=lambda kv: -kv[1])[:3]
         lines.append(("values", f"max |diff| over {len(report.value_diffs)} common tensors: "
@@ -144,7 +145,51 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
     return [f"{label:<{width}}  {text}" for label, text in lines]
 
 
-def safety_lines(ckpt, full: bool = False) -> list[tuple[str, str]]:
+def summary_problems(report: InspectReport) -> set[str]:
+    """The labels of the summary lines that say why the exit code is 1 (coloured on a terminal)."""
+    labels = set()
+    for problem in report.problems:
+        labels |= {"unsafe": {"DANGEROUS", "CODE", "safety", "torch.load"}, "values": {"values"},
+                   "batchnorm": {"batchnorm"}, "comparison": {"verdict"}, "default-load": {"torch.load"}}[problem]
+    if "unsafe" in report.problems and report.comparison is not None:
+        labels.add("verdict")  # it says the file needs code to load
+    return labels
+
+
+def _needs_code(ckpt) -> str:
+    if ckpt.format.value == "torchscript":
+        return "a TorchScript archive" + (f" of {ckpt.model_class}" if ckpt.model_class else "")
+    if ckpt.model_class:
+        return f"a whole pickled model of {ckpt.model_class}"
+    names = [g.qualname for g in ckpt.unsafe_globals]
+    return "a file naming " + ", ".join(names[:3]) + (f", … {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def default_load_lines(report: InspectReport) -> list[tuple[str, str]]:
+    """What torch.load(path) with torch's defaults does with the file here, and the ways out when it fails."""
+    loads = report.default_load
+    if loads is None or not loads.applies:
+        return []
+    if loads.ok:
+        return [("torch.load", "loads with torch's defaults here (weights_only=True, no map_location)")]
+    ways = []
+    if loads.trusted_way_out:
+        names = ", ".join(loads.trusted_way_out)
+        ways.append(f"for code you trust, torch.serialization.add_safe_globals([{names}]) before torch.load")
+    if loads.missing_devices:
+        ways.append("torch.load(path, map_location='cpu')")
+    suggestions = dict(report.suggestions)
+    if "torch.load" in suggestions:
+        ways.append(f"a file that loads everywhere: `{suggestions['torch.load'].command}`")
+    elif "fix" in suggestions:
+        ways.append("the fix line below writes one that does")
+    text = "FAILS with torch's defaults here: " + "; ".join(loads.reasons())
+    if ways:
+        text += ". Ways out: " + "; or ".join(ways)
+    return [("torch.load", text)]
+
+
+def safety_lines(ckpt, full: bool = False, with_default_load: bool = False) -> list[tuple[str, str]]:
     """What the file would run under torch.load(weights_only=False): one line per finding, then the verdict."""
     lines: list[tuple[str, str]] = []
     findings = sorted(ckpt.unsafe_globals, key=lambda g: -g.verdict.rank)
@@ -156,6 +201,7 @@ def safety_lines(ckpt, full: bool = False) -> list[tuple[str, str]]:
     for h in ckpt.hazards:
         lines.append((h.verdict.value.upper(), h.what))
     if findings or ckpt.hazards:
+        rescue = "; the torch.load line says how to rescue its tensors" if with_default_load else ""
         lines.append(("safety", "UNSAFE: torch.load(weights_only=False) would import and run the above; never load "
-                                "this file that way. Its tensors are listed, and `ckpt-doctor fix` rescues them"))
+                                f"this file that way. Its tensors are listed{rescue}"))
     return lines

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import WriteError
+from ..errors import Rerun, WriteError
 
 
 def check_destination(output: Path, inputs: tuple[Path, ...], force: bool) -> None:
@@ -22,7 +22,7 @@ def check_destination(output: Path, inputs: tuple[Path, ...], force: bool) -> No
     if output.is_dir():
         raise WriteError(f"{output}: is a directory; give a file name such as {output / 'model.safetensors'}")
     if (output.exists() or output.is_symlink()) and not force:
-        raise WriteError(f"{output}: already exists; pass --force to replace it")
+        raise WriteError(f"{output}: already exists; replace it with {{0}}", reruns=(Rerun(add=("--force",)),))
     parent = output.parent if str(output.parent) else Path(".")
     if not parent.is_dir():
         raise WriteError(f"{output}: {parent} is a file, not a folder" if parent.exists() else

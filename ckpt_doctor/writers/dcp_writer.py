@@ -17,7 +17,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from ..errors import PlanError, WriteError
+from ..errors import PlanError, Rerun, WriteError
 from .atomic import _fsync_dir
 
 _DCP_NAME = re.compile(r"\.metadata|__\d+\.metadata|__\d+_\d+\.distcp")
@@ -49,7 +49,7 @@ def check_dcp_destination(output: Path, inputs: tuple[Path, ...], force: bool) -
                          "elsewhere")
     if output.exists() or output.is_symlink():
         if not force:
-            raise WriteError(f"{output}: already exists; pass --force to replace it")
+            raise WriteError(f"{output}: already exists; replace it with {{0}}", reruns=(Rerun(add=("--force",)),))
         if not output.is_dir() or output.is_symlink() or not _is_dcp_folder(output):
             raise WriteError(f"{output}: exists and is not a DCP folder (.metadata and .distcp files only); "
                              "ckpt-doctor replaces nothing else, even with --force")

@@ -1,0 +1,162 @@
+"""Advice is data: a command ckpt-doctor suggests is an argv and the check it promises, rendered once wherever it
+is shown (the table, stderr, JSON) and run by the test suite, so no printed command can drift from one that works."""
+
+from __future__ import annotations
+
+import enum
+import os
+
+from ._record import record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
+    from typing import Sequence
+
+
+class Promise(str, enum.Enum):
+    """What running a suggested command promises, and so what the test suite checks after running it."""
+
+    LOADS = "loads"  # exits 0; its output loads with torch.load(weights_only=True) and strictly into its --model
+    WRITES = "writes"  # exits 0 and writes its output, which torch.load(weights_only=True) loads
+    SHOWS = "shows"  # exits 0 and shows what it says (a dry run, a listing); writes nothing
+
+
+@record
+class Suggestion:
+    argv: tuple[str, ...]  # what follows `ckpt-doctor`
+    promise: Promise
+    why: str = ""  # the sentence around it, for a person
+    model: tuple[str, ...] = ()  # for LOADS: the --model SPEC [--model-arg …] its output must load into
+
+    @property
+    def command(self) -> str:
+        return command_line(self.argv)
+
+    def json(self) -> dict[str, object]:
+        return {"command": self.command, "argv": ["ckpt-doctor", *self.argv], "promise": self.promise.value,
+                "why": self.why, **({"model": list(self.model)} if self.model else {})}
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """`ckpt-doctor ARGV…`, quoted for a POSIX shell."""
+    import shlex
+
+    return " ".join(["ckpt-doctor", *(shlex.quote(str(a)) for a in argv)])
+
+
+# Suffixes of checkpoint files, taken off a name before a suggested output's suffix is put on (`model.pth.tar`).
+CHECKPOINT_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl", ".pickle", ".safetensors", ".zip",
+                                 ".model", ".weights", ".pth.tar", ".distcp"})
+
+
+def output_beside(source: str | os.PathLike[str], tag: str = "fixed", suffix: str = ".pt") -> str:
+    """A suggested output: beside the input (a folder's sibling), its checkpoint suffixes replaced by `_TAG.pt`,
+    and a name no file has yet (`_fixed2.pt` when `_fixed.pt` exists), so that the command runs as printed."""
+    text = os.fspath(source).rstrip("/") or "."
+    folder, name = os.path.split(text)
+    stem = name
+    while True:
+        base, dot, ext = stem.rpartition(".")
+        if not dot or not base or "." + ext.lower() not in CHECKPOINT_SUFFIXES:
+            break
+        stem = base
+    for n in range(1, 1000):
+        candidate = os.path.join(folder, f"{stem}_{tag}{n if n > 1 else ''}{suffix}")
+        if not os.path.lexists(candidate):
+            return candidate
+    return os.path.join(folder, f"{stem}_{tag}{suffix}")
+
+
+def rerun_argv(argv: Sequence[str], add: Sequence[str] = (), remove: Sequence[str] = ()) -> list[str] | None:
+    """The user's argv with `remove` taken out (a flag with its value, as `--rename X` or `--rename=X`) and `add`
+    appended (a switch already there is not added twice); None when `remove` is not in it as written."""
+    out = list(argv)
+    if remove:
+        flag, values = remove[0], list(remove[1:])
+        found = False
+        i = 0
+        while i < len(out):
+            if out[i] == flag and out[i + 1:i + 1 + len(values)] == values:
+                del out[i:i + 1 + len(values)]
+                found = True
+                continue
+            if len(values) == 1 and out[i] == f"{flag}={values[0]}":
+                del out[i]
+                found = True
+                continue
+            i += 1
+        if not found:
+            return None
+    if len(add) == 1 and add[0] in out:
+        return out  # a switch already given
+    return out + list(add)
+
+
+def consolidate(folder: str | os.PathLike[str]) -> str:
+    """The command that writes a distributed checkpoint's folder (DCP, DeepSpeed) as one file of whole tensors."""
+    return command_line(("fix", os.fspath(folder), "-o", output_beside(folder, "consolidated", ".safetensors")))
+
+
+def fix_line(path: str, flags: Sequence[str], promise: Promise, why: str = "", tag: str = "fixed",
+             model: Sequence[str] = ()) -> Suggestion:
+    """`ckpt-doctor fix PATH -o PATH_TAG.pt FLAGS…`: the output beside the input under a name not taken yet."""
+    return Suggestion(("fix", str(path), "-o", output_beside(path, tag), *flags), promise, why, tuple(model))
+
+
+def rescue(ckpt: object, extra: Sequence[str] = ()) -> Suggestion | None:
+    """The `fix` command that writes a file's tensors and plain data as a file torch.load(weights_only=True) loads
+    (a whole pickled model as its state_dict; what only code can rebuild left out with --drop), checked by planning
+    it — nothing is written — so the command printed is one that runs. None when no plain command does."""
+    from pathlib import Path
+
+    from .errors import CkptDoctorError
+    from .fix import FixOptions, plan_fix
+
+    path = str(ckpt.path)  # type: ignore[attr-defined]
+    out = output_beside(path)
+    flags: list[str] = ["--allow-unsafe"] if ckpt.dangerous_globals else []  # type: ignore[attr-defined]
+    flags += extra
+    for _ in range(2):
+        try:
+            plan_fix(ckpt, Path(out), FixOptions(transforms=tuple(_drops(flags))))  # type: ignore[arg-type]
+        except CkptDoctorError as exc:
+            pattern = getattr(exc, "drop", None)
+            if not pattern or "--drop" in flags:
+                return None
+            flags += ["--drop", pattern]
+            continue
+        return Suggestion(("fix", path, "-o", out, *flags), Promise.WRITES,
+                          "writes its tensors and plain data as a file torch.load loads with its defaults; nothing "
+                          "it names is run or written")
+    return None
+
+
+def _drops(flags: Sequence[str]) -> list:
+    from .transforms import drop
+
+    return [drop(flags[i + 1]) for i, f in enumerate(flags) if f == "--drop"]
+
+
+def fix_suggestions(path: str, comparison: object, dangerous: bool = False) -> list[tuple[str, Suggestion]]:
+    """The fix line of a comparison — its inferred flags, the model (so that `fix` checks its output against it
+    before writing), --map-location cpu where the file holds devices this machine lacks — and, for a mapping by
+    order with ambiguous positions, its dry run first (the fix line then needs --force, which it holds)."""
+    from ._record import replace
+
+    c = comparison
+    flags = list(c.suggested_fix)  # type: ignore[attr-defined]
+    if dangerous:
+        flags.insert(0, "--allow-unsafe")
+    if "--model" not in flags:
+        flags += c.model_flags  # type: ignore[attr-defined]
+    if c.missing_devices and "--map-location" not in flags:  # type: ignore[attr-defined]
+        flags += ["--map-location", "cpu"]
+    line = fix_line(path, flags, Promise.LOADS, model=c.model_flags)  # type: ignore[attr-defined]
+    out: list[tuple[str, Suggestion]] = []
+    if c.ambiguous and (c.fix_kind == "map-by-order" or c.paired):  # type: ignore[attr-defined]
+        out.append(("dry run", Suggestion((*line.argv, "--dry-run"), Promise.SHOWS,
+                                          "shows old → new for every key; writes nothing")))
+        if c.fix_kind == "map-by-order":  # type: ignore[attr-defined]  # refused without it; renames are explicit
+            line = replace(line, argv=(*line.argv, "--force"))
+    out.append(("fix", line))
+    return out

@@ -1,0 +1,75 @@
+"""Whether `torch.load(path)` with torch's defaults loads a file on this machine: since torch 2.6 that is
+`weights_only=True`, whose unpickler refuses every global off torch's own allow-list (an `argparse.Namespace` that
+ckpt-doctor knows to be inert included), TorchScript archives and pre-0.4 tar files; and without `map_location` a
+tensor saved on a device this machine lacks fails. Worked out from what the readers found; torch is not imported."""
+
+from __future__ import annotations
+
+from ._record import record
+from .devices import missing_devices
+from .records import Checkpoint, Format, Verdict
+from .safepickle.policy import TORCH_WEIGHTS_ONLY, resolve
+
+# Formats torch.load opens, and why it refuses the others with its defaults.
+_OPENS = (Format.TORCH_ZIP, Format.TORCH_LEGACY, Format.SAFETENSORS)
+_REFUSES = {
+    Format.TORCHSCRIPT: "a TorchScript archive, which torch.load refuses with weights_only=True (torch.jit.load "
+                        "would run its code)",
+    Format.TORCH_TAR: "torch's pre-0.4 tar format, which torch.load refuses with weights_only=True",
+    Format.PICKLE: "a bare pickle, not a torch.save file: torch.load with weights_only=True refuses it",
+}
+
+
+@record
+class DefaultLoad:
+    """The verdict of `torch.load(path)` with torch's defaults, here."""
+
+    applies: bool  # a file torch.load is pointed at (a folder of shards or ranks is read by its own loader)
+    refused: tuple[str, ...] = ()  # globals torch's weights_only unpickler refuses, by name
+    inert: tuple[str, ...] = ()  # of those, the ones ckpt-doctor knows to be inert records: add_safe_globals helps
+    missing_devices: tuple[str, ...] = ()  # saved devices this machine lacks: torch.load needs map_location
+    format_reason: str = ""  # a format torch.load refuses outright
+
+    @property
+    def ok(self) -> bool:
+        return not self.applies or not (self.refused or self.missing_devices or self.format_reason)
+
+    def reasons(self) -> list[str]:
+        out = [self.format_reason] if self.format_reason else []
+        if self.refused:
+            shown = ", ".join(self.refused[:4]) + (f", … {len(self.refused) - 4} more" if len(self.refused) > 4 else "")
+            out.append(f"its weights_only unpickler refuses {shown}")
+        if self.missing_devices:
+            out.append(f"saved on {', '.join(self.missing_devices)}, which this machine lacks (map_location needed)")
+        return out
+
+    @property
+    def trusted_way_out(self) -> tuple[str, ...]:
+        """The globals to hand torch.serialization.add_safe_globals when that is all the file needs (every refused
+        one an inert record ckpt-doctor knows); empty when it needs more (its code, another format)."""
+        if self.format_reason or len(self.inert) != len(self.refused):
+            return ()
+        return self.inert
+
+    def json(self) -> dict[str, object]:
+        return {"applies": self.applies, "ok": self.ok, "refused_globals": list(self.refused),
+                "add_safe_globals": list(self.trusted_way_out), "missing_devices": list(self.missing_devices),
+                "reason": "; ".join(self.reasons()) or None}
+
+
+def default_load(ckpt: Checkpoint) -> DefaultLoad:
+    """What `torch.load(ckpt.path)` does here with torch's defaults."""
+    if ckpt.format not in _OPENS and ckpt.format not in _REFUSES:
+        return DefaultLoad(applies=False)
+    refused: dict[str, None] = {}
+    inert: dict[str, None] = {}
+    for g in ckpt.globals:
+        if "→ nested pickle" in g.source:  # a pickle inside a byte string: torch.load never unpickles it
+            continue
+        full = ".".join(resolve(g.module, g.name))
+        if full not in TORCH_WEIGHTS_ONLY:
+            refused[full] = None
+            if g.verdict is Verdict.SAFE:
+                inert[full] = None
+    devices = () if ckpt.format is Format.SAFETENSORS else tuple(missing_devices(ckpt.devices))
+    return DefaultLoad(True, tuple(refused), tuple(inert), devices, _REFUSES.get(ckpt.format, ""))

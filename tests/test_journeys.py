@@ -1,0 +1,406 @@
+"""The user's journey as a property: for every scenario, every command ckpt-doctor prints (in stderr, in the
+JSON's `suggested_commands`, in an error's way out) is run as printed, and what its sentence promises is checked
+with torch: the exit code, an output that torch.load(weights_only=True) loads, strictly into the model, with the
+source's tensors bit for bit. The words and the exit code come from one value."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import run_cli
+
+NETS = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+
+    class VGG(nn.Module):
+        def __init__(self, num_classes=10):
+            super().__init__()
+            self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                          nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                          nn.AdaptiveAvgPool2d(1))
+            self.classifier = nn.Linear(16, num_classes)
+
+        def forward(self, x):
+            return self.classifier(self.features(x).flatten(1))
+
+
+    class OtherVGG(nn.Module):
+        """The same network under other names: another implementation."""
+
+        def __init__(self, num_classes=10):
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+            self.bn1 = nn.BatchNorm2d(8)
+            self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+            self.bn2 = nn.BatchNorm2d(16)
+            self.fc = nn.Linear(16, num_classes)
+
+        def forward(self, x):
+            x = torch.relu(self.bn1(self.conv1(x)))
+            x = torch.relu(self.bn2(self.conv2(x)))
+            return self.fc(x.mean((2, 3)))
+
+
+    class Wrapped(nn.Module):
+        """A real submodule named `module`."""
+
+        def __init__(self):
+            super().__init__()
+            self.module = VGG()
+            self.head = nn.Linear(10, 2)
+
+        def forward(self, x):
+            return self.head(self.module(x))
+
+
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(20, 8)
+            self.body = nn.Linear(8, 8)
+            self.lm_head = nn.Linear(8, 20, bias=False)
+            self.lm_head.weight = self.embed.weight
+
+        def forward(self, tokens):
+            return self.lm_head(torch.relu(self.body(self.embed(tokens))))
+''')
+
+
+def _saved_on(location: str):
+    from fixtures.make_fixtures import saved_on
+
+    return saved_on(location)
+
+
+def _build(tmp: Path) -> dict[str, dict]:
+    """Every scenario: a checkpoint made here from a model defined in code, and the model it should load into."""
+    (tmp / "nets.py").write_text(NETS)
+    sys.path.insert(0, str(tmp))
+    try:
+        import importlib
+
+        nets = importlib.import_module("nets")
+        importlib.reload(nets)
+    finally:
+        sys.path.remove(str(tmp))
+    torch.manual_seed(0)
+    vgg = nets.VGG().eval()
+    sd = vgg.state_dict()
+    spec = f"{tmp / 'nets.py'}:VGG"
+    out: dict[str, dict] = {}
+
+    def save(name: str, obj, model: str = spec, **extra) -> None:
+        torch.save(obj, tmp / name)
+        out[name] = {"path": tmp / name, "model": model, **extra}
+
+    save("dataparallel.pth", nn.DataParallel(vgg).state_dict())
+    save("compiled.pt", {f"_orig_mod.{k}": v for k, v in sd.items()})
+    save("lightning.ckpt", {"state_dict": {f"model.{k}": v for k, v in sd.items()}, "epoch": 3, "global_step": 10,
+                            "hyper_parameters": {"lr": 0.1}})
+    with _saved_on("cuda:3"):
+        save("cuda3.pt", sd)
+        save("cuda3_dp.pt", {f"module.{k}": v for k, v in sd.items()})
+    save("whole.pt", vgg)
+    torch.manual_seed(1)
+    save("other.pth", nets.OtherVGG().state_dict())
+    head = {k: v for k, v in sd.items()}
+    head["classifier.weight"] = torch.randn(5, 16)
+    head["classifier.bias"] = torch.randn(5)
+    save("new_head.pth", head)
+    save("args.pt", {"model": sd, "args": argparse.Namespace(lr=0.1, epochs=3), "epoch": 3})
+    save("extra.pth", {**sd, "aux.weight": torch.randn(3, 3)})
+    save("no_bn_stats.pth", {k: v for k, v in sd.items() if "running" not in k})
+    save("wrapped.pth", nets.Wrapped().state_dict(), f"{tmp / 'nets.py'}:Wrapped")
+    lm = nets.TiedLM()
+    save("tied.pth", {k: v for k, v in lm.state_dict().items() if k != "lm_head.weight"},
+         f"{tmp / 'nets.py'}:TiedLM")
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("journeys"))
+
+
+COMMAND = re.compile(r"`(ckpt-doctor [^`]+)`")
+
+
+def printed_commands(text: str) -> list[str]:
+    return COMMAND.findall(text)
+
+
+def _model(spec: str):
+    from ckpt_doctor.modelspec import build_model
+
+    torch.manual_seed(0)
+    return build_model(spec, {}, "cpu")
+
+
+def _source_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the source file, by full path, read by ckpt-doctor's own loader (no code run)."""
+    from ckpt_doctor.readers import read_checkpoint
+    from ckpt_doctor.tensordata import load_tensor
+
+    return {t.key: load_tensor(t) for t in read_checkpoint(path).tensors}
+
+
+def _flat(obj, prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(_flat(v, f"{prefix}.{i}" if prefix else str(i)))
+    return out
+
+
+def _option(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def check_promise(command: str, promise: str, model: list[str] | None, source: Path) -> None:
+    """Run a printed command as printed and check what it promises."""
+    argv = shlex.split(command)
+    assert argv[0] == "ckpt-doctor"
+    result = run_cli(*argv[1:], "--json") if argv[1] == "fix" and "--dry-run" not in argv else run_cli(*argv[1:])
+    assert result.exit_code == 0, (command, result.stderr)
+    if promise == "shows":
+        assert result.stdout.strip(), command
+        return
+    out = Path(_option(argv, "-o") or _option(argv, "--output"))
+    report = result.json()
+    loaded = torch.load(out, weights_only=True)  # torch's defaults load it, here
+    # bit for bit: every written tensor is the source's under its old name; nothing left out unlisted
+    src = _source_tensors(source)
+    written = _flat(loaded)
+    select = _option(argv, "--select")
+    renamed = report["renamed"]
+    back = {new: old for old, new in renamed.items()}
+    ties = [t.split("=", 1) for i, t in enumerate(argv) if i and argv[i - 1] == "--tie"]
+    back.update({alias: back.get(key, key) for alias, key in ties})  # a tied name is the tensor it shares
+    from ckpt_doctor.readers import read_checkpoint
+
+    root = select if select is not None else read_checkpoint(source).state_dict_root
+    prefix = f"{root}." if root else ""
+    for key, tensor in written.items():
+        origin = back.get(key, key)
+        full = origin if origin in src else prefix + origin
+        if full not in src and key.startswith(prefix):
+            full = key
+        assert full in src, (command, key)
+        assert torch.equal(src[full].flatten().view(torch.uint8) if src[full].dtype != tensor.dtype else src[full],
+                           tensor.view(src[full].dtype) if src[full].dtype != tensor.dtype else tensor) or \
+            _option(argv, "--dtype"), (command, key)
+    written_sources = {back.get(k, k) for k in written} | {prefix + back.get(k, k) for k in written}
+    dropped = set(report["dropped"])
+    for key in src:
+        rel = key[len(prefix):] if prefix and key.startswith(prefix) else None
+        listed = any(key == d or key.startswith(d + ".") or rel == d for d in dropped)
+        assert key in written_sources or (rel is not None and rel in written_sources) or listed, (command, key)
+    if promise == "loads":
+        assert model, command
+        net = _model(model[1])
+        allow = _option(argv, "--allow-missing")
+        result = net.load_state_dict(loaded, strict=allow is None)
+        if allow is not None:
+            assert not result.unexpected_keys and all(re.search(allow, k) for k in result.missing_keys), command
+
+
+SCENARIO_NAMES = ["dataparallel.pth", "compiled.pt", "lightning.ckpt", "cuda3.pt", "cuda3_dp.pt", "whole.pt",
+                  "other.pth", "new_head.pth", "args.pt", "extra.pth", "no_bn_stats.pth", "wrapped.pth", "tied.pth"]
+
+
+def json_commands(data: dict) -> list[dict]:
+    """Every command a JSON report suggests: its own, and each file's (scan)."""
+    return list(data.get("suggested_commands", [])) + [s for f in data.get("files", [])
+                                                       for s in f.get("suggested_commands", [])]
+
+
+@pytest.mark.parametrize("name", SCENARIO_NAMES)
+def test_every_printed_command_runs_and_keeps_its_promise(scenarios, name, tmp_path):
+    case = scenarios[name]
+    path, spec = str(case["path"]), case["model"]
+    for args in (("inspect", path, "--model", spec), ("inspect", path), ("scan", path)):
+        table = run_cli(*args)
+        data = run_cli(*args, "--json")
+        # one verdict: the words, the JSON and the exit code come from one value
+        assert table.exit_code == data.exit_code == data.json()["exit_code"]
+        if args[0] == "inspect":
+            assert data.json()["ok"] is (data.exit_code == 0)
+        if "comparison" in data.json():
+            assert data.json()["comparison"]["ok"] is ("comparison" not in data.json()["problems"] and
+                                                       "unsafe" not in data.json()["problems"])
+        suggested = json_commands(data.json())
+        shown = printed_commands(table.stderr)
+        # what stderr prints is exactly what the JSON lists: rendered from the same values
+        assert sorted(shown) == sorted(s["command"] for s in suggested), (args, shown)
+        for s in suggested:
+            check_promise(s["command"], s["promise"], s.get("model"), case["path"])
+            if s["promise"] == "loads":  # the journey closes: the fixed file passes the check that failed
+                argv = shlex.split(s["command"])
+                allow = _option(argv, "--allow-missing")
+                again = run_cli("inspect", _option(argv, "-o"), "--model", spec, "--json",
+                                *(("--allow-missing", allow) if allow else ()))
+                assert again.json()["comparison"]["ok"], again.stderr
+
+
+def test_an_error_s_way_out_is_a_command_that_runs(scenarios, tmp_path):
+    """Refusals name the user's own command, changed: it runs as printed."""
+    other = scenarios["other.pth"]
+    out = tmp_path / "mapped.pt"
+    refused = run_cli("fix", other["path"], "-o", out, "--model", other["model"], "--map-by-order")
+    assert refused.exit_code == 2 and not out.exists()
+    dry, force = printed_commands(refused.stderr)
+    assert dry.endswith("--dry-run") and force.endswith("--force")
+    shown = run_cli(*shlex.split(dry)[1:])
+    assert shown.exit_code == 0 and "≈" in shown.stdout and not out.exists()
+    check_promise(force, "loads", ["--model", other["model"]], other["path"])
+
+    args = scenarios["args.pt"]
+    refused = run_cli("fix", args["path"], "-o", tmp_path / "a.pt")
+    assert refused.exit_code == 2
+    drop, keep = printed_commands(refused.stderr)
+    check_promise(drop, "writes", None, args["path"])
+    (tmp_path / "a.pt").unlink()  # the two are alternatives: each runs where the other has not
+    kept = run_cli(*shlex.split(keep)[1:])
+    assert kept.exit_code == 0 and "safe_globals" in kept.stderr
+
+    exists = run_cli("fix", args["path"], "-o", tmp_path / "a.pt", "--drop", "^args$")
+    assert exists.exit_code == 2
+    (again,) = printed_commands(exists.stderr)
+    assert again.endswith("--force") and run_cli(*shlex.split(again)[1:]).exit_code == 0
+
+    dp = scenarios["dataparallel.pth"]
+    bad = run_cli("fix", dp["path"], "-o", tmp_path / "r.pt", "--rename", "^module=")
+    assert bad.exit_code == 2 and "empty component" in bad.stderr
+    (meant,) = printed_commands(bad.stderr)
+    check_promise(meant, "writes", None, dp["path"])
+
+
+def test_a_prefix_without_its_dot_is_the_whole_component(scenarios, tmp_path):
+    dp = scenarios["dataparallel.pth"]
+    result = run_cli("fix", dp["path"], "-o", tmp_path / "s.pt", "--strip-prefix", "module", "--json")
+    assert result.exit_code == 0
+    keys = list(torch.load(tmp_path / "s.pt", weights_only=True))
+    assert keys and all(k.startswith(("features.", "classifier.")) for k in keys)
+    _model(dp["model"]).load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True), strict=True)
+    assert run_cli("fix", dp["path"], "-o", tmp_path / "t.pt", "--add-prefix", "net").exit_code == 0
+    assert all(k.startswith("net.module.") for k in torch.load(tmp_path / "t.pt", weights_only=True))
+    assert run_cli("fix", dp["path"], "-o", tmp_path / "u.pt", "--strip-prefix", "a..b").exit_code == 2
+
+
+def test_select_everything_keeps_the_nesting_and_lists_what_a_flat_output_leaves_out(scenarios, tmp_path):
+    lit = scenarios["lightning.ckpt"]
+    nested = run_cli("fix", lit["path"], "-o", tmp_path / "all.pt", "--select", "", "--json")
+    plain = run_cli("fix", lit["path"], "-o", tmp_path / "plain.pt", "--json")
+    assert nested.exit_code == plain.exit_code == 0
+    whole = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert whole["epoch"] == 3 and whole["hyper_parameters"] == {"lr": 0.1}
+    assert whole.keys() == torch.load(tmp_path / "plain.pt", weights_only=True).keys()
+    assert nested.json()["dropped"] == []
+    flat = run_cli("fix", lit["path"], "-o", tmp_path / "all.safetensors", "--select", "", "--json")
+    assert flat.exit_code == 0
+    assert set(flat.json()["dropped"]) == {"epoch", "global_step", "hyper_parameters"}
+    part = run_cli("fix", lit["path"], "-o", tmp_path / "sd.pt", "--select", "state_dict", "--json")
+    assert set(part.json()["dropped"]) == {"epoch", "global_step", "hyper_parameters"}
+
+
+def test_default_load_is_a_fact_that_agrees_with_torch(scenarios):
+    """`default_load.ok` is what torch.load(path) with torch's defaults does here; --require-default-load fails
+    on it."""
+    for name in SCENARIO_NAMES:
+        path = scenarios[name]["path"]
+        data = run_cli("inspect", path, "--json").json()
+        try:
+            torch.load(path)
+            torch_loads = True
+        except Exception:  # noqa: BLE001 - torch's own verdict, whatever it raises
+            torch_loads = False
+        assert data["default_load"]["ok"] is torch_loads, (name, data["default_load"])
+        strict = run_cli("inspect", path, "--require-default-load")
+        assert strict.exit_code == (1 if not torch_loads or data["exit_code"] else 0), name
+
+
+def test_whole_model_pickle_verdict_says_it_needs_code(scenarios):
+    case = scenarios["whole.pt"]
+    data = run_cli("inspect", case["path"], "--model", case["model"], "--json")
+    assert data.exit_code == 1
+    comp = data.json()["comparison"]
+    assert comp["ok"] is False and comp["verdict"].startswith("needs code to load")
+    assert [s["label"] for s in data.json()["suggested_commands"]] == ["fix"]
+
+
+def test_devices_this_machine_lacks_are_a_fact_not_a_failure(scenarios):
+    if torch.cuda.device_count() >= 4:
+        pytest.skip("this machine has cuda:3")
+    case = scenarios["cuda3.pt"]
+    plain = run_cli("inspect", case["path"])
+    model = run_cli("inspect", case["path"], "--model", case["model"], "--json")
+    assert plain.exit_code == model.exit_code == 0
+    assert model.json()["default_load"]["missing_devices"] == ["cuda:3"]
+    assert "strict load OK" in model.json()["comparison"]["verdict"]
+    assert run_cli("inspect", case["path"], "--require-default-load").exit_code == 1
+
+
+def test_diff_exits_1_when_a_side_would_run_code(scenarios, tmp_path):
+    case = scenarios["whole.pt"]
+    clean = tmp_path / "clean.pt"
+    assert run_cli("fix", case["path"], "-o", clean).exit_code == 0
+    result = run_cli("diff", case["path"], clean, "--json")
+    assert result.exit_code == 1 and result.json()["identical"] and result.json()["unsafe"] == ["A"]
+    assert run_cli("diff", clean, clean).exit_code == 0
+
+
+def test_load_into_errors_are_one_plain_line(scenarios):
+    import ckpt_doctor
+
+    case = scenarios["other.pth"]
+    with pytest.raises(ckpt_doctor.ReadError) as caught:
+        ckpt_doctor.load_into(_model(case["model"]), case["path"])
+    message = str(caught.value)
+    assert "\n" not in message and "\x1b" not in message and "allow_missing=" in message
+    assert len(ckpt_doctor.load(scenarios["args.pt"]["path"])) == 16  # torch would refuse its Namespace
+
+
+def test_dtype_aliases(scenarios, tmp_path):
+    dp = scenarios["dataparallel.pth"]
+    for alias in ("half", "fp16", "float16", "torch.float16", "FP16"):
+        result = run_cli("fix", dp["path"], "-o", tmp_path / f"{alias}.pt", "--dtype", alias)
+        assert result.exit_code == 0, result.stderr
+        loaded = torch.load(tmp_path / f"{alias}.pt", weights_only=True)
+        assert loaded["module.features.0.weight"].dtype == torch.float16
+    assert run_cli("fix", dp["path"], "-o", tmp_path / "x.pt", "--dtype", "fp8").exit_code == 2
+
+
+def test_parameters_are_counted_as_torch_counts_them(scenarios):
+    case = scenarios["dataparallel.pth"]
+    net = _model(case["model"])
+    data = run_cli("inspect", case["path"], "--json").json()
+    assert data["parameter_count"] == sum(p.numel() for p in net.parameters())
+    assert data["buffer_count"] == sum(b.numel() for b in net.buffers())
+
+
+def test_suggested_outputs_go_beside_the_input(tmp_path):
+    from ckpt_doctor.advice import output_beside
+
+    assert output_beside("runs/Net2DFast_UK_same.pth.tar") == "runs/Net2DFast_UK_same_fixed.pt"
+    assert output_beside(tmp_path / "model.pt") == str(tmp_path / "model_fixed.pt")
+    (tmp_path / "model_fixed.pt").write_bytes(b"")
+    assert output_beside(tmp_path / "model.pt") == str(tmp_path / "model_fixed2.pt")
+    assert output_beside("ckpt/step_100/") == "ckpt/step_100_fixed.pt"
+    assert json.dumps(output_beside("net.v2")) == '"net.v2_fixed.pt"'
