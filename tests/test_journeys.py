@@ -227,7 +227,7 @@ SCENARIO_NAMES = ["dataparallel.pth", "compiled.pt", "lightning.ckpt", "cuda3.pt
 
 def json_commands(data: dict) -> list[dict]:
     """Every command a JSON report suggests: its own, and each file's (scan)."""
-    return list(data.get("suggested_commands", [])) + [s for f in data.get("files", [])
+    return list(data.get("suggested_commands", [])) + [s for f in data.get("files", []) if isinstance(f, dict)
                                                        for s in f.get("suggested_commands", [])]
 
 
@@ -404,3 +404,53 @@ def test_suggested_outputs_go_beside_the_input(tmp_path):
     assert output_beside(tmp_path / "model.pt") == str(tmp_path / "model_fixed2.pt")
     assert output_beside("ckpt/step_100/") == "ckpt/step_100_fixed.pt"
     assert json.dumps(output_beside("net.v2")) == '"net.v2_fixed.pt"'
+
+
+def _run_every_suggestion(path: Path, tmp: Path, canary: Path | None = None) -> int:
+    """inspect and scan `path`; run every command they print, in a scratch copy's folder so outputs land there;
+    return how many ran. Each exits 0 and writes a file torch.load loads with its defaults."""
+    import shutil
+
+    copy = tmp / path.name
+    if not copy.exists():
+        (shutil.copytree if path.is_dir() else shutil.copy2)(path, copy)
+    ran = 0
+    for args in (("inspect", copy), ("scan", copy)):
+        table, data = run_cli(*args), run_cli(*args, "--json")
+        assert table.exit_code == data.exit_code, (args, table.stderr)
+        if not data.stdout.strip():  # the file could not be read (one Error line): no advice to run
+            assert data.exit_code in (1, 2) and not printed_commands(table.stderr), (args, table.stderr)
+            continue
+        suggested = json_commands(data.json())
+        assert sorted(printed_commands(table.stderr)) == sorted(s["command"] for s in suggested), table.stderr
+        for s in suggested:
+            argv = shlex.split(s["command"])
+            result = run_cli(*argv[1:])
+            assert result.exit_code == 0, (s["command"], result.stderr)
+            out = Path(_option(argv, "-o"))
+            torch.load(out, weights_only=True)  # torch's defaults load what the rescue wrote
+            ran += 1
+    if canary is not None:
+        assert not canary.exists(), path
+    return ran
+
+
+def test_every_fixture_s_printed_commands_run(fixtures, tmp_path):
+    ran = sum(_run_every_suggestion(info["path"], tmp_path) for name, info in fixtures.items())
+    assert ran >= 6, ran  # the cuda:3 files, the whole-model pickle, the TorchScript archive at least
+
+
+def test_every_rescue_of_a_malicious_file_runs_nothing_and_loads(fixtures, tmp_path):
+    """The malicious corpus: each file's printed rescue runs as printed, runs nothing from the file (the canary
+    stays absent) and writes a file torch.load loads with its defaults."""
+    from tests.corpus import malicious
+
+    canary = tmp_path / "CANARY"
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    ran = 0
+    for name, data in malicious(canary, fixtures["legacy"]["path"].read_bytes()).items():
+        (evil / name).write_bytes(data)
+        (tmp_path / name).mkdir()
+        ran += _run_every_suggestion(evil / name, tmp_path / name, canary)
+    assert ran >= 8, ran  # every file with tensors to rescue, from inspect and from scan
