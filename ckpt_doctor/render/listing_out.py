@@ -28,7 +28,8 @@ def listing_table(listing: FolderListing) -> str:
             continue
         rows.append([_name(listing, f.path), f.format, f"{f.tensors:,}", f"{f.parameters:,}", human_bytes(f.nbytes),
                      ",".join(f.dtypes) or "-", f.verdict if f.verdict == "safe" else f.verdict.upper()])
-    return simple_table(["file", "format", "tensors", "parameters", "size", "dtypes", "safety"], rows)
+    return simple_table(["file", "format", "tensors", "parameters", "size", "dtypes", "safety"], rows,
+                        max_width=None)  # one line per file, as `inspect FOLDER` promises
 
 
 def listing_summary(listing: FolderListing) -> list[str]:
