@@ -16,6 +16,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from .errors import one_line
+
 
 @dataclass(frozen=True)
 class RankJob:
@@ -55,12 +57,16 @@ class RankResult:
 
 
 def run_rank(job: RankJob, inputs: list[Any], reference: list[Any]) -> RankResult:
-    """What this rank saw. Creates the process group unless torchrun already made one; never destroys it."""
+    """What this rank saw. Creates the process group unless torchrun already made one; never destroys it.
+
+    The ranks agree after each stage (loaded; its shard's outputs checked) whether all of them may go on, so a
+    rank that fails there stops its peers at the same point instead of leaving them in a collective it never
+    joins (under torchrun no parent would end them)."""
     import torch
     import torch.distributed as dist
 
     from .loader import load_into
-    from .modelspec import build_model, parse_model_args
+    from .modelspec import build_model, materialize_lazy, parse_model_args
     from .outputs import Tolerance, compare_outputs, flat_outputs, shard_indices, take
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -72,12 +78,19 @@ def run_rank(job: RankJob, inputs: list[Any], reference: list[Any]) -> RankResul
             torch.cuda.set_device(local)
         dist.init_process_group(job.backend, timeout=timedelta(seconds=float(os.environ.get("CKPT_DOCTOR_PG_TIMEOUT",
                                                                                                   "120"))))
+    model: Any = None
     try:
         torch.manual_seed(job.seed)
         model = build_model(job.model, parse_model_args([f"{k}={v}" for k, v in job.model_args.items()]), "cpu")
+        materialize_lazy(model, tuple(inputs), job.model)  # as the parent did, after the same seed
         # each rank maps the saved devices to its own; tied names filled, allowances as the parent applied them
         load_into(model, job.checkpoint, fix=None, device=device, select=job.select,
                   allow_missing=job.allow_missing, allow_unexpected=job.allow_unexpected)
+    except Exception as exc:  # reported to the parent as this rank's failure, in one line
+        _failed(result, exc)
+    if not _all_go_on(result, device):
+        return result
+    try:
         saved = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         model.to(device)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if job.backend == "nccl" else None)
@@ -92,7 +105,11 @@ def run_rank(job: RankJob, inputs: list[Any], reference: list[Any]) -> RankResul
         result.max_abs_diff, result.rtol, result.atol = diff.max_abs_diff, diff.rtol, diff.atol
         if not diff.ok:
             result.error = f"its shard's outputs differ from the single run: {diff.describe()}; {diff.detail}"
-            return result
+    except Exception as exc:
+        _failed(result, exc)
+    if not _all_go_on(result, device):
+        return result
+    try:
         ddp.train()
         optimizer = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=1e-3)
         optimizer.zero_grad()
@@ -122,16 +139,42 @@ def run_rank(job: RankJob, inputs: list[Any], reference: list[Any]) -> RankResul
         dist.barrier()  # every rank got here: nobody leaves while a peer still talks to it
         result.status = "pass"
         return result
-    except Exception as exc:  # reported to the parent as this rank's failure, in one line
-        message = str(exc).strip()
-        result.error = f"{type(exc).__name__}: {message.splitlines()[0][:300] if message else ''}"
-        result.where = user_frame(exc)
-        result.traceback = traceback.format_exc()[-2000:]
-        # A peer that vanished shows up here as a broken connection: an echo, not the cause.
-        echo = type(exc).__name__ == "DistBackendError" or any(
-            s in message for s in ("Connection closed by peer", "Read error", "Connection reset", "Broken pipe"))
-        result.root_cause = not echo
+    except Exception as exc:
+        _failed(result, exc)
         return result
+
+
+def _failed(result: RankResult, exc: BaseException) -> None:
+    """This rank's failure in one line, with the model line that raised; a peer's closed connection marked as
+    the echo it is."""
+    message = str(exc).strip()
+    result.error = f"{type(exc).__name__}: {one_line(message.splitlines()[0]) if message else ''}"
+    result.where = user_frame(exc)
+    result.traceback = traceback.format_exc()[-2000:]
+    # A peer that vanished shows up here as a broken connection: an echo, not the cause.
+    echo = type(exc).__name__ == "DistBackendError" or any(
+        s in message for s in ("Connection closed by peer", "Read error", "Connection reset", "Broken pipe"))
+    result.root_cause = not echo
+
+
+def _all_go_on(result: RankResult, device: str) -> bool:
+    """Every rank says whether it failed; all go on only when none did. A rank stopped by a peer says which."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
+        flags[dist.get_rank()] = 1 if result.error else 0
+        dist.all_reduce(flags)
+        failed = [r for r, f in enumerate(flags.tolist()) if f]
+    except Exception as exc:  # a peer gone: this collective is where it shows
+        if not result.error:
+            _failed(result, exc)
+        return False
+    if failed and not result.error:
+        result.error = f"stopped: rank {failed[0]} failed"
+        result.root_cause = False
+    return not failed
 
 
 def user_frame(exc: BaseException) -> str:

@@ -711,14 +711,22 @@ def _verify_options(p: Any) -> None:
                    "%(default)s)")
     p.add_argument("--allow-skip", action="store_true", help="Exit 0 when a mode was skipped for lack of GPUs.")
     p.add_argument("--summary", action="store_true", help="Each module's output shape and parameter count.")
-    p.add_argument("--compare-to", metavar="OTHER_CKPT", help="The first module whose output differs between the two "
-                   "checkpoints (finds a layer a mapping by order got wrong).")
+    p.add_argument("--compare-to", metavar="OTHER_CKPT", help="Run OTHER_CKPT too and name the first module (in "
+                   "execution order) whose output differs: another checkpoint of this model, loaded with the renames "
+                   "inspect --model infers (the file CKPT was repaired from); with --compare-model, the original "
+                   "of a checkpoint mapped by order, in its own model.")
+    p.add_argument("--compare-model", metavar="SPEC", help="The model OTHER_CKPT was saved from (as --model): it runs "
+                   "there, and its modules are paired with this model's in the order they run.")
+    p.add_argument("--compare-model-arg", dest="compare_model_args", action="append", default=[],
+                   metavar="KEY=VALUE", help="Constructor argument for --compare-model (repeatable).")
     p.add_argument("--select", metavar="PATH", help="Verify the state_dict at PATH in the file (model_ema, "
                    "state_dict.model) instead of the one found.")
     p.add_argument("--allow-missing", metavar="REGEX", help="Accept model keys matching REGEX being missing or of "
                    "another shape: the model keeps its own values there (a fine-tuned head), as in inspect --model.")
     p.add_argument("--allow-unexpected", metavar="REGEX", help="Accept (and leave out) checkpoint keys matching "
                    "REGEX the model does not have.")
+    p.add_argument("--min-loaded", type=_fraction, metavar="FRACTION", help="Run nothing unless at least this share "
+                   "of the model's parameters (by elements) comes from the checkpoint, e.g. 0.99.")
     p.add_argument("--rtol", type=_non_negative_float, help="Relative tolerance for comparing outputs (default: "
                    "torch.testing.assert_close's for each output's dtype, x16 where the batch was split).")
     p.add_argument("--atol", type=_non_negative_float, help="Absolute tolerance for comparing outputs (default as "
@@ -730,9 +738,9 @@ def _verify_options(p: Any) -> None:
 @command(_verify_options, EXIT_CODES)
 def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes: tuple[str, ...], input_dtype: str,
            input_range: str, input_fn: str | None, gpus: int, modes: str, timeout: float, allow_skip: bool,
-           summary: bool, compare_to: str | None, select: str | None, allow_missing: str | None,
-           allow_unexpected: str | None, rtol: float | None, atol: float | None, allow_global: tuple[str, ...],
-           as_json: bool) -> int:
+           summary: bool, compare_to: str | None, compare_model: str | None, compare_model_args: tuple[str, ...],
+           select: str | None, allow_missing: str | None, allow_unexpected: str | None, min_loaded: float | None,
+           rtol: float | None, atol: float | None, allow_global: tuple[str, ...], as_json: bool) -> int:
     """Prove a checkpoint works: strict load, then run it alone, under DataParallel and under DDP.
 
     \b
@@ -743,11 +751,13 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
             Each rank loads the file itself, checks its shard against single, takes one backward +
             SGD step; replicas must then be identical and the DDP state_dict must hold the file's keys.
     Started by torchrun (RANK/WORLD_SIZE set), verify joins that process group instead of spawning.
+    Nothing runs unless the load fills the model (the share is printed; --min-loaded sets it).
 
     \b
     ckpt-doctor verify clean.pth --model mypkg.nets:ResNet --input-shape 8,3,32,32 --gpus 2
     ckpt-doctor verify lm.pt --model lm.py:make --input-shape 4,16 --input-dtype int64 --input-range 0,1000
     ckpt-doctor verify last.ckpt --select model_ema --model nets.py:Net --input-shape 8,3,32,32
+    ckpt-doctor verify mapped.pt --model new.py:Net --compare-to old.pth --compare-model old.py:OldNet
     """
     from .modelspec import parse_model_args
     from .verify import InputSpec, check_torchrun, parse_modes, parse_shape, verify as run_verify
@@ -772,60 +782,42 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
             compile_regex(pattern, flag)
     tolerance = Tolerance(rtol, atol)
     args = parse_model_args(model_args)
+    other_args = parse_model_args(compare_model_args)
+    progress = say if sys.stderr.isatty() else None  # a person waiting at a terminal sees each stage start and end
     if check_torchrun():
         from .verify import verify_under_torchrun
 
         report = verify_under_torchrun(ckpt, model_spec, args, spec, allow_skip, select, allow_missing,
-                                       allow_unexpected, tolerance)
-        code = 0 if report is None else _report_verify(report, as_json, compare_to)  # rank 0 reports for all
+                                       allow_unexpected, tolerance, min_loaded=min_loaded, timeout=timeout,
+                                       summary=summary, compare_to=compare_to, compare_model=compare_model,
+                                       compare_model_args=other_args, progress=progress)
+        code = 0 if report is None else _report_verify(report, as_json)  # rank 0 reports for all
         # gloo's threads can abort the interpreter's teardown once a peer has left ("terminate called without an
         # active exception"): the verdict is out, so leave without that teardown.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    else:
-        if sys.stderr.isatty():
-            say(f"verifying {ckpt} with {model_spec} (modes {modes}, --gpus {gpus}) …")
-        report = run_verify(ckpt, model_spec, args, spec, gpus, parse_modes(modes), timeout, summary, compare_to,
-                            allow_skip, select, allow_missing, allow_unexpected, tolerance)
-    return _report_verify(report, as_json, compare_to)
+    if progress:
+        progress(f"verifying {ckpt} with {model_spec} (modes {modes}, --gpus {gpus}) …")
+    report = run_verify(ckpt, model_spec, args, spec, gpus, parse_modes(modes), timeout, summary, compare_to,
+                        allow_skip, select, allow_missing, allow_unexpected, tolerance, min_loaded=min_loaded,
+                        compare_model=compare_model, compare_model_args=other_args, progress=progress)
+    return _report_verify(report, as_json)
 
 
-def _report_verify(report, as_json: bool, compare_to: str | None) -> int:
-    from .render.verify_out import verify_json, verify_table
+def _report_verify(report, as_json: bool) -> int:
+    """The report on stdout (table or JSON), its lines on stderr; the exit code is the report's own."""
+    from .render.verify_out import verify_json, verify_lines, verify_table
 
     if as_json:
         from .render.json_out import dumps
 
         echo(dumps(verify_json(report)))
-    if report.comparison is not None and not report.comparison.strict_ok:
-        from .render.compare_out import comparison_lines
-
-        for label, text in comparison_lines(report.comparison, report.checkpoint):
-            say(f"{label:<10}  {text}")
-        say("strict load failed: nothing was run; repair the file first (the fix line), or accept intended "
-            "differences with --allow-missing / --allow-unexpected", color="red")
-        return 1
-    if not as_json:
+    elif report.runs:
         echo(verify_table(report))
-    if report.compared_to:
-        say(f"first module whose output differs from {report.compared_to}: {report.first_difference}"
-            if report.first_difference else f"every module's output agrees with {report.compared_to}")
-    skipped = [r.mode.value for r in report.runs if r.status.value == "skipped"]
-    if report.ok:
-        say("verify: every requested mode passed" + (f" (skipped, allowed by --allow-skip: {', '.join(skipped)})"
-                                                     if skipped else ""))
-    else:
-        failed = [r.mode.value for r in report.runs if r.status.value == "fail"]
-        parts = [f"failed: {', '.join(failed)}"] if failed else []
-        if report.first_difference:
-            parts.append(f"outputs differ from {report.compared_to}")
-        if skipped:
-            parts.append(f"skipped for lack of hardware: {', '.join(skipped)}"
-                         + (" (accepted by --allow-skip)" if report.allow_skip else
-                            " (pass --allow-skip to accept that)"))
-        say("verify did not pass — " + "; ".join(parts), color="red")
-    return 0 if report.ok else 1
+    for line, problem in verify_lines(report):
+        say(line, color="red" if problem else None)
+    return report.exit_code
 
 
 def _scan_options(p: Any) -> None:

@@ -230,8 +230,6 @@ class _CopyTargets:
 def meta_twin(model: Any) -> Any:
     """The model itself when it is on the meta device, else a copy of its structure whose parameters and buffers
     are meta tensors (tied ones stay tied): loading into it reads and writes no data."""
-    import copy
-
     import torch
 
     tensors = [t for _, t in (*model.named_parameters(remove_duplicate=False),
@@ -244,7 +242,9 @@ def meta_twin(model: Any) -> Any:
             twin = torch.empty_like(t, device="meta")
             memo[id(t)] = torch.nn.Parameter(twin, requires_grad=t.requires_grad) \
                 if isinstance(t, torch.nn.Parameter) else twin
-    return copy.deepcopy(model, memo)
+    from .modelspec import deepcopy_sharing
+
+    return deepcopy_sharing(model, memo)
 
 
 def _torch_dtype(torch: Any, name: str) -> Any:

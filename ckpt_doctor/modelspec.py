@@ -12,7 +12,7 @@ from math import prod
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelSpecError, UsageError
+from .errors import ModelSpecError, UsageError, one_line
 
 
 @record
@@ -165,7 +165,14 @@ def keys_from_spec(spec: str, model_args: dict[str, Any] | None = None) -> Model
         entries = tuple(ModelEntry(t.key, t.shape, t.dtype, t.is_parameter or t.dtype.startswith(("float", "bf")))
                         for t in ref.state_dict_tensors())
         return ModelKeys(spec, entries, flags=("--model", spec))
-    keys = model_keys(build_model(spec, model_args, "meta"), spec)
+    model = build_model(spec, model_args, "meta")
+    lazy = lazy_names(model)
+    if lazy:
+        raise ModelSpecError(f"--model {spec!r}: its lazy modules ({', '.join(lazy[:3])}) have no shapes until a "
+                             "first forward, and inspect and fix compare names and shapes without running the "
+                             "model; verify runs that forward on its --input-shape, or build the model with its "
+                             "sizes (nn.Linear instead of nn.LazyLinear)")
+    keys = model_keys(model, spec)
     return replace(keys, flags=spec_flags(spec, model_args))
 
 
@@ -175,3 +182,62 @@ def spec_flags(spec: str, model_args: dict[str, Any] | None = None) -> tuple[str
     for k, v in (model_args or {}).items():
         flags += ["--model-arg", f"{k}={v!r}"]
     return tuple(flags)
+
+
+def deepcopy_sharing(model: Any, memo: dict[int, Any]) -> Any:
+    """`copy.deepcopy(model, memo)`, for models that hold what cannot be copied: a tensor computed from parameters
+    (the old `torch.nn.utils.weight_norm` keeps `weight` so), a lock, an open file, a generator. Such an attribute
+    becomes a meta tensor of its shape in the copy (a tensor), or the same object shared with the model (anything
+    else): a copy made to be loaded into, never run, needs neither."""
+    import copy
+
+    import torch
+
+    try:
+        return copy.deepcopy(model, dict(memo))
+    except Exception:  # copying runs the model's own __deepcopy__/__reduce__: anything can fail
+        pass
+    own = set(vars(torch.nn.Module()))  # Module's bookkeeping (parameters, buffers, hooks) is copied as usual
+    plain = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device, torch.Size)
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name in own or id(value) in memo or isinstance(value, plain):
+                continue
+            if isinstance(value, torch.Tensor):
+                memo[id(value)] = torch.empty_like(value, device="meta")
+                continue
+            try:
+                copy.deepcopy(value, dict(memo))
+            except Exception:
+                memo[id(value)] = value
+    return copy.deepcopy(model, memo)
+
+
+def lazy_names(model: Any) -> tuple[str, ...]:
+    """The modules whose parameters or buffers are not created yet (nn.LazyLinear and kin before a forward)."""
+    from torch.nn.parameter import is_lazy
+
+    return tuple(dict.fromkeys(name.rpartition(".")[0] or name for name, t in
+                               [*model.named_parameters(), *model.named_buffers()] if is_lazy(t)))
+
+
+def materialize_lazy(model: Any, inputs: tuple[Any, ...], spec: str) -> tuple[str, ...]:
+    """Create the parameters of lazy modules as torch says to: one forward on the inputs (eval, no grad), where
+    they take their shapes. Returns the modules so created; none when the model has no lazy module."""
+    import torch
+
+    names = lazy_names(model)
+    if not names:
+        return ()
+    training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()(*inputs)
+    except Exception as exc:  # the user's forward can raise anything
+        message = one_line(str(exc).strip().splitlines()[0]) if str(exc).strip() else ""
+        raise ModelSpecError(f"--model {spec!r}: its lazy modules ({', '.join(names[:3])}) take their shapes from a "
+                             f"first forward, which failed on the inputs given: {type(exc).__name__}: {message} "
+                             "(check --input-shape, or give the inputs with --input module:function)") from None
+    finally:
+        model.train(training)
+    return names

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ._ddp_worker import RankJob, RankResult, run_rank, user_frame, write_job
-from .errors import UsageError
+from .errors import UsageError, VerifyError, one_line
 from .outputs import Tolerance, compare_outputs, flat_outputs
 
 
@@ -57,24 +57,75 @@ class ModuleRow:
 
 @dataclass(frozen=True)
 class VerifyReport:
+    """What verify found. `problems` is the one value its words and its exit code come from."""
+
     checkpoint: str
     model: str
     runs: tuple[RunResult, ...]
-    comparison: Any = None  # the strict-load verdict when it failed
+    comparison: Any = None  # the load's verdict (allowances and --min-loaded applied); nothing runs unless .ok
     summary: tuple[ModuleRow, ...] = ()
     first_difference: str | None = None  # with compared_to: the first module whose output differs
     allow_skip: bool = False
     compared_to: str | None = None
     tolerance: Tolerance = Tolerance()
+    compare_model: str | None = None  # the model compared_to ran in; None: this model
+    lazy: tuple[str, ...] = ()  # lazy modules whose parameters a first forward on the inputs created
+
+    @property
+    def refused(self) -> bool:
+        """The load's verdict stopped verify before anything ran."""
+        return self.comparison is not None and not self.comparison.ok
+
+    @property
+    def loaded_fraction(self) -> float | None:
+        """The share of the model's parameters (by elements, a tied Parameter once) the checkpoint filled."""
+        return None if self.comparison is None else self.comparison.loaded_fraction
+
+    @property
+    def required_fraction(self) -> float | None:
+        """The share the load had to fill: the comparison's rule (--min-loaded, or its default)."""
+        c = self.comparison
+        if c is None:
+            return None
+        required = getattr(c, "required_fraction", None)  # compare.py's default rule, where it has one
+        if callable(required):
+            required = required()
+        return c.min_loaded if required is None else required
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        """Why verify did not pass, one short clause each; empty when it passed."""
+        c = self.comparison
+        if self.refused:
+            if not c.strict_ok:
+                return ("the strict load failed: nothing was run",)
+            required = self.required_fraction
+            return (f"only {c.loaded_fraction:.1%} of the model's parameters came from the checkpoint"
+                    + (f" ({required:.1%} required)" if required is not None else "") + ": nothing was run",)
+        out = []
+        failed = [r.mode.value for r in self.runs if r.status is Status.FAIL]
+        if failed:
+            out.append(f"failed: {', '.join(failed)}")
+        if self.first_difference is not None:
+            out.append(f"outputs differ from {self.compared_to}'s, first at {self.first_difference.split(' (')[0]}")
+        skipped = self.skipped
+        if skipped and not self.allow_skip:
+            out.append(f"skipped for lack of hardware: {', '.join(skipped)} (pass --allow-skip to accept that)")
+        if not self.runs:
+            out.append("nothing was run")
+        return tuple(out)
+
+    @property
+    def skipped(self) -> tuple[str, ...]:
+        return tuple(r.mode.value for r in self.runs if r.status is Status.SKIPPED)
 
     @property
     def ok(self) -> bool:
-        if self.comparison is not None and not self.comparison.strict_ok:
-            return False
-        if self.first_difference is not None:
-            return False
-        allowed = {Status.PASS, Status.SKIPPED} if self.allow_skip else {Status.PASS}
-        return bool(self.runs) and all(r.status in allowed for r in self.runs)
+        return not self.problems
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
 
 
 @dataclass(frozen=True)
@@ -166,7 +217,7 @@ def run_single(model: Any, inputs: tuple[Any, ...], device: str) -> tuple[RunRes
         with torch.no_grad():
             out = flat_outputs(model(*_to(inputs, device)))
     except Exception as exc:  # the user's forward can raise anything; it is this run's verdict, not a crash
-        message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        message = one_line(str(exc).strip().splitlines()[0]) if str(exc).strip() else ""
         return RunResult(Mode.SINGLE, 1, "-", (device,), Status.FAIL, None, time.perf_counter() - start,
                          f"forward failed: {type(exc).__name__}: {message}"
                          + (f" (at {user_frame(exc)})" if user_frame(exc) else "")
@@ -222,7 +273,8 @@ def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int,
                      diff.rtol, diff.atol)
 
 
-def run_ddp(job: RankJob, inputs: tuple[Any, ...], reference: list[Any], timeout: float) -> RunResult:
+def run_ddp(job: RankJob, inputs: tuple[Any, ...], reference: list[Any], timeout: float,
+            progress: Progress | None = None) -> RunResult:
     """Spawn the job's ranks (nccl on as many GPUs, else gloo on the CPU); each reports a RankResult as JSON."""
     import torch
 
@@ -240,7 +292,17 @@ def run_ddp(job: RankJob, inputs: tuple[Any, ...], reference: list[Any], timeout
             procs.append(subprocess.Popen([sys.executable, "-m", "ckpt_doctor._ddp_worker"], env=env,
                                           stdout=subprocess.DEVNULL, stderr=open(folder / f"rank{rank}.log", "wb"),
                                           start_new_session=True))
-        failed = _wait(procs, timeout)
+        if progress:
+            progress(f"ddp: {job.world_size} ranks ({job.backend}) started …")
+
+        def ended(rank: int, code: int) -> None:
+            if progress:
+                path = folder / f"rank{rank}.json"
+                status = json.loads(path.read_text()).get("status", "fail") if path.exists() else \
+                    f"fail: exit code {code}"
+                progress(f"ddp: rank {rank} done ({status})")
+
+        failed = _wait(procs, timeout, ended)
         results = [_rank_result(folder, r, p, failed) for r, p in enumerate(procs)]
     return ddp_outcome(results, job.backend, inputs[0].shape[0], time.perf_counter() - start)
 
@@ -268,7 +330,8 @@ def ddp_outcome(results: list[RankResult], backend: str, batch: int, elapsed: fl
     if errors:
         first = errors[0]
         at = f" (at {first.where})" if first.where else ""
-        also = f" (also: rank {', '.join(str(r.rank) for r in errors[1:])} failed)" if len(errors) > 1 else ""
+        others = [str(r.rank) for r in errors[1:] if r.root_cause]  # a rank its peer's failure stopped is no news
+        also = f" (also: rank {', '.join(others)} failed)" if others else ""
         return RunResult(Mode.DDP, world, backend, devices, Status.FAIL, diff, elapsed,
                          f"rank {first.rank}: {first.error or 'failed'}{at}{also}", peak, rtol, atol, tuple(results))
     tol = f" within rtol {rtol:.3g}, atol {atol:.3g}" if rtol is not None and atol is not None else ""
@@ -285,12 +348,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float) -> dict[int, str]:
-    """Wait for every rank; a crash stops the others at once, a deadline kills all. Returns rank -> reason."""
+def _wait(procs: list[subprocess.Popen], timeout: float,
+          ended: Callable[[int, int], None] | None = None) -> dict[int, str]:
+    """Wait for every rank; a crash stops the others at once, a deadline kills all. Returns rank -> reason.
+    `ended(rank, exit code)` is called as each rank leaves on its own."""
     deadline = time.monotonic() + timeout
     reasons: dict[int, str] = {}
+    seen: set[int] = set()
     while True:
         codes = [p.poll() for p in procs]
+        for r, c in enumerate(codes):
+            if c is not None and r not in seen:
+                seen.add(r)
+                if ended:
+                    ended(r, c)
         if all(c is not None for c in codes):
             break
         crashed = [r for r, c in enumerate(codes) if c not in (None, 0)]
@@ -327,15 +398,16 @@ def _rank_result(folder: Path, rank: int, proc: subprocess.Popen, reasons: dict[
     return RankResult(rank, error=how + (f": {last[-200:]}" if last else ""))
 
 
-def _run_with_leaf_hooks(model: Any, inputs: tuple[Any, ...], on_output: Callable[[str, Any, Any], None]) -> None:
-    """One eval forward, calling on_output(name, module, output) for every leaf module in execution order."""
+def _run_with_leaf_hooks(model: Any, inputs: tuple[Any, ...], on_output: Callable[[str, Any, Any], None]) -> Any:
+    """One eval forward, calling on_output(name, module, output) for every leaf module in execution order; returns
+    the forward's result."""
     import torch
 
     hooks = [module.register_forward_hook(lambda mod, args, out, name=name: on_output(name, mod, out))
              for name, module in model.named_modules() if name and not list(module.children())]
     try:
         with torch.no_grad():
-            model.eval()(*inputs)
+            return model.eval()(*inputs)
     finally:
         for h in hooks:
             h.remove()
@@ -357,130 +429,259 @@ def module_summary(model: Any, inputs: tuple[Any, ...]) -> list[ModuleRow]:
 def first_difference(model_a: Any, model_b: Any, inputs: tuple[Any, ...],
                      tolerance: Tolerance = Tolerance()) -> str | None:
     """The first leaf module (in execution order) whose output differs between two loaded models (assert_close's
-    rule, at the default tolerance of each output's dtype: the same batch, the same kernels)."""
+    rule, at the default tolerance of each output's dtype: the same batch, the same kernels); then the models'
+    final outputs. The models may be two classes (a checkpoint mapped by order, and the original in its own
+    model): leaf modules are paired by the order they run in, and the other's name is given where it differs."""
 
-    def outputs(model: Any) -> list[tuple[str, list[Any]]]:
+    def outputs(model: Any) -> tuple[list[tuple[str, list[Any]]], list[Any]]:
         seen: list[tuple[str, list[Any]]] = []
-        _run_with_leaf_hooks(model, inputs, lambda name, mod, out: seen.append(
+        final = _run_with_leaf_hooks(model, inputs, lambda name, mod, out: seen.append(
             (name, [t.detach().clone() for t in flat_outputs(out)])))
-        return seen
+        return seen, [t.detach() for t in flat_outputs(final)]
 
-    for (name, a), (_, b) in zip(outputs(model_a), outputs(model_b)):
+    (leaves_a, final_a), (leaves_b, final_b) = outputs(model_a), outputs(model_b)
+    for (name, a), (other, b) in zip(leaves_a, leaves_b):
         diff = compare_outputs(a, b, tolerance)
         if not diff.ok:
-            return f"{name} ({diff.describe()})"
+            return f"{name}{'' if other == name else f' (paired with {other})'} ({_how(diff)})"
+    diff = compare_outputs(final_a, final_b, tolerance)
+    if not diff.ok:
+        return f"the model's output ({_how(diff)})"
     return None
 
 
-def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: InputSpec, gpus: int = 2,
-           modes: tuple[Mode, ...] = (Mode.SINGLE, Mode.DP, Mode.DDP), timeout: float = 300.0,
-           summary: bool = False, compare_to: str | None = None, allow_skip: bool = False,
-           select: str | None = None, allow_missing: str | None = None, allow_unexpected: str | None = None,
-           tolerance: Tolerance = Tolerance()) -> VerifyReport:
-    """Strict load (with the allowances given), then the runs asked for. `compare_to` is loaded with the fix
-    `inspect --model` infers for it, so the file a checkpoint was repaired from compares as it is."""
+def _how(diff: Any) -> str:
+    return diff.describe() if diff.max_abs_diff != float("inf") else diff.detail
+
+
+Progress = Callable[[str], None]  # a line for the person at the terminal (the CLI passes one only on a tty)
+
+SEED = 0
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    comparison: Any
+    model: Any
+    inputs: tuple[Any, ...]
+    lazy: tuple[str, ...]
+
+
+def _prepare(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: InputSpec, select: str | None,
+             allow_missing: str | None, allow_unexpected: str | None, min_loaded: float | None) -> _Prepared:
+    """The inputs, the model built on the CPU (lazy modules created by a forward on them), the load's verdict,
+    and, when that verdict lets anything run, the model loaded: the same in every process that verifies."""
     from ._record import replace
 
     import torch
 
     from .compare import compare_checkpoint
     from .loader import load_into
-    from .modelspec import build_model, model_keys, spec_flags
+    from .modelspec import model_keys, spec_flags
     from .readers import read_checkpoint
+
+    checkpoint = read_checkpoint(ckpt)
+    if checkpoint.unsafe_globals or checkpoint.hazards:
+        from .advice import rescue
+
+        found = rescue(checkpoint)
+        checkpoint.refuse_if_unsafe("verify it — nothing from it was loaded or run",
+                                    f"Rescue its weights first with `{found.command}`, then verify {found.argv[3]}"
+                                    if found is not None else "")
+    torch.manual_seed(SEED)  # an --input function drawing from torch's generator draws the same batch every time
+    inputs = make_inputs(inputs_spec)
+    model, lazy = _build(model_spec, model_args, inputs)
+    # Saved devices this machine lacks are no obstacle here: every run maps them to its own device.
+    keys = replace(model_keys(model, model_spec), flags=spec_flags(model_spec, model_args))
+    comparison = replace(compare_checkpoint(checkpoint, keys, select=select, allow_missing=allow_missing,
+                                            allow_unexpected=allow_unexpected, min_loaded=min_loaded),
+                         missing_devices=())
+    if comparison.ok:  # the file as it is: tied names filled, what the allowances accept kept from the model
+        load_into(model, ckpt, fix=None, device="cpu", select=select, allow_missing=allow_missing,
+                  allow_unexpected=allow_unexpected)
+    return _Prepared(comparison, model, inputs, lazy)
+
+
+def _build(spec: str, args: dict[str, Any], inputs: tuple[Any, ...]) -> tuple[Any, tuple[str, ...]]:
+    """The model on the CPU, built after SEED as every rank builds it (keys a file lacks start equal everywhere),
+    its lazy modules created by one forward on the inputs."""
+    import torch
+
+    from .modelspec import build_model, materialize_lazy
+
+    torch.manual_seed(SEED)
+    model = build_model(spec, args, "cpu")
+    return model, materialize_lazy(model, inputs, spec)
+
+
+def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: InputSpec, gpus: int = 2,
+           modes: tuple[Mode, ...] = (Mode.SINGLE, Mode.DP, Mode.DDP), timeout: float = 300.0,
+           summary: bool = False, compare_to: str | None = None, allow_skip: bool = False,
+           select: str | None = None, allow_missing: str | None = None, allow_unexpected: str | None = None,
+           tolerance: Tolerance = Tolerance(), *, min_loaded: float | None = None, compare_model: str | None = None,
+           compare_model_args: dict[str, Any] | None = None, progress: Progress | None = None) -> VerifyReport:
+    """The load's verdict (allowances and --min-loaded applied), then the runs asked for. `compare_to` runs in
+    `compare_model` when given (the original of a checkpoint mapped by order, in its own model), else in this
+    model, loaded with the fix `inspect --model` infers for it (the file a checkpoint was repaired from)."""
+    import torch
 
     if gpus < 1:
         raise UsageError("--gpus must be at least 1")
-    checkpoint = read_checkpoint(ckpt)
-    checkpoint.refuse_if_unsafe("verify it — nothing from it was loaded or run",
-                                f"Rescue its weights first: ckpt-doctor fix {ckpt} -o clean.pt, then verify clean.pt")
-    torch.manual_seed(SEED)  # every process builds the model after this seed: keys the file lacks start equal
-    model = build_model(model_spec, model_args, "cpu")
-    # Saved devices this machine lacks are no obstacle here: every run maps them to its own device.
-    keys = replace(model_keys(model, model_spec), flags=spec_flags(model_spec, model_args))
-    comparison = replace(compare_checkpoint(checkpoint, keys, select=select,
-                                            allow_missing=allow_missing, allow_unexpected=allow_unexpected),
-                         missing_devices=())
-    if not comparison.strict_ok:
-        return VerifyReport(ckpt, model_spec, (), comparison, allow_skip=allow_skip)
-    # the file as it is: tied names filled, what the allowances accept kept from the model
-    load_into(model, ckpt, fix=None, device="cpu", select=select, allow_missing=allow_missing,
-              allow_unexpected=allow_unexpected)
-    inputs = make_inputs(inputs_spec)
+    _check_compare_flags(compare_to, compare_model, compare_model_args)
+    prepared = _prepare(ckpt, model_spec, model_args, inputs_spec, select, allow_missing, allow_unexpected,
+                        min_loaded)
+    comparison, model, inputs = prepared.comparison, prepared.model, prepared.inputs
+    if not comparison.ok:
+        return VerifyReport(ckpt, model_spec, (), comparison, allow_skip=allow_skip, lazy=prepared.lazy)
     device = "cuda:0" if cuda_count() else "cpu"
     runs: list[RunResult] = []
+    if progress:
+        progress(f"single: running the eval forward on {device} …")
     single, reference = run_single(model, inputs, device)
     if Mode.SINGLE in modes or single.status is Status.FAIL:
         runs.append(single)
+    model = model.cpu()
     rows: tuple[ModuleRow, ...] = ()
+    if summary:
+        rows = tuple(module_summary(model, inputs))
     diff_at = None
-    if summary or compare_to:
-        cpu_model = model.cpu()
-        if summary:
-            rows = tuple(module_summary(cpu_model, inputs))
-        if compare_to:
-            torch.manual_seed(SEED)
-            other = build_model(model_spec, model_args, "cpu")
-            load_into(other, compare_to, fix="auto", device="cpu", allow_missing=allow_missing,
-                      allow_unexpected=allow_unexpected)
-            diff_at = first_difference(cpu_model, other, inputs, tolerance)
+    if compare_to:
+        if progress:
+            progress(f"compare: running {compare_to} in {compare_model or model_spec} …")
+        other = load_reference(compare_to, compare_model or model_spec,
+                               model_args if compare_model is None else (compare_model_args or {}), inputs,
+                               own_model=compare_model is not None, allow_missing=allow_missing,
+                               allow_unexpected=allow_unexpected)
+        diff_at = first_difference(model, other, inputs, tolerance)
     if single.status is Status.PASS:
         if Mode.DP in modes:
+            if progress:
+                progress(f"dp: running nn.DataParallel over {min(gpus, cuda_count())} GPUs …" if cuda_count() else
+                         "dp: no CUDA device: running nn.DataParallel on the CPU …")
             runs.append(run_dp(model, inputs, reference, gpus, tolerance))
         if Mode.DDP in modes:
             backend = "nccl" if cuda_count() >= gpus and torch.distributed.is_nccl_available() else "gloo"
             job = RankJob(str(Path(ckpt).resolve()), model_spec, {k: repr(v) for k, v in model_args.items()},
                           backend, gpus, os.getcwd(), select, allow_missing, allow_unexpected, tolerance.rtol,
                           tolerance.atol, SEED)
-            runs.append(run_ddp(job, inputs, reference, timeout))
-    return VerifyReport(ckpt, model_spec, tuple(runs), None, rows, diff_at, allow_skip, compare_to, tolerance)
+            runs.append(run_ddp(job, inputs, reference, timeout, progress))
+    return VerifyReport(ckpt, model_spec, tuple(runs), comparison, rows, diff_at, allow_skip, compare_to, tolerance,
+                        compare_model, prepared.lazy)
 
 
-SEED = 0
+def _check_compare_flags(compare_to: str | None, compare_model: str | None,
+                         compare_model_args: dict[str, Any] | None) -> None:
+    if compare_model and not compare_to:
+        raise UsageError("--compare-model names the model of the checkpoint given with --compare-to: add "
+                         "--compare-to ORIGINAL_CKPT")
+    if compare_model_args and not compare_model:
+        raise UsageError("--compare-model-arg needs --compare-model")
+
+
+def load_reference(path: str, spec: str, args: dict[str, Any], inputs: tuple[Any, ...], *, own_model: bool,
+                   allow_missing: str | None = None, allow_unexpected: str | None = None) -> Any:
+    """The checkpoint `--compare-to` names, loaded on the CPU into a model of `spec`: its own model (`own_model`,
+    from --compare-model: loaded with the fix inspect infers, nothing accepted) or the verified one (the fix
+    inspect infers and the allowances given). A file that does not load so is refused in one line that says
+    which flag to use."""
+    from .compare import compare_checkpoint
+    from .errors import ReadError
+    from .loader import load_into
+    from .modelspec import model_keys
+    from .readers import read_checkpoint
+
+    checkpoint = read_checkpoint(path)  # an unreadable file is its own error, raised as such
+    model, _ = _build(spec, args, inputs)
+    if own_model:
+        allow_missing = allow_unexpected = None
+    try:
+        load_into(model, path, fix="auto", device="cpu", allow_missing=allow_missing,
+                  allow_unexpected=allow_unexpected)
+    except ReadError:
+        c = compare_checkpoint(checkpoint, model_keys(model, spec), allow_missing=allow_missing,
+                               allow_unexpected=allow_unexpected)
+        what = _load_problems(c)
+        if own_model:
+            raise VerifyError(f"--compare-to {path} does not load into {type(model).__name__} (--compare-model "
+                              f"{spec}): {what}; --compare-to names the checkpoint of the --compare-model") from None
+        order = "; names differ where shapes agree, as in a mapping by order" if c.fix_kind == "map-by-order" else ""
+        raise VerifyError(f"--compare-to {path} does not load into {type(model).__name__}, even with the renames "
+                          f"inspect --model infers: {what}{order}. To compare with a checkpoint of another model, "
+                          "add --compare-model with that model's SPEC; for intended differences, --allow-missing / "
+                          "--allow-unexpected") from None
+    return model
+
+
+def _load_problems(c: Any) -> str:
+    """What a strict load of the file says, counted, with the first key of each kind."""
+    parts = []
+    for label, keys in (("missing", c.missing), ("unexpected", c.unexpected),
+                        ("of another shape", [m.key for m in c.mismatched])):
+        if keys:
+            parts.append(f"{len(keys)} {label} (first: {keys[0]})")
+    if c.errors:
+        parts.append(f"the model's loading code: {c.errors[0][:200]}")
+    return ", ".join(parts) or "the load failed"
 
 
 def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any], spec: InputSpec,
                           allow_skip: bool, select: str | None = None, allow_missing: str | None = None,
-                          allow_unexpected: str | None = None,
-                          tolerance: Tolerance = Tolerance()) -> VerifyReport | None:
-    """Launched by torchrun: join its group, run this rank, and let rank 0 report for all (across nodes too)."""
+                          allow_unexpected: str | None = None, tolerance: Tolerance = Tolerance(), *,
+                          min_loaded: float | None = None, timeout: float = 300.0, summary: bool = False,
+                          compare_to: str | None = None, compare_model: str | None = None,
+                          compare_model_args: dict[str, Any] | None = None,
+                          progress: Progress | None = None) -> VerifyReport | None:
+    """Launched by torchrun: join its group, run this rank, and let rank 0 report for all (across nodes too).
+    Every rank reaches the load's verdict on its own (the same one): a refused load runs nothing anywhere."""
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
-    from .loader import load_into
-    from .modelspec import build_model
-
-    world = int(os.environ["WORLD_SIZE"])
+    _check_compare_flags(compare_to, compare_model, compare_model_args)
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     local = int(os.environ.get("LOCAL_RANK", 0))
     backend = "nccl" if cuda_count() > local and dist.is_nccl_available() else "gloo"
+    prepared = _prepare(ckpt, model_spec, model_args, spec, select, allow_missing, allow_unexpected, min_loaded)
+    if not prepared.comparison.ok:
+        return VerifyReport(ckpt, model_spec, (), prepared.comparison, allow_skip=allow_skip,
+                            lazy=prepared.lazy) if rank == 0 else None
+    model, inputs = prepared.model, prepared.inputs
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(local)
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))  # a rank left behind ends at --timeout
     try:
-        torch.manual_seed(SEED)
-        model = build_model(model_spec, model_args, "cpu")
-        load_into(model, ckpt, fix=None, device="cpu", select=select, allow_missing=allow_missing,
-                  allow_unexpected=allow_unexpected)
-        inputs = make_inputs(spec)  # seeded: every rank draws the same batch
         single, reference = run_single(model, inputs, "cpu")
         start = time.perf_counter()
         job = RankJob(str(Path(ckpt).resolve()), model_spec, {k: repr(v) for k, v in model_args.items()}, backend,
                       world, os.getcwd(), select, allow_missing, allow_unexpected, tolerance.rtol, tolerance.atol,
                       SEED)
+        if progress and rank == 0:
+            progress(f"ddp: joined torchrun's group ({backend}, {world} ranks) …")
         result = run_rank(job, list(inputs), reference)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, asdict(result))
         dist.barrier()  # nobody tears the group down while a peer still uses it (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()
-    if int(os.environ["RANK"]) != 0:
+    if rank != 0:
         return None
     results = [RankResult.from_json(r) for r in gathered]
     run = ddp_outcome(results, backend, inputs[0].shape[0], time.perf_counter() - start,
                       launcher=f"joined torchrun's group ({backend}, {world} ranks)")
-    return VerifyReport(ckpt, model_spec, (single, run), allow_skip=allow_skip, tolerance=tolerance)
+    model = model.cpu()
+    rows = tuple(module_summary(model, inputs)) if summary else ()
+    diff_at = None
+    if compare_to:
+        other = load_reference(compare_to, compare_model or model_spec,
+                               model_args if compare_model is None else (compare_model_args or {}), inputs,
+                               own_model=compare_model is not None, allow_missing=allow_missing,
+                               allow_unexpected=allow_unexpected)
+        diff_at = first_difference(model, other, inputs, tolerance)
+    return VerifyReport(ckpt, model_spec, (single, run), prepared.comparison, rows, diff_at, allow_skip, compare_to,
+                        tolerance, compare_model, prepared.lazy)
 
 
 def check_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "CKPT_DOCTOR_DDP_JOB" not in os.environ
-

@@ -204,7 +204,8 @@ def test_joins_a_torchrun_group(fixtures, tmp_path):
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
     exe = shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(sys.executable), "ckpt-doctor")
     proc = subprocess.run([torchrun, "--nproc_per_node=2", "--no-python", exe, "verify", str(fixtures["plain"]["path"]),
-                           "--model", CNN, *IMG, "--json"], capture_output=True, text=True, timeout=180, cwd=ROOT)
+                           "--model", CNN, *IMG, "--json"], capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))  # this checkout's code, not the installed one
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(proc.stdout)
     ddp = [r for r in data["runs"] if r["mode"] == "ddp"][0]
@@ -321,3 +322,366 @@ def test_load_into_reports_what_it_loaded_after_its_fix(tmp_path):
         ckpt_doctor.load_into(SmallCNN(), head_less, fix=None)
     report = ckpt_doctor.load_into(SmallCNN(), head_less, allow_missing=r"^classifier\.")
     assert report.ok and report.allowed_missing == ("classifier.weight", "classifier.bias")
+
+
+# --- issue 23: every model inspect accepts, one verdict, --compare-model, nothing passes on nothing, readable ---
+
+AWKWARD = """
+    import threading
+    import torch
+    from torch import nn
+    from torch.nn.utils import parametrizations as P
+
+
+    def stem():
+        return nn.Linear(16, 16)
+
+
+    class Awkward(nn.Module):
+        '''Old weight_norm (a computed `weight` attribute), a lazy layer, and state deepcopy refuses.'''
+
+        def __init__(self):
+            super().__init__()
+            self.wn = torch.nn.utils.weight_norm(stem())
+            self.lazy = nn.LazyLinear(8)
+            self.head = nn.Linear(8, 4)
+            self.lock = threading.Lock()
+            self.log = open(__file__)
+            self.rng = torch.Generator().manual_seed(1)
+
+        def forward(self, x):
+            with self.lock:
+                return self.head(torch.tanh(self.lazy(torch.tanh(self.wn(x)))))
+
+
+    class Param(nn.Module):
+        def __init__(self, kind):
+            super().__init__()
+            wrap = {"weight_norm": P.weight_norm, "orthogonal": P.orthogonal, "spectral_norm": P.spectral_norm,
+                    "old_spectral_norm": torch.nn.utils.spectral_norm,
+                    "old_weight_norm_and_a_lock": torch.nn.utils.weight_norm}[kind]
+            self.body = wrap(stem())
+            self.head = nn.Linear(16, 4)
+            if kind == "old_weight_norm_and_a_lock":
+                self.lock, self.log, self.rng = threading.Lock(), open(__file__), torch.Generator()
+
+        def forward(self, x):
+            return self.head(self.body(x))
+"""
+
+
+def load_nets(path):
+    from importlib import util
+
+    spec = util.spec_from_file_location(f"nets_{abs(hash(str(path)))}", path)
+    module = util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_model_deepcopy_refuses_is_verified_in_every_mode(cli, tmp_path):
+    """Old weight_norm, a LazyLinear, a lock, an open file and a generator: verify runs it, single and DDP (each
+    rank creates the lazy layer as the parent did)."""
+    import warnings
+
+    spec = write_nets(tmp_path, AWKWARD)
+    nets = load_nets(spec)
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # weight_norm's deprecation
+        model = nets.Awkward()
+    model(torch.randn(2, 16))
+    path = tmp_path / "awkward.pt"
+    torch.save(model.state_dict(), path)
+    result = cli("verify", path, "--model", f"{spec}:Awkward", "--input-shape", "4,16", "--mode", "single,ddp",
+                 "--json")
+    assert result.exit_code == 0, result.stderr
+    data = result.json()
+    assert data["loaded_fraction"] == 1.0 and data["lazy_modules"] == ["lazy"]
+    assert [r["status"] for r in data["runs"]] == ["pass", "pass"]
+    assert "internal error" not in result.stderr
+    # the comparison was really made: a weight_norm tensor of another shape is named, nothing is run
+    sd = dict(model.state_dict())
+    sd["wn.weight_g"] = torch.ones(16, 2)
+    torch.save(sd, tmp_path / "bad.pt")
+    bad = cli("verify", tmp_path / "bad.pt", "--model", f"{spec}:Awkward", "--input-shape", "4,16", "--json")
+    assert bad.exit_code == 1 and bad.json()["runs"] == []
+    assert [m["key"] for m in bad.json()["comparison"]["mismatched"]] == ["wn.weight_g"]
+
+
+def test_lazy_layers_take_the_shape_of_the_inputs_given(cli, tmp_path):
+    spec = write_nets(tmp_path, AWKWARD)
+    nets = load_nets(spec)
+    model = nets.Awkward()
+    model(torch.randn(2, 16))
+    path = tmp_path / "awkward.pt"
+    torch.save(model.state_dict(), path)
+    wrong = cli("verify", path, "--model", f"{spec}:Awkward", "--input-shape", "4,12", "--mode", "single")
+    assert wrong.exit_code == 2 and "lazy modules (lazy)" in wrong.stderr and "--input-shape" in wrong.stderr
+    assert wrong.stderr.count("\n") == 1  # one line
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "orthogonal", "spectral_norm", "old_spectral_norm",
+                                  "old_weight_norm_and_a_lock"])
+def test_models_inspect_accepts_verify_accepts(cli, tmp_path, kind):
+    import warnings
+
+    spec = write_nets(tmp_path, AWKWARD)
+    nets = load_nets(spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the old APIs' deprecation
+        model = nets.Param(kind)
+    model(torch.randn(2, 16))
+    path = tmp_path / f"{kind}.pt"
+    torch.save(model.state_dict(), path)
+    assert cli("inspect", path, "--model", f"{spec}:Param", "--model-arg", f"kind={kind!r}").exit_code == 0
+    result = cli("verify", path, "--model", f"{spec}:Param", "--model-arg", f"kind={kind!r}", "--input-shape", "4,16",
+                 "--mode", "single", "--compare-to", path, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert result.json()["loaded_fraction"] == 1.0 and result.json()["first_difference"] is None
+
+
+# one verdict: the words and the exit code come from report.problems
+
+def _report(statuses, allow_skip=False, differs=False, refused=None):
+    from ckpt_doctor.verify import Mode, RunResult, Status, VerifyReport
+
+    runs = tuple(RunResult(mode, 1, "-", ("cpu",), Status(s), 0.0, 0.1, "x")
+                 for mode, s in zip((Mode.SINGLE, Mode.DP, Mode.DDP), statuses))
+    return VerifyReport("a.pt", "n.py:N", runs, refused, first_difference="fc (max |diff| 1)" if differs else None,
+                        allow_skip=allow_skip, compared_to="b.pt" if differs is not None else None)
+
+
+@pytest.mark.parametrize("statuses", [(), ("pass",), ("fail",), ("skipped",), ("pass", "skipped"),
+                                      ("pass", "skipped", "pass"), ("pass", "fail", "skipped"),
+                                      ("pass", "pass", "pass")])
+@pytest.mark.parametrize("allow_skip", [False, True])
+@pytest.mark.parametrize("differs", [False, True])
+def test_one_verdict_line_says_what_the_exit_code_says(statuses, allow_skip, differs):
+    from ckpt_doctor.render.verify_out import verify_json, verify_lines
+
+    report = _report(statuses, allow_skip, differs)
+    lines = [text for text, _ in verify_lines(report)]
+    verdicts = [t for t in lines if t.startswith("verify")]
+    assert len(verdicts) == 1
+    passed = report.exit_code == 0
+    assert verdicts[0].startswith("verify did not pass") is not passed
+    assert verify_json(report)["ok"] is passed
+    assert passed == (bool(statuses) and "fail" not in statuses and not differs
+                      and (allow_skip or "skipped" not in statuses))
+    if passed and "skipped" in statuses:
+        assert "every requested mode passed" not in verdicts[0] and "--allow-skip" in verdicts[0]
+
+
+def test_the_cli_exit_code_is_the_reports(fixtures, cli):
+    for args, code in ((("--mode", "single,dp"), 1), (("--mode", "single,dp", "--allow-skip"), 0),
+                       (("--mode", "dp", "--allow-skip"), 0)):
+        if torch.cuda.device_count() >= 2:
+            pytest.skip("dp runs on this machine's GPUs")
+        result = cli("verify", fixtures["plain"]["path"], "--model", CNN, *IMG, *args, "--json")
+        assert result.exit_code == code and result.json()["ok"] is (code == 0)
+        assert ("verify did not pass" in result.stderr) is (code == 1)
+        assert ("every requested mode passed" in result.stderr) is False  # dp was skipped: never said to pass
+
+
+# --compare-to ORIGINAL --compare-model: a mapping by order checked against the original in its own model
+
+ORDER_NETS = """
+    import torch
+    from torch import nn
+
+
+    class OldNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+            self.b = nn.Linear(16, 16)
+            self.c = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+    class Swapped(nn.Module):
+        '''Declares its layers second-first: a mapping by order puts a's weights in `second`, which runs last.'''
+
+        def __init__(self, width=16):
+            super().__init__()
+            self.second = nn.Linear(width, 16)
+            self.first = nn.Linear(16, width)
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.second(torch.tanh(self.first(x)))))
+
+
+    class Right(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(16, 16)
+            self.second = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.second(torch.tanh(self.first(x)))))
+"""
+
+
+@pytest.fixture
+def by_order(cli, tmp_path):
+    spec = write_nets(tmp_path, ORDER_NETS)
+    nets = load_nets(spec)
+    torch.manual_seed(3)
+    original = tmp_path / "original.pth"
+    torch.save(nets.OldNet().state_dict(), original)
+    for name in ("Swapped", "Right"):
+        fixed = cli("fix", original, "-o", tmp_path / f"{name}.pt", "--model", f"{spec}:{name}", "--map-by-order",
+                    "--force")
+        assert fixed.exit_code == 0, fixed.stderr
+    return spec, original
+
+
+def test_compare_model_names_the_first_module_a_mapping_by_order_got_wrong(cli, tmp_path, by_order):
+    spec, original = by_order
+    run = ("--compare-to", original, "--compare-model", f"{spec}:OldNet", "--input-shape", "4,16", "--mode", "single")
+    swapped = cli("verify", tmp_path / "Swapped.pt", "--model", f"{spec}:Swapped", *run, "--json")
+    assert swapped.exit_code == 1
+    data = swapped.json()
+    # `first` runs first and holds b's weights (declared second in OldNet): it is paired with OldNet's `a`
+    assert data["first_difference"].startswith("first (paired with a)") and data["ok"] is False
+    assert data["compare_model"] == f"{spec}:OldNet"
+    assert "first module whose output differs" in swapped.stderr and "verify did not pass" in swapped.stderr
+    right = cli("verify", tmp_path / "Right.pt", "--model", f"{spec}:Right", *run)
+    assert right.exit_code == 0, right.stderr
+    assert f"every module's output agrees with {original} in {spec}:OldNet" in right.stderr
+
+
+def test_compare_to_that_does_not_load_says_which_flag_in_one_line(cli, tmp_path, by_order):
+    spec, original = by_order
+    result = cli("verify", tmp_path / "Swapped.pt", "--model", f"{spec}:Swapped", "--summary", "--compare-to",
+                 original, "--input-shape", "4,16", "--mode", "single")
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("Error: ")
+    line = result.stderr.strip()
+    assert "--compare-model" in line and "--allow-missing" in line and "mapping by order" in line
+    assert "allow_missing=" not in line and line.endswith("--allow-unexpected")
+    # the original in a model it is not the checkpoint of
+    wrong = cli("verify", tmp_path / "Swapped.pt", "--model", f"{spec}:Swapped", "--compare-to", original,
+                "--compare-model", f"{spec}:Right", "--input-shape", "4,16", "--mode", "single")
+    assert wrong.exit_code == 2 and wrong.stderr.count("\n") == 1 and "--compare-model" in wrong.stderr
+    alone = cli("verify", tmp_path / "Swapped.pt", "--model", f"{spec}:Swapped", "--compare-model", f"{spec}:OldNet",
+                "--input-shape", "4,16")
+    assert alone.exit_code == 2 and "--compare-to" in alone.stderr
+
+
+def test_compare_model_arg_reaches_the_compare_model(cli, tmp_path, by_order):
+    spec, original = by_order
+    result = cli("verify", tmp_path / "Right.pt", "--model", f"{spec}:Right", "--compare-to", tmp_path / "Swapped.pt",
+                 "--compare-model", f"{spec}:Swapped", "--compare-model-arg", "width=8", "--input-shape", "4,16",
+                 "--mode", "single")
+    assert result.exit_code == 2 and "of another shape" in result.stderr  # built with width=8: 16 does not fit
+
+
+# no check passes on nothing
+
+def test_min_loaded_refuses_a_file_that_fills_too_little(cli, tmp_path):
+    sd = {k: v for k, v in make_cnn().state_dict().items() if not k.startswith("classifier.")}
+    path = tmp_path / "backbone.pt"
+    torch.save(sd, path)
+    head = r"^classifier\."
+    result = cli("verify", path, "--model", CNN, *IMG, "--mode", "single", "--allow-missing", head, "--min-loaded",
+                 "0.99", "--json")
+    assert result.exit_code == 1
+    data = result.json()
+    total = sum(p.numel() for p in SmallCNN().parameters())
+    assert data["loaded_fraction"] == pytest.approx(1 - (16 * 10 + 10) / total)
+    assert data["runs"] == [] and data["ok"] is False and data["required_fraction"] == 0.99
+    assert f"{data['loaded_fraction']:.1%} of the model's parameters" in result.stderr
+    assert "99.0% required" in result.stderr and "nothing was run" in result.stderr
+    enough = cli("verify", path, "--model", CNN, *IMG, "--mode", "single", "--allow-missing", head, "--min-loaded",
+                 "0.85", "--json")
+    assert enough.exit_code == 0 and enough.json()["loaded_fraction"] == data["loaded_fraction"]
+
+
+def test_allowances_that_accept_everything_do_not_pass_an_unrelated_file(cli, tmp_path):
+    from ckpt_doctor.compare import Comparison
+
+    if not hasattr(Comparison, "required_fraction"):
+        pytest.skip("needs compare.py's default rule (Comparison.required_fraction), which lands separately")
+    torch.save({"something.else": torch.zeros(3)}, tmp_path / "other.pt")
+    result = cli("verify", tmp_path / "other.pt", "--model", CNN, *IMG, "--mode", "single", "--allow-missing", ".*",
+                 "--allow-unexpected", ".*", "--json")
+    assert result.exit_code == 1 and result.json()["loaded_fraction"] == 0.0 and result.json()["runs"] == []
+
+
+# readable: 120 columns, progress on a terminal only
+
+def test_the_table_fits_120_columns_and_keeps_every_word(fixtures):
+    from ckpt_doctor.render.verify_out import verify_table
+    from ckpt_doctor.verify import InputSpec, verify
+
+    report = verify(str(fixtures["plain"]["path"]), CNN, {}, InputSpec(((8, 3, 8, 8),)))
+    lines = verify_table(report).splitlines()
+    assert max(len(line) for line in lines) <= 120
+    assert any(len(run.detail) > 60 for run in report.runs)  # there was something to wrap
+    detail_at = lines[0].index("detail")
+    text = " ".join(line[detail_at:].strip() for line in lines[2:])
+    for run in report.runs:  # every word of every detail is there, in order
+        assert " ".join(run.detail.split()) in text
+
+
+def test_progress_on_a_terminal(fixtures, tmp_path):
+    import pty
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_doctor", "verify", str(fixtures["plain"]["path"]), "--model",
+                             CNN, *IMG, "--mode", "single,ddp"], cwd=ROOT, stdout=subprocess.PIPE, stderr=slave,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    proc.communicate()
+    os.close(master)
+    text = seen.decode()
+    assert proc.returncode == 0, text
+    for line in ("single: running", "ddp: 2 ranks (gloo) started", "ddp: rank 0 done (pass)",
+                 "ddp: rank 1 done (pass)"):
+        assert line in text
+    quiet = subprocess.run([sys.executable, "-m", "ckpt_doctor", "verify", str(fixtures["plain"]["path"]), "--model",
+                            CNN, *IMG, "--mode", "single"], cwd=ROOT, capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert quiet.returncode == 0 and "running" not in quiet.stderr and "verifying" not in quiet.stderr
+
+
+def test_a_rank_that_fails_under_torchrun_stops_its_peers(fixtures, tmp_path):
+    """Under torchrun no parent watches the ranks: a rank whose forward raises must not leave its peer waiting in
+    a collective (gloo would wait 30 minutes)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    spec = rank_model(tmp_path, "raise RuntimeError('boom on rank one')")
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--nproc_per_node=2", "-m", "ckpt_doctor", "verify",
+                           str(fixtures["plain"]["path"]), "--model", spec, *IMG, "--json", "--timeout", "100"],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode != 0
+    data = json.loads(proc.stdout)
+    ddp = [r for r in data["runs"] if r["mode"] == "ddp"][0]
+    assert ddp["status"] == "fail" and ddp["detail"].startswith("rank 1: RuntimeError: boom on rank one")
+    assert data["ok"] is False

@@ -24,9 +24,21 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
-def simple_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+MAX_WIDTH = 120  # a table wider than this wraps its last column
+MIN_LAST = 24  # narrower than this, a long last cell goes below the table as a numbered note
+SHORT = 8  # a cell no longer than this stays in its row (a note's marker would save nothing)
+
+
+def simple_table(headers: Sequence[str], rows: Sequence[Sequence[object]], max_width: int | None = MAX_WIDTH,
+                 overflow: str = "wrap") -> str:
     """Left-aligned columns two spaces apart, a dashed rule under the headers (each at least two wider than its
-    header), trailing blanks trimmed — what tabulate(tablefmt="simple", disable_numparse=True) prints."""
+    header), trailing blanks trimmed — what tabulate(tablefmt="simple", disable_numparse=True) prints.
+
+    Rows wider than `max_width` (None: no limit) have their LAST column wrapped at word boundaries, continuation
+    lines aligned under it; the other columns (keys, names) are never cut. Where the other columns leave the last
+    fewer than MIN_LAST characters, a cell that does not fit (and is longer than SHORT) is replaced by `[n]` and
+    printed below the table as note n. `overflow="notes"` keeps every row on one line: a last cell that does not
+    fit always goes below as a note."""
     widths = [len(h) + 2 for h in headers]
     rows = [[c if type(c) is str and c.isprintable() else printable(str(c)) for c in row] for row in rows]
     for row in rows:
@@ -34,10 +46,48 @@ def simple_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
             if len(cell) > widths[i]:
                 widths[i] = len(cell)
     last = len(headers) - 1
+    indent = sum(widths[:last]) + 2 * last  # where the last column starts
+    if max_width is not None and last > 0 and indent + widths[last] > max_width:
+        return _fitted(headers, rows, widths, indent, max_width, overflow == "wrap")
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(cell.ljust(widths[i]) if i < last else cell for i, cell in enumerate(cells)).rstrip()
 
     out = [line(headers), "  ".join("-" * w for w in widths)]
     out.extend(line(row) for row in rows)
+    return "\n".join(out)
+
+
+def _fitted(headers: Sequence[str], rows: list[list[str]], widths: list[int], indent: int, max_width: int,
+            wrap: bool = True) -> str:
+    """simple_table's layout with the last column held to what `max_width` leaves it: wrapped, or as notes."""
+    import textwrap
+
+    last = len(headers) - 1
+    room = max_width - indent
+    notes: list[str] = []
+    body: list[list[str]] = []  # each row's lines of the last column
+    for row in rows:
+        cell = row[last]
+        if len(cell) <= max(room, 0 if room >= MIN_LAST else SHORT):
+            body.append([cell])
+        elif room >= MIN_LAST and wrap:
+            body.append(textwrap.wrap(cell, room, break_on_hyphens=False) or [""])
+        else:
+            notes.append(cell)
+            body.append([f"[{len(notes)}]"])
+    widths = widths[:last] + [max(len(headers[last]) + 2, *(len(x) for lines in body for x in lines))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(cell.ljust(widths[i]) if i < last else cell for i, cell in enumerate(cells)).rstrip()
+
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    for row, lines in zip(rows, body):
+        out.append(line([*row[:last], lines[0]]))
+        out.extend((" " * indent + more).rstrip() for more in lines[1:])
+    if notes:
+        out.append("")
+    for n, note in enumerate(notes, 1):
+        out.extend(textwrap.wrap(note, max_width, initial_indent=f"[{n}] ", subsequent_indent=" " * (len(str(n)) + 3),
+                                 break_on_hyphens=False) or [f"[{n}]"])
     return "\n".join(out)

@@ -31,7 +31,9 @@ def listing_table(listing: FolderListing) -> str:
             safety += "; torch.load refuses: " + "; ".join(f.default_load.reasons())
         rows.append([_name(listing, f.path), f.format, f"{f.tensors:,}", f"{f.parameters:,}", human_bytes(f.nbytes),
                      ",".join(f.dtypes) or "-", safety])
-    return simple_table(["file", "format", "tensors", "parameters", "size", "dtypes", "safety"], rows)
+    # one line per file, as `inspect FOLDER` promises: a safety detail too long for 120 columns goes below as a note
+    return simple_table(["file", "format", "tensors", "parameters", "size", "dtypes", "safety"], rows,
+                        overflow="notes")
 
 
 def listing_summary(listing: FolderListing) -> list[str]:

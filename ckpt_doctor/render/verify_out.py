@@ -1,4 +1,4 @@
-"""Renders a VerifyReport: the per-mode table, the module summary and the JSON of DESIGN.md."""
+"""Renders a VerifyReport: the per-mode table, the module summary, the lines for stderr and the JSON of DESIGN.md."""
 
 from __future__ import annotations
 
@@ -7,14 +7,18 @@ from typing import Any
 from .columns import simple_table
 
 from ..analyze import human_bytes
-from ..verify import VerifyReport
+from ..verify import RunResult, Status, VerifyReport
 
 
 def verify_json(report: VerifyReport) -> dict[str, Any]:
     out: dict[str, Any] = {
         "ok": report.ok,
+        "problems": list(report.problems),
         "checkpoint": report.checkpoint,
         "model": report.model,
+        "loaded_fraction": report.loaded_fraction,
+        "required_fraction": report.required_fraction,
+        "lazy_modules": list(report.lazy),
         "tolerance": {"rtol": report.tolerance.rtol, "atol": report.tolerance.atol,
                       "default": "torch.testing.assert_close's for each output's dtype, x16 where the batch was "
                                  "split" if report.tolerance.rtol is None or report.tolerance.atol is None else None},
@@ -23,7 +27,7 @@ def verify_json(report: VerifyReport) -> dict[str, Any]:
                   "seconds": round(r.seconds, 3), "detail": r.detail, "peak_memory": r.peak_memory,
                   **({"ranks": [_rank_json(k) for k in r.ranks]} if r.ranks else {})} for r in report.runs],
     }
-    if report.comparison is not None:
+    if report.refused:  # the load's verdict is why nothing ran: all of it
         from .compare_out import comparison_json
 
         out["comparison"] = comparison_json(report.comparison)
@@ -32,6 +36,7 @@ def verify_json(report: VerifyReport) -> dict[str, Any]:
                           for m in report.summary]
     if report.compared_to is not None:
         out["compared_to"] = report.compared_to
+        out["compare_model"] = report.compare_model
         out["first_difference"] = report.first_difference
     return out
 
@@ -44,15 +49,79 @@ def _rank_json(rank: Any) -> dict[str, Any]:
 
 
 def verify_table(report: VerifyReport) -> str:
-    rows = []
-    for r in report.runs:
-        peak = ", ".join(f"{d} {human_bytes(b)}" for d, b in r.peak_memory.items()) or "-"
-        diff = "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.3g}"
-        rows.append([r.mode.value, r.status.value.upper(), r.world_size, r.backend, ",".join(r.devices), diff,
-                     f"{r.seconds:.2f}", peak, r.detail])
-    text = simple_table(["mode", "status", "world", "backend", "devices", "max|diff|", "seconds", "peak memory",
-                         "detail"], rows)
+    """One row per run; what each device or rank used is in the JSON, the table shows the largest."""
+    rows = [[r.mode.value, r.status.value.upper(), _devices(r), r.backend,
+             "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.3g}", f"{r.seconds:.2f}", _peak(r), r.detail]
+            for r in report.runs]
+    text = simple_table(["mode", "status", "devices", "backend", "max|diff|", "seconds", "peak memory", "detail"],
+                        rows)
     if report.summary:
         text += "\n\n" + simple_table(["module", "type", "output shape", "params"],
                                        [[m.name, m.kind, m.output_shape, f"{m.params:,}"] for m in report.summary])
     return text
+
+
+def _devices(run: RunResult) -> str:
+    """`cpu`, `cpu ×2` for two ranks on the CPU, `cuda:0-3` for four GPUs in a row."""
+    devices = list(run.devices)
+    if len(devices) > 1 and len(set(devices)) == 1:
+        return f"{devices[0]} ×{len(devices)}"
+    if len(devices) > 2 and all(d.startswith("cuda:") and d[5:].isdigit() for d in devices):
+        ids = [int(d[5:]) for d in devices]
+        if ids == list(range(ids[0], ids[0] + len(ids))):
+            return f"cuda:{ids[0]}-{ids[-1]}"
+    return ",".join(devices)
+
+
+def _peak(run: RunResult) -> str:
+    """The largest peak of the run's devices or ranks (`/rank` when there are several)."""
+    if not run.peak_memory:
+        return "-"
+    most = human_bytes(max(run.peak_memory.values()))
+    return f"{most}/rank" if len(run.peak_memory) > 1 else most
+
+
+def verify_lines(report: VerifyReport) -> list[tuple[str, bool]]:
+    """The lines for stderr, each with whether it tells of a problem (shown red): the share loaded, the load's
+    verdict when it stopped verify, the comparison with --compare-to, and the verdict, from `report.problems`."""
+    from .compare_out import comparison_lines
+
+    lines: list[tuple[str, bool]] = []
+    if report.lazy:
+        lines.append((f"lazy        {', '.join(report.lazy)}: parameters created by one forward on the inputs "
+                      "before the load, as torch creates them", False))
+    if report.loaded_fraction is not None:
+        required = report.required_fraction
+        low = report.refused and report.comparison.strict_ok
+        lines.append((f"loaded      {report.loaded_fraction:.1%} of the model's parameters (by elements) came from "
+                      f"{report.checkpoint}" + (f"; {required:.1%} required" if required is not None else ""), low))
+    if report.refused:
+        for label, text in comparison_lines(report.comparison, report.checkpoint):
+            lines.append((f"{label:<10}  {text}", False))
+        if report.comparison.strict_ok:
+            lines.append(("verify did not pass — " + "; ".join(report.problems) + " (is --model the model "
+                          "this file was saved from? --min-loaded sets the share required)", True))
+        else:
+            lines.append(("verify did not pass — " + "; ".join(report.problems) + " (repair the file first: the fix "
+                          "line; or accept intended differences with --allow-missing / --allow-unexpected)", True))
+        return lines
+    if report.compared_to:
+        where = f"{report.compared_to} in {report.compare_model}" if report.compare_model else report.compared_to
+        if report.first_difference:
+            lines.append((f"first module whose output differs from {where}: {report.first_difference}", True))
+        else:
+            lines.append((f"every module's output agrees with {where}", False))
+    if report.problems:
+        lines.append(("verify did not pass — " + "; ".join(report.problems), True))
+        return lines
+    passed = [r.mode.value for r in report.runs if r.status is Status.PASS]
+    skipped = ", ".join(report.skipped)
+    if not skipped:
+        lines.append((f"verify: every requested mode passed ({', '.join(passed)})", False))
+    elif passed:
+        lines.append((f"verify passed: {', '.join(passed)}; skipped for lack of hardware, accepted by --allow-skip: "
+                      f"{skipped}", False))
+    else:
+        lines.append((f"verify passed on the load and the reference forward alone: {skipped} skipped for lack of "
+                      "hardware, accepted by --allow-skip", False))
+    return lines

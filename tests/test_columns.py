@@ -1,0 +1,36 @@
+"""simple_table past 120 columns: the last column wraps under itself or becomes numbered notes; nothing is lost."""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+
+from ckpt_doctor.render.columns import simple_table
+
+DETAIL = " ".join(f"word{i}" for i in range(60))
+
+
+def test_rows_that_fit_are_tabulates_simple_format():
+    rows = [["features.0.weight", "matched", "x" * 60]]
+    assert simple_table(["key", "verdict", "detail"], rows) == tabulate(rows, headers=["key", "verdict", "detail"],
+                                                                       tablefmt="simple", disable_numparse=True)
+
+
+def test_a_long_last_column_wraps_aligned_under_itself():
+    rows = [["single", "PASS", "short"], ["ddp", "FAIL", DETAIL]]
+    lines = simple_table(["mode", "status", "detail"], rows).splitlines()
+    at = lines[0].index("detail")
+    assert max(len(line) for line in lines) <= 120 and len(lines) > 4
+    assert lines[2].startswith("single") and lines[3].startswith("ddp")
+    assert all(line[:at].strip() == "" for line in lines[4:])  # continuation lines hold the last column only
+    assert " ".join(line[at:] for line in lines[3:]).split() == DETAIL.split()
+    assert simple_table(["mode", "status", "detail"], rows, max_width=None).splitlines()[3].endswith(DETAIL)
+
+
+def test_wide_keys_are_never_cut_and_a_cell_without_room_becomes_a_note():
+    key = "k" * 110
+    rows = [[key, "ok"], [key, DETAIL]]
+    lines = simple_table(["key", "detail"], rows).splitlines()
+    assert lines[2] == f"{key}  ok" and lines[3] == f"{key}  [1]"
+    notes = "\n".join(lines[lines.index("") + 1:])
+    assert notes.startswith("[1] ") and notes.replace("\n", " ")[4:].split() == DETAIL.split()
+    assert all(len(line) <= 120 for line in lines[lines.index(""):])
