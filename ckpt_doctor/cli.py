@@ -371,7 +371,14 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
     With --model, the table gives a verdict per key (matched, missing, unexpected, shape mismatch, dtype
     differs), the summary says what share of the model a load would fill, and prints the exact
     `ckpt-doctor fix …` command that makes a strict load succeed. Exit 1 when a strict load would fail
-    (after --allow-missing / --allow-unexpected / --min-loaded).
+    (after --allow-missing / --allow-unexpected / --min-loaded), when less of the model than required comes
+    from the file (an allowance such as --allow-missing '.*' names nothing in particular), or when the file
+    needs code to load (a whole pickled model, TorchScript: the fix line rescues it).
+
+    The torch.load line says whether torch.load(path) with torch's defaults (weights_only=True, no
+    map_location) loads the file on this machine, and the ways out when it does not: a global torch refuses
+    (an argparse.Namespace), a device this machine lacks. That is a fact, exit 0; --require-default-load
+    makes it exit 1.
 
     \b
     ckpt-doctor inspect model.pth --model mypkg.nets:ResNet --model-arg num_classes=10

@@ -43,6 +43,14 @@ class DefaultLoad:
             out.append(f"saved on {', '.join(self.missing_devices)}, which this machine lacks (map_location needed)")
         return out
 
+    def brief(self) -> str:
+        """A few words for a table cell: `torch.load refuses argparse.Namespace`."""
+        if self.format_reason:
+            return "torch.load refuses its format"
+        if self.refused:
+            return "torch.load refuses " + ", ".join(self.refused[:2]) + (", …" if len(self.refused) > 2 else "")
+        return "torch.load needs map_location (" + ", ".join(self.missing_devices[:2]) + ")"
+
     @property
     def trusted_way_out(self) -> tuple[str, ...]:
         """The globals to hand torch.serialization.add_safe_globals when that is all the file needs (every refused

@@ -1,5 +1,7 @@
-"""Writes example checkpoints (DataParallel-saved CNN, a training checkpoint, …) into a folder."""
+"""Writes example checkpoints (DataParallel-saved CNN, a training checkpoint, …) into a folder, and `runs/`: a
+training run's saves, among them a file its author's code cannot load as saved, for the folder listing."""
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -7,7 +9,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fixtures.make_fixtures import make_all  # noqa: E402
 
+
+def make_runs(folder: Path) -> None:
+    """Three saves of a run: two plain training checkpoints, one that also holds the script's argparse.Namespace
+    (torch.load's defaults refuse it), and the notes a run leaves beside its checkpoints."""
+    import torch
+
+    from fixtures.models import make_cnn
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model = make_cnn()
+    for step in (100, 200):
+        torch.save({"state_dict": model.state_dict(), "step": step}, folder / f"step_{step}.pt")
+    torch.save({"state_dict": model.state_dict(), "step": 300, "args": argparse.Namespace(lr=0.1, batch_size=64)},
+               folder / "step_300.pt")
+    (folder / "notes.txt").write_text("lr 0.1, batch 64\n")
+
+
 if __name__ == "__main__":
-    made = make_all(Path(sys.argv[1] if len(sys.argv) > 1 else "example"))
-    print(f"wrote {len(made)} example checkpoints into {sys.argv[1] if len(sys.argv) > 1 else 'example'}/",
-          file=sys.stderr)
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "example")
+    made = make_all(out)
+    make_runs(out / "runs")
+    print(f"wrote {len(made)} example checkpoints and a run's saves (runs/) into {out}/", file=sys.stderr)

@@ -73,9 +73,10 @@ def _fitted(headers: Sequence[str], rows: list[list[str]], widths: list[int], in
             body.append([cell])
         elif room >= MIN_LAST and wrap:
             body.append(textwrap.wrap(cell, room, break_on_hyphens=False) or [""])
-        else:
-            notes.append(cell)
-            body.append([f"[{len(notes)}]"])
+        else:  # the same text in many rows is one note
+            if cell not in notes:
+                notes.append(cell)
+            body.append([f"[{notes.index(cell) + 1}]"])
     widths = widths[:last] + [max(len(headers[last]) + 2, *(len(x) for lines in body for x in lines))]
 
     def line(cells: Sequence[str]) -> str:

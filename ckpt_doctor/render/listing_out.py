@@ -28,7 +28,7 @@ def listing_table(listing: FolderListing) -> str:
             continue
         safety = f.verdict if f.verdict == "safe" else f.verdict.upper()
         if f.refused_by_default_load and f.verdict == "safe":
-            safety += "; torch.load refuses: " + "; ".join(f.default_load.reasons())
+            safety += "; " + f.default_load.brief()
         rows.append([_name(listing, f.path), f.format, f"{f.tensors:,}", f"{f.parameters:,}", human_bytes(f.nbytes),
                      ",".join(f.dtypes) or "-", safety])
     # one line per file, as `inspect FOLDER` promises: a safety detail too long for 120 columns goes below as a note
