@@ -24,33 +24,8 @@ NETS = textwrap.dedent('''
     from torch import nn
 
 
-    class VGG(nn.Module):
-        def __init__(self, num_classes=10):
-            super().__init__()
-            self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                                          nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                                          nn.AdaptiveAvgPool2d(1))
-            self.classifier = nn.Linear(16, num_classes)
-
-        def forward(self, x):
-            return self.classifier(self.features(x).flatten(1))
-
-
-    class OtherVGG(nn.Module):
-        """The same network under other names: another implementation."""
-
-        def __init__(self, num_classes=10):
-            super().__init__()
-            self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
-            self.bn1 = nn.BatchNorm2d(8)
-            self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
-            self.bn2 = nn.BatchNorm2d(16)
-            self.fc = nn.Linear(16, num_classes)
-
-        def forward(self, x):
-            x = torch.relu(self.bn1(self.conv1(x)))
-            x = torch.relu(self.bn2(self.conv2(x)))
-            return self.fc(x.mean((2, 3)))
+    from fixtures.models import RenamedCNN as OtherVGG  # the same network under other names
+    from fixtures.models import SmallCNN as VGG
 
 
     class Wrapped(nn.Module):
