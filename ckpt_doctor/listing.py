@@ -1,10 +1,11 @@
 """`inspect DIR` of a folder holding many checkpoints (a run's saves, a model zoo, a downloads folder): one line per
 file, read as `inspect FILE` reads it (the same report, so the same verdict), several files at once.
 
-Files are found as `scan` finds them — at any depth, symlinks followed, judged by their bytes whatever their name —
-and kept when they are a checkpoint, bear a checkpoint's name, or hold a pickle a loader would run (so whatever
-`scan DIR` flags is listed, and sets the exit code). A subfolder that is one checkpoint is one line. The other
-files (text, images, HDF5 files, clean NumPy arrays) are skipped, each with what it is, and set no exit code.
+Files are found as `scan` finds them — at any depth, file links followed, folder links only inside the folder,
+special files skipped with a line, judged by their bytes whatever their name — and kept when they are a checkpoint,
+bear a checkpoint's name, or hold a pickle a loader would run (so whatever `scan DIR` flags is listed, and sets the
+exit code). A subfolder that is one checkpoint is one line. The other files (text, images, HDF5 files, clean NumPy
+arrays) are skipped, each with what it is, and set no exit code.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class FileLine:
     findings: tuple[str, ...] = ()
     error: str | None = None
     default_load: Any = None  # DefaultLoad: what torch.load(path) with torch's defaults does here
+    link: str | None = None  # where the symlink at `path` points
 
     @property
     def exit_code(self) -> int:
@@ -70,23 +72,24 @@ def list_folder(folder: Path, require_default_load: bool = False) -> FolderListi
 
     from .scan import Skipped
 
-    paths, problems = checkpoint_paths(folder)
+    paths, problems, walk_skipped = checkpoint_paths(folder)
     results = map_paths(inspect_line, paths)
     lines = tuple(r for r in results if isinstance(r, FileLine))
-    return FolderListing(folder, lines, tuple(problems), tuple(r for r in results if isinstance(r, Skipped)),
-                         require_default_load)
+    skipped = [Skipped(p, why) for p, why in walk_skipped] + [r for r in results if isinstance(r, Skipped)]
+    return FolderListing(folder, lines, tuple(problems), tuple(skipped), require_default_load)
 
 
-def checkpoint_paths(folder: Path) -> tuple[list[Path], list[str]]:
-    """What to list under `folder`, at any depth: every regular file (each is judged by inspect_line, which keeps
-    the checkpoints and whatever a loader would unpickle, as scan does), every subfolder that is one checkpoint
-    (a Hugging Face shard index, a DCP or DeepSpeed folder: one line, not one per shard), each real file once; in
-    path order. Also the paths that could not be read."""
+def checkpoint_paths(folder: Path) -> tuple[list[Path], list[str], list[tuple[Path, str]]]:
+    """What to list under `folder`, at any depth, walked as scan walks it (sniff.walk_folder: file links followed,
+    folder links only inside the folder, special files skipped): every regular file (each is judged by
+    inspect_line, which keeps the checkpoints and whatever a loader would unpickle, as scan does), every subfolder
+    that is one checkpoint (a Hugging Face shard index, a DCP or DeepSpeed folder: one line, not one per shard),
+    each real file once; in path order. Also the paths that could not be read, and what the walk skipped, with why."""
     from .readers import is_one_checkpoint
-    from .sniff import folder_files
+    from .sniff import walk_folder
 
-    found, problems = folder_files(folder, whole=is_one_checkpoint, once=True)
-    return sorted(found, key=lambda p: p.parts), problems
+    walked = walk_folder(folder, whole=is_one_checkpoint, once=True)
+    return sorted(walked.files, key=lambda p: p.parts), list(walked.problems), list(walked.skipped)
 
 
 def inspect_line(path: Path) -> FileLine | Skipped:
@@ -99,7 +102,9 @@ def inspect_line(path: Path) -> FileLine | Skipped:
     from .readers.survey import survey_file
     from .report import inspect_checkpoint
     from .scan import Skipped, is_skipped
+    from .sniff import link_target
 
+    link = link_target(path)
     gc.disable()  # as in `inspect`: acyclic records, nothing for the collector to free (a forked worker too)
     try:
         if path.is_dir():
@@ -120,10 +125,10 @@ def inspect_line(path: Path) -> FileLine | Skipped:
     except CkptDoctorError as exc:
         findings = tuple(getattr(exc, "findings", ()))
         verdict = "dangerous" if any(f.endswith("(dangerous)") for f in findings) else "code" if findings else "safe"
-        return FileLine(path, error=str(exc), findings=findings, verdict=verdict)
+        return FileLine(path, error=str(exc), findings=findings, verdict=verdict, link=link)
     except OSError as exc:
-        return FileLine(path, error=f"{path}: cannot be read ({exc.strerror or exc})")
+        return FileLine(path, error=f"{path}: cannot be read ({exc.strerror or exc})", link=link)
     ckpt = report.checkpoint
     return FileLine(path, ckpt.format.value, len(ckpt.tensors), report.parameter_count, report.total_bytes,
                     tuple(sorted({t.dtype for t in ckpt.tensors})), ckpt.verdict.value, ckpt.finding_names(),
-                    default_load=report.default_load)
+                    default_load=report.default_load, link=link)

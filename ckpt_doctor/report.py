@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from ._record import field, record, replace
 from pathlib import Path
 
@@ -77,7 +78,8 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
                        values: bool = False, select: str | None = None,
                        require_default_load: bool = False) -> InspectReport:
     """What `inspect` reports; with `model`, also the comparison with that model (or reference checkpoint)."""
-    folder = checkpoint is None and Path(path).is_dir()
+    path = path if isinstance(path, Path) else Path(path)  # a folder walk's path (sniff.DeepPath) stays one
+    folder = checkpoint is None and path.is_dir()
     try:
         ckpt = checkpoint or read_checkpoint(path)
     except SeveralCheckpoints:
@@ -214,12 +216,12 @@ def sibling_hazards(folder: Path, own: tuple[Path, ...]) -> list[Hazard]:
     """The other files of a model folder that would run code when loaded (a training_args.bin, an optimizer.pt),
     judged by scan's own per-file check: `inspect DIR` then agrees with `scan DIR` on them."""
     from .scan import scan_file
-    from .sniff import folder_files
+    from .sniff import walk_folder
 
-    mine = {p.resolve() for p in own}
+    mine = {_identity(p) for p in own} - {None}
     found: list[Hazard] = []
-    for path in folder_files(folder)[0]:
-        if path.resolve() in mine:
+    for path in walk_folder(folder).files:
+        if _identity(path) in mine:
             continue
         result = scan_file(path, in_folder=True)
         if result is not None and result.verdict is not Verdict.SAFE:
@@ -227,3 +229,14 @@ def sibling_hazards(folder: Path, own: tuple[Path, ...]) -> list[Hazard]:
             found.append(Hazard(result.verdict, f"{path.relative_to(folder)} in the same folder would run code when "
                                                 f"loaded: {', '.join(names[:3])}"))
     return found
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which file `path` is (device and inode, links followed): no path is resolved, so none is too long."""
+    from .sniff import deep
+
+    try:
+        st = os.stat(deep(path))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino

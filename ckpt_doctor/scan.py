@@ -10,6 +10,7 @@ a line that says what it is; named alone, it is an error (exit 2).
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from ._record import field, record
@@ -22,7 +23,7 @@ from .readers import read_file
 from .readers.survey import Survey, survey_file
 from .records import GlobalRef, Hazard
 from .safepickle.policy import Verdict
-from .sniff import Container, dangling, folder_files
+from .sniff import Container, dangling, deep, kernel_filesystem, link_target, walk_folder
 
 
 @record
@@ -109,7 +110,7 @@ def scan_file(path: Path, *, in_folder: bool = False) -> FileScan | None:
 def scan_one(path: Path, *, in_folder: bool = False) -> FileScan | Skipped:
     """The scan of one file. A file found in a folder is Skipped when it is no checkpoint and names nothing off the
     allow-list (an image, an HDF5 file, a clean NumPy array), or holds no pickle at all (a README)."""
-    link = os.readlink(path) if path.is_symlink() else None
+    link = link_target(path)
     try:
         survey = survey_file(path)
     except CkptDoctorError as exc:
@@ -157,27 +158,45 @@ def _dedupe(refs) -> list[GlobalRef]:
     return list(seen.values())
 
 
-def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str]]:
-    """(file, found in a folder) for every path named and every regular file under folders named, symlinks
-    followed; problems for paths that do not exist or cannot be listed."""
+def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str], list[Skipped]]:
+    """(file, found in a folder) for every path named and every regular file under folders named (sniff.walk_folder:
+    file links followed, folder links only inside the folder, special files skipped); problems for paths that do
+    not exist or cannot be listed; what the walks skipped, each with why."""
     files: list[tuple[Path, bool]] = []
     problems: list[str] = []
+    skipped: list[Skipped] = []
     for raw in paths:
-        path = Path(raw)
-        if path.is_symlink() and not path.exists():
-            problems.append(dangling(path))
-        elif path.is_dir():
-            found, missing = folder_files(path)
-            problems += missing
-            files += [(p, True) for p in found]
-        elif path.exists():
-            if not stat.S_ISREG(path.stat().st_mode):
-                problems.append(f"{path}: not a regular file")
+        path = deep(raw)
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            if link_target(path) is not None:
+                problems.append(dangling(path))
+            elif exc.errno == errno.ENOENT:
+                problems.append(f"{path}: no such file or directory")
             else:
-                files.append((path, False))
+                problems.append(f"{path}: cannot be read ({exc.strerror})")
+            continue
+        mode, kind = st.st_mode, kernel_filesystem(st.st_dev)
+        if kind is not None and not stat.S_ISDIR(mode):
+            problems.append(f"{path}: a file of the kernel's {kind} filesystem, not a checkpoint on disk: not read")
+        elif stat.S_ISDIR(mode):
+            walked = walk_folder(path)
+            problems += walked.problems
+            skipped += [Skipped(p, why) for p, why in walked.skipped]
+            files += [(p, True) for p in walked.files]
+        elif not stat.S_ISREG(mode):
+            problems.append(f"{path}: not a regular file")
         else:
-            problems.append(f"{path}: no such file or directory")
-    return files, problems
+            files.append((path, False))
+    return files, problems, skipped
+
+
+def _is_folder(raw: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(deep(raw)).st_mode)
+    except OSError:
+        return False
 
 
 def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
@@ -241,9 +260,8 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
 
 
 def scan(paths: list[str], *, require_default_load: bool = False) -> ScanReport:
-    files, problems = files_to_scan(paths)
+    files, problems, skipped = files_to_scan(paths)
     results: list[FileScan] = []
-    skipped: list[Skipped] = []
     for path, in_folder in files:
         result = scan_one(path, in_folder=in_folder)
         if isinstance(result, Skipped):
@@ -251,7 +269,7 @@ def scan(paths: list[str], *, require_default_load: bool = False) -> ScanReport:
         else:
             results.append(result)
     results, skipped = _with_dcp_items(results, skipped, problems)
-    for folder in (Path(p) for p in paths if Path(p).is_dir()):
+    for folder in (deep(p) for p in paths if _is_folder(p)):
         if not any(folder in r.path.parents for r in results):
             count = sum(1 for s in skipped if folder in s.path.parents)
             problems.append(f"{folder}: folder holds nothing to scan: none of its {count} files is a checkpoint or "

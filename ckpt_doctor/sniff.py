@@ -15,6 +15,7 @@ import stat
 import struct
 from pathlib import Path
 
+from ._record import record
 from .safepickle import limits
 from .safepickle.walker import starts_pickle
 
@@ -232,69 +233,426 @@ def _is_json(text: str) -> bool:
     return True
 
 
+# --- folders -------------------------------------------------------------------------------------------------------
+# A folder is walked with directory file descriptors (each entry looked up relative to its folder's descriptor, as
+# openat does), so that no path is too long to walk, and each entry's type is known from lstat/stat before anything
+# is opened: a named pipe is never opened (it would block), nor a device, a socket, or a file of a kernel filesystem
+# (/proc, /sys: /proc/kcore claims terabytes, a tracefs pipe blocks). File links are followed wherever they point, to
+# a regular file; folder links only when the folder they lead to is inside the folder walked (where it is walked
+# once, under its own name) or, for a Hugging Face cache snapshot, inside its repository's cache folder.
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_ANY_DIR_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)  # no read right
+_SHORT_PATH = 3072  # a path of more bytes is opened through its folder's descriptor (PATH_MAX is 4096 on Linux)
+_STEP_BYTES = 2048  # components opened at once when a long path's folder is opened
+_HELD_FOLDERS = 64  # folder descriptors kept for long paths
+_KERNEL_FILESYSTEMS = frozenset({
+    "proc", "sysfs", "debugfs", "tracefs", "securityfs", "cgroup", "cgroup2", "configfs", "bpf", "pstore", "efivarfs",
+    "fusectl", "devpts", "mqueue", "binfmt_misc", "rpc_pipefs", "nsfs", "selinuxfs", "autofs"})
+_HF_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+
+
+class DeepPath(type(Path())):  # type: ignore[misc]
+    """A path that opens however long it is: as a string (str(), messages, JSON) the path itself; to the system
+    (os.fspath, as os.open, os.stat and open() ask for it) the same path when it is short, and otherwise
+    /proc/self/fd/N/name, N a descriptor of its folder opened a few components at a time. Paths derived from one
+    (`/`, .parent) are DeepPaths too, so every reader opens files found in a deep folder as it opens any other."""
+
+    __slots__ = ()
+
+    def __fspath__(self) -> str:
+        text = str(self)
+        if len(text) < _SHORT_PATH // 4 or len(os.fsencode(text)) < _SHORT_PATH:
+            return text
+        return _short_alias(text)
+
+
+_held: dict[str, int] = {}  # a long path's folder -> its descriptor, oldest first
+_proc_fd: list[str | None] = []
+
+
+def _short_alias(text: str) -> str:
+    if not _proc_fd:
+        _proc_fd.append("/proc/self/fd" if os.path.isdir("/proc/self/fd") else None)
+    parent, name = os.path.split(text)
+    if _proc_fd[0] is None or not name or not parent:
+        return text  # no /proc: the system says the name is too long, and that is the error reported
+    fd = _held.pop(parent, None)
+    if fd is None:
+        fd = open_folder(parent)
+        if len(_held) >= _HELD_FOLDERS:
+            os.close(_held.pop(next(iter(_held))))
+    _held[parent] = fd
+    return f"{_proc_fd[0]}/{fd}/{name}"
+
+
+def open_folder(text: str, flags: int = _DIR_FLAGS) -> int:
+    """A descriptor of the folder at `text`, however long the path: opened a few components at a time, each step
+    relative to the last (symlinks followed, as the system follows them)."""
+    fd = os.open(os.sep if text.startswith(os.sep) else os.curdir, flags)
+    step: list[str] = []
+    size = 0
+    try:
+        for part in text.split(os.sep):
+            if not part:
+                continue
+            n = len(os.fsencode(part)) + 1
+            if step and size + n > _STEP_BYTES:
+                fd = _step(fd, step, flags)
+                step, size = [], 0
+            step.append(part)
+            size += n
+        if step:
+            fd = _step(fd, step, flags)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    return fd
+
+
+def _step(fd: int, parts: list[str], flags: int) -> int:
+    try:
+        return os.open(os.sep.join(parts), flags, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def deep(path: Path | str) -> Path:
+    """`path` as a DeepPath (one that opens however long it is)."""
+    return path if isinstance(path, DeepPath) else DeepPath(path)
+
+
+def link_target(path: Path) -> str | None:
+    """Where the symlink at `path` points; None when it is no symlink (or is gone)."""
+    try:
+        return os.readlink(deep(path))
+    except (OSError, ValueError):
+        return None
+
+
 def dangling(path: Path | str) -> str:
     """Why a symlink leads nowhere: its target is missing, or the links loop."""
-    target = os.readlink(path)
+    target = link_target(Path(path))
+    if target is None:
+        return f"{path}: vanished while it was read"
     try:
-        os.stat(path)
+        os.stat(deep(path))
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return f"{path}: symlinks loop ({path} -> {target} -> …)"
+        return _broken_link(path, target, exc)
     return f"{path}: symlink points to {target}, which does not exist"
 
 
-def folder_files(folder: Path, *, whole: Callable[[Path, list[str]], bool] | None = None,
-                 once: bool = False) -> tuple[list[Path], list[str]]:
+def _broken_link(path: Path | str, target: str, exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return f"{path}: symlinks loop ({path} -> {target} -> …)"
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return f"{path}: symlink points to {target}, which does not exist"
+    return f"{path}: symlink to {target} cannot be followed ({exc.strerror})"
+
+
+_kernel: dict[int, str] = {}
+_kernel_read: list[bool] = []
+
+
+def kernel_filesystem(dev: int) -> str | None:
+    """The kernel filesystem (proc, sysfs, ...) device `dev` is, from /proc/self/mountinfo; None for any other."""
+    if os.major(dev) != 0:  # a disk's device: every kernel filesystem has an anonymous one (major 0)
+        return None
+    if not _kernel_read:
+        _kernel_read.append(True)
+        lines = []
+        try:
+            fd = os.open("/proc/self/mountinfo", os.O_RDONLY)
+            try:
+                data = b""
+                while len(data) < 1 << 22:
+                    chunk = os.read(fd, 1 << 16)
+                    if not chunk:
+                        break
+                    data += chunk
+            finally:
+                os.close(fd)
+            lines = data.decode("utf-8", "replace").splitlines()
+        except OSError:
+            pass
+        for line in lines:
+            fields, _, after = line.partition(" - ")
+            numbers, kind = fields.split(" ")[2:3], after.split(" ", 1)[0]
+            if kind in _KERNEL_FILESYSTEMS and numbers and numbers[0].count(":") == 1:
+                major, minor = numbers[0].split(":")
+                if major.isdigit() and minor.isdigit():
+                    _kernel[os.makedev(int(major), int(minor))] = kind
+        if not lines:  # no mountinfo (not Linux): the usual mount points, where they exist
+            for where, kind in (("/proc", "proc"), ("/sys", "sysfs")):
+                try:
+                    _kernel[os.stat(where).st_dev] = kind
+                except OSError:
+                    pass
+    return _kernel.get(dev)
+
+
+def _special(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    return "no regular file"
+
+
+@record
+class FolderWalk:
+    """What a folder holds, as scan and inspect see it."""
+
+    files: tuple[Path, ...]  # regular files (file links followed) and, with `whole`, folders that are one checkpoint
+    problems: tuple[str, ...]  # what could not be read: broken links, folders that cannot be listed (exit 2)
+    skipped: tuple[tuple[Path, str], ...]  # not read, with why: special files, links that leave the folder
+
+
+def walk_folder(folder: Path, *, whole: Callable[[Path, list[str]], bool] | None = None,
+                once: bool = False) -> FolderWalk:
     """Every regular file under `folder`, at any depth, in os.walk's order (a folder's own files, then each
-    subfolder's), symlinks followed and loops cut; and the paths that could not be read. The walk is iterative:
-    a folder nested thousands deep is no RecursionError.
+    subfolder's), names sorted; see the comment above for what is followed. The walk is iterative and holds a
+    descriptor only for folders with subfolders still to walk: a folder nested thousands deep is no RecursionError,
+    and no path is too long.
 
     whole: a subfolder for which whole(path, names) is true is given itself, not its files (a checkpoint of
     several files). once: each real file once (a Hugging Face cache links every snapshot file into blobs/)."""
-    found: list[Path] = []
+    root = deep(folder)
+    files: list[Path] = []
     problems: list[str] = []
-    seen_dirs: set[str] = set()
-    seen_files: set[str] = set()
-    stack = [folder]
-    while stack:
-        here = stack.pop()
-        real = os.path.realpath(here)
-        if real in seen_dirs:  # a symlinked folder loop
-            continue
-        seen_dirs.add(real)
+    skipped: list[tuple[Path, str]] = []
+    try:
+        root_fd = os.open(root, _DIR_FLAGS)
+    except OSError as exc:
+        problems.append(f"{root}: cannot be listed ({exc.strerror})")
+        return FolderWalk((), tuple(problems), ())
+    st = os.fstat(root_fd)
+    kind = kernel_filesystem(st.st_dev)
+    if kind is not None:
+        os.close(root_fd)
+        return FolderWalk((), (f"{root}: a folder of the kernel's {kind} filesystem, not files on disk: not read",), ())
+    bounds = {(st.st_dev, st.st_ino)}  # where folder links may lead
+    cache = _hf_repo(root)
+    if cache is not None:
+        bounds.add(cache)
+    walk = _Walk(root, whole, once, bounds, files, problems, skipped)
+    walk.run(root_fd)
+    return FolderWalk(tuple(files), tuple(problems), tuple(skipped))
+
+
+class _Open:
+    """A folder's descriptor, held while subfolders of it are still to be opened."""
+
+    __slots__ = ("fd", "pending")
+
+    def __init__(self, fd: int, pending: int) -> None:
+        self.fd, self.pending = fd, pending
+
+    def done_one(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            os.close(self.fd)
+
+
+class _Walk:
+    def __init__(self, root: Path, whole: Callable[[Path, list[str]], bool] | None, once: bool,
+                 bounds: set[tuple[int, int]], files: list[Path], problems: list[str],
+                 skipped: list[tuple[Path, str]]) -> None:
+        self.root, self.whole, self.once, self.bounds = root, whole, once, bounds
+        self.files, self.problems, self.skipped = files, problems, skipped
+        self.seen_dirs: set[tuple[int, int]] = set()
+        self.seen_files: set[tuple[int, int]] = set()
+        # folder links inside the bounds, walked last (their folders are usually walked under their own names)
+        self.later: list[tuple[Path, tuple[int, int]]] = []
+
+    def full(self) -> bool:
+        return len(self.files) + len(self.skipped) > limits.MAX_FOLDER_FILES
+
+    def run(self, root_fd: int) -> None:
+        # each entry: (the open parent, the name in it, the path shown) or, for a folder link, (None, its identity,
+        # the path shown)
+        stack: list[tuple[_Open | None, object, Path]] = []
+        fd: int | None = root_fd
+        here = self.root
         try:
-            names = sorted(os.listdir(here))
+            while True:
+                if fd is not None:
+                    self._folder(fd, here, stack)
+                    fd = None
+                if self.full():
+                    self.problems.append(f"{self.root}: more than {limits.MAX_FOLDER_FILES:,} files; the rest were "
+                                         "not read")
+                    break
+                if not stack and self.later:
+                    path, ident = self.later.pop(0)
+                    stack.append((None, ident, path))
+                if not stack:
+                    break
+                parent, key, here = stack.pop()
+                fd = self._enter(parent, key, here)
+        finally:
+            for parent, _, _ in stack:  # a walk cut short: what is still held is let go
+                if parent is not None:
+                    parent.done_one()
+
+    def _enter(self, parent: _Open | None, key: object, here: Path) -> int | None:
+        """The descriptor of the next folder, or None when it is not to be walked (seen, gone, a link swapped)."""
+        try:
+            if parent is not None:
+                fd = os.open(key, _DIR_FLAGS, dir_fd=parent.fd)  # type: ignore[arg-type]
+            else:  # a folder link, reopened by its path: walked only if it is still the folder judged inside
+                fd = open_folder(str(here))
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) != key:
+                    os.close(fd)
+                    return None
         except OSError as exc:
-            problems.append(f"{here}: cannot be listed ({exc.strerror})")
-            continue
-        if whole is not None and here != folder and whole(here, names):
-            found.append(here)
-            continue
-        subfolders = []
-        for name in names:
-            path = here / name
+            self.problems.append(f"{here}: vanished while the folder was read" if exc.errno == errno.ENOENT else
+                                 f"{here}: cannot be listed ({exc.strerror})")
+            return None
+        finally:
+            if parent is not None:
+                parent.done_one()
+        return fd
+
+    def _folder(self, fd: int, here: Path, stack: list) -> None:
+        """Lists one folder: its files found, its subfolders pushed on `stack` (the descriptor kept for them)."""
+        subfolders: list[str] = []
+        try:
+            st = os.fstat(fd)
+            ident = (st.st_dev, st.st_ino)
+            if ident in self.seen_dirs:  # a loop (a bind mount), or a folder link walked already
+                return
+            self.seen_dirs.add(ident)
             try:
-                mode = os.stat(path).st_mode  # follows symlinks: a Hugging Face snapshot is all links into blobs/
-            except FileNotFoundError:
-                problems.append(dangling(path) if os.path.islink(path) else
-                                f"{path}: vanished while the folder was read")
-                continue
+                names = sorted(_entries(fd))
             except OSError as exc:
-                problems.append(dangling(path) if exc.errno == errno.ELOOP else
-                                f"{path}: cannot be read ({exc.strerror})")
-                continue
-            if stat.S_ISDIR(mode):
-                subfolders.append(path)
-            elif stat.S_ISREG(mode):
-                if once:
-                    key = os.path.realpath(path)
-                    if key in seen_files:
-                        continue
-                    seen_files.add(key)
-                found.append(path)
-            if len(found) > limits.MAX_FOLDER_FILES:
-                problems.append(f"{folder}: more than {limits.MAX_FOLDER_FILES:,} files; the rest were not read")
-                return found, problems
-        stack.extend(reversed(subfolders))
-    return found, problems
-    return found, problems
+                self.problems.append(f"{here}: cannot be listed ({exc.strerror})")
+                return
+            looked = [self._look(fd, here, name) for name in names]
+            # what makes a folder one checkpoint is asked of its files and folders only: a reader opens them by name
+            if self.whole is not None and here is not self.root and self._is_whole(
+                    here, [name for name, st, _, _ in looked
+                           if st is not None and (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))]):
+                self.files.append(here)
+                return
+            for name, st, target, problem in looked:
+                if problem is not None:
+                    self.problems.append(problem)
+                elif st is not None:
+                    self._entry(fd, here / name, name, st, target, subfolders)
+                if self.full():
+                    return
+        finally:
+            if subfolders:
+                held = _Open(fd, len(subfolders))
+                stack.extend((held, name, here / name) for name in reversed(subfolders))
+            else:
+                os.close(fd)
+
+    def _is_whole(self, here: Path, names: list[str]) -> bool:
+        from .errors import CkptDoctorError
+
+        assert self.whole is not None
+        try:
+            return self.whole(here, names)
+        except CkptDoctorError:
+            return True  # a checkpoint folder that is broken: its reader says how
+        except OSError:
+            return False
+
+    @staticmethod
+    def _look(fd: int, here: Path, name: str) -> tuple[str, os.stat_result | None, str | None, str | None]:
+        """(name, its stat with links followed, the link's target, why it cannot be looked at); nothing is opened."""
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError as exc:
+            return name, None, None, (f"{here / name}: vanished while the folder was read" if exc.errno == errno.ENOENT
+                                      else f"{here / name}: cannot be read ({exc.strerror})")
+        if not stat.S_ISLNK(st.st_mode):
+            return name, st, None, None
+        target = None
+        try:
+            target = os.readlink(name, dir_fd=fd)
+            return name, os.stat(name, dir_fd=fd), target, None
+        except OSError as exc:
+            return name, None, target, (f"{here / name}: vanished while the folder was read" if target is None else
+                                        _broken_link(here / name, target, exc))
+
+    def _entry(self, fd: int, path: Path, name: str, st: os.stat_result, target: str | None,
+               subfolders: list[str]) -> None:
+        link = f" (a link to {target})" if target is not None else ""
+        kind = kernel_filesystem(st.st_dev)
+        if kind is not None:
+            what = "folder" if stat.S_ISDIR(st.st_mode) else "file"
+            self.skipped.append((path, f"a {what} of the kernel's {kind} filesystem{link}, not on disk: not read"))
+        elif stat.S_ISDIR(st.st_mode):
+            if target is None:
+                subfolders.append(name)
+            elif self._inside(fd, name):
+                self.later.append((path, (st.st_dev, st.st_ino)))
+            else:
+                self.skipped.append((path, f"a link to a folder outside {self.root} ({target}): not followed"))
+        elif stat.S_ISREG(st.st_mode):
+            if self.once:
+                ident = (st.st_dev, st.st_ino)
+                if ident in self.seen_files:
+                    return
+                self.seen_files.add(ident)
+            self.files.append(path)
+        else:
+            self.skipped.append((path, f"{_special(st.st_mode)}{link}, not a file: not read"))
+
+    def _inside(self, fd: int, name: str) -> bool:
+        """Whether the folder the link `name` leads to is inside the bounds: climbed by `..` from it, descriptor by
+        descriptor (no path is built), to a bound or to the root of the file system."""
+        try:
+            here = os.open(name, _ANY_DIR_FLAGS, dir_fd=fd)
+        except OSError:
+            return False
+        try:
+            for _ in range(limits.MAX_FOLDER_FILES):
+                st = os.fstat(here)
+                ident = (st.st_dev, st.st_ino)
+                if ident in self.bounds:
+                    return True
+                up = os.open("..", _ANY_DIR_FLAGS, dir_fd=here)
+                os.close(here)
+                here = up
+                above = os.fstat(here)
+                if (above.st_dev, above.st_ino) == ident:
+                    return False  # the root of the file system
+            return False
+        except OSError:
+            return False
+        finally:
+            os.close(here)
+
+
+def _entries(fd: int) -> list[str]:
+    """The names in an open folder."""
+    return os.listdir(fd)
+
+
+def _hf_repo(root: Path) -> tuple[int, int] | None:
+    """When `root` is inside a Hugging Face cache snapshot (…/models--org--name/snapshots/<revision>/…), the
+    identity of the repository's cache folder (…/models--org--name, which holds blobs/): a folder link may lead
+    anywhere inside it."""
+    for resolve in (os.path.abspath, os.path.realpath):
+        try:
+            parts = resolve(str(root)).split(os.sep)
+        except (OSError, ValueError):
+            continue
+        for i, part in enumerate(parts[:-2]):
+            if part.startswith(_HF_REPO_PREFIXES) and parts[i + 1] == "snapshots":
+                try:
+                    st = os.stat(deep(os.sep.join(parts[:i + 1])))
+                except OSError:
+                    return None
+                return st.st_dev, st.st_ino
+    return None

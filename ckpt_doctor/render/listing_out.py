@@ -73,7 +73,7 @@ def listing_json(listing: FolderListing) -> dict[str, Any]:
         "exit_code": listing.exit_code,
         "files": [{"path": str(f.path), "format": f.format, "tensors": f.tensors, "parameters": f.parameters,
                    "bytes": f.nbytes, "dtypes": list(f.dtypes), "verdict": f.verdict, "findings": list(f.findings),
-                   "error": f.error,
+                   "error": f.error, "link": f.link,
                    "default_load": f.default_load.json() if f.default_load is not None else None}
                   for f in listing.files],
         "total": {"files": len(listing.files), "tensors": sum(f.tensors for f in read),
