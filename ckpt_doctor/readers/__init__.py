@@ -22,7 +22,7 @@ CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", "
 
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint's structure (keys, shapes, dtypes, devices, byte ranges) without loading tensor data."""
-    path = Path(path)
+    path = path if isinstance(path, Path) else Path(path)  # a folder walk's path (sniff.DeepPath) stays one
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -39,6 +39,11 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
             raise ReadError(dangling(path)) from None
         raise ReadError(f"{path}: cannot be read ({exc.strerror})") from None
+    from ..sniff import kernel_filesystem
+
+    kind = kernel_filesystem(st.st_dev)
+    if kind is not None:  # /proc, /sys: files that claim terabytes, or block when read
+        raise ReadError(f"{path}: on the kernel's {kind} filesystem, not a checkpoint on disk: not read")
     if stat.S_ISDIR(st.st_mode):
         return read_folder(path)
     if not stat.S_ISREG(st.st_mode):

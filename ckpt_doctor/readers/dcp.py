@@ -646,7 +646,11 @@ def hf_shard_files(folder: Path, names: list[str]) -> list[Path]:
     found = []
     for path in files:
         try:
-            with open(path, "rb") as f:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a named pipe never blocks
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                continue
+            with os.fdopen(fd, "rb") as f:
                 head = f.read(8)
                 if len(head) < 8:
                     continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import struct
 import zlib
 from .._record import field, record
@@ -87,7 +88,7 @@ def survey_file(path: Path, thorough: bool = True) -> Survey:
     its archives, and local headers of an archive whose directory is broken): the DCP reader, which knows each item
     of a shard from its metadata, walks those itself and asks here only what torch.load and zipfile would read."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a named pipe put in its place never blocks
     except PermissionError:
         raise ReadError(f"{path}: permission denied (cannot open for reading)") from None
     except IsADirectoryError:
@@ -95,7 +96,10 @@ def survey_file(path: Path, thorough: bool = True) -> Survey:
     except OSError as exc:
         raise ReadError(f"{path}: cannot be opened ({exc.strerror})") from None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ReadError(f"{path}: not a regular file")
+        size = st.st_size
         container, head = sniff(fd, size)
         survey = Survey(path, size, container, head)
         if container is Container.ZIP:
