@@ -1,0 +1,247 @@
+"""Issue 24: a folder scan stays inside the folder. File links are followed to regular files wherever they point
+(and said to be links); folder links only inside the folder walked (or, for a Hugging Face cache snapshot, inside its
+repository's cache folder); special files are skipped with a line; no path length, link loop or vanishing file is an
+internal error; and `scan DIR` and `inspect DIR` give each file the same verdict.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+from tests.payloads import os_system_pickle
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux: /proc, FIFOs, long paths")
+
+
+def _clean(path) -> None:
+    torch.save({"w": torch.ones(2)}, path)
+
+
+def _verdicts(command_json: dict) -> dict[str, str]:
+    return {f["path"]: f["verdict"] for f in command_json["files"]}
+
+
+def _scan_and_inspect(cli, folder):
+    """Both commands on the folder, JSON; neither ends in an internal error."""
+    scan, inspect = cli("scan", folder, "--json"), cli("inspect", folder, "--json")
+    for result in (scan, inspect):
+        assert "internal error" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+    return scan, inspect
+
+
+def _hostile_tree(tmp_path, monkeypatch):
+    """Two clean checkpoints, one that would run code, and every kind of entry a walk must not follow or open."""
+    folder = tmp_path / "run"
+    (folder / "sub").mkdir(parents=True)
+    _clean(folder / "a.pt")
+    _clean(folder / "b.pt")
+    canary = tmp_path / "canary"
+    (folder / "sub" / "evil.pkl").write_bytes(os_system_pickle(canary))
+    (tmp_path / "elsewhere.pt").write_bytes(os_system_pickle(canary))
+    os.symlink(tmp_path / "elsewhere.pt", folder / "linked.pt")  # a file link out of the folder: followed
+    os.symlink("/proc/self", folder / "proc")
+    os.symlink("/proc/self/environ", folder / "environ")
+    os.symlink("/", folder / "root")
+    os.symlink("/usr", folder / "usr")
+    os.symlink("/dev/null", folder / "null")
+    os.symlink("..", folder / "up")
+    os.symlink("..", folder / "sub" / "loop")  # a folder link back inside: a loop, cut
+    os.symlink("b_link", folder / "a_link")
+    os.symlink("a_link", folder / "b_link")  # a symlink loop
+    os.symlink("gone.pt", folder / "dangling.pt")
+    os.mkfifo(folder / "fifo.pt")
+    for pipe in ("pipe.safetensors", "sub/pipe.safetensors"):  # safetensors files are opened to tell a layout
+        os.mkfifo(folder / pipe)
+    monkeypatch.chdir(folder)  # a socket's path is at most 108 bytes: bound by its short relative name
+    server = socket.socket(socket.AF_UNIX)
+    server.bind("sock.pt")
+    monkeypatch.chdir(tmp_path)
+    return folder, canary, server
+
+
+def test_a_hostile_folder_is_walked_inside_itself_only(tmp_path, monkeypatch, cli):
+    folder, canary, server = _hostile_tree(tmp_path, monkeypatch)
+    with server:
+        scan, inspect = _scan_and_inspect(cli, folder)
+    assert scan.exit_code == 1 and inspect.exit_code == 1  # what would run code decides, in both
+    expected = {str(folder / n): v for n, v in [("a.pt", "safe"), ("b.pt", "safe"), ("linked.pt", "dangerous"),
+                                                ("sub/evil.pkl", "dangerous")]}
+    assert _verdicts(scan.json()) == expected and _verdicts(inspect.json()) == expected
+    links = {f["path"]: f["link"] for f in scan.json()["files"] if f["link"]}
+    assert links == {str(folder / "linked.pt"): str(tmp_path / "elsewhere.pt")}
+    assert {f["path"]: f["link"] for f in inspect.json()["files"] if f["link"]} == links
+    for data in (scan.json(), inspect.json()):
+        skipped = {s["path"][len(str(folder)) + 1:]: s["reason"] for s in data["skipped"]}
+        assert set(skipped) == {"proc", "environ", "root", "usr", "null", "up", "fifo.pt", "pipe.safetensors",
+                                "sub/pipe.safetensors", "sock.pt"}, skipped
+        assert "kernel's proc filesystem" in skipped["proc"] and "kernel's proc filesystem" in skipped["environ"]
+        assert all("outside" in skipped[n] and "not followed" in skipped[n] for n in ("root", "usr", "up"))
+        assert "named pipe" in skipped["fifo.pt"] and "socket" in skipped["sock.pt"]
+        assert "character device" in skipped["null"]
+        problems = "\n".join(data["problems"])
+        assert "dangling.pt: symlink points to gone.pt, which does not exist" in problems
+        assert "a_link: symlinks loop" in problems and "b_link: symlinks loop" in problems
+        # nothing of the host was walked: every path named is in the folder, none below its links
+        paths = [f["path"] for f in data["files"]] + [s["path"] for s in data["skipped"]]
+        assert all(p.startswith(str(folder) + "/") for p in paths)
+        assert not any(p.startswith(str(folder / n) + "/") for p in paths for n in ("proc", "root", "usr", "up"))
+    table = cli("scan", folder)
+    assert f"skipped {folder / 'usr'}: a link to a folder outside {folder} (/usr): not followed" in table.stderr
+    assert f"{folder / 'linked.pt'} (→ {tmp_path / 'elsewhere.pt'})" in table.stderr
+    assert not canary.exists()
+
+
+def test_special_files_named_alone_are_refused_without_waiting(tmp_path, cli):
+    fifo = tmp_path / "model.pt"
+    os.mkfifo(fifo)
+    for command in ("scan", "inspect"):
+        result = cli(command, fifo)
+        assert result.exit_code == 2 and "not a regular file" in result.stderr, result.stderr
+    result = cli("scan", "/proc/self/environ")
+    assert result.exit_code == 2 and "kernel's proc filesystem" in result.stderr
+
+
+def test_a_folder_on_a_kernel_filesystem_is_not_walked(cli):
+    for command in ("scan", "inspect"):
+        result = cli(command, "/proc/self")
+        assert result.exit_code == 2 and "kernel's proc filesystem" in result.stderr, result.stderr
+
+
+def _deep_folder(root, levels: int = 22) -> str:
+    """Folders nested under `root`, made one at a time relative to the last (no path this long can be opened): the
+    relative path of the deepest, over PATH_MAX (4096 bytes) from `root`."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    names = []
+    try:
+        for i in range(levels):
+            name = f"{i:02d}" + "d" * 198
+            os.mkdir(name, dir_fd=fd)
+            deeper = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = deeper
+            names.append(name)
+    finally:
+        os.close(fd)
+    return "/".join(names)
+
+
+def _write_deep(root, relative: str, data: bytes) -> None:
+    """Writes `data` at root/relative however long the path is (opened folder by folder)."""
+    *folders, name = relative.split("/")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in folders:
+            deeper = os.open(part, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = deeper
+        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=fd)
+        try:
+            os.write(out, data)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("layout", ["listing", "model folder"])
+def test_a_file_deeper_than_path_max_is_read_by_both(tmp_path, cli, layout):
+    """`scan` used to exit 2 ("File name too long") where `inspect` skipped the file and said 0."""
+    folder = tmp_path / "deep"
+    folder.mkdir()
+    _clean(folder / "model.pt")
+    if layout == "listing":
+        _clean(folder / "other.pt")
+    canary = tmp_path / "canary"
+    relative = _deep_folder(folder) + "/evil.pkl"
+    _write_deep(folder, relative, os_system_pickle(canary))
+    deep = f"{folder}/{relative}"
+    assert len(os.fsencode(deep)) > 4096
+    scan, inspect = _scan_and_inspect(cli, folder)
+    assert scan.exit_code == 1 and inspect.exit_code == 1, (scan.stderr, inspect.stderr)
+    assert _verdicts(scan.json())[deep] == "dangerous"
+    if layout == "listing":
+        assert _verdicts(inspect.json()) == _verdicts(scan.json())
+    else:  # the folder is one checkpoint: the file beside it that would run code is named as a hazard
+        assert any(relative in h["what"] for h in inspect.json()["hazards"]), inspect.stdout[:2000]
+    assert not canary.exists()
+
+
+def test_a_file_that_vanishes_is_said_by_both(tmp_path, monkeypatch, cli):
+    """Deleted after the walk listed it, or between the folder's listing and the look at its entry."""
+    import ckpt_doctor.scan as scan_module
+    from ckpt_doctor import sniff
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name in ("a.pt", "b.pt", "c.pt"):
+        _clean(folder / name)
+    walk = sniff.walk_folder
+
+    def walk_then_delete(path, **kwargs):
+        walked = walk(path, **kwargs)
+        victim = folder / "b.pt"
+        if victim.exists():
+            victim.unlink()
+        return walked
+
+    for command in ("scan", "inspect"):
+        _clean(folder / "b.pt")
+        with monkeypatch.context() as m:
+            m.setattr(sniff, "walk_folder", walk_then_delete)
+            m.setattr(scan_module, "walk_folder", walk_then_delete)
+            result = cli(command, folder, "--json")
+        assert result.exit_code == 2 and "internal error" not in result.stderr, result.stderr
+        line = {f["path"]: f for f in result.json()["files"]}[str(folder / "b.pt")]
+        assert "No such file or directory" in line["error"] and line["verdict"] == "safe"
+
+    entries = sniff._entries
+    monkeypatch.setattr(sniff, "_entries", lambda fd: entries(fd) + ["gone.pt"])
+    scan, inspect = _scan_and_inspect(cli, folder)
+    for result in (scan, inspect):
+        assert result.exit_code == 2
+        assert f"{folder / 'gone.pt'}: vanished while the folder was read" in result.json()["problems"]
+    assert _verdicts(scan.json()) == _verdicts(inspect.json())
+
+
+def test_a_hugging_face_snapshot_is_followed_into_its_cache_only(tmp_path, cli, fixtures):
+    repo = tmp_path / "hub" / "models--org--name"
+    blobs, snapshot, extra = repo / "blobs", repo / "snapshots" / "abc123", repo / "extra"
+    for d in (blobs, snapshot, extra):
+        d.mkdir(parents=True)
+    (blobs / "1111").write_bytes(fixtures["safetensors"]["path"].read_bytes())
+    os.symlink("../../blobs/1111", snapshot / "model.safetensors")
+    canary = tmp_path / "canary"
+    (extra / "evil.pkl").write_bytes(os_system_pickle(canary))
+    os.symlink("../../extra", snapshot / "extra")  # a folder link inside the repository's cache: followed
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "x.pt").write_bytes(os_system_pickle(canary))
+    os.symlink(tmp_path / "outside", snapshot / "outside")  # out of the cache: not followed
+    scan, inspect = _scan_and_inspect(cli, snapshot)
+    assert scan.exit_code == 1 and inspect.exit_code == 1
+    files = {f["path"]: f for f in scan.json()["files"]}
+    assert set(files) == {str(snapshot / "model.safetensors"), str(snapshot / "extra" / "evil.pkl")}
+    assert files[str(snapshot / "model.safetensors")]["link"] == "../../blobs/1111"
+    assert files[str(snapshot / "extra" / "evil.pkl")]["verdict"] == "dangerous"
+    assert [s["path"] for s in scan.json()["skipped"]] == [str(snapshot / "outside")]
+    # inspect reads the snapshot's model and names what beside it would run code, as scan does
+    assert inspect.json()["tensor_count"] > 0
+    assert any("extra/evil.pkl" in h["what"] for h in inspect.json()["hazards"])
+    assert not any("outside" in h["what"] for h in inspect.json()["hazards"])
+    assert not canary.exists()
+
+
+def test_a_folder_link_inside_the_folder_is_walked_once_under_its_own_name(tmp_path, cli):
+    folder = tmp_path / "run"
+    (folder / "z_real").mkdir(parents=True)
+    _clean(folder / "a.pt")
+    _clean(folder / "c.pt")
+    _clean(folder / "z_real" / "b.pt")
+    os.symlink("z_real", folder / "a_alias")
+    scan, inspect = _scan_and_inspect(cli, folder)
+    expected = {str(folder / n): "safe" for n in ("a.pt", "c.pt", "z_real/b.pt")}
+    assert _verdicts(scan.json()) == expected and _verdicts(inspect.json()) == expected
+    assert scan.exit_code == 0 and inspect.exit_code == 0 and not scan.json()["skipped"]
