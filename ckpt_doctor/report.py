@@ -78,7 +78,9 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
                        values: bool = False, select: str | None = None,
                        require_default_load: bool = False) -> InspectReport:
     """What `inspect` reports; with `model`, also the comparison with that model (or reference checkpoint)."""
-    path = path if isinstance(path, Path) else Path(path)  # a folder walk's path (sniff.DeepPath) stays one
+    from .sniff import deep
+
+    path = deep(path)  # a path of any length opens (sniff.DeepPath)
     folder = checkpoint is None and path.is_dir()
     try:
         ckpt = checkpoint or read_checkpoint(path)

@@ -167,6 +167,9 @@ def test_a_file_deeper_than_path_max_is_read_by_both(tmp_path, cli, layout):
         assert _verdicts(inspect.json()) == _verdicts(scan.json())
     else:  # the folder is one checkpoint: the file beside it that would run code is named as a hazard
         assert any(relative in h["what"] for h in inspect.json()["hazards"]), inspect.stdout[:2000]
+    for command in ("scan", "inspect"):  # named by its whole path, as a user copies it from the line above
+        alone = cli(command, deep, "--json")
+        assert alone.exit_code == 1 and "internal error" not in alone.stderr, alone.stderr
     assert not canary.exists()
 
 

@@ -22,7 +22,9 @@ CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", "
 
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint's structure (keys, shapes, dtypes, devices, byte ranges) without loading tensor data."""
-    path = path if isinstance(path, Path) else Path(path)  # a folder walk's path (sniff.DeepPath) stays one
+    from ..sniff import deep
+
+    path = deep(path)  # a path of any length opens (sniff.DeepPath)
     try:
         st = os.stat(path)
     except FileNotFoundError:
