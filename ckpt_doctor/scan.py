@@ -260,8 +260,9 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
 
 
 def scan(paths: list[str], *, require_default_load: bool = False) -> ScanReport:
-    files, problems, skipped = files_to_scan(paths)
+    files, problems, walk_skipped = files_to_scan(paths)
     results: list[FileScan] = []
+    skipped: list[Skipped] = []
     for path, in_folder in files:
         result = scan_one(path, in_folder=in_folder)
         if isinstance(result, Skipped):
@@ -269,6 +270,7 @@ def scan(paths: list[str], *, require_default_load: bool = False) -> ScanReport:
         else:
             results.append(result)
     results, skipped = _with_dcp_items(results, skipped, problems)
+    skipped = walk_skipped + skipped  # never opened: a pipe a DCP folder's metadata names as a shard included
     for folder in (deep(p) for p in paths if _is_folder(p)):
         if not any(folder in r.path.parents for r in results):
             count = sum(1 for s in skipped if folder in s.path.parents)

@@ -248,3 +248,15 @@ def test_a_folder_link_inside_the_folder_is_walked_once_under_its_own_name(tmp_p
     expected = {str(folder / n): "safe" for n in ("a.pt", "c.pt", "z_real/b.pt")}
     assert _verdicts(scan.json()) == expected and _verdicts(inspect.json()) == expected
     assert scan.exit_code == 0 and inspect.exit_code == 0 and not scan.json()["skipped"]
+
+
+def test_a_pipe_a_dcp_folder_names_as_its_shard_is_never_opened(tmp_path, cli):
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "dcp"
+    dcp.save({"model": torch.nn.Linear(4, 2).state_dict()}, checkpoint_id=str(folder), no_dist=True)
+    (folder / "__0_0.distcp").unlink()
+    os.mkfifo(folder / "__0_0.distcp")
+    scan, inspect = _scan_and_inspect(cli, folder)
+    assert [s["path"] for s in scan.json()["skipped"]] == [str(folder / "__0_0.distcp")]
+    assert inspect.exit_code == 2 and "__0_0.distcp is not a regular file" in inspect.stderr
