@@ -144,9 +144,14 @@ def fix_suggestions(path: str, comparison: object, dangerous: bool = False) -> l
     from ._record import replace
 
     c = comparison
+    kind = c.fix_kind  # type: ignore[attr-defined]
+    if kind == "none" and not c.strict_ok:  # type: ignore[attr-defined]
+        return []  # nothing found that makes it load: no line to promise it
     flags = list(c.suggested_fix)  # type: ignore[attr-defined]
     if dangerous:
         flags.insert(0, "--allow-unsafe")
+    if kind == "partial":  # the closest fix: written as asked, but a strict load still fails, so no --model check
+        return [("fix", fix_line(path, flags, Promise.WRITES, "the closest fix found; a strict load still fails"))]
     if "--model" not in flags:
         flags += c.model_flags  # type: ignore[attr-defined]
     if c.missing_devices and "--map-location" not in flags:  # type: ignore[attr-defined]

@@ -814,15 +814,17 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
 
 def _report_verify(report, as_json: bool) -> int:
     """The report on stdout (table or JSON), its lines on stderr; the exit code is the report's own."""
-    from .render.verify_out import verify_json, verify_lines, verify_table
+    from .advice import rerun_argv
+    from .render.verify_out import verify_advice, verify_json, verify_lines, verify_table
 
+    advice = verify_advice(report, lambda flags: rerun_argv(_ARGV, flags))
     if as_json:
         from .render.json_out import dumps
 
-        echo(dumps(verify_json(report)))
+        echo(dumps(verify_json(report, advice)))
     elif report.runs:
         echo(verify_table(report))
-    for line, problem in verify_lines(report):
+    for line, problem in verify_lines(report, advice):
         say(line, color="red" if problem else None)
     return report.exit_code
 

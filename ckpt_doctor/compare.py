@@ -17,7 +17,7 @@ from ._record import field, record
 from typing import Any
 
 from .analyze import find_prefixes
-from .errors import PlanError
+from .errors import PlanError, percent
 from .modelspec import ModelKeys
 from .records import Checkpoint, TensorRecord
 from .transforms import Op, Transform, add_prefix, flags_for, plan_keys, rename, strip_prefix
@@ -464,8 +464,8 @@ def short_of_required(model: ModelKeys, check: LoadCheck, allow_missing: str | N
     filled = _fraction(model, check)
     if required is None or filled >= required - 1e-9:
         return None
-    return (f"only {filled:.1%} of the model's parameters would come from the checkpoint (required: "
-            f"{required:.1%}: {reason})")
+    return (f"only {percent(filled)} of the model's parameters would come from the checkpoint (required: "
+            f"{percent(required)}: {reason})")
 
 
 def _alternation(keys: list[str] | tuple[str, ...]) -> str:
@@ -813,6 +813,12 @@ def _candidates(ckpt_keys: list[str], model_keys: list[str]) -> list[list[Transf
             strip_options.append([strip_prefix(p.prefix)])
     for head in _shared_heads(ckpt_keys, model_keys):
         strip_options.append([strip_prefix(head)])
+    for option in [o for o in strip_options if o]:  # a wrapper around a head the model lacks: `module.bert.`
+        wrapper = option[0].arg
+        inner = [k[len(wrapper):] for k in ckpt_keys if k.startswith(wrapper)]
+        for head in _shared_heads(inner, model_keys):
+            if [strip_prefix(wrapper + head)] not in strip_options:
+                strip_options.append([strip_prefix(wrapper + head)])
     mids = [p for p in ck if not p.leading]
     if mids:
         renames = [rename(f"^{re.escape(p.where)}{re.escape(p.prefix)}={p.where}") for p in mids]

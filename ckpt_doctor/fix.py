@@ -252,7 +252,8 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     state = OrderedDict((new, out_tensor(out_prefix + new, by_key[old])) for old, new in mapping.items())
     _tie(state, opts.ties, fmt, out_prefix, notes, applied)
     if opts.model is not None:
-        _check_loads(state, opts, notes)
+        _check_loads(state, opts, notes, str(ckpt.path))
+    written: set[str] = set()  # the source tensors the output holds, by their full paths
     if flat_output:
         tree: Any = state
         outs = list(state.values())
@@ -280,6 +281,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
             if not opts.reorder:  # the entries in the file's order, tensors and the rest as they were interleaved
                 tree = _in_source_order(tree, ckpt.root, mapping)
             outs = _out_tensors(tree)
+            written |= nested
         if _is_module_root(ckpt, root) and select is None:
             notes.append(f"whole-model pickle of {ckpt.model_class}: written as its state_dict")
     else:
@@ -300,6 +302,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
 
         tree = _rebuild(base, base_path, "\0" if whole_tree else root, state, full_records, drops, outs, maker,
                         cut, problems)
+        written.update(o.source.key for o in outs)  # rebuilt where they were saved: full paths
         outs = list(state.values()) + outs
         under = _tensors_under(cut - {root}, full_records, prefix)
         dropped += under + sorted(p for p in cut - {root} if not any(k == p or k.startswith(p + ".") for k in under))
@@ -314,6 +317,8 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
                              inside=not keeps_extras):
             if path not in listed and not _dropped(path, drops):
                 dropped.append(path)
+    written.update(prefix + old for old in mapping)
+    dropped += _unlisted_tensors(ckpt.tensors, written, dropped, prefix)
     tied: dict[str, str] = {}
     metadata: dict[str, str] = {}
     if fmt is OutputFormat.SAFETENSORS:
@@ -362,7 +367,8 @@ def _tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...]
                          "write torch output (.pt) where both names share one storage")
 
 
-def _check_loads(state: "OrderedDict[str, OutTensor]", opts: FixOptions, notes: list[str]) -> None:
+def _check_loads(state: "OrderedDict[str, OutTensor]", opts: FixOptions, notes: list[str],
+                 path: str = "") -> None:
     """With a model: what the output's state_dict would get from load_state_dict(strict=True), asked of torch's
     own loading code; refuse (exit 1, nothing written) when it would fail beyond --allow-missing/--allow-unexpected."""
     from .compare import _allowances, _check
@@ -393,8 +399,10 @@ def _check_loads(state: "OrderedDict[str, OutTensor]", opts: FixOptions, notes: 
             parts.append(f"the model's loading code: {one_line(check.errors[0], 160)}")
         import shlex
 
+        from .advice import command_line
+
         closest = (f"the closest fix: {' '.join(shlex.quote(f) for f in opts.closest)}" if opts.closest else
-                   "`ckpt-doctor inspect --model` shows the closest fix")
+                   f"`{command_line(('inspect', path, *opts.model.flags))}` shows the closest fix")
         raise CheckFailed(f"the output would still not load strictly into {opts.model.source}: {'; '.join(parts)}. "
                           f"Nothing was written; {closest} (--allow-missing/--allow-unexpected accept intended "
                           "differences)")
@@ -428,6 +436,24 @@ def _subtree(obj: Any, path: str) -> Any:
             if found is not _MISSING:
                 return found
     return _MISSING
+
+
+def _unlisted_tensors(tensors: tuple[TensorRecord, ...], written: set[str], dropped: list[str],
+                      prefix: str) -> list[str]:
+    """Every source tensor the output does not hold and `dropped` does not name yet (itself or a container above
+    it): none leaves unlisted, whatever part was selected (a whole pickled model's other modules included). A key
+    of the state_dict is named as the state_dict names it, any other by its full path."""
+    listed = set(dropped)
+    out = []
+    for t in tensors:
+        if t.key in written:
+            continue
+        relative = t.key[len(prefix):] if prefix and t.key.startswith(prefix) else None
+        if any(path in listed for path in ancestors(t.key)) or \
+                relative is not None and any(path in listed for path in ancestors(relative)):
+            continue
+        out.append(relative if relative is not None else t.key)
+    return out
 
 
 def left_out(tree: Any, part: str, *, beside: bool, inside: bool) -> list[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ._ddp_worker import RankJob, RankResult, run_rank, user_frame, write_job
-from .errors import UsageError, VerifyError, one_line
+from .errors import UsageError, VerifyError, one_line, percent
 from .outputs import Tolerance, compare_outputs, flat_outputs
 
 
@@ -100,8 +100,8 @@ class VerifyReport:
             if not c.strict_ok:
                 return ("the strict load failed: nothing was run",)
             required = self.required_fraction
-            return (f"only {c.loaded_fraction:.1%} of the model's parameters came from the checkpoint"
-                    + (f" ({required:.1%} required)" if required is not None else "") + ": nothing was run",)
+            return (f"only {percent(c.loaded_fraction)} of the model's parameters came from the checkpoint"
+                    + (f" ({percent(required)} required)" if required is not None else "") + ": nothing was run",)
         out = []
         failed = [r.mode.value for r in self.runs if r.status is Status.FAIL]
         if failed:
@@ -236,6 +236,22 @@ def run_single(model: Any, inputs: tuple[Any, ...], device: str) -> tuple[RunRes
                      _peak(cuda)), [t.detach().cpu() for t in out]
 
 
+def _unrepeatable(model: Any, inputs: tuple[Any, ...], reference: list[Any], tolerance: Tolerance) -> str:
+    """Why a second run differs when it is the model's own doing: its forward on the same input, called again
+    alone, gives other outputs (it keeps state between calls: an RNN's hidden state, a counter)."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            again = flat_outputs(model.cpu().eval()(*inputs))
+    except Exception:  # the forward ran once already: a second failure says nothing new
+        return ""
+    if compare_outputs(again, reference, tolerance).ok:
+        return ""
+    return ("; the model's own forward, called again on the same input, differs too: it keeps state between calls "
+            "(an RNN's hidden state kept on the module, a counter), which no wrapper can make repeatable")
+
+
 def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int,
            tolerance: Tolerance = Tolerance()) -> RunResult:
     import torch
@@ -248,8 +264,9 @@ def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int,
             out = flat_outputs(wrapped(*inputs))
         diff = compare_outputs(out, reference, tolerance)
         status = Status.SKIPPED if diff.ok else Status.FAIL
+        why = "" if diff.ok else _unrepeatable(model, inputs, reference, tolerance)
         detail = (f"no CUDA device: ran nn.DataParallel on the CPU, where it only calls the model (outputs "
-                  f"{'match' if diff.ok else 'DIFFER: ' + diff.detail}); a {gpus}-GPU run needs {gpus} GPUs")
+                  f"{'match' if diff.ok else 'DIFFER: ' + diff.detail}{why}); a {gpus}-GPU run needs {gpus} GPUs")
         return RunResult(Mode.DP, 1, "-", ("cpu",), status, diff.max_abs_diff, time.perf_counter() - start, detail,
                          _peak([]), diff.rtol, diff.atol)
     used = list(range(min(gpus, have)))
@@ -262,7 +279,8 @@ def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int,
     devices = tuple(f"cuda:{d}" for d in used)
     if not diff.ok:
         return RunResult(Mode.DP, len(used), "-", devices, Status.FAIL, diff.max_abs_diff, elapsed,
-                         f"outputs differ from single: {diff.describe()}; {diff.detail}", _peak(used), diff.rtol,
+                         f"outputs differ from single: {diff.describe()}; {diff.detail}"
+                         f"{_unrepeatable(model, inputs, reference, tolerance)}", _peak(used), diff.rtol,
                          diff.atol)
     if len(used) < gpus:
         return RunResult(Mode.DP, len(used), "-", devices, Status.SKIPPED, diff.max_abs_diff, elapsed,

@@ -429,3 +429,33 @@ def test_every_rescue_of_a_malicious_file_runs_nothing_and_loads(fixtures, tmp_p
         (tmp_path / name).mkdir()
         ran += _run_every_suggestion(evil / name, tmp_path / name, canary)
     assert ran >= 8, ran  # every file with tensors to rescue, from inspect and from scan
+
+
+def test_add_safe_globals_advice_is_what_torch_needs(tmp_path):
+    """Where the torch.load line says add_safe_globals([...]) suffices, torch's own weights_only load succeeds with
+    exactly those names; NumPy values (which need more) get the fix rescue instead."""
+    import datetime
+    import pathlib
+
+    import numpy as np
+
+    from ckpt_doctor.default_load import ADD_SAFE_GLOBALS_SUFFICES
+
+    objects = {"argparse.Namespace": argparse.Namespace(lr=0.1), "datetime.date": datetime.date(2024, 1, 1),
+               "datetime.datetime": datetime.datetime(2024, 1, 1, 3), "datetime.timedelta": datetime.timedelta(3),
+               "datetime.time": datetime.time(3, 4), "pathlib.PosixPath": pathlib.PosixPath("/a/b"),
+               "builtins.frozenset": frozenset({1, 2}), "builtins.slice": slice(1, 2), "builtins.range": range(3)}
+    assert set(objects) <= ADD_SAFE_GLOBALS_SUFFICES
+    for name, obj in objects.items():
+        path = tmp_path / f"{name}.pt"
+        torch.save({"w": torch.ones(2), "x": obj}, path)
+        data = run_cli("inspect", path, "--json").json()["default_load"]
+        assert data["add_safe_globals"] == [name], (name, data)
+        with torch.serialization.safe_globals([type(obj)]):
+            torch.load(path)
+    path = tmp_path / "numpy.pt"
+    torch.save({"w": torch.ones(2), "x": np.arange(3)}, path)
+    data = run_cli("inspect", path, "--json").json()
+    assert data["default_load"]["ok"] is False and data["default_load"]["add_safe_globals"] == []
+    (rescue,) = data["suggested_commands"]
+    check_promise(rescue["command"], rescue["promise"], None, path)

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..analyze import collapse_labels
 from ..diff import DiffReport, TensorDiff, largest_changes, sparkline
-from .table import simple_table
+from .columns import KEYS, simple_table
 
 TOP = 5
 
@@ -50,7 +50,7 @@ def diff_table(report: DiffReport, full: bool = False) -> str:
         body.append([label, status, _shape(first), _dtype(first), _num(max_abs), _num(rel), _num(cos)])
     if not body:
         return "(no tensors)"
-    return simple_table(["key", "status", "shape", "dtype", "max|Δ|", "‖Δ‖/‖A‖", "cosine"], body)
+    return simple_table(["key", "status", "shape", "dtype", "max|Δ|", "‖Δ‖/‖A‖", "cosine"], body, max_width=KEYS)
 
 
 def _labels(rows: list[TensorDiff], limit: int = 6) -> str:
