@@ -459,3 +459,53 @@ def test_add_safe_globals_advice_is_what_torch_needs(tmp_path):
     assert data["default_load"]["ok"] is False and data["default_load"]["add_safe_globals"] == []
     (rescue,) = data["suggested_commands"]
     check_promise(rescue["command"], rescue["promise"], None, path)
+
+
+def test_a_wrapped_classifier_loads_into_its_base_model(tmp_path):
+    """DataParallel(torch.compile(BertForSequenceClassification)) saved in a training checkpoint, checked against
+    BertModel: the fix strips the wrappers with the head the base model lacks and drops the classifier."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    (tmp_path / "hf.py").write_text(
+        "from transformers import BertConfig, BertModel\n"
+        "def base():\n"
+        "    return BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,"
+        " intermediate_size=20))\n")
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=20)
+    torch.manual_seed(0)
+    sd = BertForSequenceClassification(config).state_dict()
+    path = tmp_path / "train.pt"
+    torch.save({"model": {f"module._orig_mod.{k}": v for k, v in sd.items()}, "epoch": 1}, path)
+    spec = f"{tmp_path / 'hf.py'}:base"
+    data = run_cli("inspect", path, "--model", spec, "--json").json()
+    (fix,) = [s for s in data["suggested_commands"] if s["label"] == "fix"]
+    assert "--strip-prefix module._orig_mod.bert." in fix["command"]
+    check_promise(fix["command"], fix["promise"], fix["model"], path)
+
+
+def test_verify_refused_for_a_new_head_prints_the_verify_that_accepts_it(scenarios, tmp_path):
+    case = scenarios["new_head.pth"]
+    head = tmp_path / "head.pt"
+    fixed = run_cli("fix", case["path"], "-o", head, "--drop", "^classifier", "--model", case["model"],
+                    "--allow-missing", "^classifier")
+    assert fixed.exit_code == 0, fixed.stderr
+    refused = run_cli("verify", head, "--model", case["model"], "--input-shape", "2,3,8,8", "--mode", "single")
+    assert refused.exit_code == 1
+    (accept,) = printed_commands(refused.stderr)
+    assert "verify" in accept and "--allow-missing" in accept and "fix" not in accept.split()[1]
+    assert run_cli(*shlex.split(accept)[1:]).exit_code == 0
+
+
+def test_select_of_a_submodule_lists_every_tensor_it_leaves(scenarios, tmp_path):
+    case = scenarios["whole.pt"]
+    result = run_cli("fix", case["path"], "-o", tmp_path / "features.pt", "--select", "features", "--json")
+    assert result.exit_code == 0
+    assert set(result.json()["dropped"]) == {"classifier.weight", "classifier.bias"}
+
+
+def test_shares_never_round_to_nothing_or_to_everything():
+    from ckpt_doctor.errors import percent
+
+    assert percent(0.00047) == "0.047%" and percent(0.0) == "0.0%"
+    assert percent(0.99999) == "99.999%" and percent(1.0) == "100.0%" and percent(0.944) == "94.4%"
