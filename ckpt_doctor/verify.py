@@ -160,20 +160,33 @@ def make_inputs(spec: InputSpec) -> tuple[Any, ...]:
     import torch
 
     if spec.function:
+        from .errors import ModelSpecError
         from .modelspec import resolve_attr
 
-        produced = resolve_attr(spec.function)()
+        try:
+            produced = resolve_attr(spec.function)()
+        except ModelSpecError as exc:  # resolve_attr speaks of --model: here it is --input's function
+            raise UsageError(str(exc).replace("--model", "--input", 1)) from None
         return tuple(produced) if isinstance(produced, (tuple, list)) else (produced,)
     if not spec.shapes:
         raise UsageError("give the model an input: --input-shape 8,3,32,32 (repeatable) or --input module:function")
     generator = torch.Generator().manual_seed(spec.seed)
     dtype = getattr(torch, spec.dtype)
+    if dtype.is_complex or dtype.itemsize > 8:
+        raise UsageError(f"--input-dtype {spec.dtype}: generated inputs are real numbers (float*, bfloat16) or "
+                         "integers (int*, uint8, bool); give other inputs with --input module:function")
     out = []
     for shape in spec.shapes:
-        if dtype.is_floating_point:
-            out.append(torch.randn(shape, generator=generator).to(dtype))
-        else:
-            out.append(torch.randint(spec.low, spec.high, shape, generator=generator, dtype=dtype))
+        try:
+            if dtype.is_floating_point:
+                out.append(torch.randn(shape, generator=generator).to(dtype))
+            elif dtype == torch.bool:
+                out.append(torch.randint(0, 2, shape, generator=generator).bool())
+            else:
+                out.append(torch.randint(spec.low, spec.high, shape, generator=generator, dtype=dtype))
+        except (RuntimeError, MemoryError, OverflowError) as exc:  # a shape no memory holds, a range the dtype lacks
+            raise UsageError(f"--input-shape {','.join(map(str, shape))} ({spec.dtype}): cannot be made here: "
+                             f"{one_line(exc, 160)}") from None
     return tuple(out)
 
 
@@ -609,6 +622,7 @@ def load_reference(path: str, spec: str, args: dict[str, Any], inputs: tuple[Any
     from .readers import read_checkpoint
 
     checkpoint = read_checkpoint(path)  # an unreadable file is its own error, raised as such
+    checkpoint.refuse_if_unsafe("load it for --compare-to — nothing from it was loaded or run")
     model, _ = _build(spec, args, inputs)
     if own_model:
         allow_missing = allow_unexpected = None

@@ -509,3 +509,39 @@ def test_shares_never_round_to_nothing_or_to_everything():
 
     assert percent(0.00047) == "0.047%" and percent(0.0) == "0.0%"
     assert percent(0.99999) == "99.999%" and percent(1.0) == "100.0%" and percent(0.944) == "94.4%"
+
+
+def test_module_versions_survive_a_repair(tmp_path):
+    """A state_dict's `_metadata` (each module's version, which its loading code reads) is written back under the
+    renamed module names: a module that converts version-1 weights loads the repaired file as it loads the
+    original."""
+    from collections import OrderedDict
+
+    class Versioned(nn.Module):
+        _version = 2
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, *args):
+            if local_metadata.get("version", 1) < 2 and prefix + "lin.weight" in state_dict:
+                state_dict[prefix + "lin.weight"] = -state_dict[prefix + "lin.weight"]
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, *args)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.v = Versioned()
+
+    source = nn.DataParallel(Outer()).state_dict()
+    source._metadata["module.v"] = {"version": 1}  # saved by an older release of the module
+    path = tmp_path / "old.pt"
+    torch.save(source, path)
+    assert run_cli("fix", path, "-o", tmp_path / "new.pt", "--strip-module").exit_code == 0
+    fixed = torch.load(tmp_path / "new.pt", weights_only=True)
+    assert isinstance(fixed, OrderedDict) and fixed._metadata["v"] == {"version": 1}
+    a, b = Outer(), Outer()
+    a.load_state_dict(fixed)
+    nn.DataParallel(b).load_state_dict(torch.load(path, weights_only=True))
+    assert torch.equal(a.v.lin.weight, b.v.lin.weight)

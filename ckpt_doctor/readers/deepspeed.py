@@ -21,7 +21,7 @@ import os
 import re
 import stat
 from collections import OrderedDict
-from ..advice import command_line, consolidate
+from ..advice import command_line, consolidate, shell_path
 from .._record import replace
 from math import ceil, prod
 from pathlib import Path
@@ -409,7 +409,7 @@ def rank_file_note(ckpt: Checkpoint) -> Checkpoint:
     save_dir = folder.parent if (folder.parent / "latest").is_file() else folder
     if model and not MODEL_STATES.fullmatch(name).group(1):
         note = (f"DeepSpeed model states (ZeRO-1/2 or none): `module` holds the weights the engine held; the fp32 "
-                f"master weights are in the optimizer partitions: `{command_line(('inspect', str(save_dir)))}`")
+                f"master weights are in the optimizer partitions: `{command_line(('inspect', shell_path(save_dir)))}`")
         return replace(ckpt, notes=(*ckpt.notes, note))
     note = (f"one rank's part of the DeepSpeed checkpoint in {save_dir}: its tensors are partitions, not whole "
             f"weights; consolidate the folder: `{consolidate(save_dir)}`")
