@@ -525,10 +525,13 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
                 files.add(where[0])
                 piece = _chunk_piece(items, fqn, offsets, sizes, dtype, where)
                 others = []
-                for rank, copy in meta.copies.get((fqn, offsets), ()):  # other ranks' copies: read (walked) too
+                for rank, copy in meta.copies.get((fqn, offsets), ()):  # other ranks' copies
                     files.add(copy[0])
+                    if items.blob(where[0], fqn) is None and items.blob(copy[0], fqn) is None \
+                            and _same_range(folder, where, copy):
+                        continue  # the same archive, byte for byte: what was walked and read above
                     if not _same_piece(piece, _chunk_piece(items, fqn, offsets, sizes, dtype, copy), dtype):
-                        others.append((rank, copy, None))
+                        others.append((rank, copy, None))  # (its archive walked and read, as rank 1 would)
                 if others:
                     differ.append(_differs(meta, (fqn, offsets), where, others, len(chunks) > 1))
                 pieces.append(piece)
