@@ -130,10 +130,11 @@ def test_integer_optimizer_keys_stay_integers(samples, tmp_path):
     assert same_bits(opt.state[first]["momentum_buffer"], optimizer["state"][0]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("name", ["fsdp2", "nocoll_fsdp2"])
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
-def test_fix_writes_the_model_weights_by_default(samples, tmp_path, suffix):
+def test_fix_writes_the_model_weights_by_default(samples, tmp_path, suffix, name):
     out = tmp_path / f"model{suffix}"
-    result = run_cli("fix", samples / "fsdp2", "-o", out)
+    result = run_cli("fix", samples / name, "-o", out)
     assert result.exit_code == 0, result.stderr
     assert "--select ''" in result.stderr
     if suffix == ".safetensors":
@@ -142,7 +143,7 @@ def test_fix_writes_the_model_weights_by_default(samples, tmp_path, suffix):
         state = load_file(out)
     else:
         state = torch.load(out, weights_only=True)
-    want = torch.load(samples / "fsdp2.full.pt", weights_only=True)["model"]
+    want = torch.load(samples / f"{name}.full.pt", weights_only=True)["model"]
     assert_same_tree(dict(state), dict(want))
     Net().load_state_dict(state, strict=True)
 
