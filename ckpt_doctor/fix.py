@@ -21,7 +21,8 @@ from .tree import has_tensor, join, run_nested
 from .writers.atomic import atomic_output, check_destination
 from .writers.pickler import TensorOut, dumps
 from .writers.safetensors_writer import TensorBytes, write_safetensors
-from .writers.stream import CHUNK, Progress, WrittenRanges, copy_range, crc32, crc32_combine, write_bytes
+from .writers.stream import (CHUNK, Progress, WrittenRanges, copy_range, crc32, crc32_combine, deflated_producer,
+                             write_bytes)
 from .writers.torch_writer import StorageOut, write_torch_zip
 
 if TYPE_CHECKING:  # the comparison is imported only with --model: a plain repair starts that much sooner
@@ -1109,7 +1110,10 @@ def _torch_layout(plan: FixPlan, sources: _Sources,
                 expected[t.key] = TensorOut(rec, out.key, t.device, t.dtype, out.nbytes // element_size(t.dtype))
                 continue
             fd = sources.fd(st.file)
-            if t.dtype != rec.dtype:
+            if st.deflated:  # a deflated member (a re-zipped file): inflated into the output as it is written
+                convert = (rec.dtype, t.dtype) if t.dtype != rec.dtype else None
+                out = StorageOut(key, nbytes, produce=deflated_producer(fd, st, 0, st.nbytes, rec.key, convert))
+            elif t.dtype != rec.dtype:
                 out = StorageOut(key, nbytes, produce=_convert_producer(fd, st.offset, st.nbytes, rec.dtype, t.dtype))
             else:
                 out = StorageOut(key, nbytes, fd, st.offset, st.crc)
@@ -1155,6 +1159,10 @@ def _safetensors_layout(plan: FixPlan, sources: _Sources) -> list[TensorBytes]:
         if st.assembly is not None:
             entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes,
                                        produce=_assembly_producer(st.assembly, rec.key, t.dtype, sources)))
+        elif st.deflated and rec.is_contiguous:
+            convert = (rec.dtype, t.dtype) if t.dtype != rec.dtype else None
+            entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes, produce=deflated_producer(
+                sources.fd(st.file), st, rec.storage_offset * element_size(rec.dtype), rec.nbytes, rec.key, convert)))
         elif rec.is_contiguous and t.dtype == rec.dtype:
             whole = rec.storage_offset == 0 and nbytes == st.nbytes
             entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes, sources.fd(st.file), rec.file_offset or 0,

@@ -80,6 +80,7 @@ class StorageRecord:
     entry: str = ""  # zip member name, for writers that copy whole entries
     crc: int | None = None  # crc32 of exactly these bytes when the file records it (torch zip members)
     assembly: Assembly | None = None  # the bytes are not one range but pieces of several files (DCP, ZeRO)
+    deflated: int = 0  # > 0: a deflated zip member of this many bytes at `offset`, inflated when read (tensordata.py)
 
     @property
     def ident(self) -> tuple[str, str]:
