@@ -131,10 +131,17 @@ _SIZE_MISMATCH = re.compile(r"^size mismatch for (.+?): copying a param with sha
                             r"checkpoint, the shape in current model is torch\.Size\(\[(.*?)\]\)\.$", re.S)
 
 
-def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], metadata: Any = None) -> LoadCheck:
+# A model's loading code that reads a value (`.item()`, `.tolist()`) cannot run on meta tensors: its load is then
+# checked again on the CPU, with zeros of the file's shapes, when the model and the file fit this many bytes.
+CPU_RECHECK_BYTES = 2 << 30
+
+
+def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], metadata: Any = None,
+               device: str = "meta") -> LoadCheck:
     """Run `model.load_state_dict(state_dict, strict=False)` on meta tensors of these keys, shapes and dtypes, and
     collect what torch reports: the missing and unexpected keys (from a post hook, so they are torch's own lists),
-    shape mismatches and any other message the model's loading code raises. `model` is on the meta device."""
+    shape mismatches and any other message the model's loading code raises. `model` is on the meta device. When
+    that code fails only because meta tensors hold no values, the load is run again on the CPU (zeros)."""
     import warnings
     from collections import OrderedDict
 
@@ -142,7 +149,7 @@ def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], meta
 
     sd: "OrderedDict[str, Any]" = OrderedDict()
     for key, shape, dtype in entries:
-        sd[key] = torch.empty(shape, dtype=_torch_dtype(torch, dtype), device="meta")
+        sd[key] = torch.zeros(shape, dtype=_torch_dtype(torch, dtype), device=device)
     if metadata is not None:
         sd._metadata = metadata  # type: ignore[attr-defined]
     captured: dict[str, list[str]] = {}
@@ -152,6 +159,8 @@ def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], meta
         captured["unexpected"] = list(incompatible.unexpected_keys)
 
     model = meta_twin(model)
+    if device != "meta":
+        model = model.to_empty(device=device)
     handle = model.register_load_state_dict_post_hook(record)
     messages: list[str] = []
     copied = _CopyTargets()
@@ -167,6 +176,11 @@ def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], meta
         messages = [f"{type(exc).__name__}: {exc}"]
     finally:
         handle.remove()
+    if device == "meta" and any("meta tensor" in m or "meta device" in m for m in messages):
+        size = sum(int(torch.Size(shape).numel()) * 8 for _, shape, _ in entries)
+        size += sum(t.numel() * 8 for t in model.state_dict().values() if hasattr(t, "numel"))
+        if size <= CPU_RECHECK_BYTES:
+            return load_check(model, entries, metadata, "cpu")
     mismatched, errors = [], []
     for message in messages:
         m = _SIZE_MISMATCH.match(message.strip())

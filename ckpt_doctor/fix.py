@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .assemble import stream, whole_piece_runs
-from .dtypes import FLOATING, element_size, user_dtype_name
+from .dtypes import FLOATING, QUANTIZED, element_size, user_dtype_name
 from .errors import PlanError, UsageError, WriteError, one_line
 from .records import Assembly, Checkpoint, Format, GlobalRef, TensorRecord, Verdict, ancestors, relative_to_root
 from .safepickle.unpickler import Device, DType, Opaque, RawTensor, SizeValue
@@ -129,6 +129,7 @@ def _device_for(saved: str, table: tuple[tuple[str, str], ...]) -> str:
 
 
 def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
+    ckpt.refuse_values("rewrite it")
     if ckpt.distributed.get("shard_of"):
         raise PlanError(f"{ckpt.path}: one rank's shard of a distributed checkpoint holds only parts of its tensors; "
                         f"consolidate the folder: ckpt-doctor fix {ckpt.distributed['shard_of']} -o {output}")
@@ -359,6 +360,16 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     for t in outs:
         if t.source.storage is None:
             raise PlanError(f"{t.source.key}: has no data in the file (a meta tensor); drop it with --drop")
+    quantized = [t.key for t in outs if t.source.dtype in QUANTIZED]
+    if quantized:
+        from .errors import Rerun
+
+        pattern = "^(" + "|".join(re.escape(k) for k in quantized[:50]) + ")$" if len(quantized) <= 50 else None
+        raise PlanError(f"{len(quantized)} quantized tensors ({', '.join(quantized[:3])}"
+                        f"{', …' if len(quantized) > 3 else ''}): ckpt-doctor does not read their scale and zero point, "
+                        "so it would write them without; nothing written" + ("; leave them out with {0}" if pattern
+                                                                             else ""),
+                        reruns=(Rerun(add=("--drop", pattern)),) if pattern else ())
     if fmt is OutputFormat.DCP and any(t.device != "cpu" for t in outs):
         notes.append("a DCP folder holds CPU tensors: the saved devices are not kept (dcp.load fills the tensors "
                      "of the model it is given, wherever they are)")

@@ -199,6 +199,20 @@ class Checkpoint:
                         f"{action}" + (f". {way_out}" if way_out else ""), names, reruns=reruns)
 
     @property
+    def big_endian(self) -> bool:
+        """Saved on a big-endian machine (its `byteorder` record): its tensor bytes are not little-endian ones."""
+        return any(n.startswith("saved on a big-endian machine") for n in self.notes)
+
+    def refuse_values(self, action: str) -> None:
+        """Refuse reading tensor values where ckpt-doctor would read them wrong: big-endian bytes it does not swap
+        yet; quantized tensors (their scale and zero point are not in the records)."""
+        from .errors import ReadError
+
+        if self.big_endian and any(element_size(t.dtype) > 1 for t in self.tensors):
+            raise ReadError(f"{self.path}: saved on a big-endian machine, and ckpt-doctor does not swap tensor bytes "
+                            f"yet, so it does not {action}; torch.load reads the file (it swaps them)")
+
+    @property
     def devices(self) -> tuple[str, ...]:
         return tuple(sorted({t.device for t in self.tensors}))
 

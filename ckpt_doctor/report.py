@@ -128,6 +128,8 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
     if stats:
         from .stats import batchnorm_at_init, tensor_stats
 
+        ckpt.refuse_values("compute --stats")
+
         table_stats = {t.key: tensor_stats(t) for t in tensors}
         bn = batchnorm_at_init(list(tensors), table_stats)
     storages = {t.storage.ident: t.storage.nbytes for t in ckpt.tensors if t.storage is not None}

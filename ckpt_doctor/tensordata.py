@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from .dtypes import element_size
+from .dtypes import QUANTIZED, element_size
 from .errors import ReadError
 from .records import StorageRecord, TensorRecord
 
@@ -69,6 +69,9 @@ def load_tensor(record: TensorRecord) -> "torch.Tensor":
     """A CPU tensor with the record's dtype, shape and stride, read from the file (never unpickled)."""
     import torch
 
+    if record.dtype in QUANTIZED:
+        raise ReadError(f"{record.key} is a quantized tensor ({record.dtype}): its scale and zero point are not read, "
+                        "so ckpt-doctor neither compares nor rewrites its values; torch.load reads them")
     dtype = getattr(torch, record.dtype)
     if record.storage is None or record.numel == 0:
         return torch.empty(record.shape, dtype=dtype)

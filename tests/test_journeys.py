@@ -545,3 +545,39 @@ def test_module_versions_survive_a_repair(tmp_path):
     a.load_state_dict(fixed)
     nn.DataParallel(b).load_state_dict(torch.load(path, weights_only=True))
     assert torch.equal(a.v.lin.weight, b.v.lin.weight)
+
+
+def test_quantized_tensors_are_refused_not_rewritten_without_their_scale(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_tensor(torch.tensor([0.5, 1.0]), 0.1, 3, torch.quint8)
+    path = tmp_path / "q.pt"
+    torch.save({"w": torch.ones(2), "q": q}, path)
+    refused = run_cli("fix", path, "-o", tmp_path / "out.pt")
+    assert refused.exit_code == 2 and not (tmp_path / "out.pt").exists()
+    (drop,) = printed_commands(refused.stderr)
+    check_promise(drop, "writes", None, path)
+    assert run_cli("diff", path, path).exit_code == 2  # no values read without their scale (it crashed before)
+
+
+def test_a_load_hook_that_reads_values_is_checked_on_the_cpu(tmp_path):
+    """A model's _load_from_state_dict that calls .item() cannot run on meta tensors: the check runs it on the CPU
+    and gives torch's own verdict, and suggests no --drop of what the hook consumes."""
+    (tmp_path / "scaled.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Scaled(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = nn.Linear(2, 2)\n"
+        "    def _load_from_state_dict(self, sd, prefix, meta, strict, *args):\n"
+        "        scale = sd.pop(prefix + 'scale', None)\n"
+        "        if scale is not None:\n"
+        "            sd[prefix + 'lin.weight'] = sd[prefix + 'lin.weight'] / scale.item()\n"
+        "        super()._load_from_state_dict(sd, prefix, meta, strict, *args)\n")
+    sd = nn.Linear(2, 2).state_dict()
+    path = tmp_path / "scaled.pt"
+    torch.save({"lin.weight": sd["weight"], "lin.bias": sd["bias"], "scale": torch.tensor(2.0)}, path)
+    data = run_cli("inspect", path, "--model", f"{tmp_path / 'scaled.py'}:Scaled", "--json")
+    assert data.exit_code == 0 and data.json()["comparison"]["ok"] and not data.json()["suggested_commands"]

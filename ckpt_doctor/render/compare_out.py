@@ -110,6 +110,7 @@ def fix_prefix(c: Comparison) -> str:
 def verdict_text(c: Comparison) -> str:
     """One line that says what the exit code says: OK, OK only with the allowances given, or FAILS and why."""
     total = c.model_key_count or len(c.matched) + len(c.missing) + len(c.mismatched) + len(c.allowed_missing)
+    matched = min(len(c.matched), total)  # a key the model's loading code consumes (a scale) fills none of its own
     filled = f"{percent(c.loaded_fraction)} of parameters filled"
     at = f" (the state_dict at {c.state_dict_root})" if c.state_dict_root else ""
     problems = []
@@ -133,7 +134,7 @@ def verdict_text(c: Comparison) -> str:
     if c.allowed_unexpected:
         accepted.append(f"{len(c.allowed_unexpected)} extra keys accepted by --allow-unexpected")
     if problems:
-        return (f"strict load FAILS{at}: {', '.join(problems)}; {len(c.matched)} of {total} model keys match; "
+        return (f"strict load FAILS{at}: {', '.join(problems)}; {matched} of {total} model keys match; "
                 f"{filled}")
     if c.short and c.min_loaded is not None:
         return f"FAILS --min-loaded {percent(c.min_loaded)}{at}: only {filled}" + \
@@ -144,8 +145,8 @@ def verdict_text(c: Comparison) -> str:
     if accepted:
         return f"OK with the allowances given{at}: {'; '.join(accepted)}; {filled}{tied}"
     if c.tied:
-        return f"loads{at}: {len(c.matched)} of {total} model keys from the file{tied}; {filled}"
-    return f"strict load OK{at}: {len(c.matched)} of {total} model keys loaded; {filled}"
+        return f"loads{at}: {matched} of {total} model keys from the file{tied}; {filled}"
+    return f"strict load OK{at}: {matched} of {total} model keys loaded; {filled}"
 
 
 def full_verdict(c: Comparison, needs_code: str = "") -> str:
