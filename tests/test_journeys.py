@@ -128,7 +128,9 @@ def _source_tensors(path: Path) -> dict[str, torch.Tensor]:
     from ckpt_doctor.readers import read_checkpoint
     from ckpt_doctor.tensordata import load_tensor
 
-    return {t.key: load_tensor(t) for t in read_checkpoint(path).tensors}
+    from ckpt_doctor.dtypes import QUANTIZED
+
+    return {t.key: load_tensor(t) for t in read_checkpoint(path).tensors if t.dtype not in QUANTIZED}
 
 
 def _flat(obj, prefix: str = "") -> dict[str, torch.Tensor]:
