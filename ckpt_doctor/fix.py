@@ -325,6 +325,13 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         under = _tensors_under(cut - {root}, full_records, prefix)
         dropped += under + sorted(cut - {root})  # the tensors, and the entries around them (an optimizer's groups)
     refuse_unwritable(problems)
+    if flat_output:  # a state_dict's keys are written as the strings its tensors are named by
+        node = _subtree(ckpt.root, root) if root else ckpt.root
+        odd = [k for k in node if not isinstance(k, str)] if isinstance(node, dict) else []
+        if odd:
+            notes.append(f"{len(odd)} keys of the state_dict are no strings ({', '.join(repr(k) for k in odd[:3])}"
+                         f"{', …' if len(odd) > 3 else ''}): written as the text they are listed by "
+                         f"({', '.join(repr(join('', k)) for k in odd[:3])})")
     if opts.model is not None:
         extras = {k for k, v in tree.items() if isinstance(k, str) and k.endswith("_extra_state")
                   and not isinstance(v, OutTensor)} if flat_output and isinstance(tree, dict) else set()
