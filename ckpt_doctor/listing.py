@@ -98,7 +98,7 @@ def inspect_line(path: Path) -> FileLine | Skipped:
     `scan DIR` skips it — unless it bears a checkpoint's name (`model.pt` that is a web page is an error)."""
     import gc
 
-    from .readers import CHECKPOINT_SUFFIXES, read_file
+    from .readers import read_file
     from .readers.survey import survey_file
     from .report import inspect_checkpoint
     from .scan import Skipped, is_skipped
@@ -114,11 +114,7 @@ def inspect_line(path: Path) -> FileLine | Skipped:
             try:
                 checkpoint = read_file(path, survey)
             except CkptDoctorError as exc:
-                name = path.name.lower()
-                # a checkpoint's name on something else is an error, but `.tar` is every tar archive's name too
-                named = name.endswith(CHECKPOINT_SUFFIXES) and not (
-                    name.endswith(".tar") and not name.endswith(".pth.tar") and survey.container.value == "tar")
-                if not named and is_skipped(exc, survey):
+                if is_skipped(exc, survey, path):
                     return Skipped(path, str(exc).removeprefix(f"{path}: "))
                 raise
             report = inspect_checkpoint(path, checkpoint=checkpoint)

@@ -124,7 +124,7 @@ def scan_one(path: Path, *, in_folder: bool = False, taken: set[str] | None = No
         if not loads.ok or ckpt.verdict is not Verdict.SAFE:
             fix = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [], taken)
     except CkptDoctorError as exc:
-        if in_folder and is_skipped(exc, survey):
+        if in_folder and is_skipped(exc, survey, path):
             return Skipped(path, str(exc).removeprefix(f"{path}: "))
         error = str(exc)
         globals_, hazards, notes = tuple(survey.globals), tuple(survey.hazards), tuple(survey.notes)
@@ -132,10 +132,17 @@ def scan_one(path: Path, *, in_folder: bool = False, taken: set[str] | None = No
                     tuple(dict.fromkeys(notes)), link, loads, fix)
 
 
-def is_skipped(exc: CkptDoctorError, survey: Survey) -> bool:
+def is_skipped(exc: CkptDoctorError, survey: Survey, path: Path) -> bool:
     """Whether a file of a folder that did not read as a checkpoint is left out of the folder's verdict: it is
-    something else (NotACheckpoint) or holds no pickle, and names nothing a loader would run."""
+    something else (NotACheckpoint) or holds no pickle, names nothing a loader would run, and is not named as a
+    checkpoint (`model.pt` that is a web page or a git-lfs pointer is an error; `.tar` is every tar archive's name)."""
+    from .readers import CHECKPOINT_SUFFIXES
+
     if getattr(exc, "findings", ()) or survey.findings or survey.hazards:
+        return False
+    name = path.name.lower()
+    if name.endswith(CHECKPOINT_SUFFIXES) and not (
+            name.endswith(".tar") and not name.endswith(".pth.tar") and survey.container is Container.TAR):
         return False
     return isinstance(exc, NotACheckpoint) or holds_no_pickle(survey)
 

@@ -260,3 +260,21 @@ def test_a_pipe_a_dcp_folder_names_as_its_shard_is_never_opened(tmp_path, cli):
     scan, inspect = _scan_and_inspect(cli, folder)
     assert [s["path"] for s in scan.json()["skipped"]] == [str(folder / "__0_0.distcp")]
     assert inspect.exit_code == 2 and "__0_0.distcp is not a regular file" in inspect.stderr
+
+
+@pytest.mark.parametrize("name, skipped", [("weights.bin", False), ("model.pt", False), ("notes.txt", True)])
+def test_a_file_that_is_no_checkpoint_is_judged_alike_by_both(tmp_path, cli, name, skipped):
+    """Named as a checkpoint (Core ML's weights.bin, a git-lfs pointer as model.pt), it is an error for both commands,
+    never passed over for the checkpoint beside it; under any other name scan skips it with a line, and inspect
+    reads the one checkpoint beside it."""
+    _clean(tmp_path / "good.pt")
+    (tmp_path / name).write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 12\n")
+    scan, inspect = cli("scan", tmp_path), cli("inspect", tmp_path)
+    assert scan.exit_code == inspect.exit_code == (0 if skipped else 2)
+    if skipped:
+        assert f"skipped {tmp_path / name}: not a checkpoint" in scan.stderr
+        assert "good.pt loads with torch's defaults" in inspect.stderr  # the folder's one checkpoint, as for a model
+    else:
+        line = next(line for line in scan.stderr.splitlines() if name in line)
+        assert line.startswith(f"{tmp_path / name}: NOT READ — not a checkpoint: the bytes are a Git LFS pointer")
+        assert "good.pt" in inspect.stdout and name in inspect.stdout and "Git LFS pointer" in inspect.stdout

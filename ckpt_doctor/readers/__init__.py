@@ -251,6 +251,12 @@ def find_in_folder(folder: Path) -> tuple[Path | None, list[Path]]:
         for p in files:
             if p.name == preferred:
                 return p, files
+    # a file named as a checkpoint whose bytes are none (a git-lfs pointer, a web page) is never passed over in
+    # silence for the one beside it: the folder is listed, that file with its error
+    named = [p for p in entries if p not in files and p.name.lower().endswith(CHECKPOINT_SUFFIXES)
+             and not (p.name.lower().endswith(".tar") and not p.name.lower().endswith(".pth.tar"))]
+    if named and files:
+        return None, sorted(files + named)
     return (files[0] if len(files) == 1 else None), files
 
 

@@ -64,6 +64,9 @@ def scan_summary(report: ScanReport, with_severity: bool = False) -> list:
         safe = sum(1 for g in f.globals if g.verdict is Verdict.SAFE)
         what = f.format or f.container or "unreadable"
         link = f" (→ {f.link})" if f.link else ""
+        if f.error and f.verdict is Verdict.SAFE:  # nothing found is no "clean" for a file that was not read
+            lines.append((f"{f.path}{link}: NOT READ — {f.error.removeprefix(f'{f.path}: ')}", True))
+            continue
         if f.verdict is Verdict.SAFE:
             state = "clean: every global is on the allow-list"
         else:
