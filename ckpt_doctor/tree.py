@@ -134,8 +134,9 @@ class Walker:
                 # Listed once; still counted whole, so a few KB of shared lists cannot pass for a small tree.
                 self.nodes += tree_size(obj, self._sizes) - 1
                 if self.nodes > self.max_nodes:
-                    raise ReadError(f"the pickle expands to more than {self.max_nodes:,} objects through shared "
-                                    "references (a pickle bomb); refusing to walk it")
+                    raise ReadError(f"objects shared at many levels expand to more than {self.max_nodes:,} "
+                                    f"objects as a tree (under {first.split('.')[0] or 'the root'}); ckpt-doctor lists a "
+                                    "shared object once but counts it whole, and does not walk that many")
                 self._meta(path, f"<the same object as {first or 'the root'}>")
                 return None
             if first is None and (not isinstance(obj, (list, tuple, dict)) or obj):

@@ -42,6 +42,17 @@ MAX_TUPLE_DEPTH = 10_000
 # references to the level below, 40 levels deep, is 3**40.
 MAX_HASHED_TUPLES = 10_000_000
 
+# Dict keys and set members of one hash: CPython inserts n of them in time n**2 (30,000 ints k * (2**61 - 1), which
+# all hash to 0, took 23 s; 4,096 take ~0.4 s). Only numbers a file can make collide are counted (ints past 2**61,
+# -1 and -2, floats, tuples and frozensets of them): str and bytes hashes are salted per process.
+MAX_KEYS_OF_ONE_HASH = 4_096
+# ... and the distinct such keys kept to count them, in hash buckets already crowded (honest keys spread out).
+MAX_CROWDED_KEYS = 262_144
+
+# Items and tuples the unpickler's set(), frozenset(), OrderedDict() and Counter() hash, all calls of one pickle
+# together (~1 s): a list of 200,000 items handed to set() a million times through the memo is 2 * 10**11.
+MAX_HASH_WORK = 10_000_000
+
 # A single string or byte string the unpickler would build: checkpoints hold tensor bytes outside their pickles,
 # and a 700 MB value costs three times its size on the way to a report.
 MAX_PICKLE_VALUE = 256 << 20
