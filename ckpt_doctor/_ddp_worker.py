@@ -116,6 +116,7 @@ def run_rank(job: RankJob, inputs: list[Any], reference: list[Any]) -> RankResul
         loss = sum(t.float().pow(2).mean() for t in flat_outputs(ddp(*[x.to(device) for x in shard]))
                    if t.is_floating_point())
         loss.backward()
+        unused = [n for n, p in ddp.module.named_parameters() if p.requires_grad and p.grad is None]
         optimizer.step()
         ddp.eval()
         with torch.no_grad():
@@ -128,6 +129,10 @@ def run_rank(job: RankJob, inputs: list[Any], reference: list[Any]) -> RankResul
             dist.all_reduce(flag)
             if flag.item():
                 result.error = f"replicas differ after the optimizer step at {name}"
+                if unused:  # DDP syncs no gradient of a parameter the forward never used
+                    result.error += (f"; {len(unused)} parameters took no part in the forward ({', '.join(unused[:3])}"
+                                     f"{', …' if len(unused) > 3 else ''}): DDP all-reduces no gradient for them — "
+                                     "train such a model with DistributedDataParallel(find_unused_parameters=True)")
                 return result
         wrapped = ddp.state_dict()
         stripped = {k.removeprefix("module."): tuple(v.shape) for k, v in wrapped.items()}

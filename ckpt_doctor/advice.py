@@ -38,10 +38,35 @@ class Suggestion:
 
 
 def command_line(argv: Sequence[str]) -> str:
-    """`ckpt-doctor ARGV…`, quoted for a POSIX shell."""
+    """`ckpt-doctor ARGV…`, quoted for a POSIX shell: a word with a control character or a backtick in it is
+    written as bash's $'…', so that the line stays one printable line to copy (and a backtick cannot end the
+    `…` a command is printed in)."""
+    return " ".join(["ckpt-doctor", *(_quote(str(a)) for a in argv)])
+
+
+def _quote(word: str) -> str:
     import shlex
 
-    return " ".join(["ckpt-doctor", *(shlex.quote(str(a)) for a in argv)])
+    if word.isprintable() and "`" not in word:
+        return shlex.quote(word)
+    escaped = []
+    for ch in word:
+        if ch == "\\":
+            escaped.append("\\\\")
+        elif ch == "'":
+            escaped.append("\\'")
+        elif ch == "`" or not ch.isprintable():
+            escaped.append(f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}" if ord(ch) < 0x10000
+                           else f"\\U{ord(ch):08x}")
+        else:
+            escaped.append(ch)
+    return "$'" + "".join(escaped) + "'"
+
+
+def shell_path(path: str | os.PathLike[str]) -> str:
+    """A path as an argument: one that starts with `-` is written `./-x.pt`, which no parser takes for an option."""
+    text = os.fspath(path)
+    return "./" + text if text.startswith("-") else text
 
 
 # Suffixes of checkpoint files, taken off a name before a suggested output's suffix is put on (`model.pth.tar`).
@@ -49,11 +74,15 @@ CHECKPOINT_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl",
                                  ".model", ".weights", ".pth.tar", ".distcp"})
 
 
-def output_beside(source: str | os.PathLike[str], tag: str = "fixed", suffix: str = ".pt") -> str:
+def output_beside(source: str | os.PathLike[str], tag: str = "fixed", suffix: str = ".pt",
+                  taken: set[str] | None = None) -> str:
     """A suggested output: beside the input (a folder's sibling), its checkpoint suffixes replaced by `_TAG.pt`,
-    and a name no file has yet (`_fixed2.pt` when `_fixed.pt` exists), so that the command runs as printed."""
+    and a name no file has yet (`_fixed2.pt` when `_fixed.pt` exists) nor another suggestion of this run
+    (`taken`), so that the command runs as printed. Where the input's folder is not writable, in this one."""
     text = os.fspath(source).rstrip("/") or "."
     folder, name = os.path.split(text)
+    if os.path.isdir(folder or ".") and not os.access(folder or ".", os.W_OK) and os.access(".", os.W_OK):
+        folder = ""
     stem = name
     while True:
         base, dot, ext = stem.rpartition(".")
@@ -61,10 +90,12 @@ def output_beside(source: str | os.PathLike[str], tag: str = "fixed", suffix: st
             break
         stem = base
     for n in range(1, 1000):
-        candidate = os.path.join(folder, f"{stem}_{tag}{n if n > 1 else ''}{suffix}")
-        if not os.path.lexists(candidate):
+        candidate = shell_path(os.path.join(folder, f"{stem}_{tag}{n if n > 1 else ''}{suffix}"))
+        if not os.path.lexists(candidate) and candidate not in (taken or ()):
+            if taken is not None:
+                taken.add(candidate)
             return candidate
-    return os.path.join(folder, f"{stem}_{tag}{suffix}")
+    return shell_path(os.path.join(folder, f"{stem}_{tag}{suffix}"))
 
 
 def rerun_argv(argv: Sequence[str], add: Sequence[str] = (), remove: Sequence[str] = ()) -> list[str] | None:
@@ -94,16 +125,17 @@ def rerun_argv(argv: Sequence[str], add: Sequence[str] = (), remove: Sequence[st
 
 def consolidate(folder: str | os.PathLike[str]) -> str:
     """The command that writes a distributed checkpoint's folder (DCP, DeepSpeed) as one file of whole tensors."""
-    return command_line(("fix", os.fspath(folder), "-o", output_beside(folder, "consolidated", ".safetensors")))
+    return command_line(("fix", shell_path(folder), "-o", output_beside(folder, "consolidated", ".safetensors")))
 
 
 def fix_line(path: str, flags: Sequence[str], promise: Promise, why: str = "", tag: str = "fixed",
              model: Sequence[str] = ()) -> Suggestion:
     """`ckpt-doctor fix PATH -o PATH_TAG.pt FLAGS…`: the output beside the input under a name not taken yet."""
-    return Suggestion(("fix", str(path), "-o", output_beside(path, tag), *flags), promise, why, tuple(model))
+    return Suggestion(("fix", shell_path(path), "-o", output_beside(path, tag), *flags), promise, why, tuple(model))
 
 
-def rescue(ckpt: object, extra: Sequence[str] = ()) -> Suggestion | None:
+def rescue(ckpt: object, extra: Sequence[str] = (), taken: set[str] | None = None,
+           source: str | None = None) -> Suggestion | None:
     """The `fix` command that writes a file's tensors and plain data as a file torch.load(weights_only=True) loads
     (a whole pickled model as its state_dict; what only code can rebuild left out with --drop), checked by planning
     it — nothing is written — so the command printed is one that runs. None when no plain command does."""
@@ -112,8 +144,8 @@ def rescue(ckpt: object, extra: Sequence[str] = ()) -> Suggestion | None:
     from .errors import CkptDoctorError
     from .fix import FixOptions, plan_fix
 
-    path = str(ckpt.path)  # type: ignore[attr-defined]
-    out = output_beside(path)
+    path = source or str(ckpt.path)  # type: ignore[attr-defined]  # as the user named it (a model's folder)
+    out = output_beside(path, taken=taken)
     flags: list[str] = ["--allow-unsafe"] if ckpt.dangerous_globals else []  # type: ignore[attr-defined]
     flags += extra
     for _ in range(2):
@@ -125,7 +157,7 @@ def rescue(ckpt: object, extra: Sequence[str] = ()) -> Suggestion | None:
                 return None
             flags += ["--drop", pattern]
             continue
-        return Suggestion(("fix", path, "-o", out, *flags), Promise.WRITES,
+        return Suggestion(("fix", shell_path(path), "-o", out, *flags), Promise.WRITES,
                           "writes its tensors and plain data as a file torch.load loads with its defaults; nothing "
                           "it names is run or written")
     return None
@@ -144,9 +176,14 @@ def fix_suggestions(path: str, comparison: object, dangerous: bool = False) -> l
     from ._record import replace
 
     c = comparison
+    kind = c.fix_kind  # type: ignore[attr-defined]
+    if kind == "none" and not c.strict_ok:  # type: ignore[attr-defined]
+        return []  # nothing found that makes it load: no line to promise it
     flags = list(c.suggested_fix)  # type: ignore[attr-defined]
     if dangerous:
         flags.insert(0, "--allow-unsafe")
+    if kind == "partial":  # the closest fix: written as asked, but a strict load still fails, so no --model check
+        return [("fix", fix_line(path, flags, Promise.WRITES, "the closest fix found; a strict load still fails"))]
     if "--model" not in flags:
         flags += c.model_flags  # type: ignore[attr-defined]
     if c.missing_devices and "--map-location" not in flags:  # type: ignore[attr-defined]

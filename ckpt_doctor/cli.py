@@ -135,6 +135,12 @@ def handle_errors(func: Callable[..., int]) -> Callable[..., None]:
         except KeyboardInterrupt:
             say("Error: interrupted")
             sys.exit(130)
+        except SystemExit as exc:  # ckpt-doctor's own exits come after its command returns: this is the model's
+            if debug:
+                raise
+            say(f"Error: code run from --model or --input called sys.exit({exc.code!r}); stopped without a verdict",
+                color="red")
+            sys.exit(2)
         except BrokenPipeError:
             sys.exit(0)
         except RecursionError:  # the readers and fix walk on stacks of their own; a path that does not is no crash
@@ -806,23 +812,28 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
         os._exit(code)
     if progress:
         progress(f"verifying {ckpt} with {model_spec} (modes {modes}, --gpus {gpus}) …")
-    report = run_verify(ckpt, model_spec, args, spec, gpus, parse_modes(modes), timeout, summary, compare_to,
-                        allow_skip, select, allow_missing, allow_unexpected, tolerance, min_loaded=min_loaded,
-                        compare_model=compare_model, compare_model_args=other_args, progress=progress)
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # the model's prints while it runs: stdout carries the report
+        report = run_verify(ckpt, model_spec, args, spec, gpus, parse_modes(modes), timeout, summary, compare_to,
+                            allow_skip, select, allow_missing, allow_unexpected, tolerance, min_loaded=min_loaded,
+                            compare_model=compare_model, compare_model_args=other_args, progress=progress)
     return _report_verify(report, as_json)
 
 
 def _report_verify(report, as_json: bool) -> int:
     """The report on stdout (table or JSON), its lines on stderr; the exit code is the report's own."""
-    from .render.verify_out import verify_json, verify_lines, verify_table
+    from .advice import rerun_argv
+    from .render.verify_out import verify_advice, verify_json, verify_lines, verify_table
 
+    advice = verify_advice(report, lambda flags: rerun_argv(_ARGV, flags))
     if as_json:
         from .render.json_out import dumps
 
-        echo(dumps(verify_json(report)))
+        echo(dumps(verify_json(report, advice)))
     elif report.runs:
         echo(verify_table(report))
-    for line, problem in verify_lines(report):
+    for line, problem in verify_lines(report, advice):
         say(line, color="red" if problem else None)
     return report.exit_code
 

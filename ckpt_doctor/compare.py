@@ -17,9 +17,10 @@ from ._record import field, record
 from typing import Any
 
 from .analyze import find_prefixes
-from .errors import PlanError
+from .errors import PlanError, percent
 from .modelspec import ModelKeys
 from .records import Checkpoint, TensorRecord
+from .safepickle.unpickler import RawTensor
 from .transforms import Op, Transform, add_prefix, flags_for, plan_keys, rename, strip_prefix
 
 BN_STATS = ("running_mean", "running_var")  # without them a BatchNorm normalizes with its initial statistics
@@ -130,10 +131,17 @@ _SIZE_MISMATCH = re.compile(r"^size mismatch for (.+?): copying a param with sha
                             r"checkpoint, the shape in current model is torch\.Size\(\[(.*?)\]\)\.$", re.S)
 
 
-def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], metadata: Any = None) -> LoadCheck:
+# A model's loading code that reads a value (`.item()`, `.tolist()`) cannot run on meta tensors: its load is then
+# checked again on the CPU, with zeros of the file's shapes, when the model and the file fit this many bytes.
+CPU_RECHECK_BYTES = 2 << 30
+
+
+def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], metadata: Any = None,
+               device: str = "meta") -> LoadCheck:
     """Run `model.load_state_dict(state_dict, strict=False)` on meta tensors of these keys, shapes and dtypes, and
     collect what torch reports: the missing and unexpected keys (from a post hook, so they are torch's own lists),
-    shape mismatches and any other message the model's loading code raises. `model` is on the meta device."""
+    shape mismatches and any other message the model's loading code raises. `model` is on the meta device. When
+    that code fails only because meta tensors hold no values, the load is run again on the CPU (zeros)."""
     import warnings
     from collections import OrderedDict
 
@@ -141,7 +149,7 @@ def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], meta
 
     sd: "OrderedDict[str, Any]" = OrderedDict()
     for key, shape, dtype in entries:
-        sd[key] = torch.empty(shape, dtype=_torch_dtype(torch, dtype), device="meta")
+        sd[key] = torch.zeros(shape, dtype=_torch_dtype(torch, dtype), device=device)
     if metadata is not None:
         sd._metadata = metadata  # type: ignore[attr-defined]
     captured: dict[str, list[str]] = {}
@@ -151,6 +159,8 @@ def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], meta
         captured["unexpected"] = list(incompatible.unexpected_keys)
 
     model = meta_twin(model)
+    if device != "meta":
+        model = model.to_empty(device=device)
     handle = model.register_load_state_dict_post_hook(record)
     messages: list[str] = []
     copied = _CopyTargets()
@@ -166,6 +176,11 @@ def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], meta
         messages = [f"{type(exc).__name__}: {exc}"]
     finally:
         handle.remove()
+    if device == "meta" and any("meta tensor" in m or "meta device" in m for m in messages):
+        size = sum(int(torch.Size(shape).numel()) * 8 for _, shape, _ in entries)
+        size += sum(t.numel() * 8 for t in model.state_dict().values() if hasattr(t, "numel"))
+        if size <= CPU_RECHECK_BYTES:
+            return load_check(model, entries, metadata, "cpu")
     mismatched, errors = [], []
     for message in messages:
         m = _SIZE_MISMATCH.match(message.strip())
@@ -301,7 +316,7 @@ def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, *, select: str | None
     metadata = _metadata_of(ckpt, root)
     comparison = compare_tensors(tensors, model, root=root, metadata=metadata, allow_missing=allow_missing,
                                  allow_unexpected=allow_unexpected, min_loaded=min_loaded, ckpt=ckpt,
-                                 selected=select is not None)
+                                 selected=select is not None, extras=_extra_states(ckpt, root))
     devices = tuple(missing_devices(sorted({t.device for t in tensors})))
     if devices:
         flags = list(comparison.suggested_fix)
@@ -323,6 +338,29 @@ def _under(ckpt: Checkpoint, root: str | None) -> list[TensorRecord]:
     return list(relative_to_root(ckpt.tensors, root)) if root is not None else []
 
 
+def _extra_states(ckpt: Checkpoint, root: str | None) -> tuple[str, ...]:
+    """The state_dict's entries that are no tensors but a module's `get_extra_state()` (any object), by key."""
+    node = _node_at(ckpt.root, root) if root is not None else None
+    if not isinstance(node, dict):
+        return ()
+    return tuple(k for k, v in node.items() if isinstance(k, str) and k.rsplit(".", 1)[-1] == "_extra_state"
+                 and not isinstance(v, RawTensor))
+
+
+def _with_extras(check: LoadCheck, extras: "set[str] | tuple[str, ...]") -> LoadCheck:
+    """A load's verdict with the file's extra states counted: the meta load is given tensors only, so an
+    `_extra_state` key the file holds (as an object) is not missing."""
+    if not extras or not any(k in extras for k in check.missing):
+        return check
+    return _replace_check(check, missing=tuple(k for k in check.missing if k not in extras))
+
+
+def _replace_check(check: LoadCheck, **changes: Any) -> LoadCheck:
+    from ._record import replace
+
+    return replace(check, **changes)
+
+
 def _metadata_of(ckpt: Checkpoint, root: str | None) -> Any:
     """The `_metadata` torch.save stored on the state_dict at `root` (module versions), or None."""
     node = _node_at(ckpt.root, root) if root is not None else None
@@ -333,9 +371,9 @@ def _metadata_of(ckpt: Checkpoint, root: str | None) -> Any:
 def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str | None = "", metadata: Any = None,
                     allow_missing: str | None = None, allow_unexpected: str | None = None,
                     min_loaded: float | None = None, ckpt: Checkpoint | None = None,
-                    selected: bool = False) -> Comparison:
+                    selected: bool = False, extras: tuple[str, ...] = ()) -> Comparison:
     entries = [(t.key, tuple(t.shape), t.dtype) for t in tensors]
-    check = _check(model, entries, metadata)
+    check = _with_extras(_check(model, entries, metadata), extras)
     by_key = model.by_key()
     np_set = set(model.non_persistent)
     non_persistent = tuple(k for k in check.unexpected if k in np_set)  # of the unexpected keys: named as such
@@ -345,7 +383,7 @@ def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str 
                    if t.key in by_key and t.key in check.matched and t.dtype != by_key[t.key].dtype)
     fix = Fix()
     if not check.ok or non_persistent:
-        fix = infer_fix(tensors, model, check, ckpt=ckpt, root=root, selected=selected)
+        fix = infer_fix(tensors, model, check, ckpt=ckpt, root=root, selected=selected, extras=extras)
     allowed_m, allowed_u = _allowances(allow_missing, allow_unexpected, check, unexpected)
     select = fix.root if fix.root is not None else root
     flags = (["--select", select] if select else []) + fix.flags
@@ -464,8 +502,8 @@ def short_of_required(model: ModelKeys, check: LoadCheck, allow_missing: str | N
     filled = _fraction(model, check)
     if required is None or filled >= required - 1e-9:
         return None
-    return (f"only {filled:.1%} of the model's parameters would come from the checkpoint (required: "
-            f"{required:.1%}: {reason})")
+    return (f"only {percent(filled)} of the model's parameters would come from the checkpoint (required: "
+            f"{percent(required)}: {reason})")
 
 
 def _alternation(keys: list[str] | tuple[str, ...]) -> str:
@@ -496,7 +534,7 @@ class Fix:
 
 
 def infer_fix(tensors: list[TensorRecord], model: ModelKeys, check: LoadCheck, *, ckpt: Checkpoint | None = None,
-              root: str | None = None, selected: bool = False) -> Fix:
+              root: str | None = None, selected: bool = False, extras: tuple[str, ...] = ()) -> Fix:
     """The fewest changes that make a strict load succeed: another part of the file to select, prefixes stripped or
     added at any depth, leftovers the model has no place for dropped, a replaced head dropped (its keys then left
     missing, accepted only by --allow-missing), tied aliases filled; or a mapping by order when only the shapes
@@ -526,6 +564,9 @@ def infer_fix(tensors: list[TensorRecord], model: ModelKeys, check: LoadCheck, *
     if fix.flags or fix.root is not None or fix.dropped:
         part_tensors = _part_tensors(tensors, ckpt, root, fix.root)
         fix.after = _after(model, part_tensors, fix)
+        if extras and fix.root is None:
+            moved = plan_keys(list(extras), [t for t in fix.transforms if t.op is not Op.DROP]).mapping
+            fix.after = _with_extras(fix.after, set(moved.values()))
         fix.fraction = _fraction(model, fix.after)
         if fix.after.ok:
             fix.kind = "rename"
@@ -622,6 +663,11 @@ def _complete(mapping: dict[str, str], by_key: dict[str, TensorRecord], model: M
     pairs, ambiguous = _pair_by_shape(leftovers, by_key, missing, model.by_key())
     if not pairs:
         return fix
+    # A key paired by shape against its own layer numbers is a guess when a key of its shape was placed by name:
+    # blocks.1,2,3 from layers.0,1,2 pairs 1 → 1 and 2 → 2 by name and 0 → 3 by shape — or is it a shift by one?
+    placed = {(tuple(by_key[old].shape), by_key[old].dtype) for old, _ in fix.kept}
+    ambiguous |= {old for old, new in pairs if not _numbers_agree(old, new)
+                  and (tuple(by_key[old].shape), by_key[old].dtype) in placed}
     # The renames act on the names as --drop/--strip-prefix/--rename left them, before --add-prefix prepends.
     extra = _renames_for([(mapping[old][len(added):], new[len(added):]) for old, new in pairs],
                          [name[len(added):] for name in mapping.values()])
@@ -676,6 +722,14 @@ def _after(model: ModelKeys, tensors: list[TensorRecord], fix: Fix) -> LoadCheck
     return _check(model, entries, None)
 
 
+def _numbers_agree(old: str, new: str) -> bool:
+    """Whether two names' layer numbers agree, one's a prefix of the other's (prefilt_layers.0 → prefilt_layers.0.0
+    does; layers.0 → blocks.3 does not)."""
+    a = [c for c in old.split(".") if c.isdigit()]
+    b = [c for c in new.split(".") if c.isdigit()]
+    return a[:len(b)] == b[:len(a)]
+
+
 def _pair_by_shape(leftovers: list[str], by_key: dict[str, TensorRecord], missing: list[str],
                    model_by_key: dict[str, Any]) -> tuple[list[tuple[str, str]], set[str]]:
     """(checkpoint key, model key) pairs of one shape and kind (floating or not): first those that also share their
@@ -695,6 +749,7 @@ def _pair_by_shape(leftovers: list[str], by_key: dict[str, TensorRecord], missin
     olds, news = list(leftovers), list(missing)
     pairs: list[tuple[str, str]] = []
     ambiguous: set[str] = set()
+    level: dict[str, int] = {}  # old key -> the pass that paired it
     for detail in (2, 1, 0):
         sides: dict[tuple, tuple[list[str], list[str]]] = {}
         for old in olds:
@@ -710,10 +765,20 @@ def _pair_by_shape(leftovers: list[str], by_key: dict[str, TensorRecord], missin
             if len(group_old) == len(group_new):
                 pairs += zip(group_old, group_new)
                 done.update(group_old, group_new)
+                level.update((k, detail) for k in group_old)
                 if len(group_old) > 1:
                     ambiguous.update(group_old)
         olds = [k for k in olds if k not in done]
         news = [k for k in news if k not in done]
+    # Keys of one shape paired by their layer numbers are certain only when every key of that shape was: one left
+    # to a later pass (layers.0 → blocks.3 beside 1 → 1 and 2 → 2) says the numbers were a guess for all of them.
+    by_kind: dict[tuple, list[str]] = {}
+    for old, _ in pairs:
+        t = by_key[old]
+        by_kind.setdefault(signature(old, t.shape, t.dtype, 0), []).append(old)
+    for members in by_kind.values():
+        if len(members) > 1 and len({level[k] for k in members}) > 1:
+            ambiguous.update(members)
     return pairs, ambiguous
 
 
@@ -813,6 +878,12 @@ def _candidates(ckpt_keys: list[str], model_keys: list[str]) -> list[list[Transf
             strip_options.append([strip_prefix(p.prefix)])
     for head in _shared_heads(ckpt_keys, model_keys):
         strip_options.append([strip_prefix(head)])
+    for option in [o for o in strip_options if o]:  # a wrapper around a head the model lacks: `module.bert.`
+        wrapper = option[0].arg
+        inner = [k[len(wrapper):] for k in ckpt_keys if k.startswith(wrapper)]
+        for head in _shared_heads(inner, model_keys):
+            if [strip_prefix(wrapper + head)] not in strip_options:
+                strip_options.append([strip_prefix(wrapper + head)])
     mids = [p for p in ck if not p.leading]
     if mids:
         renames = [rename(f"^{re.escape(p.where)}{re.escape(p.prefix)}={p.where}") for p in mids]

@@ -20,6 +20,17 @@ _REFUSES = {
 }
 
 
+# Globals for which `torch.serialization.add_safe_globals([...])` is all torch's weights_only unpickler needs (each
+# rebuilt by NEWOBJ/REDUCE and BUILD of plain data; checked against torch by tests/test_journeys.py). Others the
+# allow-list holds need more than their own name — NumPy arrays their dtype classes under numpy._core's spelling, a
+# defaultdict its factory — and are rescued by `fix` instead.
+ADD_SAFE_GLOBALS_SUFFICES = frozenset({
+    "argparse.Namespace", "datetime.date", "datetime.datetime", "datetime.time", "datetime.timedelta",
+    "datetime.timezone", "pathlib.PosixPath", "pathlib.PurePosixPath", "pathlib.Path", "builtins.frozenset",
+    "builtins.slice", "builtins.range",
+})
+
+
 @record
 class DefaultLoad:
     """The verdict of `torch.load(path)` with torch's defaults, here."""
@@ -55,9 +66,9 @@ class DefaultLoad:
     def trusted_way_out(self) -> tuple[str, ...]:
         """The globals to hand torch.serialization.add_safe_globals when that is all the file needs (every refused
         one an inert record ckpt-doctor knows); empty when it needs more (its code, another format)."""
-        if self.format_reason or len(self.inert) != len(self.refused):
+        if self.format_reason or not self.refused or not set(self.refused) <= ADD_SAFE_GLOBALS_SUFFICES:
             return ()
-        return self.inert
+        return self.refused
 
     def json(self) -> dict[str, object]:
         return {"applies": self.applies, "ok": self.ok, "refused_globals": list(self.refused),

@@ -33,18 +33,40 @@ def _index(text: str) -> int | None:
 
 
 def missing_devices(saved: tuple[str, ...] | list[str]) -> list[str]:
-    """Saved devices this machine lacks (cuda:3 with one GPU, any cuda without one)."""
+    """Saved devices torch.load(path) cannot restore here without map_location: cuda:3 with one GPU, any cuda
+    without one, mps off a Mac, xpu/hpu/privateuseone tags without their backend, and tags torch's restore
+    functions do not know at all (`cpu:0`, `CUDA:0`). `cpu` and `meta` always restore."""
     count = None
     out = []
     for device in saved:
         kind, _, index = device.partition(":")
-        if kind != "cuda":
+        if device == "cpu" or kind == "meta":
             continue
-        if count is None:
-            count = cuda_count_without_torch()
-        if count == 0 or (_index(index) is not None and _index(index) >= count):
+        if kind == "cuda":
+            if count is None:
+                count = cuda_count_without_torch()
+            if count == 0 or (_index(index) is not None and _index(index) >= count) or \
+                    index and _index(index) is None:
+                out.append(device)
+        elif not _backend_here(kind) or index and _index(index) is None:
             out.append(device)
     return out
+
+
+def _backend_here(kind: str) -> bool:
+    """Whether this process could restore a storage tagged with this backend (torch is asked only when loaded)."""
+    if kind == "mps":
+        if sys.platform != "darwin":
+            return False
+    elif kind not in ("xpu", "hpu", "privateuseone"):
+        return False  # no restore function in torch for it (`CUDA`, `cpu:0` is handled by its index)
+    if "torch" not in sys.modules:
+        return kind == "mps"  # a Mac without torch loaded: assume its GPU is there
+    import torch
+
+    module = getattr(torch, "backends" if kind == "mps" else kind, None)
+    probe = getattr(getattr(module, "mps", module), "is_available", None) if module is not None else None
+    return bool(probe()) if callable(probe) else False
 
 
 def auto_device(saved: str) -> str:

@@ -100,7 +100,7 @@ WORKER_TIMEOUT = 60.0  # seconds of silence before the worker is given up on and
 
 def _mappable(t: TensorRecord) -> bool:
     st = t.storage
-    return st is not None and st.assembly is None and t.is_contiguous and t.numel > 0 and t.dtype in _NUMPY
+    return st is not None and st.assembly is None and not st.deflated and t.is_contiguous and t.numel > 0 and t.dtype in _NUMPY
 
 
 def _pieces(ta: TensorRecord, tb: TensorRecord) -> list[tuple]:
@@ -211,8 +211,9 @@ def pair_stats(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0) -> PairStat
         except TypeError:  # bfloat16, float8: NumPy has no such dtype
             return t.to(torch.float64).numpy()
 
-    identical = a.dtype == b.dtype and a.shape == b.shape and (
-        a.numel() == 0 or torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    identical = a.dtype == b.dtype and a.shape == b.shape and (  # bytes: a view's reshape may keep its stride
+        a.numel() == 0 or torch.equal(a.contiguous().view(-1).view(torch.uint8),
+                                      b.contiguous().view(-1).view(torch.uint8))
         if a.dtype != torch.bool else torch.equal(a, b))
     if identical:
         return IDENTICAL
@@ -564,6 +565,7 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
     a, b = read_checkpoint(a_path), read_checkpoint(b_path)
     for ckpt in (a, b):
         ckpt.refuse_if_unsafe("compare it", code_too=False)
+        ckpt.refuse_values("compare its values")
     if transforms:
         from .transforms import plan_keys
 

@@ -40,6 +40,9 @@ SHORT_NAMES: dict[str, str] = {
     "fp64": "float64", "f64": "float64",
 }
 
+# Quantized dtypes: their values need the scale and zero point _rebuild_qtensor carries, which no record keeps.
+QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
+
 FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
                       "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"})
 

@@ -125,3 +125,16 @@ def one_line(text: object, limit: int = 300) -> str:
     if len(plain) > limit:
         plain = plain[:limit].rsplit(" ", 1)[0] + " …"
     return plain
+
+
+def percent(share: float | None) -> str:
+    """A share as a percentage people read right: one decimal, but never 0.0% for something nor 100.0% for less than
+    all (0.05% of a model loaded is not nothing)."""
+    if share is None:
+        return "?"
+    if 0 < share < 0.001:
+        return f"{share * 100:.2g}%"
+    digits = 1
+    while share < 1 and round(share * 100, digits) >= 100 and digits < 12:
+        digits += 1
+    return f"{share * 100:.{digits}f}%"

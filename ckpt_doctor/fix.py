@@ -11,17 +11,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .assemble import stream, whole_piece_runs
-from .dtypes import FLOATING, element_size, user_dtype_name
+from .dtypes import FLOATING, QUANTIZED, element_size, user_dtype_name
 from .errors import PlanError, UsageError, WriteError, one_line
 from .records import Assembly, Checkpoint, Format, GlobalRef, TensorRecord, Verdict, ancestors, relative_to_root
-from .safepickle.unpickler import Opaque, RawTensor, SizeValue
+from .safepickle.unpickler import Device, DType, Opaque, RawTensor, SizeValue
 from .tensordata import tensor_bytes
-from .transforms import Op, Transform, plan_keys
+from .transforms import Op, Transform, ordered, plan_keys
 from .tree import has_tensor, join, run_nested
 from .writers.atomic import atomic_output, check_destination
 from .writers.pickler import TensorOut, dumps
 from .writers.safetensors_writer import TensorBytes, write_safetensors
-from .writers.stream import CHUNK, Progress, WrittenRanges, copy_range, crc32, crc32_combine, write_bytes
+from .writers.stream import (CHUNK, Progress, WrittenRanges, copy_range, crc32, crc32_combine, deflated_producer,
+                             write_bytes)
 from .writers.torch_writer import StorageOut, write_torch_zip
 
 if TYPE_CHECKING:  # the comparison is imported only with --model: a plain repair starts that much sooner
@@ -128,6 +129,7 @@ def _device_for(saved: str, table: tuple[tuple[str, str], ...]) -> str:
 
 
 def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
+    ckpt.refuse_values("rewrite it")
     if ckpt.distributed.get("shard_of"):
         raise PlanError(f"{ckpt.path}: one rank's shard of a distributed checkpoint holds only parts of its tensors; "
                         f"consolidate the folder: ckpt-doctor fix {ckpt.distributed['shard_of']} -o {output}")
@@ -136,6 +138,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     notes: list[str] = []
     transforms = list(opts.transforms)
     select = opts.select
+    user_ties = set(opts.ties)  # --tie as given: checked strictly; those --auto infers fit by construction
     auto_select = False
     if opts.auto or opts.map_by_order or opts.reorder:
         if opts.model is None:
@@ -242,6 +245,8 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         applied.append("--map-location " + ",".join(f"{a}={b}" if a != "*" else b for a, b in opts.map_location))
 
     by_key = {t.key: t for t in kept}
+    versions = None if opts.map_by_order or fmt is not OutputFormat.TORCH else \
+        _versions(ckpt, root, [t for t in transforms if t.op is not Op.DROP])
 
     def out_tensor(key: str, record: TensorRecord) -> OutTensor:
         dtype = opts.dtype if opts.dtype and record.dtype in FLOATING else record.dtype
@@ -250,9 +255,11 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     problems: list = []  # (path, global) of objects the output could not hold
     out_prefix = "" if flat_output else prefix  # nested output: the state_dict keeps its place in the tree
     state = OrderedDict((new, out_tensor(out_prefix + new, by_key[old])) for old, new in mapping.items())
-    _tie(state, opts.ties, fmt, out_prefix, notes, applied)
-    if opts.model is not None:
-        _check_loads(state, opts, notes)
+    if versions is not None:
+        state._metadata = versions  # type: ignore[attr-defined]
+    _tie(state, opts.ties, fmt, out_prefix, notes, applied, user_ties)
+    written: set[str] = set()  # the source tensors the output holds, by their full paths
+    extra_renamed: dict[str, str] = {}  # state_dict entries that are no tensors, renamed with the tensors
     if flat_output:
         tree: Any = state
         outs = list(state.values())
@@ -262,15 +269,25 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
             nested: set[str] = set()
             cut: set[str] = set()
             for key, value in ckpt.root.items():
-                path = key if isinstance(key, str) else str(key)
+                path = join("", key)
                 if isinstance(value, RawTensor):
                     continue
+                if isinstance(key, Opaque) or isinstance(key, type) and issubclass(key, Opaque):
+                    check_writable(key, path, problems)
                 if _dropped(path, drops):
                     cut.add(path)
                     continue
                 extra: list[OutTensor] = []
                 # (with root "" every tensor is in sd, so the loop above has listed the dropped ones)
-                tree[key] = _rebuild(value, path, "\0", state, full_records, drops, extra, out_tensor, cut, problems)
+                # a state_dict entry that is no tensor (an `_extra_state`) is renamed as the tensors beside it are
+                name = plan_keys([key], renames).mapping[key] if isinstance(key, str) and renames else key
+                if name != key:
+                    if name in state or name in tree:
+                        raise PlanError(f"{key!r} would be renamed {name!r}, which the output already holds; "
+                                        "nothing written")
+                    extra_renamed[key] = name
+                tree[name] = _rebuild(value, path, "\0", state, full_records, drops, extra, out_tensor, cut,
+                                      problems)
                 nested.update(o.source.key for o in extra)
             dropped += [p for p in cut if not any(k == p or k.startswith(p + ".") for k in dropped)]
             if nested:  # tensors inside such an entry stay there, and are not written a second time as keys
@@ -278,8 +295,11 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
                     del state[new]
                 mapping = {old: new for old, new in mapping.items() if old not in nested}
             if not opts.reorder:  # the entries in the file's order, tensors and the rest as they were interleaved
-                tree = _in_source_order(tree, ckpt.root, mapping)
+                tree = _in_source_order(tree, ckpt.root, {**mapping, **extra_renamed})
+                if versions is not None:
+                    tree._metadata = versions
             outs = _out_tensors(tree)
+            written |= nested
         if _is_module_root(ckpt, root) and select is None:
             notes.append(f"whole-model pickle of {ckpt.model_class}: written as its state_dict")
     else:
@@ -300,13 +320,28 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
 
         tree = _rebuild(base, base_path, "\0" if whole_tree else root, state, full_records, drops, outs, maker,
                         cut, problems)
+        written.update(o.source.key for o in outs)  # rebuilt where they were saved: full paths
         outs = list(state.values()) + outs
         under = _tensors_under(cut - {root}, full_records, prefix)
-        dropped += under + sorted(p for p in cut - {root} if not any(k == p or k.startswith(p + ".") for k in under))
+        dropped += under + sorted(cut - {root})  # the tensors, and the entries around them (an optimizer's groups)
     refuse_unwritable(problems)
+    if flat_output:  # a state_dict's keys are written as the strings its tensors are named by
+        node = _subtree(ckpt.root, root) if root else ckpt.root
+        odd = [k for k in node if not isinstance(k, str)] if isinstance(node, dict) else []
+        if odd:
+            notes.append(f"{len(odd)} keys of the state_dict are no strings ({', '.join(repr(k) for k in odd[:3])}"
+                         f"{', …' if len(odd) > 3 else ''}): written as the text they are listed by "
+                         f"({', '.join(repr(join('', k)) for k in odd[:3])})")
+    if opts.model is not None:
+        extras = {k for k, v in tree.items() if isinstance(k, str) and k.endswith("_extra_state")
+                  and not isinstance(v, OutTensor)} if flat_output and isinstance(tree, dict) else set()
+        _check_loads(state, opts, notes, str(ckpt.path), extras)
     # Nothing leaves without being listed: what lies beside the written part, and what a tensors-only output (or
     # the state_dict's place in a nested one) cannot hold.
-    if not whole_tree and isinstance(ckpt.root, (dict, list, tuple)):
+    if optimizer_select:  # the optimizer alone: the rest of the file is left out
+        listed = set(dropped)
+        dropped += [p for p in left_out(ckpt.root, select or "", beside=True, inside=False) if p not in listed]
+    elif not whole_tree and isinstance(ckpt.root, (dict, list, tuple)):
         part = root if flat_output else None
         keeps_extras = flat_output and root == "" and select is None and nested_format and isinstance(ckpt.root, dict)
         listed = set(dropped)
@@ -314,6 +349,8 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
                              inside=not keeps_extras):
             if path not in listed and not _dropped(path, drops):
                 dropped.append(path)
+    written.update(prefix + old for old in mapping)
+    dropped += _unlisted_tensors(ckpt.tensors, written, dropped, prefix)
     tied: dict[str, str] = {}
     metadata: dict[str, str] = {}
     if fmt is OutputFormat.SAFETENSORS:
@@ -330,6 +367,16 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     for t in outs:
         if t.source.storage is None:
             raise PlanError(f"{t.source.key}: has no data in the file (a meta tensor); drop it with --drop")
+    quantized = [t.key for t in outs if t.source.dtype in QUANTIZED]
+    if quantized:
+        from .errors import Rerun
+
+        pattern = "^(" + "|".join(re.escape(k) for k in quantized[:50]) + ")$" if len(quantized) <= 50 else None
+        raise PlanError(f"{len(quantized)} quantized tensors ({', '.join(quantized[:3])}"
+                        f"{', …' if len(quantized) > 3 else ''}): ckpt-doctor does not read their scale and zero point, "
+                        "so it would write them without; nothing written" + ("; leave them out with {0}" if pattern
+                                                                             else ""),
+                        reruns=(Rerun(add=("--drop", pattern)),) if pattern else ())
     if fmt is OutputFormat.DCP and any(t.device != "cpu" for t in outs):
         notes.append("a DCP folder holds CPU tensors: the saved devices are not kept (dcp.load fills the tensors "
                      "of the model it is given, wherever they are)")
@@ -340,18 +387,31 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         if absent:
             notes.append(f"the output keeps the device tags {', '.join(absent)}, which this machine lacks: "
                          "torch.load here needs map_location; add --map-location cpu to rewrite them for good")
-    return FixPlan(ckpt.path, output, fmt, tuple(applied), {o: n for o, n in mapping.items()},
+    return FixPlan(ckpt.path, output, fmt, tuple(applied), {**mapping, **extra_renamed},
                    tuple(dropped), tuple(outs), tree, tuple(notes), tied, metadata, tuple(ambiguous))
 
 
 def _tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...], fmt: OutputFormat,
-         out_prefix: str, notes: list[str], applied: list[str]) -> None:
+         out_prefix: str, notes: list[str], applied: list[str], given: set | None = None) -> None:
     """Write each tied alias as the same tensor as the key it shares a Parameter with (one storage in a torch
     file), so that load_state_dict(strict=True) finds both names."""
+    from .transforms import well_formed
+
     done = []
     for alias, key in ties:
-        if alias in state or key not in state:
-            continue
+        if (alias, key) not in (given or ()):
+            if alias in state or key not in state:
+                continue
+        elif not well_formed(alias):
+            raise UsageError(f"--tie {alias}={key}: {alias!r} has an empty key component, which no module has")
+        elif key not in state:
+            raise UsageError(f"--tie {alias}={key}: the output has no tensor {key!r} to share (its keys after the "
+                             "renames are the ones --dry-run lists)")
+        elif alias in state:
+            if state[alias].source == state[key].source:
+                continue  # already one tensor under both names
+            raise UsageError(f"--tie {alias}={key}: the output already holds another tensor named {alias!r}; drop it "
+                             "first (--drop) to write the tie")
         source = state[key]
         state[alias] = OutTensor(out_prefix + alias, source.source, source.dtype, source.device)
         done.append(f"{alias}={key}")
@@ -362,15 +422,16 @@ def _tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...]
                          "write torch output (.pt) where both names share one storage")
 
 
-def _check_loads(state: "OrderedDict[str, OutTensor]", opts: FixOptions, notes: list[str]) -> None:
+def _check_loads(state: "OrderedDict[str, OutTensor]", opts: FixOptions, notes: list[str],
+                 path: str = "", extras: set[str] | None = None) -> None:
     """With a model: what the output's state_dict would get from load_state_dict(strict=True), asked of torch's
     own loading code; refuse (exit 1, nothing written) when it would fail beyond --allow-missing/--allow-unexpected."""
-    from .compare import _allowances, _check
+    from .compare import _allowances, _check, _with_extras
     from .errors import CheckFailed
 
     assert opts.model is not None
     entries = [(k, tuple(o.source.shape), o.dtype) for k, o in state.items() if isinstance(o, OutTensor)]
-    check = _check(opts.model, entries, None)
+    check = _with_extras(_check(opts.model, entries, None), extras or set())
     np_set = set(opts.model.non_persistent)
     unexpected = [k for k in check.unexpected if k not in np_set]
     allowed_m, allowed_u = _allowances(opts.allow_missing, opts.allow_unexpected, check, unexpected)
@@ -393,8 +454,10 @@ def _check_loads(state: "OrderedDict[str, OutTensor]", opts: FixOptions, notes: 
             parts.append(f"the model's loading code: {one_line(check.errors[0], 160)}")
         import shlex
 
+        from .advice import command_line, shell_path
+
         closest = (f"the closest fix: {' '.join(shlex.quote(f) for f in opts.closest)}" if opts.closest else
-                   "`ckpt-doctor inspect --model` shows the closest fix")
+                   f"`{command_line(('inspect', shell_path(path), *opts.model.flags))}` shows the closest fix")
         raise CheckFailed(f"the output would still not load strictly into {opts.model.source}: {'; '.join(parts)}. "
                           f"Nothing was written; {closest} (--allow-missing/--allow-unexpected accept intended "
                           "differences)")
@@ -428,6 +491,48 @@ def _subtree(obj: Any, path: str) -> Any:
             if found is not _MISSING:
                 return found
     return _MISSING
+
+
+def _unlisted_tensors(tensors: tuple[TensorRecord, ...], written: set[str], dropped: list[str],
+                      prefix: str) -> list[str]:
+    """Every source tensor the output does not hold and `dropped` does not name yet (itself or a container above
+    it): none leaves unlisted, whatever part was selected (a whole pickled model's other modules included). A key
+    of the state_dict is named as the state_dict names it, any other by its full path."""
+    listed = set(dropped)
+    out = []
+    for t in tensors:
+        if t.key in written:
+            continue
+        relative = t.key[len(prefix):] if prefix and t.key.startswith(prefix) else None
+        if any(path in listed for path in ancestors(t.key)) or \
+                relative is not None and any(path in listed for path in ancestors(relative)):
+            continue
+        out.append(relative if relative is not None else t.key)
+    return out
+
+
+def _versions(ckpt: Checkpoint, root: str | None, renames: list[Transform]) -> Any:
+    """The state_dict's `_metadata` (each module's version, which its loading code reads: BatchNorm fills a
+    counter files of version 1 lack) under the module names the renames give: written back, so that the repaired
+    file loads as the original did. None when the file has none, or a rename leaves a module without a name."""
+    from .compare import _metadata_of
+
+    source = _metadata_of(ckpt, root)
+    if not source:
+        return None
+    leaf = "\0leaf"
+    out: OrderedDict[str, Any] = OrderedDict()
+    for module, version in source.items():
+        if not isinstance(module, str):
+            return None
+        new = module + "." + leaf if module else leaf
+        for step in ordered(renames):
+            new = step.apply(new) or ""
+        if not new.endswith(leaf):
+            continue  # the rename reached into the leaf: that module's name is gone, and so is its version
+        name = new[:-len(leaf)].rstrip(".")
+        out.setdefault(name, version)
+    return out
 
 
 def left_out(tree: Any, part: str, *, beside: bool, inside: bool) -> list[str]:
@@ -573,9 +678,27 @@ def _rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]
             check_writable(obj, path, problems)
         elif isinstance(obj, type) and issubclass(obj, Opaque):
             check_writable(obj, path, problems)
+        else:
+            check_leaf(obj, path, problems)
         return obj
 
     return run_nested(rebuilt(obj, path))
+
+
+# What the output's pickle can hold as a plain value: what torch.load(weights_only=True) reads back.
+_LEAVES = (type(None), bool, int, float, str, bytes, bytearray, complex, set, DType, Device)
+_LONG1_BITS = 255 * 8 - 1  # ints past LONG1's 255 bytes need LONG4, which torch's weights_only unpickler refuses
+
+
+def check_leaf(obj: Any, path: str, problems: list) -> None:
+    """Note a plain value the output cannot hold as torch.load(weights_only=True) reads it (a slice, an int too
+    big for LONG1): found while planning, so that a dry run, a rescue and the write agree."""
+    if isinstance(obj, int) and not isinstance(obj, bool) and obj.bit_length() > _LONG1_BITS:
+        problems.append((path, GlobalRef("builtins", "int", Verdict.SAFE, "an int of more than 255 bytes"), False))
+    elif not isinstance(obj, _LEAVES):
+        name = type(obj).__name__
+        problems.append((path, GlobalRef(type(obj).__module__ or "builtins", name, Verdict.SAFE, f"a {name} value"),
+                         False))
 
 
 def check_writable(obj: Any, path: str, problems: list) -> None:
@@ -597,7 +720,8 @@ def refuse_unwritable(problems: list) -> None:
     from .errors import Rerun
     from .safepickle.policy import resolve
 
-    pairs = list(dict.fromkeys((path, ".".join(resolve(r.module, r.name)), r.verdict) for path, r in problems))
+    keepable = all(len(p) < 3 or p[2] for p in problems)  # a value the writer cannot hold is not kept by a flag
+    pairs = list(dict.fromkeys((p[0], ".".join(resolve(p[1].module, p[1].name)), p[1].verdict) for p in problems))
     paths = list(dict.fromkeys(path for path, _, _ in pairs))
     names = list(dict.fromkeys(name for _, name, _ in pairs))
     dangerous = any(v is Verdict.DANGEROUS for _, _, v in pairs)
@@ -615,7 +739,7 @@ def refuse_unwritable(problems: list) -> None:
             reruns.append(Rerun(add=("--drop", f"^{re.escape(tops[0])}$")))
             drop += " (or the whole entry: {1})"
     keep = ""
-    if not dangerous:
+    if not dangerous and keepable:
         at = len(reruns)
         reruns.append(Rerun(add=tuple(a for n in names for a in ("--allow-global", n))))
         keep = (f", or keep {'it' if len(paths) == 1 else 'them'} with {{{at}}} (then torch.load needs "
@@ -623,7 +747,10 @@ def refuse_unwritable(problems: list) -> None:
     refused = "which torch.load(weights_only=True) refuses and ckpt-doctor does not write"
     if len(pairs) == 1:
         path, name, verdict = pairs[0]
-        what = f"{path or 'the root'} holds {'an' if name[:1].lower() in 'aeiou' else 'a'} {name} ({verdict.value}), "
+        plain = [p[1].reason for p in problems if len(p) > 2 and not p[2]]  # a value, not an object: say what
+        what = f"{path or 'the root'} holds " + (f"{plain[0]}, " if plain else
+                                                 f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name} "
+                                                 f"({verdict.value}), ")
         message = f"{what}{refused}. Leave it out with {drop}{keep}"
     else:
         by_path: dict[str, list[str]] = {}
@@ -1001,7 +1128,10 @@ def _torch_layout(plan: FixPlan, sources: _Sources,
                 expected[t.key] = TensorOut(rec, out.key, t.device, t.dtype, out.nbytes // element_size(t.dtype))
                 continue
             fd = sources.fd(st.file)
-            if t.dtype != rec.dtype:
+            if st.deflated:  # a deflated member (a re-zipped file): inflated into the output as it is written
+                convert = (rec.dtype, t.dtype) if t.dtype != rec.dtype else None
+                out = StorageOut(key, nbytes, produce=deflated_producer(fd, st, 0, st.nbytes, rec.key, convert))
+            elif t.dtype != rec.dtype:
                 out = StorageOut(key, nbytes, produce=_convert_producer(fd, st.offset, st.nbytes, rec.dtype, t.dtype))
             else:
                 out = StorageOut(key, nbytes, fd, st.offset, st.crc)
@@ -1019,7 +1149,12 @@ def _to_pickle_tree(tree: Any, expected: dict[str, TensorOut]) -> Any:
             pairs = []
             for k, v in tree.items():
                 pairs.append((k, (yield converted(v))))
-            return OrderedDict(pairs) if isinstance(tree, OrderedDict) else dict(pairs)
+            if not isinstance(tree, OrderedDict):
+                return dict(pairs)
+            out = OrderedDict(pairs)
+            if getattr(tree, "_metadata", None) is not None:  # a state_dict keeps its module versions
+                out._metadata = tree._metadata  # type: ignore[attr-defined]
+            return out
         if isinstance(tree, (list, tuple)) and type(tree) is not SizeValue:
             values = []
             for v in tree:
@@ -1042,6 +1177,10 @@ def _safetensors_layout(plan: FixPlan, sources: _Sources) -> list[TensorBytes]:
         if st.assembly is not None:
             entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes,
                                        produce=_assembly_producer(st.assembly, rec.key, t.dtype, sources)))
+        elif st.deflated and rec.is_contiguous:
+            convert = (rec.dtype, t.dtype) if t.dtype != rec.dtype else None
+            entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes, produce=deflated_producer(
+                sources.fd(st.file), st, rec.storage_offset * element_size(rec.dtype), rec.nbytes, rec.key, convert)))
         elif rec.is_contiguous and t.dtype == rec.dtype:
             whole = rec.storage_offset == 0 and nbytes == st.nbytes
             entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes, sources.fd(st.file), rec.file_offset or 0,
@@ -1089,6 +1228,12 @@ def parse_map_location(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
         for device in pair:
             if device != "*" and not re.fullmatch(r"(cpu|meta|mps|xpu|hpu|cuda)(:\d+)?", device):
                 raise UsageError(f"--map-location {value!r}: {device!r} is not a device (cpu, cuda:0, mps, …)")
+        # the tag written must be one torch.load restores: `cpu:0` it refuses everywhere; `meta` loads no data
+        if re.fullmatch(r"cpu:\d+", pair[1]):
+            raise UsageError(f"--map-location {value!r}: torch.load restores `cpu`, not {pair[1]!r}; write cpu")
+        if pair[1] == "meta":
+            raise UsageError(f"--map-location {value!r}: a meta tag makes torch.load return tensors without their "
+                             "data; keep the data with cpu")
         table.append(pair)
     return tuple(table)
 

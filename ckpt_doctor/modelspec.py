@@ -40,10 +40,13 @@ class ModelKeys:
         return {e.key: e for e in self.entries}
 
     def parameter_groups(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
-        """(elements, its names) for each distinct Parameter: a tied one counts once."""
+        """(elements, its names) for each distinct Parameter: a tied one counts once. A model without parameters
+        (buffers only: statistics, a lookup table) is measured by its buffers, so that a load of nothing into it
+        is no 100% load."""
         if self.groups:
             return self.groups
-        return tuple((prod(e.shape), (e.key,)) for e in self.entries if e.is_parameter)
+        params = tuple((prod(e.shape), (e.key,)) for e in self.entries if e.is_parameter)
+        return params or tuple((prod(e.shape), (e.key,)) for e in self.entries)
 
 
 def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -109,15 +112,19 @@ def resolve_attr(spec: str) -> Any:
 
 def build_model(spec: str, model_args: dict[str, Any] | None = None, device: str = "meta") -> Any:
     """Instantiate the model; on `meta` no memory is allocated, so a 70B model costs nothing."""
+    import contextlib
+    import sys
+
     import torch
 
-    factory = resolve_attr(spec)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries data: what the model's module prints is no JSON
+        factory = resolve_attr(spec)
     if not callable(factory):
         raise ModelSpecError(f"--model {spec!r} is not a class or a factory function")
     import warnings
 
     try:
-        with torch.device(device), warnings.catch_warnings():
+        with torch.device(device), warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
             warnings.simplefilter("ignore")  # a constructor copying into meta parameters: "... is a no-op"
             model = factory(**(model_args or {}))
     except Exception as exc:  # the user's constructor can raise anything
@@ -143,7 +150,7 @@ def model_keys(model: Any, source: str = "") -> ModelKeys:
         sizes[id(p)] = p.numel()
     params = {n for names in by_object.values() for n in names}
     entries = tuple(ModelEntry(k, tuple(v.shape), str(v.dtype).removeprefix("torch."), k in params)
-                    for k, v in sd.items())
+                    for k, v in sd.items() if hasattr(v, "shape"))  # `_extra_state` may be any object
     buffers = [name for name, _ in model.named_buffers(remove_duplicate=False)]
     non_persistent = tuple(b for b in buffers if b not in sd)
     from .compare import tied_names
@@ -164,7 +171,7 @@ def keys_from_spec(spec: str, model_args: dict[str, Any] | None = None) -> Model
             raise ModelSpecError(f"--model {spec}: the reference checkpoint holds no state_dict")
         entries = tuple(ModelEntry(t.key, t.shape, t.dtype, t.is_parameter or t.dtype.startswith(("float", "bf")))
                         for t in ref.state_dict_tensors())
-        return ModelKeys(spec, entries, flags=("--model", spec))
+        return ModelKeys(spec, entries, flags=spec_flags(spec))
     model = build_model(spec, model_args, "meta")
     lazy = lazy_names(model)
     if lazy:
@@ -178,7 +185,7 @@ def keys_from_spec(spec: str, model_args: dict[str, Any] | None = None) -> Model
 
 def spec_flags(spec: str, model_args: dict[str, Any] | None = None) -> tuple[str, ...]:
     """How a command line names this model: --model SPEC [--model-arg k=v ...]."""
-    flags = ["--model", spec]
+    flags = ["--model", "./" + spec if spec.startswith("-") else spec]  # `-m.py:Net` is no option
     for k, v in (model_args or {}).items():
         flags += ["--model-arg", f"{k}={v!r}"]
     return tuple(flags)

@@ -80,6 +80,7 @@ class StorageRecord:
     entry: str = ""  # zip member name, for writers that copy whole entries
     crc: int | None = None  # crc32 of exactly these bytes when the file records it (torch zip members)
     assembly: Assembly | None = None  # the bytes are not one range but pieces of several files (DCP, ZeRO)
+    deflated: int = 0  # > 0: a deflated zip member of this many bytes at `offset`, inflated when read (tensordata.py)
 
     @property
     def ident(self) -> tuple[str, str]:
@@ -196,6 +197,20 @@ class Checkpoint:
         shown = ", ".join(names[:4]) + (f", … {len(names) - 4} more" if len(names) > 4 else "")
         raise ReadError(f"{self.path}: would run code under torch.load(weights_only=False) ({shown}); refusing to "
                         f"{action}" + (f". {way_out}" if way_out else ""), names, reruns=reruns)
+
+    @property
+    def big_endian(self) -> bool:
+        """Saved on a big-endian machine (its `byteorder` record): its tensor bytes are not little-endian ones."""
+        return any(n.startswith("saved on a big-endian machine") for n in self.notes)
+
+    def refuse_values(self, action: str) -> None:
+        """Refuse reading tensor values where ckpt-doctor would read them wrong: big-endian bytes it does not swap
+        yet; quantized tensors (their scale and zero point are not in the records)."""
+        from .errors import ReadError
+
+        if self.big_endian and any(element_size(t.dtype) > 1 for t in self.tensors):
+            raise ReadError(f"{self.path}: saved on a big-endian machine, and ckpt-doctor does not swap tensor bytes "
+                            f"yet, so it does not {action}; torch.load reads the file (it swaps them)")
 
     @property
     def devices(self) -> tuple[str, ...]:

@@ -128,6 +128,8 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
     if stats:
         from .stats import batchnorm_at_init, tensor_stats
 
+        ckpt.refuse_values("compute --stats")
+
         table_stats = {t.key: tensor_stats(t) for t in tensors}
         bn = batchnorm_at_init(list(tensors), table_stats)
     storages = {t.storage.ident: t.storage.nbytes for t in ckpt.tensors if t.storage is not None}
@@ -140,17 +142,18 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         stats=table_stats, batchnorm_at_init=tuple(bn), filter=filter, comparison=comparison,
         model_shapes=model_shapes, value_diffs=diffs, missing_devices=tuple(missing_devices(ckpt.devices)),
         default_load=loads, require_default_load=require_default_load,
-        suggestions=tuple(_suggestions(ckpt, comparison, loads)))
+        suggestions=tuple(_suggestions(ckpt, comparison, loads, str(path) if folder else str(ckpt.path))))
 
 
-def _suggestions(ckpt: Checkpoint, comparison: Any, loads: DefaultLoad) -> list[tuple[str, Suggestion]]:
+def _suggestions(ckpt: Checkpoint, comparison: Any, loads: DefaultLoad,
+                 source: str) -> list[tuple[str, Suggestion]]:
     """The commands `inspect` suggests, each a value the summary, the JSON and the tests share: the fix a comparison
     infers (see `fix_suggestions`), else the rewrite after which torch.load(path) with torch's defaults loads the
     file here."""
     if comparison is not None and (comparison.suggested_fix or ckpt.verdict is not Verdict.SAFE):
-        return fix_suggestions(str(ckpt.path), comparison, bool(ckpt.dangerous_globals))
+        return fix_suggestions(source, comparison, bool(ckpt.dangerous_globals))
     if not loads.ok and loads.applies and (loads.refused or loads.missing_devices):
-        found = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [])
+        found = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [], source=source)
         if found is not None:
             return [("torch.load", found)]
     return []

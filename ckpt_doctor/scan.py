@@ -106,7 +106,7 @@ def scan_file(path: Path, *, in_folder: bool = False) -> FileScan | None:
     return None if isinstance(result, Skipped) else result
 
 
-def scan_one(path: Path, *, in_folder: bool = False) -> FileScan | Skipped:
+def scan_one(path: Path, *, in_folder: bool = False, taken: set[str] | None = None) -> FileScan | Skipped:
     """The scan of one file. A file found in a folder is Skipped when it is no checkpoint and names nothing off the
     allow-list (an image, an HDF5 file, a clean NumPy array), or holds no pickle at all (a README)."""
     link = os.readlink(path) if path.is_symlink() else None
@@ -121,7 +121,7 @@ def scan_one(path: Path, *, in_folder: bool = False) -> FileScan | Skipped:
         globals_, hazards, notes = ckpt.globals, ckpt.hazards, ckpt.notes
         loads = default_load(ckpt)
         if not loads.ok or ckpt.verdict is not Verdict.SAFE:
-            fix = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [])
+            fix = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [], taken)
     except CkptDoctorError as exc:
         if in_folder and is_skipped(exc, survey):
             return Skipped(path, str(exc).removeprefix(f"{path}: "))
@@ -244,8 +244,9 @@ def scan(paths: list[str], *, require_default_load: bool = False) -> ScanReport:
     files, problems = files_to_scan(paths)
     results: list[FileScan] = []
     skipped: list[Skipped] = []
+    taken: set[str] = set()  # the outputs the rescues suggest: a.pt and a.pth are not both rescued to a_fixed.pt
     for path, in_folder in files:
-        result = scan_one(path, in_folder=in_folder)
+        result = scan_one(path, in_folder=in_folder, taken=taken)
         if isinstance(result, Skipped):
             skipped.append(result)
         else:

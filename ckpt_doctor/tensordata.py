@@ -5,15 +5,15 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from .dtypes import element_size
+from .dtypes import QUANTIZED, element_size
 from .errors import ReadError
-from .records import TensorRecord
+from .records import StorageRecord, TensorRecord
 
 if TYPE_CHECKING:
     import torch
 
 
-def read_bytes(record: TensorRecord) -> bytes:
+def read_bytes(record: TensorRecord) -> bytes | bytearray:
     """The bytes a tensor can touch, from its first element to its last (views included)."""
     assert record.storage is not None
     if record.storage.assembly is not None:  # pieces of several files (DCP, ZeRO): assembled in memory
@@ -26,24 +26,57 @@ def read_bytes(record: TensorRecord) -> bytes:
             src = torch.frombuffer(bytearray(data), dtype=getattr(torch, record.storage.assembly.dtype))
             data = tensor_bytes(src.to(getattr(torch, record.dtype)))
         return data
+    size = record.span_bytes
+    if record.storage.deflated:  # a deflated zip member: inflated up to the tensor's last byte, no further
+        return inflated_bytes(record.storage, record.storage_offset * element_size(record.dtype), size, record.key)
     start = record.file_offset
     assert start is not None
-    size = record.span_bytes
-    with open(record.storage.file, "rb") as f:
-        data = os.pread(f.fileno(), size, start)
-    if len(data) != size:
-        raise ReadError(f"{record.storage.file}: {record.key} is cut short ({len(data)} of {size} bytes)")
+    data = bytearray(size)  # read into the buffer load_tensor hands torch: no second copy
+    done = 0
+    with open(record.storage.file, "rb") as f, memoryview(data) as view:
+        while done < size:
+            n = os.preadv(f.fileno(), [view[done:]], start + done) if hasattr(os, "preadv") else \
+                _pread_into(f.fileno(), view[done:], start + done)
+            if n == 0:
+                raise ReadError(f"{record.storage.file}: {record.key} is cut short ({done} of {size} bytes)")
+            done += n
     return data
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    got = os.pread(fd, len(view), offset)
+    view[:len(got)] = got
+    return len(got)
+
+
+def inflated_bytes(storage: StorageRecord, skip: int, nbytes: int, what: str) -> bytearray:
+    """`nbytes` of a deflated storage from byte `skip`, the whole storage checked against its recorded crc32 (a
+    corrupt member is an error, whichever part of it is asked for)."""
+    from .readers.zipindex import inflated_range
+
+    whole = (storage.nbytes, storage.crc) if storage.crc is not None else None
+    out = bytearray(nbytes)  # filled in place: one buffer of the tensor's size, whatever the member's
+    at = 0
+    with open(storage.file, "rb") as f, memoryview(out) as view:
+        for block in inflated_range(f.fileno(), storage.offset, storage.deflated, skip, nbytes,
+                                    f"{storage.file}: {what} (storage {storage.entry or storage.key})", whole):
+            view[at:at + len(block)] = block
+            at += len(block)
+    return out
 
 
 def load_tensor(record: TensorRecord) -> "torch.Tensor":
     """A CPU tensor with the record's dtype, shape and stride, read from the file (never unpickled)."""
     import torch
 
+    if record.dtype in QUANTIZED:
+        raise ReadError(f"{record.key} is a quantized tensor ({record.dtype}): its scale and zero point are not read, "
+                        "so ckpt-doctor neither compares nor rewrites its values; torch.load reads them")
     dtype = getattr(torch, record.dtype)
     if record.storage is None or record.numel == 0:
         return torch.empty(record.shape, dtype=dtype)
-    buf = bytearray(read_bytes(record))
+    data = read_bytes(record)
+    buf = data if isinstance(data, bytearray) else bytearray(data)
     flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
     return flat.as_strided(record.shape, record.stride)
 

@@ -37,7 +37,11 @@ class Transform:
         if self.op is Op.ADD_PREFIX:
             return self.arg + key
         if self.op is Op.RENAME:
-            return re.sub(self.arg, self.repl, key)
+            try:
+                return re.sub(self.arg, self.repl, key)
+            except (re.error, IndexError) as exc:  # a group the pattern lacks, a bad escape in REPL
+                raise UsageError(f"--rename {self.arg}={self.repl}: the replacement does not fit the pattern ({exc})"
+                                 ) from None
         raise AssertionError(self.op)
 
     def flags(self) -> list[str]:
@@ -75,7 +79,13 @@ def rename(spec: str) -> Transform:
     if len(parts) != 2:
         raise UsageError(f"--rename {spec!r}: expected REGEX=REPL, e.g. --rename '^backbone\\.=encoder.'")
     pattern = parts[0].replace("\\=", "=")
-    compile_regex(pattern, "--rename")
+    compiled = compile_regex(pattern, "--rename")
+    try:  # re checks a template when a key first matches; check it now, once, as re.sub will (CPython 3.11+)
+        template = getattr(re, "_compile_template", None)
+        if template is not None:
+            template(compiled, parts[1])
+    except (re.error, IndexError) as exc:
+        raise UsageError(f"--rename {spec!r}: the replacement does not fit the pattern ({exc})") from None
     return Transform(Op.RENAME, pattern, parts[1])
 
 
@@ -120,7 +130,7 @@ def plan_keys(keys: list[str], transforms: list[Transform], order: list[str] | N
             new = step.apply(new)
             if new is None:
                 break
-        if not well_formed(new):
+        if not well_formed(new) and well_formed(key):  # a name the file already has is kept as torch would
             raise _malformed(key, steps, keys)
         if new is None:
             dropped.append(key)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ._ddp_worker import RankJob, RankResult, run_rank, user_frame, write_job
-from .errors import UsageError, VerifyError, one_line
+from .errors import UsageError, VerifyError, one_line, percent
 from .outputs import Tolerance, compare_outputs, flat_outputs
 
 
@@ -100,8 +100,8 @@ class VerifyReport:
             if not c.strict_ok:
                 return ("the strict load failed: nothing was run",)
             required = self.required_fraction
-            return (f"only {c.loaded_fraction:.1%} of the model's parameters came from the checkpoint"
-                    + (f" ({required:.1%} required)" if required is not None else "") + ": nothing was run",)
+            return (f"only {percent(c.loaded_fraction)} of the model's parameters came from the checkpoint"
+                    + (f" ({percent(required)} required)" if required is not None else "") + ": nothing was run",)
         out = []
         failed = [r.mode.value for r in self.runs if r.status is Status.FAIL]
         if failed:
@@ -160,20 +160,33 @@ def make_inputs(spec: InputSpec) -> tuple[Any, ...]:
     import torch
 
     if spec.function:
+        from .errors import ModelSpecError
         from .modelspec import resolve_attr
 
-        produced = resolve_attr(spec.function)()
+        try:
+            produced = resolve_attr(spec.function)()
+        except ModelSpecError as exc:  # resolve_attr speaks of --model: here it is --input's function
+            raise UsageError(str(exc).replace("--model", "--input", 1)) from None
         return tuple(produced) if isinstance(produced, (tuple, list)) else (produced,)
     if not spec.shapes:
         raise UsageError("give the model an input: --input-shape 8,3,32,32 (repeatable) or --input module:function")
     generator = torch.Generator().manual_seed(spec.seed)
     dtype = getattr(torch, spec.dtype)
+    if dtype.is_complex or dtype.itemsize > 8:
+        raise UsageError(f"--input-dtype {spec.dtype}: generated inputs are real numbers (float*, bfloat16) or "
+                         "integers (int*, uint8, bool); give other inputs with --input module:function")
     out = []
     for shape in spec.shapes:
-        if dtype.is_floating_point:
-            out.append(torch.randn(shape, generator=generator).to(dtype))
-        else:
-            out.append(torch.randint(spec.low, spec.high, shape, generator=generator, dtype=dtype))
+        try:
+            if dtype.is_floating_point:
+                out.append(torch.randn(shape, generator=generator).to(dtype))
+            elif dtype == torch.bool:
+                out.append(torch.randint(0, 2, shape, generator=generator).bool())
+            else:
+                out.append(torch.randint(spec.low, spec.high, shape, generator=generator, dtype=dtype))
+        except (RuntimeError, MemoryError, OverflowError) as exc:  # a shape no memory holds, a range the dtype lacks
+            raise UsageError(f"--input-shape {','.join(map(str, shape))} ({spec.dtype}): cannot be made here: "
+                             f"{one_line(exc, 160)}") from None
     return tuple(out)
 
 
@@ -236,6 +249,22 @@ def run_single(model: Any, inputs: tuple[Any, ...], device: str) -> tuple[RunRes
                      _peak(cuda)), [t.detach().cpu() for t in out]
 
 
+def _unrepeatable(model: Any, inputs: tuple[Any, ...], reference: list[Any], tolerance: Tolerance) -> str:
+    """Why a second run differs when it is the model's own doing: its forward on the same input, called again
+    alone, gives other outputs (it keeps state between calls: an RNN's hidden state, a counter)."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            again = flat_outputs(model.cpu().eval()(*inputs))
+    except Exception:  # the forward ran once already: a second failure says nothing new
+        return ""
+    if compare_outputs(again, reference, tolerance).ok:
+        return ""
+    return ("; the model's own forward, called again on the same input, differs too: it keeps state between calls "
+            "(an RNN's hidden state kept on the module, a counter), which no wrapper can make repeatable")
+
+
 def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int,
            tolerance: Tolerance = Tolerance()) -> RunResult:
     import torch
@@ -248,8 +277,9 @@ def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int,
             out = flat_outputs(wrapped(*inputs))
         diff = compare_outputs(out, reference, tolerance)
         status = Status.SKIPPED if diff.ok else Status.FAIL
+        why = "" if diff.ok else _unrepeatable(model, inputs, reference, tolerance)
         detail = (f"no CUDA device: ran nn.DataParallel on the CPU, where it only calls the model (outputs "
-                  f"{'match' if diff.ok else 'DIFFER: ' + diff.detail}); a {gpus}-GPU run needs {gpus} GPUs")
+                  f"{'match' if diff.ok else 'DIFFER: ' + diff.detail}{why}); a {gpus}-GPU run needs {gpus} GPUs")
         return RunResult(Mode.DP, 1, "-", ("cpu",), status, diff.max_abs_diff, time.perf_counter() - start, detail,
                          _peak([]), diff.rtol, diff.atol)
     used = list(range(min(gpus, have)))
@@ -262,7 +292,8 @@ def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int,
     devices = tuple(f"cuda:{d}" for d in used)
     if not diff.ok:
         return RunResult(Mode.DP, len(used), "-", devices, Status.FAIL, diff.max_abs_diff, elapsed,
-                         f"outputs differ from single: {diff.describe()}; {diff.detail}", _peak(used), diff.rtol,
+                         f"outputs differ from single: {diff.describe()}; {diff.detail}"
+                         f"{_unrepeatable(model, inputs, reference, tolerance)}", _peak(used), diff.rtol,
                          diff.atol)
     if len(used) < gpus:
         return RunResult(Mode.DP, len(used), "-", devices, Status.SKIPPED, diff.max_abs_diff, elapsed,
@@ -591,6 +622,7 @@ def load_reference(path: str, spec: str, args: dict[str, Any], inputs: tuple[Any
     from .readers import read_checkpoint
 
     checkpoint = read_checkpoint(path)  # an unreadable file is its own error, raised as such
+    checkpoint.refuse_if_unsafe("load it for --compare-to — nothing from it was loaded or run")
     model, _ = _build(spec, args, inputs)
     if own_model:
         allow_missing = allow_unexpected = None

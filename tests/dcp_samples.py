@@ -51,6 +51,9 @@ def _save(state: dict, folder: Path, rank: int, **kwargs) -> None:
 
 
 def _rank(rank: int, out: str, port: int) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint._extension import ZStandard
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -84,8 +87,28 @@ def _rank(rank: int, out: str, port: int) -> None:
     plain(torch.randn(4, 10)).sum().backward()
     popt.step()
     _save({"model": plain.state_dict(), "optimizer": popt.state_dict()}, root / "ddp", rank)
-    # Saved without collectives: one __R.metadata per rank, each describing only its own chunks.
-    _save({"w": distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)])}, root / "nocoll", rank,
+    # Saved without collectives: one __R.metadata per rank, each describing only its own chunks; what a rank holds
+    # whole (values, replicated and plain tensors) every rank stores, with the same bytes. torch's dcp.load, each
+    # rank reading its own metadata, is the oracle (dcp_to_torch_save reads rank 0's alone: the other rows are
+    # left uninitialised).
+    _save(_nocoll_state(mesh), root / "nocoll", rank, use_collectives=False)
+    loaded = _nocoll_state(mesh, zeroed=True)
+    dcp.load(loaded, checkpoint_id=str(root / "nocoll"))
+    full = _full(loaded)
+    if rank == 0:
+        torch.save(full, root / "nocoll.loaded.pt")
+    # ... FSDP2 training state so saved (its optimizer's param_groups are values both ranks store) ...
+    _save({"model": msd, "optim": osd, "epoch": 3}, root / "nocoll_fsdp2", rank, use_collectives=False)
+    # ... in torch's safetensors format (values, then one blob per rank), and zstd-compressed ...
+    _save(_nocoll_state(mesh), root / "nocoll_stformat", rank, use_collectives=False,
+          storage_writer=FileSystemWriter(str(root / "nocoll_stformat"),
+                                          serialization_format=SerializationFormat.SAFETENSORS))
+    _save(_nocoll_state(mesh), root / "nocoll_zstd", rank, use_collectives=False,
+          storage_writer=FileSystemWriter(str(root / "nocoll_zstd"), _extensions=[ZStandard()]))
+    # ... and with items whose bytes differ by rank (a rank number, a per-rank tensor): torch gives each rank its
+    # own; one file holds rank 0's, as dcp_to_torch_save writes (the .full.pt here is rank 0's state).
+    _save({"w": distribute_tensor(torch.randn(4, 2), mesh, [Shard(0)]), "rank": rank,
+           "noise": torch.full((3,), float(rank)), "same": torch.arange(3.0)}, root / "nocoll_ranks", rank,
           use_collectives=False)
     # A value whose unpickling would call a function (functools.partial of print): a payload in a real item.
     _save({"w": torch.ones(3), "hook": functools.partial(print, "payload ran")}, root / "payload", rank)
@@ -104,14 +127,10 @@ def _rank(rank: int, out: str, port: int) -> None:
     if rank == 0:
         torch.save({"model": {"w": whole, "b": torch.arange(3.0)}}, root / "sharded_tensor.full.pt")
     # One file per item (single_file_per_rank=False): __R_0.distcp, __R_1.distcp, ...
-    from torch.distributed.checkpoint import FileSystemWriter
-
     _save({"w": distribute_tensor(torch.randn(7, 2), mesh, [Shard(0)]), "b": torch.arange(3.0)},
           root / "multifile", rank, storage_writer=FileSystemWriter(str(root / "multifile"),
                                                                     single_file_per_rank=False))
     # torch's ZStandard extension: every item a zstd frame around its archive (transform_descriptors).
-    from torch.distributed.checkpoint._extension import ZStandard
-
     _save({"w": distribute_tensor(torch.randn(6, 5), mesh, [Shard(1)]), "zeros": torch.zeros(1000), "step": 2},
           root / "zstd", rank, storage_writer=FileSystemWriter(str(root / "zstd"), _extensions=[ZStandard()]))
     # DCP's Hugging Face storage writer, every rank saving its own shard: safetensors files, no .metadata.
@@ -119,14 +138,37 @@ def _rank(rank: int, out: str, port: int) -> None:
 
     _save({"w": distribute_tensor(torch.randn(7, 4), mesh, [Shard(0)]), "b": torch.arange(5.0)}, root / "hf", rank,
           storage_writer=HuggingFaceStorageWriter(str(root / "hf"), save_distributed=True))
-    # torch's safetensors-format writer: each rank file is one safetensors blob, not torch.save archives.
-    from torch.distributed.checkpoint.filesystem import SerializationFormat
-
+    # torch's safetensors-format writer: each rank file is its value items, then one safetensors blob.
     _save({"w": distribute_tensor(torch.randn(7, 4), mesh, [Shard(0)]), "b": torch.arange(5.0), "step": 3},
           root / "stformat", rank, storage_writer=FileSystemWriter(
               str(root / "stformat"), serialization_format=SerializationFormat.SAFETENSORS))
+    # ... with a blob past 64 KB after several values: read whole, the rank file is no zip (the end record of its
+    # last item is too far from the file's end), only a run of items and a blob.
+    _save({"w": distribute_tensor(torch.randn(600, 80), mesh, [Shard(0)]), "b": torch.arange(5.0), "step": 3,
+           "meta": {"epoch": 1, "names": ["a", "b"]}}, root / "stformat_big", rank, storage_writer=FileSystemWriter(
+               str(root / "stformat_big"), serialization_format=SerializationFormat.SAFETENSORS))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _nocoll_state(mesh, zeroed: bool = False) -> dict:
+    """Uneven Shard(0), Shard(1) in bf16, a replicated DTensor, plain tensors, an empty shard, values in nests."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    state = {"s0": distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)]),
+             "s1": distribute_tensor(torch.randn(3, 5).to(torch.bfloat16), mesh, [Shard(1)]),
+             "rep": distribute_tensor(torch.arange(6, dtype=torch.int64), mesh, [Replicate()]),
+             "empty": distribute_tensor(torch.ones(1, 4), mesh, [Shard(0)]),
+             "plain": torch.randn(4, 4), "scalar": torch.tensor(3.5),
+             "meta": {"epoch": 3, "names": ["a", "b"], "lr": 0.5}, "step": 7}
+    if zeroed:
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                (value.to_local() if hasattr(value, "to_local") else value).zero_()
+        state["meta"] = {"epoch": 0, "names": [], "lr": 0.0}
+        state["step"] = 0
+    return state
 
 
 def _load_rank(rank: int, folder: str, out: str, port: int) -> None:

@@ -30,7 +30,7 @@ def test_wide_keys_are_never_cut_and_a_cell_without_room_becomes_a_note():
     key = "k" * 110
     rows = [[key, "ok"], [key, DETAIL]]
     lines = simple_table(["key", "detail"], rows).splitlines()
-    assert lines[2] == f"{key}  ok" and lines[3] == f"{key}  [1]"
+    assert lines[2] == f"{key}  ok" and lines[3] == f"{key}  (note 1)"  # never `[1]`, which reads as a shape
     notes = "\n".join(lines[lines.index("") + 1:])
-    assert notes.startswith("[1] ") and notes.replace("\n", " ")[4:].split() == DETAIL.split()
+    assert notes.startswith("notes:\n(1) ") and notes.replace("\n", " ")[11:].split() == DETAIL.split()
     assert all(len(line) <= 120 for line in lines[lines.index(""):])

@@ -57,8 +57,13 @@ def assert_same_tree(got, want, where: str = "") -> None:
         assert got == want, (where, got, want)
 
 
-@pytest.mark.parametrize("name", ["dtensors", "fsdp2", "ddp", "nocoll", "multifile", "zstd", "stformat", "hf",
-                                  "sharded_tensor"])
+# Every variant torch writes that ckpt-doctor reads. nocoll*: saved without collectives (use_collectives=False),
+# one metadata file per rank; stformat*: torch's safetensors serialization format.
+VARIANTS = ["dtensors", "fsdp2", "ddp", "nocoll", "nocoll_fsdp2", "nocoll_stformat", "nocoll_zstd", "nocoll_ranks",
+            "multifile", "zstd", "stformat", "stformat_big", "hf", "sharded_tensor"]
+
+
+@pytest.mark.parametrize("name", VARIANTS)
 def test_inspect_lists_the_global_shapes(samples, name):
     result = run_cli("inspect", samples / name, "--json")
     assert result.exit_code == 0, result.stderr
@@ -68,6 +73,9 @@ def test_inspect_lists_the_global_shapes(samples, name):
             if isinstance(v, torch.Tensor)}
     assert {t["key"]: (t["shape"], t["dtype"]) for t in data["tensors"]} == want
     assert data["format"] == "torch-dcp" and data["distributed"]["ranks"] == 2
+    if name.startswith("nocoll") and name != "nocoll_ranks":  # what several ranks stored is the same: one item
+        assert "rank_differences" not in data["distributed"], data["distributed"]["rank_differences"]
+        assert data["distributed"]["variant"][0].endswith("read as one (the same bytes)")
 
 
 def test_layouts_say_how_each_tensor_was_split(samples):
@@ -85,8 +93,7 @@ def test_layouts_say_how_each_tensor_was_split(samples):
     assert "optim: 18 tensors (optimizer state)" in table.stderr and "model: 9 tensors (model weights)" in table.stderr
 
 
-@pytest.mark.parametrize("name", ["dtensors", "fsdp2", "ddp", "nocoll", "multifile", "zstd", "stformat", "hf",
-                                  "sharded_tensor"])
+@pytest.mark.parametrize("name", VARIANTS)
 def test_fix_everything_is_bitwise_the_saved_state(samples, tmp_path, name):
     out = tmp_path / "all.pt"
     result = run_cli("fix", samples / name, "-o", out, "--select", "")
@@ -123,10 +130,11 @@ def test_integer_optimizer_keys_stay_integers(samples, tmp_path):
     assert same_bits(opt.state[first]["momentum_buffer"], optimizer["state"][0]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("name", ["fsdp2", "nocoll_fsdp2"])
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
-def test_fix_writes_the_model_weights_by_default(samples, tmp_path, suffix):
+def test_fix_writes_the_model_weights_by_default(samples, tmp_path, suffix, name):
     out = tmp_path / f"model{suffix}"
-    result = run_cli("fix", samples / "fsdp2", "-o", out)
+    result = run_cli("fix", samples / name, "-o", out)
     assert result.exit_code == 0, result.stderr
     assert "--select ''" in result.stderr
     if suffix == ".safetensors":
@@ -135,7 +143,7 @@ def test_fix_writes_the_model_weights_by_default(samples, tmp_path, suffix):
         state = load_file(out)
     else:
         state = torch.load(out, weights_only=True)
-    want = torch.load(samples / "fsdp2.full.pt", weights_only=True)["model"]
+    want = torch.load(samples / f"{name}.full.pt", weights_only=True)["model"]
     assert_same_tree(dict(state), dict(want))
     Net().load_state_dict(state, strict=True)
 
@@ -221,9 +229,9 @@ def _edit_metadata(folder: Path, name: str, change) -> None:
     path.write_bytes(pickle.dumps(meta, protocol=4))
 
 
-def test_metadata_files_that_disagree_are_refused(samples, tmp_path):
-    """A use_collectives=False folder whose second metadata claims rank 0's chunk from its own file: torch's reader
-    would take one of the two silently; the output would hold the wrong rows."""
+def test_metadata_that_stores_a_chunk_it_does_not_list_is_refused(samples, tmp_path):
+    """A use_collectives=False folder whose second metadata stores rank 0's chunk in its own file without listing
+    it: a reader that took either would hold the wrong rows."""
     folder = tmp_path / "nocoll"
     shutil.copytree(samples / "nocoll", folder)
 
@@ -231,13 +239,138 @@ def test_metadata_files_that_disagree_are_refused(samples, tmp_path):
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
-        info = next(iter(meta.storage_data.values()))
-        meta.storage_data[MetadataIndex("w", torch.Size([0, 0]), 0)] = _StorageInfo(info.relative_path, 0, info.length)
+        info = next(v for k, v in meta.storage_data.items() if k.fqn == "s0")
+        meta.storage_data[MetadataIndex("s0", torch.Size([0, 0]), 0)] = _StorageInfo(info.relative_path, info.offset,
+                                                                                    info.length)
 
     _edit_metadata(folder, "__1.metadata", claim)
     out = tmp_path / "w.safetensors"
-    result = run_cli("fix", folder, "-o", out)
-    assert result.exit_code == 2 and "metadata files disagree" in result.stderr and not out.exists(), result.stderr
+    result = run_cli("fix", folder, "-o", out, "--select", "")
+    assert result.exit_code == 2 and "the metadata is inconsistent" in result.stderr and not out.exists(), \
+        result.stderr
+    assert "__1.metadata" in result.stderr and "s0 at [0, 0]" in result.stderr
+
+
+def test_without_collectives_fix_is_what_torchs_dcp_load_gives(samples, tmp_path):
+    """Two ranks each dcp.load from their own metadata (the oracle, gathered); dcp_to_torch_save reads rank 0's
+    metadata alone, so it agrees on everything rank 0 holds whole, and leaves rank 1's rows of a split tensor
+    uninitialised."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / "all.pt"
+    result = run_cli("fix", samples / "nocoll", "-o", out, "--select", "")
+    assert result.exit_code == 0, result.stderr
+    mine = torch.load(out, weights_only=True)
+    assert_same_tree(mine, torch.load(samples / "nocoll.loaded.pt", weights_only=True))
+    official = tmp_path / "official.pt"
+    dcp_to_torch_save(str(samples / "nocoll"), str(official))
+    theirs = flat(torch.load(official, weights_only=False))
+    ours = flat(mine)
+    assert set(theirs) == set(ours)
+    for key, value in theirs.items():
+        if key in ("s0", "s1"):  # split over the ranks: rank 1's part is not in rank 0's metadata
+            continue
+        assert same_bits(ours[key], value) if isinstance(value, torch.Tensor) else ours[key] == value, key
+    data = run_cli("inspect", samples / "nocoll", "--json").json()["distributed"]
+    assert "rank_differences" not in data and data["variant"][0].endswith("read as one (the same bytes)")
+
+
+def test_items_ranks_saved_differently_are_named_with_both_ranks(samples, tmp_path):
+    """A value and a tensor each rank saved its own (its rank number): reported, both ranks and both copies named;
+    the output holds rank 0's, as dcp_to_torch_save writes. A tensor both saved alike is one item, unreported."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    result = run_cli("inspect", samples / "nocoll_ranks", "--json")
+    assert result.exit_code == 0, result.stderr
+    differences = {d["key"]: d for d in result.json()["distributed"]["rank_differences"]}
+    assert set(differences) == {"rank", "noise"}
+    assert all(d["ranks"] == [0, 1] and d["kept"] == 0 for d in differences.values())
+    assert [f.split("@")[0] for f in differences["noise"]["files"]] == ["__0_0.distcp", "__1_0.distcp"]
+    notes = " ".join(result.json()["notes"])
+    assert "rank 0 (__0_0.distcp at byte" in notes and "rank 1 (__1_0.distcp at byte" in notes
+    assert "holding 0" in notes and "holding 1" in notes
+    out = tmp_path / "all.pt"
+    fixed = run_cli("fix", samples / "nocoll_ranks", "-o", out, "--select", "")
+    assert fixed.exit_code == 0 and "noise was saved with different bytes by rank 0" in fixed.stderr, fixed.stderr
+    official = tmp_path / "official.pt"
+    dcp_to_torch_save(str(samples / "nocoll_ranks"), str(official))
+    theirs, ours = torch.load(official, weights_only=False), torch.load(out, weights_only=True)
+    assert ours["rank"] == theirs["rank"] == 0
+    assert same_bits(ours["noise"], theirs["noise"]) and same_bits(ours["same"], theirs["same"])
+
+
+def test_a_copy_changed_behind_its_crc_is_reported(samples, tmp_path):
+    """Rank 1's copy of a replicated tensor with one byte changed in place (its archive's crc32 left as written:
+    torch.load does not check it, so rank 1 would load the changed value): the copies are compared by their bytes."""
+    import io
+    import pickle
+    import struct
+    import zipfile
+
+    folder = tmp_path / "nocoll"
+    shutil.copytree(samples / "nocoll", folder)
+    meta = pickle.loads((folder / "__1.metadata").read_bytes())
+    info = next(v for k, v in meta.storage_data.items() if k.fqn == "plain")
+    shard = folder / info.relative_path
+    data = bytearray(shard.read_bytes())
+    item = zipfile.ZipFile(io.BytesIO(bytes(data[info.offset:info.offset + info.length])))
+    entry = next(i for i in item.infolist() if i.filename.endswith("/data/0"))
+    nlen, xlen = struct.unpack_from("<HH", data, info.offset + entry.header_offset + 26)
+    data[info.offset + entry.header_offset + 30 + nlen + xlen + 5] ^= 0x40
+    shard.write_bytes(bytes(data))
+    result = run_cli("inspect", folder, "--json")
+    assert result.exit_code == 0, result.stderr
+    differences = result.json()["distributed"]["rank_differences"]
+    assert [(d["key"], d["ranks"]) for d in differences] == [("plain", [0, 1])]
+
+
+def test_a_payload_in_one_ranks_copy_of_a_value_is_found(samples, tmp_path, capfd):
+    """Rank 1's copy of a value every rank stores is what rank 1's dcp.load unpickles: walked, not assumed equal."""
+    import functools
+    import io
+
+    folder = tmp_path / "nocoll"
+    shutil.copytree(samples / "nocoll", folder)
+    buf = io.BytesIO()
+    torch.save(functools.partial(print, "payload ran"), buf)
+    shard = folder / "__1_0.distcp"
+    at = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(buf.getvalue())
+
+    def point(meta):
+        index = next(k for k in meta.storage_data if k.fqn == "step")
+        info = meta.storage_data[index]
+        meta.storage_data[index] = type(info)(info.relative_path, at, len(buf.getvalue()))
+
+    _edit_metadata(folder, "__1.metadata", point)
+    for command in ("scan", "inspect"):
+        result = run_cli(command, folder)
+        assert result.exit_code == 1 and "functools.partial" in result.stdout + result.stderr, result.stderr
+    out = tmp_path / "out.pt"
+    assert run_cli("fix", folder, "-o", out, "--select", "").exit_code == 1 and not out.exists()
+    assert "payload ran" not in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_scan_reads_every_variant_inspect_reads(samples, name):
+    """Every file of the folder read (none an error), every item walked: clean, as inspect of the folder says."""
+    result = run_cli("scan", samples / name, "--json")
+    assert result.exit_code == 0, result.stdout + result.stderr
+    data = result.json()
+    assert not data["problems"] and all(f["error"] is None and f["verdict"] == "safe" for f in data["files"])
+    assert run_cli("inspect", samples / name).exit_code == 0
+
+
+def test_a_safetensors_format_shard_reads_alone(samples):
+    """A rank file of torch's safetensors format with a blob past 64 KB: no zip to torch.load or zipfile, a run of
+    archives and a blob to ckpt-doctor, read alone as it is in the folder."""
+    shard = samples / "stformat_big" / "__1_0.distcp"
+    result = run_cli("inspect", shard, "--json")
+    assert result.exit_code == 0, result.stderr
+    tensors = {t["key"]: t["shape"] for t in result.json()["tensors"]}
+    assert tensors["w@[300, 0]"] == [300, 80]
+    assert run_cli("scan", shard).exit_code == 0
 
 
 @pytest.mark.parametrize("paths", [{"s0": ("x",), "rep": ("x",)}, {"s0": ("a", "b"), "rep": ("a",)}])

@@ -128,7 +128,9 @@ def _source_tensors(path: Path) -> dict[str, torch.Tensor]:
     from ckpt_doctor.readers import read_checkpoint
     from ckpt_doctor.tensordata import load_tensor
 
-    return {t.key: load_tensor(t) for t in read_checkpoint(path).tensors}
+    from ckpt_doctor.dtypes import QUANTIZED
+
+    return {t.key: load_tensor(t) for t in read_checkpoint(path).tensors if t.dtype not in QUANTIZED}
 
 
 def _flat(obj, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -429,3 +431,155 @@ def test_every_rescue_of_a_malicious_file_runs_nothing_and_loads(fixtures, tmp_p
         (tmp_path / name).mkdir()
         ran += _run_every_suggestion(evil / name, tmp_path / name, canary)
     assert ran >= 8, ran  # every file with tensors to rescue, from inspect and from scan
+
+
+def test_add_safe_globals_advice_is_what_torch_needs(tmp_path):
+    """Where the torch.load line says add_safe_globals([...]) suffices, torch's own weights_only load succeeds with
+    exactly those names; NumPy values (which need more) get the fix rescue instead."""
+    import datetime
+    import pathlib
+
+    import numpy as np
+
+    from ckpt_doctor.default_load import ADD_SAFE_GLOBALS_SUFFICES
+
+    objects = {"argparse.Namespace": argparse.Namespace(lr=0.1), "datetime.date": datetime.date(2024, 1, 1),
+               "datetime.datetime": datetime.datetime(2024, 1, 1, 3), "datetime.timedelta": datetime.timedelta(3),
+               "datetime.time": datetime.time(3, 4), "pathlib.PosixPath": pathlib.PosixPath("/a/b"),
+               "builtins.frozenset": frozenset({1, 2}), "builtins.slice": slice(1, 2), "builtins.range": range(3)}
+    assert set(objects) <= ADD_SAFE_GLOBALS_SUFFICES
+    for name, obj in objects.items():
+        path = tmp_path / f"{name}.pt"
+        torch.save({"w": torch.ones(2), "x": obj}, path)
+        data = run_cli("inspect", path, "--json").json()["default_load"]
+        assert data["add_safe_globals"] == [name], (name, data)
+        with torch.serialization.safe_globals([type(obj)]):
+            torch.load(path)
+    path = tmp_path / "numpy.pt"
+    torch.save({"w": torch.ones(2), "x": np.arange(3)}, path)
+    data = run_cli("inspect", path, "--json").json()
+    assert data["default_load"]["ok"] is False and data["default_load"]["add_safe_globals"] == []
+    (rescue,) = data["suggested_commands"]
+    check_promise(rescue["command"], rescue["promise"], None, path)
+
+
+def test_a_wrapped_classifier_loads_into_its_base_model(tmp_path):
+    """DataParallel(torch.compile(BertForSequenceClassification)) saved in a training checkpoint, checked against
+    BertModel: the fix strips the wrappers with the head the base model lacks and drops the classifier."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    (tmp_path / "hf.py").write_text(
+        "from transformers import BertConfig, BertModel\n"
+        "def base():\n"
+        "    return BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,"
+        " intermediate_size=20))\n")
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=20)
+    torch.manual_seed(0)
+    sd = BertForSequenceClassification(config).state_dict()
+    path = tmp_path / "train.pt"
+    torch.save({"model": {f"module._orig_mod.{k}": v for k, v in sd.items()}, "epoch": 1}, path)
+    spec = f"{tmp_path / 'hf.py'}:base"
+    data = run_cli("inspect", path, "--model", spec, "--json").json()
+    (fix,) = [s for s in data["suggested_commands"] if s["label"] == "fix"]
+    assert "--strip-prefix module._orig_mod.bert." in fix["command"]
+    check_promise(fix["command"], fix["promise"], fix["model"], path)
+
+
+def test_verify_refused_for_a_new_head_prints_the_verify_that_accepts_it(scenarios, tmp_path):
+    case = scenarios["new_head.pth"]
+    head = tmp_path / "head.pt"
+    fixed = run_cli("fix", case["path"], "-o", head, "--drop", "^classifier", "--model", case["model"],
+                    "--allow-missing", "^classifier")
+    assert fixed.exit_code == 0, fixed.stderr
+    refused = run_cli("verify", head, "--model", case["model"], "--input-shape", "2,3,8,8", "--mode", "single")
+    assert refused.exit_code == 1
+    (accept,) = printed_commands(refused.stderr)
+    assert "verify" in accept and "--allow-missing" in accept and "fix" not in accept.split()[1]
+    assert run_cli(*shlex.split(accept)[1:]).exit_code == 0
+
+
+def test_select_of_a_submodule_lists_every_tensor_it_leaves(scenarios, tmp_path):
+    case = scenarios["whole.pt"]
+    result = run_cli("fix", case["path"], "-o", tmp_path / "features.pt", "--select", "features", "--json")
+    assert result.exit_code == 0
+    assert set(result.json()["dropped"]) == {"classifier.weight", "classifier.bias"}
+
+
+def test_shares_never_round_to_nothing_or_to_everything():
+    from ckpt_doctor.errors import percent
+
+    assert percent(0.00047) == "0.047%" and percent(0.0) == "0.0%"
+    assert percent(0.99999) == "99.999%" and percent(1.0) == "100.0%" and percent(0.944) == "94.4%"
+
+
+def test_module_versions_survive_a_repair(tmp_path):
+    """A state_dict's `_metadata` (each module's version, which its loading code reads) is written back under the
+    renamed module names: a module that converts version-1 weights loads the repaired file as it loads the
+    original."""
+    from collections import OrderedDict
+
+    class Versioned(nn.Module):
+        _version = 2
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, *args):
+            if local_metadata.get("version", 1) < 2 and prefix + "lin.weight" in state_dict:
+                state_dict[prefix + "lin.weight"] = -state_dict[prefix + "lin.weight"]
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, *args)
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.v = Versioned()
+
+    source = nn.DataParallel(Outer()).state_dict()
+    source._metadata["module.v"] = {"version": 1}  # saved by an older release of the module
+    path = tmp_path / "old.pt"
+    torch.save(source, path)
+    assert run_cli("fix", path, "-o", tmp_path / "new.pt", "--strip-module").exit_code == 0
+    fixed = torch.load(tmp_path / "new.pt", weights_only=True)
+    assert isinstance(fixed, OrderedDict) and fixed._metadata["v"] == {"version": 1}
+    a, b = Outer(), Outer()
+    a.load_state_dict(fixed)
+    nn.DataParallel(b).load_state_dict(torch.load(path, weights_only=True))
+    assert torch.equal(a.v.lin.weight, b.v.lin.weight)
+
+
+def test_quantized_tensors_are_refused_not_rewritten_without_their_scale(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_tensor(torch.tensor([0.5, 1.0]), 0.1, 3, torch.quint8)
+    path = tmp_path / "q.pt"
+    torch.save({"w": torch.ones(2), "q": q}, path)
+    refused = run_cli("fix", path, "-o", tmp_path / "out.pt")
+    assert refused.exit_code == 2 and not (tmp_path / "out.pt").exists()
+    (drop,) = printed_commands(refused.stderr)
+    check_promise(drop, "writes", None, path)
+    assert run_cli("diff", path, path).exit_code == 2  # no values read without their scale (it crashed before)
+
+
+def test_a_load_hook_that_reads_values_is_checked_on_the_cpu(tmp_path):
+    """A model's _load_from_state_dict that calls .item() cannot run on meta tensors: the check runs it on the CPU
+    and gives torch's own verdict, and suggests no --drop of what the hook consumes."""
+    (tmp_path / "scaled.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Scaled(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = nn.Linear(2, 2)\n"
+        "    def _load_from_state_dict(self, sd, prefix, meta, strict, *args):\n"
+        "        scale = sd.pop(prefix + 'scale', None)\n"
+        "        if scale is not None:\n"
+        "            sd[prefix + 'lin.weight'] = sd[prefix + 'lin.weight'] / scale.item()\n"
+        "        super()._load_from_state_dict(sd, prefix, meta, strict, *args)\n")
+    sd = nn.Linear(2, 2).state_dict()
+    path = tmp_path / "scaled.pt"
+    torch.save({"lin.weight": sd["weight"], "lin.bias": sd["bias"], "scale": torch.tensor(2.0)}, path)
+    data = run_cli("inspect", path, "--model", f"{tmp_path / 'scaled.py'}:Scaled", "--json")
+    assert data.exit_code == 0 and data.json()["comparison"]["ok"] and not data.json()["suggested_commands"]

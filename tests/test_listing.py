@@ -47,7 +47,7 @@ def test_each_file_is_one_line_with_the_verdict_inspect_gives_it(tmp_path, cli):
     rows, _, notes = table.stdout.partition("\n\n")  # a detail too long for 120 columns is a note below
     assert rows.count("\n") == 2 + 4 and "cut.pt" in rows and "DANGEROUS" in table.stdout
     assert all(len(line) <= 120 for line in table.stdout.splitlines())
-    assert not notes or notes.startswith("[1] ")
+    assert not notes or notes.startswith("notes:\n(1) ")
     assert "total  5 checkpoint file(s)" in table.stderr and "UNSAFE  1 file(s)" in table.stderr
 
 

@@ -25,7 +25,7 @@ from ..dtypes import element_size
 from ..errors import ReadError
 from ..records import Assembly, Checkpoint, Format, GlobalRef, Piece
 from ..safepickle import limits
-from ..safepickle.unpickler import Opaque, RawTensor
+from ..safepickle.unpickler import Opaque, RawTensor, StorageRef
 from ._pickled import assembled_tensor, build_checkpoint
 from .survey import survey_file, survey_item
 
@@ -56,6 +56,17 @@ class _Meta:
         self.storage: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int, tuple[str, ...]]] = {}
         self.version = ""
         self.chunk_sets: dict[str, set] = {}
+        # Saved without collectives, every rank stores what it holds whole (values, replicated tensors): the first
+        # metadata file's place is in `storage`, other ranks' places for the same item in `copies`, by rank.
+        self.holder: dict[tuple[str, tuple[int, ...] | None], int | None] = {}
+        self.copies: dict[tuple[str, tuple[int, ...] | None], list[tuple[int | None, tuple]]] = {}
+
+    def entries(self):
+        """Every place an item is stored: (key, entry), the first metadata file's and then every copy."""
+        yield from self.storage.items()
+        for key, copies in self.copies.items():
+            for _rank, entry in copies:
+                yield key, entry
 
 
 def _state(obj: Any, cls: str, where: Path) -> Any:
@@ -95,6 +106,8 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = Tru
     if size > limits.MAX_UNPICKLE_BYTES:
         raise ReadError(f"{path}: {size:,} bytes of DCP metadata, over the {limits.MAX_UNPICKLE_BYTES >> 20} MB "
                         "ckpt-doctor unpickles")
+    rank_file = RANK_METADATA.fullmatch(path.name)
+    rank = int(rank_file.group(1)) if rank_file else None
     up = SafeUnpickler(io.BytesIO(path.read_bytes()), path.name, None)
     unpicklers.append(up)
     state = _state(run_unpickler(up, path), "Metadata", path)
@@ -104,6 +117,7 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = Tru
     storage = _field(state, "storage_data", path)
     if not isinstance(sdm, dict) or not isinstance(storage, dict):
         raise ReadError(f"{path}: DCP metadata whose state_dict_metadata or storage_data is not a dict")
+    own: dict[str, set[tuple[int, ...]]] = {}  # the chunk offsets of each tensor this file describes
     for fqn, md in sdm.items():
         if not isinstance(fqn, str):
             raise ReadError(f"{path}: DCP metadata names an item by a {type(fqn).__name__}, not a string")
@@ -127,6 +141,7 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = Tru
             cs = _state(chunk, "ChunkStorageMetadata", path)
             chunks.append((_ints(_field(cs, "offsets", path), f"a chunk offset of {fqn}", path),
                            _ints(_field(cs, "sizes", path), f"a chunk size of {fqn}", path)))
+        own[fqn] = {c[0] for c in chunks}
         known = meta.tensors.get(fqn)
         if known is not None:
             if known[:2] != (size, name):
@@ -170,10 +185,17 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = Tru
                             "folder")
         key = (fqn, None if offset is None else _ints(offset, f"a storage offset of {fqn}", path))
         entry = (rel, at, length, tuple(transforms or ()))
-        if meta.storage.setdefault(key, entry) != entry:
-            raise ReadError(f"{path}: {fqn} at {list(key[1] or [])} is stored in {rel} at byte {at} here, in "
-                            f"{meta.storage[key][0]} at byte {meta.storage[key][1]} in another rank's metadata: the "
-                            "metadata files disagree")
+        if strict and key[1] is not None and fqn in own and key[1] not in own[fqn]:
+            raise ReadError(f"{path}: stores a chunk of {fqn} at {list(key[1])} ({rel} at byte {at}) that its own "
+                            "state_dict_metadata does not list: the metadata is inconsistent")
+        first = meta.storage.setdefault(key, entry)
+        if first == entry:
+            meta.holder.setdefault(key, rank)
+        elif rank is not None and meta.holder.get(key) != rank or not strict:  # another rank's copy (compared
+            meta.copies.setdefault(key, []).append((rank, entry))  # when read; scan walks every place)
+        else:
+            raise ReadError(f"{path}: {fqn} at {list(key[1] or [])} is stored in {rel} at byte {at} and in "
+                            f"{first[0]} at byte {first[1]}: the metadata names two places for one item")
 
 
 def _layout(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
@@ -271,6 +293,7 @@ class _Items:
         self.folder = folder
         self.meta = meta
         self.blobs: dict[str, dict[str, tuple[Any, tuple[int, ...]]] | None] = {}
+        self.blob_base: dict[str, int] = {}  # where each shard's safetensors blob starts
         self.sizes: dict[str, int] = {}
         self.globals: list[GlobalRef] = []
         self.hazards: list = []
@@ -299,7 +322,7 @@ class _Items:
         if rel in self.blobs:
             return self.blobs[rel]
         path, size = self.open(rel, fqn)
-        ends = [at + n for (f, off), (r, at, n, _t) in self.meta.storage.items() if r == rel and off is None] \
+        ends = [at + n for (f, off), (r, at, n, _t) in self.meta.entries() if r == rel and off is None] \
             if self.meta is not None else []
         base = max(ends, default=0)
         found = None
@@ -325,6 +348,8 @@ class _Items:
         finally:
             os.close(fd)
         self.blobs[rel] = found
+        if found is not None:
+            self.blob_base[rel] = base
         return found
 
     def read(self, rel: str, at: int, length: int, transforms: tuple[str, ...], fqn: str,
@@ -486,6 +511,7 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
     problems: list[str] = []
     order = list(meta.paths) + [f for f in [*meta.tensors, *meta.values] if f not in meta.paths]
     shared: dict[tuple, RawTensor] = {}  # the chunks of a tensor -> its tensor: names of the same chunks are tied
+    differ: list[tuple[str, dict]] = []  # items ranks saved with different bytes: (note, JSON record)
     for fqn in order:
         path = meta.paths.get(fqn, (fqn,))
         if fqn in meta.tensors:
@@ -496,29 +522,19 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
                 if where is None:
                     problems.append(f"{fqn}: no file holds its chunk at {list(offsets)} of size {list(sizes)}")
                     continue
-                rel, at, length, transforms = where
-                files.add(rel)
-                blob = items.blob(rel, fqn)
-                if blob is not None:  # torch's safetensors format: the tensor is named in the shard's blob
-                    rec, saved = blob.get(fqn, (None, None))
-                    if rec is None or saved != offsets:
-                        raise ReadError(f"{folder}: {fqn}: {rel} holds no chunk of it at {list(offsets)}")
-                    if rec.shape != sizes or rec.dtype != dtype:
-                        raise ReadError(f"{folder}: {fqn}: {rel} holds {rec.dtype}{list(rec.shape)}, the metadata "
-                                        f"says {dtype}{list(sizes)}")
-                    pieces.append(Piece(rec.storage.file, rec.storage.offset, offsets, sizes, rec.stride,
-                                        f"{rel} safetensors entry {fqn}"))
-                    continue
-                chunk = items.read(rel, at, length, transforms, fqn, prod(sizes) * element_size(dtype))
-                rec = chunk.tensors[0] if len(chunk.tensors) == 1 and chunk.tensors[0].key == "" else None
-                if rec is None or rec.storage is None:
-                    raise ReadError(f"{folder}: {fqn}: {rel} item at byte {at} holds no single tensor")
-                if rec.shape != sizes or rec.dtype != dtype:
-                    raise ReadError(f"{folder}: {fqn}: {rel} item at byte {at} holds {rec.dtype}{list(rec.shape)}, "
-                                    f"the metadata says {dtype}{list(sizes)}")
-                whole = rec.storage_offset == 0 and rec.nbytes == rec.storage.nbytes and rec.is_contiguous
-                pieces.append(Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride,
-                                    f"{rel} item at byte {at}", rec.storage.crc if whole else None))
+                files.add(where[0])
+                piece = _chunk_piece(items, fqn, offsets, sizes, dtype, where)
+                others = []
+                for rank, copy in meta.copies.get((fqn, offsets), ()):  # other ranks' copies
+                    files.add(copy[0])
+                    if items.blob(where[0], fqn) is None and items.blob(copy[0], fqn) is None \
+                            and _same_range(folder, where, copy):
+                        continue  # the same archive, byte for byte: what was walked and read above
+                    if not _same_piece(piece, _chunk_piece(items, fqn, offsets, sizes, dtype, copy), dtype):
+                        others.append((rank, copy, None))  # (its archive walked and read, as rank 1 would)
+                if others:
+                    differ.append(_differs(meta, (fqn, offsets), where, others, len(chunks) > 1))
+                pieces.append(piece)
             assembly = Assembly(size, tuple(pieces), dtype)
             # Names are one tensor only when every chunk is the same storage entry read the same way (a writer that
             # records a tie names the same entries twice); shared bytes read through other strides are not a tie.
@@ -542,21 +558,36 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
                 continue
             rel, at, length, transforms = where
             files.add(rel)
-            _place(folder, root, path, items.read(rel, at, length, transforms, fqn).root, len(order))
+            value = items.read(rel, at, length, transforms, fqn).root
+            others = []
+            for rank, copy in meta.copies.get((fqn, None), ()):  # stored by every rank: one item when the same
+                files.add(copy[0])
+                if not _same_range(folder, where, copy):  # walked and read: what that rank's dcp.load unpickles
+                    others.append((rank, copy, items.read(*copy, fqn).root))
+            if others:
+                differ.append(_differs(meta, (fqn, None), where, others, False, value))
+            _place(folder, root, path, value, len(order))
     lightning = _lightning_meta(folder, names, root)
     if lightning is not None:
         survey_globals.extend(lightning.globals)
         hazards.extend(lightning.hazards)
     restored = _integer_state_keys(root)
     spans: dict[str, list[tuple[int, int]]] = {}
-    for rel, at, length, _t in meta.storage.values():
-        spans.setdefault(rel, []).append((at, length))
+    for (_fqn, offsets), (rel, at, length, _t) in meta.entries():
+        if offsets is None or items.blobs.get(rel) is None:  # a blob's tensors: their offsets are no positions
+            spans.setdefault(rel, []).append((at, length))
+    for rel, base in items.blob_base.items():
+        spans.setdefault(rel, []).append((base, items.sizes[rel] - base))  # the blob runs to the end of the file
     view_globals, view_hazards = _whole_file_views(folder, files, spans)
     if problems:
         shown = "; ".join(problems[:3]) + (f"; … {len(problems) - 3} more" if len(problems) > 3 else "")
         raise ReadError(f"{folder}: the checkpoint is incomplete: {shown}")
     ranks = sorted({int(m.group(1)) for n in files if (m := SHARD.fullmatch(n))})
     variant = ["per-rank metadata (saved without collectives)"] if metas[0].name != METADATA else []
+    if meta.copies:
+        variant[0:1] = [f"per-rank metadata (saved without collectives): {_count(len(meta.copies), 'item')} stored by "
+                        f"several ranks, read as one" + (f"; {len(differ)} of them with different bytes" if differ
+                                                         else " (the same bytes)")]
     per_rank = [int(m.group(2)) for n in files if (m := SHARD.fullmatch(n))]
     if per_rank and max(per_rank) > 0:
         variant.append("one file per item (single_file_per_rank=False)")
@@ -572,6 +603,12 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
     if restored:
         notes += (f"optimizer state keys at {', '.join(restored[:3])} are integers again: DCP saves them as strings, "
                   "and Optimizer.load_state_dict matches state to the integer ids in param_groups",)
+    if differ:
+        notes += tuple(note for note, _ in differ[:3])
+        if len(differ) > 3:
+            notes += (f"… and {len(differ) - 3} more items the ranks saved differently (all in the JSON's "
+                      "distributed.rank_differences)",)
+        distributed["rank_differences"] = [record for _, record in differ]
     ckpt = build_checkpoint(folder, Format.DCP, root, unpicklers, notes=notes,
                             extra_globals=tuple(survey_globals + items.globals + view_globals),
                             extra_bytes=items.walked_bytes)
@@ -585,6 +622,107 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
     return replace(ckpt, files=(*metas, *(folder / f for f in sorted(files)), *extra_files),
                    hazards=tuple(hazards + items.hazards + view_hazards),
                    layouts=layouts, distributed=distributed)
+
+
+def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: str,
+                 where: tuple) -> Piece:
+    """The saved chunk of `fqn` at `offsets`, as a piece of its tensor: from the shard's safetensors blob (torch's
+    safetensors format) or from the torch.save archive of its item (walked, and checked against the metadata)."""
+    folder = items.folder
+    rel, at, length, transforms = where
+    blob = items.blob(rel, fqn)
+    if blob is not None:  # torch's safetensors format: the tensor is named in the shard's blob
+        rec, saved = blob.get(fqn, (None, None))
+        if rec is None or saved != offsets:
+            raise ReadError(f"{folder}: {fqn}: {rel} holds no chunk of it at {list(offsets)}")
+        if rec.shape != sizes or rec.dtype != dtype:
+            raise ReadError(f"{folder}: {fqn}: {rel} holds {rec.dtype}{list(rec.shape)}, the metadata says "
+                            f"{dtype}{list(sizes)}")
+        return Piece(rec.storage.file, rec.storage.offset, offsets, sizes, rec.stride, f"{rel} safetensors entry {fqn}")
+    chunk = items.read(rel, at, length, transforms, fqn, prod(sizes) * element_size(dtype))
+    rec = chunk.tensors[0] if len(chunk.tensors) == 1 and chunk.tensors[0].key == "" else None
+    if rec is None or rec.storage is None:
+        raise ReadError(f"{folder}: {fqn}: {rel} item at byte {at} holds no single tensor")
+    if rec.shape != sizes or rec.dtype != dtype:
+        raise ReadError(f"{folder}: {fqn}: {rel} item at byte {at} holds {rec.dtype}{list(rec.shape)}, the metadata "
+                        f"says {dtype}{list(sizes)}")
+    if rec.storage.deflated:
+        raise ReadError(f"{folder}: {fqn}: {rel} item at byte {at} holds its chunk as a compressed (deflated) zip "
+                        "member, which torch's DCP writer never writes; ckpt-doctor assembles chunks from stored bytes "
+                        "only")
+    whole = rec.storage_offset == 0 and rec.nbytes == rec.storage.nbytes and rec.is_contiguous
+    return Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride, f"{rel} item at byte {at}",
+                 rec.storage.crc if whole else None)
+
+
+def _same_range(folder: Path, a: tuple, b: tuple) -> bool:
+    """Whether two items' stored bytes are the same (rel, at, length, transforms): read a megabyte at a time."""
+    if a == b:
+        return True
+    if a[2] != b[2] or a[3] != b[3]:
+        return False
+    return _same_bytes(folder / a[0], a[1], folder / b[0], b[1], a[2])
+
+
+def _same_bytes(path_a: Path, at_a: int, path_b: Path, at_b: int, n: int) -> bool:
+    with open(path_a, "rb") as fa, open(path_b, "rb") as fb:
+        done = 0
+        while done < n:
+            step = min(1 << 20, n - done)
+            x, y = os.pread(fa.fileno(), step, at_a + done), os.pread(fb.fileno(), step, at_b + done)
+            if x != y or len(x) != step:
+                return False
+            done += step
+    return True
+
+
+def _same_piece(a: Piece, b: Piece, dtype: str) -> bool:
+    """Whether two ranks' copies of one chunk hold the same elements, byte for byte (read: the crc32 an archive
+    records is its writer's claim, and torch.load does not check it)."""
+    from ..assemble import is_contiguous, read_piece
+
+    nbytes = prod(a.sizes) * element_size(dtype)
+    if is_contiguous(a) and is_contiguous(b):
+        return (a.file, a.offset) == (b.file, b.offset) or _same_bytes(a.file, a.offset, b.file, b.offset, nbytes)
+    fds = [os.open(p.file, os.O_RDONLY) for p in (a, b)]
+    try:
+        return read_piece(a, dtype, fds[0]) == read_piece(b, dtype, fds[1])
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _differs(meta: _Meta, key: tuple, mine: tuple, others: list[tuple[int | None, tuple, Any]], chunked: bool,
+             value: Any = None) -> tuple[str, dict]:
+    """An item other ranks saved with other bytes than the first, in words (naming the ranks, where each copy is,
+    and small values) and as its JSON record. The reading keeps the first rank's, as torch's dcp_to_torch_save
+    does."""
+    fqn, offsets = key
+    first = meta.holder.get(key)
+    what = f"{fqn} (its chunk at {list(offsets)})" if chunked and offsets is not None else fqn
+
+    def one(rank: int | None, where: tuple, held: Any) -> str:
+        shown = f", holding {_short(held)}" if offsets is None and _short(held) is not None else ""
+        return f"rank {rank} ({where[0]} at byte {where[1]:,}{shown})"
+
+    theirs = [one(rank, where, held) for rank, where, held in others[:3]]
+    more = f" and {len(others) - 3} more ranks" if len(others) > 3 else ""
+    note = (f"{what} was saved with different bytes by {one(first, mine, value)} and {', '.join(theirs)}{more}; "
+            f"torch's dcp.load gives each rank its own, and this reading holds rank {first}'s (as torch's "
+            "dcp_to_torch_save does)")
+    record = {"key": fqn, "chunk": list(offsets) if offsets is not None else None,
+              "ranks": [first, *(rank for rank, _w, _h in others)],
+              "files": [f"{mine[0]}@{mine[1]}", *(f"{w[0]}@{w[1]}" for _r, w, _h in others)], "kept": first}
+    return note, record
+
+
+def _short(value: Any) -> str | None:
+    """A value small enough to show in a line (a number, a short string); None for anything else."""
+    if isinstance(value, bool) or value is None or isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str) and len(value) <= 40:
+        return repr(value)
+    return None
 
 
 def _integer_state_keys(tree: Any, path: str = "") -> list[str]:
@@ -734,9 +872,33 @@ def metadata_items(folder: Path) -> dict[Path, list[tuple[int, int, tuple[str, .
     except OSError as exc:
         raise ReadError(f"{folder}: its metadata cannot be read ({exc.strerror})") from None
     ranges: dict[Path, list[tuple[int, int, tuple[str, ...]]]] = {}
-    for rel, at, length, transforms in meta.storage.values():
+    for _key, (rel, at, length, transforms) in meta.entries():
         ranges.setdefault(folder / rel, []).append((at, length, transforms))
     return ranges
+
+
+def _blob_tensors(path: Path, base: int, size: int, meta: _Meta) -> dict[str, RawTensor]:
+    """The tensors of a shard's safetensors blob, each named by its fqn (and its chunk's offsets when the folder's
+    metadata splits that tensor), as chunks: their own shapes."""
+    from . import parse_json
+    from .safetensors_reader import read_safetensors
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        blob = read_safetensors(path, fd, size, base)
+    finally:
+        os.close(fd)
+    sharding = parse_json(str(blob.metadata.get("DCP_SHARDING_INFO", "{}")).encode(), path, "DCP_SHARDING_INFO")
+    out = {}
+    for rec in blob.tensors:
+        info = sharding.get(rec.key) if isinstance(sharding, dict) else None
+        saved = info.get("saved_offsets") if isinstance(info, dict) else None
+        split = rec.key in meta.tensors and len(meta.tensors[rec.key][2]) > 1
+        name = f"{rec.key}@{list(saved)}" if split and isinstance(saved, list) else rec.key
+        ref = StorageRef(name, rec.dtype, rec.numel, "cpu")
+        ref.resolved = rec.storage
+        out[name] = RawTensor(ref, rec.dtype, 0, rec.shape, rec.stride)
+    return out
 
 
 def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
@@ -754,7 +916,7 @@ def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
         except (ReadError, OSError):
             names.clear()
             break
-        for (fqn, offsets), (rel, at, _length, _t) in meta.storage.items():
+        for (fqn, offsets), (rel, at, _length, _t) in meta.entries():
             if rel == path.name:
                 whole = offsets is None or fqn not in meta.tensors or len(meta.tensors[fqn][2]) == 1
                 names[at] = fqn if whole else f"{fqn}@{list(offsets)}"
@@ -764,6 +926,9 @@ def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
             raise ReadError(f"{path}: refused to read the item at byte {item.base}: {item.refused}")
         ckpt = read_torch_zip(path, item)
         root[names.get(item.base, f"item@{item.base}")] = ckpt.root
+    end = survey.items[-1].base + survey.items[-1].size if survey.items else 0
+    if end < survey.size:  # torch's safetensors format: the rank's tensors, in a blob after its values
+        root.update(_blob_tensors(path, end, survey.size, meta))
     shard = SHARD.fullmatch(path.name)
     whose = f"rank {shard.group(1)}'s" if shard else "one"
     if names:

@@ -21,7 +21,7 @@ import os
 import re
 import stat
 from collections import OrderedDict
-from ..advice import command_line, consolidate
+from ..advice import command_line, consolidate, shell_path
 from .._record import replace
 from math import ceil, prod
 from pathlib import Path
@@ -83,7 +83,15 @@ def _flat(raw: Any, what: str, where: Path) -> tuple[Path, int, int, str]:
     if len(raw.shape) != 1 or raw.shape[0] and raw.stride != (1,):
         raise ReadError(f"{where}: {what} is not a flat (1-D, contiguous) partition")
     st = raw.storage.resolved
+    _stored(st, what, where)
     return st.file, st.offset + raw.offset * element_size(raw.dtype), raw.shape[0], raw.dtype
+
+
+def _stored(st: Any, what: str, where: Path) -> None:
+    """Pieces are read in place: a storage deflated in a re-zipped file (which DeepSpeed never writes) is refused."""
+    if st.deflated:
+        raise ReadError(f"{where}: {what} is a compressed (deflated) zip member, which DeepSpeed never writes and "
+                        "ckpt-doctor does not assemble from; load the file with torch.load and torch.save it again")
 
 
 def _one_dtype(dtypes: list[str], what: str) -> str:
@@ -125,6 +133,7 @@ def _as_float32(key: str, raw: RawTensor, source: Path) -> RawTensor:
     if raw.dtype not in ("float16", "bfloat16") or raw.storage is None or raw.storage.resolved is None:
         return raw
     st = raw.storage.resolved
+    _stored(st, key, st.file)
     piece = Piece(st.file, st.offset + raw.offset * element_size(raw.dtype), (0,) * len(raw.shape), raw.shape,
                   raw.stride, f"{key} in {st.file.name}")
     return assembled_tensor(key, "float32", raw.shape, Assembly(raw.shape, (piece,), raw.dtype), source,
@@ -409,7 +418,7 @@ def rank_file_note(ckpt: Checkpoint) -> Checkpoint:
     save_dir = folder.parent if (folder.parent / "latest").is_file() else folder
     if model and not MODEL_STATES.fullmatch(name).group(1):
         note = (f"DeepSpeed model states (ZeRO-1/2 or none): `module` holds the weights the engine held; the fp32 "
-                f"master weights are in the optimizer partitions: `{command_line(('inspect', str(save_dir)))}`")
+                f"master weights are in the optimizer partitions: `{command_line(('inspect', shell_path(save_dir)))}`")
         return replace(ckpt, notes=(*ckpt.notes, note))
     note = (f"one rank's part of the DeepSpeed checkpoint in {save_dir}: its tensors are partitions, not whole "
             f"weights; consolidate the folder: `{consolidate(save_dir)}`")

@@ -237,8 +237,10 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True)
 
 def split_archives(fd: int, size: int) -> list[tuple[int, int]]:
     """(offset, length) of each zip archive of a file that is several laid end to end (a torch.distributed.checkpoint
-    shard: one `torch.save` archive per item); [] unless they tile the whole file. An archive ends with its end
-    record, whose directory offset and size (relative to the archive's start) lead back to exactly that record."""
+    shard: one `torch.save` archive per item); [] unless they tile the whole file, or tile it up to a safetensors
+    blob that runs exactly to its end (a shard in torch's safetensors format: its values, then its tensors). An
+    archive ends with its end record, whose directory offset and size (relative to the archive's start) lead back
+    to exactly that record."""
     items: list[tuple[int, int]] = []
     start = 0
     with mapped(fd, size) as data:
@@ -257,7 +259,23 @@ def split_archives(fd: int, size: int) -> list[tuple[int, int]]:
                 items.append((start, at + 22 + comment - start))
                 start = at + 22 + comment
             at = data.find(b"PK\x05\x06", max(at + 1, start))
-    return items if start == size and len(items) > 1 else []
+    if start == size:
+        return items if len(items) > 1 else []
+    return items if items and _safetensors_tail(fd, start, size) else []
+
+
+def _safetensors_tail(fd: int, start: int, size: int) -> bool:
+    """Whether the bytes from `start` to the end are one safetensors blob with DCP's sharding information (its
+    header parsed and its tensors tiling its data to the last byte, as the safetensors reader checks)."""
+    from .safetensors_reader import read_safetensors
+
+    if size - start < 10 or os.pread(fd, 1, start + 8) != b"{":
+        return False
+    try:
+        blob = read_safetensors(Path("blob"), fd, size, start)
+    except ReadError:
+        return False
+    return "DCP_SHARDING_INFO" in blob.metadata
 
 
 def _survey_items(survey: Survey, fd: int) -> None:
@@ -268,8 +286,10 @@ def _survey_items(survey: Survey, fd: int) -> None:
         return
     survey.zip_error = None  # the whole file is no archive, but each of its items is
     survey.hazards = [h for h in survey.hazards if not h.what.startswith("zip readers disagree")]
-    survey.notes.append(f"{len(items)} torch.save archives end to end (a torch.distributed.checkpoint shard); "
-                        "each was walked")
+    blob = " then a safetensors blob of its tensors (torch's safetensors format)," \
+        if sum(n for _, n in items) < survey.size else ""
+    survey.notes.append(f"{len(items)} torch.save archive{'s' if len(items) > 1 else ''} end to end (a "
+                        f"torch.distributed.checkpoint shard),{blob} each archive walked")
     for offset, length in items:
         item = survey_item(survey.path, fd, offset, length, survey.budget)
         survey.globals.extend(item.globals)

@@ -258,9 +258,9 @@ def read_torch_tar(path: Path, fd: int, layout: TarLayout, notes: tuple[str, ...
 
     unpickler = SafeUnpickler(io.BytesIO(raw), "tar member pickle", persistent=persistent)
     root = run_unpickler(unpickler, path)
-    from ..advice import command_line, output_beside
+    from ..advice import command_line, output_beside, shell_path
 
     notes = notes + ("torch's pre-0.4 tar format: torch.load(weights_only=True) refuses it; rewrite it with "
-                     f"`{command_line(('fix', str(path), '-o', output_beside(path)))}`",)
+                     f"`{command_line(('fix', shell_path(path), '-o', output_beside(path)))}`",)
     return build_checkpoint(path, Format.TORCH_TAR, root, layout.unpicklers + [unpickler], notes=notes,
                             extra_globals=extra_globals)

@@ -54,6 +54,7 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
             if member is not None:
                 read_member(fd, member, str(path), check_crc=False)
         notes: list[str] = []
+        compressed: list[str] = []  # storages deflated in the archive
         byteorder = index.find(prefix + "byteorder")
         if byteorder is not None and read_member(fd, byteorder, str(path)).strip() == b"big":
             notes.append("saved on a big-endian machine: tensor bytes are big-endian")
@@ -64,18 +65,27 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
             if member is None:
                 raise ReadError(f"{path}: data.pkl names storage {ref.key} but the archive has no {name}")
             nbytes = ref.numel * element_size(ref.dtype)
-            if member.method != 0 and nbytes <= member.size and member.offset >= 0 and not member.is_dir:
-                raise ReadError(f"{path}: storage {name} is compressed in the archive (zip method {member.method}; "
-                                "torch.save stores them uncompressed, so the file was re-zipped): torch.load inflates "
-                                "it, but ckpt-doctor reads storages in place and cannot yet; load it with torch.load "
-                                "and torch.save it again")
-            if nbytes > member.size or member.method != 0 or member.offset < 0 or member.is_dir:
+            if member.offset < 0 or member.is_dir or member.flags & 1 or member.method not in (0, 8):
+                raise ReadError(f"{path}: storage {name} cannot be read as torch's reader reads it: "
+                                + ("it has no local header where the directory says" if member.offset < 0 else
+                                   "it is marked as a folder" if member.is_dir else "it is encrypted"
+                                   if member.flags & 1 else f"zip compression method {member.method}")
+                                + " (the file is corrupt)")
+            if nbytes > member.size:
                 raise ReadError(f"{path}: storage {name} holds {member.size} bytes but {nbytes} are needed "
                                 "(the file is corrupt)")
+            deflated = 0
+            if member.method == 8:  # re-zipped: torch.load inflates it; so does every read of its bytes here
+                if member.size > max(member.compressed_size, 1) * limits.MAX_DEFLATE_RATIO:
+                    raise ReadError(f"{path}: storage {name} claims to inflate to {member.size:,} bytes from "
+                                    f"{member.compressed_size:,}, more than deflate can (a zip bomb?)")
+                deflated = max(member.compressed_size, 1)
+                compressed.append(name)
             key = f"{survey.base}:{ref.key}" if survey.base else ref.key  # a DCP item: one storage "0" each
             ref.resolved = fast_new(StorageRecord, key=key, dtype=ref.dtype, nbytes=nbytes, device=ref.location,
                                     file=path, offset=member.offset, entry=member.name,
-                                    crc=member.crc if member.size == nbytes else None)
+                                    crc=member.crc if member.size == nbytes else None, assembly=None,
+                                    deflated=deflated)
 
         # The walked bytes, CRC checked (torch does not check it, but the structure of a corrupt file is not trusted)
         raw = survey.main_pickle if survey.main_pickle is not None else read_member(fd, pkl, str(path))
@@ -85,6 +95,10 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
         unpickler = SafeUnpickler(stream, pkl.name, resolve)
         unpicklers = [unpickler]
         root = run_unpickler(unpickler, path)
+        if compressed:
+            notes.append(f"{len(compressed)} storage{'s are' if len(compressed) > 1 else ' is'} compressed (deflated) "
+                         "in the archive, which torch.save never does: torch.load inflates them, torch.load(mmap=True) "
+                         "refuses the file; ckpt-doctor fix writes them stored")
         ts_members = None
         if is_script:
             notes.append("TorchScript archive: its code/ is executable content and was not run")

@@ -25,6 +25,9 @@ def printable(text: str) -> str:
 
 
 MAX_WIDTH = 120  # a table wider than this wraps its last column
+# Tables of keys (inspect, the comparison, diff, a dry run) have no detail to wrap: a key is data to copy and is never
+# cut, and their last column is as short as a shape or a size; only a key longer than the width makes them wider.
+KEYS = None
 MIN_LAST = 24  # narrower than this, a long last cell goes below the table as a numbered note
 SHORT = 8  # a cell no longer than this stays in its row (a note's marker would save nothing)
 
@@ -76,7 +79,7 @@ def _fitted(headers: Sequence[str], rows: list[list[str]], widths: list[int], in
         else:  # the same text in many rows is one note
             if cell not in notes:
                 notes.append(cell)
-            body.append([f"[{notes.index(cell) + 1}]"])
+            body.append([f"(note {notes.index(cell) + 1})"])
     widths = widths[:last] + [max(len(headers[last]) + 2, *(len(x) for lines in body for x in lines))]
 
     def line(cells: Sequence[str]) -> str:
@@ -88,7 +91,9 @@ def _fitted(headers: Sequence[str], rows: list[list[str]], widths: list[int], in
         out.extend((" " * indent + more).rstrip() for more in lines[1:])
     if notes:
         out.append("")
+        out.append("notes:")
     for n, note in enumerate(notes, 1):
-        out.extend(textwrap.wrap(note, max_width, initial_indent=f"[{n}] ", subsequent_indent=" " * (len(str(n)) + 3),
-                                 break_on_hyphens=False) or [f"[{n}]"])
+        mark = f"({n}) "
+        out.extend(textwrap.wrap(note, max_width, initial_indent=mark, subsequent_indent=" " * len(mark),
+                                 break_on_hyphens=False) or [mark.strip()])
     return "\n".join(out)

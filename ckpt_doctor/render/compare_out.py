@@ -6,7 +6,7 @@ from typing import Any
 
 from ..analyze import collapse_labels
 from ..compare import Comparison
-from ..errors import one_line
+from ..errors import one_line, percent
 
 
 def comparison_json(c: Comparison, needs_code: str = "") -> dict[str, Any]:
@@ -110,7 +110,8 @@ def fix_prefix(c: Comparison) -> str:
 def verdict_text(c: Comparison) -> str:
     """One line that says what the exit code says: OK, OK only with the allowances given, or FAILS and why."""
     total = c.model_key_count or len(c.matched) + len(c.missing) + len(c.mismatched) + len(c.allowed_missing)
-    filled = f"{c.loaded_fraction:.1%} of parameters filled"
+    matched = min(len(c.matched), total)  # a key the model's loading code consumes (a scale) fills none of its own
+    filled = f"{percent(c.loaded_fraction)} of parameters filled"
     at = f" (the state_dict at {c.state_dict_root})" if c.state_dict_root else ""
     problems = []
     if c.missing:
@@ -133,19 +134,19 @@ def verdict_text(c: Comparison) -> str:
     if c.allowed_unexpected:
         accepted.append(f"{len(c.allowed_unexpected)} extra keys accepted by --allow-unexpected")
     if problems:
-        return (f"strict load FAILS{at}: {', '.join(problems)}; {len(c.matched)} of {total} model keys match; "
+        return (f"strict load FAILS{at}: {', '.join(problems)}; {matched} of {total} model keys match; "
                 f"{filled}")
     if c.short and c.min_loaded is not None:
-        return f"FAILS --min-loaded {c.min_loaded:.1%}{at}: only {filled}" + \
+        return f"FAILS --min-loaded {percent(c.min_loaded)}{at}: only {filled}" + \
             (f" ({'; '.join(accepted)})" if accepted else "")
     if c.short:
-        return (f"FAILS{at}: only {c.loaded_fraction:.1%} of the model's parameters come from the checkpoint "
-                f"(required: {c.required_fraction:.1%}: {c.required_reason})")
+        return (f"FAILS{at}: only {percent(c.loaded_fraction)} of the model's parameters come from the checkpoint "
+                f"(required: {percent(c.required_fraction)}: {c.required_reason})")
     if accepted:
         return f"OK with the allowances given{at}: {'; '.join(accepted)}; {filled}{tied}"
     if c.tied:
-        return f"loads{at}: {len(c.matched)} of {total} model keys from the file{tied}; {filled}"
-    return f"strict load OK{at}: {len(c.matched)} of {total} model keys loaded; {filled}"
+        return f"loads{at}: {matched} of {total} model keys from the file{tied}; {filled}"
+    return f"strict load OK{at}: {matched} of {total} model keys loaded; {filled}"
 
 
 def full_verdict(c: Comparison, needs_code: str = "") -> str:
@@ -192,7 +193,7 @@ def comparison_lines(c: Comparison, path: str, suggestions: dict[str, Any] | Non
         how = _fix_reason(c) if c.suggested_fix else "writes its state_dict as a file torch.load loads with its " \
             "defaults; nothing the file names is run or written"
         if c.fix_loaded_fraction is not None:
-            how += f"; it would fill {c.fix_loaded_fraction:.1%} of the parameters"
+            how += f"; it would fill {percent(c.fix_loaded_fraction)} of the parameters"
         lines.append(("fix", f"`{suggestions['fix'].command}`   ({how})"))
     if c.after is not None and not c.after.ok and c.fix_kind == "partial":
         left = [*c.after.missing[:3], *c.after.unexpected[:3], *(m.key for m in c.after.mismatched[:3])]

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..analyze import collapse_labels
 from ..diff import DiffReport, TensorDiff, largest_changes, sparkline
-from .table import simple_table
+from .columns import KEYS, simple_table
 
 TOP = 5
 
@@ -50,7 +50,7 @@ def diff_table(report: DiffReport, full: bool = False) -> str:
         body.append([label, status, _shape(first), _dtype(first), _num(max_abs), _num(rel), _num(cos)])
     if not body:
         return "(no tensors)"
-    return simple_table(["key", "status", "shape", "dtype", "max|Δ|", "‖Δ‖/‖A‖", "cosine"], body)
+    return simple_table(["key", "status", "shape", "dtype", "max|Δ|", "‖Δ‖/‖A‖", "cosine"], body, max_width=KEYS)
 
 
 def _labels(rows: list[TensorDiff], limit: int = 6) -> str:
@@ -60,7 +60,7 @@ def _labels(rows: list[TensorDiff], limit: int = 6) -> str:
 
 
 def diff_summary(report: DiffReport) -> list[str]:
-    from ..advice import command_line
+    from ..advice import command_line, shell_path
 
     lines: list[tuple[str, str]] = []
     a, b = report.a, report.b
@@ -99,7 +99,7 @@ def diff_summary(report: DiffReport) -> list[str]:
         names = [g.qualname for g in ckpt.unsafe_globals]
         lines.append(("unsafe", f"{side} ({ckpt.path}) would run code under torch.load(weights_only=False): "
                                 + ", ".join(names[:3]) + (f", … {len(names) - 3} more" if len(names) > 3 else "")
-                                + f"; `{command_line(('scan', str(ckpt.path)))}` says what and where"))
+                                + f"; `{command_line(('scan', shell_path(ckpt.path)))}` says what and where"))
     values = ("identical" + (" within the tolerances" if counted["close"] else "")) if report.same else \
         "the checkpoints differ"
     if report.unsafe_sides:

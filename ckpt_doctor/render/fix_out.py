@@ -10,6 +10,8 @@ from ..fix import FixPlan, FixResult
 
 def fix_json(plan: FixPlan, result: FixResult | None) -> dict[str, Any]:
     return {
+        "ok": True,  # a fix that could not be done ends in one Error line (exit 2) and no JSON; 1 when --model refuses
+        "exit_code": 0,
         "input": str(plan.input),
         "output": str(result.plan.output if result else plan.output),
         "format": plan.format.value,
@@ -34,9 +36,9 @@ def dry_run_table(plan: FixPlan) -> str:
         rows.append([old, "≈" if old in marked else "→" if old != new else "=", new])
     for key in plan.dropped:
         rows.append([key, "✗", "(dropped)"])
-    from .columns import simple_table
+    from .columns import KEYS, simple_table
 
-    return simple_table(["key", "", "output key"], rows)
+    return simple_table(["key", "", "output key"], rows, max_width=KEYS)
 
 
 def _n(count: int, noun: str) -> str:

@@ -47,7 +47,7 @@ def listing_summary(listing: FolderListing) -> list[str]:
                      + ", ".join(_name(listing, f.path) for f in unsafe[:5]) + (" …" if len(unsafe) > 5 else ""))
     refused = [f for f in files if f.refused_by_default_load and not f.findings]
     if refused:
-        lines.append(f"torch.load  {len(refused)} file(s) torch.load(path) refuses with its defaults here: "
+        lines.append(f"torch.load  {len(refused)} file(s) that run nothing torch.load(path) refuses with its defaults here: "
                      + ", ".join(_name(listing, f.path) for f in refused[:5]) + (" …" if len(refused) > 5 else "")
                      + (" (--require-default-load: exit 1)" if listing.require_default_load else
                         "; inspecting the file says why, and the way out"))
@@ -69,6 +69,7 @@ def listing_summary(listing: FolderListing) -> list[str]:
 def listing_json(listing: FolderListing) -> dict[str, Any]:
     read = [f for f in listing.files if not f.error]
     return {
+        "ok": listing.exit_code == 0,
         "folder": str(listing.folder),
         "exit_code": listing.exit_code,
         "files": [{"path": str(f.path), "format": f.format, "tensors": f.tensors, "parameters": f.parameters,

@@ -23,6 +23,7 @@ def _file_json(f: FileScan) -> dict[str, Any]:
 
 def scan_json(report: ScanReport) -> dict[str, Any]:
     return {
+        "ok": report.exit_code == 0,
         "verdict": report.verdict.value,
         "exit_code": report.exit_code,
         "findings": report.findings,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .columns import simple_table
+from .columns import KEYS, simple_table
 
 from ..analyze import Row, collapse, human_bytes
 from ..report import InspectReport
@@ -46,7 +46,7 @@ def inspect_table(report: InspectReport, full: bool = False) -> str:
         body.append(line)
     if not body:
         return "(no tensors)" if not report.filter else f"(no tensor key matches --filter {report.filter!r})"
-    return simple_table(headers, body)
+    return simple_table(headers, body, max_width=KEYS)
 
 
 def comparison_table(report: InspectReport) -> str:
@@ -65,7 +65,7 @@ def comparison_table(report: InspectReport) -> str:
 
         pattern = compile_regex(report.filter, "--filter")
         body = [row for row in body if pattern.search(row[0])]
-    return simple_table(["key", "verdict", "checkpoint", "model"], body)
+    return simple_table(["key", "verdict", "checkpoint", "model"], body, max_width=KEYS)
 
 
 def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
@@ -170,20 +170,23 @@ def default_load_lines(report: InspectReport) -> list[tuple[str, str]]:
     loads = report.default_load
     if loads is None or not loads.applies:
         return []
+    what = str(report.checkpoint.path)  # the file torch.load opens (a model folder's weights file, named)
     if loads.ok:
-        return [("torch.load", "loads with torch's defaults here (weights_only=True, no map_location)")]
+        return [("torch.load", f"{what} loads with torch's defaults here (weights_only=True, no map_location)")]
     ways = []
     if loads.trusted_way_out:
         names = ", ".join(loads.trusted_way_out)
-        ways.append(f"for code you trust, torch.serialization.add_safe_globals([{names}]) before torch.load")
-    if loads.missing_devices:
+        mapped = ", map_location='cpu'" if loads.missing_devices else ""
+        ways.append(f"for code you trust, torch.serialization.add_safe_globals([{names}]) before "
+                    f"torch.load(path{mapped})")
+    elif loads.missing_devices and not loads.refused and not loads.format_reason:
         ways.append("torch.load(path, map_location='cpu')")
     suggestions = dict(report.suggestions)
     if "torch.load" in suggestions:
         ways.append(f"a file that loads everywhere: `{suggestions['torch.load'].command}`")
     elif "fix" in suggestions:
         ways.append("the fix line below writes one that does")
-    text = "FAILS with torch's defaults here: " + "; ".join(loads.reasons())
+    text = f"{what} FAILS with torch's defaults here: " + "; ".join(loads.reasons())
     if ways:
         text += ". Ways out: " + "; or ".join(ways)
     return [("torch.load", text)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..errors import percent
+
 from typing import Any
 
 from .columns import simple_table
@@ -10,10 +12,32 @@ from ..analyze import human_bytes
 from ..verify import RunResult, Status, VerifyReport
 
 
-def verify_json(report: VerifyReport) -> dict[str, Any]:
+def verify_advice(report: VerifyReport, rerun: Any = None) -> list[tuple[str, Any]]:
+    """The commands a refused verify suggests (label, Suggestion): the fix line that makes the file load; or, when
+    the file already holds all it can and only the model's own values for keys it lacks remain (a new head), this
+    verify again with the --allow-missing that accepts them — `rerun(flags)` makes that command from the user's."""
+    c = report.comparison
+    if c is None or not report.refused or c.strict_ok:
+        return []
+    if c.fix_kind == "allowed" and not c.renames and not c.dropped and c.left_missing and rerun is not None:
+        from ..advice import Promise, Suggestion
+        from ..compare import _alternation
+
+        argv = rerun(("--allow-missing", _alternation(c.left_missing)))
+        if argv is not None:
+            return [("verify", Suggestion(tuple(argv), Promise.SHOWS, "accepts that the model keeps its own values "
+                                                                      "for the keys the file lacks"))]
+    from ..advice import fix_suggestions
+
+    return fix_suggestions(report.checkpoint, c)
+
+
+def verify_json(report: VerifyReport, advice: list[tuple[str, Any]] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "ok": report.ok,
+        "exit_code": report.exit_code,
         "problems": list(report.problems),
+        "suggested_commands": [dict(s.json(), label=label) for label, s in advice or []],
         "checkpoint": report.checkpoint,
         "model": report.model,
         "loaded_fraction": report.loaded_fraction,
@@ -81,7 +105,7 @@ def _peak(run: RunResult) -> str:
     return f"{most}/rank" if len(run.peak_memory) > 1 else most
 
 
-def verify_lines(report: VerifyReport) -> list[tuple[str, bool]]:
+def verify_lines(report: VerifyReport, advice: list[tuple[str, Any]] | None = None) -> list[tuple[str, bool]]:
     """The lines for stderr, each with whether it tells of a problem (shown red): the share loaded, the load's
     verdict when it stopped verify, the comparison with --compare-to, and the verdict, from `report.problems`."""
     from .compare_out import comparison_lines
@@ -93,17 +117,24 @@ def verify_lines(report: VerifyReport) -> list[tuple[str, bool]]:
     if report.loaded_fraction is not None:
         required = report.required_fraction
         low = report.refused and report.comparison.strict_ok
-        lines.append((f"loaded      {report.loaded_fraction:.1%} of the model's parameters (by elements) came from "
-                      f"{report.checkpoint}" + (f"; {required:.1%} required" if required is not None else ""), low))
+        lines.append((f"loaded      {percent(report.loaded_fraction)} of the model's parameters (by elements) came from "
+                      f"{report.checkpoint}" + (f"; {percent(required)} required" if required is not None else ""), low))
     if report.refused:
-        for label, text in comparison_lines(report.comparison, report.checkpoint):
+        given = dict(advice or [])
+        for label, text in comparison_lines(report.comparison, report.checkpoint, given):
             lines.append((f"{label:<10}  {text}", False))
+        if "verify" in given:
+            lines.append((f"{'accept':<10}  `{given['verify'].command}`   ({given['verify'].why})", False))
         if report.comparison.strict_ok:
             lines.append(("verify did not pass — " + "; ".join(report.problems) + " (is --model the model "
                           "this file was saved from? --min-loaded sets the share required)", True))
         else:
-            lines.append(("verify did not pass — " + "; ".join(report.problems) + " (repair the file first: the fix "
-                          "line; or accept intended differences with --allow-missing / --allow-unexpected)", True))
+            how = ("accept the model's own values there: the accept line" if "verify" in given else
+                   "repair the file first: the fix line; or accept intended differences with --allow-missing / "
+                   "--allow-unexpected" if "fix" in given else
+                   "no fix was found: is --model the model this file was saved from? --allow-missing / "
+                   "--allow-unexpected accept intended differences")
+            lines.append(("verify did not pass — " + "; ".join(report.problems) + f" ({how})", True))
         return lines
     if report.compared_to:
         where = f"{report.compared_to} in {report.compare_model}" if report.compare_model else report.compared_to

@@ -114,6 +114,10 @@ class Emitter:
             self.global_("collections", "OrderedDict")
             write(b")R")
             yield from self._dict_items(obj)
+            metadata = getattr(obj, "_metadata", None)
+            if metadata is not None:  # a state_dict's module versions, set by BUILD as torch.save writes them
+                yield {"_metadata": metadata}
+                write(b"b")
         elif isinstance(obj, dict):
             write(b"}")
             yield from self._dict_items(obj)
