@@ -206,6 +206,8 @@ SIDE_EFFECTS: dict[str, str] = {
 HANDS_BACK = frozenset(f"torch.jit._pickle.{n}" for n in (
     "build_intlist", "build_doublelist", "build_boollist", "build_tensorlist", "build_genericlist",
     "restore_type_tag"))  # their first argument
+# What calling these hashes: the items of their argument (of a dict, its keys; OrderedDict()'s pairs, their keys).
+HASHING = frozenset({"collections.OrderedDict", "collections.Counter", "builtins.set", "builtins.frozenset"})
 FROM_TYPE = "torch._tensor._rebuild_from_type_v2"  # func(*args), then state set on it by setattr
 RECONSTRUCTOR = "copyreg._reconstructor"  # base.__new__(cls, state): a member when base is an Enum class
 ENUMS = frozenset(q for q, why in CURATED.items() if why is _ENUM)  # calling one returns its member
@@ -218,7 +220,8 @@ IMMUTABLE_VALUES = frozenset(
 
 def call_kind(module: str, name: str) -> str:
     """What calling the allowed global `module.name` returns: "argument" (its first argument, unchanged), "from type"
-    (_rebuild_from_type_v2), "member" (an Enum's member), "reconstructor" (copyreg._reconstructor) or "new"."""
+    (_rebuild_from_type_v2), "member" (an Enum's member), "reconstructor" (copyreg._reconstructor), "hashing" (a
+    new container, made by hashing what it is given: HASHING) or "new"."""
     module, name = resolve(module, name)
     full = f"{module}.{name}"
     if full in HANDS_BACK:
@@ -229,6 +232,8 @@ def call_kind(module: str, name: str) -> str:
         return "member"
     if full == RECONSTRUCTOR:
         return "reconstructor"
+    if full in HASHING:
+        return "hashing"
     return "new"
 
 

@@ -8,7 +8,7 @@ from collections import Counter, OrderedDict
 
 from ..dtypes import STORAGE_CLASS_DTYPE, element_size, torch_dtype_name
 from . import limits
-from .policy import TENSOR_REBUILDERS, GlobalRef, Verdict, classify, resolve
+from .policy import HANDS_BACK, HASHING, TENSOR_REBUILDERS, GlobalRef, Verdict, classify, resolve
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
@@ -410,7 +410,7 @@ _SAFE_CALLABLES: dict[str, Any] = {
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
     "_codecs.encode": _codecs_encode,
     "copyreg._reconstructor": _reconstructor,
-    "torch.jit._pickle.build_intlist": lambda x: x,  # these hand their argument back: see _HAND_BACK
+    "torch.jit._pickle.build_intlist": lambda x: x,  # these hand their argument back: policy.HANDS_BACK
     "torch.jit._pickle.build_doublelist": lambda x: x,
     "torch.jit._pickle.build_boollist": lambda x: x,
     "torch.jit._pickle.build_tensorlist": lambda x: x,
@@ -421,10 +421,6 @@ _SAFE_CALLABLES: dict[str, Any] = {
 }
 
 
-# Calls that hand back what they were given: what they return is measured (_handed_back).
-_HAND_BACK = frozenset(q for q in _SAFE_CALLABLES if q.startswith("torch.jit._pickle."))
-# Calls that hash what they are given: the load's _HashWork counts it.
-_HASHING = frozenset({"collections.OrderedDict", "collections.Counter", "builtins.set", "builtins.frozenset"})
 
 
 def _measured(identity: Callable[..., Any], depths: dict[int, tuple[tuple, int]]) -> Callable[..., Any]:
@@ -443,7 +439,7 @@ class StandIn:
 
     __slots__ = ("_func", "_ref", "_work")
 
-    def __init__(self, func: Callable[..., Any], ref: GlobalRef, work: "_HashWork | None" = None) -> None:
+    def __init__(self, func: Callable[..., Any], ref: GlobalRef, work: _HashWork | None = None) -> None:
         object.__setattr__(self, "_func", func)
         object.__setattr__(self, "_ref", ref)
         object.__setattr__(self, "_work", work)  # given first to the calls that hash their argument
@@ -606,9 +602,9 @@ class SafeUnpickler(_pickle.Unpickler):
                 return StandIn(func, ref) if func else _opaque_class(ref)
             if qual in _SAFE_CALLABLES:
                 target = _SAFE_CALLABLES[qual]
-                if qual in _HAND_BACK:
+                if qual in HANDS_BACK:  # what they return is measured (_handed_back)
                     target = _measured(target, self._depths)
-                return StandIn(target, ref, self._work if qual in _HASHING else None)
+                return StandIn(target, ref, self._work if qual in HASHING else None)
             if qual == "torch.nn.parameter.Parameter":
                 return StandIn(_parameter, ref)
             if module in ("torch", "torch.cuda", "torch.storage") and name in STORAGE_CLASS_DTYPE:

@@ -35,14 +35,13 @@ _NODES = 14
 _DEPTH = (1 << _NODES) - 1  # past MAX_TUPLE_DEPTH: a deeper tuple is refused, and its depth saturates here
 _NOT_STR = object()
 _UNKNOWN = object()
-_EMPTY = object()  # on the metastack: the stack below a MARK was empty (a flood of MARKs makes no list per MARK)
 
 
 class _Global:
     """A global on the walker's stack: a function, class or module of the process (or a torch dtype), or, off the
     allow-list, anything (a str too). BUILD or setattr on it changes it for the whole process."""
 
-    __slots__ = ("ref", "safe", "kind", "mutable")
+    __slots__ = ("kind", "mutable", "ref", "safe")
 
     def __init__(self, ref: GlobalRef) -> None:
         self.ref = ref
@@ -61,7 +60,7 @@ class _Held:
     `digest`, `value`: its hash, for a value whose hash a file can choose (ints past 2**61, -1, floats, tuples of
     them), and what tells equal values apart."""
 
-    __slots__ = ("code", "objects", "items", "maybe_str", "digest", "value")
+    __slots__ = ("code", "digest", "items", "maybe_str", "objects", "value")
 
     def __init__(self, code: int | None = None, objects: tuple = (), items: tuple | None = None,
                  maybe_str: bool = False, digest: int | None = None, value: object = None) -> None:
@@ -76,7 +75,7 @@ _MINUS_ONE = _Held(digest=-2, value=-1)  # hash(-1) == hash(-2) == -2
 _MINUS_TWO = _Held(digest=-2, value=-2)
 
 
-def _number(value: int | float) -> object:
+def _number(value: float) -> object:
     """The walk's value for a number a pickle spells out: plain unless its hash can be made to collide with others'
     (ints past 2**61 or -1/-2; floats, ~16 to a hash)."""
     if value.__class__ is float:
@@ -194,12 +193,13 @@ def new_budget() -> list:
 class _Buckets:
     """Dict keys and set members whose hash a file can choose (ints past 2**61, floats, tuples of them), counted by
     hash: CPython inserts keys of one hash in quadratic time (30,000 ints k * (2**61 - 1) took 23 s), so more than
-    limits.MAX_KEYS_OF_ONE_HASH distinct ones are refused. A bucket is counted by occurrences up to 64, then by
+    limits.MAX_KEYS_OF_ONE_HASH distinct ones are refused. A bucket is counted by occurrences up to COUNTED, then by
     distinct values (a value repeated in many dicts is one key in each), kept as their repr: hashing the values
     themselves would be the quadratic work."""
 
     __slots__ = ("counts", "distinct", "stored")
     BITS = 20
+    COUNTED = 64  # keys a bucket takes before its values are told apart
 
     def __init__(self) -> None:
         self.counts = [0] * (1 << self.BITS)
@@ -211,7 +211,7 @@ class _Buckets:
         bucket = digest & ((1 << self.BITS) - 1)
         count = self.counts[bucket] + 1
         self.counts[bucket] = count
-        if count <= 64:
+        if count <= self.COUNTED:
             return None
         seen = self.distinct.setdefault(bucket, set())
         text = repr(value)
@@ -219,7 +219,7 @@ class _Buckets:
             return None
         seen.add(text)
         self.stored += 1
-        if len(seen) > limits.MAX_KEYS_OF_ONE_HASH:
+        if len(seen) + self.COUNTED > limits.MAX_KEYS_OF_ONE_HASH:  # the first COUNTED may all have been distinct
             return (f"more than {limits.MAX_KEYS_OF_ONE_HASH:,} distinct dict keys or set members of one hash "
                     "(numbers whose hashes a file can choose): CPython takes quadratic time to insert them")
         if self.stored > limits.MAX_CROWDED_KEYS:
@@ -426,8 +426,7 @@ class _Machine:
     def _pop_mark(metastack: list) -> list:
         if not metastack:
             raise _Break("no MARK to pop")
-        below = metastack.pop()
-        return [] if below is _EMPTY else below
+        return metastack.pop()
 
     def _put(self, stack: list, memo: dict, index: int) -> None:
         if not stack:
@@ -510,10 +509,10 @@ class _Machine:
                              "every user of it", at)
 
     @staticmethod
-    def _instance(cls: object) -> object:
-        """What NEWOBJ, OBJ or INST with `cls` makes: a new object, but for an Enum class its member."""
+    def _instance(made_by: object) -> object:
+        """What NEWOBJ, OBJ or INST with the class `made_by` makes: a new object, but for an Enum class its member."""
         made: list = []
-        for obj in _objects(cls):
+        for obj in _objects(made_by):
             if obj.__class__ is _Global and obj.safe and obj.kind == "member":  # type: ignore[attr-defined]
                 made.append(f"a member of the Enum {obj.ref.qualname}")  # type: ignore[attr-defined]
             elif obj is _ANY:
@@ -662,8 +661,7 @@ class _Machine:
             code = value if kind is int else value.code if kind is _Held else None
             if code is not None:
                 below += (code >> _NODES) + 1
-                if code & _DEPTH > depth:
-                    depth = code & _DEPTH
+                depth = max(depth, code & _DEPTH)
             if kind is float:
                 chosen = True
                 digests.append(hash(value))
@@ -688,7 +686,7 @@ class _Machine:
             self._refuse(f"tuples nested {depth:,} deep at byte {at}: hashing one overflows CPython's stack (no "
                          "pickler writes one)")
             depth = _DEPTH
-        code = (below if below < limits.MAX_HASHED_TUPLES else limits.MAX_HASHED_TUPLES) << _NODES | depth
+        code = min(below, limits.MAX_HASHED_TUPLES) << _NODES | depth
         return _Held(code=code, items=tuple(items) if len(items) <= _SHORT else None,
                      digest=hash(tuple(digests)) if chosen else None, value=tuple(values) if chosen else None)
 
@@ -730,6 +728,7 @@ class _Machine:
         memo_limit = self.memo_limit
         memo_cap = limits.MAX_MEMO_ENTRIES
         max_depth = limits.MAX_TUPLE_DEPTH
+        max_marks = limits.MAX_OPEN_MARKS
         hash_cap = limits.MAX_HASHED_TUPLES  # a count of tuples saturates there (3**40 is no int to add up)
         nodes_at, depth_mask = _NODES, _DEPTH
         budget = self.budget
@@ -795,11 +794,12 @@ class _Machine:
                         stack.append(NOT)
                     continue
                 if op == 0x28:  # ( MARK
-                    if stack:
-                        metastack.append(stack)
-                        stack = []
-                    else:  # the same empty list serves above the MARK: a flood of MARKs costs 8 bytes each
-                        metastack.append(_EMPTY)
+                    if len(metastack) >= max_marks:
+                        self.pos = cur
+                        raise _OutOfTime(f"more than {max_marks:,} MARKs open at byte {cur} (no pickler nests "
+                                         "containers that deep); the rest was not walked")
+                    metastack.append(stack)
+                    stack = []
                     cur += 1
                     continue
                 if op == 0x58:  # X BINUNICODE
@@ -826,8 +826,6 @@ class _Machine:
                             self.pos = cur + 1
                             raise _Break("no MARK to pop")
                         items, stack = stack, metastack.pop()
-                        if stack is _EMPTY:
-                            stack = []
                     else:
                         count = op - 0x84
                         if len(stack) < count:
@@ -863,18 +861,22 @@ class _Machine:
                         self.pos = cur + 1
                         raise _Break("stack underflow")
                     args = stack.pop()
-                    if args.__class__ is int:
-                        if args > depth_mask:  # set(), OrderedDict()… hash what they are given
-                            budget[2] -= (args >> nodes_at) + 1  # _hashing((args,)), inline: once per tensor
-                            if budget[2] < 0:
-                                self._flooded(cur)
-                    elif args.__class__ is _Held:
-                        self._hashing((args,), cur)
                     func = stack[-1]
-                    if func.__class__ is _Global and func.kind == "new" and args.__class__ is not _Held:
-                        stack[-1] = UNK  # a new object: most calls of a checkpoint (OrderedDict(), a tensor)
-                    else:
-                        stack[-1] = self._call(func, args, cur)
+                    kind = func.kind if func.__class__ is _Global else "unknown"
+                    if kind == "new" and args.__class__ is not _Held:
+                        stack[-1] = UNK  # a new object: most calls of a checkpoint (a tensor)
+                        cur += 1
+                        continue
+                    if kind == "hashing" or kind == "from type" or kind == "unknown":  # set(), OrderedDict(), or
+                        # a callable the walk does not know, hash the items of what they are given
+                        if args.__class__ is int:
+                            if args > depth_mask:
+                                budget[2] -= (args >> nodes_at) + 1  # _hashing((args,)), inline
+                                if budget[2] < 0:
+                                    self._flooded(cur)
+                        elif args.__class__ is _Held:
+                            self._hashing((args,), cur)
+                    stack[-1] = self._call(func, args, cur)
                     cur += 1
                     continue
                 if op == 0x89 or op == 0x29 or op == 0x88 or op == 0x4E or op == 0x7D or op == 0x5D or op == 0x8F:
