@@ -502,23 +502,14 @@ def _prepare(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec
              allow_missing: str | None, allow_unexpected: str | None, min_loaded: float | None) -> _Prepared:
     """The inputs, the model built on the CPU (lazy modules created by a forward on them), the load's verdict,
     and, when that verdict lets anything run, the model loaded: the same in every process that verifies."""
-    from ._record import replace
-
+    checkpoint = _read_safe(ckpt)  # judged before torch loads: a file that would run code is refused in a moment
     import torch
 
+    from ._record import replace
     from .compare import compare_checkpoint
     from .loader import load_into
     from .modelspec import model_keys, spec_flags
-    from .readers import read_checkpoint
 
-    checkpoint = read_checkpoint(ckpt)
-    if checkpoint.unsafe_globals or checkpoint.hazards:
-        from .advice import rescue
-
-        found = rescue(checkpoint)
-        checkpoint.refuse_if_unsafe("verify it — nothing from it was loaded or run",
-                                    f"Rescue its weights first with `{found.command}`, then verify {found.argv[3]}"
-                                    if found is not None else "")
     torch.manual_seed(SEED)  # an --input function drawing from torch's generator draws the same batch every time
     inputs = make_inputs(inputs_spec)
     model, lazy = _build(model_spec, model_args, inputs)
@@ -531,6 +522,21 @@ def _prepare(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec
         load_into(model, ckpt, fix=None, device="cpu", select=select, allow_missing=allow_missing,
                   allow_unexpected=allow_unexpected)
     return _Prepared(comparison, model, inputs, lazy)
+
+
+def _read_safe(ckpt: str) -> Any:
+    """The checkpoint read, refused (exit 1) when loading it would run code, with the rescue to run instead."""
+    from .readers import read_checkpoint
+
+    checkpoint = read_checkpoint(ckpt)
+    if checkpoint.unsafe_globals or checkpoint.hazards:
+        from .advice import rescue
+
+        found = rescue(checkpoint)
+        checkpoint.refuse_if_unsafe("verify it — nothing from it was loaded or run",
+                                    f"Rescue its weights first with `{found.command}`, then verify {found.argv[3]}"
+                                    if found is not None else "")
+    return checkpoint
 
 
 def _build(spec: str, args: dict[str, Any], inputs: tuple[Any, ...]) -> tuple[Any, tuple[str, ...]]:
@@ -554,13 +560,13 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
     """The load's verdict (allowances and --min-loaded applied), then the runs asked for. `compare_to` runs in
     `compare_model` when given (the original of a checkpoint mapped by order, in its own model), else in this
     model, loaded with the fix `inspect --model` infers for it (the file a checkpoint was repaired from)."""
-    import torch
-
     if gpus < 1:
         raise UsageError("--gpus must be at least 1")
     _check_compare_flags(compare_to, compare_model, compare_model_args)
     prepared = _prepare(ckpt, model_spec, model_args, inputs_spec, select, allow_missing, allow_unexpected,
                         min_loaded)
+    import torch
+
     comparison, model, inputs = prepared.comparison, prepared.model, prepared.inputs
     if not comparison.ok:
         return VerifyReport(ckpt, model_spec, (), comparison, allow_skip=allow_skip, lazy=prepared.lazy)
