@@ -466,13 +466,14 @@ def test_tuples_nested_through_calls_are_refused_not_a_crash(tmp_path, route):
     (SIGSEGV). The walk follows a short tuple's items through such calls, and the unpickler measures what they hand
     back; either refuses it."""
     n = 400_000
+    marks = limits.MAX_OPEN_MARKS // 2  # a MARK a level, left open: past the depth bound, under the MARKs' own
     build = global_op("torch.jit._pickle", "build_intlist") + b"q\x01"
     body = {
         "build_intlist": build + b"0}" + b"h\x01" * n + b"N" + b"\x85R\x85" * n,
         "restore_type_tag": global_op("torch.jit._pickle", "restore_type_tag") + b"q\x01" + b"0}" + b"h\x01" * n
         + b"N" + b"\x85R\x85" * n,
         "_rebuild_from_type_v2": global_op("torch._tensor", "_rebuild_from_type_v2") + b"q\x02" + b"0" + build
-        + b"0}" + b"h\x02(h\x01N]" * n + b"N" + b"\x85aNtR" * n,
+        + b"0}" + b"h\x02(h\x01N]" * marks + b"N" + b"\x85aNtR" * marks,
         "persistent id": b"}" + _str("module") * n + b"N" + b"\x86Q\x85" * n,
     }[route]
     _refused_in_a_child(tmp_path / "laundered.pt", b"\x80\x02" + body + b"Ns.",
