@@ -113,8 +113,8 @@ class Walker:
         """One object of the tree; for a container, what is under it, in order, as (value, parent path, name)."""
         self.nodes += 1
         if self.nodes > self.max_nodes:
-            raise ReadError(f"the pickle expands to more than {self.max_nodes:,} objects; refusing to walk it "
-                            "(a pickle bomb, or not a checkpoint)")
+            raise ReadError(f"the pickle holds more than {self.max_nodes:,} objects, counting a shared one each "
+                            "place it appears; ckpt-doctor does not walk that many")
         if isinstance(obj, RawTensor):
             if len(self.flat.tensors) >= limits.MAX_TENSORS:
                 raise ReadError(f"more than {limits.MAX_TENSORS:,} tensors; refusing to list them")
@@ -134,8 +134,10 @@ class Walker:
                 # Listed once; still counted whole, so a few KB of shared lists cannot pass for a small tree.
                 self.nodes += tree_size(obj, self._sizes) - 1
                 if self.nodes > self.max_nodes:
-                    raise ReadError(f"the pickle expands to more than {self.max_nodes:,} objects through shared "
-                                    "references (a pickle bomb); refusing to walk it")
+                    raise ReadError(f"the pickle holds more than {self.max_nodes:,} objects, counting a shared "
+                                    f"one (under {first.split('.')[0] or 'the root'}) each place it appears; "
+                                    "ckpt-doctor lists a shared object once but counts it whole, and does not walk "
+                                    "that many")
                 self._meta(path, f"<the same object as {first or 'the root'}>")
                 return None
             if first is None and (not isinstance(obj, (list, tuple, dict)) or obj):

@@ -373,3 +373,68 @@ def _many_deflated() -> bytes:
     buf.write(central)
     buf.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 40, 40, len(central), cd_at, 0))
     return buf.getvalue()
+
+
+# --- side effects of torch's own load path (issue 24) -----------------------------------------------------------
+
+def _state(dict_state: dict[str, bytes] | None, slots: dict[str, bytes] | None = None) -> bytes:
+    """BUILD's argument: a dict state, and a slot state (which BUILD sets with setattr) when given."""
+    def as_dict(items: dict[str, bytes] | None) -> bytes:
+        return b"}(" + b"".join(_str(k) + v for k, v in items.items()) + b"u" if items else b"N"
+
+    return as_dict(dict_state) + (as_dict(slots) + b"\x86" if slots is not None else b"")
+
+
+def _patching(target: str) -> bytes:
+    """BUILD's argument that makes `_check_container_source` write `target.patch`: dump_patches and __name__ set by
+    setattr (a function's __name__ is no __dict__ entry; a class's __dict__ cannot be updated at all)."""
+    return _state(None, {"dump_patches": b"\x88", "__name__": _str(target)})
+
+
+def module_record(memo: int, source: str = "class Evil:\n    pass\n") -> bytes:
+    """torch's legacy persistent id ("module", container, source file, source), the container from memo `memo`."""
+    return b"(" + _str("module") + b"h" + bytes([memo]) + _str("evil.py") + _str(source) + b"tQ"
+
+
+def side_effect_routes(target: str) -> dict[str, tuple[str, bytes, str]]:
+    """name -> (format, payload, effect): each route by which torch.load(weights_only=False) changes the process or
+    writes a file while naming only allow-listed globals. `payload` is an entry of the object pickle (opcodes that
+    leave one value) for "legacy" and "zip", the whole `pickle` member for "tar", the whole sys-info pickle for
+    "legacy-sysinfo". `effect` is a Python expression that is true in the loading process once the route fired
+    (`target` is where a written .patch file lands)."""
+    patch = f"os.path.exists({target + '.patch'!r})"
+    rebuild = global_op("torch._utils", "_rebuild_tensor_v2")
+    enum = global_op("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")
+    member = "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING(1).__dict__.get('pwned', False)"
+    routes: dict[str, tuple[str, bytes, str]] = {}
+    for module, name in [("torch._utils", "_rebuild_tensor_v2"), ("torch._tensor", "_rebuild_from_type_v2"),
+                         ("copyreg", "_reconstructor"), ("torch.jit._pickle", "build_intlist"),
+                         ("argparse", "Namespace")]:
+        routes[f"BUILD on {module}.{name}"] = (
+            "legacy", global_op(module, name) + b"q\x10" + _patching(target) + b"b0" + module_record(0x10), patch)
+    routes["BUILD with a dict state (the .patch file in the working folder)"] = (
+        "legacy", global_op("copyreg", "_reconstructor") + b"q\x10" + _state({"dump_patches": b"\x88"}) + b"b0"
+        + module_record(0x10), "os.path.exists('_reconstructor.patch')")
+    routes["BUILD on what build_intlist hands back"] = (
+        "legacy", global_op("torch.jit._pickle", "build_intlist") + b"q\x110" + rebuild + b"q\x10" + b"0h\x11h\x10\x85R"
+        + _patching(target) + b"b0" + module_record(0x10), patch)
+    routes["BUILD on what a module record hands back"] = (
+        "legacy", rebuild + b"q\x100(" + _str("module") + b"h\x10" + _str("") + _str("") + b"tQ" + _patching(target)
+        + b"b0" + module_record(0x10), patch)
+    routes["BUILD on a global named by STACK_GLOBAL and copied by DUP"] = (
+        "legacy", _short("torch._utils") + _short("_rebuild_tensor_v2") + b"\x93q\x102" + _patching(target) + b"b00"
+        + module_record(0x10), patch)
+    routes["BUILD in the system-info pickle, the module record in the object pickle"] = (
+        "legacy-sysinfo", _proto(2) + rebuild + _patching(target) + b"b0}.", patch)
+    routes["a tar persistent id (container, source file, source)"] = (
+        "tar", _proto(2) + b"}(" + _str("x") + rebuild + b"q\x10" + _patching(target) + b"b0(h\x10" + _str("evil.py")
+        + _str("class Evil:\n    pass\n") + b"tQu.", patch)
+    routes["BUILD on a function (zip: no .patch, the process changed)"] = (
+        "zip", rebuild + _state({"pwned": b"\x88"}) + b"b",
+        "getattr(torch._utils._rebuild_tensor_v2, 'pwned', False)")
+    routes["BUILD on an enum member an allowed enum class returns"] = (
+        "zip", enum + b"K\x01\x85R" + _state({"pwned": b"\x88"}) + b"b", member)
+    routes["_rebuild_from_type_v2 setting attributes on what its function returns"] = (
+        "zip", global_op("torch._tensor", "_rebuild_from_type_v2") + b"(" + enum + enum + b"K\x01\x85"
+        + _state({"pwned": b"\x88"}) + b"tR", member)
+    return routes

@@ -95,3 +95,18 @@ def test_installed_command_exit_codes(tmp_path, fixtures):
     (tmp_path / "empty.pt").write_bytes(b"")
     bad = subprocess.run([exe, "inspect", str(tmp_path / "empty.pt")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("Error: ") and "empty" in bad.stderr
+
+
+@pytest.mark.parametrize("cut", [b"collections\nOrderedDi", b"collections\n", b"collecti"])
+def test_a_pickle_cut_inside_an_opcodes_argument_is_a_broken_file(tmp_path, fixtures, cli, cut):
+    """A legacy file cut inside a GLOBAL's text lines: CPython's unpickler stops at the missing newline ("pickle data
+    was truncated") before it looks anything up, so `collections.OrderedDi` is no global and no finding: the file is
+    broken (exit 2, the byte named), not code (exit 1)."""
+    legacy = fixtures["legacy"]["path"].read_bytes()
+    at = legacy.index(b"ccollections\nOrderedDict\n") + 1
+    path = tmp_path / "cut.pt"
+    path.write_bytes(legacy[:at + len(cut)])
+    for command in ("inspect", "scan"):
+        result = cli(command, path)
+        assert result.exit_code == 2, (command, result.stderr)
+        assert "at byte" in result.stderr and "OrderedD" not in result.stderr, result.stderr

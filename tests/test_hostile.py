@@ -463,19 +463,21 @@ def test_tuples_nested_through_calls_are_refused_not_a_crash(tmp_path, route):
     """An allow-listed call that hands back its argument (torch.jit's build_intlist and restore_type_tag, torch's
     _rebuild_from_type_v2 around one, a legacy ("module", obj) persistent id) starts a tuple's depth again from 0 in
     the walk: one call and one TUPLE1 a level, 400,000 levels, built a dict key whose hash took the process down
-    (SIGSEGV). The unpickler measures what such calls hand back."""
+    (SIGSEGV). The walk follows a short tuple's items through such calls, and the unpickler measures what they hand
+    back; either refuses it."""
     n = 400_000
+    marks = limits.MAX_OPEN_MARKS // 2  # a MARK a level, left open: past the depth bound, under the MARKs' own
     build = global_op("torch.jit._pickle", "build_intlist") + b"q\x01"
     body = {
         "build_intlist": build + b"0}" + b"h\x01" * n + b"N" + b"\x85R\x85" * n,
         "restore_type_tag": global_op("torch.jit._pickle", "restore_type_tag") + b"q\x01" + b"0}" + b"h\x01" * n
         + b"N" + b"\x85R\x85" * n,
         "_rebuild_from_type_v2": global_op("torch._tensor", "_rebuild_from_type_v2") + b"q\x02" + b"0" + build
-        + b"0}" + b"h\x02(h\x01N]" * n + b"N" + b"\x85aNtR" * n,
+        + b"0}" + b"h\x02(h\x01N]" * marks + b"N" + b"\x85aNtR" * marks,
         "persistent id": b"}" + _str("module") * n + b"N" + b"\x86Q\x85" * n,
     }[route]
     _refused_in_a_child(tmp_path / "laundered.pt", b"\x80\x02" + body + b"Ns.",
-                        f"a call hands back tuples nested {limits.MAX_TUPLE_DEPTH + 1:,} deep")
+                        f"tuples nested {limits.MAX_TUPLE_DEPTH + 1:,} deep")
 
 
 @pytest.mark.parametrize("how", ["shared parts", "one key set again and again", "set members", "set() of a list",
@@ -499,6 +501,64 @@ def test_keys_that_take_billions_of_steps_to_hash_are_refused_not_a_hang(tmp_pat
         assert result.exit_code == 2, (command, result.stderr)
         assert f"add up to more than {limits.MAX_HASHED_TUPLES:,} tuples to hash" in result.stderr, result.stderr
         assert result.stderr.count("\n") == 1
+
+
+def _ints_of_one_hash(count: int) -> list[bytes]:
+    """`count` ints k * (2**61 - 1), which CPython hashes alike (to 0), as LONG1 opcodes."""
+    return [pickle.dumps(k * ((1 << 61) - 1), 2)[2:-1] for k in range(1, count + 1)]
+
+
+def _handed_to(call: bytes, container: bytes, times: int) -> bytes:
+    """`container` (one value), then a list of `times` calls of `call` on it, through the memo."""
+    return call + b"q\x010" + container + b"q\x020(" + b"h\x01h\x02\x85R" * times + b"l"
+
+
+_ONE_HASH = limits.MAX_KEYS_OF_ONE_HASH + 1
+_AGAIN = limits.MAX_HASH_WORK // 10_000 + 1  # calls on a 10,000-item container
+_FLOODS = {  # name -> (the object pickle's body, what the one stderr line names)
+    "MARKs left open": (b"(" * (limits.MAX_OPEN_MARKS + 1) + b"N", f"more than {limits.MAX_OPEN_MARKS:,} MARKs open"),
+    "dict keys of one hash": (b"}(" + b"N".join(_ints_of_one_hash(_ONE_HASH)) + b"Nu",
+                              "dict keys or set members of one hash"),
+    "set() of ints of one hash": (global_op("builtins", "set") + b"(" + b"".join(_ints_of_one_hash(_ONE_HASH))
+                                  + b"l\x85R", "distinct items of one hash"),
+    "one list handed to set() again and again": (
+        _handed_to(global_op("builtins", "set"), b"(" + b"M\x00\x01" * 10_000 + b"l", _AGAIN),
+        f"hash more than {limits.MAX_HASH_WORK:,} items"),
+    "one dict handed to OrderedDict() again and again": (
+        _handed_to(global_op("collections", "OrderedDict"), b"}(" + b"".join(b"M" + struct.pack("<H", i) + b"N"
+                                                                            for i in range(10_000)) + b"u", _AGAIN),
+        f"hash more than {limits.MAX_HASH_WORK:,} items"),
+    "what build_intlist hands back, a key again and again": (
+        b"}" + global_op("torch.jit._pickle", "build_intlist") + b")q\x000" + b"h\x00h\x00h\x00\x87q\x000" * 7
+        + b"h\x00\x85Rq\x010(" + b"h\x01N" * 10_000 + b"u",
+        f"more than {limits.MAX_HASHED_TUPLES:,} tuples to hash"),
+}
+
+
+@pytest.mark.parametrize("how", list(_FLOODS))
+def test_floods_through_the_memo_and_calls_end_in_a_named_refusal(tmp_path, cli, how):
+    """Work the opcodes do not show: 120 million MARKs cost the walk 1.2 GB; ints that hash alike take CPython
+    quadratic time to insert (30,000 took 23 s); a container handed to set() or OrderedDict() through the memo, or
+    a tuple a call hands back used as a key, is hashed again at every use. Each is refused by a bound of its own
+    (limits.py), with one line naming it."""
+    body, why = _FLOODS[how]
+    path = tmp_path / "flood.pt"
+    path.write_bytes(torch_zip(b"\x80\x02" + body + b".", {}))
+    for command in ("inspect", "scan"):
+        result = cli(command, path)
+        assert result.exit_code == 2, (command, result.stderr)
+        assert why in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_dict_shared_by_many_entries_is_not_called_an_attack(tmp_path, cli):
+    """An honest tree that shares one metadata dict across many entries (the pickler's memo) is counted each place
+    it appears; past the bound it is refused in words that do not call it a bomb."""
+    meta = {f"k{i}": i for i in range(1_000)}
+    torch.save({"w": torch.zeros(2), "groups": [meta] * 1_000}, tmp_path / "shared.pt")
+    for command in ("inspect", "scan"):
+        result = cli(command, tmp_path / "shared.pt")
+        assert result.exit_code in (0, 2), result.stderr
+        assert "bomb" not in result.stderr and "attack" not in result.stderr, result.stderr
 
 
 def test_honest_tuple_keys_are_hashed_without_a_refusal(tmp_path, cli):

@@ -30,6 +30,10 @@ def run_unpickler(unpickler: SafeUnpickler, path: Path) -> Any:
         raise
     except Refused as exc:
         raise ReadError(f"{path}: refused to read it: {unpickler.source}: {exc}") from None
+    except MemoryError:  # memory_guard's cap, met by what the walk could not foresee
+        raise ReadError(f"{path}: refused to read it: {unpickler.source} needs more than "
+                        f"{limits.UNPICKLE_HEADROOM >> 20} MB to unpickle, the most ckpt-doctor gives one pickle") \
+            from None
     except PICKLE_ERRORS as exc:
         raise ReadError(f"{path}: {unpickler.source} is not a valid pickle "
                         f"({type(exc).__name__}: {one_line(exc, 160)})") from exc

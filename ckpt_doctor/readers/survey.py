@@ -77,6 +77,7 @@ class Survey:
         self.notes.extend(result.notes)
         self.hazards.extend(Hazard(Verdict.DANGEROUS, f"{a}: torch reads such a pickle one way from a file and "
                                    "another from a stream (no pickler writes one)") for a in result.anomalies)
+        self.hazards.extend(Hazard(Verdict.DANGEROUS, e) for e in result.effects)
         if result.refused:
             self.refused = self.refused or result.refused
 

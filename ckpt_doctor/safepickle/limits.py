@@ -32,6 +32,11 @@ MAX_DISTINCT_GLOBALS = 10_000
 # is not walked: a named error.
 MAX_PICKLE_OPCODES = 15_000_000
 
+# MARKs open at once (each a list on the walker's stack of stacks, an entry in CPython's): an honest pickle opens
+# one per container being built inside another, as deep as its pickler recursed (1,000 by default). 120 million
+# MARKs (a 117 KB deflated data.pkl) cost the walk 1.2 GB.
+MAX_OPEN_MARKS = 100_000
+
 # Tuples nested in tuples: hashing one (a dict key, a set member) recurses in C once per level, with no recursion
 # check, and a 1 MB pickle of TUPLE1s nested a million deep took CPython's stack and the process with it (SIGSEGV).
 # CPython's pickler itself cannot write one deeper than its recursion limit (1,000 by default).
@@ -41,6 +46,19 @@ MAX_TUPLE_DEPTH = 10_000
 # (the walk counts them; CPython 3.11 does not cache a tuple's hash). ~0.2 s of hashing; a 120-byte key of three
 # references to the level below, 40 levels deep, is 3**40.
 MAX_HASHED_TUPLES = 10_000_000
+
+# Dict keys and set members of one hash: CPython inserts n of them in time n**2 (30,000 ints k * (2**61 - 1), which
+# all hash to 0, took 23 s; 4,096 take ~0.4 s). Only numbers a file can make collide are counted (ints past 2**61,
+# -1 and -2, floats, tuples and frozensets of them): str and bytes hashes are salted per process.
+MAX_KEYS_OF_ONE_HASH = 4_096
+# ... and the distinct such keys kept to count them, in hash buckets already crowded (honest keys spread out).
+MAX_CROWDED_KEYS = 262_144
+
+# Items and tuples the unpickler's set(), frozenset(), OrderedDict() and Counter() hash, all calls of one pickle
+# together: a list of 200,000 items handed to set() a million times through the memo is 2 * 10**11. Each item also
+# costs the container it goes into (~100 bytes in an OrderedDict): 2 million are ~0.2 s and ~200 MB. An honest
+# pickle gives these calls its metadata's sets and a Python 2 OrderedDict's pairs.
+MAX_HASH_WORK = 2_000_000
 
 # A single string or byte string the unpickler would build: checkpoints hold tensor bytes outside their pickles,
 # and a 700 MB value costs three times its size on the way to a report.

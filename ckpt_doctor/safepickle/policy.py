@@ -154,6 +154,95 @@ CURATED: dict[str, str] = {
 
 ALLOWED = TORCH_WEIGHTS_ONLY | frozenset(CURATED)
 
+# --- what torch's own load path does with what a pickle hands it ------------------------------------------------
+# An allowed name is not the end of it: torch.load(weights_only=False) unpickles with the full unpickler, and some
+# of what it then does changes the process or touches files, whatever the globals. Each path, and what the walker
+# (walker.py) and the unpickler (unpickler.py) do about it. README, Security, names them.
+
+SIDE_EFFECTS: dict[str, str] = {
+    "BUILD on a global": (
+        "BUILD on an object without __setstate__ updates its __dict__ and setattr()s its slot state: on a function, "
+        "a class or a module (what every global but a torch dtype is) that changes it for the whole process. torch's "
+        "own loaders read attributes set so (dump_patches and __name__, below). Dangerous, whatever the global; "
+        "refused by the unpickler's stand-ins"),
+    "BUILD on an enum member": (
+        "calling an allowed Enum class (or NEWOBJ, OBJ, INST with it) returns its member, one object for the whole "
+        "process; BUILD on it changes that member for every user. Dangerous"),
+    "BUILD on what a call hands back": (
+        "torch.jit._pickle's build_*list and restore_type_tag return their argument, a legacy or tar module record "
+        "returns its container: BUILD on what they hand back is BUILD on a global when a global went in. "
+        "Dangerous"),
+    "_rebuild_from_type_v2 state": (
+        "torch._tensor._rebuild_from_type_v2(func, type, args, state) calls func(*args) and, when the result is of "
+        "exactly that type, setattr()s every item of state on it: with func anything but a torch._utils tensor "
+        "rebuilder (an Enum class returns its member; an identity hands back a global) that is setattr on a "
+        "process-wide object. Dangerous"),
+    "legacy module record": (
+        "the legacy format's persistent id (\"module\", container, source file, source): torch.load reads the "
+        "container's source with inspect and, when it differs and container.dump_patches is true, appends a diff "
+        "holding the file's source text to the file `container.__name__ + '.patch'` (an absolute path when __name__ "
+        "is one). torch.save writes such records for nn.Module classes only (off the allow-list: code); one naming "
+        "an allowed global, or what a call hands back, is dangerous"),
+    "tar module record": (
+        "the pre-0.4 tar format's persistent id (container, source file, source): the same source check and .patch "
+        "write. Dangerous under the same terms"),
+    "a computed persistent id": (
+        "a persistent id that is the result of a call: the walk cannot tell whether the legacy loader takes it for "
+        "a module record. Dangerous"),
+    "storage records": (
+        "(\"storage\", type, key, location, numel[, view]) records read bytes of the file itself and move them to "
+        "the device the location names (which initializes that device): no file outside the checkpoint, no code "
+        "named by the file"),
+    "tar members": (
+        "torch's tar loader extracts the members storages and tensors into a temporary folder and reads them back: "
+        "a member that is a link reads what it points to (a hazard the tar reader reports), a sparse one reads "
+        "what tarfile fills in"),
+    "_codecs.encode": (
+        "allowed by torch: the encoding name is looked up in the standard library's encodings package, which may "
+        "import a module of that package; nothing outside it"),
+}
+
+# What calling (REDUCE, NEWOBJ, OBJ, INST) an allowed global returns, where that is not a new object.
+HANDS_BACK = frozenset(f"torch.jit._pickle.{n}" for n in (
+    "build_intlist", "build_doublelist", "build_boollist", "build_tensorlist", "build_genericlist",
+    "restore_type_tag"))  # their first argument
+# What calling these hashes: the items of their argument (of a dict, its keys; OrderedDict()'s pairs, their keys).
+HASHING = frozenset({"collections.OrderedDict", "collections.Counter", "builtins.set", "builtins.frozenset"})
+FROM_TYPE = "torch._tensor._rebuild_from_type_v2"  # func(*args), then state set on it by setattr
+RECONSTRUCTOR = "copyreg._reconstructor"  # base.__new__(cls, state): a member when base is an Enum class
+ENUMS = frozenset(q for q, why in CURATED.items() if why is _ENUM)  # calling one returns its member
+# Globals that are values BUILD cannot change (no __dict__, no settable attribute): torch's dtypes and qschemes.
+IMMUTABLE_VALUES = frozenset(
+    {f"torch.{d}" for d in _DTYPES} | {f"torch.{q}" for q in (
+        "per_tensor_affine", "per_tensor_symmetric", "per_channel_affine", "per_channel_symmetric",
+        "per_channel_affine_float_qparams")})
+
+
+def call_kind(module: str, name: str) -> str:
+    """What calling the allowed global `module.name` returns: "argument" (its first argument, unchanged), "from type"
+    (_rebuild_from_type_v2), "member" (an Enum's member), "reconstructor" (copyreg._reconstructor), "hashing" (a
+    new container, made by hashing what it is given: HASHING) or "new"."""
+    module, name = resolve(module, name)
+    full = f"{module}.{name}"
+    if full in HANDS_BACK:
+        return "argument"
+    if full == FROM_TYPE:
+        return "from type"
+    if full in ENUMS:
+        return "member"
+    if full == RECONSTRUCTOR:
+        return "reconstructor"
+    if full in HASHING:
+        return "hashing"
+    return "new"
+
+
+def is_mutable(module: str, name: str) -> bool:
+    """Whether BUILD or setattr can change the object `module.name` names (every global but torch's dtypes and
+    qschemes: functions, classes and modules have attributes)."""
+    module, name = resolve(module, name)
+    return f"{module}.{name}" not in IMMUTABLE_VALUES
+
 # --- what is known to run code ---------------------------------------------------------------------------------
 
 # Modules every global of which can run commands, evaluate text, touch files or the network, or unpickle more.

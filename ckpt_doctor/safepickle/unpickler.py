@@ -8,14 +8,31 @@ from collections import Counter, OrderedDict
 
 from ..dtypes import STORAGE_CLASS_DTYPE, element_size, torch_dtype_name
 from . import limits
-from .policy import TENSOR_REBUILDERS, GlobalRef, Verdict, classify, resolve
+from .policy import HANDS_BACK, HASHING, TENSOR_REBUILDERS, GlobalRef, Verdict, classify, resolve
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
     from typing import Any, Callable
 
 
-class Opaque:
+class _SealedClass(type):
+    """The type of the stand-in classes: BUILD or setattr on a class the file names (on the real class, a change for
+    the whole process: policy.SIDE_EFFECTS) is refused, and one stand-in class serves every file read after."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise SideEffect(f"setattr of {name!r} on the class {_qualname(cls)} would change it for the whole process")
+
+    @property
+    def __setstate__(cls) -> Any:  # a data descriptor of the metaclass: BUILD on the class finds this first
+        raise SideEffect(f"BUILD on the class {_qualname(cls)} would set its attributes for the whole process")
+
+
+def _qualname(cls: Any) -> str:
+    ref = cls.__dict__.get("__ref__")
+    return ref.qualname if ref is not None else "object"
+
+
+class Opaque(metaclass=_SealedClass):
     """An object of a class the file names, or the result of calling a global the file names.
 
     Nothing is called: the constructor arguments, the state given by BUILD and the items appended or
@@ -322,14 +339,18 @@ _REBUILDERS: dict[str, Callable[..., Any]] = {
     "_rebuild_device_tensor_from_cpu_tensor": _rebuild_device_tensor_from_cpu_tensor,
 }
 
-def _set(items=(), *rest):
+def _set(work, items=(), *rest):
     if type(items) not in (list, tuple, set, frozenset):
         raise TypeError("set of something other than a list")
+    work.charge(list(items), "set()")
     return set(items)
 
 
-def _frozenset(items=(), *rest):
-    return frozenset(_set(items))
+def _frozenset(work, items=(), *rest):
+    if type(items) not in (list, tuple, set, frozenset):
+        raise TypeError("frozenset of something other than a list")
+    work.charge(list(items), "frozenset()")
+    return frozenset(items)
 
 
 def _bytearray(source=b"", encoding=None, *rest):
@@ -357,11 +378,20 @@ def _slice(*args):
     return slice(*args)
 
 
-def _mapping(kind):
-    def build(items=(), *rest, **kwargs):
-        # Only from containers the pickle holds (never a lazy range that could count to 10**18).
+def _mapping(kind, pairs: bool):
+    """OrderedDict() (`pairs`: of key-value pairs) or Counter() (of the items to count), from a container the pickle
+    holds (never a lazy range that could count to 10**18); what they hash is counted first."""
+
+    def build(work, items=(), *rest, **kwargs):
         if type(items) not in (list, tuple, dict):
             raise TypeError(f"{kind.__name__} of something other than a list or dict")
+        if type(items) is dict:
+            keys = list(items)
+        elif pairs:
+            keys = [p[0] if type(p) in (tuple, list) and len(p) == 2 else p for p in items]
+        else:
+            keys = list(items)
+        work.charge(keys, f"{kind.__name__}()")
         return kind(items)
 
     return build
@@ -372,15 +402,15 @@ def _defaultdict(factory=None, *rest):
 
 
 _SAFE_CALLABLES: dict[str, Any] = {
-    "collections.OrderedDict": OrderedDict,  # torch writes OrderedDict() and fills it by SETITEMS
-    "collections.Counter": _mapping(Counter),
+    "collections.OrderedDict": _mapping(OrderedDict, True),  # torch writes OrderedDict() and fills it by SETITEMS
+    "collections.Counter": _mapping(Counter, False),
     "collections.defaultdict": _defaultdict,
     "torch.Size": _size,
     "torch.device": _device,
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
     "_codecs.encode": _codecs_encode,
     "copyreg._reconstructor": _reconstructor,
-    "torch.jit._pickle.build_intlist": lambda x: x,  # these hand their argument back: see _HAND_BACK
+    "torch.jit._pickle.build_intlist": lambda x: x,  # these hand their argument back: policy.HANDS_BACK
     "torch.jit._pickle.build_doublelist": lambda x: x,
     "torch.jit._pickle.build_boollist": lambda x: x,
     "torch.jit._pickle.build_tensorlist": lambda x: x,
@@ -391,8 +421,6 @@ _SAFE_CALLABLES: dict[str, Any] = {
 }
 
 
-# Calls that hand back what they were given: what they return is measured (_handed_back).
-_HAND_BACK = frozenset(q for q in _SAFE_CALLABLES if q.startswith("torch.jit._pickle."))
 
 
 def _measured(identity: Callable[..., Any], depths: dict[int, tuple[tuple, int]]) -> Callable[..., Any]:
@@ -402,21 +430,102 @@ def _measured(identity: Callable[..., Any], depths: dict[int, tuple[tuple, int]]
     return call
 
 
-def _strict(func: Callable[..., Any], ref: GlobalRef) -> Callable[..., Any]:
-    """Malformed arguments to a rebuild function make the file unreadable, as they make torch.load fail; what the
-    file would run is already known from the walk (readers/survey.py), so nothing is lost by stopping."""
+class StandIn:
+    """An allowed function as the unpickler hands it out: calling it calls its inert stand-in above; BUILD or
+    setattr on it is refused (on the real function it would change the process: policy.SIDE_EFFECTS).
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+    Malformed arguments make the file unreadable, as they make torch.load fail; what the file would run is already
+    known from the walk (readers/survey.py), so nothing is lost by stopping."""
+
+    __slots__ = ("_func", "_ref", "_work")
+
+    def __init__(self, func: Callable[..., Any], ref: GlobalRef, work: _HashWork | None = None) -> None:
+        object.__setattr__(self, "_func", func)
+        object.__setattr__(self, "_ref", ref)
+        object.__setattr__(self, "_work", work)  # given first to the calls that hash their argument
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return func(*args, **kwargs)
+            if self._work is not None:
+                return self._func(self._work, *args, **kwargs)
+            return self._func(*args, **kwargs)
         except (TypeError, ValueError, KeyError, IndexError, OverflowError, AttributeError) as exc:
-            raise MalformedPickle(f"{ref.qualname} is called with malformed arguments ({exc})") from None
+            raise MalformedPickle(f"{self._ref.qualname} is called with malformed arguments ({exc})") from None
 
-    return call
+    def __setstate__(self, state: Any) -> None:
+        raise SideEffect(f"BUILD on {self._ref.qualname} would set attributes of a function for the whole process")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise SideEffect(f"setattr of {name!r} on {self._ref.qualname} would change it for the whole process")
+
+    def __repr__(self) -> str:
+        return f"<{self._ref.qualname}>"
 
 
 class Refused(Exception):
-    """A bound no honest pickle reaches, met while unpickling (not a ValueError: _strict passes it on unchanged)."""
+    """A bound no honest pickle reaches, met while unpickling (not a ValueError: StandIn passes it on unchanged)."""
+
+
+class SideEffect(Refused):
+    """BUILD or setattr on a function or class the file names: on the real one, a change to the whole process."""
+
+
+_CHOSEN = (int, float, complex, tuple, frozenset)  # values whose hashes a file can make collide
+
+
+class _HashWork:
+    """What the set(), frozenset(), OrderedDict() and Counter() calls of one load hash: each item, and each tuple
+    under it (tuples are hashed anew each time; measured once per load, by id), against limits.MAX_HASH_WORK; and
+    no more than limits.MAX_KEYS_OF_ONE_HASH distinct keys of one hash, which CPython inserts in quadratic time. The
+    walk cannot count these: it does not know what a list holds when it is handed over, again and again."""
+
+    __slots__ = ("left", "nodes")
+
+    def __init__(self) -> None:
+        self.left = limits.MAX_HASH_WORK
+        self.nodes: dict[int, tuple[tuple, int]] = {}  # id -> (the tuple, kept so that its id is not reused; nodes)
+
+    def charge(self, keys: list, what: str) -> None:
+        """Count the hashing of `keys` before it is done; refuse what is past the bounds."""
+        self.left -= len(keys)
+        kinds = set(map(type, keys)) if self.left >= 0 else set()
+        if any(issubclass(kind, tuple) for kind in kinds):
+            for key in keys:
+                if isinstance(key, tuple):
+                    self.left -= self._count(key)
+                    if self.left < 0:
+                        break
+        if self.left < 0:
+            raise Refused(f"{what} calls hash more than {limits.MAX_HASH_WORK:,} items and tuples (a hash flood; no "
+                          "checkpoint needs one)")
+        most = limits.MAX_KEYS_OF_ONE_HASH
+        if len(keys) <= most or not any(issubclass(kind, _CHOSEN) for kind in kinds):
+            return  # str and bytes hashes are salted per process; stand-ins hash by identity
+        hashes = list(map(hash, keys))
+        if len(keys) - len(set(hashes)) < most:
+            return  # no hash can be shared by more than `most` keys
+        for digest, count in Counter(hashes).items():
+            if count > most:
+                group = [k for k, h in zip(keys, hashes) if h == digest][:most + 1]
+                if len(set(map(repr, group))) > most:  # distinct values (equal ones are one key)
+                    raise Refused(f"{what} is given more than {most:,} distinct items of one hash: CPython takes "
+                                  "quadratic time to insert them")
+
+    def _count(self, value: tuple) -> int:
+        """Tuples hashing `value` visits (each tuple once by id to measure; shared parts count each time)."""
+        known = self.nodes.get(id(value))
+        if known is not None:
+            return known[1]
+        todo: list[tuple[tuple, bool]] = [(value, False)]
+        while todo:
+            item, done = todo.pop()
+            if done:
+                total = 1 + sum(self.nodes[id(c)][1] for c in item if isinstance(c, tuple))
+                self.nodes[id(item)] = (item, min(total, limits.MAX_HASH_WORK + 1))
+            elif id(item) not in self.nodes:
+                todo.append((item, True))
+                todo.extend((c, False) for c in item if isinstance(c, tuple) and id(c) not in self.nodes)
+        return self.nodes[id(value)][1]
 
 
 class MalformedPickle(ValueError):
@@ -473,6 +582,7 @@ class SafeUnpickler(_pickle.Unpickler):
         self._persistent = persistent  # a format's own persistent ids (the tar format's integers)
         self.length = file.getbuffer().nbytes if isinstance(file, io.BytesIO) else 0  # bounds the tree walk
         self._depths: dict[int, tuple[tuple, int]] = {}  # tuples calls handed back, measured (_handed_back)
+        self._work = _HashWork()
 
     def find_class(self, module: str, name: str) -> Any:
         key = (module, name)
@@ -489,14 +599,14 @@ class SafeUnpickler(_pickle.Unpickler):
             qual = f"{module}.{name}"
             if module == "torch._utils" and name in TENSOR_REBUILDERS:
                 func = _REBUILDERS.get(name)
-                return _strict(func, ref) if func else _opaque_class(ref)
+                return StandIn(func, ref) if func else _opaque_class(ref)
             if qual in _SAFE_CALLABLES:
                 target = _SAFE_CALLABLES[qual]
-                if qual in _HAND_BACK:
+                if qual in HANDS_BACK:  # what they return is measured (_handed_back)
                     target = _measured(target, self._depths)
-                return target if isinstance(target, type) else _strict(target, ref)
+                return StandIn(target, ref, self._work if qual in HASHING else None)
             if qual == "torch.nn.parameter.Parameter":
-                return _strict(_parameter, ref)
+                return StandIn(_parameter, ref)
             if module in ("torch", "torch.cuda", "torch.storage") and name in STORAGE_CLASS_DTYPE:
                 return StorageType(STORAGE_CLASS_DTYPE[name])
             if module == "torch" and torch_dtype_name(name) is not None:
@@ -509,6 +619,7 @@ class SafeUnpickler(_pickle.Unpickler):
                 return super().load()
         finally:
             self._depths.clear()  # the tuples measured are the tree's own now, or garbage
+            self._work.nodes.clear()
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent is not None:

@@ -22,7 +22,7 @@ import struct
 from .._record import field, record
 
 from . import limits
-from .policy import GlobalRef, Verdict, classify
+from .policy import GlobalRef, Verdict, call_kind, classify, is_mutable
 
 # What the walker knows of a stack value: a str it can read back (kept as (start, end, codec) into the data, so a
 # big string is never copied), definitely not a str, or unknown (the result of a call: it might be a str). A tuple
@@ -35,6 +35,54 @@ _NODES = 14
 _DEPTH = (1 << _NODES) - 1  # past MAX_TUPLE_DEPTH: a deeper tuple is refused, and its depth saturates here
 _NOT_STR = object()
 _UNKNOWN = object()
+
+
+class _Global:
+    """A global on the walker's stack: a function, class or module of the process (or a torch dtype), or, off the
+    allow-list, anything (a str too). BUILD or setattr on it changes it for the whole process."""
+
+    __slots__ = ("kind", "mutable", "ref", "safe")
+
+    def __init__(self, ref: GlobalRef) -> None:
+        self.ref = ref
+        self.safe = ref.verdict is Verdict.SAFE
+        self.kind = call_kind(ref.module, ref.name) if self.safe else "new"  # what calling it returns
+        self.mutable = is_mutable(ref.module, ref.name)
+
+
+class _Held:
+    """What the walk knows of a value beyond the plain kinds: a tuple holding globals or values whose hash a file can
+    choose, a number whose hash it can choose, or what a call or a persistent id hands back.
+
+    `code`: the hash cost and depth of a tuple, as for a plain tuple (None: no tuple); `objects`: the process-wide
+    objects (_Global, or a description) the value may itself be, which BUILD would change (_ANY: any at all);
+    `items`: a short tuple's items, as the walk knows them; `maybe_str`: it may be a str (a call's result);
+    `digest`, `value`: its hash, for a value whose hash a file can choose (ints past 2**61, -1, floats, tuples of
+    them), and what tells equal values apart."""
+
+    __slots__ = ("code", "digest", "items", "maybe_str", "objects", "value")
+
+    def __init__(self, code: int | None = None, objects: tuple = (), items: tuple | None = None,
+                 maybe_str: bool = False, digest: int | None = None, value: object = None) -> None:
+        self.code, self.objects, self.items, self.maybe_str = code, objects, items, maybe_str
+        self.digest, self.value = digest, value
+
+
+_ANY = "anything at all"  # in _Held.objects: what a call hands back when the walk does not know its argument
+_SHORT = 6  # a tuple of at most this many items keeps them (a legacy storage record has six)
+_HASH_M = (1 << 61) - 1  # CPython hashes ints modulo this: k * (2**61 - 1) all hash to 0
+_MINUS_ONE = _Held(digest=-2, value=-1)  # hash(-1) == hash(-2) == -2
+_MINUS_TWO = _Held(digest=-2, value=-2)
+
+
+def _number(value: float) -> object:
+    """The walk's value for a number a pickle spells out: plain unless its hash can be made to collide with others'
+    (ints past 2**61 or -1/-2; floats, ~16 to a hash)."""
+    if value.__class__ is float:
+        return value
+    if -_HASH_M < value < _HASH_M and value not in (-1, -2):
+        return _NOT_STR
+    return _Held(digest=hash(value), value=value)
 _UTF8, _RAW_UNICODE, _QUOTED, _BYTES_STR = 0, 1, 2, 3
 
 _VALID = frozenset(b"(.012FIJKLMNPQRSTUVXabcdeghijlopqrstu}])G\x80\x81\x82\x83\x84\x85\x86\x87\x88\x89\x8a\x8b"
@@ -42,6 +90,58 @@ _VALID = frozenset(b"(.012FIJKLMNPQRSTUVXabcdeghijlopqrstu}])G\x80\x81\x82\x83\x
 _LE4 = struct.Struct("<I")
 _LE4S = struct.Struct("<i")
 _LE8 = struct.Struct("<Q")
+_BE8D = struct.Struct(">d")
+
+
+def _may_be_str(value: object) -> bool:
+    """Whether a stack value may be a str, as STACK_GLOBAL needs: a str the walk read, or what it cannot know."""
+    kind = value.__class__
+    if kind is tuple or value is _UNKNOWN:
+        return True
+    if kind is _Global:
+        return not value.safe  # type: ignore[attr-defined]  # an allowed global is a function, class or dtype
+    return kind is _Held and value.maybe_str  # type: ignore[attr-defined]
+
+
+def _text_number(raw: bytes, op: int) -> object:
+    """The walk's value of an INT, LONG or FLOAT line (what CPython cannot parse stops it there: any value will do)."""
+    try:
+        if op == 0x46:
+            return float(raw)
+        if op == 0x49 and raw in (b"00", b"01"):
+            return _NOT_STR  # False, True
+        return _number(int(raw[:-1] if op == 0x4C and raw.endswith(b"L") else raw))
+    except (ValueError, OverflowError):
+        return _NOT_STR
+
+
+def _shed(code: int) -> int | None:
+    """The code of what a call hands back from arguments of tuple code `code` (one of them: the tuples below): as
+    many tuples to hash at most, its depth counted again from 0 (the unpickler measures it); None: no tuple."""
+    below = code >> _NODES
+    return (below - 1) << _NODES if below else None
+
+
+def _objects(value: object) -> tuple:
+    """The process-wide objects a stack value may be (what BUILD on it would change)."""
+    if value.__class__ is _Global:
+        return (value,)
+    if value.__class__ is _Held:
+        return value.objects  # type: ignore[attr-defined]
+    return ()
+
+
+def _merge(values: list) -> object:
+    """One stack value for what may be any of `values` (a call that returns one thing or another)."""
+    if len(values) == 1:
+        return values[0]
+    objects: tuple = ()
+    codes = [v if v.__class__ is int else v.code for v in values if v.__class__ is int or v.__class__ is _Held
+             and v.code is not None]
+    for value in values:
+        objects += tuple(o for o in _objects(value) if o not in objects)
+    return _Held(code=max(codes) if codes else None, objects=objects,
+                 maybe_str=any(_may_be_str(v) for v in values))
 
 
 class _Break(Exception):
@@ -72,19 +172,60 @@ class Walk:
     refused: str | None = None  # a resource limit the pickle exceeds: it must not be unpickled
     notes: list[str] = field(default_factory=list)
     anomalies: list[str] = field(default_factory=list)  # frames built to be read two ways: a finding
+    # What torch's own load path would do to the process or the file system (policy.SIDE_EFFECTS): findings.
+    effects: list[str] = field(default_factory=list)
+    effect_kinds: set = field(default_factory=set, repr=False)  # each side effect listed once
     # The first GLOBAL/INST CPython cannot look up (unresolvable()): its unpickler stops there. (byte, why)
     unresolved: tuple[int, str] | None = None
-    seen: dict = field(default_factory=dict, repr=False)  # (module, name) -> verdict, for globals already listed
+    seen: dict = field(default_factory=dict, repr=False)  # (module, name) -> _Global, for globals already listed
 
     @property
     def findings(self) -> list[GlobalRef]:
         return [g for g in self.globals if g.verdict is not Verdict.SAFE]
 
 
-def new_budget() -> list[int]:
+def new_budget() -> list:
     """What one file may cost the walker, shared by every walk of it: [nested bytes left, opcodes left, tuples
-    left to hash]."""
-    return [limits.MAX_NESTED_BYTES, limits.MAX_PICKLE_OPCODES, limits.MAX_HASHED_TUPLES]
+    left to hash, the dict keys and set members of chosen hashes seen (a _Buckets, made when the first is)]."""
+    return [limits.MAX_NESTED_BYTES, limits.MAX_PICKLE_OPCODES, limits.MAX_HASHED_TUPLES, None]
+
+
+class _Buckets:
+    """Dict keys and set members whose hash a file can choose (ints past 2**61, floats, tuples of them), counted by
+    hash: CPython inserts keys of one hash in quadratic time (30,000 ints k * (2**61 - 1) took 23 s), so more than
+    limits.MAX_KEYS_OF_ONE_HASH distinct ones are refused. A bucket is counted by occurrences up to COUNTED, then by
+    distinct values (a value repeated in many dicts is one key in each), kept as their repr: hashing the values
+    themselves would be the quadratic work."""
+
+    __slots__ = ("counts", "distinct", "stored")
+    BITS = 20
+    COUNTED = 64  # keys a bucket takes before its values are told apart
+
+    def __init__(self) -> None:
+        self.counts = [0] * (1 << self.BITS)
+        self.distinct: dict[int, set[str]] = {}
+        self.stored = 0
+
+    def add(self, digest: int, value: object) -> str | None:
+        """Count one key; why it is one too many, or None."""
+        bucket = digest & ((1 << self.BITS) - 1)
+        count = self.counts[bucket] + 1
+        self.counts[bucket] = count
+        if count <= self.COUNTED:
+            return None
+        seen = self.distinct.setdefault(bucket, set())
+        text = repr(value)
+        if text in seen:
+            return None
+        seen.add(text)
+        self.stored += 1
+        if len(seen) + self.COUNTED > limits.MAX_KEYS_OF_ONE_HASH:  # the first COUNTED may all have been distinct
+            return (f"more than {limits.MAX_KEYS_OF_ONE_HASH:,} distinct dict keys or set members of one hash "
+                    "(numbers whose hashes a file can choose): CPython takes quadratic time to insert them")
+        if self.stored > limits.MAX_CROWDED_KEYS:
+            return (f"more than {limits.MAX_CROWDED_KEYS:,} dict keys or set members in crowded hash buckets "
+                    "(numbers whose hashes a file can choose)")
+        return None
 
 
 def unresolvable(module: str, name: str) -> bool:
@@ -110,7 +251,7 @@ def starts_pickle(data: bytes, at: int = 0) -> bool:
 
 
 def walk(data: bytes | memoryview, source: str, start: int = 0, *, max_pickles: int | None = None,
-         depth: int = 0, budget: list[int] | None = None, following: bool = False) -> Walk:
+         depth: int = 0, budget: list | None = None, following: bool = False) -> Walk:
     """Walk pickles from `start`: the first, then each that follows its STOP, until one breaks off, the data ends,
     or `max_pickles` have been walked. Never raises for malformed data: it says where and why it stopped.
 
@@ -130,7 +271,7 @@ def walk(data: bytes | memoryview, source: str, start: int = 0, *, max_pickles: 
     return result
 
 
-def _chain(data, at: int, source: str, result: Walk, depth: int, budget: list[int], max_pickles: int | None,
+def _chain(data, at: int, source: str, result: Walk, depth: int, budget: list, max_pickles: int | None,
            main: bool, following: bool = False) -> list[int]:
     """Walk one run of concatenated pickles from `at`; the start of every other run a frame makes possible."""
     side: list[int] = []
@@ -170,7 +311,7 @@ def _chain(data, at: int, source: str, result: Walk, depth: int, budget: list[in
 class _Machine:
     """One pickle's worth of CPython's unpickling machine, run on what the walker knows of each value."""
 
-    def __init__(self, data, pos: int, source: str, result: Walk, depth: int, budget: list[int]) -> None:
+    def __init__(self, data, pos: int, source: str, result: Walk, depth: int, budget: list) -> None:
         self.data, self.pos, self.source, self.result = data, pos, source, result
         self.depth, self.budget = depth, budget
         self.start = pos
@@ -187,8 +328,10 @@ class _Machine:
         return start
 
     def _line(self) -> tuple[int, int]:
-        """A protocol-0 argument line: (start, end) without its newline. At the end of the data CPython takes what
-        is left and drops its last byte as if it were the newline."""
+        """A protocol-0 argument line: (start, end) without its newline. A line the data ends inside (no newline
+        yet) stops CPython's unpickler ("pickle data was truncated") before it uses the line: a GLOBAL cut inside
+        its name looks nothing up. (Lib/pickle.py's pure-Python unpickler would drop the last byte instead; torch
+        and pickle.load use the C one.)"""
         data, start = self.data, self.pos
         if isinstance(data, memoryview):  # no find(): look in 64 KB pieces (a hostile line can be megabytes)
             nl, at = -1, start
@@ -201,10 +344,7 @@ class _Machine:
         else:
             nl = data.find(b"\n", start)
         if nl < 0:
-            if start >= len(data):
-                raise _Truncated("the data ends inside an opcode's argument")
-            self.pos = len(data)
-            return start, len(data) - 1
+            raise _Truncated("the data ends inside an opcode's argument (a line without its newline)")
         self.pos = nl + 1
         return start, nl
 
@@ -235,15 +375,16 @@ class _Machine:
                                               "no Python names, which CPython's unpickler stops at")
             return _UNKNOWN
         seen = self.result.seen
-        verdict = seen.get((module, name))
-        if verdict is None:  # each distinct global once, where it first appears: a pickle can repeat one 2M times
+        value = seen.get((module, name))
+        if value is None:  # each distinct global once, where it first appears: a pickle can repeat one 2M times
             if len(seen) >= limits.MAX_DISTINCT_GLOBALS:
                 raise _OutOfTime(f"more than {limits.MAX_DISTINCT_GLOBALS:,} distinct globals: no checkpoint "
                                  "names that many")
             verdict, reason = classify(module, name)
-            seen[(module, name)] = verdict
-            self.result.globals.append(GlobalRef(module, name, verdict, reason, f"{self.source} at byte {at}"))
-        return _NOT_STR if verdict is Verdict.SAFE else _UNKNOWN
+            ref = GlobalRef(module, name, verdict, reason, f"{self.source} at byte {at}")
+            value = seen[(module, name)] = _Global(ref)
+            self.result.globals.append(ref)
+        return value
 
     def _frame_anomaly(self, what: str) -> None:
         """A frame that does not end on an opcode boundary: CPython reads such a pickle one way from a file with
@@ -309,14 +450,256 @@ class _Machine:
         for value in values:
             if value.__class__ is int:
                 nodes += (value >> _NODES) + 1
+            elif value.__class__ is _Held and value.code is not None:
+                nodes += (value.code >> _NODES) + 1
         self.budget[2] -= nodes
         if self.budget[2] < 0:
             self._flooded(at)
+
+    def _keys(self, values: list, at: int) -> None:
+        """Dict keys and set members, hashed into one container: counted as _hashing counts them, and those whose
+        hash a file can choose counted by hash (_Buckets)."""
+        self._hashing(values, at)
+        for value in values:
+            if value.__class__ is float:
+                self._chosen(hash(value), value, at)
+            elif value.__class__ is _Held and value.digest is not None:
+                self._chosen(value.digest, value.value, at)
+
+    def _chosen(self, digest: int, value: object, at: int) -> None:
+        buckets = self.budget[3]
+        if buckets is None:
+            buckets = self.budget[3] = _Buckets()
+        elif buckets is False:  # refused already: nothing more to count
+            return
+        why = buckets.add(digest, value)
+        if why is not None:  # the walk goes on (it is linear); the unpickler must not run
+            self.budget[3] = False
+            self._refuse(f"{why}, at byte {at}")
 
     def _flooded(self, at: int) -> None:
         """The file's budget of tuples to hash is spent (run() takes from it inline for REDUCE's arguments)."""
         self._refuse(f"dict keys, set members and call arguments add up to more than {limits.MAX_HASHED_TUPLES:,} "
                      f"tuples to hash, at byte {at} (a hash flood; no checkpoint needs one)")
+
+    # -- what torch's own load path does with what the pickle builds (policy.SIDE_EFFECTS) ------------------------
+    def _effect(self, what: str, why: str, at: int) -> None:
+        """A side effect torch.load(weights_only=False) would have: a finding (each kind listed once)."""
+        kinds = self.result.effect_kinds
+        if what in kinds or len(kinds) >= 64:
+            return
+        kinds.add(what)
+        self.result.effects.append(f"{what} ({self.source} at byte {at}): {why}")
+
+    def _build(self, target: object, at: int) -> None:
+        """BUILD on a global, or on what may be one: it changes a process-wide object."""
+        for obj in _objects(target):
+            if obj.__class__ is _Global:
+                if obj.mutable:  # type: ignore[attr-defined]
+                    name = obj.ref.qualname  # type: ignore[attr-defined]
+                    self._effect(f"BUILD on {name}", f"sets attributes of {name} (a function, class or module) for "
+                                 "the whole process; torch's legacy and tar loaders read dump_patches and __name__ "
+                                 "set so, and write a .patch file there", at)
+            elif obj is _ANY:
+                self._effect("BUILD on what a call hands back", "the call may hand back a function, class or "
+                             "module (torch.jit's build_*list and a module record return their argument): BUILD "
+                             "then sets its attributes for the whole process", at)
+            else:
+                self._effect(f"BUILD on {obj}", "one object for the whole process: BUILD sets its attributes for "
+                             "every user of it", at)
+
+    @staticmethod
+    def _instance(made_by: object) -> object:
+        """What NEWOBJ, OBJ or INST with the class `made_by` makes: a new object, but for an Enum class its member."""
+        made: list = []
+        for obj in _objects(made_by):
+            if obj.__class__ is _Global and obj.safe and obj.kind == "member":  # type: ignore[attr-defined]
+                made.append(f"a member of the Enum {obj.ref.qualname}")  # type: ignore[attr-defined]
+            elif obj is _ANY:
+                made.append(_ANY)
+        return _Held(objects=tuple(made)) if made else _UNKNOWN
+
+    def _handed(self, args: object, index: int) -> object:
+        """Item `index` of a call's arguments, which the call hands back (REDUCE's args must be a tuple)."""
+        if args.__class__ is _Held:
+            if args.items is not None:  # type: ignore[attr-defined]
+                items = args.items  # type: ignore[attr-defined]
+                return items[index] if index < len(items) else _UNKNOWN
+            if args.code is None:  # type: ignore[attr-defined]  # no tuple: CPython raises, unless a call made it
+                return _Held(objects=(_ANY,), maybe_str=True) if _ANY in args.objects else _UNKNOWN  # type: ignore
+            # A long tuple holding globals, or a tuple a call handed back: which item, the walk does not know. A
+            # handed-back tuple of plain values holds no global.
+            inside = () if args.maybe_str and not args.objects else (_ANY,)  # type: ignore[attr-defined]
+            return _Held(code=_shed(args.code), objects=inside, maybe_str=True)  # type: ignore[attr-defined]
+        if args.__class__ is int:  # a tuple of plain values: the item may be a tuple (its cost goes on) or a str
+            code = _shed(args)  # type: ignore[arg-type]
+            return _UNKNOWN if code is None else _Held(code=code, maybe_str=True)
+        if args is _UNKNOWN:  # a tuple a call made: anything at all
+            return _Held(objects=(_ANY,), maybe_str=True)
+        return _UNKNOWN  # not a tuple: CPython raises
+
+    def _call(self, func: object, args: object, at: int) -> object:
+        """What REDUCE leaves: a new object, unless `func` hands back (part of) its arguments, returns an Enum's
+        member, or is _rebuild_from_type_v2."""
+        if func.__class__ is _Global:
+            if not func.safe:  # type: ignore[attr-defined]  # off the allow-list: a finding already
+                return _UNKNOWN
+            candidates = [func]
+        elif func.__class__ is _Held and func.objects:  # type: ignore[attr-defined]  # a handed-back callable
+            if _ANY in func.objects:  # type: ignore[attr-defined]
+                self._effect("a call of what a call hands back", "it may be any allowed function, "
+                             "_rebuild_from_type_v2 (which sets attributes on what it builds) among them", at)
+                return _Held(objects=(_ANY,), maybe_str=True)
+            candidates = [g for g in func.objects if g.__class__ is _Global and g.safe]  # type: ignore[attr-defined]
+        else:
+            return _UNKNOWN
+        results = []
+        for g in candidates:
+            kind = g.kind
+            if kind == "argument":
+                results.append(self._handed(args, 0))
+            elif kind == "member":
+                results.append(_Held(objects=(f"a member of the Enum {g.ref.qualname}",)))
+            elif kind == "reconstructor":  # base.__new__(cls, state): an Enum's member when base is an Enum
+                base = self._handed(args, 1)
+                if base.__class__ is _Global and base.safe and base.kind == "member":
+                    results.append(_Held(objects=(f"a member of the Enum {base.ref.qualname}",)))
+                elif _objects(base) and base.__class__ is not _Global:
+                    results.append(_Held(objects=(_ANY,)))
+                else:
+                    results.append(_UNKNOWN)
+            elif kind == "from type":
+                results.append(self._from_type(args, at))
+            else:
+                results.append(_UNKNOWN)
+        return _merge(results) if results else _UNKNOWN
+
+    def _from_type(self, args: object, at: int) -> object:
+        """torch._tensor._rebuild_from_type_v2(func, type, args, state): func(*args), then state set on the result
+        with setattr. Safe when func is a torch._utils tensor rebuilder (all torch.save writes)."""
+        func = self._handed(args, 0)
+        if func.__class__ is _Global:
+            if not func.safe or func.kind == "new":  # type: ignore[attr-defined]
+                return _UNKNOWN  # a new object (a tensor, all torch.save writes); or code, a finding already
+        elif not _objects(func):
+            return _UNKNOWN  # no global: func(*args) fails, or makes a new object
+        result = self._call(func, self._handed(args, 2), at)
+        if _objects(result):
+            what = func.ref.qualname if func.__class__ is _Global else "what a call hands back"  # type: ignore
+            self._effect(f"_rebuild_from_type_v2 of {what}", f"torch._tensor._rebuild_from_type_v2 calls {what} "
+                         "and sets attributes on what it returns, here an Enum's member or a global handed back: "
+                         "changed for the whole process (torch.save writes tensor rebuilders there only)", at)
+        return result
+
+    def _truthy(self, value: object) -> bool:
+        """Whether a value may be true (torch checks a module record's source only when both fields are)."""
+        if value.__class__ is tuple and value[1] - value[0] <= 16:  # type: ignore[index]
+            try:
+                return self._value_text(value) != ""  # type: ignore[arg-type]
+            except (UnicodeError, ValueError):
+                return True
+        return True
+
+    def _record(self, container: object, kind: str, at: int) -> None:
+        """A module record torch checks the source of: a .patch file written when the container's dump_patches is
+        set (a BUILD can set it, and __name__, the file's path)."""
+        for obj in _objects(container):
+            if obj.__class__ is _Global and obj.safe and obj.mutable or obj is _ANY:  # type: ignore[attr-defined]
+                name = obj.ref.qualname if obj is not _ANY else "what a call hands back"  # type: ignore
+                self._effect(f"a {kind} of {name}", f"torch.load compares the source of {name} with the file's "
+                             "and, when its dump_patches is set, appends the file's text to `<its __name__>.patch`"
+                             " (torch.save writes module records for nn.Module classes only)", at)
+
+    def _persistent(self, pid: object, at: int) -> object:
+        """What torch's persistent_load makes of `pid`: storages are new objects; a module record (legacy:
+        ("module", container, source file, source); tar: (container, source file, source)) hands back its
+        container after checking its source."""
+        if pid.__class__ is int:  # a tuple of plain values: what it hands back may be one of its tuples
+            code = _shed(pid)  # type: ignore[arg-type]
+            return _UNKNOWN if code is None else _Held(code=code, maybe_str=True)
+        if pid.__class__ is _Held and pid.items is None and not pid.objects:  # type: ignore[attr-defined]
+            code = _shed(pid.code) if pid.code else None  # type: ignore[attr-defined]
+            return _UNKNOWN if code is None else _Held(code=code, maybe_str=True)
+        if pid.__class__ is not _Held or pid.items is None:  # type: ignore[attr-defined]
+            if pid.__class__ is _Global or pid.__class__ is float:
+                return _UNKNOWN  # torch fails on it
+            self._effect("a persistent id computed while loading", "the walk cannot tell whether torch's legacy "
+                         "loader takes it for a module record (which checks a source and may write a .patch file)",
+                         at)
+            return _Held(objects=(_ANY,), maybe_str=True)
+        items = pid.items  # type: ignore[attr-defined]
+        if not items:
+            return _UNKNOWN
+        first = items[0]
+        text = None
+        if first.__class__ is tuple and first[1] - first[0] <= 16:
+            try:
+                text = self._value_text(first)
+            except (UnicodeError, ValueError):
+                text = None
+        if text == "storage":
+            return _UNKNOWN
+        results = []
+        if len(items) >= 2 and (text == "module" or text is None and (first is _NOT_STR or _may_be_str(first))):
+            if len(items) == 4 and self._truthy(items[2]) and self._truthy(items[3]):
+                self._record(items[1], "legacy module record", at)
+            results.append(items[1])
+        if len(items) == 3 and self._truthy(items[1]) and self._truthy(items[2]):
+            self._record(first, "tar module record", at)
+        results.append(first if text is None else _UNKNOWN)
+        return _merge(results)
+
+    def _tuple(self, items: list, at: int) -> object:
+        """A tuple holding a global, a float, a number of chosen hash or another _Held: its _Held."""
+        below = depth = 0
+        chosen = False
+        digests: list = []
+        values: list = []
+        data = self.data
+        for value in items:
+            kind = value.__class__
+            code = value if kind is int else value.code if kind is _Held else None
+            if code is not None:
+                below += (code >> _NODES) + 1
+                depth = max(depth, code & _DEPTH)
+            if kind is float:
+                chosen = True
+                digests.append(hash(value))
+                values.append(value)
+            elif kind is _Held and value.digest is not None:
+                chosen = True
+                digests.append(value.digest)
+                values.append(value.value)
+            elif kind is tuple:  # a str: equal strs hash alike
+                raw = bytes(data[value[0]:value[1]]) if value[1] - value[0] <= 4096 else \
+                    (value[1] - value[0], bytes(data[value[0]:value[0] + 2048]), bytes(data[value[1] - 2048:value[1]]))
+                digests.append(hash(raw))
+                values.append(raw)
+            elif kind is _Global:
+                digests.append(hash(value.ref.qualname))
+                values.append(value.ref.qualname)
+            else:
+                digests.append(0)
+                values.append(None)
+        depth += 1
+        if depth > limits.MAX_TUPLE_DEPTH:
+            self._refuse(f"tuples nested {depth:,} deep at byte {at}: hashing one overflows CPython's stack (no "
+                         "pickler writes one)")
+            depth = _DEPTH
+        code = min(below, limits.MAX_HASHED_TUPLES) << _NODES | depth
+        return _Held(code=code, items=tuple(items) if len(items) <= _SHORT else None,
+                     digest=hash(tuple(digests)) if chosen else None, value=tuple(values) if chosen else None)
+
+    @staticmethod
+    def _frozenset(items: list) -> object:
+        """FROZENSET's value: plain, or of chosen hash when its members are."""
+        digests = [hash(v) if v.__class__ is float else v.digest for v in items
+                   if v.__class__ is float or v.__class__ is _Held and v.digest is not None]
+        if not digests:
+            return _NOT_STR
+        values = sorted(repr(v if v.__class__ is float else v.value) for v in items
+                        if v.__class__ is float or v.__class__ is _Held and v.digest is not None)
+        return _Held(digest=hash(frozenset(digests)), value=tuple(values))
 
     def _refuse(self, why: str) -> None:
         """A bound no honest pickle reaches: the file must not be unpickled, but walking on still names what it
@@ -345,6 +728,7 @@ class _Machine:
         memo_limit = self.memo_limit
         memo_cap = limits.MAX_MEMO_ENTRIES
         max_depth = limits.MAX_TUPLE_DEPTH
+        max_marks = limits.MAX_OPEN_MARKS
         hash_cap = limits.MAX_HASHED_TUPLES  # a count of tuples saturates there (3**40 is no int to add up)
         nodes_at, depth_mask = _NODES, _DEPTH
         budget = self.budget
@@ -403,9 +787,17 @@ class _Machine:
                     if cur > n:
                         self.pos = cur - (1 if op == 0x4B else 2 if op == 0x4D else 4)
                         raise _Truncated("the data ends inside an opcode's argument")
-                    stack.append(NOT)
+                    if op == 0x4A and data[cur - 1] == 0xFF and data[cur - 2] == 0xFF and data[cur - 3] == 0xFF:
+                        stack.append(_MINUS_ONE if data[cur - 4] == 0xFF else _MINUS_TWO if data[cur - 4] == 0xFE
+                                     else NOT)  # -1 and -2 hash alike
+                    else:
+                        stack.append(NOT)
                     continue
                 if op == 0x28:  # ( MARK
+                    if len(metastack) >= max_marks:
+                        self.pos = cur
+                        raise _OutOfTime(f"more than {max_marks:,} MARKs open at byte {cur} (no pickler nests "
+                                         "containers that deep); the rest was not walked")
                     metastack.append(stack)
                     stack = []
                     cur += 1
@@ -443,12 +835,19 @@ class _Machine:
                         del stack[-count:]
                     depth = 0
                     below = 0
+                    special = False
                     for value in items:
                         if value.__class__ is int:
                             below += (value >> nodes_at) + 1
                             value &= depth_mask
                             if value > depth:
                                 depth = value
+                        elif value is not NOT and value is not UNK and value.__class__ is not tuple:
+                            special = True  # a global, a float, a _Held: the slow way
+                    if special:
+                        stack.append(self._tuple(items, cur))
+                        cur += 1
+                        continue
                     depth += 1
                     if depth > max_depth:
                         self._refuse(f"tuples nested {depth:,} deep at byte {cur}: hashing one overflows CPython's "
@@ -462,11 +861,22 @@ class _Machine:
                         self.pos = cur + 1
                         raise _Break("stack underflow")
                     args = stack.pop()
-                    if args.__class__ is int and args > depth_mask:  # set(), OrderedDict()… hash what they are given
-                        budget[2] -= (args >> nodes_at) + 1  # _hashing((args,)), inline: once per tensor
-                        if budget[2] < 0:
-                            self._flooded(cur)
-                    stack[-1] = UNK
+                    func = stack[-1]
+                    kind = func.kind if func.__class__ is _Global else "unknown"
+                    if kind == "new" and args.__class__ is not _Held:
+                        stack[-1] = UNK  # a new object: most calls of a checkpoint (a tensor)
+                        cur += 1
+                        continue
+                    if kind == "hashing" or kind == "from type" or kind == "unknown":  # set(), OrderedDict(), or
+                        # a callable the walk does not know, hash the items of what they are given
+                        if args.__class__ is int:
+                            if args > depth_mask:
+                                budget[2] -= (args >> nodes_at) + 1  # _hashing((args,)), inline
+                                if budget[2] < 0:
+                                    self._flooded(cur)
+                        elif args.__class__ is _Held:
+                            self._hashing((args,), cur)
+                    stack[-1] = self._call(func, args, cur)
                     cur += 1
                     continue
                 if op == 0x89 or op == 0x29 or op == 0x88 or op == 0x4E or op == 0x7D or op == 0x5D or op == 0x8F:
@@ -477,7 +887,8 @@ class _Machine:
                     if not stack:
                         self.pos = cur + 1
                         raise _Break("stack underflow")
-                    stack[-1] = UNK
+                    pid = stack[-1]
+                    stack[-1] = UNK if pid is NOT or pid.__class__ is tuple else self._persistent(pid, cur)
                     cur += 1
                     continue
                 pos = cur
@@ -486,7 +897,7 @@ class _Machine:
                     items, stack = stack, self._pop_mark(metastack)
                     if len(items) % 2 or not stack:
                         raise _Break("SETITEMS without a dict or with an odd number of items")
-                    self._hashing(items[0::2], pos)
+                    self._keys(items[0::2], pos)
                 elif op == 0x6A:  # j LONG_BINGET
                     (index,) = _LE4.unpack_from(data, take(4))
                     self._get(stack, memo, index)
@@ -512,7 +923,7 @@ class _Machine:
                     if len(stack) < 2:
                         raise _Break("stack underflow")
                     name_v, module_v = stack.pop(), stack.pop()
-                    if name_v is NOT or module_v is NOT or name_v.__class__ is int or module_v.__class__ is int:
+                    if not (_may_be_str(name_v) and _may_be_str(module_v)):
                         raise _Break("STACK_GLOBAL needs two str")
                     if type(name_v) is tuple and type(module_v) is tuple:
                         try:
@@ -584,22 +995,25 @@ class _Machine:
                         raise _Break("the UNICODE opcode's escapes do not decode") from None
                     stack.append(value)
                 elif op in (0x49, 0x4C, 0x46):  # I INT, L LONG, F FLOAT (text)
-                    self._line()
-                    stack.append(NOT)
+                    start, end = self._line()
+                    stack.append(_text_number(bytes(data[start:end]), op))
                 elif op == 0x47:  # G BINFLOAT
-                    take(8)
-                    stack.append(NOT)
+                    stack.append(_BE8D.unpack_from(data, take(8))[0])
                 elif op == 0x8A:  # LONG1
-                    take(data[take(1)])
-                    stack.append(NOT)
+                    size = data[take(1)]
+                    start = take(size)
+                    stack.append(_number(int.from_bytes(data[start:start + size], "little", signed=True)))
                 elif op == 0x8B:  # LONG4
                     (size,) = _LE4S.unpack_from(data, take(4))
                     if size < 0:
                         raise _Break("LONG pickle has negative byte count")
                     if size > limits.MAX_INT_BYTES:
                         self._refuse(f"an integer of {size * 8:,} bits at byte {pos}: no checkpoint holds one")
-                    take(size)
-                    stack.append(NOT)
+                        take(size)
+                        stack.append(NOT)
+                    else:
+                        start = take(size)
+                        stack.append(_number(int.from_bytes(data[start:start + size], "little", signed=True)))
                 elif op == 0x70:  # p PUT
                     start, end = self._line()
                     try:
@@ -633,39 +1047,49 @@ class _Machine:
                     items, stack = stack, self._pop_mark(metastack)
                     if not stack:
                         raise _Break("no list or set below the MARK")
-                    self._hashing(items, pos)
+                    if op == 0x90:
+                        self._keys(items, pos)
+                    else:
+                        self._hashing(items, pos)
                 elif op == 0x73:  # s SETITEM
                     if len(stack) < 3:
                         raise _Break("stack underflow")
-                    self._hashing(stack[-2:-1], pos)
+                    self._keys(stack[-2:-1], pos)
                     del stack[-2:]
                 elif op == 0x62:  # b BUILD: __setstate__ may run; the instance stays on the stack
                     if len(stack) < 2:
                         raise _Break("stack underflow")
                     stack.pop()
+                    target = stack[-1]
+                    if target.__class__ is _Global or target.__class__ is _Held and target.objects:
+                        self._build(target, pos)
                 elif op in (0x6C, 0x64, 0x91):  # l LIST, d DICT, FROZENSET
                     items, stack = stack, self._pop_mark(metastack)
                     if op == 0x64 and len(items) % 2:
                         raise _Break("odd number of items for DICT")
-                    self._hashing(items[0::2] if op == 0x64 else items, pos)
-                    stack.append(NOT)
+                    if op == 0x6C:
+                        self._hashing(items, pos)
+                        stack.append(NOT)
+                    else:
+                        self._keys(items[0::2] if op == 0x64 else items, pos)
+                        stack.append(self._frozenset(items) if op == 0x91 else NOT)
                 elif op == 0x81:  # NEWOBJ: cls.__new__(cls, *args)
                     if len(stack) < 2:
                         raise _Break("stack underflow")
                     self._hashing((stack.pop(),), pos)
-                    stack[-1] = UNK
+                    stack[-1] = self._instance(stack[-1])
                 elif op == 0x92:  # NEWOBJ_EX
                     if len(stack) < 3:
                         raise _Break("stack underflow")
                     self._hashing(stack[-2:], pos)
                     del stack[-2:]
-                    stack[-1] = UNK
+                    stack[-1] = self._instance(stack[-1])
                 elif op == 0x6F:  # o OBJ: MARK cls args... → cls(*args)
                     items, stack = stack, self._pop_mark(metastack)
                     if not items:
                         raise _Break("OBJ without a class")
                     self._hashing(items, pos)
-                    stack.append(UNK)
+                    stack.append(self._instance(items[0]))
                 elif op == 0x69:  # i INST: MARK args... INST module name → module.name(*args)
                     if not metastack:
                         raise _Break("INST without a MARK")
@@ -677,9 +1101,9 @@ class _Machine:
                         module, name = self._text(mod_start, mod_end), self._text(name_start, name_end)
                     except UnicodeDecodeError:
                         raise _Break("a global's name is not UTF-8") from None
-                    self._global(module, name, pos, by_line=True)
+                    cls = self._global(module, name, pos, by_line=True)
                     stack = self._pop_mark(metastack)
-                    stack.append(UNK)
+                    stack.append(self._instance(cls))
                 elif op in (0x82, 0x83, 0x84):  # EXT1, EXT2, EXT4: a global by number, from copyreg's registry
                     size = {0x82: 1, 0x83: 2, 0x84: 4}[op]
                     code = int.from_bytes(data[take(size):self.pos], "little")
