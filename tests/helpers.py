@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -61,7 +63,9 @@ def torch_filled_fraction(model, state_dict) -> float:
 
 
 def spawn_two(fn, *args) -> None:
-    """Run fn(rank, *args, port) in two processes (two gloo ranks), with a free port for their rendezvous."""
+    """Run fn(rank, *args, port) in two processes (two gloo ranks), with a free port for their rendezvous. Each
+    rank computes on one thread: the samples are tiny, and two ranks of two threads each beside the other test
+    worker only wait for each other on a 2-core machine."""
     import socket
 
     import torch.multiprocessing as mp
@@ -69,4 +73,12 @@ def spawn_two(fn, *args) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(fn, args=(*args, port), nprocs=2)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # read by each spawned interpreter as it imports torch
+    try:
+        mp.spawn(fn, args=(*args, port), nprocs=2)
+    finally:
+        if threads is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
