@@ -7,18 +7,37 @@ import os
 import torch
 
 
-def torch_view(obj, prefix: str = "") -> dict[str, tuple[list[int], str, str]]:
-    """{key path: (shape, dtype, device)} of every tensor in what torch.load returned."""
-    out: dict[str, tuple[list[int], str, str]] = {}
+def flat_tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
+    """{key path: tensor} of every tensor in what torch.load returned, nested dicts, lists and tuples walked."""
+    out: dict[str, torch.Tensor] = {}
     if isinstance(obj, torch.Tensor):
-        out[prefix] = (list(obj.shape), str(obj.dtype).removeprefix("torch."), str(obj.device))
+        out[prefix] = obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            out.update(torch_view(v, f"{prefix}.{k}" if prefix else str(k)))
+            out.update(flat_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            out.update(torch_view(v, f"{prefix}.{i}" if prefix else str(i)))
+            out.update(flat_tensors(v, f"{prefix}.{i}" if prefix else str(i)))
     return out
+
+
+def torch_view(obj, prefix: str = "") -> dict[str, tuple[list[int], str, str]]:
+    """{key path: (shape, dtype, device)} of every tensor in what torch.load returned."""
+    return {k: (list(t.shape), str(t.dtype).removeprefix("torch."), str(t.device))
+            for k, t in flat_tensors(obj, prefix).items()}
+
+
+def child_fires(code: str, path, canary) -> bool:
+    """Whether `code` (Python that loads sys.argv[1] for real) runs the payload of the file at `path`: the canary
+    appears. In a child process, its errors ignored; the canary is removed for the next try."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", code, str(path)], check=False, capture_output=True, timeout=120)
+    ran = canary.exists()
+    if ran:
+        canary.unlink()
+    return ran
 
 
 def doctor_view(data: dict) -> dict[str, tuple[list[int], str, str]]:

@@ -21,6 +21,7 @@ import torch
 
 from ckpt_doctor.safepickle import limits
 from ckpt_doctor.safepickle.walker import walk
+from tests.helpers import child_fires
 from tests.payloads import _str, global_op, object_npy, tar_members, torch_zip
 from tests.test_safety import legacy_file
 
@@ -40,11 +41,7 @@ def live(path, canary, how: str = "path") -> bool:
     }
     code = (f"import io, sys, torch, numpy\np = sys.argv[1]\ntry:\n    x = {loaders[how]}\n"
             "    [x[k] for k in x] if isinstance(x, dict) else None\nexcept Exception:\n    pass\n")
-    subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=120)
-    ran = canary.exists()
-    if ran:
-        canary.unlink()
-    return ran
+    return child_fires(code, path, canary)
 
 
 def flagged(cli, path) -> tuple[int, int]:

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 from torch import nn
 
-from conftest import run_cli
+from tests.helpers import flat_tensors
 
 NETS = textwrap.dedent('''
     import torch
@@ -125,25 +126,11 @@ def _model(spec: str):
 
 def _source_tensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of the source file, by full path, read by ckpt-doctor's own loader (no code run)."""
+    from ckpt_doctor.dtypes import QUANTIZED
     from ckpt_doctor.readers import read_checkpoint
     from ckpt_doctor.tensordata import load_tensor
 
-    from ckpt_doctor.dtypes import QUANTIZED
-
     return {t.key: load_tensor(t) for t in read_checkpoint(path).tensors if t.dtype not in QUANTIZED}
-
-
-def _flat(obj, prefix: str = "") -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    if isinstance(obj, torch.Tensor):
-        out[prefix] = obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            out.update(_flat(v, f"{prefix}.{i}" if prefix else str(i)))
-    return out
 
 
 def _option(argv: list[str], flag: str) -> str | None:
@@ -164,7 +151,7 @@ def check_promise(command: str, promise: str, model: list[str] | None, source: P
     loaded = torch.load(out, weights_only=True)  # torch's defaults load it, here
     # bit for bit: every written tensor is the source's under its old name; nothing left out unlisted
     src = _source_tensors(source)
-    written = _flat(loaded)
+    written = flat_tensors(loaded)
     select = _option(argv, "--select")
     renamed = report["renamed"]
     back = {new: old for old, new in renamed.items()}

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from ckpt_doctor.errors import NotACheckpoint
 from ckpt_doctor.readers import read_checkpoint
 from ckpt_doctor.safepickle.walker import unresolvable, walk
+from tests.helpers import child_fires
 from tests.payloads import object_npy
 
 RECORD = b"cpu/__init__.py,sha256=abc,12\nckpt/x.py,sha256=def,3\n"
@@ -167,11 +168,7 @@ def _evil_object_array(canary) -> bytes:
 def _np_load_runs_it(path, canary) -> bool:
     code = ("import numpy, sys\np = sys.argv[1]\ntry:\n    x = numpy.load(p, allow_pickle=True)\n"
             "    [x[k] for k in x.files] if hasattr(x, 'files') else None\nexcept Exception:\n    pass\n")
-    subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=120)
-    ran = canary.exists()
-    if ran:
-        canary.unlink()
-    return ran
+    return child_fires(code, path, canary)
 
 
 @pytest.mark.parametrize("name", ["evil.npy", "evil.npz"])
