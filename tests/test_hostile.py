@@ -529,6 +529,10 @@ _FLOODS = {  # name -> (the object pickle's body, what the one stderr line names
         b"}" + global_op("torch.jit._pickle", "build_intlist") + b")q\x000" + b"h\x00h\x00h\x00\x87q\x000" * 7
         + b"h\x00\x85Rq\x010(" + b"h\x01N" * 10_000 + b"u",
         f"more than {limits.MAX_HASHED_TUPLES:,} tuples to hash"),
+    "complex() results of one hash as dict keys": (  # hash(complex(x, y)) = hash(x) + 1000003 * hash(y)
+        global_op("builtins", "complex") + b"q\x010}(" + b"".join(
+            b"h\x01G" + struct.pack(">d", 1000003.0 * (_ONE_HASH - t)) + b"G" + struct.pack(">d", float(t)) + b"\x86RN"
+            for t in range(_ONE_HASH)) + b"u", f"more than {limits.MAX_KEYS_OF_ONE_HASH:,} distinct values of one hash"),
 }
 
 

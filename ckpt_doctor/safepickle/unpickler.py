@@ -364,10 +364,12 @@ def _bytearray(source=b"", encoding=None, *rest):
     raise TypeError("bytearray of something other than bytes")
 
 
-def _complex(real=0.0, imag=0.0, *rest):
+def _complex(work, real=0.0, imag=0.0, *rest):
     if type(real) not in (int, float) or type(imag) not in (int, float):
         raise TypeError("complex of something other than numbers")
-    return complex(real, imag)
+    value = complex(real, imag)
+    work.made(value, "complex()")  # hash(complex(x, y)) = hash(x) + 1000003 * hash(y): a file chooses it
+    return value
 
 
 def _slice(*args):
@@ -400,6 +402,8 @@ def _mapping(kind, pairs: bool):
 def _defaultdict(factory=None, *rest):
     return {}  # the factory is never called; the items arrive by SETITEMS
 
+
+_MAKES_CHOSEN = frozenset({"builtins.complex"})  # calls whose results hash as the file chooses: _HashWork.made
 
 _SAFE_CALLABLES: dict[str, Any] = {
     "collections.OrderedDict": _mapping(OrderedDict, True),  # torch writes OrderedDict() and fills it by SETITEMS
@@ -479,11 +483,23 @@ class _HashWork:
     no more than limits.MAX_KEYS_OF_ONE_HASH distinct keys of one hash, which CPython inserts in quadratic time. The
     walk cannot count these: it does not know what a list holds when it is handed over, again and again."""
 
-    __slots__ = ("left", "nodes")
+    __slots__ = ("buckets", "left", "nodes")
 
     def __init__(self) -> None:
         self.left = limits.MAX_HASH_WORK
         self.nodes: dict[int, tuple[tuple, int]] = {}  # id -> (the tuple, kept so that its id is not reused; nodes)
+        self.buckets: Any = None  # the values calls made whose hash the file chose, by hash (walker.HashBuckets)
+
+    def made(self, value: Any, what: str) -> None:
+        """Count a value a call made whose hash the file chose (a complex): the walk cannot know a call's result,
+        and a dict of 40,000 complex keys of one hash took CPython 95 s to build."""
+        if self.buckets is None:
+            from .walker import HashBuckets
+
+            self.buckets = HashBuckets()
+        if self.buckets.add(hash(value), value) is not None:
+            raise Refused(f"{what} makes more than {limits.MAX_KEYS_OF_ONE_HASH:,} distinct values of one hash "
+                          "(a hash flood: as dict keys or set members CPython inserts them in quadratic time)")
 
     def charge(self, keys: list, what: str) -> None:
         """Count the hashing of `keys` before it is done; refuse what is past the bounds."""
@@ -604,7 +620,7 @@ class SafeUnpickler(_pickle.Unpickler):
                 target = _SAFE_CALLABLES[qual]
                 if qual in HANDS_BACK:  # what they return is measured (_handed_back)
                     target = _measured(target, self._depths)
-                return StandIn(target, ref, self._work if qual in HASHING else None)
+                return StandIn(target, ref, self._work if qual in HASHING or qual in _MAKES_CHOSEN else None)
             if qual == "torch.nn.parameter.Parameter":
                 return StandIn(_parameter, ref)
             if module in ("torch", "torch.cuda", "torch.storage") and name in STORAGE_CLASS_DTYPE:

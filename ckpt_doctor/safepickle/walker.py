@@ -186,11 +186,11 @@ class Walk:
 
 def new_budget() -> list:
     """What one file may cost the walker, shared by every walk of it: [nested bytes left, opcodes left, tuples
-    left to hash, the dict keys and set members of chosen hashes seen (a _Buckets, made when the first is)]."""
+    left to hash, the dict keys and set members of chosen hashes seen (a HashBuckets, made when the first is)]."""
     return [limits.MAX_NESTED_BYTES, limits.MAX_PICKLE_OPCODES, limits.MAX_HASHED_TUPLES, None]
 
 
-class _Buckets:
+class HashBuckets:
     """Dict keys and set members whose hash a file can choose (ints past 2**61, floats, tuples of them), counted by
     hash: CPython inserts keys of one hash in quadratic time (30,000 ints k * (2**61 - 1) took 23 s), so more than
     limits.MAX_KEYS_OF_ONE_HASH distinct ones are refused. A bucket is counted by occurrences up to COUNTED, then by
@@ -458,7 +458,7 @@ class _Machine:
 
     def _keys(self, values: list, at: int) -> None:
         """Dict keys and set members, hashed into one container: counted as _hashing counts them, and those whose
-        hash a file can choose counted by hash (_Buckets)."""
+        hash a file can choose counted by hash (HashBuckets)."""
         self._hashing(values, at)
         for value in values:
             if value.__class__ is float:
@@ -469,7 +469,7 @@ class _Machine:
     def _chosen(self, digest: int, value: object, at: int) -> None:
         buckets = self.budget[3]
         if buckets is None:
-            buckets = self.budget[3] = _Buckets()
+            buckets = self.budget[3] = HashBuckets()
         elif buckets is False:  # refused already: nothing more to count
             return
         why = buckets.add(digest, value)
