@@ -155,7 +155,10 @@ def _suggestions(ckpt: Checkpoint, comparison: Any, loads: DefaultLoad,
     infers (see `fix_suggestions`), else the rewrite after which torch.load(path) with torch's defaults loads the
     file here."""
     if comparison is not None and (comparison.suggested_fix or ckpt.verdict is not Verdict.SAFE):
-        return fix_suggestions(source, comparison, bool(ckpt.dangerous_globals))
+        found = fix_suggestions(source, comparison, bool(ckpt.dangerous_globals))
+        if found:
+            return found
+        # no fix makes it load into this model: the rescue of its tensors is still said (the safety line's way out)
     if not loads.ok and loads.applies and (loads.refused or loads.missing_devices):
         found = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [], source=source)
         if found is not None:

@@ -51,6 +51,14 @@ NETS = textwrap.dedent('''
 
         def forward(self, tokens):
             return self.lm_head(torch.relu(self.body(self.embed(tokens))))
+
+
+    class Unrelated(nn.Module):
+        """Shares no name and no shape with VGG."""
+
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(torch.zeros(7, 5))
 ''')
 
 
@@ -89,6 +97,7 @@ def _build(tmp: Path) -> dict[str, dict]:
         save("cuda3.pt", sd)
         save("cuda3_dp.pt", {f"module.{k}": v for k, v in sd.items()})
     save("whole.pt", vgg)
+    save("whole_other.pt", vgg, f"{tmp / 'nets.py'}:Unrelated")  # a whole model against one it does not fit
     torch.manual_seed(1)
     save("other.pth", nets.OtherVGG().state_dict())
     head = {k: v for k, v in sd.items()}
@@ -186,7 +195,8 @@ def check_promise(command: str, promise: str, model: list[str] | None, source: P
 
 
 SCENARIO_NAMES = ["dataparallel.pth", "compiled.pt", "lightning.ckpt", "cuda3.pt", "cuda3_dp.pt", "whole.pt",
-                  "other.pth", "new_head.pth", "args.pt", "extra.pth", "no_bn_stats.pth", "wrapped.pth", "tied.pth"]
+                  "other.pth", "new_head.pth", "args.pt", "extra.pth", "no_bn_stats.pth", "wrapped.pth", "tied.pth",
+                  "whole_other.pt"]
 
 
 def json_commands(data: dict) -> list[dict]:
@@ -307,6 +317,16 @@ def test_whole_model_pickle_verdict_says_it_needs_code(scenarios):
     comp = data.json()["comparison"]
     assert comp["ok"] is False and comp["verdict"].startswith("needs code to load")
     assert [s["label"] for s in data.json()["suggested_commands"]] == ["fix"]
+
+
+def test_a_whole_model_no_fix_fits_still_gets_its_rescue(scenarios):
+    """No fix makes it load into this model; the safety line's way out is printed all the same, and the verdict
+    points at it."""
+    case = scenarios["whole_other.pt"]
+    data = run_cli("inspect", case["path"], "--model", case["model"], "--json")
+    assert data.exit_code == 1
+    assert [s["label"] for s in data.json()["suggested_commands"]] == ["torch.load"]
+    assert "rescued by the command on the torch.load line" in data.json()["comparison"]["verdict"]
 
 
 def test_devices_this_machine_lacks_are_a_fact_not_a_failure(scenarios):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import textwrap
 import time
 
@@ -23,6 +24,9 @@ def _cwd(monkeypatch):
 
 
 def workers_left() -> list[str]:
+    """The DDP workers of this environment still running (another checkout's, or a user's verify elsewhere, are no
+    leftovers of these tests)."""
+    here = os.path.dirname(sys.executable) + os.sep
     found = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -30,7 +34,7 @@ def workers_left() -> list[str]:
                 cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if "ckpt_doctor._ddp_worker" in cmd:
+            if "ckpt_doctor._ddp_worker" in cmd and cmd.startswith(here):
                 found.append(cmd)
     return found
 

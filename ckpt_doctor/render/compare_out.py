@@ -154,8 +154,9 @@ def full_verdict(c: Comparison, needs_code: str = "") -> str:
     model or TorchScript) when it does."""
     if not needs_code:
         return verdict_text(c)
+    rescued = "by the fix line" if c.suggested_fix else "by the command on the torch.load line"
     return (f"needs code to load: {needs_code}, which torch.load refuses with its defaults and would import and run "
-            f"with weights_only=False; rescued by the fix line, its state_dict: {verdict_text(c)}")
+            f"with weights_only=False; rescued {rescued}, its state_dict: {verdict_text(c)}")
 
 
 def comparison_lines(c: Comparison, path: str, suggestions: dict[str, Any] | None = None,

@@ -189,6 +189,8 @@ def default_load_lines(report: InspectReport) -> list[tuple[str, str]]:
     text = f"{what} FAILS with torch's defaults here: " + "; ".join(loads.reasons())
     if ways:
         text += ". Ways out: " + "; or ".join(ways)
+    if report.require_default_load:
+        text += " (--require-default-load: exit 1)"
     return [("torch.load", text)]
 
 
