@@ -351,6 +351,13 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
                 dropped.append(path)
     written.update(prefix + old for old in mapping)
     dropped += _unlisted_tensors(ckpt.tensors, written, dropped, prefix)
+    if ckpt.non_persistent:  # a whole pickled model's buffers its state_dict() leaves out: its storages are not written
+        listed = set(dropped)
+        left = [k for k in ckpt.non_persistent if k not in listed]
+        dropped += left
+        if left:
+            notes.append(f"{len(left)} non-persistent buffer(s) of the pickled model left out, as its state_dict() "
+                         f"leaves them out ({', '.join(left[:3])}{', …' if len(left) > 3 else ''})")
     tied: dict[str, str] = {}
     metadata: dict[str, str] = {}
     if fmt is OutputFormat.SAFETENSORS:

@@ -518,3 +518,11 @@ def test_a_container_holding_itself_is_refused_with_the_drop_that_fixes_it(cli, 
     run_fix(cli, tmp_path / "cyc.pt", tmp_path / "out.pt", "--drop", "meta\\.back$")
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     assert out["meta"] == {"epoch": 3} and torch.equal(out["w"], torch.ones(2))
+
+
+def test_a_whole_models_non_persistent_buffer_is_listed_as_dropped(fixtures, cli, tmp_path):
+    """Written as its state_dict, a pickled model leaves out what model.state_dict() leaves out — and says so."""
+    out = tmp_path / "whole_fixed.pt"
+    result = cli("fix", fixtures["whole_model"]["path"], "-o", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert "scratch" in result.json()["dropped"] and "scratch" not in torch.load(out)
