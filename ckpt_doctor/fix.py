@@ -713,10 +713,13 @@ def check_writable(obj: Any, path: str, problems: list) -> None:
     True) accepts that global or the user allowed it: fix never writes what the allow-list does not hold."""
     from .safepickle.policy import TORCH_WEIGHTS_ONLY, resolve, user_allowed
 
-    for ref in _refs_in(obj):
-        module, name = resolve(ref.module, ref.name)
-        if f"{module}.{name}" not in TORCH_WEIGHTS_ONLY and f"{module}.{name}" not in user_allowed():
-            problems.append((path, ref))
+    refs = [ref for ref in _refs_in(obj)
+            if ".".join(resolve(ref.module, ref.name)) not in TORCH_WEIGHTS_ONLY | user_allowed()]
+    if refs and _holds_cycle(obj):  # --allow-global cannot keep it: the writer cannot write a cycle back
+        article = "an" if refs[0].qualname[:1].lower() in "aeiou" else "a"
+        problems.append((path, refs[0], False, f"{article} {refs[0].qualname} that holds itself (a cycle)"))
+    else:
+        problems.extend((path, ref) for ref in refs)
 
 
 def refuse_unwritable(problems: list) -> None:
@@ -754,7 +757,7 @@ def refuse_unwritable(problems: list) -> None:
     refused = "which torch.load(weights_only=True) refuses and ckpt-doctor does not write"
     if len(pairs) == 1:
         path, name, verdict = pairs[0]
-        plain = [p[1].reason for p in problems if len(p) > 2 and not p[2]]  # a value, not an object: say what
+        plain = [p[3] if len(p) > 3 else p[1].reason for p in problems if len(p) > 2 and not p[2]]  # say what
         what = f"{path or 'the root'} holds " + (f"{plain[0]}, " if plain else
                                                  f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name} "
                                                  f"({verdict.value}), ")
@@ -794,6 +797,37 @@ def _refs_in(obj: Any) -> list:
         elif isinstance(item, (list, tuple, set, frozenset)):
             stack.extend(item)
     return refs
+
+
+def _holds_cycle(obj: Any) -> bool:
+    """Whether an object of the unpickled tree holds itself somewhere inside (omegaconf's nodes point back to their
+    parents), which no pickle fix writes can hold: the parts _refs_in walks, depth first with the open ones kept."""
+    stack: list[tuple[Any, bool]] = [(obj, False)]
+    open_: set[int] = set()
+    done: set[int] = set()
+    while stack:
+        item, leaving = stack.pop()
+        if leaving:
+            open_.discard(id(item))
+            done.add(id(item))
+            continue
+        if id(item) in open_:
+            return True
+        if id(item) in done:
+            continue
+        if isinstance(item, Opaque):
+            data = item.ckd
+            parts: list = [data.args, data.kwargs, data.state, data.items, data.dictitems]
+        elif isinstance(item, dict):
+            parts = [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            parts = list(item)
+        else:
+            continue
+        open_.add(id(item))
+        stack.append((item, True))
+        stack.extend((part, False) for part in parts)
+    return False
 
 
 def _in_source_order(tree: "OrderedDict[Any, Any]", source: dict, mapping: dict[str, str]) -> "OrderedDict[Any, Any]":

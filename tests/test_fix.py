@@ -526,3 +526,21 @@ def test_a_whole_models_non_persistent_buffer_is_listed_as_dropped(fixtures, cli
     result = cli("fix", fixtures["whole_model"]["path"], "-o", out, "--json")
     assert result.exit_code == 0, result.stderr
     assert "scratch" in result.json()["dropped"] and "scratch" not in torch.load(out)
+
+
+def test_an_object_that_holds_itself_is_not_offered_to_keep(cli, tmp_path):
+    """--allow-global cannot keep a cycle (omegaconf's nodes point back to their parents): only the --drop way out is
+    printed, and it runs."""
+    import argparse
+    import shlex
+
+    config = argparse.Namespace(lr=0.1)
+    config.me = [config]
+    src = tmp_path / "cyclic.pt"
+    torch.save({"w": torch.ones(2), "cfg": config}, src)
+    refused = cli("fix", src, "-o", tmp_path / "out.pt")
+    assert refused.exit_code == 2 and "holds itself (a cycle)" in refused.stderr
+    assert "--allow-global" not in refused.stderr
+    command = refused.stderr.split("`")[1]
+    assert cli(*shlex.split(command)[1:]).exit_code == 0
+    assert set(torch.load(tmp_path / "out.pt")) == {"w"}
