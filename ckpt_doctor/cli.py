@@ -899,9 +899,13 @@ def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, require_default_
         say(f"Error: {problem}", color="red", no_color=no_color)
     unsafe = sum(1 for f in report.files if f.exit_code == 1)
     if unsafe:
-        say(f"{report.findings} finding(s): torch.load(weights_only=False) would run code from {unsafe} file(s). "
-            "Never load them that way; each file's rescue line writes its tensors and plain data as a file "
-            "torch.load loads with its defaults (nothing they name is run or written)", color="red",
+        rescued = sum(1 for f in report.files if f.exit_code == 1 and f.rescue is not None)
+        how = ("; each file's rescue line writes its tensors and plain data as a file torch.load loads with its "
+               "defaults (nothing they name is run or written)") if rescued == unsafe else \
+            (f"; the rescue lines of {rescued} of them write their tensors and plain data as files torch.load loads "
+             "with its defaults (nothing they name is run or written)") if rescued else ""
+        say(f"{report.findings} finding(s): loading {unsafe} file(s) with pickle (torch.load(weights_only=False), "
+            f"np.load(allow_pickle=True)) would run code. Never load them that way{how}", color="red",
             no_color=no_color)
     refused = sum(1 for f in report.files if f.refused_by_default_load and f.exit_code != 1)
     if refused:

@@ -135,6 +135,7 @@ class Hazard:
 
     verdict: Verdict
     what: str
+    beside: bool = False  # about another file of the folder (a training_args.bin beside the weights), not this one
 
 
 @record

@@ -235,7 +235,7 @@ def sibling_hazards(folder: Path, own: tuple[Path, ...]) -> list[Hazard]:
         if result is not None and result.verdict is not Verdict.SAFE:
             names = [g.qualname for g in result.findings] + [h.what for h in result.hazards]
             found.append(Hazard(result.verdict, f"{path.relative_to(folder)} in the same folder would run code when "
-                                                f"loaded: {', '.join(names[:3])}"))
+                                                f"loaded: {', '.join(names[:3])}", beside=True))
     return found
 
 

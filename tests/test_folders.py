@@ -278,3 +278,17 @@ def test_a_file_that_is_no_checkpoint_is_judged_alike_by_both(tmp_path, cli, nam
         line = next(line for line in scan.stderr.splitlines() if name in line)
         assert line.startswith(f"{tmp_path / name}: NOT READ — not a checkpoint: the bytes are a Git LFS pointer")
         assert "good.pt" in inspect.stdout and name in inspect.stdout and "Git LFS pointer" in inspect.stdout
+
+
+def test_a_clean_checkpoint_beside_a_file_that_runs_code_is_not_called_unsafe_itself(tmp_path, cli):
+    """inspect DIR reads the folder's one checkpoint, and says the danger is the file beside it, with no rescue it
+    cannot print; scan promises no rescue line a NumPy array does not get."""
+    from tests.payloads import object_npy
+
+    _clean(tmp_path / "ok.pt")
+    (tmp_path / "evil.npy").write_bytes(object_npy(os_system_pickle(tmp_path / "CANARY")))
+    inspect, scan = cli("inspect", tmp_path), cli("scan", tmp_path)
+    assert inspect.exit_code == scan.exit_code == 1
+    assert "UNSAFE folder: ok.pt itself names nothing off the allow-list" in inspect.stderr
+    assert "rescue" not in inspect.stderr and "rescue line" not in scan.stderr
+    assert "evil.npy in the same folder would run code" in inspect.stderr

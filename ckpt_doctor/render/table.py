@@ -205,8 +205,12 @@ def safety_lines(ckpt, full: bool = False, with_default_load: bool = False) -> l
         lines.append((findings[-1].verdict.value.upper(), f"… {len(findings) - len(shown)} more (--full lists all)"))
     for h in ckpt.hazards:
         lines.append((h.verdict.value.upper(), h.what))
-    if findings or ckpt.hazards:
+    if findings or any(not h.beside for h in ckpt.hazards):
         rescue = "; the torch.load line says how to rescue its tensors" if with_default_load else ""
         lines.append(("safety", "UNSAFE: torch.load(weights_only=False) would import and run the above; never load "
                                 f"this file that way. Its tensors are listed{rescue}"))
+    elif ckpt.hazards:  # only the files beside it: this one is clean, the folder is not
+        lines.append(("safety", f"UNSAFE folder: {ckpt.path.name} itself names nothing off the allow-list, but the "
+                                "file(s) above would run code when loaded; never load them with pickle (scan of the "
+                                "folder gives each file's verdict)"))
     return lines
