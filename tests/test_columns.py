@@ -34,3 +34,24 @@ def test_wide_keys_are_never_cut_and_a_cell_without_room_becomes_a_note():
     notes = "\n".join(lines[lines.index("") + 1:])
     assert notes.startswith("notes:\n(1) ") and notes.replace("\n", " ")[11:].split() == DETAIL.split()
     assert all(len(line) <= 120 for line in lines[lines.index(""):])
+
+
+def test_a_long_rename_goes_on_two_lines_and_keeps_both_names(tmp_path, cli):
+    """`inspect --model` of a DataParallel file with long keys: each `old → new` row is two lines within 120
+    columns, the old name with its verdict and `→ new` under it; no name is cut."""
+    import torch
+
+    deep = torch.nn.Sequential()
+    deep.add_module("embeddings_for_the_encoder_of_a_long_named_model", torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)))
+    (tmp_path / "net.py").write_text(
+        "import torch\n\ndef make():\n    net = torch.nn.Sequential()\n"
+        "    net.add_module('embeddings_for_the_encoder_of_a_long_named_model', torch.nn.Sequential(\n"
+        "        torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)))\n    return net\n")
+    torch.save(torch.nn.DataParallel(deep).state_dict(), tmp_path / "dp.pt")
+    table = cli("inspect", tmp_path / "dp.pt", "--model", f"{tmp_path / 'net.py'}:make").stdout
+    lines = table.splitlines()
+    assert max(map(len, lines)) <= 120, table
+    for key in deep.state_dict():
+        old = next(i for i, line in enumerate(lines) if line.startswith(f"module.{key} "))
+        assert "renamed by the fix" in lines[old] and lines[old + 1].strip() == f"→ {key}"

@@ -50,7 +50,7 @@ def inspect_table(report: InspectReport, full: bool = False) -> str:
 
 
 def comparison_table(report: InspectReport) -> str:
-    from .compare_out import fix_prefix, verdict_rows
+    from .compare_out import fix_prefix, renames_on_two_lines, verdict_rows
 
     from ..records import relative_to_root
 
@@ -65,7 +65,7 @@ def comparison_table(report: InspectReport) -> str:
 
         pattern = compile_regex(report.filter, "--filter")
         body = [row for row in body if pattern.search(row[0])]
-    return simple_table(["key", "verdict", "checkpoint", "model"], body, max_width=KEYS)
+    return simple_table(["key", "verdict", "checkpoint", "model"], renames_on_two_lines(body), max_width=KEYS)
 
 
 def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
