@@ -23,7 +23,21 @@ def test_a_long_last_column_wraps_aligned_under_itself():
     assert lines[2].startswith("single") and lines[3].startswith("ddp")
     assert all(line[:at].strip() == "" for line in lines[4:])  # continuation lines hold the last column only
     assert " ".join(line[at:] for line in lines[3:]).split() == DETAIL.split()
-    assert simple_table(["mode", "status", "detail"], rows, max_width=None).splitlines()[3].endswith(DETAIL)
+
+
+
+def test_a_table_of_keys_too_wide_puts_each_key_above_its_cells():
+    """KEYS tables (max_width None) never cut a key: past 120 columns each key is a line of its own, its cells
+    in columns on the next line."""
+    key = "encoder.layer.0.attention.self.query." + "weight_of_a_long_name" * 3
+    rows = [[key, "matched", "[16, 16]"], ["short", "unexpected", "[2]"]]
+    lines = simple_table(["key", "verdict", "shape"], rows, max_width=None).splitlines()
+    assert max(map(len, lines)) <= 120
+    assert lines[0] == "key" and lines[1].split() == ["verdict", "shape"]
+    assert lines[3] == key and lines[4].split() == ["matched", "[16,", "16]"]
+    assert lines[5] == "short" and lines[4].index("matched") == lines[6].index("unexpected")
+    narrow = simple_table(["key", "verdict"], [["a", "b"]], max_width=None).splitlines()
+    assert narrow[2] == "a      b"  # within 120 columns: one line per row, as before
 
 
 def test_wide_keys_are_never_cut_and_a_cell_without_room_becomes_a_note():

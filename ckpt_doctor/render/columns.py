@@ -26,7 +26,7 @@ def printable(text: str) -> str:
 
 MAX_WIDTH = 120  # a table wider than this wraps its last column
 # Tables of keys (inspect, the comparison, diff, a dry run) have no detail to wrap: a key is data to copy and is never
-# cut, and their last column is as short as a shape or a size; only a key longer than the width makes them wider.
+# cut. Wider than MAX_WIDTH, each key goes on a line of its own with its cells under it (_keys_above).
 KEYS = None
 MIN_LAST = 24  # narrower than this, a long last cell goes below the table as a numbered note
 SHORT = 8  # a cell no longer than this stays in its row (a note's marker would save nothing)
@@ -52,12 +52,35 @@ def simple_table(headers: Sequence[str], rows: Sequence[Sequence[object]], max_w
     indent = sum(widths[:last]) + 2 * last  # where the last column starts
     if max_width is not None and last > 0 and indent + widths[last] > max_width:
         return _fitted(headers, rows, widths, indent, max_width, overflow == "wrap")
+    if max_width is None and last > 0 and indent + widths[last] > MAX_WIDTH:
+        return _keys_above(headers, rows)
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(cell.ljust(widths[i]) if i < last else cell for i, cell in enumerate(cells)).rstrip()
 
     out = [line(headers), "  ".join("-" * w for w in widths)]
     out.extend(line(row) for row in rows)
+    return "\n".join(out)
+
+
+def _keys_above(headers: Sequence[str], rows: list[list[str]]) -> str:
+    """A table of keys too wide for MAX_WIDTH: each key whole on a line of its own, its other cells on the next line,
+    indented and in columns of their own (a key is data to copy and is never cut)."""
+    pad = " " * 4
+    widths = [len(h) + 2 for h in headers[1:]]
+    for row in rows:
+        for i, cell in enumerate(row[1:]):
+            widths[i] = max(widths[i], len(cell))
+
+    def rest(cells: Sequence[str]) -> str:
+        return (pad + "  ".join(c.ljust(w) for c, w in zip(cells, widths))).rstrip()
+
+    out = [headers[0], rest(headers[1:])]
+    out.append("-" * min(MAX_WIDTH, max(len(out[1]), len(headers[0]) + 2)))
+    for row in rows:
+        out.append(row[0])
+        if any(row[1:]):
+            out.append(rest(row[1:]))
     return "\n".join(out)
 
 
