@@ -713,8 +713,8 @@ def check_writable(obj: Any, path: str, problems: list) -> None:
     True) accepts that global or the user allowed it: fix never writes what the allow-list does not hold."""
     from .safepickle.policy import TORCH_WEIGHTS_ONLY, resolve, user_allowed
 
-    refs = [ref for ref in _refs_in(obj)
-            if ".".join(resolve(ref.module, ref.name)) not in TORCH_WEIGHTS_ONLY | user_allowed()]
+    allowed = TORCH_WEIGHTS_ONLY | user_allowed()
+    refs = [ref for ref in _refs_in(obj) if ".".join(resolve(ref.module, ref.name)) not in allowed]
     if refs and _holds_cycle(obj):  # --allow-global cannot keep it: the writer cannot write a cycle back
         article = "an" if refs[0].qualname[:1].lower() in "aeiou" else "a"
         problems.append((path, refs[0], False, f"{article} {refs[0].qualname} that holds itself (a cycle)"))
@@ -775,6 +775,18 @@ def refuse_unwritable(problems: list) -> None:
     raise error
 
 
+def _parts(item: Any) -> list | None:
+    """What an object of the unpickled tree holds (what writing it writes too); None for a leaf."""
+    if isinstance(item, Opaque):
+        data = item.ckd
+        return [data.args, data.kwargs, data.state, data.items, data.dictitems]
+    if isinstance(item, dict):
+        return [*item.keys(), *item.values()]
+    if isinstance(item, (list, tuple, set, frozenset)):
+        return list(item)
+    return None
+
+
 def _refs_in(obj: Any) -> list:
     """The globals an object of the unpickled tree would be written with (its class, and those of its parts)."""
     refs, stack, seen = [], [obj], set()
@@ -786,22 +798,16 @@ def _refs_in(obj: Any) -> list:
         if isinstance(item, type) and issubclass(item, Opaque):
             if item.__ref__ is not None:
                 refs.append(item.__ref__)
-        elif isinstance(item, Opaque):
-            data = item.ckd
-            if data.ref is not None:
-                refs.append(data.ref)
-            stack.extend([data.args, data.kwargs, data.state, data.items, data.dictitems])
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            stack.extend(item)
+            continue
+        if isinstance(item, Opaque) and item.ckd.ref is not None:
+            refs.append(item.ckd.ref)
+        stack.extend(_parts(item) or ())
     return refs
 
 
 def _holds_cycle(obj: Any) -> bool:
     """Whether an object of the unpickled tree holds itself somewhere inside (omegaconf's nodes point back to their
-    parents), which no pickle fix writes can hold: the parts _refs_in walks, depth first with the open ones kept."""
+    parents), which no pickle fix writes can hold: its _parts walked depth first, the open ones kept."""
     stack: list[tuple[Any, bool]] = [(obj, False)]
     open_: set[int] = set()
     done: set[int] = set()
@@ -813,16 +819,8 @@ def _holds_cycle(obj: Any) -> bool:
             continue
         if id(item) in open_:
             return True
-        if id(item) in done:
-            continue
-        if isinstance(item, Opaque):
-            data = item.ckd
-            parts: list = [data.args, data.kwargs, data.state, data.items, data.dictitems]
-        elif isinstance(item, dict):
-            parts = [*item.keys(), *item.values()]
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            parts = list(item)
-        else:
+        parts = None if id(item) in done else _parts(item)
+        if parts is None:
             continue
         open_.add(id(item))
         stack.append((item, True))
