@@ -136,13 +136,11 @@ def is_skipped(exc: CkptDoctorError, survey: Survey, path: Path) -> bool:
     """Whether a file of a folder that did not read as a checkpoint is left out of the folder's verdict: it is
     something else (NotACheckpoint) or holds no pickle, names nothing a loader would run, and is not named as a
     checkpoint (`model.pt` that is a web page or a git-lfs pointer is an error; `.tar` is every tar archive's name)."""
-    from .readers import CHECKPOINT_SUFFIXES
+    from .readers import named_as_checkpoint
 
     if getattr(exc, "findings", ()) or survey.findings or survey.hazards:
         return False
-    name = path.name.lower()
-    if name.endswith(CHECKPOINT_SUFFIXES) and not (
-            name.endswith(".tar") and not name.endswith(".pth.tar") and survey.container is Container.TAR):
+    if named_as_checkpoint(path, tar_archive=survey.container is Container.TAR):
         return False
     return isinstance(exc, NotACheckpoint) or holds_no_pickle(survey)
 

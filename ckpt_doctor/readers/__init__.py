@@ -20,6 +20,14 @@ from .survey import Survey, survey_file
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar", ".model", ".pth.tar")
 
 
+def named_as_checkpoint(path: Path, tar_archive: bool) -> bool:
+    """Whether a file bears a checkpoint's name, so that something else under it is an error, not skipped (a git-lfs
+    pointer as `model.pt`). `.tar` is every tar archive's name too: not a checkpoint's when `tar_archive`."""
+    name = path.name.lower()
+    return name.endswith(CHECKPOINT_SUFFIXES) and not (
+        tar_archive and name.endswith(".tar") and not name.endswith(".pth.tar"))
+
+
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint's structure (keys, shapes, dtypes, devices, byte ranges) without loading tensor data."""
     from ..sniff import deep
@@ -253,8 +261,7 @@ def find_in_folder(folder: Path) -> tuple[Path | None, list[Path]]:
                 return p, files
     # a file named as a checkpoint whose bytes are none (a git-lfs pointer, a web page) is never passed over in
     # silence for the one beside it: the folder is listed, that file with its error
-    named = [p for p in entries if p not in files and p.name.lower().endswith(CHECKPOINT_SUFFIXES)
-             and not (p.name.lower().endswith(".tar") and not p.name.lower().endswith(".pth.tar"))]
+    named = [p for p in entries if p not in files and named_as_checkpoint(p, tar_archive=True)]
     if named and files:
         return None, sorted(files + named)
     return (files[0] if len(files) == 1 else None), files

@@ -96,18 +96,20 @@ def verdict_rows(c: Comparison, shapes: dict[str, tuple], model_shapes: dict[str
     return rows
 
 
-def renames_on_two_lines(rows: list[list[str]], width: int = 120) -> list[list[str]]:
-    """`old → new` keys as two rows, `old` with its verdict and `→ new` under it, when one line would be wider than
-    `width` (keys are never cut; `module.bert.….weight → bert.….weight` made rows of 165 columns)."""
-    others = [max((len(r[i]) for r in rows), default=0) for i in range(1, 4)]
-    room = width - sum(max(w, len(h) + 2) for w, h in zip(others, ("verdict", "checkpoint", "model"))) - 6
+def renames_on_two_lines(headers: list[str], rows: list[list[str]]) -> list[list[str]]:
+    """`old → new` keys as two rows, `old` with its cells and `→ new` under it, when one line would be wider than
+    MAX_WIDTH (keys are never cut; `module.bert.….weight → bert.….weight` made rows of 165 columns)."""
+    from .columns import MAX_WIDTH
+
+    others = [max([len(h) + 2, *(len(r[i]) for r in rows)]) for i, h in enumerate(headers) if i]
+    room = MAX_WIDTH - sum(others) - 2 * len(others)
     if all(len(r[0]) <= room for r in rows):
         return rows
     out = []
     for row in rows:
         old, arrow, new = row[0].partition(" → ")
         if arrow:  # every rename alike, once one is too wide
-            out += [[old, *row[1:]], [f"  → {new}", "", "", ""]]
+            out += [[old, *row[1:]], [f"  → {new}", *("" for _ in others)]]
         else:
             out.append(row)
     return out

@@ -65,7 +65,8 @@ def comparison_table(report: InspectReport) -> str:
 
         pattern = compile_regex(report.filter, "--filter")
         body = [row for row in body if pattern.search(row[0])]
-    return simple_table(["key", "verdict", "checkpoint", "model"], renames_on_two_lines(body), max_width=KEYS)
+    headers = ["key", "verdict", "checkpoint", "model"]
+    return simple_table(headers, renames_on_two_lines(headers, body), max_width=KEYS)
 
 
 def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
