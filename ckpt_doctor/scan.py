@@ -23,7 +23,7 @@ from .readers import read_file
 from .readers.survey import Survey, survey_file
 from .records import GlobalRef, Hazard
 from .safepickle.policy import Verdict
-from .sniff import Container, dangling, deep, kernel_filesystem, link_target, walk_folder
+from .sniff import Container, dangling, deep, kernel_filesystem, link_target, walk_folder, other_format
 
 
 @record
@@ -135,12 +135,14 @@ def scan_one(path: Path, *, in_folder: bool = False, taken: set[str] | None = No
 def is_skipped(exc: CkptDoctorError, survey: Survey, path: Path) -> bool:
     """Whether a file of a folder that did not read as a checkpoint is left out of the folder's verdict: it is
     something else (NotACheckpoint) or holds no pickle, names nothing a loader would run, and is not named as a
-    checkpoint (`model.pt` that is a web page or a git-lfs pointer is an error; `.tar` is every tar archive's name)."""
+    checkpoint unless its bytes say what else it is (an HDF5 `weights.bin`, Core ML's `weight.bin`, a NumPy array
+    as `x.pt` are skipped; a git-lfs pointer, a web page or an empty `model.pt` is a checkpoint that is missing or
+    broken: an error; `.tar` is every tar archive's name)."""
     from .readers import named_as_checkpoint
 
     if getattr(exc, "findings", ()) or survey.findings or survey.hazards:
         return False
-    if named_as_checkpoint(path, tar_archive=survey.container is Container.TAR):
+    if named_as_checkpoint(path, tar_archive=survey.container is Container.TAR) and not other_format(survey.head):
         return False
     return isinstance(exc, NotACheckpoint) or holds_no_pickle(survey)
 

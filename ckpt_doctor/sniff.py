@@ -177,6 +177,8 @@ def what_else(head: bytes) -> tuple[str, str] | None:
         return "a TensorFlow Lite model", "load it with tf.lite.Interpreter"
     if head[:4] == b"RIFF" and head[8:12] in (b"WEBP", b"WAVE", b"AVI "):
         return {b"WEBP": "a WebP image", b"WAVE": "a WAV recording", b"AVI ": "an AVI video"}[head[8:12]], ""
+    if head[4:8] == b"\x02\0\0\0" and head[64:68] == b"\xef\xbe\xad\xde":  # MIL blob storage v2: a sentinel per blob
+        return "a Core ML weight file (an .mlpackage's weight.bin)", "load it with coremltools"
     if head.startswith(LFS_POINTER):
         return None
     text = text_kind(head)
@@ -186,6 +188,16 @@ def what_else(head: bytes) -> tuple[str, str] | None:
         # protobuf: field 1 a small varint (ONNX's ir_version, SavedModel's schema version), then a length field
         return "a protobuf message (an ONNX model or a TensorFlow graph?)", "load it with onnx.load or TensorFlow"
     return None
+
+
+def other_format(head: bytes) -> bool:
+    """Whether the bytes name a format other than a checkpoint's (NumPy, HDF5, Core ML, an image, JSON...), and not
+    what a failed download leaves in a checkpoint's place (a git-lfs pointer, a web page): in a folder, such a file
+    is skipped whatever its name."""
+    if head.startswith(b"\x93NUMPY"):
+        return True
+    other = what_else(head)
+    return other is not None and not other[0].startswith("HTML")
 
 
 def text_kind(head: bytes) -> str | None:

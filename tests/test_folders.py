@@ -280,6 +280,35 @@ def test_a_file_that_is_no_checkpoint_is_judged_alike_by_both(tmp_path, cli, nam
         assert "good.pt" in inspect.stdout and name in inspect.stdout and "Git LFS pointer" in inspect.stdout
 
 
+def _core_ml_weights() -> bytes:
+    """The head of a Core ML `weight.bin` (MIL blob storage v2: a count, the version, then a blob sentinel)."""
+    header = (1).to_bytes(4, "little") + (2).to_bytes(4, "little") + bytes(56)
+    return header + b"\xef\xbe\xad\xde" + (2).to_bytes(4, "little") + bytes(120)
+
+
+@pytest.mark.parametrize("name, data, what", [
+    ("weight.bin", _core_ml_weights(), "a Core ML weight file"),
+    ("weights.pt", b"\x89HDF\r\n\x1a\n" + bytes(600), "an HDF5 file"),
+    ("config.bin", b'{"hidden_size": 32}\n', "JSON text"),
+])
+def test_a_file_whose_bytes_say_what_else_it_is_is_skipped_whatever_its_name(tmp_path, cli, name, data, what):
+    """A Hugging Face snapshot with a Core ML package beside the model, an HDF5 file under `.pt`: the bytes name
+    another format, so the folder is not failed for it (a pointer or an empty file under such a name is)."""
+    _clean(tmp_path / "good.pt")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / name).write_bytes(data)
+    scan, inspect = cli("scan", tmp_path), cli("inspect", tmp_path)
+    assert scan.exit_code == inspect.exit_code == 0, (scan.stderr, inspect.stderr)
+    assert f"sub/{name}: not a PyTorch checkpoint: {what}" in scan.stderr
+    _clean(tmp_path / "other.pt")  # two checkpoints: inspect lists the folder, the file under sub/ as skipped
+    inspect = cli("inspect", tmp_path)
+    assert inspect.exit_code == 0 and f"sub/{name}: not a PyTorch checkpoint: {what}" in inspect.stderr
+    (tmp_path / "other.pt").unlink()
+    (tmp_path / "sub" / name).rename(tmp_path / name)  # beside the checkpoint: inspect still reads good.pt
+    inspect = cli("inspect", tmp_path)
+    assert inspect.exit_code == 0 and "good.pt" in inspect.stdout + inspect.stderr
+
+
 def test_a_clean_checkpoint_beside_a_file_that_runs_code_is_not_called_unsafe_itself(tmp_path, cli):
     """inspect DIR reads the folder's one checkpoint, and says the danger is the file beside it, with no rescue it
     cannot print; scan promises no rescue line a NumPy array does not get."""

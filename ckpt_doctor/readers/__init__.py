@@ -14,7 +14,7 @@ from pathlib import Path
 from ..errors import NotACheckpoint, ReadError, SeveralCheckpoints
 from ..records import Checkpoint, Format
 from ..safepickle import limits
-from ..sniff import Container, describe_other, what_else
+from ..sniff import HEAD, Container, describe_other, other_format, what_else
 from .survey import Survey, survey_file
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar", ".model", ".pth.tar")
@@ -259,9 +259,10 @@ def find_in_folder(folder: Path) -> tuple[Path | None, list[Path]]:
         for p in files:
             if p.name == preferred:
                 return p, files
-    # a file named as a checkpoint whose bytes are none (a git-lfs pointer, a web page) is never passed over in
-    # silence for the one beside it: the folder is listed, that file with its error
-    named = [p for p in entries if p not in files and named_as_checkpoint(p, tar_archive=True)]
+    # a file named as a checkpoint whose bytes are none and name no other format (a git-lfs pointer, a web page) is
+    # never passed over in silence for the one beside it: the folder is listed, that file with its error. One whose
+    # bytes say what else it is (Core ML's weight.bin, an HDF5 file) is not a checkpoint gone missing.
+    named = [p for p in entries if p not in files and named_as_checkpoint(p, tar_archive=True) and not _other(p)]
     if named and files:
         return None, sorted(files + named)
     return (files[0] if len(files) == 1 else None), files
@@ -289,6 +290,16 @@ def _looks_like_checkpoint(path: Path) -> bool:
     if kind in (Container.TAR, Container.SAFETENSORS):
         return True
     return kind is Container.PICKLE and (head[:1] == b"\x80" or path.name.endswith(CHECKPOINT_SUFFIXES))
+
+
+def _other(path: Path) -> bool:
+    """Whether a file's first bytes name another format (sniff.other_format)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEAD)
+    except OSError:
+        return False  # reported when it is opened
+    return other_format(head)
 
 
 def _accelerate_fsdp_model(folder: Path, names: list[str]) -> Path | None:
