@@ -127,8 +127,25 @@ def test_scan_and_inspect_agree_on_every_file_of_every_corpus(corpora):
         assert len(verdicts[0]) >= 10
 
 
-def test_corpora_are_big_enough(corpora):
-    assert len(corpora["evil"]) >= 30 and len(corpora["bad"]) >= 30
+def test_the_payload_corpus_covers_every_route_to_a_call(corpora):
+    """The corpus the other tests run over reaches code by each opcode that imports a global (GLOBAL, STACK_GLOBAL,
+    INST) and each that calls one (REDUCE, INST, OBJ), in raw pickles and in torch zip files: a corpus that lost a
+    route would let the walker lose it too, unseen."""
+    import io
+    import pickletools
+
+    from ckpt_doctor.sniff import sniff_bytes
+
+    containers, opcodes = set(), set()
+    for path in corpora["evil"]:
+        data = path.read_bytes()
+        containers.add(sniff_bytes(data[:512], len(data)).name)
+        try:
+            opcodes.update(op.name for op, _, _ in pickletools.genops(io.BytesIO(data)))
+        except ValueError:  # not a pickle from its first byte (a zip), or one that breaks after its call
+            pass
+    assert {"PICKLE", "ZIP"} <= containers, containers
+    assert {"GLOBAL", "STACK_GLOBAL", "INST", "REDUCE", "OBJ"} <= opcodes, opcodes
 
 
 def test_every_payload_is_flagged_and_none_runs(corpora):
