@@ -1,12 +1,14 @@
-"""Regenerates the README's example outputs from the commands shown beside them, on the example checkpoints.
+"""Regenerates the example outputs of README.md and docs/*.md from the commands shown beside them, on the example
+checkpoints.
 
-Every fenced block of README.md whose first line is `$ ckpt-doctor …` is run as written from the repository's
+Every fenced block of those pages whose first line is `$ ckpt-doctor …` is run as written from the repository's
 root (after `examples/make_example.py example`), and the block's output is replaced by what the command printed:
 the table (stdout) first, long tables shortened to their first rows and last row around a `…`, then the lines for
-a person (stderr). `--check` changes nothing and exits 1 when a block differs from what its command prints now
-(timings and memory figures aside), so a test keeps the README true.
+a person (stderr). The blocks of a page run in the order they appear, so a `fix` block makes the file a later
+`verify` block reads. `--check` changes nothing and exits 1 when a block differs from what its command prints now
+(timings and memory figures aside), so a test keeps the pages true.
 
-    python examples/readme_examples.py          # rewrite README.md
+    python examples/readme_examples.py          # rewrite README.md and docs/*.md
     python examples/readme_examples.py --check  # compare only
 """
 
@@ -20,7 +22,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```\n(\$ ckpt-doctor [^\n]*)\n(.*?)^```$", re.S | re.M)
 HEAD_ROWS, TAIL_ROWS = 3, 1  # table rows kept around the `…` of a long table
 # Figures that differ from run to run: seconds, memory, the DDP rendezvous port.
@@ -55,7 +57,7 @@ def _normal(text: str) -> str:
 
 
 def regenerate(text: str, exe: str) -> tuple[str, list[str]]:
-    """The README with every example block's output as its command prints it now, and the commands whose block
+    """The page with every example block's output as its command prints it now, and the commands whose block
     changed (figures that differ from run to run aside)."""
     changed: list[str] = []
 
@@ -74,18 +76,24 @@ def main(argv: list[str]) -> int:
     exe = str(Path(sys.executable).with_name("ckpt-doctor"))
     subprocess.run([sys.executable, str(ROOT / "examples" / "make_example.py"), "example"], cwd=ROOT, check=True,
                    capture_output=True)
-    # outputs the examples write or suggest, so that `fix` runs as shown and suggests the names shown
-    for leftover in [ROOT / "example" / "clean.safetensors", *(ROOT / "example").rglob("*_fixed*")]:
-        leftover.unlink(missing_ok=True)
-    text = README.read_text()
-    new, changed = regenerate(text, exe)
-    if check:
-        for command in changed:
-            print(f"README example out of date: {command}", file=sys.stderr)
-        return 1 if changed else 0
-    README.write_text(new)
-    print(f"README: {len(BLOCK.findall(text))} examples regenerated ({len(changed)} changed)", file=sys.stderr)
-    return 0
+    stale = 0
+    for page in PAGES:
+        # outputs the examples write or suggest, so that `fix` runs as shown and suggests the names shown
+        for leftover in [ROOT / "example" / "clean.safetensors", *(ROOT / "example").rglob("*_fixed*")]:
+            leftover.unlink(missing_ok=True)
+        name = page.relative_to(ROOT)
+        text = page.read_text()
+        new, changed = regenerate(text, exe)
+        stale += len(changed)
+        if check:
+            for command in changed:
+                print(f"{name}: example out of date: {command}", file=sys.stderr)
+            continue
+        if new != text:
+            page.write_text(new)
+        if BLOCK.search(text):
+            print(f"{name}: {len(BLOCK.findall(text))} examples regenerated ({len(changed)} changed)", file=sys.stderr)
+    return 1 if check and stale else 0
 
 
 if __name__ == "__main__":
