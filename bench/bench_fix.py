@@ -2,9 +2,9 @@
 
     python bench/bench_fix.py [--dir /tmp/ckpt-bench] [--gb 1.5] [--tensors 1000] [--rounds 5]
 
-Prints each figure beside `cp` and `cp` + `sync` measured in the same run, as ratios. Target (DESIGN.md): at or
-under `cp` + `sync` of the same file (fix's output is durable too), best against best and median against median;
-peak RSS <= 150 MB whatever the size, the verification read included.
+Prints each figure beside `cp` and `cp` + `sync` measured in the same run, as ratios. Target (docs/performance.md):
+at or under `cp` + `sync` of the same file (fix's output is durable too), best against best and median against
+median; peak RSS <= 150 MB whatever the size, the verification read included.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main() -> None:
         print(f"{label:<52} {best[label]:6.3f} s (median {median[label]:6.3f})  {rss:5.1f} MB{ratios}")
     fixes = [label for label in cmds if label.startswith("fix") and "--no-verify" not in label]
     memory_ok = max(results[label][1] for label in fixes) <= 150
-    for name, figures in (("best", best), ("median", median)):  # DESIGN.md: at or under cp + sync, memory flat
+    for name, figures in (("best", best), ("median", median)):  # the target: at or under cp + sync, memory flat
         ok = memory_ok and max(figures[label] for label in fixes) <= figures[cps]
         print(f"targets (<= cp + sync, <= 150 MB), {name} against {name}: {'met' if ok else 'NOT met'}")
     for p in (out_cp, out_pt, out_st):

@@ -2,7 +2,7 @@
 
     python bench/bench_inspect.py [--dir /tmp/ckpt-bench] [--gb 1.5] [--tensors 1000]
 
-Prints each figure beside its baseline measured in the same run, as a ratio. Targets (DESIGN.md): inspect of a
+Prints each figure beside its baseline measured in the same run, as a ratio. Targets (docs/performance.md): inspect of a
 1-2 GB file <= 0.05 s whole process and <= 30 MB; 20,000 tensors in <= 0.2 s. bench_startup.py measures the same
 against the safetensors library's own listing and `torch.load(mmap=True)`, as medians of interleaved rounds.
 """

@@ -1,6 +1,6 @@
-"""The README's safety figures: every corpus of tests/ through the installed command, counted.
+"""The safety figures of docs/security.md: every corpus of tests/ through the installed command, counted.
 
-    python bench/safety_figures.py            # prints the markdown table the README holds
+    python bench/safety_figures.py            # prints the markdown table docs/security.md holds
 
 For each file of the malicious corpus (every payload written opcode by opcode, creating a canary if it ever ran),
 the broken corpus and the resource attacks, it runs scan, inspect, fix and verify, each as a child process measured

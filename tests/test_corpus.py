@@ -1,6 +1,6 @@
 """The malicious and broken corpora through the installed command: nothing runs, nothing crashes, nothing tears.
 
-The figures these tests establish are the ones the README publishes.
+The figures these tests establish are the ones docs/security.md publishes.
 """
 
 from __future__ import annotations

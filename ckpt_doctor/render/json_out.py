@@ -1,4 +1,4 @@
-"""JSON renderings of result objects, with the stable field names of DESIGN.md."""
+"""JSON renderings of result objects, with the stable field names docs/cli.md lists for each command's --json."""
 
 from __future__ import annotations
 

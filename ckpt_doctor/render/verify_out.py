@@ -1,4 +1,4 @@
-"""Renders a VerifyReport: the per-mode table, the module summary, the lines for stderr and the JSON of DESIGN.md."""
+"""Renders a VerifyReport: the per-mode table, the module summary, the lines for stderr and the JSON of docs/cli.md."""
 
 from __future__ import annotations
 

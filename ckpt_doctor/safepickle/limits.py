@@ -1,6 +1,6 @@
 """Every bound ckpt-doctor puts on what a file can make it do: each input ends in seconds, in bounded memory.
 
-The promise (README, Security): any file — hostile or broken — ends within 30 s and 1 GB of peak RSS with exit
+The promise (docs/security.md): any file — hostile or broken — ends within 30 s and 1 GB of peak RSS with exit
 1 or 2 and a named error. Each limit below says why it is where it is. Bounds that scale with the input are
 written as functions of its length, so a big honest file is never refused for its size alone.
 """

@@ -157,7 +157,7 @@ ALLOWED = TORCH_WEIGHTS_ONLY | frozenset(CURATED)
 # --- what torch's own load path does with what a pickle hands it ------------------------------------------------
 # An allowed name is not the end of it: torch.load(weights_only=False) unpickles with the full unpickler, and some
 # of what it then does changes the process or touches files, whatever the globals. Each path, and what the walker
-# (walker.py) and the unpickler (unpickler.py) do about it. README, Security, names them.
+# (walker.py) and the unpickler (unpickler.py) do about it. docs/security.md names them.
 
 SIDE_EFFECTS: dict[str, str] = {
     "BUILD on a global": (
