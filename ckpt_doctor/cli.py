@@ -594,7 +594,7 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     if model_spec:
         from .modelspec import keys_from_spec, parse_model_args
 
-        model = keys_from_spec(model_spec, parse_model_args(model_args))
+        model = keys_from_spec(model_spec, parse_model_args(model_args), checkpoint=ckpt)
     from .transforms import compile_regex
 
     for flag, pattern in (("--allow-missing", allow_missing), ("--allow-unexpected", allow_unexpected)):

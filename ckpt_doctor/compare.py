@@ -544,7 +544,13 @@ def infer_fix(tensors: list[TensorRecord], model: ModelKeys, check: LoadCheck, *
     for part, part_tensors in _roots(tensors, model, ckpt, root, selected):
         keys = [t.key for t in part_tensors]
         by_key = {t.key: t for t in part_tensors}
-        for transforms in _candidates(keys, model_keys):
+        candidates = _candidates(keys, model_keys)
+        if model.load_name is not None:  # the renames the model's library makes as it loads (transformers')
+            known = set(model_keys)
+            pairs = [(k, n) for k, n in ((k, model.load_name(k)) for k in keys) if n != k and n in known]
+            if pairs:
+                candidates.append(_renames_for(pairs, keys))
+        for transforms in candidates:
             try:
                 plan = plan_keys(keys, transforms)
             except PlanError:

@@ -1,4 +1,5 @@
-"""Builds the model a checkpoint is compared with, from `package.module:attr` or `file.py:attr` (or a checkpoint)."""
+"""Builds the model a checkpoint is compared with, from `package.module:attr`, `file.py:attr`, a Hugging Face config
+(`hf:PATH`, see hfspec.py) or a reference checkpoint."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ class ModelKeys:
     model: Any = field(default=None, compare=False, repr=False)  # the nn.Module on meta; None for a checkpoint
     tied: dict[str, tuple[str, ...]] = field(default_factory=dict, compare=False)  # name -> its other names
     groups: tuple[tuple[int, tuple[str, ...]], ...] = ()  # (numel, names) per distinct Parameter
+    # The name the model's own library loads a checkpoint key under (transformers renames older names as it
+    # loads: ViT's `attention.attention.query` is `attention.q_proj`); None where keys load under their own names.
+    load_name: Any = field(default=None, compare=False, repr=False)
 
     def by_key(self) -> dict[str, ModelEntry]:
         return {e.key: e for e in self.entries}
@@ -65,7 +69,30 @@ def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
 
 def is_checkpoint_spec(spec: str) -> bool:
     """A SPEC naming an existing file or folder (without `:attr`) is a reference checkpoint."""
-    return os.path.exists(spec) and not spec.endswith(".py")
+    return not is_hf_spec(spec) and os.path.exists(spec) and not spec.endswith(".py")
+
+
+def is_hf_spec(spec: str) -> bool:
+    """`hf:PATH`: a Hugging Face config.json (or its folder), built with transformers."""
+    return spec.startswith("hf:")
+
+
+def resolve_spec(spec: str, checkpoint: str | os.PathLike | None) -> str:
+    """The SPEC with what it leaves to the checkpoint filled in: `hf:` alone is the config.json beside it."""
+    if not is_hf_spec(spec):
+        return spec
+    from .hfspec import resolve
+
+    return resolve(spec, checkpoint)
+
+
+def example_inputs(spec: str, model_args: dict[str, Any] | None, seed: int) -> tuple[Any, ...] | None:
+    """Inputs the model itself says it takes, where its SPEC says (a Hugging Face config); None for code."""
+    if not is_hf_spec(spec):
+        return None
+    from .hfspec import example_inputs as from_config
+
+    return from_config(spec, model_args, seed)
 
 
 def resolve_attr(spec: str) -> Any:
@@ -118,7 +145,12 @@ def build_model(spec: str, model_args: dict[str, Any] | None = None, device: str
     import torch
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries data: what the model's module prints is no JSON
-        factory = resolve_attr(spec)
+        if is_hf_spec(spec):  # the config's fields are the model's arguments: given to the config, not the call
+            from .hfspec import factory as hf_factory
+
+            factory, call_args = hf_factory(spec, model_args), {}
+        else:
+            factory, call_args = resolve_attr(spec), model_args or {}
     if not callable(factory):
         raise ModelSpecError(f"--model {spec!r} is not a class or a factory function")
     import warnings
@@ -126,7 +158,7 @@ def build_model(spec: str, model_args: dict[str, Any] | None = None, device: str
     try:
         with torch.device(device), warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):
             warnings.simplefilter("ignore")  # a constructor copying into meta parameters: "... is a no-op"
-            model = factory(**(model_args or {}))
+            model = factory(**call_args)
     except Exception as exc:  # the user's constructor can raise anything
         if device == "meta":
             # Some constructors read their own weights back (`.item()`, `.numpy()`), which meta tensors cannot
@@ -161,8 +193,11 @@ def model_keys(model: Any, source: str = "") -> ModelKeys:
     return ModelKeys(source or type(model).__name__, entries, non_persistent, model=model, tied=tied, groups=groups)
 
 
-def keys_from_spec(spec: str, model_args: dict[str, Any] | None = None) -> ModelKeys:
-    """ModelKeys from a model SPEC (built on meta) or from a reference checkpoint's state_dict."""
+def keys_from_spec(spec: str, model_args: dict[str, Any] | None = None, *,
+                   checkpoint: str | os.PathLike | None = None) -> ModelKeys:
+    """ModelKeys from a model SPEC (built on meta) or from a reference checkpoint's state_dict. `checkpoint` is the
+    file compared: what `hf:` alone names is beside it."""
+    spec = resolve_spec(spec, checkpoint)
     if is_checkpoint_spec(spec):
         from .readers import read_checkpoint
 
@@ -180,7 +215,17 @@ def keys_from_spec(spec: str, model_args: dict[str, Any] | None = None) -> Model
                              "model; verify runs that forward on its --input-shape, or build the model with its "
                              "sizes (nn.Linear instead of nn.LazyLinear)")
     keys = model_keys(model, spec)
-    return replace(keys, flags=spec_flags(spec, model_args))
+    return replace(keys, flags=spec_flags(spec, model_args), load_name=library_names(spec, model))
+
+
+def library_names(spec: str, model: Any) -> Any:
+    """How the model's library renames checkpoint keys as it loads them (see ModelKeys.load_name); None for code
+    of the user's own."""
+    if not is_hf_spec(spec):
+        return None
+    from .hfspec import load_name
+
+    return load_name(model)
 
 
 def spec_flags(spec: str, model_args: dict[str, Any] | None = None) -> tuple[str, ...]:

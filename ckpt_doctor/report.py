@@ -110,7 +110,7 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         for flag, pattern in (("--allow-missing", allow_missing), ("--allow-unexpected", allow_unexpected)):
             if pattern:
                 compile_regex(pattern, flag)
-        keys = keys_from_spec(model, model_args)
+        keys = keys_from_spec(model, model_args, checkpoint=path)
         model_shapes = {e.key: e.shape for e in keys.entries}
         if select is not None and not any(t.key.startswith(select + ".") for t in ckpt.tensors):
             raise UsageError(f"--select {select!r} holds no tensors in {ckpt.path}")

@@ -156,9 +156,18 @@ def parse_modes(text: str) -> tuple[Mode, ...]:
     return tuple(dict.fromkeys(modes))
 
 
-def make_inputs(spec: InputSpec) -> tuple[Any, ...]:
+def make_inputs(spec: InputSpec, model_spec: str | None = None,
+                model_args: dict[str, Any] | None = None) -> tuple[Any, ...]:
+    """The inputs --input-shape or --input give; without either, those the model's SPEC says it takes (a Hugging
+    Face config: token ids within its vocabulary, images of its size)."""
     import torch
 
+    if not spec.shapes and not spec.function and model_spec is not None:
+        from .modelspec import example_inputs
+
+        made = example_inputs(model_spec, model_args, spec.seed)
+        if made is not None:
+            return made
     if spec.function:
         from .errors import ModelSpecError
         from .modelspec import resolve_attr
@@ -508,13 +517,14 @@ def _prepare(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec
     from ._record import replace
     from .compare import compare_checkpoint
     from .loader import load_into
-    from .modelspec import model_keys, spec_flags
+    from .modelspec import library_names, model_keys, spec_flags
 
     torch.manual_seed(SEED)  # an --input function drawing from torch's generator draws the same batch every time
-    inputs = make_inputs(inputs_spec)
+    inputs = make_inputs(inputs_spec, model_spec, model_args)
     model, lazy = _build(model_spec, model_args, inputs)
     # Saved devices this machine lacks are no obstacle here: every run maps them to its own device.
-    keys = replace(model_keys(model, model_spec), flags=spec_flags(model_spec, model_args))
+    keys = replace(model_keys(model, model_spec), flags=spec_flags(model_spec, model_args),
+                   load_name=library_names(model_spec, model))
     comparison = replace(compare_checkpoint(checkpoint, keys, select=select, allow_missing=allow_missing,
                                             allow_unexpected=allow_unexpected, min_loaded=min_loaded),
                          missing_devices=())
@@ -563,6 +573,7 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
     if gpus < 1:
         raise UsageError("--gpus must be at least 1")
     _check_compare_flags(compare_to, compare_model, compare_model_args)
+    model_spec, compare_model = _resolved(model_spec, ckpt, compare_model, compare_to)
     prepared = _prepare(ckpt, model_spec, model_args, inputs_spec, select, allow_missing, allow_unexpected,
                         min_loaded)
     import torch
@@ -613,6 +624,15 @@ def _check_compare_flags(compare_to: str | None, compare_model: str | None,
                          "--compare-to ORIGINAL_CKPT")
     if compare_model_args and not compare_model:
         raise UsageError("--compare-model-arg needs --compare-model")
+
+
+def _resolved(model_spec: str, ckpt: str, compare_model: str | None,
+              compare_to: str | None) -> tuple[str, str | None]:
+    """Each SPEC with what it leaves to its checkpoint filled in (`hf:` alone: the config.json beside it), so that
+    the ranks and the report name the same model."""
+    from .modelspec import resolve_spec
+
+    return resolve_spec(model_spec, ckpt), None if compare_model is None else resolve_spec(compare_model, compare_to)
 
 
 def load_reference(path: str, spec: str, args: dict[str, Any], inputs: tuple[Any, ...], *, own_model: bool,
@@ -677,6 +697,7 @@ def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any]
     import torch.distributed as dist
 
     _check_compare_flags(compare_to, compare_model, compare_model_args)
+    model_spec, compare_model = _resolved(model_spec, ckpt, compare_model, compare_to)
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     local = int(os.environ.get("LOCAL_RANK", 0))
     backend = "nccl" if cuda_count() > local and dist.is_nccl_available() else "gloo"

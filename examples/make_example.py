@@ -26,8 +26,26 @@ def make_runs(folder: Path) -> None:
     (folder / "notes.txt").write_text("lr 0.1, batch 64\n")
 
 
+def make_hf_folder(folder: Path) -> None:
+    """A tiny BERT classifier fine-tuned under DataParallel, saved as such folders are: its config.json beside a
+    pytorch_model.bin whose keys carry `module.` (for `--model hf:`; only where transformers is installed)."""
+    try:
+        import torch
+        from transformers import BertConfig, BertForSequenceClassification
+    except ImportError:
+        return
+    config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+                        vocab_size=99, max_position_embeddings=64, num_labels=3,
+                        architectures=["BertForSequenceClassification"])
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config)
+    config.save_pretrained(folder)
+    torch.save(torch.nn.DataParallel(model).state_dict(), folder / "pytorch_model.bin")
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "example")
     made = make_all(out)
     make_runs(out / "runs")
+    make_hf_folder(out / "bert_ft")
     print(f"wrote {len(made)} example checkpoints and a run's saves (runs/) into {out}/", file=sys.stderr)
