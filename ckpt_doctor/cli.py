@@ -235,7 +235,8 @@ class _Group(click.Group):
             # usage lines and the completion variable (_CKPT_DOCTOR_COMPLETE) are the same either way.
             code = super().main(args, prog_name or "ckpt-doctor", complete_var, standalone_mode=False, **extra)
         except click.UsageError as exc:
-            where = exc.ctx.command_path if exc.ctx is not None else "ckpt-doctor"
+            where = exc.ctx.command_path if exc.ctx is not None else \
+                "ckpt-doctor" + (f" {args[0]}" if args[0] in self.commands else "")  # the command's help
             sys.stderr.write(f"Error: {exc.format_message()} (see `{where} --help`)\n")
             sys.exit(exc.exit_code)
         except click.ClickException as exc:
@@ -275,7 +276,9 @@ class _FloatRange(click.FloatRange):
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number", param, ctx)
         try:
-            if number == number:  # NaN is in no range
+            import math
+
+            if not math.isnan(number):  # NaN is in no range
                 return super().convert(number, param, ctx)
         except click.BadParameter:
             pass

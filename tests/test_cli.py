@@ -65,7 +65,7 @@ def installed(*args: str, env: dict | None = None) -> subprocess.CompletedProces
     """The console script pip installed, running this checkout's code."""
     exe = shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(sys.executable), "ckpt-doctor")
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, env=env, check=False)
 
 
 def _cells(tsv: str) -> tuple[list[str], list[list[str]]]:
@@ -132,6 +132,7 @@ def test_json_with_a_table_format_is_a_usage_error(files):
     (["inspect", ""], "an empty path names no file (use . for this folder)"),
     (["inspect", "x.pt", "--format", "html"], "'html' is not one of"),
     (["fix", "x.pt"], "Missing option '-o' / '--output'"),
+    (["fix", "x.pt", "-o"], "Option '-o' requires an argument. (see `ckpt-doctor fix --help`)"),
     (["fix", "x.pt", "-o", "y.pt", "--format", "onnx"], "(see `ckpt-doctor fix --help`)"),
     (["inspect", "x.pt", "--no-such-flag"], "No such option"),
     (["frobnicate"], "No such command 'frobnicate'"),
@@ -205,5 +206,5 @@ def test_tabulate_is_imported_only_for_its_formats(files):
                            (["inspect", str(files["a"])], "False False"),
                            (["inspect", str(files["a"]), "--format", "grid"], "True False")):
         proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
         assert proc.stderr.strip().splitlines()[-1] == imported, (argv, proc.stderr)
