@@ -1,14 +1,16 @@
-"""Benchmark: whole-process `ckpt-doctor inspect` / `scan` / `--help`, each beside its peer in the same run.
+"""Benchmark: whole-process `ckpt-doctor inspect` / `scan` / `--help`, each beside its peer from the same run.
 
     python bench/bench_startup.py [--dir /tmp/ckpt-bench] [--gb 1.0] [--rounds 11]
 
-Peers: listing the same safetensors file's keys, shapes and dtypes with the safetensors library's `safe_open` in a
-fresh Python; listing the same torch file with `torch.load(mmap=True)`; `python -c pass`. Every command runs once
-per round, in turn (a slow spell hits all alike); the median and the best of the rounds are printed, with peak RSS.
-Targets (issue 16): inspect --json and the table of a 1-2 GB safetensors or torch zip file <= 0.05 s whole process
-(median), <= 30 MB, and faster than the `safe_open` listing; a 20,000-tensor torch file <= 0.2 s; `scan` of one
-file the same; `--help` <= 0.05 s; `inspect DIR` of 500 checkpoints of a few MB <= 2 s. The modules `inspect`
-imports, and what each costs (python -X importtime), are listed last, so a regression shows.
+Peers: `python -c pass`; `python -c "import click"` (the command line's own package); listing the same safetensors
+file's keys, shapes and dtypes with the safetensors library's `safe_open` (framework "np") in a fresh Python;
+listing the same torch file with `torch.load(mmap=True)`. Every command runs once per round, in turn (a slow spell
+hits all alike); the median and the best of the rounds are printed, with peak RSS, and each figure as a ratio to its
+peer. Targets (issues 16 and 25): inspect of a 1-2 GB safetensors file, table and --json, faster than the
+`safe_open` listing; `--help` <= 2x `python -c pass` + the import of click (that is, <= `python -c pass` +
+`python -c "import click"`); inspect --json and the table of a 1-2 GB file <= 0.05 s, <= 30 MB; 20,000 tensors
+<= 0.2 s; `inspect DIR` of 500 checkpoints of a few MB <= 2 s. What `inspect FILE` imports, with the table and
+with --json, and what each import costs (python -X importtime), is listed last, so a regression shows.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import sys, torch
 from safetensors.torch import save_file
 save_file({k: v.contiguous() for k, v in torch.load(sys.argv[1], mmap=True, weights_only=True).items()}, sys.argv[2])
 """
+IMPORT_CLICK = "import click"
 SAFE_OPEN = """
 import sys
 from safetensors import safe_open
@@ -74,11 +77,13 @@ def main() -> None:
     os.system(f"cat {pt} {st} {many} > /dev/null")  # both sides read from the page cache
     cmds = {
         "python -c pass": [py, "-c", "pass"],
+        "python -c 'import click'": [py, "-c", IMPORT_CLICK],
         "ckpt-doctor --help": [exe, "--help"],
         "ckpt-doctor inspect --help": [exe, "inspect", "--help"],
         "safe_open listing (safetensors)": [py, "-c", SAFE_OPEN, str(st)],
         "inspect --json (safetensors)": [exe, "inspect", str(st), "--json"],
         "inspect, table (safetensors)": [exe, "inspect", str(st)],
+        "inspect --format github (safetensors)": [exe, "inspect", str(st), "--format", "github"],
         "scan (safetensors)": [exe, "scan", str(st)],
         "torch.load(mmap=True) listing (torch zip)": [py, "-c", TORCH_LISTING, str(pt)],
         "inspect --json (torch zip)": [exe, "inspect", str(pt), "--json"],
@@ -89,31 +94,48 @@ def main() -> None:
     }
     results = measure_rounds(cmds, rounds)
     med = {label: statistics.median(times) for label, (times, _) in results.items()}
+    t_pass, t_click = med["python -c pass"], med["python -c 'import click'"]
+    help_limit = t_pass + t_click  # 2x `python -c pass` + the import of click (t_click - t_pass)
+    peers = {  # each command's peer in this run: (its label, the figure the ratio is against)
+        "python -c 'import click'": ("python -c pass", t_pass),
+        "ckpt-doctor --help": ("2x pass + import click", help_limit),
+        "ckpt-doctor inspect --help": ("2x pass + import click", help_limit),
+    }
+    for label in cmds:
+        if "(safetensors)" in label and "safe_open" not in label:
+            peers[label] = ("safe_open", med["safe_open listing (safetensors)"])
+        elif "(torch zip)" in label and "torch.load" not in label:
+            peers[label] = ("torch.load(mmap)", med["torch.load(mmap=True) listing (torch zip)"])
+        elif label.startswith("inspect"):
+            peers[label] = ("python -c pass", t_pass)
     print(f"safetensors {st} and torch zip {pt} ({pt.stat().st_size / 2**30:.2f} GB, {args.tensors} tensors); "
           f"{many} (20,000 tensors); {folder} (500 files); {rounds} interleaved rounds")
-    print(f"{'command':<44} {'median':>8}   {'best':>8}   {'peak RSS':>9}")
+    print(f"{'command':<44} {'median':>8}   {'best':>8}   {'peak RSS':>9}   ratio of medians to its peer")
     for label, (times, rss) in results.items():
-        print(f"{label:<44} {med[label]:8.3f} s {min(times):8.3f} s {rss:8.1f} MB")
-    peer_st, peer_pt = med["safe_open listing (safetensors)"], med["torch.load(mmap=True) listing (torch zip)"]
-    print(f"inspect --json vs safe_open on its own format: {peer_st / med['inspect --json (safetensors)']:.2f}x "
-          f"faster; vs torch.load(mmap=True): {peer_pt / med['inspect --json (torch zip)']:.1f}x faster")
+        peer = peers.get(label)
+        ratio = f"   {med[label] / peer[1]:5.2f}x {peer[0]}" if peer else ""
+        print(f"{label:<44} {med[label]:8.3f} s {min(times):8.3f} s {rss:8.1f} MB{ratio}")
+    peer_st = med["safe_open listing (safetensors)"]
     checks = [
+        ("inspect table and --json faster than safe_open", max(med["inspect --json (safetensors)"],
+                                                              med["inspect, table (safetensors)"]) < peer_st),
+        ("--help <= 2x pass + import click", max(med["ckpt-doctor --help"], med["ckpt-doctor inspect --help"])
+         <= help_limit),
         ("1-2 GB file, inspect/scan <= 0.05 s", all(med[k] <= 0.05 for k in cmds if k.startswith(
             ("inspect --json (s", "inspect --json (t", "inspect, table", "scan")))),
         ("peak RSS <= 30 MB", all(results[k][1] <= 30 for k in cmds if "(safetensors)" in k and "safe_open" not in k
                                   or "(torch zip)" in k and "torch.load" not in k)),
-        ("faster than safe_open", med["inspect --json (safetensors)"] < peer_st),
         ("20,000 tensors <= 0.2 s", med["inspect --json (20,000 tensors)"] <= 0.2),
-        ("--help <= 0.05 s", med["ckpt-doctor --help"] <= 0.05 and med["ckpt-doctor inspect --help"] <= 0.05),
         ("500 files <= 2 s", med["inspect DIR (500 checkpoints)"] <= 2),
     ]
     print("targets: " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks))
+    print_imports(exe, st, "--json")
     print_imports(exe, st)
 
 
-def print_imports(exe: str, path: Path) -> None:
-    """What `inspect FILE --json` imports, the costliest first (cumulative µs of each top-level import)."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", exe, "inspect", str(path), "--json"],
+def print_imports(exe: str, path: Path, *flags: str) -> None:
+    """What `inspect FILE [flags]` imports, the costliest first (cumulative µs of each top-level import)."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", exe, "inspect", str(path), *flags],
                           capture_output=True, text=True)
     rows = []  # (name indented by depth, self µs, cumulative µs)
     for line in proc.stderr.splitlines():
@@ -122,7 +144,7 @@ def print_imports(exe: str, path: Path) -> None:
         self_us, cumulative, name = line[len("import time:"):].split("|")
         if cumulative.strip().isdigit():  # not the header
             rows.append((name[1:].rstrip(), int(self_us), int(cumulative)))
-    print(f"modules imported by `ckpt-doctor inspect FILE --json`: {len(rows)}, "
+    print(f"modules imported by `ckpt-doctor inspect FILE{''.join(' ' + f for f in flags)}`: {len(rows)}, "
           f"{sum(s for _, s, _ in rows) / 1000:.1f} ms in all (self times, under -X importtime)")
     top = [r for r in rows if not r[0].startswith(" ")]  # imported by the program itself, not by a module
     for name, _, cumulative in sorted(top, key=lambda r: -r[2]):

@@ -1,22 +1,24 @@
-"""The command line: parses arguments, calls the library, renders, picks the exit code. No logic of its own.
+"""The command line: parses arguments (click), calls the library, renders, picks the exit code. No logic of its own.
 
-argparse, not click: every `ckpt-doctor inspect` pays the import of its parser, and click's costs ~15 ms of a
-~50 ms run (it imports inspect, typing, uuid, datetime …); argparse costs ~2 ms.
+Start-up: every command pays Python (~9 ms) and click (~15 ms); everything else is imported inside the command that
+needs it, when it runs: the library's modules, torch only where tensor data is read, tabulate only where a table is
+printed (never for --json or --help).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import os
 import sys
 
+import click
+
 from ._version import __version__
 from .errors import CkptDoctorError, UsageError
 
 TYPE_CHECKING = False
-if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
+if TYPE_CHECKING:  # names for annotations only
     from typing import Any, Callable
 
 EXIT_CODES = """\b
@@ -58,20 +60,6 @@ def echo(text: str) -> None:
     """Data, on stdout."""
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
-
-
-def _allow_global_option(p: Any) -> None:
-    p.add_argument("--allow-global", dest="allow_global", action="append", default=[], metavar="MODULE.NAME",
-                   help="Also accept this global as safe (repeatable), as torch.serialization.add_safe_globals does: "
-                   "for your own config classes. Names known to run code (os, sys, eval, …) cannot be allowed.")
-
-
-def _require_default_load_option(p: Any) -> None:
-    p.add_argument("--require-default-load", action="store_true",
-                   help="Exit 1 unless torch.load(path) with torch's defaults loads the file on this machine: "
-                   "weights_only=True (torch >= 2.6) refuses globals off torch's own list, such as an "
-                   "argparse.Namespace, and a tensor saved on a device this machine lacks needs map_location. For CI "
-                   "before publishing a checkpoint.")
 
 
 def _write_page(path: str, text: str, inputs: tuple) -> None:
@@ -160,205 +148,252 @@ def handle_errors(func: Callable[..., int]) -> Callable[..., None]:
     return wrapper
 
 
-MAIN_HELP = """Inspect, diagnose, repair and verify PyTorch checkpoints — without running code from them.
-
-\b
-ckpt-doctor inspect model.pth                     what is inside (nothing run)
-ckpt-doctor inspect model.pth --model nets.py:Net why it will not load; the fix
-ckpt-doctor fix model.pth -o clean.safetensors --strip-module
-ckpt-doctor verify clean.pt --model nets.py:Net --input-shape 8,3,32,32
-ckpt-doctor scan downloads/                       what its pickles would run
-ckpt-doctor diff base.pt tuned.pt --html d.html   what fine-tuning changed
-ckpt-doctor inspect runs/                         every checkpoint in a folder
-"""
-
-COMMANDS: dict[str, tuple[Callable[[Any], None], str, Callable[..., None]]] = {}
+# ---- click's building blocks, as this command line uses them ----------------------------------------------------
 
 
-def command(options: Callable[[Any], None], epilog: str) -> Callable:
-    """Register a subcommand: `options` adds its arguments to a parser; the function's docstring is its help."""
+class _HelpFormatter(click.HelpFormatter):
+    """click's help layout with lines broken at spaces only: an option named in a sentence (--require-default-load)
+    is never cut at one of its hyphens. Hyphens are held as U+2011 (a non-breaking hyphen) while click wraps."""
 
-    def register(func: Callable[..., int]) -> Callable[..., None]:
-        wrapped = handle_errors(func)
-        COMMANDS[func.__name__] = (options, epilog, wrapped)
-        return wrapped
+    def write_text(self, text: str) -> None:
+        super().write_text(text.replace("-", "\u2011"))
 
-    return register
+    def write_dl(self, rows: Any, col_max: int = 30, col_spacing: int = 2) -> None:
+        super().write_dl([(a.replace("-", "\u2011"), b.replace("-", "\u2011")) for a, b in rows], col_max,
+                         col_spacing)
 
-
-def main(argv: list[str] | None = None) -> None:
-    """The `ckpt-doctor` entry point: parse, run the command, exit with its code."""
-    from_console = argv is None
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv:
-        _parser(None).print_help(sys.stderr)
-        sys.stderr.write(f"Error: name a command ({', '.join(COMMANDS)})\n")
-        sys.exit(2)
-    _ARGV[:] = argv
-    name = argv[0] if argv[0] in COMMANDS else None  # only the parser of the command asked for is built
-    parser = _parser(name)
-    parser.command = name
-    args = vars(parser.parse_args(argv))
-    args.pop("command", None)
-    try:
-        COMMANDS[name][2](**args)
-    finally:
-        if from_console:  # the process ends here: Python's shutdown would run the cycle collector over every
-            gc.freeze()  # object made (~2.5 ms for 1,000 tensors); frozen objects are skipped by it
+    def getvalue(self) -> str:
+        return super().getvalue().replace("\u2011", "-")
 
 
-class _Parser(argparse.ArgumentParser):
-    command: str | None = None  # the command asked for: its --help is the one to point at
-
-    def error(self, message: str) -> None:  # type: ignore[override]  # one line and exit 2, as every bad input
-        if message.endswith("expected one argument"):  # argparse takes a value starting with "-" for an option
-            message += " (a value that starts with '-' is written --option=-value)"
-        prog = self.prog if self.command is None or self.prog.endswith(self.command) else \
-            f"{self.prog} {self.command}"
-        sys.stderr.write(f"Error: {message} (see `{prog} --help`)\n")
-        sys.exit(2)
+class _Context(click.Context):
+    formatter_class = _HelpFormatter
 
 
-def _parser(only: str | None) -> _Parser:
-    """The parser; with `only`, the other commands are listed but their options not built."""
-    import re
+class _Command(click.Command):
+    """A command whose --help lists its arguments and then its options in titled sections (`sections`: title and
+    the parameter names under it; options in none of them are listed last, under "Other options")."""
 
-    def formatter(prog: str) -> argparse.HelpFormatter:
-        return _HelpFormatter(prog, max_help_position=30, width=_help_width())
+    context_class = _Context
 
-    top = _Parser(prog="ckpt-doctor", description=MAIN_HELP, epilog=EXIT_CODES, formatter_class=formatter,
-                 allow_abbrev=False)
-    top.add_argument("--version", action="version", version=f"ckpt-doctor {__version__}")
-    sub = top.add_subparsers(title="commands", metavar="COMMAND", dest="command",
-                             description="`ckpt-doctor COMMAND --help` gives each command's options and examples.")
-    for name, (options, epilog, func) in COMMANDS.items():
-        doc = _dedent(func.__doc__ or "")
-        summary = re.split(r"(?<=[?])\s|[.:]\s", doc, maxsplit=1)[0]  # the first sentence, or up to a colon
-        if only is not None and name != only:
-            sub.add_parser(name, help=summary, formatter_class=formatter)
-            continue
-        p = sub.add_parser(name, help=summary, description=doc, epilog=epilog,
-                           formatter_class=formatter, allow_abbrev=False)
-        options(p)
-    return top
+    def __init__(self, *args: Any, arguments: dict[str, str] | None = None,
+                 sections: tuple[tuple[str, tuple[str, ...]], ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.arguments = arguments or {}
+        self.sections = sections
 
+    def get_short_help_str(self, limit: int = 45) -> str:
+        """The first sentence of the help, or up to a colon: the group's list of commands shows it whole."""
+        import re
 
-@functools.lru_cache(maxsize=None)
-def _help_width() -> int:
-    """The terminal's width (at most 100), as click and shutil find it, without importing shutil at every start:
-    argparse builds a formatter for every option it is given."""
-    try:
-        columns = int(os.environ.get("COLUMNS", "0")) or os.get_terminal_size(sys.__stdout__.fileno()).columns
-    except (OSError, ValueError, AttributeError):
-        columns = 80
-    return max(min(columns, 100) - 2, 40)
+        return re.split(r"(?<=[?])\s|[.:]\s", (self.help or "").strip(), maxsplit=1)[0]
 
-
-def _dedent(doc: str) -> str:
-    """A docstring with the indent of its second line on removed (as inspect.cleandoc, which imports ast)."""
-    first, _, rest = doc.partition("\n")
-    lines = rest.split("\n")
-    indent = min((len(line) - len(line.lstrip()) for line in lines if line.strip()), default=0)
-    return (first.strip() + "\n" + "\n".join(line[indent:] for line in lines)).strip()
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx) if not isinstance(p, click.Argument)}
+        if self.arguments:
+            with formatter.section("Arguments"):
+                formatter.write_dl(list(self.arguments.items()))
+        for title, names in self.sections:
+            rows = [records.pop(name) for name in names if records.get(name)]
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+        rest = [record for record in records.values() if record]
+        if rest:
+            with formatter.section("Other options"):
+                formatter.write_dl(rest)
 
 
-class _HelpFormatter(argparse.HelpFormatter):
-    """Paragraphs are re-wrapped to the terminal; a paragraph that starts with \\b is kept as written (examples,
-    tables), as click does."""
+class _Group(click.Group):
+    """The `ckpt-doctor` group: commands listed in the order they were added; a usage error is one `Error:` line
+    and exit 2, as every bad input; the run's objects are frozen at exit."""
 
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        import textwrap
+    command_class = _Command
+    context_class = _Context
 
-        out = []
-        for para in text.split("\n\n"):
-            if para.startswith("\b\n"):
-                out.append("\n".join(indent + line for line in para[2:].split("\n")))
-            else:
-                out.append(textwrap.fill(" ".join(para.split()), width, initial_indent=indent,
-                                         subsequent_indent=indent, break_on_hyphens=False))
-        return "\n\n".join(out)
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_text("`ckpt-doctor COMMAND --help` gives each command's options and examples.")
+            formatter.write_paragraph()
+            formatter.write_dl([(name, cmd.get_short_help_str()) for name, cmd in self.commands.items()])
 
-def _path(text: str) -> str:
-    if not text:
-        raise _type_error("an empty path names no file (use . for this folder)")
-    return text
-
-
-def _fraction(text: str) -> float:
-    value = _number(text, float)
-    if not 0 < value <= 1:
-        raise _type_error(f"{text!r} is not more than 0 and at most 1 (a check that loads nothing proves nothing)")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = _number(text, int)
-    if value < 1:
-        raise _type_error(f"{text!r} is not 1 or more")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _number(text, float)
-    if not 0 < value < float("inf"):
-        raise _type_error(f"{text!r} is not a number more than 0")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _number(text, float)
-    if not 0 <= value < float("inf"):
-        raise _type_error(f"{text!r} is not a number, 0 or more")
-    return value
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        from_console = args is None
+        args = sys.argv[1:] if args is None else list(args)
+        if not args and not os.environ.get(complete_var or "_CKPT_DOCTOR_COMPLETE"):
+            with self.make_context("ckpt-doctor", ["--help"], resilient_parsing=True) as ctx:
+                sys.stderr.write(ctx.get_help() + "\n")
+            sys.stderr.write(f"Error: name a command ({', '.join(self.commands)})\n")
+            sys.exit(2)
+        _ARGV[:] = args
+        try:
+            # prog_name: "ckpt-doctor" whether started as the console script or `python -m ckpt_doctor`, so the
+            # usage lines and the completion variable (_CKPT_DOCTOR_COMPLETE) are the same either way.
+            code = super().main(args, prog_name or "ckpt-doctor", complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else \
+                "ckpt-doctor" + (f" {args[0]}" if args[0] in self.commands else "")  # the command's help
+            sys.stderr.write(f"Error: {exc.format_message()} (see `{where} --help`)\n")
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            sys.stderr.write(f"Error: {exc.format_message()}\n")
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            sys.stderr.write("Error: interrupted\n")
+            sys.exit(130)
+        finally:
+            if from_console:  # the process ends here: Python's shutdown would run the cycle collector over every
+                gc.freeze()  # object made (~2.5 ms for 1,000 tensors); frozen objects are skipped by it
+        sys.exit(code if isinstance(code, int) else 0)  # --help and --version end here
 
 
-def _number(text: str, kind: type) -> Any:
-    try:
-        return kind(text)
-    except ValueError:
-        raise _type_error(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+class _PathType(click.Path):
+    """A file or folder as given (it is opened later, by the command, whose error names it); never empty."""
+
+    def __init__(self) -> None:
+        super().__init__(path_type=str)
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value == "":
+            self.fail("an empty path names no file (use . for this folder)", param, ctx)
+        return super().convert(value, param, ctx)
 
 
-def _type_error(message: str) -> Exception:
-    return argparse.ArgumentTypeError(message)
+class _FloatRange(click.FloatRange):
+    """click's FloatRange that refuses NaN too and says why a value is refused."""
+
+    def __init__(self, refused: str, **bounds: Any) -> None:
+        super().__init__(**bounds)
+        self.refused = refused  # the end of "'x' is not …"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        try:
+            import math
+
+            if not math.isnan(number):  # NaN is in no range
+                return super().convert(number, param, ctx)
+        except click.BadParameter:
+            pass
+        self.fail(f"{value!r} is not {self.refused}", param, ctx)
 
 
-def _inspect_options(p: Any) -> None:
-    p.add_argument("ckpt", metavar="CKPT", type=_path, help="A checkpoint file or folder.")
-    p.add_argument("--json", dest="as_json", action="store_true", help="Print a JSON object on stdout instead of the "
-                   "table.")
-    p.add_argument("--stats", action="store_true", help="Read tensor data (one tensor at a time) for "
-                   "min/max/mean/std, NaN/Inf counts and BatchNorm layers whose running stats were never updated. "
-                   "Imports torch.")
-    p.add_argument("--filter", dest="filter_", metavar="REGEX", help="Only list tensors whose key matches REGEX "
-                   "(re.search).")
-    p.add_argument("--full", action="store_true", help="One row per tensor; by default repeated blocks are collapsed "
-                   "(layers.{0..23}.attn.q.weight) and long lists shortened.")
-    p.add_argument("--model", dest="model_spec", metavar="SPEC", help="Compare with a model: package.module:attr or "
-                   "path/to/file.py:attr (a class or factory, built on the meta device), or a reference checkpoint.")
-    p.add_argument("--model-arg", dest="model_args", action="append", default=[], metavar="KEY=VALUE",
-                   help="Argument for the model's constructor (repeatable; values are Python literals).")
-    p.add_argument("--allow-missing", metavar="REGEX", help="Accept model keys matching REGEX being missing or of "
-                   "another shape (a new head when fine-tuning).")
-    p.add_argument("--allow-unexpected", metavar="REGEX", help="Accept checkpoint keys matching REGEX the model "
-                   "lacks.")
-    p.add_argument("--min-loaded", type=_fraction, metavar="FRACTION", help="Fail unless at least this share of the "
-                   "model's parameters (by elements) is filled, e.g. 0.99.")
-    p.add_argument("--select", metavar="PATH", help="With --model: compare the state_dict at PATH (model_ema, "
-                   "state_dict.model) instead of the one ckpt-doctor finds.")
-    p.add_argument("--values", action="store_true", help="With a reference checkpoint as --model: max |difference| "
-                   "per tensor.")
-    p.add_argument("--html", dest="html_out", metavar="FILE", type=_path, help="Also write a self-contained page (no "
-                   "network): parameters per module, per-tensor value histograms and NaN/Inf/constant flags (reads "
-                   "the data, as --stats), the verdict and fix with --model.")
-    _require_default_load_option(p)
-    _allow_global_option(p)
-    p.add_argument("--no-color", action="store_true", help="No colour on stderr (NO_COLOR is honoured too).")
+class _IntRange(click.IntRange):
+    """click's IntRange, saying why a value is refused."""
+
+    def __init__(self, refused: str, **bounds: Any) -> None:
+        super().__init__(**bounds)
+        self.refused = refused
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not an integer", param, ctx)
+        try:
+            return super().convert(number, param, ctx)
+        except click.BadParameter:
+            self.fail(f"{value!r} is not {self.refused}", param, ctx)
 
 
-@command(_inspect_options, EXIT_CODES)
-def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bool, model_spec: str | None,
+PATH = _PathType()
+FRACTION = _FloatRange("more than 0 and at most 1 (a check that loads nothing proves nothing)", min=0, max=1,
+                       min_open=True)
+POSITIVE_INT = _IntRange("1 or more", min=1)
+POSITIVE_FLOAT = _FloatRange("a number more than 0", min=0, max=float("inf"), min_open=True, max_open=True)
+NON_NEGATIVE_FLOAT = _FloatRange("a number, 0 or more", min=0, max=float("inf"), max_open=True)
+# What a command that prints a table prints: the table (tabulate's "simple" look, kept to 120 columns), JSON (as
+# --json), or one of tabulate's formats, each row whole: github (markdown: a pull-request comment), grid, tsv.
+TABLE_FORMATS = ("table", "json", "github", "markdown", "grid", "tsv")
+
+
+def _table_format(as_json: bool, format_: str) -> tuple[bool, str]:
+    """(JSON?, tabulate's name of the table format) from --json and --format."""
+    if format_ in ("table", "json"):
+        return as_json or format_ == "json", "simple"
+    if as_json:
+        raise UsageError(f"--json and --format {format_} ask for two outputs; give one of them")
+    return False, "github" if format_ == "markdown" else format_
+
+
+def _format_option(what: str) -> Callable:
+    return click.option("--format", "format_", type=click.Choice(TABLE_FORMATS), default="table", metavar="FORMAT",
+                        help=f"How {what} is printed: table (default), json (as --json), or github (alias markdown), "
+                        "grid, tsv: tabulate's formats, each row whole (github for a pull-request comment, tsv for a "
+                        "spreadsheet).")
+
+
+_allow_global_option = click.option(
+    "--allow-global", "allow_global", multiple=True, metavar="MODULE.NAME",
+    help="Also accept this global as safe (repeatable), as torch.serialization.add_safe_globals does: for your own "
+         "config classes. Names known to run code (os, sys, eval, …) cannot be allowed.")
+
+_require_default_load_option = click.option(
+    "--require-default-load", is_flag=True,
+    help="Exit 1 unless torch.load(path) with torch's defaults loads the file on this machine: weights_only=True "
+         "(torch >= 2.6) refuses globals off torch's own list, such as an argparse.Namespace, and a tensor saved on "
+         "a device this machine lacks needs map_location. For CI before publishing a checkpoint.")
+
+_no_color_option = click.option("--no-color", is_flag=True, help="No colour on stderr (NO_COLOR is honoured too).")
+
+
+@click.group(cls=_Group, name="ckpt-doctor", epilog=EXIT_CODES,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="ckpt-doctor", message="%(prog)s %(version)s")
+def main() -> None:
+    """Inspect, diagnose, repair and verify PyTorch checkpoints — without running code from them.
+
+    \b
+    ckpt-doctor inspect model.pth                     what is inside (nothing run)
+    ckpt-doctor inspect model.pth --model nets.py:Net why it will not load; the fix
+    ckpt-doctor fix model.pth -o clean.safetensors --strip-module
+    ckpt-doctor verify clean.pt --model nets.py:Net --input-shape 8,3,32,32
+    ckpt-doctor scan downloads/                       what its pickles would run
+    ckpt-doctor diff base.pt tuned.pt --html d.html   what fine-tuning changed
+    ckpt-doctor inspect runs/                         every checkpoint in a folder
+    """
+
+
+@main.command(epilog=EXIT_CODES, arguments={"CKPT": "A checkpoint file or folder."}, sections=(
+    ("Output", ("as_json", "format_", "full", "filter_", "stats", "html_out", "no_color")),
+    ("Against a model", ("model_spec", "model_args", "allow_missing", "allow_unexpected", "min_loaded", "select",
+                         "values")),
+    ("Safety", ("require_default_load", "allow_global"))))
+@click.argument("ckpt", metavar="CKPT", type=PATH)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object on stdout instead of the table.")
+@_format_option("the listing")
+@click.option("--stats", is_flag=True, help="Read tensor data (one tensor at a time) for min/max/mean/std, NaN/Inf "
+              "counts and BatchNorm layers whose running stats were never updated. Imports torch.")
+@click.option("--filter", "filter_", metavar="REGEX", help="Only list tensors whose key matches REGEX (re.search).")
+@click.option("--full", is_flag=True, help="One row per tensor; by default repeated blocks are collapsed "
+              "(layers.{0..23}.attn.q.weight) and long lists shortened.")
+@click.option("--model", "model_spec", metavar="SPEC", help="Compare with a model: package.module:attr or "
+              "path/to/file.py:attr (a class or factory, built on the meta device), or a reference checkpoint.")
+@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE",
+              help="Argument for the model's constructor (repeatable; values are Python literals).")
+@click.option("--allow-missing", metavar="REGEX", help="Accept model keys matching REGEX being missing or of another "
+              "shape (a new head when fine-tuning).")
+@click.option("--allow-unexpected", metavar="REGEX", help="Accept checkpoint keys matching REGEX the model lacks.")
+@click.option("--min-loaded", type=FRACTION, metavar="FRACTION", help="Fail unless at least this share of the "
+              "model's parameters (by elements) is filled, e.g. 0.99.")
+@click.option("--select", metavar="PATH", help="With --model: compare the state_dict at PATH (model_ema, "
+              "state_dict.model) instead of the one ckpt-doctor finds.")
+@click.option("--values", is_flag=True, help="With a reference checkpoint as --model: max |difference| per tensor.")
+@click.option("--html", "html_out", metavar="FILE", type=PATH, help="Also write a self-contained page (no network): "
+              "parameters per module, per-tensor value histograms and NaN/Inf/constant flags (reads the data, as "
+              "--stats), the verdict and fix with --model.")
+@_require_default_load_option
+@_allow_global_option
+@_no_color_option
+@handle_errors
+def inspect(ckpt: str, as_json: bool, format_: str, stats: bool, filter_: str | None, full: bool, model_spec: str | None,
             model_args: tuple[str, ...], allow_missing: str | None, allow_unexpected: str | None,
             min_loaded: float | None, select: str | None, values: bool, html_out: str | None,
             require_default_load: bool, allow_global: tuple[str, ...], no_color: bool) -> int:
@@ -399,6 +434,7 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
     # A short-lived process building an acyclic tree of ~10 objects per tensor: the cycle collector would walk
     # it over and over (a fifth of the time for 20,000 tensors) and never free anything.
     gc.disable()
+    as_json, tablefmt = _table_format(as_json, format_)
     _allow(allow_global)
     if model_args and not model_spec:
         raise UsageError("--model-arg needs --model")
@@ -421,7 +457,7 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
                                               ("--filter", filter_), ("--values", values)) if given]
         if needs_one:  # a listing has one line per file: these need the file named
             raise UsageError(f"{exc} ({needs_one[0]} needs one checkpoint)") from None
-        return _inspect_folder(exc.folder, as_json, no_color, require_default_load)
+        return _inspect_folder(exc.folder, as_json, no_color, require_default_load, tablefmt)
     if html_out:
         from .render.html import inspect_html
 
@@ -435,14 +471,15 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
 
         from .render.table import summary_problems
 
-        echo(inspect_table(report, full=full))
+        echo(inspect_table(report, full=full, tablefmt=tablefmt))
         bad = summary_problems(report)
         for line in inspect_summary(report, full=full):
             say(line, color="red" if line.split(" ", 1)[0] in bad else None, no_color=no_color)
     return report.exit_code
 
 
-def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_load: bool = False) -> int:
+def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_load: bool = False,
+                    tablefmt: str = "simple") -> int:
     """A folder of many checkpoints: one line per file (read several at once), a total; exit as the worst file."""
     from .listing import list_folder
     from .render.listing_out import listing_json, listing_summary, listing_table
@@ -453,72 +490,70 @@ def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_
 
         echo(dumps(listing_json(listing)))
     elif listing.files:
-        echo(listing_table(listing))
+        echo(listing_table(listing, tablefmt))
     for line in listing_summary(listing):
         say(line, color="red" if line.startswith(("UNSAFE", "Error")) else None, no_color=no_color)
     return listing.exit_code if listing.files or listing.problems else 2
 
 
-def _fix_options(p: Any) -> None:
-    p.add_argument("ckpt", metavar="CKPT", type=_path, help="A checkpoint file or folder.")
-    p.add_argument("-o", "--output", required=True, type=_path, help="Where to write. The suffix picks the format "
-                   "(.safetensors, or .pt/.pth/.bin for torch).")
-    p.add_argument("--strip-module", action="store_true", help="Remove a leading `module.` (DataParallel/DDP) where "
-                   "present.")
-    p.add_argument("--add-module", action="store_true", help="Add a leading `module.` to every key.")
-    p.add_argument("--strip-prefix", action="append", default=[], metavar="P", help="Remove a leading prefix P where "
-                   "present (keys without it are left alone). P is whole key components: module means module. "
-                   "(to cut inside a component, use --rename). Repeatable.")
-    p.add_argument("--add-prefix", action="append", default=[], metavar="P", help="Add prefix P (whole components: "
-                   "model means model.) to every key. Repeatable.")
-    p.add_argument("--rename", action="append", default=[], metavar="REGEX=REPL", help="re.sub(REGEX, REPL, key). "
-                   "Repeatable.")
-    p.add_argument("--drop", action="append", default=[], metavar="REGEX", help="Leave out tensors and entries whose "
-                   "path matches (e.g. --drop '^optimizer'). Repeatable.")
-    p.add_argument("--select", metavar="PATH", help="Write only the tensors under PATH, keyed relative to it: the "
-                   "state_dict of a training checkpoint (state_dict, model, ema) or a sub-module of a whole-model "
-                   "pickle. --select '' is all of the file: nested as saved in a torch output (exactly as without "
-                   "--select), every tensor in a safetensors one. What is left out is listed as dropped.")
-    p.add_argument("--map-location", action="append", default=[], metavar="DEV|FROM=TO",
-                   help="Rewrite saved device tags for good: `cpu` (all tensors) or `cuda:3=cuda:0`. Repeatable.")
-    p.add_argument("--dtype", metavar="DT", help="Cast floating tensors to float16 (half, fp16), bfloat16 (bf16), "
-                   "float32 (float, fp32) or float64 (double, fp64); integer buffers such as num_batches_tracked are "
-                   "untouched.")
-    p.add_argument("--model", dest="model_spec", metavar="SPEC", help="The model the output must load into "
-                   "(package.module:attr, file.py:attr or a reference checkpoint): the output is checked with torch's "
-                   "loading code before anything is written, and refused when it would not load strictly. Needed by "
-                   "--auto, --reorder and --map-by-order.")
-    p.add_argument("--model-arg", dest="model_args", action="append", default=[], metavar="KEY=VALUE",
-                   help="Constructor argument.")
-    p.add_argument("--auto", action="store_true", help="Apply the fix `inspect --model` suggests.")
-    p.add_argument("--reorder", action="store_true", help="Put keys in the model's state_dict() order.")
-    p.add_argument("--map-by-order", action="store_true", help="Rename by position, every shape checked; refuses "
-                   "when neighbouring tensors share a shape unless --force.")
-    p.add_argument("--allow-missing", metavar="REGEX", help="With --model: the output may lack model keys matching "
-                   "REGEX (a new head, kept from the model's own initialisation). Without it, an output that would "
-                   "not load strictly is refused.")
-    p.add_argument("--allow-unexpected", metavar="REGEX", help="With --model: the output may hold keys matching "
-                   "REGEX the model lacks.")
-    p.add_argument("--tie", dest="ties", action="append", default=[], metavar="ALIAS=KEY",
-                   help="Also write ALIAS as the same tensor as KEY (one storage), as a model with tied weights "
-                   "expects (lm_head.weight=transformer.wte.weight).")
-    p.add_argument("--format", dest="format_", choices=["torch", "safetensors", "dcp"],
-                   help="Override the suffix. dcp: a torch.distributed.checkpoint folder (OUT is a folder) that "
-                   "dcp.load reads into an FSDP2/DTensor model, to resume distributed training.")
-    p.add_argument("--max-shard-size", metavar="SIZE", help="Split the output into shards of at most SIZE (5GB, "
-                   "500MB, 2GiB) with an OUT.index.json naming them, as Hugging Face does.")
-    p.add_argument("--dry-run", action="store_true", help="Print old → new for every key and what the output would "
-                   "hold; write nothing.")
-    p.add_argument("--force", action="store_true", help="Replace an existing output; accept an ambiguous "
-                   "--map-by-order.")
-    p.add_argument("--no-verify", action="store_true", help="Skip re-reading the output (not recommended).")
-    p.add_argument("--allow-unsafe", action="store_true", help="Rewrite a file that names dangerous globals, keeping "
-                   "only its tensors and plain data (nothing from the file is ever run or written back).")
-    _allow_global_option(p)
-    p.add_argument("--json", dest="as_json", action="store_true", help="Print the result as JSON on stdout.")
-
-
-@command(_fix_options, EXIT_CODES)
+@main.command(epilog=EXIT_CODES, arguments={"CKPT": "A checkpoint file or folder."}, sections=(
+    ("Output", ("output", "format_", "max_shard_size", "dry_run", "force", "no_verify", "as_json")),
+    ("Keys", ("strip_module", "add_module", "strip_prefix", "add_prefix", "rename", "drop", "select", "ties")),
+    ("Tensors", ("map_location", "dtype")),
+    ("Against a model", ("model_spec", "model_args", "auto", "reorder", "map_by_order", "allow_missing",
+                         "allow_unexpected")),
+    ("Safety", ("allow_unsafe", "allow_global"))))
+@click.argument("ckpt", metavar="CKPT", type=PATH)
+@click.option("-o", "--output", required=True, type=PATH, metavar="OUT", help="Where to write. The suffix picks the "
+              "format (.safetensors, or .pt/.pth/.bin for torch).")
+@click.option("--strip-module", is_flag=True, help="Remove a leading `module.` (DataParallel/DDP) where present.")
+@click.option("--add-module", is_flag=True, help="Add a leading `module.` to every key.")
+@click.option("--strip-prefix", multiple=True, metavar="P", help="Remove a leading prefix P where present (keys "
+              "without it are left alone). P is whole key components: module means module. (to cut inside a "
+              "component, use --rename). Repeatable.")
+@click.option("--add-prefix", multiple=True, metavar="P", help="Add prefix P (whole components: model means model.) "
+              "to every key. Repeatable.")
+@click.option("--rename", multiple=True, metavar="REGEX=REPL", help="re.sub(REGEX, REPL, key). Repeatable.")
+@click.option("--drop", multiple=True, metavar="REGEX", help="Leave out tensors and entries whose path matches (e.g. "
+              "--drop '^optimizer'). Repeatable.")
+@click.option("--select", metavar="PATH", help="Write only the tensors under PATH, keyed relative to it: the "
+              "state_dict of a training checkpoint (state_dict, model, ema) or a sub-module of a whole-model pickle. "
+              "--select '' is all of the file: nested as saved in a torch output (exactly as without --select), every "
+              "tensor in a safetensors one. What is left out is listed as dropped.")
+@click.option("--map-location", multiple=True, metavar="DEV|FROM=TO", help="Rewrite saved device tags for good: "
+              "`cpu` (all tensors) or `cuda:3=cuda:0`. Repeatable.")
+@click.option("--dtype", metavar="DT", help="Cast floating tensors to float16 (half, fp16), bfloat16 (bf16), float32 "
+              "(float, fp32) or float64 (double, fp64); integer buffers such as num_batches_tracked are untouched.")
+@click.option("--model", "model_spec", metavar="SPEC", help="The model the output must load into "
+              "(package.module:attr, file.py:attr or a reference checkpoint): the output is checked with torch's "
+              "loading code before anything is written, and refused when it would not load strictly. Needed by "
+              "--auto, --reorder and --map-by-order.")
+@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Constructor argument.")
+@click.option("--auto", is_flag=True, help="Apply the fix `inspect --model` suggests.")
+@click.option("--reorder", is_flag=True, help="Put keys in the model's state_dict() order.")
+@click.option("--map-by-order", is_flag=True, help="Rename by position, every shape checked; refuses when "
+              "neighbouring tensors share a shape unless --force.")
+@click.option("--allow-missing", metavar="REGEX", help="With --model: the output may lack model keys matching REGEX "
+              "(a new head, kept from the model's own initialisation). Without it, an output that would not load "
+              "strictly is refused.")
+@click.option("--allow-unexpected", metavar="REGEX", help="With --model: the output may hold keys matching REGEX the "
+              "model lacks.")
+@click.option("--tie", "ties", multiple=True, metavar="ALIAS=KEY", help="Also write ALIAS as the same tensor as KEY "
+              "(one storage), as a model with tied weights expects (lm_head.weight=transformer.wte.weight).")
+@click.option("--format", "format_", type=click.Choice(["torch", "safetensors", "dcp"]), help="Override the suffix. "
+              "dcp: a torch.distributed.checkpoint folder (OUT is a folder) that dcp.load reads into an FSDP2/DTensor "
+              "model, to resume distributed training.")
+@click.option("--max-shard-size", metavar="SIZE", help="Split the output into shards of at most SIZE (5GB, 500MB, "
+              "2GiB) with an OUT.index.json naming them, as Hugging Face does.")
+@click.option("--dry-run", is_flag=True, help="Print old → new for every key and what the output would hold; write "
+              "nothing.")
+@click.option("--force", is_flag=True, help="Replace an existing output; accept an ambiguous --map-by-order.")
+@click.option("--no-verify", is_flag=True, help="Skip re-reading the output (not recommended).")
+@click.option("--allow-unsafe", is_flag=True, help="Rewrite a file that names dangerous globals, keeping only its "
+              "tensors and plain data (nothing from the file is ever run or written back).")
+@_allow_global_option
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@handle_errors
 def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_prefix: tuple[str, ...],
         add_prefix: tuple[str, ...], rename: tuple[str, ...], drop: tuple[str, ...], select: str | None,
         map_location: tuple[str, ...], dtype: str | None, model_spec: str | None, model_args: tuple[str, ...],
@@ -629,31 +664,29 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     return 0
 
 
-def _diff_options(p: Any) -> None:
-    p.add_argument("a", metavar="A", type=_path, help="The checkpoint compared from (the reference).")
-    p.add_argument("b", metavar="B", type=_path, help="The checkpoint compared with A.")
-    p.add_argument("--atol", type=_non_negative_float, default=0.0, help="Absolute tolerance: pairs within it count "
-                   "as the same (torch.isclose's rule, |B - A| <= atol + rtol*|A|). (default: %(default)s)")
-    p.add_argument("--rtol", type=_non_negative_float, default=0.0, help="Relative tolerance (see --atol). (default: "
-                   "%(default)s)")
-    p.add_argument("--json", dest="as_json", action="store_true", help="Print a JSON object on stdout instead of the "
-                   "table.")
-    p.add_argument("--full", action="store_true", help="One row per tensor; by default repeated blocks are "
-                   "collapsed.")
-    p.add_argument("--html", dest="html_out", metavar="FILE", type=_path, help="Also write a self-contained page (no "
-                   "network): the verdict, the largest changes, a heat map of relative change over depth.")
-    p.add_argument("--strip-prefix", dest="strip_prefix", action="append", default=[], metavar="P",
-                   help="Map A's names onto B's yourself (as fix does; repeatable): remove a leading P from A's "
-                   "keys.")
-    p.add_argument("--add-prefix", dest="add_prefix", action="append", default=[], metavar="P",
-                   help="Add a leading P to A's keys.")
-    p.add_argument("--rename", dest="rename", action="append", default=[], metavar="REGEX=REPL",
-                   help="re.sub on A's keys.")
-    _allow_global_option(p)
-
-
-@command(_diff_options, DIFF_EXIT_CODES)
-def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, full: bool, html_out: str | None,
+@main.command(epilog=DIFF_EXIT_CODES, arguments={"A": "The checkpoint compared from (the reference).",
+                                                  "B": "The checkpoint compared with A."}, sections=(
+    ("Output", ("as_json", "format_", "full", "html_out")),
+    ("Tolerance", ("atol", "rtol")),
+    ("Names", ("strip_prefix", "add_prefix", "rename")),
+    ("Safety", ("allow_global",))))
+@click.argument("a", metavar="A", type=PATH)
+@click.argument("b", metavar="B", type=PATH)
+@click.option("--atol", type=NON_NEGATIVE_FLOAT, default=0.0, help="Absolute tolerance: pairs within it count as the "
+              "same (torch.isclose's rule, |B - A| <= atol + rtol*|A|). (default: 0.0)")
+@click.option("--rtol", type=NON_NEGATIVE_FLOAT, default=0.0, help="Relative tolerance (see --atol). (default: 0.0)")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object on stdout instead of the table.")
+@_format_option("the table of changes")
+@click.option("--full", is_flag=True, help="One row per tensor; by default repeated blocks are collapsed.")
+@click.option("--html", "html_out", metavar="FILE", type=PATH, help="Also write a self-contained page (no network): "
+              "the verdict, the largest changes, a heat map of relative change over depth.")
+@click.option("--strip-prefix", multiple=True, metavar="P", help="Map A's names onto B's yourself (as fix does; "
+              "repeatable): remove a leading P from A's keys.")
+@click.option("--add-prefix", multiple=True, metavar="P", help="Add a leading P to A's keys.")
+@click.option("--rename", multiple=True, metavar="REGEX=REPL", help="re.sub on A's keys.")
+@_allow_global_option
+@handle_errors
+def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, format_: str, full: bool, html_out: str | None,
          strip_prefix: tuple[str, ...], add_prefix: tuple[str, ...], rename: tuple[str, ...],
          allow_global: tuple[str, ...]) -> int:
     """What changed between two checkpoints: per tensor, shape and dtype changes, max |B - A|, the relative change
@@ -680,6 +713,7 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, full: bool, ht
     # One BLAS thread: each dot product is over a 256 KB block, and OpenBLAS splitting it across threads costs more
     # than the product (a 1 GB pair changed throughout: 1.47 s with threads, 1.15 s without). Set before NumPy loads.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    as_json, tablefmt = _table_format(as_json, format_)
     _allow(allow_global)
     from . import transforms as T
 
@@ -695,65 +729,66 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, full: bool, ht
 
         echo(dumps(diff_json(report)))
     else:
-        echo(diff_table(report, full))
+        echo(diff_table(report, full, tablefmt=tablefmt))
     for line in diff_summary(report):
         say(line, color="red" if line.startswith(("unsafe", "verdict")) and report.exit_code else None)
     return report.exit_code
 
 
-def _verify_options(p: Any) -> None:
-    p.add_argument("ckpt", metavar="CKPT", type=_path, help="A checkpoint file or folder.")
-    p.add_argument("--model", dest="model_spec", required=True, metavar="SPEC", help="package.module:attr or "
-                   "path/to/file.py:attr: the model class or factory.")
-    p.add_argument("--model-arg", dest="model_args", action="append", default=[], metavar="KEY=VALUE",
-                   help="Constructor argument.")
-    p.add_argument("--input-shape", dest="input_shapes", action="append", default=[], metavar="8,3,32,32",
-                   help="Shape of a seeded random input (repeatable for several inputs). The first size is the "
-                   "batch.")
-    p.add_argument("--input-dtype", default="float32", metavar="DTYPE", help="dtype of the generated inputs. "
-                   "(default: %(default)s)")
-    p.add_argument("--input-range", default="0,100", metavar="LOW,HIGH", help="Range of integer inputs (token ids). "
-                   "(default: %(default)s)")
-    p.add_argument("--input", dest="input_fn", metavar="MODULE:FUNCTION", help="A function returning the input(s).")
-    p.add_argument("--gpus", default=2, type=_positive_int, metavar="N", help="DataParallel devices and DDP world "
-                   "size. (default: %(default)s)")
-    p.add_argument("--mode", dest="modes", default="single,dp,ddp", metavar="MODES",
-                   help="Which runs, comma separated. (default: %(default)s)")
-    p.add_argument("--timeout", default=300.0, type=_positive_float, metavar="SECONDS",
-                   help="Seconds before a DDP run that has not finished is killed and reported as hung. (default: "
-                   "%(default)s)")
-    p.add_argument("--allow-skip", action="store_true", help="Exit 0 when a mode was skipped for lack of GPUs.")
-    p.add_argument("--summary", action="store_true", help="Each module's output shape and parameter count.")
-    p.add_argument("--compare-to", metavar="OTHER_CKPT", help="Run OTHER_CKPT too and name the first module (in "
-                   "execution order) whose output differs: another checkpoint of this model, loaded with the renames "
-                   "inspect --model infers (the file CKPT was repaired from); with --compare-model, the original "
-                   "of a checkpoint mapped by order, in its own model.")
-    p.add_argument("--compare-model", metavar="SPEC", help="The model OTHER_CKPT was saved from (as --model): it runs "
-                   "there, and its modules are paired with this model's in the order they run.")
-    p.add_argument("--compare-model-arg", dest="compare_model_args", action="append", default=[],
-                   metavar="KEY=VALUE", help="Constructor argument for --compare-model (repeatable).")
-    p.add_argument("--select", metavar="PATH", help="Verify the state_dict at PATH in the file (model_ema, "
-                   "state_dict.model) instead of the one found.")
-    p.add_argument("--allow-missing", metavar="REGEX", help="Accept model keys matching REGEX being missing or of "
-                   "another shape: the model keeps its own values there (a fine-tuned head), as in inspect --model.")
-    p.add_argument("--allow-unexpected", metavar="REGEX", help="Accept (and leave out) checkpoint keys matching "
-                   "REGEX the model does not have.")
-    p.add_argument("--min-loaded", type=_fraction, metavar="FRACTION", help="Run nothing unless at least this share "
-                   "of the model's parameters (by elements) comes from the checkpoint, e.g. 0.99.")
-    p.add_argument("--rtol", type=_non_negative_float, help="Relative tolerance for comparing outputs (default: "
-                   "torch.testing.assert_close's for each output's dtype, x16 where the batch was split).")
-    p.add_argument("--atol", type=_non_negative_float, help="Absolute tolerance for comparing outputs (default as "
-                   "--rtol).")
-    _allow_global_option(p)
-    p.add_argument("--json", dest="as_json", action="store_true", help="Print the report as JSON.")
-
-
-@command(_verify_options, EXIT_CODES)
+@main.command(epilog=EXIT_CODES, arguments={"CKPT": "A checkpoint file or folder."}, sections=(
+    ("Model and inputs", ("model_spec", "model_args", "input_shapes", "input_dtype", "input_range", "input_fn")),
+    ("Runs", ("gpus", "modes", "timeout", "allow_skip", "summary", "rtol", "atol")),
+    ("What is loaded", ("select", "allow_missing", "allow_unexpected", "min_loaded")),
+    ("Against another checkpoint", ("compare_to", "compare_model", "compare_model_args")),
+    ("Output", ("as_json", "format_")),
+    ("Safety", ("allow_global",))))
+@click.argument("ckpt", metavar="CKPT", type=PATH)
+@click.option("--model", "model_spec", required=True, metavar="SPEC", help="package.module:attr or "
+              "path/to/file.py:attr: the model class or factory.")
+@click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Constructor argument.")
+@click.option("--input-shape", "input_shapes", multiple=True, metavar="8,3,32,32", help="Shape of a seeded random "
+              "input (repeatable for several inputs). The first size is the batch.")
+@click.option("--input-dtype", default="float32", metavar="DTYPE", help="dtype of the generated inputs. (default: "
+              "float32)")
+@click.option("--input-range", default="0,100", metavar="LOW,HIGH", help="Range of integer inputs (token ids). "
+              "(default: 0,100)")
+@click.option("--input", "input_fn", metavar="MODULE:FUNCTION", help="A function returning the input(s).")
+@click.option("--gpus", default=2, type=POSITIVE_INT, metavar="N", help="DataParallel devices and DDP world size. "
+              "(default: 2)")
+@click.option("--mode", "modes", default="single,dp,ddp", metavar="MODES", help="Which runs, comma separated. "
+              "(default: single,dp,ddp)")
+@click.option("--timeout", default=300.0, type=POSITIVE_FLOAT, metavar="SECONDS", help="Seconds before a DDP run "
+              "that has not finished is killed and reported as hung. (default: 300.0)")
+@click.option("--allow-skip", is_flag=True, help="Exit 0 when a mode was skipped for lack of GPUs.")
+@click.option("--summary", is_flag=True, help="Each module's output shape and parameter count.")
+@click.option("--compare-to", metavar="OTHER_CKPT", help="Run OTHER_CKPT too and name the first module (in execution "
+              "order) whose output differs: another checkpoint of this model, loaded with the renames inspect --model "
+              "infers (the file CKPT was repaired from); with --compare-model, the original of a checkpoint mapped by "
+              "order, in its own model.")
+@click.option("--compare-model", metavar="SPEC", help="The model OTHER_CKPT was saved from (as --model): it runs "
+              "there, and its modules are paired with this model's in the order they run.")
+@click.option("--compare-model-arg", "compare_model_args", multiple=True, metavar="KEY=VALUE",
+              help="Constructor argument for --compare-model (repeatable).")
+@click.option("--select", metavar="PATH", help="Verify the state_dict at PATH in the file (model_ema, "
+              "state_dict.model) instead of the one found.")
+@click.option("--allow-missing", metavar="REGEX", help="Accept model keys matching REGEX being missing or of another "
+              "shape: the model keeps its own values there (a fine-tuned head), as in inspect --model.")
+@click.option("--allow-unexpected", metavar="REGEX", help="Accept (and leave out) checkpoint keys matching REGEX the "
+              "model does not have.")
+@click.option("--min-loaded", type=FRACTION, metavar="FRACTION", help="Run nothing unless at least this share of the "
+              "model's parameters (by elements) comes from the checkpoint, e.g. 0.99.")
+@click.option("--rtol", type=NON_NEGATIVE_FLOAT, help="Relative tolerance for comparing outputs (default: "
+              "torch.testing.assert_close's for each output's dtype, x16 where the batch was split).")
+@click.option("--atol", type=NON_NEGATIVE_FLOAT, help="Absolute tolerance for comparing outputs (default as --rtol).")
+@_allow_global_option
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_format_option("the table of runs")
+@handle_errors
 def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes: tuple[str, ...], input_dtype: str,
            input_range: str, input_fn: str | None, gpus: int, modes: str, timeout: float, allow_skip: bool,
            summary: bool, compare_to: str | None, compare_model: str | None, compare_model_args: tuple[str, ...],
            select: str | None, allow_missing: str | None, allow_unexpected: str | None, min_loaded: float | None,
-           rtol: float | None, atol: float | None, allow_global: tuple[str, ...], as_json: bool) -> int:
+           rtol: float | None, atol: float | None, allow_global: tuple[str, ...], as_json: bool, format_: str) -> int:
     """Prove a checkpoint works: strict load, then run it alone, under DataParallel and under DDP.
 
     \b
@@ -775,6 +810,7 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
     from .modelspec import parse_model_args
     from .verify import InputSpec, check_torchrun, parse_modes, parse_shape, verify as run_verify
 
+    as_json, tablefmt = _table_format(as_json, format_)
     _allow(allow_global)
     low, _, high = input_range.partition(",")
     try:
@@ -804,7 +840,7 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
                                        allow_unexpected, tolerance, min_loaded=min_loaded, timeout=timeout,
                                        summary=summary, compare_to=compare_to, compare_model=compare_model,
                                        compare_model_args=other_args, progress=progress)
-        code = 0 if report is None else _report_verify(report, as_json)  # rank 0 reports for all
+        code = 0 if report is None else _report_verify(report, as_json, tablefmt)  # rank 0 reports for all
         # gloo's threads can abort the interpreter's teardown once a peer has left ("terminate called without an
         # active exception"): the verdict is out, so leave without that teardown.
         sys.stdout.flush()
@@ -818,10 +854,10 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
         report = run_verify(ckpt, model_spec, args, spec, gpus, parse_modes(modes), timeout, summary, compare_to,
                             allow_skip, select, allow_missing, allow_unexpected, tolerance, min_loaded=min_loaded,
                             compare_model=compare_model, compare_model_args=other_args, progress=progress)
-    return _report_verify(report, as_json)
+    return _report_verify(report, as_json, tablefmt)
 
 
-def _report_verify(report, as_json: bool) -> int:
+def _report_verify(report, as_json: bool, tablefmt: str = "simple") -> int:
     """The report on stdout (table or JSON), its lines on stderr; the exit code is the report's own."""
     from .advice import rerun_argv
     from .render.verify_out import verify_advice, verify_json, verify_lines, verify_table
@@ -832,23 +868,24 @@ def _report_verify(report, as_json: bool) -> int:
 
         echo(dumps(verify_json(report, advice)))
     elif report.runs:
-        echo(verify_table(report))
+        echo(verify_table(report, tablefmt))
     for line, problem in verify_lines(report, advice):
         say(line, color="red" if problem else None)
     return report.exit_code
 
 
-def _scan_options(p: Any) -> None:
-    p.add_argument("paths", nargs="+", metavar="PATH", type=_path, help="Files or folders (searched recursively).")
-    p.add_argument("--json", dest="as_json", action="store_true", help="Print the findings as JSON.")
-    p.add_argument("--all", dest="show_all", action="store_true", help="List allow-listed globals too.")
-    _require_default_load_option(p)
-    _allow_global_option(p)
-    p.add_argument("--no-color", action="store_true", help="No colour on stderr (NO_COLOR is honoured too).")
-
-
-@command(_scan_options, EXIT_CODES)
-def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, require_default_load: bool,
+@main.command(epilog=EXIT_CODES, arguments={"PATH...": "Files or folders (searched recursively)."}, sections=(
+    ("Output", ("as_json", "format_", "show_all", "no_color")),
+    ("Safety", ("require_default_load", "allow_global"))))
+@click.argument("paths", metavar="PATH...", nargs=-1, required=True, type=PATH)
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@_format_option("the table of findings")
+@click.option("--all", "show_all", is_flag=True, help="List allow-listed globals too.")
+@_require_default_load_option
+@_allow_global_option
+@_no_color_option
+@handle_errors
+def scan(paths: tuple[str, ...], as_json: bool, format_: str, show_all: bool, require_default_load: bool,
          allow_global: tuple[str, ...], no_color: bool) -> int:
     """Would torch.load(weights_only=False) run code from these files? Every global every pickle names, judged.
 
@@ -879,6 +916,7 @@ def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, require_default_
     from .render.scan_out import scan_json, scan_summary, scan_table
     from .scan import scan as run_scan
 
+    as_json, tablefmt = _table_format(as_json, format_)
     _allow(allow_global)
     report = run_scan(list(paths), require_default_load=require_default_load)
     if as_json:
@@ -886,7 +924,7 @@ def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, require_default_
 
         echo(dumps(scan_json(report)))
     else:
-        table = scan_table(report, show_all)
+        table = scan_table(report, show_all, tablefmt)
         if table is not None:
             echo(table)
     if report.exit_code == 2 and len(report.files) + len(report.problems) == 1:

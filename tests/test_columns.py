@@ -1,23 +1,23 @@
-"""simple_table past 120 columns: the last column wraps under itself or becomes numbered notes; nothing is lost."""
+"""draw_table past 120 columns: the last column wraps under itself or becomes numbered notes; nothing is lost."""
 
 from __future__ import annotations
 
 from tabulate import tabulate
 
-from ckpt_doctor.render.columns import simple_table
+from ckpt_doctor.render.columns import draw_table
 
 DETAIL = " ".join(f"word{i}" for i in range(60))
 
 
 def test_rows_that_fit_are_tabulates_simple_format():
     rows = [["features.0.weight", "matched", "x" * 60]]
-    assert simple_table(["key", "verdict", "detail"], rows) == tabulate(rows, headers=["key", "verdict", "detail"],
+    assert draw_table(["key", "verdict", "detail"], rows) == tabulate(rows, headers=["key", "verdict", "detail"],
                                                                        tablefmt="simple", disable_numparse=True)
 
 
 def test_a_long_last_column_wraps_aligned_under_itself():
     rows = [["single", "PASS", "short"], ["ddp", "FAIL", DETAIL]]
-    lines = simple_table(["mode", "status", "detail"], rows).splitlines()
+    lines = draw_table(["mode", "status", "detail"], rows).splitlines()
     at = lines[0].index("detail")
     assert max(len(line) for line in lines) <= 120 and len(lines) > 4
     assert lines[2].startswith("single") and lines[3].startswith("ddp")
@@ -31,19 +31,19 @@ def test_a_table_of_keys_too_wide_puts_each_key_above_its_cells():
     in columns on the next line."""
     key = "encoder.layer.0.attention.self.query." + "weight_of_a_long_name" * 3
     rows = [[key, "matched", "[16, 16]"], ["short", "unexpected", "[2]"]]
-    lines = simple_table(["key", "verdict", "shape"], rows, max_width=None).splitlines()
+    lines = draw_table(["key", "verdict", "shape"], rows, max_width=None).splitlines()
     assert max(map(len, lines)) <= 120
     assert lines[0] == "key" and lines[1].split() == ["verdict", "shape"]
     assert lines[3] == key and lines[4].split() == ["matched", "[16,", "16]"]
     assert lines[5] == "short" and lines[4].index("matched") == lines[6].index("unexpected")
-    narrow = simple_table(["key", "verdict"], [["a", "b"]], max_width=None).splitlines()
+    narrow = draw_table(["key", "verdict"], [["a", "b"]], max_width=None).splitlines()
     assert narrow[2] == "a      b"  # within 120 columns: one line per row, as before
 
 
 def test_wide_keys_are_never_cut_and_a_cell_without_room_becomes_a_note():
     key = "k" * 110
     rows = [[key, "ok"], [key, DETAIL]]
-    lines = simple_table(["key", "detail"], rows).splitlines()
+    lines = draw_table(["key", "detail"], rows).splitlines()
     assert lines[2] == f"{key}  ok" and lines[3] == f"{key}  (note 1)"  # never `[1]`, which reads as a shape
     notes = "\n".join(lines[lines.index("") + 1:])
     assert notes.startswith("notes:\n(1) ") and notes.replace("\n", " ")[11:].split() == DETAIL.split()

@@ -1,5 +1,13 @@
-"""A plain-text table in tabulate's "simple" style, without tabulate: a 500,000-row listing must not cost a
-second or double the memory, and `inspect` should not pay its import."""
+"""Every table: the terminal's (tabulate's "simple" look, kept to 120 columns) drawn here, and tabulate's github,
+grid and tsv formats (--format) drawn by tabulate.
+
+Why the simple look is drawn here and not by tabulate (measured with bench/bench_startup.py, issue 25): tabulate 0.10
+imports importlib.metadata to set its __version__, and its import costs ~45 ms in all (~34 ms of them that), which
+made `ckpt-doctor inspect` of a 1 GB safetensors file as slow as listing it with safetensors' own `safe_open`
+(0.99x, against 0.72x for --json in the same run); and it costs ~100 µs a row (type detection of every cell) where
+this costs ~10 (20,000 rows: 2.0 s against 0.19 s). tests/test_render.py checks that this prints what
+tabulate(tablefmt="simple", disable_numparse=True, preserve_whitespace=True) prints, cell for cell.
+"""
 
 from __future__ import annotations
 
@@ -32,18 +40,23 @@ MIN_LAST = 24  # narrower than this, a long last cell goes below the table as a 
 SHORT = 8  # a cell no longer than this stays in its row (a note's marker would save nothing)
 
 
-def simple_table(headers: Sequence[str], rows: Sequence[Sequence[object]], max_width: int | None = MAX_WIDTH,
-                 overflow: str = "wrap") -> str:
-    """Left-aligned columns two spaces apart, a dashed rule under the headers (each at least two wider than its
-    header), trailing blanks trimmed — what tabulate(tablefmt="simple", disable_numparse=True) prints.
+def draw_table(headers: Sequence[str], rows: Sequence[Sequence[object]], tablefmt: str = "simple",
+               max_width: int | None = MAX_WIDTH, overflow: str = "wrap") -> str:
+    """The table in tabulate's format `tablefmt`. "simple", the terminal's: left-aligned columns two spaces apart, a
+    dashed rule under the headers (each at least two wider than its header), trailing blanks trimmed — what
+    tabulate(tablefmt="simple", disable_numparse=True, preserve_whitespace=True) prints — held to 120 columns as
+    follows. The other formats (github, grid, tsv: for a page or a program) are drawn by tabulate, every row whole.
 
     Rows wider than `max_width` (None: no limit) have their LAST column wrapped at word boundaries, continuation
     lines aligned under it; the other columns (keys, names) are never cut. Where the other columns leave the last
-    fewer than MIN_LAST characters, a cell that does not fit (and is longer than SHORT) is replaced by `[n]` and
-    printed below the table as note n. `overflow="notes"` keeps every row on one line: a last cell that does not
-    fit always goes below as a note."""
-    widths = [len(h) + 2 for h in headers]
+    fewer than MIN_LAST characters, a cell that does not fit (and is longer than SHORT) is replaced by `(note n)`
+    and printed below the table as note n. `overflow="notes"` keeps every row on one line: a last cell that does not
+    fit always goes below as a note. With `max_width=None` (tables of keys), a table wider than MAX_WIDTH puts each
+    key on a line of its own with its cells under it (_keys_above)."""
     rows = [[c if type(c) is str and c.isprintable() else printable(str(c)) for c in row] for row in rows]
+    if tablefmt != "simple":
+        return _tabulate(headers, rows, tablefmt)
+    widths = [len(h) + 2 for h in headers]
     for row in rows:
         for i, cell in enumerate(row):
             if len(cell) > widths[i]:
@@ -61,6 +74,17 @@ def simple_table(headers: Sequence[str], rows: Sequence[Sequence[object]], max_w
     out = [line(headers), "  ".join("-" * w for w in widths)]
     out.extend(line(row) for row in rows)
     return "\n".join(out)
+
+
+def _tabulate(headers: Sequence[str], rows: list[list[str]], tablefmt: str) -> str:
+    """tabulate's table in `tablefmt`, cells as given (no number parsing, no blanks stripped)."""
+    # Imported here, for --format github/grid/tsv only: ~45 ms (see the top of this module).
+    from tabulate import tabulate
+
+    if tablefmt == "github":  # a | in a cell (the header max|Δ|) would end a markdown cell
+        rows = [[c.replace("|", "\\|") for c in row] for row in rows]
+        headers = [h.replace("|", "\\|") for h in headers]
+    return tabulate(rows, headers, tablefmt=tablefmt, disable_numparse=True, preserve_whitespace=True)
 
 
 def _keys_above(headers: Sequence[str], rows: list[list[str]]) -> str:

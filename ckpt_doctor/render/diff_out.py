@@ -6,7 +6,7 @@ from typing import Any
 
 from ..analyze import collapse_labels
 from ..diff import DiffReport, TensorDiff, largest_changes, sparkline
-from .columns import KEYS, simple_table
+from .columns import KEYS, draw_table
 
 TOP = 5
 
@@ -31,7 +31,7 @@ def _dtype(r: TensorDiff) -> str:
     return r.dtype_b or r.dtype_a or ""
 
 
-def diff_table(report: DiffReport, full: bool = False) -> str:
+def diff_table(report: DiffReport, full: bool = False, tablefmt: str = "simple") -> str:
     rows = list(report.rows)
     if full:
         groups = [(r.key, [i]) for i, r in enumerate(rows)]
@@ -50,7 +50,8 @@ def diff_table(report: DiffReport, full: bool = False) -> str:
         body.append([label, status, _shape(first), _dtype(first), _num(max_abs), _num(rel), _num(cos)])
     if not body:
         return "(no tensors)"
-    return simple_table(["key", "status", "shape", "dtype", "max|Δ|", "‖Δ‖/‖A‖", "cosine"], body, max_width=KEYS)
+    return draw_table(["key", "status", "shape", "dtype", "max|Δ|", "‖Δ‖/‖A‖", "cosine"], body, tablefmt,
+                      max_width=KEYS)
 
 
 def _labels(rows: list[TensorDiff], limit: int = 6) -> str:

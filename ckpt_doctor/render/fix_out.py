@@ -36,9 +36,9 @@ def dry_run_table(plan: FixPlan) -> str:
         rows.append([old, "≈" if old in marked else "→" if old != new else "=", new])
     for key in plan.dropped:
         rows.append([key, "✗", "(dropped)"])
-    from .columns import KEYS, simple_table
+    from .columns import KEYS, draw_table
 
-    return simple_table(["key", "", "output key"], rows, max_width=KEYS)
+    return draw_table(["key", "", "output key"], rows, max_width=KEYS)
 
 
 def _n(count: int, noun: str) -> str:

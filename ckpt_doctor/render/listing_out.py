@@ -17,8 +17,8 @@ def _name(listing: FolderListing, path) -> str:
         return str(path)
 
 
-def listing_table(listing: FolderListing) -> str:
-    from .columns import simple_table
+def listing_table(listing: FolderListing, tablefmt: str = "simple") -> str:
+    from .columns import draw_table
 
     rows = []
     for f in listing.files:
@@ -32,8 +32,8 @@ def listing_table(listing: FolderListing) -> str:
         rows.append([_name(listing, f.path), f.format, f"{f.tensors:,}", f"{f.parameters:,}", human_bytes(f.nbytes),
                      ",".join(f.dtypes) or "-", safety])
     # one line per file, as `inspect FOLDER` promises: a safety detail too long for 120 columns goes below as a note
-    return simple_table(["file", "format", "tensors", "parameters", "size", "dtypes", "safety"], rows,
-                        overflow="notes")
+    return draw_table(["file", "format", "tensors", "parameters", "size", "dtypes", "safety"], rows, tablefmt,
+                      overflow="notes")
 
 
 def listing_summary(listing: FolderListing) -> list[str]:

@@ -34,10 +34,10 @@ def scan_json(report: ScanReport) -> dict[str, Any]:
     }
 
 
-def scan_table(report: ScanReport, show_safe: bool = False) -> str | None:
+def scan_table(report: ScanReport, show_safe: bool = False, tablefmt: str = "simple") -> str | None:
     """One row per global off the allow-list (every global with show_safe) and per hazard; None when there is
     nothing to show and no file was read: no claim is made about a file that could not be read."""
-    from .columns import simple_table
+    from .columns import draw_table
 
     rows = []
     for f in report.files:
@@ -54,7 +54,7 @@ def scan_table(report: ScanReport, show_safe: bool = False) -> str | None:
             return None
         read = f" in the {len(report.files) - unread} file(s) read" if unread else ""
         return f"(no globals off the allow-list{read})"
-    return simple_table(["file", "verdict", "global", "in", "why"], rows)
+    return draw_table(["file", "verdict", "global", "in", "why"], rows, tablefmt)
 
 
 def scan_summary(report: ScanReport, with_severity: bool = False) -> list:

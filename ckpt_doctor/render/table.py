@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .columns import KEYS, simple_table
+from .columns import KEYS, draw_table
 
 from ..analyze import Row, collapse, human_bytes
 from ..report import InspectReport
@@ -12,9 +12,9 @@ def _fmt(x: float | None) -> str:
     return "" if x is None else f"{x:.4g}"
 
 
-def inspect_table(report: InspectReport, full: bool = False) -> str:
+def inspect_table(report: InspectReport, full: bool = False, tablefmt: str = "simple") -> str:
     if report.comparison is not None:
-        return comparison_table(report)
+        return comparison_table(report, tablefmt)
     rows = [Row(t.key, (t,)) for t in report.tensors] if full else collapse(list(report.tensors))
     headers = ["key", "shape", "dtype", "device", "size"]
     layouts = report.checkpoint.layouts
@@ -46,10 +46,10 @@ def inspect_table(report: InspectReport, full: bool = False) -> str:
         body.append(line)
     if not body:
         return "(no tensors)" if not report.filter else f"(no tensor key matches --filter {report.filter!r})"
-    return simple_table(headers, body, max_width=KEYS)
+    return draw_table(headers, body, tablefmt, max_width=KEYS)
 
 
-def comparison_table(report: InspectReport) -> str:
+def comparison_table(report: InspectReport, tablefmt: str = "simple") -> str:
     from .compare_out import fix_prefix, renames_on_two_lines, verdict_rows
 
     from ..records import relative_to_root
@@ -66,7 +66,9 @@ def comparison_table(report: InspectReport) -> str:
         pattern = compile_regex(report.filter, "--filter")
         body = [row for row in body if pattern.search(row[0])]
     headers = ["key", "verdict", "checkpoint", "model"]
-    return simple_table(headers, renames_on_two_lines(headers, body), max_width=KEYS)
+    if tablefmt == "simple":  # two lines for a rename too wide for the terminal's table; other formats keep rows whole
+        body = renames_on_two_lines(headers, body)
+    return draw_table(headers, body, tablefmt, max_width=KEYS)
 
 
 def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:

@@ -6,7 +6,7 @@ from ..errors import percent
 
 from typing import Any
 
-from .columns import simple_table
+from .columns import draw_table
 
 from ..analyze import human_bytes
 from ..verify import RunResult, Status, VerifyReport
@@ -72,16 +72,17 @@ def _rank_json(rank: Any) -> dict[str, Any]:
             "where": rank.where or None, "peak_memory": rank.peak_memory}
 
 
-def verify_table(report: VerifyReport) -> str:
+def verify_table(report: VerifyReport, tablefmt: str = "simple") -> str:
     """One row per run; what each device or rank used is in the JSON, the table shows the largest."""
     rows = [[r.mode.value, r.status.value.upper(), _devices(r), r.backend,
              "-" if r.max_abs_diff is None else f"{r.max_abs_diff:.3g}", f"{r.seconds:.2f}", _peak(r), r.detail]
             for r in report.runs]
-    text = simple_table(["mode", "status", "devices", "backend", "max|diff|", "seconds", "peak memory", "detail"],
-                        rows)
+    text = draw_table(["mode", "status", "devices", "backend", "max|diff|", "seconds", "peak memory", "detail"],
+                      rows, tablefmt)
     if report.summary:
-        text += "\n\n" + simple_table(["module", "type", "output shape", "params"],
-                                       [[m.name, m.kind, m.output_shape, f"{m.params:,}"] for m in report.summary])
+        text += "\n\n" + draw_table(["module", "type", "output shape", "params"],
+                                     [[m.name, m.kind, m.output_shape, f"{m.params:,}"] for m in report.summary],
+                                     tablefmt)
     return text
 
 

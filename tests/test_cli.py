@@ -1,0 +1,210 @@
+"""The command line through click's CliRunner and through the installed `ckpt-doctor` command: every table format
+drawn by tabulate from the same rows, --json and --format json alike, usage errors as one line with exit 2,
+--version, shell completion, and --help with its sections and examples."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tabulate import tabulate
+
+from ckpt_doctor.cli import main
+from tests.conftest import ROOT
+
+FORMATS = ("table", "github", "markdown", "grid", "tsv")
+
+
+class Config:  # a class of this test module: torch.load(weights_only=False) would import and call it
+    def __init__(self) -> None:
+        self.depth = 3
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                               torch.nn.Linear(4 * 6 * 6, 2))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("cli")
+    net = _net()
+    a, b = folder / "a.pt", folder / "b.pt"
+    torch.save(net.state_dict(), a)
+    with torch.no_grad():
+        net[3].bias.add_(1.0)
+    torch.save(net.state_dict(), b)
+    unsafe = folder / "unsafe.pt"
+    torch.save({"model": net.state_dict(), "config": Config()}, unsafe)
+    return {"a": a, "b": b, "unsafe": unsafe, "keys": list(net.state_dict())}
+
+
+def _commands(files: dict) -> dict[str, list[str]]:
+    return {"inspect": ["inspect", str(files["a"]), "--full"], "scan": ["scan", str(files["unsafe"]), "--all"],
+            "diff": ["diff", str(files["a"]), str(files["b"]), "--full"]}
+
+
+def invoke(*args: str):
+    from ckpt_doctor.safepickle import policy
+
+    allowed = policy._user_allowed
+    try:
+        return CliRunner().invoke(main, list(args))
+    finally:
+        policy._user_allowed = allowed
+
+
+def installed(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The console script pip installed, running this checkout's code."""
+    exe = shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(sys.executable), "ckpt-doctor")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, env=env, check=False)
+
+
+def _cells(tsv: str) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows back from a tsv table (tabulate pads tsv cells with blanks and trims a line's end, so empty
+    cells at the end of a row are left out)."""
+    lines = [[cell.strip() for cell in line.split("\t")] for line in tsv.splitlines()]
+    return lines[0], [row + [""] * (len(lines[0]) - len(row)) for row in lines[1:]]
+
+
+@pytest.mark.parametrize("command", ["inspect", "scan", "diff"])
+def test_every_format_is_tabulates_table_of_the_same_rows(files, command):
+    argv = _commands(files)[command]
+    out = {fmt: invoke(*argv, "--format", fmt) for fmt in FORMATS}
+    assert {r.exit_code for r in out.values()} == {1 if command in ("scan", "diff") else 0}, out["table"].stderr
+    assert len({r.stderr for r in out.values()}) == 1  # the summary on stderr does not depend on the format
+    headers, rows = _cells(out["tsv"].stdout)
+    assert len(rows) > 1 and all(len(row) == len(headers) for row in rows)
+    for fmt, tablefmt in (("table", "simple"), ("github", "github"), ("markdown", "github"), ("grid", "grid")):
+        cells = [[c.replace("|", "\\|") for c in row] for row in [headers, *rows]] if tablefmt == "github" else \
+            [headers, *rows]
+        expected = tabulate(cells[1:], cells[0], tablefmt=tablefmt, disable_numparse=True)
+        if fmt == "table" and max(map(len, expected.splitlines())) > 120:  # held to 120 columns: last column wrapped
+            text = out[fmt].stdout
+            assert max(map(len, text.splitlines())) <= 120
+            assert all(" ".join(cell.split()) in " ".join(text.split()) for row in rows for cell in row)  # none lost
+            continue
+        assert out[fmt].stdout == expected + "\n", fmt
+    if command == "inspect":  # --full: one row per tensor, as torch saved them
+        assert [row[0] for row in rows] == files["keys"]
+    elif command == "scan":
+        assert rows[0][:4] == [str(files["unsafe"]), "CODE", f"{Config.__module__}.Config", "unsafe/data.pkl"]
+        assert {row[1] for row in rows[1:]} == {"safe"}  # --all: the allow-listed globals too
+    else:
+        changed = {row[0] for row in rows if row[1] != "identical"}
+        assert changed == {"3.bias"}, rows
+
+
+def test_github_format_is_a_markdown_table(files):
+    text = invoke("diff", str(files["a"]), str(files["b"]), "--format", "github").stdout
+    lines = text.splitlines()
+    assert lines[0].startswith("| key") and "max\\|Δ\\|" in lines[0]  # the header's bars escaped
+    assert set(lines[1]) <= set("|-:") and all(line.startswith("|") and line.endswith("|") for line in lines)
+    assert {line.count("|") - line.count("\\|") for line in lines} == {8}  # 7 cells in every row
+
+
+def test_json_and_format_json_print_the_same_object(files):
+    for argv in _commands(files).values():
+        as_json, as_format = invoke(*argv, "--json"), invoke(*argv, "--format", "json")
+        assert as_json.exit_code == as_format.exit_code and as_json.stdout == as_format.stdout
+        json.loads(as_json.stdout)
+
+
+def test_json_with_a_table_format_is_a_usage_error(files):
+    result = invoke("inspect", str(files["a"]), "--json", "--format", "grid")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == "Error: --json and --format grid ask for two outputs; give one of them\n"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["verify", "x.pt", "--model", "m:f", "--gpus", "0"], "'0' is not 1 or more (see `ckpt-doctor verify --help`)"),
+    (["inspect", "x.pt", "--min-loaded", "0"], "'0' is not more than 0 and at most 1"),
+    (["diff", "a.pt", "b.pt", "--atol", "-1"], "'-1' is not a number, 0 or more"),
+    (["verify", "x.pt", "--model", "m:f", "--timeout", "nan"], "'nan' is not a number more than 0"),
+    (["inspect", ""], "an empty path names no file (use . for this folder)"),
+    (["inspect", "x.pt", "--format", "html"], "'html' is not one of"),
+    (["fix", "x.pt"], "Missing option '-o' / '--output'"),
+    (["fix", "x.pt", "-o"], "Option '-o' requires an argument. (see `ckpt-doctor fix --help`)"),
+    (["fix", "x.pt", "-o", "y.pt", "--format", "onnx"], "(see `ckpt-doctor fix --help`)"),
+    (["inspect", "x.pt", "--no-such-flag"], "No such option"),
+    (["frobnicate"], "No such command 'frobnicate'"),
+    ([], "Error: name a command (inspect, fix, diff, verify, scan)"),
+])
+def test_usage_errors_exit_2_with_one_error_line(argv, words):
+    result = invoke(*argv)
+    assert result.exit_code == 2 and result.stdout == "", result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and words in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_no_colour_when_stderr_is_no_terminal(files):
+    result = invoke("scan", str(files["unsafe"]))
+    assert result.exit_code == 1 and "CODE" in result.stdout and "would run code" in result.stderr
+    assert "\x1b" not in result.stdout + result.stderr
+
+
+def test_help_has_sections_and_keeps_the_examples_as_written():
+    result = CliRunner().invoke(main, ["inspect", "--help"], terminal_width=60)
+    text = result.stdout
+    assert result.exit_code == 0
+    for section in ("Arguments:", "Output:", "Against a model:", "Safety:", "Exit codes (every command):"):
+        assert section in text
+    # the examples are kept line for line, however narrow the terminal
+    assert "  ckpt-doctor inspect new.pt --model old.pt --values      # compare two checkpoints\n" in text
+    # lines break at blanks only: an option named in a sentence is never cut at its hyphens
+    assert "--require-\n" not in text and "--require-default-load" in text
+    group = CliRunner().invoke(main, ["--help"]).stdout
+    assert [line.split()[0] for line in group.split("Commands:")[1].splitlines()[3:8]] == \
+        ["inspect", "fix", "diff", "verify", "scan"]
+
+
+def test_version():
+    assert invoke("--version").stdout == f"ckpt-doctor {__import__('ckpt_doctor').__version__}\n"
+
+
+def test_the_installed_command_prints_what_the_runner_prints(files):
+    for argv in _commands(files).values():
+        for fmt in ("table", "github", "tsv"):
+            proc = installed(*argv, "--format", fmt)
+            runner = invoke(*argv, "--format", fmt)
+            assert (proc.returncode, proc.stdout) == (runner.exit_code, runner.stdout), (argv, fmt, proc.stderr)
+    version = installed("--version")
+    assert version.returncode == 0 and version.stdout.startswith("ckpt-doctor ")
+    bad = installed("inspect", str(files["a"]), "--format", "html")
+    assert bad.returncode == 2 and bad.stderr.startswith("Error: ") and bad.stderr.count("\n") == 1
+
+
+def test_shell_completion_through_clicks_own_mechanism(files):
+    script = installed(env={"_CKPT_DOCTOR_COMPLETE": "bash_source"})
+    assert script.returncode == 0 and "complete " in script.stdout and "_CKPT_DOCTOR_COMPLETE" in script.stdout
+
+    def complete(words: str) -> list[str]:
+        proc = installed(env={"_CKPT_DOCTOR_COMPLETE": "bash_complete", "COMP_WORDS": words,
+                              "COMP_CWORD": str(len(words.split()) - (0 if words.endswith(" ") else 1))})
+        assert proc.returncode == 0, proc.stderr
+        return [line.split(",", 1)[1] for line in proc.stdout.splitlines()]
+
+    assert complete("ckpt-doctor ins") == ["inspect"]
+    assert complete("ckpt-doctor inspect a.pt --form") == ["--format"]
+    assert complete("ckpt-doctor inspect a.pt --format ") == ["table", "json", "github", "markdown", "grid", "tsv"]
+
+
+def test_tabulate_is_imported_only_for_its_formats(files):
+    """Start-up: tabulate is imported for the formats it draws (github, grid, tsv), and only then."""
+    code = ("import sys\nfrom ckpt_doctor.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('tabulate' in sys.modules, 'torch' in sys.modules, file=sys.stderr)")
+    for argv, imported in ((["--help"], "False False"), (["inspect", str(files["a"]), "--json"], "False False"),
+                           (["inspect", str(files["a"])], "False False"),
+                           (["inspect", str(files["a"]), "--format", "grid"], "True False")):
+        proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+        assert proc.stderr.strip().splitlines()[-1] == imported, (argv, proc.stderr)
