@@ -172,6 +172,9 @@ def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str],
     skipped: list[Skipped] = []
     for raw in paths:
         path = deep(raw)
+        if type(path).__name__ == "RemotePath":  # a URL: read by range requests (readers/source.py)
+            files.append((path, False))
+            continue
         try:
             st = os.stat(path)
         except OSError as exc:
