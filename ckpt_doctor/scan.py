@@ -201,6 +201,8 @@ def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str],
 
 
 def _is_folder(raw: str) -> bool:
+    if raw.startswith(("https://", "http://", "s3://")):  # a URL names a file (readers/source.py)
+        return False
     try:
         return stat.S_ISDIR(os.stat(deep(raw)).st_mode)
     except OSError:

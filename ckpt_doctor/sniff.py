@@ -328,7 +328,9 @@ def deep(path: Path | str) -> Path:
 
 
 def link_target(path: Path) -> str | None:
-    """Where the symlink at `path` points; None when it is no symlink (or is gone)."""
+    """Where the symlink at `path` points; None when it is no symlink (or is gone, or is a URL)."""
+    if type(path).__name__ == "RemotePath":
+        return None
     try:
         return os.readlink(deep(path))
     except (OSError, ValueError):

@@ -272,7 +272,7 @@ def s3(served, tmp_path_factory):
 
 
 def _s3_gets(log: Path) -> int:
-    return sum(1 for line in log.read_text().splitlines() if '"GET /ckpts/' in line)
+    return sum(1 for line in log.read_text().splitlines() if 'GET /ckpts/' in line)
 
 
 @pytest.mark.parametrize("name", ["small.pt", "small.safetensors", "big.pt", "big.safetensors"])

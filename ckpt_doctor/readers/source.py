@@ -77,8 +77,8 @@ class RemotePath(type(__import__("pathlib").Path())):  # type: ignore[misc]
         parts = self.parts
         return parts[0] + "//" + "/".join(parts[1:])
 
-    def __fspath__(self) -> str:
-        return str(self)
+    def __fspath__(self) -> str:  # what opens a local file: tensor data, which is not read over the network yet
+        raise needs_tensor_data(self)
 
     def __repr__(self) -> str:
         return f"RemotePath({str(self)!r})"
@@ -91,6 +91,11 @@ class RemotePath(type(__import__("pathlib").Path())):  # type: ignore[misc]
 
     def exists(self) -> bool:  # type: ignore[override]
         return True
+
+
+def needs_tensor_data(url: str | RemotePath) -> RemoteError:
+    return RemoteError(f"{remote_path(url)}: this command reads tensor data, which ckpt-doctor does not read over the "
+                       "network yet (inspect and scan do not need it); download the file and run it on the copy")
 
 
 def remote_path(url: str | RemotePath) -> RemotePath:
