@@ -559,6 +559,11 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
                      transforms: tuple = (), progress=None) -> DiffReport:
     """`transforms` (fix's --strip-prefix/--add-prefix/--rename) map A's names onto B's instead of the inference."""
     from .readers import read_checkpoint
+    from .readers.source import is_url, needs_tensor_data
+
+    for side in (a_path, b_path):  # diff reads tensor data: not over the network yet (the message says the way out)
+        if is_url(side):
+            raise needs_tensor_data(side)
     from .records import relative_to_root
     from .tensordata import load_tensor
 

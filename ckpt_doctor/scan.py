@@ -174,6 +174,9 @@ def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str],
     skipped: list[Skipped] = []
     for raw in paths:
         path = deep(raw)
+        if type(path).__name__ == "RemotePath":  # a URL: read by range requests (readers/source.py)
+            files.append((path, False))
+            continue
         try:
             st = os.stat(path)
         except OSError as exc:
@@ -200,6 +203,8 @@ def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str],
 
 
 def _is_folder(raw: str) -> bool:
+    if raw.startswith(("https://", "http://", "s3://")):  # a URL names a file (readers/source.py)
+        return False
     try:
         return stat.S_ISDIR(os.stat(deep(raw)).st_mode)
     except OSError:

@@ -331,12 +331,18 @@ def _step(fd: int, parts: list[str], flags: int) -> int:
 
 
 def deep(path: Path | str) -> Path:
-    """`path` as a DeepPath (one that opens however long it is)."""
-    return path if isinstance(path, DeepPath) else DeepPath(path)
+    """`path` as a DeepPath (one that opens however long it is); a URL as a readers.source.RemotePath."""
+    if isinstance(path, str) and path.startswith(("https://", "http://", "s3://")):
+        from .readers.source import remote_path
+
+        return remote_path(path)
+    return path if isinstance(path, DeepPath) or type(path).__name__ == "RemotePath" else DeepPath(path)
 
 
 def link_target(path: Path) -> str | None:
-    """Where the symlink at `path` points; None when it is no symlink (or is gone)."""
+    """Where the symlink at `path` points; None when it is no symlink (or is gone, or is a URL)."""
+    if type(path).__name__ == "RemotePath":
+        return None
     try:
         return os.readlink(deep(path))
     except (OSError, ValueError):

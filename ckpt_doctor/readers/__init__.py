@@ -31,7 +31,10 @@ def named_as_checkpoint(path: Path, tar_archive: bool) -> bool:
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint's structure (keys, shapes, dtypes, devices, byte ranges) without loading tensor data."""
     from ..sniff import deep
+    from .source import is_url, remote_path
 
+    if is_url(path):  # https://, s3://: read by range requests (readers/source.py)
+        return read_file(remote_path(path))
     path = deep(path)  # a path of any length opens (sniff.DeepPath)
     try:
         st = os.stat(path)
@@ -116,7 +119,7 @@ def _read(path: Path, survey: Survey) -> Checkpoint:
             raise NotACheckpoint(f"{path}: not a PyTorch checkpoint: a tar archive of {_some(names)}, without the "
                                  f"members {', '.join(MEMBERS)} of torch's pre-0.4 format; extract it and inspect "
                                  "what it holds")
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)  # (never a URL: the survey refuses a remote tar)
         try:
             return read_torch_tar(path, fd, survey.tar, (), ())
         finally:
@@ -124,11 +127,13 @@ def _read(path: Path, survey: Survey) -> Checkpoint:
     if kind is Container.SAFETENSORS:
         from .safetensors_reader import read_safetensors
 
-        fd = os.open(path, os.O_RDONLY)
+        from .source import close_source, open_source
+
+        fd = open_source(path)
         try:
             return read_safetensors(path, fd, survey.size)
         finally:
-            os.close(fd)
+            close_source(fd)
     if kind is Container.PICKLE:
         from .torch_legacy import read_torch_legacy
 

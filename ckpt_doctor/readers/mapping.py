@@ -1,54 +1,86 @@
-"""The file as a read-only memory map, for walking a pickle in place."""
+"""The bytes a pickle walk needs, read with pread into memory: never a memory map.
+
+A file mapped while another process truncates it kills the process with SIGBUS on the first page past the new end,
+and Python cannot catch that (its handler runs after the faulting instruction, which faults again). So the metadata
+paths (pickles walked, signatures searched) read with pread, which returns fewer bytes instead: the walk then ends
+early and says so, as for any truncated file. A file is read whole up to READ_UP_TO; past it, a window from the
+start that grows (doubling) while the walk runs into its end, so a 10 GB legacy file whose pickles take 2 KB costs
+one 16 MB read, not 10 GB — and a pickle of hundreds of MB costs what a map of it cost in resident memory (the pages
+a walk touches count there too). The same reads serve a remote source (source.RemoteSource), where the window
+starts small: every byte is a byte over the network.
+"""
 
 from __future__ import annotations
 
-import mmap
 import os
 
 from ..safepickle import limits
+from .source import is_remote, pread
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
-    from typing import Any
+    from typing import Any, Callable
 
 
-READ_UP_TO = 16 << 20  # files up to this size are read whole; bigger ones mapped (a truncation then is SIGBUS)
+READ_UP_TO = 16 << 20  # files up to this size are read whole; bigger ones through a growing window
+REMOTE_WINDOW = 64 << 10  # a remote file's first window (what its first request fetched)
 
 
-def _read_all(fd: int, size: int) -> bytes:
+def read_all(fd: Any, size: int, at: int = 0) -> bytes:
+    """`size` bytes from `at` (fewer when the file was cut short since its size was taken)."""
     parts = []
-    at = 0
-    while at < size:
-        chunk = os.pread(fd, size - at, at)
-        if not chunk:  # cut short since its size was taken: walk what there is (it ends early, as torch would)
+    end = at + size
+    while at < end:
+        chunk = pread(fd, min(end - at, 1 << 30), at)
+        if not chunk:  # cut short since its size was taken: what there is (a walk ends early, as torch would)
             break
         parts.append(chunk)
         at += len(chunk)
     return b"".join(parts) if len(parts) != 1 else parts[0]
 
 
-class mapped:
-    """`with mapped(fd, size) as data:` the file as a read-only memory map: the walker reads it in place, so a
-    gigabyte pickle costs no copy, and pages the walker skips (a string's payload) are never touched. A file system
-    that cannot map gets a read, and so does a file of at most READ_UP_TO bytes (a copy costs little there, and a
-    file truncated by another process while it is read is then reported, not a crash). (A class, not a contextlib
-    generator: importing contextlib costs every start.)"""
+def walk_window(fd: Any, size: int, run: Callable[[bytes], Any], budget: list | None = None, at: int = 0) -> Any:
+    """`run(data)` over the bytes [at, at + size) of the file — all of them when they are few, else a window from
+    `at` that doubles while the walk `run` returns (a Walk) ran into the window's end, up to limits.MAX_PICKLE_BYTES
+    (what a walk reads at most). `budget`, the walker's, is restored before each retry, so a walk costs what one
+    walk of the final window costs."""
+    window = size if size <= READ_UP_TO and not is_remote(fd) else min(size, REMOTE_WINDOW if is_remote(fd)
+                                                                             else READ_UP_TO)
+    cap = min(size, limits.MAX_PICKLE_BYTES)
+    while True:
+        data = read_all(fd, window, at)
+        if len(data) < window or window >= cap:
+            return run(data)
+        import copy
 
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd, self.size, self.view = fd, size, None
+        saved = copy.deepcopy(budget) if budget is not None else None
+        result = run(data)
+        if not (result.truncated or result.end >= len(data)):
+            return result
+        if budget is not None:
+            budget[:] = saved
+        window = min(window * 4 if is_remote(fd) else window * 2, cap)
 
-    def __enter__(self) -> Any:
-        fd, size = self.fd, self.size
-        if size == 0:
-            return b""
-        if size <= READ_UP_TO:  # read, not mapped: a file cut short while mapped would kill the process (SIGBUS)
-            return _read_all(fd, size)
-        try:
-            self.view = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError):
-            return os.pread(fd, min(size, limits.MAX_PICKLE_BYTES), 0)
-        return self.view
 
-    def __exit__(self, *exc: object) -> None:
-        if self.view is not None:
-            self.view.close()
+def find_all(fd: Any, size: int, signature: bytes, start: int = 0, block: int = 8 << 20):
+    """Offsets of `signature` in the file from `start`, in order, read in blocks (a search over a memory map would
+    SIGBUS on a file cut short meanwhile)."""
+    keep = len(signature) - 1
+    at = start
+    carry = b""
+    while at < size:
+        chunk = pread(fd, min(block, size - at), at)
+        if not chunk:
+            return
+        data = carry + chunk
+        base = at - len(carry)
+        i = data.find(signature)
+        while i >= 0:
+            yield base + i
+            i = data.find(signature, i + 1)
+        carry = data[-keep:] if keep else b""
+        at += len(chunk)
+
+
+def file_size(fd: Any) -> int:
+    return os.fstat(fd).st_size if not is_remote(fd) else fd.size

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 from ..dtypes import SAFETENSORS_TO_TORCH, element_size
 from ..errors import ReadError
 from ..records import Checkpoint, Format, StorageRecord, TensorRecord
 from ..safepickle import limits
+from .source import pread
 
 
 def _short(value: object) -> str:
@@ -17,19 +21,19 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def read_safetensors(path: Path, fd: int, size: int, base: int = 0) -> Checkpoint:
+def read_safetensors(path: Path, fd: Any, size: int, base: int = 0) -> Checkpoint:
     """The safetensors blob at `base` (a DCP shard in torch's safetensors format holds one after its value items),
     running to the end of the file."""
     if size - base < 8:
         raise ReadError(f"{path}: safetensors file shorter than its 8-byte header length")
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, base))
+    (n,) = struct.unpack("<Q", pread(fd, 8, base))
     if n > limits.MAX_SAFETENSORS_HEADER:
         raise ReadError(f"{path}: safetensors header length {n} is over the 100 MB limit (corrupt file)")
     if 8 + n > size - base:
         raise ReadError(f"{path}: safetensors header length {n} runs past the end of the file (truncated)")
     from . import parse_json
 
-    raw = os.pread(fd, n, base + 8)
+    raw = pread(fd, n, base + 8)
     if raw.count(b'"data_offsets"') > limits.MAX_TENSORS:  # before parsing: 1.7 million entries took 2 GB
         raise ReadError(f"{path}: safetensors header lists more than {limits.MAX_TENSORS:,} tensors; refusing to "
                         "read it")

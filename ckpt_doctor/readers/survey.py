@@ -24,7 +24,8 @@ from ..safepickle import limits
 from ..safepickle.policy import GlobalRef, Verdict
 from ..safepickle.walker import Walk, new_budget, starts_pickle, walk
 from ..sniff import Container, sniff
-from .mapping import mapped
+from .mapping import READ_UP_TO, find_all, read_all, walk_window
+from .source import RemotePath, close_source, is_remote, open_source, pread
 from .zipindex import ZipIndex, ZipMember, ZipTooBig, local_members, member_head, read_member, read_zip_index
 
 TYPE_CHECKING = False
@@ -88,6 +89,8 @@ def survey_file(path: Path, thorough: bool = True) -> Survey:
     `thorough=False` skips the two walks that read a whole file looking for signatures (splitting a DCP shard into
     its archives, and local headers of an archive whose directory is broken): the DCP reader, which knows each item
     of a shard from its metadata, walks those itself and asks here only what torch.load and zipfile would read."""
+    if isinstance(path, RemotePath):
+        return _survey_remote(path, thorough)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a named pipe put in its place never blocks
     except PermissionError:
@@ -102,6 +105,28 @@ def survey_file(path: Path, thorough: bool = True) -> Survey:
             raise ReadError(f"{path}: not a regular file")
         size = st.st_size
         container, head = sniff(fd, size)
+        return _survey_source(path, fd, size, container, head, thorough)
+    except OSError as exc:
+        raise ReadError(f"{path}: read failed ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+def _survey_remote(path: RemotePath, thorough: bool) -> Survey:
+    """An object behind a URL: the same walks, through a source that fetches by range what they read."""
+    from ..sniff import HEAD, sniff_bytes
+
+    src = open_source(path)
+    head = pread(src, HEAD, 0)
+    container = sniff_bytes(head, src.size)
+    if container is Container.TAR:
+        raise ReadError(f"{path}: a tar archive (torch's pre-0.4 format) is not read over the network; download it "
+                        "and inspect the copy")
+    return _survey_source(path, src, src.size, container, head, thorough)
+
+
+def _survey_source(path: Path, fd: Any, size: int, container: Container, head: bytes, thorough: bool) -> Survey:
+    if True:
         survey = Survey(path, size, container, head)
         if container is Container.ZIP:
             _survey_zip(survey, fd, local_scan=thorough)
@@ -119,16 +144,14 @@ def survey_file(path: Path, thorough: bool = True) -> Survey:
             survey.notes.append("Python's zipfile (np.load) opens this file as a zip archive")
             _survey_zipfile_view(survey, fd)
         return survey
-    except OSError as exc:
-        raise ReadError(f"{path}: read failed ({exc.strerror})") from None
-    finally:
-        os.close(fd)
 
 
 def _survey_pickles(survey: Survey, fd: int) -> None:
     """A file torch.load unpickles from byte 0: the legacy sequence (five pickles, then raw storages, which the
     reader walks past), or a bare pickle and whatever pickles follow it."""
-    with mapped(fd, survey.size) as data:
+    state: list = []
+
+    def run(data: bytes) -> Walk:
         result = walk(data, "pickle", max_pickles=1, budget=survey.budget)
         legacy = bool(result.pickles) and _is_magic(data, result.pickles[0][1])
         if legacy:
@@ -136,11 +159,16 @@ def _survey_pickles(survey: Survey, fd: int) -> None:
         elif result.pickles and survey.container is Container.PICKLE and result.pickles[0][1] < len(data):
             _walk_on(result, walk(data, "pickle", start=result.pickles[0][1], budget=survey.budget,
                                     following=True))
-        survey._add(result)
-        survey.broken = result.broken
-        survey.main_walk = result
         after = result.pickles[-1][1] if result.pickles else 0
-        appended_zip = not legacy and after and data[after:after + 4] == b"PK\x03\x04"
+        state[:] = [legacy, after, data[after:after + 4] == b"PK\x03\x04"]
+        return result
+
+    result = walk_window(fd, survey.size, run, survey.budget)
+    legacy, after, zip_magic = state
+    survey._add(result)
+    survey.broken = result.broken
+    survey.main_walk = result
+    appended_zip = not legacy and after and zip_magic
     if appended_zip:
         # A zip appended to a pickle: torch.load runs the pickle; a zip reader finds the archive at the end.
         survey.notes.append(f"a zip archive follows the pickle at byte {after}")
@@ -208,10 +236,15 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True)
                                      f"named {dup} (ignoring case): torch's reader picks one by its sort order, other "
                                      "readers another" + ("; every copy was walked" if _is_pickle_name(dup) else "")))
     chosen = index.find(prefix + "data.pkl")
+    remote = is_remote(fd)
+    unfetched = 0
     for member in index.members:
         name = member.name
         rel = name[len(prefix):] if name.startswith(prefix) else name
         if member.is_dir:
+            continue
+        if remote and rel[:5] == "data/" and rel[5:].isdigit() and fd.cached(16, member.offset) is None:
+            unfetched += 1  # a storage far from both ends: its first bytes would cost a request each
             continue
         head = member_head(fd, member, 16, index)
         if head[:6] == b"\x93NUMPY":  # an .npy, whatever its name: np.load reads any member by its magic
@@ -224,6 +257,10 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True)
         if not is_main and not starts_pickle(head):
             continue  # no opcode at its start: nothing any loader would unpickle (and nothing inflated)
         _survey_member(survey, fd, member, is_main, budget)
+    if unfetched:
+        survey.notes.append(f"over the network: the first bytes of {unfetched} storage{'s' if unfetched > 1 else ''} "
+                            "(data/N, raw tensor bytes torch never unpickles) were not fetched; the .npy magic "
+                            "np.load would act on is looked for in each when the file is scanned locally")
     if index.other_readers:
         survey.hazards.append(Hazard(Verdict.DANGEROUS, f"zip readers disagree on this archive: "
                                      f"{index.other_readers}; torch sees one set of members, np.load and other "
@@ -247,22 +284,23 @@ def split_archives(fd: int, size: int) -> list[tuple[int, int]]:
     to exactly that record."""
     items: list[tuple[int, int]] = []
     start = 0
-    with mapped(fd, size) as data:
-        at = data.find(b"PK\x05\x06", 0)
-        while at >= 0 and len(items) < limits.MAX_ZIP_MEMBERS:
-            if at + 22 > size:
-                return []
-            cd_size, cd_offset, comment = struct.unpack_from("<IIH", data, at + 12)
-            end_of_dir = at
-            if at - start >= 20 + 56 and data[at - 20:at - 16] == b"PK\x06\x07":  # torch always writes zip64
-                (z64_at,) = struct.unpack_from("<Q", data, at - 12)
-                if start + z64_at + 56 <= at and data[start + z64_at:start + z64_at + 4] == b"PK\x06\x06":
-                    cd_size, cd_offset = struct.unpack_from("<QQ", data, start + z64_at + 40)
-                    end_of_dir = start + z64_at
-            if start + cd_offset + cd_size == end_of_dir and at + 22 + comment <= size:
-                items.append((start, at + 22 + comment - start))
-                start = at + 22 + comment
-            at = data.find(b"PK\x05\x06", max(at + 1, start))
+    for at in find_all(fd, size, b"PK\x05\x06"):  # searched in blocks read, not in a map (a cut file: no SIGBUS)
+        if at < start:
+            continue
+        if len(items) >= limits.MAX_ZIP_MEMBERS:
+            break
+        if at + 22 > size:
+            return []
+        cd_size, cd_offset, comment = struct.unpack_from("<IIH", pread(fd, 10, at + 12))
+        end_of_dir = at
+        if at - start >= 20 + 56 and pread(fd, 4, at - 20) == b"PK\x06\x07":  # torch always writes zip64
+            (z64_at,) = struct.unpack_from("<Q", pread(fd, 8, at - 12))
+            if start + z64_at + 56 <= at and pread(fd, 4, start + z64_at) == b"PK\x06\x06":
+                cd_size, cd_offset = struct.unpack_from("<QQ", pread(fd, 16, start + z64_at + 40))
+                end_of_dir = start + z64_at
+        if start + cd_offset + cd_size == end_of_dir and at + 22 + comment <= size:
+            items.append((start, at + 22 + comment - start))
+            start = at + 22 + comment
     if start == size:
         return items if len(items) > 1 else []
     return items if items and _safetensors_tail(fd, start, size) else []
@@ -273,7 +311,7 @@ def _safetensors_tail(fd: int, start: int, size: int) -> bool:
     header parsed and its tensors tiling its data to the last byte, as the safetensors reader checks)."""
     from .safetensors_reader import read_safetensors
 
-    if size - start < 10 or os.pread(fd, 1, start + 8) != b"{":
+    if size - start < 10 or pread(fd, 1, start + 8) != b"{":
         return False
     try:
         blob = read_safetensors(Path("blob"), fd, size, start)
@@ -307,7 +345,7 @@ def _survey_items(survey: Survey, fd: int) -> None:
 
 def survey_item(path: Path, fd: int, offset: int, length: int, budget: list[int] | None = None) -> Survey:
     """One archive inside a file (a DCP item), walked as its own zip."""
-    item = Survey(path, length, Container.ZIP, os.pread(fd, 16, offset), base=offset)
+    item = Survey(path, length, Container.ZIP, pread(fd, 16, offset), base=offset)
     if budget is not None:
         item.budget = budget
     _survey_zip(item, fd, offset)
@@ -320,13 +358,9 @@ def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, bu
     name = member.name
     result = data = None
     if member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 and not member.is_dir:
-        with mapped(fd, survey.base + survey.size) as whole:  # a file this big is mapped (READ_UP_TO), not read
-            if not isinstance(whole, bytes):  # (a file system that cannot map gets the member read below)
-                view = memoryview(whole)[member.offset:member.offset + member.size]
-                try:
-                    result = walk(view, name, budget=survey.budget)
-                finally:
-                    view.release()
+        # read through a window that grows while the walk needs more (never mapped: no SIGBUS on a cut file)
+        result = walk_window(fd, member.size, lambda data: walk(data, name, budget=survey.budget), survey.budget,
+                             member.offset)
     if result is None:
         try:
             data = read_member(fd, member, str(survey.path), check_crc=False, budget=budget)
@@ -369,7 +403,7 @@ def _survey_broken_zip(survey: Survey, fd: int) -> None:
 
 def _ends_like_a_zip(fd: int, size: int) -> bool:
     """Whether an end-of-central-directory record sits where Python's zipfile looks for one (the last 64 KB)."""
-    tail = os.pread(fd, min(size, 65536 + 22), max(size - 65536 - 22, 0))
+    tail = pread(fd, min(size, 65536 + 22), max(size - 65536 - 22, 0))
     return b"PK\x05\x06" in tail
 
 
@@ -380,7 +414,9 @@ def _survey_zipfile_view(survey: Survey, fd: int) -> None:
 
     budget = [limits.MAX_INFLATED_TOTAL]
     try:
-        with os.fdopen(os.dup(fd), "rb") as f:
+        from .source import source_file
+
+        with source_file(fd) as f:
             f.seek(0)
             with zipfile.ZipFile(f) as archive:
                 infos = archive.infolist()[:limits.MAX_ZIP_MEMBERS]
@@ -405,12 +441,22 @@ def _survey_zipfile_view(survey: Survey, fd: int) -> None:
 
 
 def _survey_local_pickles(survey: Survey, fd: int, start: int, how: str) -> None:
-    with mapped(fd, survey.size) as data:
-        for name, data_at in local_members(fd, survey.size, start):
-            if data_at < survey.size and (_is_pickle_name(name) or starts_pickle(data, data_at)):
-                result = walk(data, f"{name} ({how})", start=data_at, budget=survey.budget)
-                if result.pickles or result.globals or _is_pickle_name(name):
-                    survey._add(result)
+    whole = read_all(fd, survey.size) if survey.size <= READ_UP_TO and not is_remote(fd) else None
+    for name, data_at in local_members(fd, survey.size, start):
+        if data_at >= survey.size:
+            continue
+        label = f"{name} ({how})"
+        if whole is not None:  # a small file: read once, each walk from its byte
+            if not (_is_pickle_name(name) or starts_pickle(whole, data_at)):
+                continue
+            result = walk(whole, label, start=data_at, budget=survey.budget)
+        else:  # a big one: a window from each member's data (no map: a cut file must not SIGBUS)
+            if not (_is_pickle_name(name) or starts_pickle(pread(fd, 16, data_at))):
+                continue
+            result = walk_window(fd, survey.size - data_at, lambda data: walk(data, label, budget=survey.budget),
+                                 survey.budget, data_at)
+        if result.pickles or result.globals or _is_pickle_name(name):
+            survey._add(result)
 
 
 def _survey_tar(survey: Survey, fd: int) -> None:
@@ -426,27 +472,43 @@ def _survey_tar(survey: Survey, fd: int) -> None:
         survey.hazards.append(Hazard(Verdict.DANGEROUS, f"tar {link}: torch extracts it and reads what it points to"))
     # torch falls back to the legacy pickle sequence from byte 0 when tarfile fails later, and a stream opened
     # elsewhere (BytesIO) never tries tar: the same bytes read as pickles must be walked too.
-    with mapped(fd, survey.size) as data:
-        if starts_pickle(data):
-            result = walk(data, "the file read as a pickle from byte 0", max_pickles=LEGACY_PICKLES,
-                          budget=survey.budget)
+    if starts_pickle(survey.head):
+        if True:
+            result = walk_window(fd, survey.size, lambda data: walk(data, "the file read as a pickle from byte 0",
+                                                                     max_pickles=LEGACY_PICKLES, budget=survey.budget),
+                                 survey.budget)
             survey._add(result)
             if result.pickles:
                 survey.hazards.append(Hazard(Verdict.DANGEROUS, "the file is both a tar archive and a pickle: "
                                              "torch.load reads one or the other depending on how it is called"))
 
 
-def _survey_npy(survey: Survey, fd: int) -> None:
-    with mapped(fd, survey.size) as data:
-        _survey_npy_bytes(survey, data, "the file")
+def _survey_npy(survey: Survey, fd: Any) -> None:
+    at = _npy_pickle_start(read_all(fd, min(survey.size, (1 << 16) + 12)), lambda at: pread(fd, 1, at))
+    if at is None:
+        return
+    where = "the file"
+    survey._add(walk_window(fd, survey.size, lambda data: walk(data, f"{where}: the pickle after the NumPy header",
+                                                                start=at, budget=survey.budget), survey.budget))
+    survey.notes.append(f"{where}: a NumPy array whose data np.load(allow_pickle=True) would unpickle")
 
 
 def _survey_npy_bytes(survey: Survey, data: Any, where: str) -> None:
-    """A NumPy array: np.load(allow_pickle=True) unpickles what follows the header when the dtype holds objects.
-    The header is a Python literal (read with ast.literal_eval, which evaluates nothing); when its dtype is not
-    plainly numeric, or the data starts with PROTO, the data is walked as the pickle it may be."""
-    if len(data) < 10:
+    """A NumPy array: np.load(allow_pickle=True) unpickles what follows the header when the dtype holds objects."""
+    at = _npy_pickle_start(data)
+    if at is None:
         return
+    survey._add(walk(data, f"{where}: the pickle after the NumPy header", start=at, budget=survey.budget))
+    survey.notes.append(f"{where}: a NumPy array whose data np.load(allow_pickle=True) would unpickle")
+
+
+def _npy_pickle_start(data: Any, first: Any = None) -> int | None:
+    """Where the pickle np.load(allow_pickle=True) would unpickle starts in an .npy whose first bytes are `data`;
+    None when there is none. The header is a Python literal (read with ast.literal_eval, which evaluates nothing);
+    when its dtype is not plainly numeric, or the data starts with PROTO, the data is walked as the pickle it may be.
+    `first(at)`: the byte at `at` when `data` is only the file's head."""
+    if len(data) < 10:
+        return None
     major = data[6]
     header_len, start = ((int.from_bytes(data[8:10], "little"), 10) if major == 1 else
                          (int.from_bytes(data[8:12], "little"), 12))
@@ -460,10 +522,9 @@ def _survey_npy_bytes(survey: Survey, data: Any, where: str) -> None:
         pass
     plain = isinstance(descr, str) and re.fullmatch(r"[<>|=]?[?bBhHiIlLqQpPefdgFDGSUV]\d*", descr) is not None
     at = start + header_len
-    if plain and data[at:at + 1] != b"\x80":
-        return
-    survey._add(walk(data, f"{where}: the pickle after the NumPy header", start=at, budget=survey.budget))
-    survey.notes.append(f"{where}: a NumPy array whose data np.load(allow_pickle=True) would unpickle")
+    if plain and (data[at:at + 1] if first is None else first(at)) != b"\x80":
+        return None
+    return at
 
 
 def survey_or_error(path: Path) -> tuple[Survey | None, CkptDoctorError | None]:

@@ -25,7 +25,7 @@ from ..safepickle.unpickler import RawTensor, SafeUnpickler, StorageRef, Storage
 from ..safepickle.walker import Walk, walk
 from ..sniff import MAX_TAR_METADATA, tar_field_number, tar_metadata_too_big
 from ._pickled import build_checkpoint, run_unpickler
-from .mapping import mapped
+from .mapping import walk_window
 
 MEMBERS = ("storages", "tensors", "pickle")
 MAX_TAR_MEMBERS = 100_000  # a torch tar file has three
@@ -152,13 +152,9 @@ class _Reader:
         if region is None:
             return
         start, end = region
-        with mapped(self.fd, os.fstat(self.fd).st_size) as whole:
-            view = memoryview(whole)[start:end] if not isinstance(whole, bytes) else whole[start:end]
-            try:
-                result = walk(view, f"tar member {name}", budget=self.budget)
-            finally:
-                if isinstance(view, memoryview):
-                    view.release()
+        # read, not mapped: a file cut short meanwhile ends the walk early instead of killing the process (SIGBUS)
+        result = walk_window(self.fd, end - start, lambda data: walk(data, f"tar member {name}", budget=self.budget),
+                             self.budget, start)
         self.layout.walks.append(result)
         self.layout.globals.extend(result.globals)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 import re
 import zlib
 from pathlib import Path
@@ -14,6 +13,7 @@ from ..records import Checkpoint, Format, StorageRecord, fast_new
 from ..safepickle import limits
 from ..safepickle.unpickler import SafeUnpickler, StorageRef
 from ._pickled import build_checkpoint, run_unpickler
+from .source import close_source, open_source
 from .survey import Survey
 from .zipindex import ZipIndex, read_member
 
@@ -40,7 +40,7 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
                         "ckpt-doctor unpickles (it was walked: what it would run is reported)")
     version = index.find(prefix + ".data/version") or index.find(prefix + "version")
     is_script = "constants.pkl" in records
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_source(path)  # a descriptor, or the remote object the survey read (its blocks kept)
     try:
         if version is None and not is_script:
             raise ReadError(f"{path}: zip archive without a version record; torch.load refuses it")
@@ -109,7 +109,7 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
                 run_unpickler(cup, path)
                 unpicklers.append(cup)
     finally:
-        os.close(fd)
+        close_source(fd)
     return build_checkpoint(path, Format.TORCHSCRIPT if is_script else Format.TORCH_ZIP, root, unpicklers,
                             ts_members=ts_members, notes=tuple(notes))
 

@@ -18,6 +18,7 @@ from collections import namedtuple
 
 from ..errors import ReadError
 from ..safepickle import limits
+from .source import is_remote, pread
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -72,6 +73,7 @@ class ZipIndex:
         self.prefix = first.split("/", 1)[0] if "/" in first else None
         self.torch_problem: str | None = None
         self.other_readers: str | None = None  # why Python's zipfile could see other members than torch
+        self.guessed = 0  # storages whose local header was not fetched (a remote archive in torch's layout)
         if not members:
             self.torch_problem = "the archive is empty"
         elif self.prefix is None:
@@ -129,16 +131,16 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
     if eocd_at is None:
         raise ReadError(f"{path}: zip archive has no end-of-central-directory record "
                         "(the file is truncated or not a complete zip)")
-    eocd = os.pread(fd, 22, base + eocd_at)
+    eocd = pread(fd, 22, base + eocd_at)
     _, disk, cd_disk, on_disk, count, cd_size, cd_offset, _ = struct.unpack("<IHHHHIIH", eocd)
     zip64 = False
     if eocd_at >= 20 + 56:
-        loc = os.pread(fd, 20, base + eocd_at - 20)
+        loc = pread(fd, 20, base + eocd_at - 20)
         if loc[:4] == _ZIP64_LOCATOR:
             (z64_at,) = struct.unpack_from("<Q", loc, 8)
             if z64_at > file_size - 56:
                 raise ReadError(f"{path}: zip64 end record points past the end of the file (corrupt archive)")
-            rec = os.pread(fd, 56, base + z64_at)
+            rec = pread(fd, 56, base + z64_at)
             if rec[:4] == _ZIP64_EOCD:
                 if struct.unpack_from("<I", loc, 16)[0] != 1:
                     raise ReadError(f"{path}: zip archive spans several disks, which torch's reader refuses")
@@ -154,16 +156,24 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
     if cd_size > limits.MAX_ZIP_DIRECTORY:
         raise ZipTooBig(f"{path}: zip central directory of {cd_size:,} bytes, more than the "
                         f"{limits.MAX_ZIP_DIRECTORY >> 20} MB ckpt-doctor reads (a bomb, or no checkpoint)")
-    cd = os.pread(fd, cd_size, base + cd_offset)
+    cd = pread(fd, cd_size, base + cd_offset)
     # Local headers sit between the payloads. A small archive is read whole (one syscall for 20,000 headers); a big
     # one gets one pread per header (a memory map would fault in, and count in RSS, 64 KB around each), which also
     # takes the first HEAD_BYTES of the member's data (torch pads the extra field to 64-byte alignment): what the
     # survey checks of every member (member_head) then costs no second call. (Only when there are many headers: a
     # DCP item of 8 MB has five, and 100 items read whole cost 0.1 s.)
-    whole = os.pread(fd, file_size, base) if file_size <= limits.ZIP_WHOLE_READ and (
+    whole = pread(fd, file_size, base) if file_size <= limits.ZIP_WHOLE_READ and (
         count > 64 or file_size <= 1 << 20) else None
     heads: dict[int, bytes] = {}
     members = []
+    # Over the network a local header is a request: a storage's (a member data/N, raw tensor bytes) is not fetched
+    # when torch's writer put it where the headers that were fetched (data.pkl, the records at both ends, in the
+    # blocks already read) say every header is: its data then starts at the next 64-byte boundary after a 4-byte
+    # padding field. The tensor data is read later only from its local header, which is then checked.
+    remote = is_remote(fd) and whole is None
+    guessed: list[int] = []
+    torch_layout = None if remote else False
+    storage_prefix = f"{cd[46:46 + 256].split(b'/', 1)[0].decode('utf-8', 'surrogateescape')}/data/" if count else ""
     new_member = tuple.__new__  # ZipMember's fields in order, without namedtuple's __new__ frame per member
     unpack_central, unpack_local = _CENTRAL_HEADER.unpack_from, _LOCAL_HEADER.unpack_from
     p = 0
@@ -186,10 +196,18 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
         if local_at + 30 + csize > file_size:
             raise ReadError(f"{path}: zip member {name} runs past the end of the file (truncated)")
         p += 46 + nlen + xlen + clen
+        if remote and torch_layout is not False and name.startswith(storage_prefix) \
+                and name[len(storage_prefix):].isdigit() and fd.cached(30 + nlen, base + local_at) is None \
+                and _torch_data_at(local_at, nlen, usize) + csize <= file_size:
+            guessed.append(len(members))
+            members.append(new_member(ZipMember, (name, base + _torch_data_at(local_at, nlen, usize), usize, csize,
+                                                  method, crc, base + local_at, flags,
+                                                  bool(attrs & 0x10) or name.endswith("/"))))
+            continue
         if whole is not None:
             head, at = whole, local_at
         else:
-            head, at = os.pread(fd, 30 + nlen + 128 + HEAD_BYTES, base + local_at), 0
+            head, at = pread(fd, 30 + nlen + 128 + HEAD_BYTES, base + local_at), 0
         data_at = -1
         if len(head) >= at + 30:
             sig, lnlen, lxlen = unpack_local(head, at)
@@ -197,9 +215,26 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
                 data_at = base + local_at + 30 + lnlen + lxlen
                 if whole is None and 30 + lnlen + lxlen + HEAD_BYTES <= len(head):
                     heads[data_at] = head[30 + lnlen + lxlen:30 + lnlen + lxlen + HEAD_BYTES]
+                if remote and torch_layout is not False:
+                    torch_layout = data_at == base + _torch_data_at(local_at, lnlen, usize) and lnlen == nlen
+            elif remote:
+                torch_layout = False
         members.append(new_member(ZipMember, (name, data_at, usize, csize, method, crc, base + local_at, flags,
                                               bool(attrs & 0x10) or name.endswith("/"))))
+    if guessed and torch_layout is not True:  # not torch's writer (or nothing to tell): each header is read
+        for i in guessed:
+            m = members[i]
+            local_at = m.header_offset - base
+            head = pread(fd, 30 + 4096, m.header_offset)
+            data_at = -1
+            if len(head) >= 30:
+                sig, lnlen, lxlen = unpack_local(head, 0)
+                if sig == _LOCAL and local_at + 30 + lnlen + lxlen + m.compressed_size <= file_size:
+                    data_at = base + local_at + 30 + lnlen + lxlen
+            members[i] = m._replace(offset=data_at)
+        guessed = []
     index = ZipIndex(members, path, whole, base, heads)
+    index.guessed = len(guessed)
     # Python's zipfile (np.load, most tools) reads the same archive differently: it shifts every offset by the
     # bytes between where the directory ends and where the end record is, and reads entries until the directory's
     # size is used up. When that could give it other members, say so: the survey then walks its view too.
@@ -212,6 +247,15 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
     return index
 
 
+def _torch_data_at(local_at: int, nlen: int, size: int, alignment: int = 64) -> int:
+    """Where torch's writer (PyTorchStreamWriter's getPadding) starts a record's data: past the local header, its
+    name, the zip64 extra it writes for big records or offsets, and a padding field, on the next 64-byte boundary."""
+    start = local_at + 30 + nlen + 4
+    if size >= 0xFFFFFFFF or local_at >= 0xFFFFFFFF:
+        start += 4 + (16 if size >= 0xFFFFFFFF else 0) + (8 if local_at >= 0xFFFFFFFF else 0)
+    return -(-start // alignment) * alignment
+
+
 def _locate_end_record(fd: int, file_size: int, base: int = 0) -> int | None:
     """miniz's search: 4 KB blocks from the end backwards, the last signature with a whole record after it, giving up
     once it has looked about 64 KB back."""
@@ -219,7 +263,7 @@ def _locate_end_record(fd: int, file_size: int, base: int = 0) -> int | None:
         return None
     at = max(file_size - 4096, 0)
     while True:
-        block = os.pread(fd, min(4096, file_size - at), base + at)
+        block = pread(fd, min(4096, file_size - at), base + at)
         i = len(block) - 4
         while i >= 0:
             i = block.rfind(b"PK\x05\x06", 0, i + 4)
@@ -261,7 +305,7 @@ def member_head(fd: int, member: ZipMember, size: int, index: ZipIndex | None = 
         return index.whole[start:start + min(member.compressed_size, size)]
     if index is not None and member.method == 0 and size <= HEAD_BYTES and member.offset in index.heads:
         return index.heads[member.offset][:min(member.compressed_size, size)]
-    raw = os.pread(fd, min(member.compressed_size, size if member.method == 0 else 1 << 16), member.offset)
+    raw = pread(fd, min(member.compressed_size, size if member.method == 0 else 1 << 16), member.offset)
     if member.method == 0:
         return raw
     if member.method != 8:
@@ -293,7 +337,7 @@ def read_member(fd: int, member: ZipMember, path: str, check_crc: bool = True,
                 raise ReadError(f"{path}: zip members inflate to more than "
                                 f"{limits.MAX_INFLATED_TOTAL >> 20} MB together (a zip bomb?)")
             budget[0] -= member.size
-        raw = os.pread(fd, member.compressed_size, member.offset)
+        raw = pread(fd, member.compressed_size, member.offset)
         inflater = zlib.decompressobj(-15)
         try:
             # No more than the directory's size, as miniz fills a buffer of that size and stops: a stream that
@@ -302,7 +346,7 @@ def read_member(fd: int, member: ZipMember, path: str, check_crc: bool = True,
         except zlib.error as exc:
             raise ReadError(f"{path}: zip member {member.name} does not inflate ({exc})") from None
     elif member.method == 0:
-        data = os.pread(fd, member.compressed_size, member.offset)
+        data = pread(fd, member.compressed_size, member.offset)
     else:
         raise ReadError(f"{path}: zip member {member.name} uses compression method {member.method}, "
                         "which torch's reader refuses")
@@ -323,8 +367,11 @@ def inflated_range(fd: int, offset: int, compressed: int, skip: int, nbytes: int
     directory records; the stream is then inflated to its end and checked against them (torch does not check; a
     copy made from it must). Raises ReadError naming `what`."""
     if whole is not None:
-        st = os.fstat(fd)
-        checked = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, offset)
+        if is_remote(fd):
+            checked = (fd.shown, fd.tag, fd.size, offset)
+        else:
+            st = os.fstat(fd)
+            checked = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, offset)
         if checked in _CHECKED:  # inflated to its end and checked once already: a view need not again
             whole = None
     inflater = zlib.decompressobj(-15)
@@ -332,7 +379,7 @@ def inflated_range(fd: int, offset: int, compressed: int, skip: int, nbytes: int
     limit = whole[0] if whole is not None else end
     pos = read = crc = 0
     while pos < limit and read < compressed and not inflater.eof:
-        raw = os.pread(fd, min(1 << 20, compressed - read), offset + read)
+        raw = pread(fd, min(1 << 20, compressed - read), offset + read)
         if not raw:
             raise ReadError(f"{what}: the file ends inside its compressed bytes (truncated)")
         read += len(raw)
@@ -373,23 +420,21 @@ def local_members(fd: int, file_size: int, start: int = 0, limit: int = 4096) ->
     central directory is gone (a truncated download), in one appended to a pickle, or in several archives laid end
     to end (a torch.distributed.checkpoint shard). Headers are found by their signature, so members whose sizes
     follow their data (torch's writer) are found too."""
-    import mmap
+    from .mapping import find_all
 
     found: list[tuple[str, int]] = []
     if file_size - start < 30:
         return found
-    try:
-        view = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError):
-        return found
-    with view:
-        at = view.find(_LOCAL, start)
-        while at >= 0 and len(found) < limit and at + 30 <= file_size:
-            nlen, xlen = struct.unpack_from("<HH", view, at + 26)
-            name = bytes(view[at + 30:at + 30 + nlen]).decode("utf-8", "surrogateescape")
-            found.append((name, at + 30 + nlen + xlen))
-            at = view.find(_LOCAL, at + 30)
-    return found
+    # searched in blocks read, not in a memory map: a file cut short meanwhile must not kill the process (SIGBUS)
+    for at in find_all(fd, file_size, _LOCAL, start):
+        if len(found) >= limit or at + 30 > file_size:
+            break
+        if found and at < found[-1][2]:
+            continue  # inside the header just read (the search goes on 30 bytes past each header, as before)
+        nlen, xlen = struct.unpack_from("<HH", pread(fd, 4, at + 26))
+        name = pread(fd, nlen, at + 30).decode("utf-8", "surrogateescape")
+        found.append((name, at + 30 + nlen + xlen, at + 30))
+    return [(name, data_at) for name, data_at, _ in found]
 
 
 # --- miniz's choice among duplicate names ---------------------------------------------------------------------

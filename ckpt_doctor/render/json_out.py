@@ -70,6 +70,7 @@ def inspect_json(report: InspectReport) -> dict[str, Any]:
     }
     if ckpt.distributed:
         out["distributed"] = ckpt.distributed
+    _remote(out)
     if len(ckpt.files) > 1:
         out["files"] = [str(f) for f in ckpt.files]
     if report.stats is not None:
@@ -113,3 +114,12 @@ def dumps(data: Any) -> str:
         else:
             parts.append(f"  {enc(key)}: {enc(value)}")
     return "{\n" + ",\n".join(parts) + "\n}"
+
+
+def _remote(out: dict[str, Any]) -> None:
+    """Bytes and requests used over the network (https://, s3://), when any were."""
+    from ..readers.source import usage
+
+    used = usage()
+    if used is not None:
+        out["remote"] = used

@@ -31,7 +31,15 @@ def scan_json(report: ScanReport) -> dict[str, Any]:
         "files": [_file_json(f) for f in report.files],
         "skipped": [{"path": str(s.path), "reason": s.reason} for s in report.skipped],
         "problems": list(report.problems),
+        **_remote(),
     }
+
+
+def _remote() -> dict[str, Any]:
+    from ..readers.source import usage
+
+    used = usage()
+    return {"remote": used} if used is not None else {}
 
 
 def scan_table(report: ScanReport, show_safe: bool = False, tablefmt: str = "simple") -> str | None:
@@ -91,6 +99,11 @@ def scan_summary(report: ScanReport, with_severity: bool = False) -> list:
     if len(report.skipped) > MAX_SKIPPED_LINES:
         lines.append((f"skipped {len(report.skipped) - MAX_SKIPPED_LINES:,} more files that are no checkpoint and run "
                       "nothing (--json lists them all)", False))
+    from ..readers.source import usage_line
+
+    network = usage_line()
+    if network is not None:
+        lines.append((network, False))
     return lines if with_severity else [line for line, _ in lines]
 
 

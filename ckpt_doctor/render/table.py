@@ -144,6 +144,11 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
                                 + ", ".join(f"{k} {v:.3g}" for k, v in worst)))
     elif report.value_diffs is not None:
         lines.append(("values", "no common tensors of the same shape to compare"))
+    from ..readers.source import usage_line
+
+    network = usage_line()
+    if network is not None:
+        lines.append(("network", network))
     width = max(len(label) for label, _ in lines)
     return [f"{label:<{width}}  {text}" for label, text in lines]
 

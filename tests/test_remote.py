@@ -1,0 +1,297 @@
+"""Checkpoints behind https:// and s3:// URLs: read by range requests, as little as needed, with the same verdicts as
+the local file; every server that misbehaves ends in one line and exit 2.
+
+Real servers run as processes of their own on localhost ports: RangeHTTPServer (wrapped to count the bytes it sends,
+tests/remote_servers.py), misbehaving HTTP servers, and moto's standalone S3 server (`moto_server`), which s3fs is
+pointed at through the environment (AWS_ENDPOINT_URL and FSSPEC_S3_ENDPOINT_URL), as s3fs's own tests do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fsspec")
+pytest.importorskip("aiohttp")
+pytest.importorskip("RangeHTTPServer")
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVERS = Path(__file__).with_name("remote_servers.py")
+BIG = 512 << 20  # big enough that 0.1 % (524 KB) is a real bound; written sparse
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(port: int, proc: subprocess.Popen) -> None:
+    for _ in range(300):
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("server did not start")
+
+
+def _start(args: list[str], port: int, **kwargs) -> subprocess.Popen:
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=kwargs.pop("stderr", subprocess.DEVNULL),
+                            **kwargs)
+    _wait(port, proc)
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "ckpt_doctor", *args], capture_output=True, text=True, env=full,
+                          timeout=timeout)
+
+
+def _sparse_torch_zip(path: Path, nbytes: int) -> None:
+    """torch.save of a model whose one big tensor is zeros, the zeros left as a hole (no disk written for them)."""
+    import numpy as np
+    import torch
+
+    class Sparse:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            view = memoryview(data).cast("B")
+            if len(view) >= 1 << 20 and not np.frombuffer(view, np.uint8).any():
+                self.f.seek(len(view), 1)
+            else:
+                self.f.write(view)
+            return len(view)
+
+        def flush(self):
+            self.f.flush()
+
+    state = {"embed.weight": torch.zeros(nbytes // 4 // 1024, 1024), "head.weight": torch.randn(10, 1024),
+             "head.bias": torch.randn(10), "step": 7}
+    with open(path, "wb") as f:
+        torch.save(state, Sparse(f))
+        f.truncate()
+
+
+def _sparse_safetensors(path: Path, nbytes: int) -> None:
+    import struct
+
+    rows = nbytes // 4 // 1024
+    header = {"embed.weight": {"dtype": "F32", "shape": [rows, 1024], "data_offsets": [0, rows * 4096]},
+              "head.bias": {"dtype": "F32", "shape": [10], "data_offsets": [rows * 4096, rows * 4096 + 40]},
+              "__metadata__": {"format": "pt"}}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.seek(rows * 4096, 1)
+        f.write(b"\1" * 40)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A folder of checkpoints behind a range server that logs the bytes of each answer."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path_factory.mktemp("served")
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    torch.save(net.state_dict(), folder / "small.pt")
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, folder / "small.safetensors")
+    torch.save({"model": net.state_dict(), "opt": __import__("collections").OrderedDict(lr=0.1)}, folder / "ckpt.pt")
+    _sparse_torch_zip(folder / "big.pt", BIG)
+    _sparse_safetensors(folder / "big.safetensors", BIG)
+    log = folder.parent / f"{folder.name}.log"
+    port = _port()
+    proc = _start([sys.executable, str(SERVERS), "range", str(port), str(folder), str(log)], port)
+    try:
+        yield folder, f"http://127.0.0.1:{port}", log
+    finally:
+        _stop(proc)
+
+
+def _requests(log: Path) -> list[int]:
+    return [int(line) for line in log.read_text().split()] if log.exists() else []
+
+
+def _same(remote: str, local: str, url: str, path: Path) -> None:
+    """The JSON of a remote run equals the local run's, but for the path and what the network cost."""
+    a = json.loads(remote.replace(url, str(path)))
+    b = json.loads(local)
+    used = a.pop("remote")
+    assert used["requests"] >= 1
+    for d in (a, b):
+        if "notes" in d:
+            d["notes"] = [n for n in d["notes"] if not n.startswith("over the network")]
+    assert a == b
+
+
+@pytest.mark.parametrize("name", ["small.pt", "small.safetensors", "ckpt.pt", "big.pt", "big.safetensors"])
+def test_inspect_over_http_equals_local(served, name):
+    folder, base, log = served
+    remote = _cli("inspect", f"{base}/{name}", "--json")
+    assert remote.returncode == 0, remote.stderr
+    local = _cli("inspect", str(folder / name), "--json")
+    _same(remote.stdout, local.stdout, f"{base}/{name}", folder / name)
+
+
+@pytest.mark.parametrize("name", ["big.pt", "big.safetensors"])
+@pytest.mark.parametrize("command", ["inspect", "scan"])
+def test_big_file_costs_a_few_requests(served, name, command):
+    folder, base, log = served
+    before = len(_requests(log))
+    result = _cli(command, f"{base}/{name}", "--json")
+    assert result.returncode == 0, result.stderr
+    sent = _requests(log)[before:]
+    size = (folder / name).stat().st_size
+    assert 1 <= len(sent) <= 4
+    assert sum(sent) <= size / 1000
+    assert json.loads(result.stdout)["remote"] == {"bytes": sum(sent), "requests": len(sent), "size": size}
+    human = _cli(command, f"{base}/{name}")
+    assert f"in {len(sent)} request" in human.stderr
+
+
+def test_scan_over_http_equals_local(served):
+    folder, base, _ = served
+    remote = _cli("scan", f"{base}/ckpt.pt", "--json")
+    local = _cli("scan", str(folder / "ckpt.pt"), "--json")
+    assert remote.returncode == local.returncode == 0
+    _same(remote.stdout, local.stdout, f"{base}/ckpt.pt", folder / "ckpt.pt")
+
+
+def test_a_pickle_that_runs_code_is_found_over_http(served):
+    folder, base, _ = served
+    import torch
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    torch.save({"w": torch.zeros(2), "x": Payload()}, folder / "evil.pt")
+    for command in ("scan", "inspect"):
+        result = _cli(command, f"{base}/evil.pt")
+        assert result.returncode == 1, result.stderr
+        assert "os.system" in result.stderr + result.stdout or "posix.system" in result.stderr + result.stdout
+
+
+def test_credentials_and_query_never_printed(served):
+    _, base, _ = served
+    url = base.replace("http://", "http://user:s3cret@") + "/small.pt?token=hunter2"
+    result = _cli("inspect", url, "--json")
+    assert result.returncode == 0, result.stderr
+    everything = result.stdout + result.stderr
+    assert "s3cret" not in everything and "hunter2" not in everything
+    assert json.loads(result.stdout)["path"] == base + "/small.pt"
+
+
+@pytest.mark.parametrize("mode, words", [
+    ("norange", "does not answer range requests"),
+    ("wrongrange", "with another range"),
+    ("endless", "more than the"),
+    ("short", "truncated"),
+    ("trickle", "no complete answer within"),
+    ("notfound", "not found (404)"),
+    ("forbidden", "access denied (403)"),
+    ("etag", "changed while it was read"),
+])
+def test_hostile_servers_end_in_one_line(served, mode, words):
+    folder, _, _ = served
+    port = _port()
+    proc = _start([sys.executable, str(SERVERS), "hostile", str(port), mode, str(folder / "big.pt")], port)
+    try:
+        result = _cli("inspect", f"http://127.0.0.1:{port}/big.pt", env={"CKPT_DOCTOR_REMOTE_TIMEOUT": "2"},
+                      timeout=60)
+    finally:
+        _stop(proc)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    assert words in lines[0]
+    assert result.stdout == ""
+
+
+def test_without_the_extra_one_line_says_how_to_install(served, tmp_path):
+    _, base, _ = served
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "fsspec.py").write_text("raise ImportError('no fsspec here')\n")
+    result = _cli("inspect", f"{base}/small.pt", env={"PYTHONPATH": f"{ROOT}{os.pathsep}{blocker}"})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"Error: {base}/small.pt: reading a URL needs fsspec: pip install 'ckpt-doctor[remote]'"]
+
+
+# --- S3 (moto's standalone server) ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def s3(served, tmp_path_factory):
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    server = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
+    if not Path(server).exists():
+        pytest.skip("moto_server (moto[server]) is not installed")
+    folder, _, _ = served
+    port = _port()
+    log = tmp_path_factory.mktemp("moto") / "requests.log"
+    with open(log, "w") as out:
+        proc = _start([server, "-p", str(port)], port, stderr=out)
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    try:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=env["AWS_ENDPOINT_URL"])
+        fs.mkdir("ckpts")
+        for name in ("small.pt", "small.safetensors", "big.pt", "big.safetensors"):
+            fs.put_file(str(folder / name), f"ckpts/{name}")
+        yield folder, env, log
+    finally:
+        _stop(proc)
+
+
+def _s3_gets(log: Path) -> int:
+    return sum(1 for line in log.read_text().splitlines() if 'GET /ckpts/' in line)
+
+
+@pytest.mark.parametrize("name", ["small.pt", "small.safetensors", "big.pt", "big.safetensors"])
+def test_s3_equals_local_in_a_few_requests(s3, name):
+    folder, env, log = s3
+    before = _s3_gets(log)
+    remote = _cli("inspect", f"s3://ckpts/{name}", "--json", env=env)
+    assert remote.returncode == 0, remote.stderr
+    gets = _s3_gets(log) - before
+    used = json.loads(remote.stdout)["remote"]
+    assert used["requests"] == gets and 1 <= gets <= 4
+    assert used["bytes"] <= max(used["size"] / 1000, 400 << 10)
+    local = _cli("inspect", str(folder / name), "--json")
+    _same(remote.stdout, local.stdout, f"s3://ckpts/{name}", folder / name)
+
+
+def test_s3_missing_object_and_bucket(s3):
+    _, env, _ = s3
+    for url in ("s3://ckpts/none.pt", "s3://no-such-bucket/x.pt"):
+        result = _cli("inspect", url, env=env)
+        assert result.returncode == 2
+        assert result.stderr.count("\n") == 1 and "not found" in result.stderr, result.stderr
