@@ -519,13 +519,7 @@ def _fix_options(p: Any) -> None:
 
 
 @command(_fix_options, EXIT_CODES)
-def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_prefix: tuple[str, ...],
-        add_prefix: tuple[str, ...], rename: tuple[str, ...], drop: tuple[str, ...], select: str | None,
-        map_location: tuple[str, ...], dtype: str | None, model_spec: str | None, model_args: tuple[str, ...],
-        auto: bool, reorder: bool, map_by_order: bool, allow_missing: str | None, allow_unexpected: str | None,
-        ties: tuple[str, ...], format_: str | None, max_shard_size: str | None,
-        dry_run: bool, force: bool, no_verify: bool, allow_unsafe: bool, allow_global: tuple[str, ...],
-        as_json: bool) -> int:
+def fix(ckpt: str, output: str, as_json: bool, allow_global: tuple[str, ...], **flags: Any) -> int:
     """Repair a checkpoint into a file that loads: rename keys, pick the state_dict, drop, re-tag, convert.
 
     The input is never modified. The output is written to a temporary file beside it, fsynced, re-read
@@ -550,63 +544,16 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     import signal
 
     gc.disable()  # as in inspect: one pass over an acyclic tree of records, nothing for the collector to free
-    from . import transforms as T
-    from .fix import (FixOptions, OutputFormat, execute, execute_sharded, output_format, parse_dtype,
-                      parse_map_location, parse_size, plan_fix)
-    from .readers import read_checkpoint
+    from .cliparse import fix_options
+    from .fix.run import prepare_fix, write_fix
     from .render.fix_out import dry_run_table, fix_json, fix_summary
-    from .writers.atomic import check_destination
 
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit becomes EFBIG, reported, not a crash
     _allow(allow_global)
-    steps: list[T.Transform] = []
-    if strip_module:
-        steps.append(T.strip_prefix("module."))
-    steps += [T.strip_prefix(p) for p in strip_prefix]
-    if add_module:
-        steps.append(T.add_prefix("module."))
-    steps += [T.add_prefix(p) for p in add_prefix]
-    steps += [T.rename(r) for r in rename]
-    steps += [T.drop(d) for d in drop]
-    if model_args and not model_spec:
-        raise UsageError("--model-arg needs --model")
-    if (auto or reorder or map_by_order) and not model_spec:
-        raise UsageError("--auto, --reorder and --map-by-order need --model SPEC")
-    from pathlib import Path
-
-    out_path = Path(output)
-    fmt = output_format(out_path, OutputFormat(format_) if format_ else None)
-    checkpoint = read_checkpoint(ckpt)
-    if not allow_unsafe and checkpoint.dangerous_globals:
-        # A whole pickled model (code: its classes) is what fix rescues; what is known to be dangerous needs consent.
-        from .advice import rescue
-        from .errors import Rerun
-
-        found = rescue(checkpoint)
-        extra = tuple(found.argv[4:]) if found is not None else ("--allow-unsafe",)
-        checkpoint.refuse_if_unsafe("rewrite it", "To keep only its tensors and plain data (nothing it names is ever "
-                                    "run or written): {0}", code_too=False, reruns=(Rerun(add=extra),))
-    shard_bytes = parse_size(max_shard_size) if max_shard_size else None
-    if not dry_run and shard_bytes is None and fmt is not OutputFormat.DCP:  # a DCP folder: checked as it is written
-        check_destination(out_path, checkpoint.files, force)
-    model = None
-    if model_spec:
-        from .modelspec import keys_from_spec, parse_model_args
-
-        model = keys_from_spec(model_spec, parse_model_args(model_args))
-    from .transforms import compile_regex
-
-    for flag, pattern in (("--allow-missing", allow_missing), ("--allow-unexpected", allow_unexpected)):
-        if pattern:
-            compile_regex(pattern, flag)
-    options = FixOptions(transforms=tuple(steps), select=select, map_location=parse_map_location(map_location),
-                         dtype=parse_dtype(dtype), model=model, reorder=reorder, auto=auto,
-                         map_by_order=map_by_order, force=force, format=fmt, allow_missing=allow_missing,
-                         allow_unexpected=allow_unexpected, ties=tuple(_parse_tie(t) for t in ties),
-                         dry_run=dry_run)
-    plan = plan_fix(checkpoint, out_path, options)
-    if dry_run:
+    options = fix_options(**flags)  # the one place the flags become the library's options
+    plan = prepare_fix(ckpt, output, options)
+    if options.dry_run:
         if as_json:
             from .render.json_out import dumps
 
@@ -616,10 +563,7 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
         for line in fix_summary(plan, None):
             say(line)
         return 0
-    if shard_bytes is not None:
-        result = execute_sharded(plan, shard_bytes, progress_bar(), not no_verify, force)
-    else:
-        result = execute(plan, progress_callback=progress_bar(), verify=not no_verify, force=force)
+    result = write_fix(plan, options, progress_bar())
     if as_json:
         from .render.json_out import dumps
 
@@ -914,12 +858,6 @@ def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, require_default_
                                    "exit 1"), color="red" if report.require_default_load else None, no_color=no_color)
     return report.exit_code
 
-
-def _parse_tie(spec: str) -> tuple[str, str]:
-    alias, sep, key = spec.partition("=")
-    if not sep or not alias or not key:
-        raise UsageError(f"--tie {spec!r}: expected ALIAS=KEY, e.g. --tie lm_head.weight=transformer.wte.weight")
-    return alias, key
 
 
 def progress_bar():

@@ -130,6 +130,17 @@ class TensorRecord:
 
 
 @record
+class OutTensor:
+    """A tensor as an output will hold it: its key there, the source it is read from, its dtype and device tag (what
+    `fix` plans and every writer takes)."""
+
+    key: str  # full key in the output
+    source: TensorRecord
+    dtype: str
+    device: str
+
+
+@record
 class Hazard:
     """A finding about a file rather than one global: TorchScript code, an archive torch could read two ways."""
 

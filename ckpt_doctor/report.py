@@ -10,7 +10,7 @@ from .analyze import PrefixFinding, find_prefixes, shared_groups
 from .errors import ReadError, SeveralCheckpoints, UsageError
 from .readers import read_checkpoint
 from .records import Checkpoint, Hazard, SharedGroup, TensorRecord, Verdict
-from .advice import Suggestion, fix_suggestions, rescue
+from .advice import Suggestion, fix_suggestions
 from .default_load import DefaultLoad, default_load
 from .devices import missing_devices
 
@@ -160,6 +160,8 @@ def _suggestions(ckpt: Checkpoint, comparison: Any, loads: DefaultLoad,
             return found
         # no fix makes it load into this model: the rescue of its tensors is still said (the safety line's way out)
     if not loads.ok and loads.applies and (loads.refused or loads.missing_devices):
+        from .fix.rescue import rescue  # the fix planner: only for a file torch.load refuses
+
         found = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [], source=source)
         if found is not None:
             return [("torch.load", found)]

@@ -16,7 +16,7 @@ import stat
 from ._record import field, record
 from pathlib import Path
 
-from .advice import Suggestion, rescue
+from .advice import Suggestion
 from .default_load import DefaultLoad, default_load
 from .errors import CkptDoctorError, NotACheckpoint
 from .readers import read_file
@@ -122,6 +122,8 @@ def scan_one(path: Path, *, in_folder: bool = False, taken: set[str] | None = No
         globals_, hazards, notes = ckpt.globals, ckpt.hazards, ckpt.notes
         loads = default_load(ckpt)
         if not loads.ok or ckpt.verdict is not Verdict.SAFE:
+            from .fix.rescue import rescue  # the fix planner: only for a file torch.load refuses
+
             fix = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [], taken)
     except CkptDoctorError as exc:
         if in_folder and is_skipped(exc, survey, path):

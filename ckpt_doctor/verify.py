@@ -530,7 +530,7 @@ def _read_safe(ckpt: str) -> Any:
 
     checkpoint = read_checkpoint(ckpt)
     if checkpoint.unsafe_globals or checkpoint.hazards:
-        from .advice import rescue
+        from .fix.rescue import rescue  # the fix planner: only for a file that would run code
 
         found = rescue(checkpoint)
         checkpoint.refuse_if_unsafe("verify it — nothing from it was loaded or run",

@@ -136,7 +136,7 @@ class RawTensor:
         self.note = note
 
 
-class _Token:
+class Token:
     """A torch object a pickle may name as a value (a dtype, a device, a storage class), kept as its name. One
     token serves every mention of its global, so a pickle's BUILD must not change it (torch's own are immutable)."""
 
@@ -159,7 +159,7 @@ class _Token:
         return f"torch.{self.value}" if type(self) is DType else f"torch.{self.torch_name}({self.value!r})"
 
 
-class StorageType(_Token):
+class StorageType(Token):
     __slots__ = ()
     torch_name = "storage"
 
@@ -168,7 +168,7 @@ class StorageType(_Token):
         return self.value
 
 
-class DType(_Token):
+class DType(Token):
     __slots__ = ()
 
     @property
@@ -176,7 +176,7 @@ class DType(_Token):
         return self.value
 
 
-class Device(_Token):
+class Device(Token):
     __slots__ = ()
     torch_name = "device"
 

@@ -48,7 +48,7 @@ def atomic_output(output: Path, size_hint: int = 0) -> Iterator[tuple[int, Path]
         os.close(fd)
         fd = -1
         os.replace(tmp_path, output)
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise WriteError(f"{output}: no space left{_space_note(parent, size_hint)}; nothing was written") \
@@ -120,7 +120,7 @@ def _space_note(folder: Path, needed: int) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     try:
         dfd = os.open(folder, os.O_RDONLY)
     except OSError:
