@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import os
 
-from ._record import record
+from ._record import record, replace
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
@@ -138,7 +138,6 @@ def fix_suggestions(path: str, comparison: object, dangerous: bool = False) -> l
     """The fix line of a comparison — its inferred flags, the model (so that `fix` checks its output against it
     before writing), --map-location cpu where the file holds devices this machine lacks — and, for a mapping by
     order with ambiguous positions, its dry run first (the fix line then needs --force, which it holds)."""
-    from ._record import replace
 
     c = comparison
     kind = c.fix_kind  # type: ignore[attr-defined]

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from ._record import field, record
 from typing import Any
 
+from ._record import field, record, replace
 from .analyze import find_prefixes
+from .devices import missing_devices
+from .dtypes import FLOATING
 from .errors import PlanError, percent
-from .modelspec import ModelKeys
-from .records import Checkpoint, TensorRecord
+from .modelspec import ModelKeys, tied_names  # noqa: F401  (tied_names: re-exported)
+from .records import Checkpoint, TensorRecord, relative_to_root
 from .safepickle.unpickler import RawTensor
 from .transforms import Op, Transform, add_prefix, flags_for, plan_keys, rename, strip_prefix
 from .tree import node_at, state_dict_metadata
@@ -278,19 +280,6 @@ def _dims(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
-def tied_names(model: Any) -> dict[str, list[str]]:
-    """Every state_dict name of a Parameter or buffer reachable under more than one name, with its other names."""
-    by_object: dict[int, list[str]] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        by_object.setdefault(id(tensor), []).append(name)
-    out: dict[str, list[str]] = {}
-    for names in by_object.values():
-        if len(names) > 1:
-            for name in names:
-                out[name] = [n for n in names if n != name]
-    return out
-
-
 def _tied(model: Any, missing: list[str], provided: dict, bad: set[str]) -> tuple[list[str], list[tuple[str, str]]]:
     aliases = tied_names(model)
     still, tied = [], []
@@ -310,7 +299,6 @@ def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, *, select: str | None
                        min_loaded: float | None = None) -> Comparison:
     """The verdict for the checkpoint's state_dict (or the part at `select`) and the fix, as `inspect --model`
     prints them."""
-    from .devices import missing_devices
 
     root = select if select is not None else ckpt.state_dict_root
     tensors = _under(ckpt, root)
@@ -328,14 +316,10 @@ def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, *, select: str | None
 
 
 def _replace(c: Comparison, **changes: Any) -> Comparison:
-    from ._record import replace
-
     return replace(c, **changes)
 
 
 def _under(ckpt: Checkpoint, root: str | None) -> list[TensorRecord]:
-    from .records import relative_to_root
-
     return list(relative_to_root(ckpt.tensors, root)) if root is not None else []
 
 
@@ -357,8 +341,6 @@ def with_extras(check: LoadCheck, extras: "set[str] | tuple[str, ...]") -> LoadC
 
 
 def _replace_check(check: LoadCheck, **changes: Any) -> LoadCheck:
-    from ._record import replace
-
     return replace(check, **changes)
 
 
@@ -601,7 +583,6 @@ def _roots(tensors: list[TensorRecord], model: ModelKeys, ckpt: Checkpoint | Non
         parts = t.key.split(".")
         for i in range(1, min(len(parts), 4)):
             counts[".".join(parts[:i])] += 1
-    from .records import relative_to_root
 
     for path, count in counts.most_common(24):
         if path != root and count >= need and node_at(ckpt.root, path) is not None:
@@ -613,7 +594,6 @@ def _part_tensors(tensors: list[TensorRecord], ckpt: Checkpoint | None, root: st
                   chosen: str | None) -> list[TensorRecord]:
     if chosen is None or ckpt is None:
         return tensors
-    from .records import relative_to_root
 
     return list(relative_to_root(ckpt.tensors, chosen))
 
@@ -713,7 +693,6 @@ def _pair_by_shape(leftovers: list[str], by_key: dict[str, TensorRecord], missin
     alone. One of a kind on each side is a certain pair; several of one kind on each side pair by position (file
     order against model order), as a mapping by order does: those keys come back as ambiguous. A kind with more
     keys on one side than the other is not paired."""
-    from .dtypes import FLOATING
 
     def signature(name: str, shape: tuple, dtype: str, detail: int) -> tuple:
         kind = (tuple(shape), dtype in FLOATING or dtype.startswith("complex"))

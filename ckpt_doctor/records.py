@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import enum
-from ._record import fast_new, field, record  # noqa: F401  (fast_new: re-exported for the readers)
 from math import prod
 from pathlib import Path
 
+from ._record import fast_new, field, record, replace  # noqa: F401  (fast_new: re-exported for the readers)
 from .dtypes import element_size
+from .errors import ReadError
 from .safepickle.policy import GlobalRef, Verdict  # noqa: F401  (re-exported: part of the result types)
 
 TYPE_CHECKING = False
@@ -203,7 +204,6 @@ class Checkpoint:
         worst = self.verdict
         if worst is Verdict.SAFE or worst is Verdict.CODE and not code_too:
             return
-        from .errors import ReadError
 
         names = self.finding_names()
         shown = ", ".join(names[:4]) + (f", … {len(names) - 4} more" if len(names) > 4 else "")
@@ -218,7 +218,6 @@ class Checkpoint:
     def refuse_values(self, action: str) -> None:
         """Refuse reading tensor values where ckpt-doctor would read them wrong: big-endian bytes it does not swap
         yet; quantized tensors (their scale and zero point are not in the records)."""
-        from .errors import ReadError
 
         if self.big_endian and any(element_size(t.dtype) > 1 for t in self.tensors):
             raise ReadError(f"{self.path}: saved on a big-endian machine, and ckpt-doctor does not swap tensor bytes "
@@ -245,6 +244,5 @@ def relative_to_root(tensors, root: str | None):
     if root == "":
         return list(tensors)
     prefix = root + "."
-    from ._record import replace
 
     return [replace(t, key=t.key[len(prefix):]) for t in tensors if t.key.startswith(prefix)]

@@ -13,13 +13,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from ._record import field, record
 from pathlib import Path
 
+from ._record import field, record
 from .advice import Suggestion
 from .default_load import DefaultLoad, default_load
 from .errors import CkptDoctorError, NotACheckpoint
-from .readers import read_file
+from .readers import named_as_checkpoint, read_file
 from .readers.survey import Survey, survey_file
 from .records import GlobalRef, Hazard
 from .safepickle.policy import Verdict
@@ -66,7 +66,6 @@ class FileScan:
 @record
 class Skipped:
     """A file of a folder that is no checkpoint and holds nothing a loader would run: said, and left out."""
-
     path: Path
     reason: str  # what it is: `not a PyTorch checkpoint: an HDF5 file (Keras/h5py); load it with …`
 
@@ -138,8 +137,6 @@ def is_skipped(exc: CkptDoctorError, survey: Survey, path: Path) -> bool:
     """Whether a file of a folder that did not read as a checkpoint is left out of the folder's verdict: it is
     something else (NotACheckpoint) or holds no pickle, names nothing a loader would run, and is not named as a
     checkpoint (`model.pt` that is a web page or a git-lfs pointer is an error; `.tar` is every tar archive's name)."""
-    from .readers import named_as_checkpoint
-
     if getattr(exc, "findings", ()) or survey.findings or survey.hazards:
         return False
     if named_as_checkpoint(path, tar_archive=survey.container is Container.TAR):
@@ -211,7 +208,6 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
     """In a torch.distributed.checkpoint folder, the byte ranges its metadata names are what torch's DCP reader
     loads: each is walked too (a range need not start where the file's own archives do)."""
     from ._record import replace
-
     from .readers.dcp import METADATA, RANK_METADATA, inflate_zstd, metadata_items
     from .readers.survey import survey_item
     from .safepickle import limits

@@ -16,6 +16,7 @@ import struct
 from pathlib import Path
 
 from ._record import record
+from .errors import CkptDoctorError
 from .safepickle import limits
 from .safepickle.walker import starts_pickle
 
@@ -556,8 +557,6 @@ class _Walk:
                 os.close(fd)
 
     def _is_whole(self, here: Path, names: list[str]) -> bool:
-        from .errors import CkptDoctorError
-
         assert self.whole is not None
         try:
             return self.whole(here, names)

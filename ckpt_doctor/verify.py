@@ -15,8 +15,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ._ddp_worker import RankJob, RankResult, run_rank, user_frame, write_job
-from .errors import UsageError, VerifyError, one_line, percent
+from ._record import replace
+from .compare import compare_checkpoint
+from .errors import ModelSpecError, ReadError, UsageError, VerifyError, one_line, percent
+from .loader import load_into
+from .modelspec import model_keys, resolve_attr, spec_flags
 from .outputs import Tolerance, compare_outputs, flat_outputs
+from .readers import read_checkpoint
 
 
 class Mode(str, enum.Enum):
@@ -160,9 +165,6 @@ def make_inputs(spec: InputSpec) -> tuple[Any, ...]:
     import torch
 
     if spec.function:
-        from .errors import ModelSpecError
-        from .modelspec import resolve_attr
-
         try:
             produced = resolve_attr(spec.function)()
         except ModelSpecError as exc:  # resolve_attr speaks of --model: here it is --input's function
@@ -505,11 +507,6 @@ def _prepare(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec
     checkpoint = _read_safe(ckpt)  # judged before torch loads: a file that would run code is refused in a moment
     import torch
 
-    from ._record import replace
-    from .compare import compare_checkpoint
-    from .loader import load_into
-    from .modelspec import model_keys, spec_flags
-
     torch.manual_seed(SEED)  # an --input function drawing from torch's generator draws the same batch every time
     inputs = make_inputs(inputs_spec)
     model, lazy = _build(model_spec, model_args, inputs)
@@ -526,7 +523,6 @@ def _prepare(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec
 
 def _read_safe(ckpt: str) -> Any:
     """The checkpoint read, refused (exit 1) when loading it would run code, with the rescue to run instead."""
-    from .readers import read_checkpoint
 
     checkpoint = read_checkpoint(ckpt)
     if checkpoint.unsafe_globals or checkpoint.hazards:
@@ -621,12 +617,6 @@ def load_reference(path: str, spec: str, args: dict[str, Any], inputs: tuple[Any
     from --compare-model: loaded with the fix inspect infers, nothing accepted) or the verified one (the fix
     inspect infers and the allowances given). A file that does not load so is refused in one line that says
     which flag to use."""
-    from .compare import compare_checkpoint
-    from .errors import ReadError
-    from .loader import load_into
-    from .modelspec import model_keys
-    from .readers import read_checkpoint
-
     checkpoint = read_checkpoint(path)  # an unreadable file is its own error, raised as such
     checkpoint.refuse_if_unsafe("load it for --compare-to — nothing from it was loaded or run")
     model, _ = _build(spec, args, inputs)

@@ -29,7 +29,7 @@ def prepare_fix(source: str | os.PathLike[str] | Checkpoint, output: str | os.Pa
     checkpoint = source if isinstance(source, Checkpoint) else read_checkpoint(source)
     if not options.allow_unsafe and checkpoint.dangerous_globals:
         # A whole pickled model (code: its classes) is what fix rescues; what is known to be dangerous needs consent.
-        from .rescue import rescue
+        from .rescue import rescue  # the rescue planner: only for a file that needs consent
 
         found = rescue(checkpoint)
         extra = tuple(found.argv[4:]) if found is not None else ("--allow-unsafe",)

@@ -256,7 +256,7 @@ def _lightning_meta(folder: Path, names: list[str], root: dict) -> Checkpoint | 
     `meta.pt` beside the DCP files: read like any file, its values join the tree where no item is."""
     if "meta.pt" not in names:
         return None
-    from . import read_file
+    from .files import read_file
 
     meta = read_file(folder / "meta.pt")
     if isinstance(meta.root, dict) and not meta.tensors:
@@ -334,7 +334,7 @@ class _Items:
                 blob = read_safetensors(path, fd, size, base)
                 info = blob.metadata.get("DCP_SHARDING_INFO")
                 if info is not None:
-                    from . import parse_json
+                    from .jsonfile import parse_json
 
                     sharding = parse_json(info.encode(), path, "DCP_SHARDING_INFO")
                     if not isinstance(sharding, dict):
@@ -806,7 +806,7 @@ def read_hf_shards(folder: Path, shards: list[Path]) -> Checkpoint:
     """A folder DCP's HuggingFaceStorageWriter wrote with save_distributed: every rank's chunks in safetensors files,
     each placed by its saved_offsets; a tensor's global shape is the largest offset + size over its chunks (the
     writer records no global shape), and its chunks must tile it."""
-    from . import parse_json
+    from .jsonfile import parse_json
     from .safetensors_reader import read_safetensors
 
     chunks: dict[str, list[tuple[tuple[int, ...], Any]]] = {}
@@ -884,7 +884,7 @@ def metadata_items(folder: Path) -> dict[Path, list[tuple[int, int, tuple[str, .
 def _blob_tensors(path: Path, base: int, size: int, meta: _Meta) -> dict[str, RawTensor]:
     """The tensors of a shard's safetensors blob, each named by its fqn (and its chunk's offsets when the folder's
     metadata splits that tensor), as chunks: their own shapes."""
-    from . import parse_json
+    from .jsonfile import parse_json
     from .safetensors_reader import read_safetensors
 
     fd = os.open(path, os.O_RDONLY)

@@ -147,7 +147,7 @@ def _shape(value: Any, name: str, where: Path) -> tuple[int, ...]:
 
 
 def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
-    from . import read_file
+    from .files import read_file
 
     names = sorted(os.listdir(tag_dir), key=_natural)
     model_files = [tag_dir / n for n in names if MODEL_STATES.fullmatch(n)]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import io
 import _pickle  # pickle.Unpickler itself (the C one), without pickle.py's own import (~0.7 ms a start)
+import io
 from collections import Counter, OrderedDict
 
 from ..dtypes import STORAGE_CLASS_DTYPE, element_size, torch_dtype_name
 from . import limits
 from .policy import HANDS_BACK, HASHING, TENSOR_REBUILDERS, GlobalRef, Verdict, classify, resolve
+from .walker import HashBuckets
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
@@ -494,8 +495,6 @@ class _HashWork:
         """Count a value a call made whose hash the file chose (a complex): the walk cannot know a call's result,
         and a dict of 40,000 complex keys of one hash took CPython 95 s to build."""
         if self.buckets is None:
-            from .walker import HashBuckets
-
             self.buckets = HashBuckets()
         if self.buckets.add(hash(value), value) is not None:
             raise Refused(f"{what} makes more than {limits.MAX_KEYS_OF_ONE_HASH:,} distinct values of one hash "

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import Rerun, WriteError
+from ..units import human_bytes
 
 
 def check_destination(output: Path, inputs: tuple[Path, ...], force: bool) -> None:
@@ -109,7 +110,6 @@ def _alive(pid: int) -> bool:
 
 def _space_note(folder: Path, needed: int) -> str:
     """` (needs about 12.0 MB, 5.0 MB free in FOLDER)`, or what of it is known."""
-    from ..analyze import human_bytes
 
     parts = [f"needs about {human_bytes(needed)}"] if needed else []
     try:
