@@ -98,11 +98,18 @@ def _write_page(path: str, text: str, inputs: tuple) -> None:
     say(f"wrote {out} ({len(data) / 1024:.0f} KB, self-contained: opens offline)")
 
 
-def _allow(names: tuple[str, ...]) -> None:
-    if names:
-        from .safepickle.policy import allow_globals
+def _under_policy(func: Callable[..., int]) -> Callable[..., int]:
+    """The command run with its allow-list in force: the defaults and its --allow-global names, for this command
+    only (built and checked here, so a refused name is the command's own usage error)."""
 
-        allow_globals(names)
+    def run(**args: Any) -> int:
+        from .safepickle.policy import Policy
+
+        with Policy.allowing(args.get("allow_global", ())).applied():
+            return func(**args)
+
+    run.__name__, run.__doc__ = func.__name__, func.__doc__
+    return run
 
 
 _ARGV: list[str] = []  # the command line being run: an error's way out is this command, changed
@@ -179,7 +186,7 @@ def command(options: Callable[[Any], None], epilog: str) -> Callable:
     """Register a subcommand: `options` adds its arguments to a parser; the function's docstring is its help."""
 
     def register(func: Callable[..., int]) -> Callable[..., None]:
-        wrapped = handle_errors(func)
+        wrapped = handle_errors(_under_policy(func))
         COMMANDS[func.__name__] = (options, epilog, wrapped)
         return wrapped
 
@@ -399,7 +406,6 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
     # A short-lived process building an acyclic tree of ~10 objects per tensor: the cycle collector would walk
     # it over and over (a fifth of the time for 20,000 tensors) and never free anything.
     gc.disable()
-    _allow(allow_global)
     if model_args and not model_spec:
         raise UsageError("--model-arg needs --model")
     args = None
@@ -431,20 +437,19 @@ def inspect(ckpt: str, as_json: bool, stats: bool, filter_: str | None, full: bo
 
         echo(dumps(inspect_json(report)))
     else:
+        from .render.lines import color_of
         from .render.table import inspect_summary, inspect_table
 
-        from .render.table import summary_problems
-
         echo(inspect_table(report, full=full))
-        bad = summary_problems(report)
         for line in inspect_summary(report, full=full):
-            say(line, color="red" if line.split(" ", 1)[0] in bad else None, no_color=no_color)
+            say(line, color=color_of(line), no_color=no_color)
     return report.exit_code
 
 
 def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_load: bool = False) -> int:
     """A folder of many checkpoints: one line per file (read several at once), a total; exit as the worst file."""
     from .listing import list_folder
+    from .render.lines import color_of
     from .render.listing_out import listing_json, listing_summary, listing_table
 
     listing = list_folder(folder, require_default_load)
@@ -455,7 +460,7 @@ def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_
     elif listing.files:
         echo(listing_table(listing))
     for line in listing_summary(listing):
-        say(line, color="red" if line.startswith(("UNSAFE", "Error")) else None, no_color=no_color)
+        say(line, color=color_of(line), no_color=no_color)
     return listing.exit_code if listing.files or listing.problems else 2
 
 
@@ -550,8 +555,7 @@ def fix(ckpt: str, output: str, as_json: bool, allow_global: tuple[str, ...], **
 
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit becomes EFBIG, reported, not a crash
-    _allow(allow_global)
-    options = fix_options(**flags)  # the one place the flags become the library's options
+    options = fix_options(allow_global=allow_global, **flags)  # the one place the flags become the library's options
     plan = prepare_fix(ckpt, output, options)
     if options.dry_run:
         if as_json:
@@ -619,12 +623,12 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, full: bool, ht
     """
     from .diff import diff_checkpoints
     from .render.diff_out import diff_json, diff_summary, diff_table
+    from .render.lines import color_of
 
     gc.disable()
     # One BLAS thread: each dot product is over a 256 KB block, and OpenBLAS splitting it across threads costs more
     # than the product (a 1 GB pair changed throughout: 1.47 s with threads, 1.15 s without). Set before NumPy loads.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    _allow(allow_global)
     from . import transforms as T
 
     steps = [T.strip_prefix(p) for p in strip_prefix] + [T.add_prefix(p) for p in add_prefix]
@@ -641,7 +645,7 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, full: bool, ht
     else:
         echo(diff_table(report, full))
     for line in diff_summary(report):
-        say(line, color="red" if line.startswith(("unsafe", "verdict")) and report.exit_code else None)
+        say(line, color=color_of(line))
     return report.exit_code
 
 
@@ -719,7 +723,6 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
     from .modelspec import parse_model_args
     from .verify import InputSpec, check_torchrun, parse_modes, parse_shape, verify as run_verify
 
-    _allow(allow_global)
     low, _, high = input_range.partition(",")
     try:
         bounds = (int(low), int(high))
@@ -823,7 +826,6 @@ def scan(paths: tuple[str, ...], as_json: bool, show_all: bool, require_default_
     from .render.scan_out import scan_json, scan_summary, scan_table
     from .scan import scan as run_scan
 
-    _allow(allow_global)
     report = run_scan(list(paths), require_default_load=require_default_load)
     if as_json:
         from .render.json_out import dumps

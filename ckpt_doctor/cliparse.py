@@ -7,6 +7,7 @@ import re
 
 from .dtypes import user_dtype_name
 from .errors import UsageError
+from .safepickle.policy import Policy
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -71,7 +72,7 @@ def fix_options(*, strip_module: bool = False, add_module: bool = False, strip_p
                 reorder: bool = False, map_by_order: bool = False, allow_missing: str | None = None,
                 allow_unexpected: str | None = None, ties: tuple[str, ...] = (), format_: str | None = None,
                 max_shard_size: str | None = None, dry_run: bool = False, force: bool = False,
-                no_verify: bool = False, allow_unsafe: bool = False) -> FixOptions:
+                no_verify: bool = False, allow_unsafe: bool = False, allow_global: tuple[str, ...] = ()) -> FixOptions:
     """The flags of `ckpt-doctor fix` (as the parser names them) -> FixOptions. Transforms are listed in the order
     they apply, whatever their order on the command line; the model is built (on meta) here."""
     from . import transforms as T
@@ -103,4 +104,4 @@ def fix_options(*, strip_module: bool = False, add_module: bool = False, strip_p
                       force=force, format=OutputFormat(format_) if format_ else None, allow_missing=allow_missing,
                       allow_unexpected=allow_unexpected, ties=tuple(parse_tie(t) for t in ties), dry_run=dry_run,
                       max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
-                      verify=not no_verify, allow_unsafe=allow_unsafe)
+                      verify=not no_verify, allow_unsafe=allow_unsafe, policy=Policy.allowing(allow_global))

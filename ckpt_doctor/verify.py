@@ -10,12 +10,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ._ddp_worker import RankJob, RankResult, run_rank, user_frame, write_job
-from ._record import replace
+from ._record import asdict, field, record, replace
 from .compare import compare_checkpoint
 from .errors import ModelSpecError, ReadError, UsageError, VerifyError, one_line, percent
 from .loader import load_into
@@ -36,7 +35,7 @@ class Status(str, enum.Enum):
     SKIPPED = "skipped"
 
 
-@dataclass(frozen=True)
+@record
 class RunResult:
     mode: Mode
     world_size: int
@@ -52,7 +51,7 @@ class RunResult:
     ranks: tuple[Any, ...] = ()  # DDP: each rank's RankResult
 
 
-@dataclass(frozen=True)
+@record
 class ModuleRow:
     name: str
     kind: str
@@ -60,7 +59,7 @@ class ModuleRow:
     params: int
 
 
-@dataclass(frozen=True)
+@record
 class VerifyReport:
     """What verify found. `problems` is the one value its words and its exit code come from."""
 
@@ -133,7 +132,7 @@ class VerifyReport:
         return 0 if self.ok else 1
 
 
-@dataclass(frozen=True)
+@record
 class InputSpec:
     shapes: tuple[tuple[int, ...], ...] = ()
     dtype: str = "float32"
@@ -492,7 +491,7 @@ Progress = Callable[[str], None]  # a line for the person at the terminal (the C
 SEED = 0
 
 
-@dataclass(frozen=True)
+@record
 class _Prepared:
     comparison: Any
     model: Any

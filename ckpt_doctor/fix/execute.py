@@ -47,7 +47,7 @@ def execute(plan: FixPlan, progress_callback: Callable[[int, int], None] | None 
                 if plan.format is OutputFormat.TORCH:
                     archive = _source_names(plan)
                     storages, expected = _torch_layout(plan, sources, archive)
-                    pickle_bytes, unknown = dumps(_to_pickle_tree(plan.tree, expected))
+                    pickle_bytes, unknown = dumps(_to_pickle_tree(plan.tree, expected), plan.policy)
                     write_torch_zip(fd, archive or _archive_name(plan.output), pickle_bytes, storages, progress,
                                     written)
                 else:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .._record import record
 from ..errors import UsageError
+from ..safepickle.policy import Policy
 from ..transforms import Transform
 
 TYPE_CHECKING = False
@@ -59,4 +60,5 @@ class FixOptions:
     max_shard_size: int | None = None  # bytes: shards of at most this, and an index naming them
     verify: bool = True  # re-read the output and compare every tensor with its source (the default never skips it)
     allow_unsafe: bool = False  # rewrite a file that names dangerous globals (its tensors and plain data only)
+    policy: Policy | None = None  # what the output may name beyond torch's list (--allow-global); None: in force
 

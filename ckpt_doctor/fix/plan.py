@@ -14,6 +14,7 @@ from ..devices import missing_devices
 from ..dtypes import FLOATING, QUANTIZED
 from ..errors import PlanError, Rerun, UsageError
 from ..records import Checkpoint, Format, OutTensor, TensorRecord, ancestors, relative_to_root
+from ..safepickle.policy import Policy, in_force
 from ..safepickle.unpickler import Opaque, RawTensor
 from ..transforms import Op, Transform, plan_keys
 from ..tree import join
@@ -67,6 +68,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     refuse_unplannable(ckpt, output)
     fmt = output_format(output, opts.format)
     check_option_needs(opts)
+    policy = opts.policy or in_force()
     draft = Draft()
     user_ties = set(opts.ties)  # --tie as given: checked strictly; those --auto infers fit by construction
     auto_select = False
@@ -94,7 +96,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     extra_renamed: dict[str, str] = {}  # state_dict entries that are no tensors, renamed with the tensors
     if scope.flat_output:
         tree, outs, mapping, extra_renamed, written = flat_tree(ckpt, scope, state, mapping, drops, renames,
-                                                                versions, opts.reorder, out_tensor, draft)
+                                                                versions, opts.reorder, out_tensor, policy, draft)
     else:
         if scope.whole_tree:  # every tensor where it was saved: none is taken out as the state_dict
             if renames or opts.model is not None:
@@ -102,7 +104,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
                                 "and --model apply to a model's state_dict: name it with --select PATH")
             state.clear()
             mapping = {}
-        tree, outs, written = nested_tree(ckpt, scope, state, drops, out_tensor, draft)
+        tree, outs, written = nested_tree(ckpt, scope, state, drops, out_tensor, policy, draft)
     refuse_unwritable(draft.problems)
     if scope.flat_output:
         note_odd_keys(ckpt, scope, draft)
@@ -117,7 +119,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     note_devices(fmt, outs, draft)
     return FixPlan(ckpt.path, output, fmt, tuple(draft.applied), {**mapping, **extra_renamed},
                    tuple(draft.dropped), tuple(outs), tree, tuple(draft.notes), tied, metadata,
-                   tuple(draft.ambiguous))
+                   tuple(draft.ambiguous), policy)
 
 
 def refuse_unplannable(ckpt: Checkpoint, output: Path) -> None:
@@ -269,7 +271,7 @@ def key_mapping(kept: list[TensorRecord], renames: list[Transform], opts: FixOpt
 
 def flat_tree(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTensor], mapping: dict[str, str],
               drops: list[Transform], renames: list[Transform], versions: Any, reorder: bool,
-              out_tensor: Callable[[str, TensorRecord], OutTensor],
+              out_tensor: Callable[[str, TensorRecord], OutTensor], policy: Policy,
               draft: Draft) -> tuple[Any, list[OutTensor], dict[str, str], dict[str, str], set[str]]:
     """The output as a state_dict; a flat state_dict at the file's root keeps its few plain entries beside the
     tensors. Returns the tree, its tensors, the mapping, the plain entries renamed, and the source tensors held."""
@@ -286,7 +288,7 @@ def flat_tree(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTensor]
             if isinstance(value, RawTensor):
                 continue
             if isinstance(key, Opaque) or isinstance(key, type) and issubclass(key, Opaque):
-                check_writable(key, path, draft.problems)
+                check_writable(key, path, draft.problems, policy)
             if is_dropped(path, drops):
                 cut.add(path)
                 continue
@@ -300,7 +302,7 @@ def flat_tree(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTensor]
                                     "nothing written")
                 extra_renamed[key] = name
             tree[name] = rebuild(value, path, "\0", state, full_records, drops, extra, out_tensor, cut,
-                                 draft.problems)
+                                 draft.problems, policy)
             nested.update(o.source.key for o in extra)
         draft.dropped += [p for p in cut if not any(k == p or k.startswith(p + ".") for k in draft.dropped)]
         if nested:  # tensors inside such an entry stay there, and are not written a second time as keys
@@ -319,7 +321,7 @@ def flat_tree(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTensor]
 
 
 def nested_tree(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTensor], drops: list[Transform],
-                out_tensor: Callable[[str, TensorRecord], OutTensor],
+                out_tensor: Callable[[str, TensorRecord], OutTensor], policy: Policy,
                 draft: Draft) -> tuple[Any, list[OutTensor], set[str]]:
     """The output as the source's tree (or the selected optimizer's), the state_dict replaced by `state` in its
     place. Returns the tree, its tensors, and the source tensors it holds where they were saved."""
@@ -334,7 +336,7 @@ def nested_tree(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTenso
         return out_tensor(key[cut_prefix:], record)
 
     tree = rebuild(base, base_path, "\0" if scope.whole_tree else scope.root, state, full_records, drops, outs,
-                   maker, cut, draft.problems)
+                   maker, cut, draft.problems, policy)
     written = {o.source.key for o in outs}  # rebuilt where they were saved: full paths
     outs = list(state.values()) + outs
     under = tensors_under(cut - {scope.root}, full_records, scope.prefix)

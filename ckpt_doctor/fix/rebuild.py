@@ -8,7 +8,7 @@ from collections import OrderedDict
 
 from ..errors import PlanError, Rerun
 from ..records import Checkpoint, GlobalRef, OutTensor, TensorRecord, Verdict, ancestors
-from ..safepickle.policy import TORCH_WEIGHTS_ONLY, resolve, user_allowed
+from ..safepickle.policy import Policy, resolve
 from ..safepickle.unpickler import Device, DType, Opaque, RawTensor, SizeValue
 from ..transforms import Transform
 from ..tree import has_tensor, join, run_nested
@@ -105,7 +105,8 @@ def _items(node: Any) -> list[tuple[str, Any]]:
 
 def rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]",
              records: dict[str, TensorRecord], drops: list[Transform], outs: list[OutTensor],
-             out_tensor: Callable[[str, TensorRecord], OutTensor], cut: set[str], problems: list) -> Any:
+             out_tensor: Callable[[str, TensorRecord], OutTensor], cut: set[str], problems: list,
+             policy: Policy) -> Any:
     """The original tree with the state_dict at `root` replaced by `state`; dropped entries left out, and their
     paths added to `cut`; objects that cannot be written added to `problems` as (path, global)."""
 
@@ -128,7 +129,7 @@ def rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]"
             items = [(k, v) for k, v in obj.items() if is_kept(join(path, k), drops, cut)]
             for k, _ in items:
                 if isinstance(k, Opaque) or isinstance(k, type) and issubclass(k, Opaque):
-                    check_writable(k, join(path, k), problems)
+                    check_writable(k, join(path, k), problems, policy)
             pairs = []
             inside.add(id(obj))
             for k, v in items:
@@ -136,7 +137,7 @@ def rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]"
             inside.discard(id(obj))
             return OrderedDict(pairs) if isinstance(obj, OrderedDict) else dict(pairs)
         if isinstance(obj, frozenset):  # written as builtins.frozenset, which torch.load(weights_only=True) refuses
-            if "builtins.frozenset" not in user_allowed():
+            if not policy.writable("builtins.frozenset"):
                 problems.append((path, GlobalRef("builtins", "frozenset", Verdict.SAFE, "a frozenset value")))
             return obj
         if isinstance(obj, (list, tuple)):
@@ -155,9 +156,9 @@ def rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]"
                 raise PlanError(f"{path or 'the file'} is a pickled "
                                 f"{obj.ckd.ref.qualname if obj.ckd.ref else 'object'} holding tensors; write its "
                                 f"weights alone with --select {path or '…'}")
-            check_writable(obj, path, problems)
+            check_writable(obj, path, problems, policy)
         elif isinstance(obj, type) and issubclass(obj, Opaque):
-            check_writable(obj, path, problems)
+            check_writable(obj, path, problems, policy)
         else:
             check_leaf(obj, path, problems)
         return obj
@@ -183,11 +184,10 @@ def check_leaf(obj: Any, path: str, problems: list) -> None:
                          False))
 
 
-def check_writable(obj: Any, path: str, problems: list) -> None:
+def check_writable(obj: Any, path: str, problems: list, policy: Policy) -> None:
     """Note (in `problems`) an object the output would have to name a global for, unless torch.load(weights_only=
     True) accepts that global or the user allowed it: fix never writes what the allow-list does not hold."""
-    allowed = TORCH_WEIGHTS_ONLY | user_allowed()
-    refs = [ref for ref in _refs_in(obj) if ".".join(resolve(ref.module, ref.name)) not in allowed]
+    refs = [ref for ref in _refs_in(obj) if not policy.writable(".".join(resolve(ref.module, ref.name)))]
     if refs and _holds_cycle(obj):  # --allow-global cannot keep it: the writer cannot write a cycle back
         article = "an" if refs[0].qualname[:1].lower() in "aeiou" else "a"
         problems.append((path, refs[0], False, f"{article} {refs[0].qualname} that holds itself (a cycle)"))

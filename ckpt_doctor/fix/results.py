@@ -7,6 +7,7 @@ from pathlib import Path
 from .._record import field, record
 from ..dtypes import element_size
 from ..records import OutTensor
+from ..safepickle.policy import DEFAULT_POLICY, Policy
 from .options import OutputFormat
 
 TYPE_CHECKING = False
@@ -28,6 +29,7 @@ class FixPlan:
     tied: dict[str, str] = field(default_factory=dict)  # safetensors: duplicate key -> key written
     metadata: dict[str, str] = field(default_factory=dict)  # safetensors __metadata__
     ambiguous: tuple[str, ...] = ()  # --map-by-order: the keys whose place another of their shape could take
+    policy: Policy = DEFAULT_POLICY  # what the output may name (planned under it, written under it)
 
     @property
     def nbytes(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .columns import KEYS, simple_table
 
 from ..analyze import Row, collapse, human_bytes
+from .lines import Line, Severity
 from ..report import InspectReport
 
 
@@ -70,7 +71,7 @@ def comparison_table(report: InspectReport) -> str:
 
 
 def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
-    """Lines for stderr, each `label  text`; the CLI colours the UNSAFE ones."""
+    """Lines for stderr, each `label  text`, a PROBLEM where its row says why the exit code is 1."""
     ckpt = report.checkpoint
     lines: list[tuple[str, str]] = []
     kind = "whole-model pickle of " + ckpt.model_class if ckpt.model_class else None
@@ -143,7 +144,9 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
     elif report.value_diffs is not None:
         lines.append(("values", "no common tensors of the same shape to compare"))
     width = max(len(label) for label, _ in lines)
-    return [f"{label:<{width}}  {text}" for label, text in lines]
+    problems = summary_problems(report)
+    return [Line(f"{label:<{width}}  {text}", Severity.PROBLEM if label in problems else Severity.INFO)
+            for label, text in lines]
 
 
 def summary_problems(report: InspectReport) -> set[str]:
