@@ -160,6 +160,65 @@ class SharedGroup:
 
 
 @record
+class DcpFolder:
+    """What a torch.distributed.checkpoint folder is (inspect's `distributed`, its JSON keys in this order)."""
+
+    files: int
+    ranks: int
+    variant: tuple[str, ...]  # how it was written: a .metadata per rank, Lightning's meta.pt, the HF storage writer
+    tensors: int
+    sharded_tensors: int
+    values: int
+    version: Any = None  # the .metadata's version (the HF storage writer writes none)
+    hf_writer: bool = False  # safetensors shards of torch's Hugging Face storage writer, no .metadata
+    rank_differences: tuple[dict, ...] = ()  # items the ranks saved with different bytes (JSON records)
+    contents: tuple[str, ...] = ()  # the entries of a nested tree, for the summary's `contents` line
+    fix_notes: tuple[str, ...] = ()  # what `fix` says about writing it
+
+    def json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": "torch.distributed.checkpoint"}
+        if not self.hf_writer:
+            out["version"] = self.version
+        out.update(files=self.files, ranks=self.ranks, variant=list(self.variant), tensors=self.tensors,
+                   sharded_tensors=self.sharded_tensors, values=self.values)
+        if self.rank_differences:
+            out["rank_differences"] = list(self.rank_differences)
+        if self.contents:
+            out["contents"] = list(self.contents)
+        if not self.hf_writer:
+            out["fix_notes"] = list(self.fix_notes)
+        return out
+
+
+@record
+class DeepSpeedFolder:
+    """What a DeepSpeed save folder is (inspect's `distributed`)."""
+
+    zero_stage: int | None
+    ranks: int
+    tag: str
+    files: int
+    offered: tuple[str, ...]  # the state_dicts `--select` can pick
+    fix_notes: tuple[str, ...] = ()
+
+    def json(self) -> dict[str, Any]:
+        return {"format": "deepspeed", "zero_stage": self.zero_stage, "ranks": self.ranks, "tag": self.tag,
+                "files": self.files, "offered": list(self.offered), "fix_notes": list(self.fix_notes)}
+
+
+@record
+class DistributedShard:
+    """One rank's file of a distributed checkpoint opened alone: parts of tensors, whole only in `shard_of`."""
+
+    family: str  # "torch.distributed.checkpoint" or "deepspeed"
+    shard_of: str  # the folder that holds whole tensors
+    fix_notes: tuple[str, ...] = ()
+
+    def json(self) -> dict[str, Any]:
+        return {"format": self.family, "shard_of": self.shard_of}
+
+
+@record
 class Checkpoint:
     path: Path
     format: Format
@@ -175,7 +234,7 @@ class Checkpoint:
     non_persistent: tuple[str, ...] = field(default=())  # buffers a whole-model pickle marks non-persistent
     hazards: tuple[Hazard, ...] = ()
     layouts: dict[str, str] = field(default_factory=dict)  # key -> how a distributed checkpoint holds it
-    distributed: dict[str, Any] = field(default_factory=dict)  # what a DCP / ZeRO folder is: variant, ranks, files
+    distributed: DcpFolder | DeepSpeedFolder | DistributedShard | None = None  # what a distributed checkpoint is
 
     @property
     def unsafe_globals(self) -> tuple[GlobalRef, ...]:

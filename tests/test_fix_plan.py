@@ -156,3 +156,25 @@ def test_select_everything_in_torch_keeps_the_training_checkpoint_nested():
     assert list(plan.tree) == ["model", "optimizer", "step"]
     assert [t.key for t in plan.tensors] == ["model.fc.weight"]
     assert plan.dropped == ()
+
+
+def test_one_ranks_shard_is_refused_with_its_folder():
+    from ckpt_doctor._record import replace
+    from ckpt_doctor.records import DistributedShard
+
+    shard = replace(checkpoint(NET, ""), distributed=DistributedShard("torch.distributed.checkpoint", "/runs/step_9"))
+    with pytest.raises(PlanError, match="ckpt-doctor fix /runs/step_9 -o o.pt"):
+        plan_fix(shard, Path("o.pt"), FixOptions())
+
+
+def test_a_distributed_checkpoint_gives_its_model_weights_and_its_own_notes():
+    from ckpt_doctor._record import replace
+    from ckpt_doctor.records import DeepSpeedFolder
+
+    tree = {"module": {"fc.weight": (0,)}, "fp32_weights": {"fc.weight": (2, 3)}}
+    folder = replace(checkpoint(tree, "fp32_weights"),
+                     distributed=DeepSpeedFolder(3, 2, "global_step9", 4, ("fp32_weights", "module"), ("ZeRO-3 note",)))
+    plan = plan_fix(folder, Path("o.safetensors"), FixOptions())
+    assert [t.key for t in plan.tensors] == ["fc.weight"]
+    assert plan.notes[0] == "ZeRO-3 note" and "a distributed checkpoint" in plan.notes[1]
+    assert folder.distributed.json()["zero_stage"] == 3

@@ -10,8 +10,8 @@ from ckpt_doctor.render.lines import Severity, color_of
 
 
 def test_inspect_marks_the_lines_that_make_the_exit_code(tmp_path):
-    from ckpt_doctor.report import inspect_checkpoint
     from ckpt_doctor.render.table import inspect_summary
+    from ckpt_doctor.report import inspect_checkpoint
 
     clean = tmp_path / "clean.pt"
     torch.save({"w": torch.ones(2)}, clean)

@@ -13,15 +13,37 @@ from .._record import field, record, replace
 from ..devices import missing_devices
 from ..dtypes import FLOATING, QUANTIZED
 from ..errors import PlanError, Rerun, UsageError
-from ..records import Checkpoint, Format, OutTensor, TensorRecord, ancestors, relative_to_root
+from ..records import (
+    Checkpoint,
+    DeepSpeedFolder,
+    DistributedShard,
+    Format,
+    OutTensor,
+    TensorRecord,
+    ancestors,
+    relative_to_root,
+)
 from ..safepickle.policy import Policy, in_force
 from ..safepickle.unpickler import Opaque, RawTensor
 from ..transforms import Op, Transform, plan_keys
 from ..tree import join
 from .keys import device_for, map_by_order, module_versions, tie
 from .options import FixOptions, OutputFormat, output_format
-from .rebuild import (MISSING, check_writable, in_source_order, is_dropped, is_module_root, left_out, out_tensors,
-                      rebuild, refuse_unwritable, subtree, tensors_under, tied_duplicates, unlisted_tensors)
+from .rebuild import (
+    MISSING,
+    check_writable,
+    in_source_order,
+    is_dropped,
+    is_module_root,
+    left_out,
+    out_tensors,
+    rebuild,
+    refuse_unwritable,
+    subtree,
+    tensors_under,
+    tied_duplicates,
+    unlisted_tensors,
+)
 from .results import FixPlan
 
 TYPE_CHECKING = False
@@ -125,10 +147,9 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
 def refuse_unplannable(ckpt: Checkpoint, output: Path) -> None:
     """Files no output can be planned from: plain values only, or one rank's part of a distributed checkpoint."""
     ckpt.refuse_values("rewrite it")
-    shard_of = ckpt.distributed.get("shard_of")
-    if shard_of:
+    if isinstance(ckpt.distributed, DistributedShard):
         raise PlanError(f"{ckpt.path}: one rank's shard of a distributed checkpoint holds only parts of its tensors; "
-                        f"consolidate the folder: ckpt-doctor fix {shard_of} -o {output}")
+                        f"consolidate the folder: ckpt-doctor fix {ckpt.distributed.shard_of} -o {output}")
 
 
 def check_option_needs(opts: FixOptions) -> None:
@@ -181,7 +202,7 @@ def choose_scope(ckpt: Checkpoint, fmt: OutputFormat, opts: FixOptions, auto_sel
     # exactly as without --select (its state_dict renamed in place); a distributed one, or a file without a
     # state_dict, whole as saved (what dcp_to_torch_save writes). A tensors-only format gets every tensor.
     everything = select == "" and nested_format
-    if everything and not ckpt.distributed and ckpt.state_dict_root is not None and isinstance(ckpt.root, dict):
+    if everything and ckpt.distributed is None and ckpt.state_dict_root is not None and isinstance(ckpt.root, dict):
         select = None
     root = select if select is not None else ckpt.state_dict_root
     if root is None:
@@ -199,9 +220,10 @@ def choose_scope(ckpt: Checkpoint, fmt: OutputFormat, opts: FixOptions, auto_sel
         optimizer_select = False
     whole_tree = whole_tree or optimizer_select
     flat_output = not whole_tree and (select is not None or fmt is OutputFormat.SAFETENSORS or root == ""
-                                      or is_module_root(ckpt, root) or bool(ckpt.distributed))
-    draft.notes += ckpt.distributed.get("fix_notes", [])
-    if ckpt.distributed and select is None and root:
+                                      or is_module_root(ckpt, root) or ckpt.distributed is not None)
+    if ckpt.distributed is not None:
+        draft.notes += ckpt.distributed.fix_notes
+    if ckpt.distributed is not None and select is None and root:
         draft.notes.append(f"a distributed checkpoint: wrote the model's state_dict at {root!r}, as load_state_dict "
                            "takes it; the rest (optimizer state, other values) with --select PATH, all of it with "
                            "--select ''")
@@ -216,7 +238,7 @@ def check_select(ckpt: Checkpoint, select: str) -> None:
     if select == "" and ckpt.tensors:
         return  # the whole checkpoint
     if not any(t.key.startswith(select + ".") for t in ckpt.tensors):
-        if ckpt.distributed.get("format") == "deepspeed" and select == "module":
+        if isinstance(ckpt.distributed, DeepSpeedFolder) and select == "module":
             raise PlanError(f"{ckpt.path}: ZeRO-3 saves only 0-element placeholders in module; the weights are "
                             "fp32_weights (the default)")
         tops = sorted({t.key.split(".", 1)[0] for t in ckpt.tensors})[:8]
@@ -418,9 +440,9 @@ def refuse_unwritable_tensors(outs: list[OutTensor]) -> None:
     if quantized:
         pattern = "^(" + "|".join(re.escape(k) for k in quantized[:50]) + ")$" if len(quantized) <= 50 else None
         raise PlanError(f"{len(quantized)} quantized tensors ({', '.join(quantized[:3])}"
-                        f"{', …' if len(quantized) > 3 else ''}): ckpt-doctor does not read their scale and zero point, "
-                        "so it would write them without; nothing written" + ("; leave them out with {0}" if pattern
-                                                                             else ""),
+                        f"{', …' if len(quantized) > 3 else ''}): ckpt-doctor does not read their scale and zero "
+                        "point, so it would write them without; nothing written"
+                        + ("; leave them out with {0}" if pattern else ""),
                         reruns=(Rerun(add=("--drop", pattern)),) if pattern else ())
 
 

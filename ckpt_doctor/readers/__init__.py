@@ -11,7 +11,7 @@ from pathlib import Path
 from .._record import replace
 from ..advice import consolidate
 from ..errors import ReadError, SeveralCheckpoints
-from ..records import Checkpoint, Format
+from ..records import Checkpoint, DistributedShard, Format
 from ..safepickle import limits
 from ..sniff import Container, dangling, deep, kernel_filesystem, sniff, walk_folder
 from .files import read_container, read_surveyed
@@ -74,7 +74,7 @@ def read_file(path: Path, survey: Survey | None = None) -> Checkpoint:
         note = (f"one rank's shard written by torch.distributed.checkpoint's Hugging Face storage writer: shapes are "
                 f"its chunks'; inspect or fix the folder for whole tensors: `{consolidate(path.parent)}`")
         ckpt = replace(ckpt, notes=(*ckpt.notes, note),
-                       distributed={"format": "torch.distributed.checkpoint", "shard_of": str(path.parent)})
+                       distributed=DistributedShard("torch.distributed.checkpoint", str(path.parent)))
     return ckpt
 
 

@@ -6,6 +6,7 @@ from .columns import KEYS, simple_table
 
 from ..analyze import Row, collapse, human_bytes
 from .lines import Line, Severity
+from ..records import DcpFolder
 from ..report import InspectReport
 
 
@@ -91,8 +92,8 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         lines.append(("state_dict", root + (f" (other state_dicts: {', '.join(shown)})" if others else "")))
     elif ckpt.tensors:
         lines.append(("state_dict", "not found (no container holds mostly tensors)"))
-    if ckpt.distributed.get("contents"):
-        lines.append(("contents", " · ".join(ckpt.distributed["contents"])))
+    if isinstance(ckpt.distributed, DcpFolder) and ckpt.distributed.contents:
+        lines.append(("contents", " · ".join(ckpt.distributed.contents)))
     for p in report.prefixes:
         where = ("leading" if not p.where else f"leading, after {p.where}") if p.leading else f"after {p.where!r}"
         lines.append(("prefix", f"{p.prefix} ({where}) on {p.count:,} of {p.total:,} keys" if p.certain else
