@@ -21,6 +21,8 @@ _EXPORTS = {
     "Checkpoint": "records", "Format": "records", "GlobalRef": "records", "StorageRecord": "records",
     "TensorRecord": "records", "Verdict": "records",
     "CkptDoctorError": "errors", "ReadError": "errors", "UsageError": "errors", "ModelSpecError": "errors",
+    "FixOptions": "fix", "FixPlan": "fix", "FixResult": "fix", "plan_fix": "fix", "prepare_fix": "fix",
+    "fix_checkpoint": "fix", "Policy": "safepickle.policy", "allowed_globals": "safepickle.policy",
     "PlanError": "errors", "WriteError": "errors", "VerifyError": "errors",
 }
 

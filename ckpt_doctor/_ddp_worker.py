@@ -1,7 +1,7 @@
 """One DDP rank of `ckpt-doctor verify`: load, forward on its shard, one training step, compare with the others.
 
 The parent (or torchrun) describes the run in a RankJob; the rank answers with a RankResult. Both are plain
-dataclasses written as JSON, so the parent reads exactly the record the rank wrote. This module imports nothing of
+records written as JSON, so the parent reads exactly the record the rank wrote. This module imports nothing of
 verify.py: the outputs are compared by outputs.py, which the parent uses too.
 """
 
@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import traceback
-from dataclasses import asdict, dataclass, field, fields
+from ._record import asdict, field, field_names, record
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from typing import Any
 from .errors import one_line
 
 
-@dataclass(frozen=True)
+@record
 class RankJob:
     checkpoint: str
     model: str
@@ -35,7 +35,7 @@ class RankJob:
     seed: int = 0  # every process builds the model after the same seed: keys a file lacks start equal
 
 
-@dataclass
+@record(frozen=False)
 class RankResult:
     rank: int
     device: str = "?"
@@ -52,7 +52,7 @@ class RankResult:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "RankResult":
-        known = {f.name for f in fields(cls)}
+        known = set(field_names(cls))
         return cls(**{k: v for k, v in data.items() if k in known})
 
 

@@ -10,9 +10,12 @@ same behaviour for what ckpt-doctor uses, with methods shared by every class ins
 - repr, and equality of two instances of the same class field by field;
 - frozen (the default): assignment raises FrozenInstanceError and instances hash by their fields;
   `record(frozen=False)`: mutable, unhashable, as a dataclass with eq;
-- `replace(obj, **changes)`, for these and for real dataclasses alike.
+- `replace(obj, **changes)`, for these and for real dataclasses alike;
+- `asdict(obj)` and `field_names(cls)`, as dataclasses' asdict and fields give them (verify's per-rank results
+  travel as JSON).
 
-Classes that need dataclasses' introspection (asdict, fields: verify's per-rank results) stay dataclasses.
+Every result type is a record. The unpickler's stand-ins (RawTensor, StorageRef, Opaque) are no results: they are
+slotted classes made once per pickle opcode, where even a record's __init__ would be felt.
 """
 
 from __future__ import annotations
@@ -154,3 +157,21 @@ def replace(obj: Any, /, **changes: Any) -> Any:
         if name not in fields:
             raise TypeError(f"{type(obj).__name__}() got an unexpected keyword argument {name!r}")
     return fast_new(type(obj), **{**obj.__dict__, **changes})
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    """The names of a record class's fields, in order (dataclasses.fields' names)."""
+    return tuple(cls.__record_fields__)
+
+
+def asdict(obj: Any) -> Any:
+    """A record as a dict of its fields, records inside it (in lists, tuples and dicts too) made dicts in turn, as
+    dataclasses.asdict does."""
+    fields = getattr(type(obj), "__record_fields__", None)
+    if fields is not None:
+        return {name: asdict(obj.__dict__[name]) for name in fields}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(asdict(v) for v in obj) if type(obj) in (list, tuple) else obj
+    if isinstance(obj, dict):
+        return type(obj)((asdict(k), asdict(v)) for k, v in obj.items())
+    return obj

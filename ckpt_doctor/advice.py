@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import os
 
-from ._record import record
+from ._record import record, replace
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
@@ -134,46 +134,10 @@ def fix_line(path: str, flags: Sequence[str], promise: Promise, why: str = "", t
     return Suggestion(("fix", shell_path(path), "-o", output_beside(path, tag), *flags), promise, why, tuple(model))
 
 
-def rescue(ckpt: object, extra: Sequence[str] = (), taken: set[str] | None = None,
-           source: str | None = None) -> Suggestion | None:
-    """The `fix` command that writes a file's tensors and plain data as a file torch.load(weights_only=True) loads
-    (a whole pickled model as its state_dict; what only code can rebuild left out with --drop), checked by planning
-    it — nothing is written — so the command printed is one that runs. None when no plain command does."""
-    from pathlib import Path
-
-    from .errors import CkptDoctorError
-    from .fix import FixOptions, plan_fix
-
-    path = source or str(ckpt.path)  # type: ignore[attr-defined]  # as the user named it (a model's folder)
-    out = output_beside(path, taken=taken)
-    flags: list[str] = ["--allow-unsafe"] if ckpt.dangerous_globals else []  # type: ignore[attr-defined]
-    flags += extra
-    for _ in range(2):
-        try:
-            plan_fix(ckpt, Path(out), FixOptions(transforms=tuple(_drops(flags))))  # type: ignore[arg-type]
-        except CkptDoctorError as exc:
-            pattern = getattr(exc, "drop", None)
-            if not pattern or "--drop" in flags:
-                return None
-            flags += ["--drop", pattern]
-            continue
-        return Suggestion(("fix", shell_path(path), "-o", out, *flags), Promise.WRITES,
-                          "writes its tensors and plain data as a file torch.load loads with its defaults; nothing "
-                          "it names is run or written")
-    return None
-
-
-def _drops(flags: Sequence[str]) -> list:
-    from .transforms import drop
-
-    return [drop(flags[i + 1]) for i, f in enumerate(flags) if f == "--drop"]
-
-
 def fix_suggestions(path: str, comparison: object, dangerous: bool = False) -> list[tuple[str, Suggestion]]:
     """The fix line of a comparison — its inferred flags, the model (so that `fix` checks its output against it
     before writing), --map-location cpu where the file holds devices this machine lacks — and, for a mapping by
     order with ambiguous positions, its dry run first (the fix line then needs --force, which it holds)."""
-    from ._record import replace
 
     c = comparison
     kind = c.fix_kind  # type: ignore[attr-defined]

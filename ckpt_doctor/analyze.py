@@ -7,6 +7,7 @@ from collections import Counter, OrderedDict, defaultdict
 from ._record import record
 
 from .records import SharedGroup, TensorRecord
+from .units import human_bytes  # noqa: F401  (re-exported for the renderers)
 
 # Components that wrappers insert into keys: DataParallel/DDP, torch.compile, Lightning, FSDP, EMA helpers.
 WRAPPER_TOKENS = ("module", "_orig_mod", "model", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
@@ -188,11 +189,3 @@ def _index_range(indices: list[int]) -> str:
     if len(indices) <= 6:
         return ",".join(map(str, indices))
     return f"{indices[0]},{indices[1]},{indices[2]},…,{indices[-1]}"
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from math import prod
 
-from .dtypes import element_size
+from .dtypes import element_size, tensor_bytes
 from .errors import ReadError
 from .records import Assembly, Piece
 
@@ -113,8 +113,6 @@ def whole_piece_runs(assembly: Assembly, what: str) -> list[Run] | None:
 def read_piece(piece: Piece, dtype: str, fd: int) -> bytes:
     """A piece's elements in row-major order, honouring the stride it was saved with."""
     import torch
-
-    from .tensordata import tensor_bytes
 
     elsize = element_size(dtype)
     span = sum((s - 1) * st for s, st in zip(piece.sizes, piece.stride)) + 1 if prod(piece.sizes) else 0

@@ -86,11 +86,18 @@ def _write_page(path: str, text: str, inputs: tuple) -> None:
     say(f"wrote {out} ({len(data) / 1024:.0f} KB, self-contained: opens offline)")
 
 
-def _allow(names: tuple[str, ...]) -> None:
-    if names:
-        from .safepickle.policy import allow_globals
+def _under_policy(func: Callable[..., int]) -> Callable[..., int]:
+    """The command run with its allow-list in force: the defaults and its --allow-global names, for this command
+    only (built and checked here, so a refused name is the command's own usage error)."""
 
-        allow_globals(names)
+    def run(**args: Any) -> int:
+        from .safepickle.policy import Policy
+
+        with Policy.allowing(args.get("allow_global", ())).applied():
+            return func(**args)
+
+    run.__name__, run.__doc__ = func.__name__, func.__doc__
+    return run
 
 
 _ARGV: list[str] = []  # the command line being run: an error's way out is this command, changed
@@ -393,6 +400,7 @@ def main() -> None:
 @_allow_global_option
 @_no_color_option
 @handle_errors
+@_under_policy
 def inspect(ckpt: str, as_json: bool, format_: str, stats: bool, filter_: str | None, full: bool, model_spec: str | None,
             model_args: tuple[str, ...], allow_missing: str | None, allow_unexpected: str | None,
             min_loaded: float | None, select: str | None, values: bool, html_out: str | None,
@@ -435,7 +443,6 @@ def inspect(ckpt: str, as_json: bool, format_: str, stats: bool, filter_: str | 
     # it over and over (a fifth of the time for 20,000 tensors) and never free anything.
     gc.disable()
     as_json, tablefmt = _table_format(as_json, format_)
-    _allow(allow_global)
     if model_args and not model_spec:
         raise UsageError("--model-arg needs --model")
     args = None
@@ -467,14 +474,12 @@ def inspect(ckpt: str, as_json: bool, format_: str, stats: bool, filter_: str | 
 
         echo(dumps(inspect_json(report)))
     else:
+        from .render.lines import color_of
         from .render.table import inspect_summary, inspect_table
 
-        from .render.table import summary_problems
-
         echo(inspect_table(report, full=full, tablefmt=tablefmt))
-        bad = summary_problems(report)
         for line in inspect_summary(report, full=full):
-            say(line, color="red" if line.split(" ", 1)[0] in bad else None, no_color=no_color)
+            say(line, color=color_of(line), no_color=no_color)
     return report.exit_code
 
 
@@ -482,6 +487,7 @@ def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_
                     tablefmt: str = "simple") -> int:
     """A folder of many checkpoints: one line per file (read several at once), a total; exit as the worst file."""
     from .listing import list_folder
+    from .render.lines import color_of
     from .render.listing_out import listing_json, listing_summary, listing_table
 
     listing = list_folder(folder, require_default_load)
@@ -492,7 +498,7 @@ def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_
     elif listing.files:
         echo(listing_table(listing, tablefmt))
     for line in listing_summary(listing):
-        say(line, color="red" if line.startswith(("UNSAFE", "Error")) else None, no_color=no_color)
+        say(line, color=color_of(line), no_color=no_color)
     return listing.exit_code if listing.files or listing.problems else 2
 
 
@@ -554,13 +560,8 @@ def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_
 @_allow_global_option
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @handle_errors
-def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_prefix: tuple[str, ...],
-        add_prefix: tuple[str, ...], rename: tuple[str, ...], drop: tuple[str, ...], select: str | None,
-        map_location: tuple[str, ...], dtype: str | None, model_spec: str | None, model_args: tuple[str, ...],
-        auto: bool, reorder: bool, map_by_order: bool, allow_missing: str | None, allow_unexpected: str | None,
-        ties: tuple[str, ...], format_: str | None, max_shard_size: str | None,
-        dry_run: bool, force: bool, no_verify: bool, allow_unsafe: bool, allow_global: tuple[str, ...],
-        as_json: bool) -> int:
+@_under_policy
+def fix(ckpt: str, output: str, as_json: bool, allow_global: tuple[str, ...], **flags: Any) -> int:
     """Repair a checkpoint into a file that loads: rename keys, pick the state_dict, drop, re-tag, convert.
 
     The input is never modified. The output is written to a temporary file beside it, fsynced, re-read
@@ -585,63 +586,15 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
     import signal
 
     gc.disable()  # as in inspect: one pass over an acyclic tree of records, nothing for the collector to free
-    from . import transforms as T
-    from .fix import (FixOptions, OutputFormat, execute, execute_sharded, output_format, parse_dtype,
-                      parse_map_location, parse_size, plan_fix)
-    from .readers import read_checkpoint
+    from .cliparse import fix_options
+    from .fix.run import prepare_fix, write_fix
     from .render.fix_out import dry_run_table, fix_json, fix_summary
-    from .writers.atomic import check_destination
 
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit becomes EFBIG, reported, not a crash
-    _allow(allow_global)
-    steps: list[T.Transform] = []
-    if strip_module:
-        steps.append(T.strip_prefix("module."))
-    steps += [T.strip_prefix(p) for p in strip_prefix]
-    if add_module:
-        steps.append(T.add_prefix("module."))
-    steps += [T.add_prefix(p) for p in add_prefix]
-    steps += [T.rename(r) for r in rename]
-    steps += [T.drop(d) for d in drop]
-    if model_args and not model_spec:
-        raise UsageError("--model-arg needs --model")
-    if (auto or reorder or map_by_order) and not model_spec:
-        raise UsageError("--auto, --reorder and --map-by-order need --model SPEC")
-    from pathlib import Path
-
-    out_path = Path(output)
-    fmt = output_format(out_path, OutputFormat(format_) if format_ else None)
-    checkpoint = read_checkpoint(ckpt)
-    if not allow_unsafe and checkpoint.dangerous_globals:
-        # A whole pickled model (code: its classes) is what fix rescues; what is known to be dangerous needs consent.
-        from .advice import rescue
-        from .errors import Rerun
-
-        found = rescue(checkpoint)
-        extra = tuple(found.argv[4:]) if found is not None else ("--allow-unsafe",)
-        checkpoint.refuse_if_unsafe("rewrite it", "To keep only its tensors and plain data (nothing it names is ever "
-                                    "run or written): {0}", code_too=False, reruns=(Rerun(add=extra),))
-    shard_bytes = parse_size(max_shard_size) if max_shard_size else None
-    if not dry_run and shard_bytes is None and fmt is not OutputFormat.DCP:  # a DCP folder: checked as it is written
-        check_destination(out_path, checkpoint.files, force)
-    model = None
-    if model_spec:
-        from .modelspec import keys_from_spec, parse_model_args
-
-        model = keys_from_spec(model_spec, parse_model_args(model_args), checkpoint=ckpt)
-    from .transforms import compile_regex
-
-    for flag, pattern in (("--allow-missing", allow_missing), ("--allow-unexpected", allow_unexpected)):
-        if pattern:
-            compile_regex(pattern, flag)
-    options = FixOptions(transforms=tuple(steps), select=select, map_location=parse_map_location(map_location),
-                         dtype=parse_dtype(dtype), model=model, reorder=reorder, auto=auto,
-                         map_by_order=map_by_order, force=force, format=fmt, allow_missing=allow_missing,
-                         allow_unexpected=allow_unexpected, ties=tuple(_parse_tie(t) for t in ties),
-                         dry_run=dry_run)
-    plan = plan_fix(checkpoint, out_path, options)
-    if dry_run:
+    options = fix_options(allow_global=allow_global, checkpoint=ckpt, **flags)  # the one place the flags become the library's options
+    plan = prepare_fix(ckpt, output, options)
+    if options.dry_run:
         if as_json:
             from .render.json_out import dumps
 
@@ -651,10 +604,7 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
         for line in fix_summary(plan, None):
             say(line)
         return 0
-    if shard_bytes is not None:
-        result = execute_sharded(plan, shard_bytes, progress_bar(), not no_verify, force)
-    else:
-        result = execute(plan, progress_callback=progress_bar(), verify=not no_verify, force=force)
+    result = write_fix(plan, options, progress_bar())
     if as_json:
         from .render.json_out import dumps
 
@@ -686,6 +636,7 @@ def fix(ckpt: str, output: str, strip_module: bool, add_module: bool, strip_pref
 @click.option("--rename", multiple=True, metavar="REGEX=REPL", help="re.sub on A's keys.")
 @_allow_global_option
 @handle_errors
+@_under_policy
 def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, format_: str, full: bool, html_out: str | None,
          strip_prefix: tuple[str, ...], add_prefix: tuple[str, ...], rename: tuple[str, ...],
          allow_global: tuple[str, ...]) -> int:
@@ -708,13 +659,13 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, format_: str, 
     """
     from .diff import diff_checkpoints
     from .render.diff_out import diff_json, diff_summary, diff_table
+    from .render.lines import color_of
 
     gc.disable()
     # One BLAS thread: each dot product is over a 256 KB block, and OpenBLAS splitting it across threads costs more
     # than the product (a 1 GB pair changed throughout: 1.47 s with threads, 1.15 s without). Set before NumPy loads.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     as_json, tablefmt = _table_format(as_json, format_)
-    _allow(allow_global)
     from . import transforms as T
 
     steps = [T.strip_prefix(p) for p in strip_prefix] + [T.add_prefix(p) for p in add_prefix]
@@ -731,7 +682,7 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, format_: str, 
     else:
         echo(diff_table(report, full, tablefmt=tablefmt))
     for line in diff_summary(report):
-        say(line, color="red" if line.startswith(("unsafe", "verdict")) and report.exit_code else None)
+        say(line, color=color_of(line))
     return report.exit_code
 
 
@@ -784,6 +735,7 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, format_: str, 
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @_format_option("the table of runs")
 @handle_errors
+@_under_policy
 def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes: tuple[str, ...], input_dtype: str,
            input_range: str, input_fn: str | None, gpus: int, modes: str, timeout: float, allow_skip: bool,
            summary: bool, compare_to: str | None, compare_model: str | None, compare_model_args: tuple[str, ...],
@@ -811,7 +763,6 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
     from .verify import InputSpec, check_torchrun, parse_modes, parse_shape, verify as run_verify
 
     as_json, tablefmt = _table_format(as_json, format_)
-    _allow(allow_global)
     low, _, high = input_range.partition(",")
     try:
         bounds = (int(low), int(high))
@@ -885,6 +836,7 @@ def _report_verify(report, as_json: bool, tablefmt: str = "simple") -> int:
 @_allow_global_option
 @_no_color_option
 @handle_errors
+@_under_policy
 def scan(paths: tuple[str, ...], as_json: bool, format_: str, show_all: bool, require_default_load: bool,
          allow_global: tuple[str, ...], no_color: bool) -> int:
     """Would torch.load(weights_only=False) run code from these files? Every global every pickle names, judged.
@@ -917,7 +869,6 @@ def scan(paths: tuple[str, ...], as_json: bool, format_: str, show_all: bool, re
     from .scan import scan as run_scan
 
     as_json, tablefmt = _table_format(as_json, format_)
-    _allow(allow_global)
     report = run_scan(list(paths), require_default_load=require_default_load)
     if as_json:
         from .render.json_out import dumps
@@ -952,12 +903,6 @@ def scan(paths: tuple[str, ...], as_json: bool, format_: str, show_all: bool, re
                                    "exit 1"), color="red" if report.require_default_load else None, no_color=no_color)
     return report.exit_code
 
-
-def _parse_tie(spec: str) -> tuple[str, str]:
-    alias, sep, key = spec.partition("=")
-    if not sep or not alias or not key:
-        raise UsageError(f"--tie {spec!r}: expected ALIAS=KEY, e.g. --tie lm_head.weight=transformer.wte.weight")
-    return alias, key
 
 
 def progress_bar():

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from ._record import field, record
 from typing import Any
 
+from ._record import field, record, replace
 from .analyze import find_prefixes
+from .devices import missing_devices
+from .dtypes import FLOATING
 from .errors import PlanError, percent
-from .modelspec import ModelKeys
-from .records import Checkpoint, TensorRecord
+from .modelspec import ModelKeys, tied_names  # noqa: F401  (tied_names: re-exported)
+from .records import Checkpoint, TensorRecord, relative_to_root
 from .safepickle.unpickler import RawTensor
 from .transforms import Op, Transform, add_prefix, flags_for, plan_keys, rename, strip_prefix
+from .tree import node_at, state_dict_metadata
 
 BN_STATS = ("running_mean", "running_var")  # without them a BatchNorm normalizes with its initial statistics
 
@@ -277,19 +280,6 @@ def _dims(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
-def tied_names(model: Any) -> dict[str, list[str]]:
-    """Every state_dict name of a Parameter or buffer reachable under more than one name, with its other names."""
-    by_object: dict[int, list[str]] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        by_object.setdefault(id(tensor), []).append(name)
-    out: dict[str, list[str]] = {}
-    for names in by_object.values():
-        if len(names) > 1:
-            for name in names:
-                out[name] = [n for n in names if n != name]
-    return out
-
-
 def _tied(model: Any, missing: list[str], provided: dict, bad: set[str]) -> tuple[list[str], list[tuple[str, str]]]:
     aliases = tied_names(model)
     still, tied = [], []
@@ -309,11 +299,10 @@ def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, *, select: str | None
                        min_loaded: float | None = None) -> Comparison:
     """The verdict for the checkpoint's state_dict (or the part at `select`) and the fix, as `inspect --model`
     prints them."""
-    from .devices import missing_devices
 
     root = select if select is not None else ckpt.state_dict_root
     tensors = _under(ckpt, root)
-    metadata = _metadata_of(ckpt, root)
+    metadata = state_dict_metadata(ckpt.root, root)
     comparison = compare_tensors(tensors, model, root=root, metadata=metadata, allow_missing=allow_missing,
                                  allow_unexpected=allow_unexpected, min_loaded=min_loaded, ckpt=ckpt,
                                  selected=select is not None, extras=_extra_states(ckpt, root))
@@ -327,27 +316,23 @@ def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, *, select: str | None
 
 
 def _replace(c: Comparison, **changes: Any) -> Comparison:
-    from ._record import replace
-
     return replace(c, **changes)
 
 
 def _under(ckpt: Checkpoint, root: str | None) -> list[TensorRecord]:
-    from .records import relative_to_root
-
     return list(relative_to_root(ckpt.tensors, root)) if root is not None else []
 
 
 def _extra_states(ckpt: Checkpoint, root: str | None) -> tuple[str, ...]:
     """The state_dict's entries that are no tensors but a module's `get_extra_state()` (any object), by key."""
-    node = _node_at(ckpt.root, root) if root is not None else None
+    node = node_at(ckpt.root, root) if root is not None else None
     if not isinstance(node, dict):
         return ()
     return tuple(k for k, v in node.items() if isinstance(k, str) and k.rsplit(".", 1)[-1] == "_extra_state"
                  and not isinstance(v, RawTensor))
 
 
-def _with_extras(check: LoadCheck, extras: "set[str] | tuple[str, ...]") -> LoadCheck:
+def with_extras(check: LoadCheck, extras: "set[str] | tuple[str, ...]") -> LoadCheck:
     """A load's verdict with the file's extra states counted: the meta load is given tensors only, so an
     `_extra_state` key the file holds (as an object) is not missing."""
     if not extras or not any(k in extras for k in check.missing):
@@ -356,16 +341,7 @@ def _with_extras(check: LoadCheck, extras: "set[str] | tuple[str, ...]") -> Load
 
 
 def _replace_check(check: LoadCheck, **changes: Any) -> LoadCheck:
-    from ._record import replace
-
     return replace(check, **changes)
-
-
-def _metadata_of(ckpt: Checkpoint, root: str | None) -> Any:
-    """The `_metadata` torch.save stored on the state_dict at `root` (module versions), or None."""
-    node = _node_at(ckpt.root, root) if root is not None else None
-    metadata = getattr(node, "_metadata", None) if isinstance(node, dict) else None
-    return metadata if isinstance(metadata, dict) else None
 
 
 def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str | None = "", metadata: Any = None,
@@ -373,7 +349,7 @@ def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str 
                     min_loaded: float | None = None, ckpt: Checkpoint | None = None,
                     selected: bool = False, extras: tuple[str, ...] = ()) -> Comparison:
     entries = [(t.key, tuple(t.shape), t.dtype) for t in tensors]
-    check = _with_extras(_check(model, entries, metadata), extras)
+    check = with_extras(check_entries(model, entries, metadata), extras)
     by_key = model.by_key()
     np_set = set(model.non_persistent)
     non_persistent = tuple(k for k in check.unexpected if k in np_set)  # of the unexpected keys: named as such
@@ -384,7 +360,7 @@ def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str 
     fix = Fix()
     if not check.ok or non_persistent:
         fix = infer_fix(tensors, model, check, ckpt=ckpt, root=root, selected=selected, extras=extras)
-    allowed_m, allowed_u = _allowances(allow_missing, allow_unexpected, check, unexpected)
+    allowed_m, allowed_u = allowances(allow_missing, allow_unexpected, check, unexpected)
     select = fix.root if fix.root is not None else root
     flags = (["--select", select] if select else []) + fix.flags
     if fix.kind == "map-by-order":
@@ -432,7 +408,7 @@ def _different_tensors(pairs: tuple[tuple[str, str], ...],
     return tuple((kept, lost) for kept, lost in pairs if ident(kept) != ident(lost))
 
 
-def _check(model: ModelKeys, entries: list[tuple[str, tuple[int, ...], str]], metadata: Any) -> LoadCheck:
+def check_entries(model: ModelKeys, entries: list[tuple[str, tuple[int, ...], str]], metadata: Any) -> LoadCheck:
     """torch's verdict when the model is there; names and shapes against a reference checkpoint."""
     if model.model is not None:
         return load_check(model.model, entries, metadata)
@@ -456,7 +432,7 @@ def _fraction(model: ModelKeys, check: LoadCheck) -> float:
     return filled / total if total else 1.0
 
 
-def _allowances(allow_missing: str | None, allow_unexpected: str | None, check: LoadCheck,
+def allowances(allow_missing: str | None, allow_unexpected: str | None, check: LoadCheck,
                 unexpected: list[str]) -> tuple[list[str], list[str]]:
     allowed_m: list[str] = []
     allowed_u: list[str] = []
@@ -572,7 +548,7 @@ def infer_fix(tensors: list[TensorRecord], model: ModelKeys, check: LoadCheck, *
         fix.after = _after(model, part_tensors, fix)
         if extras and fix.root is None:
             moved = plan_keys(list(extras), [t for t in fix.transforms if t.op is not Op.DROP]).mapping
-            fix.after = _with_extras(fix.after, set(moved.values()))
+            fix.after = with_extras(fix.after, set(moved.values()))
         fix.fraction = _fraction(model, fix.after)
         if fix.after.ok:
             fix.kind = "rename"
@@ -613,37 +589,17 @@ def _roots(tensors: list[TensorRecord], model: ModelKeys, ckpt: Checkpoint | Non
         parts = t.key.split(".")
         for i in range(1, min(len(parts), 4)):
             counts[".".join(parts[:i])] += 1
-    from .records import relative_to_root
 
     for path, count in counts.most_common(24):
-        if path != root and count >= need and _node_at(ckpt.root, path) is not None:
+        if path != root and count >= need and node_at(ckpt.root, path) is not None:
             out.append((path, list(relative_to_root(ckpt.tensors, path))))
     return out
-
-
-def _node_at(tree: Any, path: str) -> Any:
-    """The container at a dotted path of the unpickled tree (None when the path is only part of flat keys)."""
-    from .safepickle.unpickler import Opaque
-
-    node = tree
-    for part in path.split(".") if path else []:
-        if isinstance(node, Opaque):
-            state = node.ckd.state
-            node = state.get("_modules", state) if isinstance(state, dict) else None
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node if isinstance(node, (dict, list, tuple, Opaque)) else None
 
 
 def _part_tensors(tensors: list[TensorRecord], ckpt: Checkpoint | None, root: str | None,
                   chosen: str | None) -> list[TensorRecord]:
     if chosen is None or ckpt is None:
         return tensors
-    from .records import relative_to_root
 
     return list(relative_to_root(ckpt.tensors, chosen))
 
@@ -725,7 +681,7 @@ def _after(model: ModelKeys, tensors: list[TensorRecord], fix: Fix) -> LoadCheck
     plan = plan_keys([t.key for t in tensors], fix.transforms)
     by_key = {t.key: t for t in tensors}
     entries = [(new, tuple(by_key[old].shape), by_key[old].dtype) for old, new in plan.mapping.items()]
-    return _check(model, entries, None)
+    return check_entries(model, entries, None)
 
 
 def _numbers_agree(old: str, new: str) -> bool:
@@ -743,7 +699,6 @@ def _pair_by_shape(leftovers: list[str], by_key: dict[str, TensorRecord], missin
     alone. One of a kind on each side is a certain pair; several of one kind on each side pair by position (file
     order against model order), as a mapping by order does: those keys come back as ambiguous. A kind with more
     keys on one side than the other is not paired."""
-    from .dtypes import FLOATING
 
     def signature(name: str, shape: tuple, dtype: str, detail: int) -> tuple:
         kind = (tuple(shape), dtype in FLOATING or dtype.startswith("complex"))

@@ -10,12 +10,14 @@ worker takes half of that arithmetic to the second core (_Figures).
 
 from __future__ import annotations
 
-from ._record import field, record
 from pathlib import Path
 from sys import intern
 
+from ._record import field, record
 from .dtypes import element_size
-from .records import Checkpoint, TensorRecord
+from .errors import ReadError
+from .pool import can_fork, workers
+from .records import Checkpoint, TensorRecord, relative_to_root
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
@@ -154,8 +156,6 @@ class _Mapped:
         key = str(t.storage.file)
         mm, start = self._file(key, 0), t.file_offset or 0
         if start + t.nbytes > len(mm):
-            from .errors import ReadError
-
             raise ReadError(f"{key}: {t.key} is cut short ({max(len(mm) - start, 0)} of {t.nbytes} bytes)")
 
     def piece(self, piece: tuple) -> tuple[Any, Any]:
@@ -405,7 +405,6 @@ class _Figures:
 
 def _can_fork() -> bool:
     """A second CPU for the worker to run on, and a process that may fork (pool.can_fork)."""
-    from .pool import can_fork, workers
 
     return workers() > 1 and can_fork()
 
@@ -541,7 +540,7 @@ def _match(a: Checkpoint, b: Checkpoint, b_path: str) -> tuple[dict[str, str], t
     b_keys = {t.key for t in b.state_dict_tensors()}
     if not a_keys or set(a_keys) & b_keys == set(a_keys) or not b_keys:
         return {k: k for k in a_keys}, (), a_root
-    from .compare import compare_checkpoint
+    from .compare import compare_checkpoint  # compare, modelspec: ~40 ms, only when names must be matched
     from .modelspec import keys_from_spec
 
     comparison = compare_checkpoint(a, keys_from_spec(b_path))
@@ -564,8 +563,7 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
     for side in (a_path, b_path):  # diff reads tensor data: not over the network yet (the message says the way out)
         if is_url(side):
             raise needs_tensor_data(side)
-    from .records import relative_to_root
-    from .tensordata import load_tensor
+    from .tensordata import load_tensor  # torch: ~1 s, imported when values are compared
 
     a, b = read_checkpoint(a_path), read_checkpoint(b_path)
     for ckpt in (a, b):

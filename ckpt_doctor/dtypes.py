@@ -1,6 +1,11 @@
-"""Dtype names and sizes, without importing torch: torch's names, storage classes and safetensors codes."""
+"""Dtype names and sizes, without importing torch: torch's names, storage classes and safetensors codes; and a
+tensor's elements as bytes (torch imported then)."""
 
 from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only
+    import torch
 
 # dtype name (as torch prints it, without `torch.`) -> element size in bytes
 ELEMENT_SIZE: dict[str, int] = {
@@ -73,3 +78,13 @@ def user_dtype_name(text: str) -> str | None:
 
 def element_size(dtype: str) -> int:
     return ELEMENT_SIZE[dtype]
+
+
+def tensor_bytes(tensor: "torch.Tensor") -> bytes:
+    """A tensor's elements in row-major order as bytes, without numpy (not a dependency)."""
+    import torch  # torch: ~1 s, only when a tensor's bytes are asked for
+
+    buf = bytearray(tensor.numel() * tensor.element_size())
+    if buf:
+        torch.frombuffer(buf, dtype=tensor.dtype).copy_(tensor.reshape(-1))
+    return bytes(buf)

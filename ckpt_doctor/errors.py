@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
+from ._record import record
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
     from typing import Callable
 
 
+@record
 class Rerun:
     """A way out of an error that is the user's own command, changed: flags added, flags (with their values) taken
     out. The command line renders it as the whole command to paste; `str()` of the error (the Python API, a log)
     as the flags to add."""
 
-    __slots__ = ("add", "remove")
-
-    def __init__(self, add: tuple[str, ...] = (), remove: tuple[str, ...] = ()) -> None:
-        self.add, self.remove = tuple(add), tuple(remove)
-
-    def __repr__(self) -> str:
-        return f"Rerun(add={self.add!r}, remove={self.remove!r})"
+    add: tuple[str, ...] = ()
+    remove: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """Without the command it changes: `with --force`, `with --rename 'a=b' instead of --rename 'a='`."""

@@ -18,10 +18,12 @@ from pathlib import Path
 
 from ._record import field, record
 from .errors import CkptDoctorError
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:  # names for annotations only: scan (and the readers) are imported when a folder is read
-    from .scan import Skipped
+from .pool import map_paths
+from .readers import checkpoint_paths, read_file
+from .readers.survey import survey_file
+from .report import inspect_checkpoint
+from .scan import Skipped, is_skipped
+from .sniff import link_target
 
 
 @record
@@ -68,28 +70,11 @@ class FolderListing:
 
 
 def list_folder(folder: Path, require_default_load: bool = False) -> FolderListing:
-    from .pool import map_paths
-
-    from .scan import Skipped
-
     paths, problems, walk_skipped = checkpoint_paths(folder)
     results = map_paths(inspect_line, paths)
     lines = tuple(r for r in results if isinstance(r, FileLine))
     skipped = [Skipped(p, why) for p, why in walk_skipped] + [r for r in results if isinstance(r, Skipped)]
     return FolderListing(folder, lines, tuple(problems), tuple(skipped), require_default_load)
-
-
-def checkpoint_paths(folder: Path) -> tuple[list[Path], list[str], list[tuple[Path, str]]]:
-    """What to list under `folder`, at any depth, walked as scan walks it (sniff.walk_folder: file links followed,
-    folder links only inside the folder, special files skipped): every regular file (each is judged by
-    inspect_line, which keeps the checkpoints and whatever a loader would unpickle, as scan does), every subfolder
-    that is one checkpoint (a Hugging Face shard index, a DCP or DeepSpeed folder: one line, not one per shard),
-    each real file once; in path order. Also the paths that could not be read, and what the walk skipped, with why."""
-    from .readers import is_one_checkpoint
-    from .sniff import walk_folder
-
-    walked = walk_folder(folder, whole=is_one_checkpoint, once=True)
-    return sorted(walked.files, key=lambda p: p.parts), list(walked.problems), list(walked.skipped)
 
 
 def inspect_line(path: Path) -> FileLine | Skipped:
@@ -98,11 +83,6 @@ def inspect_line(path: Path) -> FileLine | Skipped:
     `scan DIR` skips it — unless it bears a checkpoint's name (`model.pt` that is a web page is an error)."""
     import gc
 
-    from .readers import read_file
-    from .readers.survey import survey_file
-    from .report import inspect_checkpoint
-    from .scan import Skipped, is_skipped
-    from .sniff import link_target
 
     link = link_target(path)
     gc.disable()  # as in `inspect`: acyclic records, nothing for the collector to free (a forked worker too)

@@ -185,12 +185,23 @@ def model_keys(model: Any, source: str = "") -> ModelKeys:
                     for k, v in sd.items() if hasattr(v, "shape"))  # `_extra_state` may be any object
     buffers = [name for name, _ in model.named_buffers(remove_duplicate=False)]
     non_persistent = tuple(b for b in buffers if b not in sd)
-    from .compare import tied_names
-
     tied = {k: tuple(v) for k, v in tied_names(model).items() if k in sd}
     groups = tuple((sizes[i], tuple(n for n in names if n in sd)) for i, names in by_object.items()
                    if any(n in sd for n in names))
     return ModelKeys(source or type(model).__name__, entries, non_persistent, model=model, tied=tied, groups=groups)
+
+
+def tied_names(model: Any) -> dict[str, list[str]]:
+    """Every state_dict name of a Parameter or buffer reachable under more than one name, with its other names."""
+    by_object: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        by_object.setdefault(id(tensor), []).append(name)
+    out: dict[str, list[str]] = {}
+    for names in by_object.values():
+        if len(names) > 1:
+            for name in names:
+                out[name] = [n for n in names if n != name]
+    return out
 
 
 def keys_from_spec(spec: str, model_args: dict[str, Any] | None = None, *,

@@ -10,13 +10,13 @@ their tolerance is the default scaled by SPLIT_SCALE; `--rtol/--atol` replace bo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ._record import record
 from typing import Any
 
 SPLIT_SCALE = 16.0  # a batch split differs in the last few bits of each reduction: 4 bits of slack
 
 
-@dataclass(frozen=True)
+@record
 class Tolerance:
     """The user's --rtol/--atol (None: torch.testing's default for each output's dtype), and the scale for split
     batches."""
@@ -33,7 +33,7 @@ class Tolerance:
                 self.atol if self.atol is not None else atol * scale)
 
 
-@dataclass(frozen=True)
+@record
 class OutputDiff:
     """How far one set of outputs is from another, and whether torch.testing accepts it."""
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import enum
-from ._record import fast_new, field, record  # noqa: F401  (fast_new: re-exported for the readers)
 from math import prod
 from pathlib import Path
 
+from ._record import fast_new, field, record, replace  # noqa: F401  (fast_new: re-exported for the readers)
 from .dtypes import element_size
+from .errors import ReadError
 from .safepickle.policy import GlobalRef, Verdict  # noqa: F401  (re-exported: part of the result types)
 
 TYPE_CHECKING = False
@@ -130,6 +131,17 @@ class TensorRecord:
 
 
 @record
+class OutTensor:
+    """A tensor as an output will hold it: its key there, the source it is read from, its dtype and device tag (what
+    `fix` plans and every writer takes)."""
+
+    key: str  # full key in the output
+    source: TensorRecord
+    dtype: str
+    device: str
+
+
+@record
 class Hazard:
     """A finding about a file rather than one global: TorchScript code, an archive torch could read two ways."""
 
@@ -148,6 +160,65 @@ class SharedGroup:
 
 
 @record
+class DcpFolder:
+    """What a torch.distributed.checkpoint folder is (inspect's `distributed`, its JSON keys in this order)."""
+
+    files: int
+    ranks: int
+    variant: tuple[str, ...]  # how it was written: a .metadata per rank, Lightning's meta.pt, the HF storage writer
+    tensors: int
+    sharded_tensors: int
+    values: int
+    version: Any = None  # the .metadata's version (the HF storage writer writes none)
+    hf_writer: bool = False  # safetensors shards of torch's Hugging Face storage writer, no .metadata
+    rank_differences: tuple[dict, ...] = ()  # items the ranks saved with different bytes (JSON records)
+    contents: tuple[str, ...] = ()  # the entries of a nested tree, for the summary's `contents` line
+    fix_notes: tuple[str, ...] = ()  # what `fix` says about writing it
+
+    def json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": "torch.distributed.checkpoint"}
+        if not self.hf_writer:
+            out["version"] = self.version
+        out.update(files=self.files, ranks=self.ranks, variant=list(self.variant), tensors=self.tensors,
+                   sharded_tensors=self.sharded_tensors, values=self.values)
+        if self.rank_differences:
+            out["rank_differences"] = list(self.rank_differences)
+        if self.contents:
+            out["contents"] = list(self.contents)
+        if not self.hf_writer:
+            out["fix_notes"] = list(self.fix_notes)
+        return out
+
+
+@record
+class DeepSpeedFolder:
+    """What a DeepSpeed save folder is (inspect's `distributed`)."""
+
+    zero_stage: int | None
+    ranks: int
+    tag: str
+    files: int
+    offered: tuple[str, ...]  # the state_dicts `--select` can pick
+    fix_notes: tuple[str, ...] = ()
+
+    def json(self) -> dict[str, Any]:
+        return {"format": "deepspeed", "zero_stage": self.zero_stage, "ranks": self.ranks, "tag": self.tag,
+                "files": self.files, "offered": list(self.offered), "fix_notes": list(self.fix_notes)}
+
+
+@record
+class DistributedShard:
+    """One rank's file of a distributed checkpoint opened alone: parts of tensors, whole only in `shard_of`."""
+
+    family: str  # "torch.distributed.checkpoint" or "deepspeed"
+    shard_of: str  # the folder that holds whole tensors
+    fix_notes: tuple[str, ...] = ()
+
+    def json(self) -> dict[str, Any]:
+        return {"format": self.family, "shard_of": self.shard_of}
+
+
+@record
 class Checkpoint:
     path: Path
     format: Format
@@ -163,7 +234,7 @@ class Checkpoint:
     non_persistent: tuple[str, ...] = field(default=())  # buffers a whole-model pickle marks non-persistent
     hazards: tuple[Hazard, ...] = ()
     layouts: dict[str, str] = field(default_factory=dict)  # key -> how a distributed checkpoint holds it
-    distributed: dict[str, Any] = field(default_factory=dict)  # what a DCP / ZeRO folder is: variant, ranks, files
+    distributed: DcpFolder | DeepSpeedFolder | DistributedShard | None = None  # what a distributed checkpoint is
 
     @property
     def unsafe_globals(self) -> tuple[GlobalRef, ...]:
@@ -192,7 +263,6 @@ class Checkpoint:
         worst = self.verdict
         if worst is Verdict.SAFE or worst is Verdict.CODE and not code_too:
             return
-        from .errors import ReadError
 
         names = self.finding_names()
         shown = ", ".join(names[:4]) + (f", … {len(names) - 4} more" if len(names) > 4 else "")
@@ -207,7 +277,6 @@ class Checkpoint:
     def refuse_values(self, action: str) -> None:
         """Refuse reading tensor values where ckpt-doctor would read them wrong: big-endian bytes it does not swap
         yet; quantized tensors (their scale and zero point are not in the records)."""
-        from .errors import ReadError
 
         if self.big_endian and any(element_size(t.dtype) > 1 for t in self.tensors):
             raise ReadError(f"{self.path}: saved on a big-endian machine, and ckpt-doctor does not swap tensor bytes "
@@ -234,6 +303,5 @@ def relative_to_root(tensors, root: str | None):
     if root == "":
         return list(tensors)
     prefix = root + "."
-    from ._record import replace
 
     return [replace(t, key=t.key[len(prefix):]) for t in tensors if t.key.startswith(prefix)]

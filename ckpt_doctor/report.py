@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import os
-from ._record import field, record, replace
 from pathlib import Path
 
+from ._record import field, record, replace
+from .advice import Suggestion, fix_suggestions
 from .analyze import PrefixFinding, find_prefixes, shared_groups
+from .default_load import DefaultLoad, default_load
+from .devices import missing_devices
 from .errors import ReadError, SeveralCheckpoints, UsageError
 from .readers import read_checkpoint
 from .records import Checkpoint, Hazard, SharedGroup, TensorRecord, Verdict
-from .advice import Suggestion, fix_suggestions, rescue
-from .default_load import DefaultLoad, default_load
-from .devices import missing_devices
+from .sniff import deep, walk_folder
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
@@ -78,7 +79,6 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
                        values: bool = False, select: str | None = None,
                        require_default_load: bool = False) -> InspectReport:
     """What `inspect` reports; with `model`, also the comparison with that model (or reference checkpoint)."""
-    from .sniff import deep
 
     path = deep(path)  # a path of any length opens (sniff.DeepPath)
     folder = checkpoint is None and path.is_dir()
@@ -102,9 +102,8 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
     diffs = None
     keys = None
     if model is not None:
-        from .compare import compare_checkpoint
+        from .compare import compare_checkpoint  # compare, modelspec: ~40 ms, only with --model
         from .modelspec import keys_from_spec
-
         from .transforms import compile_regex
 
         for flag, pattern in (("--allow-missing", allow_missing), ("--allow-unexpected", allow_unexpected)):
@@ -130,7 +129,7 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
     table_stats = None
     bn: list[str] = []
     if stats:
-        from .stats import batchnorm_at_init, tensor_stats
+        from .stats import batchnorm_at_init, tensor_stats  # stats read values (torch): only with --stats
 
         ckpt.refuse_values("compute --stats")
 
@@ -160,6 +159,8 @@ def _suggestions(ckpt: Checkpoint, comparison: Any, loads: DefaultLoad,
             return found
         # no fix makes it load into this model: the rescue of its tensors is still said (the safety line's way out)
     if not loads.ok and loads.applies and (loads.refused or loads.missing_devices):
+        from .fix.rescue import rescue  # the fix planner: only for a file torch.load refuses
+
         found = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [], source=source)
         if found is not None:
             return [("torch.load", found)]
@@ -204,7 +205,7 @@ def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
 
 def value_differences(ckpt: Checkpoint, reference: str) -> dict[str, float]:
     """max |a - b| for tensors present in both checkpoints with the same shape (read one pair at a time)."""
-    from .diff import pair_stats
+    from .diff import pair_stats  # diff, modelspec, tensordata (torch): only against a reference checkpoint
     from .modelspec import is_checkpoint_spec
     from .tensordata import load_tensor
 
@@ -224,7 +225,6 @@ def sibling_hazards(folder: Path, own: tuple[Path, ...]) -> list[Hazard]:
     """The other files of a model folder that would run code when loaded (a training_args.bin, an optimizer.pt),
     judged by scan's own per-file check: `inspect DIR` then agrees with `scan DIR` on them."""
     from .scan import scan_file
-    from .sniff import walk_folder
 
     mine = {_identity(p) for p in own} - {None}
     found: list[Hazard] = []
@@ -241,7 +241,6 @@ def sibling_hazards(folder: Path, own: tuple[Path, ...]) -> list[Hazard]:
 
 def _identity(path: Path) -> tuple[int, int] | None:
     """Which file `path` is (device and inode, links followed): no path is resolved, so none is too long."""
-    from .sniff import deep
 
     try:
         st = os.stat(deep(path))

@@ -13,13 +13,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from ._record import field, record
 from pathlib import Path
 
-from .advice import Suggestion, rescue
+from ._record import field, record
+from .advice import Suggestion
 from .default_load import DefaultLoad, default_load
 from .errors import CkptDoctorError, NotACheckpoint
-from .readers import read_file
+from .readers import named_as_checkpoint, read_file
 from .readers.survey import Survey, survey_file
 from .records import GlobalRef, Hazard
 from .safepickle.policy import Verdict
@@ -66,7 +66,6 @@ class FileScan:
 @record
 class Skipped:
     """A file of a folder that is no checkpoint and holds nothing a loader would run: said, and left out."""
-
     path: Path
     reason: str  # what it is: `not a PyTorch checkpoint: an HDF5 file (Keras/h5py); load it with …`
 
@@ -122,6 +121,8 @@ def scan_one(path: Path, *, in_folder: bool = False, taken: set[str] | None = No
         globals_, hazards, notes = ckpt.globals, ckpt.hazards, ckpt.notes
         loads = default_load(ckpt)
         if not loads.ok or ckpt.verdict is not Verdict.SAFE:
+            from .fix.rescue import rescue  # the fix planner: only for a file torch.load refuses
+
             fix = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [], taken)
     except CkptDoctorError as exc:
         if in_folder and is_skipped(exc, survey, path):
@@ -138,8 +139,6 @@ def is_skipped(exc: CkptDoctorError, survey: Survey, path: Path) -> bool:
     checkpoint unless its bytes say what else it is (an HDF5 `weights.bin`, Core ML's `weight.bin`, a NumPy array
     as `x.pt` are skipped; a git-lfs pointer, a web page or an empty `model.pt` is a checkpoint that is missing or
     broken: an error; `.tar` is every tar archive's name)."""
-    from .readers import named_as_checkpoint
-
     if getattr(exc, "findings", ()) or survey.findings or survey.hazards:
         return False
     if named_as_checkpoint(path, tar_archive=survey.container is Container.TAR) and not other_format(survey.head):
@@ -216,7 +215,6 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
     """In a torch.distributed.checkpoint folder, the byte ranges its metadata names are what torch's DCP reader
     loads: each is walked too (a range need not start where the file's own archives do)."""
     from ._record import replace
-
     from .readers.dcp import METADATA, RANK_METADATA, inflate_zstd, metadata_items
     from .readers.survey import survey_item
     from .safepickle import limits

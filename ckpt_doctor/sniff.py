@@ -16,6 +16,7 @@ import struct
 from pathlib import Path
 
 from ._record import record
+from .errors import CkptDoctorError
 from .safepickle import limits
 from .safepickle.walker import starts_pickle
 
@@ -333,7 +334,7 @@ def _step(fd: int, parts: list[str], flags: int) -> int:
 def deep(path: Path | str) -> Path:
     """`path` as a DeepPath (one that opens however long it is); a URL as a readers.source.RemotePath."""
     if isinstance(path, str) and path.startswith(("https://", "http://", "s3://")):
-        from .readers.source import remote_path
+        from .readers.source import remote_path  # only when a URL is given (the readers package imports sniff)
 
         return remote_path(path)
     return path if isinstance(path, DeepPath) or type(path).__name__ == "RemotePath" else DeepPath(path)
@@ -574,8 +575,6 @@ class _Walk:
                 os.close(fd)
 
     def _is_whole(self, here: Path, names: list[str]) -> bool:
-        from .errors import CkptDoctorError
-
         assert self.whole is not None
         try:
             return self.whole(here, names)

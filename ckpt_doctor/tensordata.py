@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from .dtypes import QUANTIZED, element_size
+from .assemble import assembled_bytes
+from .dtypes import QUANTIZED, element_size, tensor_bytes  # noqa: F401  (tensor_bytes: re-exported)
 from .errors import ReadError
+from .readers.zipindex import inflated_range
 from .records import StorageRecord, TensorRecord
 
 if TYPE_CHECKING:
@@ -17,8 +19,6 @@ def read_bytes(record: TensorRecord) -> bytes | bytearray:
     """The bytes a tensor can touch, from its first element to its last (views included)."""
     assert record.storage is not None
     if record.storage.assembly is not None:  # pieces of several files (DCP, ZeRO): assembled in memory
-        from .assemble import assembled_bytes
-
         data = assembled_bytes(record.storage.assembly, record.key)
         if record.storage.assembly.dtype != record.dtype:  # a 16-bit buffer read as float32, as zero_to_fp32 does
             import torch
@@ -52,7 +52,6 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
 def inflated_bytes(storage: StorageRecord, skip: int, nbytes: int, what: str) -> bytearray:
     """`nbytes` of a deflated storage from byte `skip`, the whole storage checked against its recorded crc32 (a
     corrupt member is an error, whichever part of it is asked for)."""
-    from .readers.zipindex import inflated_range
 
     whole = (storage.nbytes, storage.crc) if storage.crc is not None else None
     out = bytearray(nbytes)  # filled in place: one buffer of the tensor's size, whatever the member's
@@ -79,16 +78,6 @@ def load_tensor(record: TensorRecord) -> "torch.Tensor":
     buf = data if isinstance(data, bytearray) else bytearray(data)
     flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
     return flat.as_strided(record.shape, record.stride)
-
-
-def tensor_bytes(tensor: "torch.Tensor") -> bytes:
-    """A tensor's elements in row-major order as bytes, without numpy (not a dependency)."""
-    import torch
-
-    buf = bytearray(tensor.numel() * tensor.element_size())
-    if buf:
-        torch.frombuffer(buf, dtype=tensor.dtype).copy_(tensor.reshape(-1))
-    return bytes(buf)
 
 
 def storage_nbytes(record: TensorRecord) -> int:

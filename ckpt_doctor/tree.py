@@ -8,7 +8,7 @@ from ._record import field, record
 
 from .errors import ReadError
 from .safepickle import limits
-from .safepickle.unpickler import Opaque, RawTensor, _Token
+from .safepickle.unpickler import Opaque, RawTensor, Token
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
@@ -71,7 +71,7 @@ def _leaf_value(value: Any) -> Any:
     if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
         items = [_leaf_value(v) for v in value[:16]]
         return items + [f"… {len(value) - 16} more"] if len(value) > 16 else items
-    if isinstance(value, (Opaque, _Token)):
+    if isinstance(value, (Opaque, Token)):
         return repr(value)
     return f"<{type(value).__name__}>"
 
@@ -387,3 +387,26 @@ def _under_any(path: str, paths: "set[str] | dict[str, int]") -> bool:
             return True
         at = path.find(".", at + 1)
     return False
+
+
+def node_at(tree: Any, path: str) -> Any:
+    """The container at a dotted path of the unpickled tree (None when the path is only part of flat keys)."""
+    node = tree
+    for part in path.split(".") if path else []:
+        if isinstance(node, Opaque):
+            state = node.ckd.state
+            node = state.get("_modules", state) if isinstance(state, dict) else None
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node if isinstance(node, (dict, list, tuple, Opaque)) else None
+
+
+def state_dict_metadata(tree: Any, root: str | None) -> Any:
+    """The `_metadata` torch.save stored on the state_dict at `root` of the tree (module versions), or None."""
+    node = node_at(tree, root) if root is not None else None
+    metadata = getattr(node, "_metadata", None) if isinstance(node, dict) else None
+    return metadata if isinstance(metadata, dict) else None

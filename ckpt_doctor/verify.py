@@ -10,13 +10,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ._ddp_worker import RankJob, RankResult, run_rank, user_frame, write_job
-from .errors import UsageError, VerifyError, one_line, percent
+from ._record import asdict, field, record, replace
+from .compare import compare_checkpoint
+from .errors import ModelSpecError, ReadError, UsageError, VerifyError, one_line, percent
+from .loader import load_into
+from .modelspec import example_inputs, library_names, model_keys, resolve_attr, resolve_spec, spec_flags
 from .outputs import Tolerance, compare_outputs, flat_outputs
+from .readers import read_checkpoint
 
 
 class Mode(str, enum.Enum):
@@ -31,7 +35,7 @@ class Status(str, enum.Enum):
     SKIPPED = "skipped"
 
 
-@dataclass(frozen=True)
+@record
 class RunResult:
     mode: Mode
     world_size: int
@@ -47,7 +51,7 @@ class RunResult:
     ranks: tuple[Any, ...] = ()  # DDP: each rank's RankResult
 
 
-@dataclass(frozen=True)
+@record
 class ModuleRow:
     name: str
     kind: str
@@ -55,7 +59,7 @@ class ModuleRow:
     params: int
 
 
-@dataclass(frozen=True)
+@record
 class VerifyReport:
     """What verify found. `problems` is the one value its words and its exit code come from."""
 
@@ -128,7 +132,7 @@ class VerifyReport:
         return 0 if self.ok else 1
 
 
-@dataclass(frozen=True)
+@record
 class InputSpec:
     shapes: tuple[tuple[int, ...], ...] = ()
     dtype: str = "float32"
@@ -163,15 +167,10 @@ def make_inputs(spec: InputSpec, model_spec: str | None = None,
     import torch
 
     if not spec.shapes and not spec.function and model_spec is not None:
-        from .modelspec import example_inputs
-
         made = example_inputs(model_spec, model_args, spec.seed)
         if made is not None:
             return made
     if spec.function:
-        from .errors import ModelSpecError
-        from .modelspec import resolve_attr
-
         try:
             produced = resolve_attr(spec.function)()
         except ModelSpecError as exc:  # resolve_attr speaks of --model: here it is --input's function
@@ -499,7 +498,7 @@ Progress = Callable[[str], None]  # a line for the person at the terminal (the C
 SEED = 0
 
 
-@dataclass(frozen=True)
+@record
 class _Prepared:
     comparison: Any
     model: Any
@@ -513,11 +512,6 @@ def _prepare(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec
     and, when that verdict lets anything run, the model loaded: the same in every process that verifies."""
     checkpoint = _read_safe(ckpt)  # judged before torch loads: a file that would run code is refused in a moment
     import torch
-
-    from ._record import replace
-    from .compare import compare_checkpoint
-    from .loader import load_into
-    from .modelspec import library_names, model_keys, spec_flags
 
     torch.manual_seed(SEED)  # an --input function drawing from torch's generator draws the same batch every time
     inputs = make_inputs(inputs_spec, model_spec, model_args)
@@ -536,11 +530,10 @@ def _prepare(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec
 
 def _read_safe(ckpt: str) -> Any:
     """The checkpoint read, refused (exit 1) when loading it would run code, with the rescue to run instead."""
-    from .readers import read_checkpoint
 
     checkpoint = read_checkpoint(ckpt)
     if checkpoint.unsafe_globals or checkpoint.hazards:
-        from .advice import rescue
+        from .fix.rescue import rescue  # the fix planner: only for a file that would run code
 
         found = rescue(checkpoint)
         checkpoint.refuse_if_unsafe("verify it — nothing from it was loaded or run",
@@ -630,8 +623,6 @@ def _resolved(model_spec: str, ckpt: str, compare_model: str | None,
               compare_to: str | None) -> tuple[str, str | None]:
     """Each SPEC with what it leaves to its checkpoint filled in (`hf:` alone: the config.json beside it), so that
     the ranks and the report name the same model."""
-    from .modelspec import resolve_spec
-
     return resolve_spec(model_spec, ckpt), None if compare_model is None else resolve_spec(compare_model, compare_to)
 
 
@@ -641,12 +632,6 @@ def load_reference(path: str, spec: str, args: dict[str, Any], inputs: tuple[Any
     from --compare-model: loaded with the fix inspect infers, nothing accepted) or the verified one (the fix
     inspect infers and the allowances given). A file that does not load so is refused in one line that says
     which flag to use."""
-    from .compare import compare_checkpoint
-    from .errors import ReadError
-    from .loader import load_into
-    from .modelspec import model_keys
-    from .readers import read_checkpoint
-
     checkpoint = read_checkpoint(path)  # an unreadable file is its own error, raised as such
     checkpoint.refuse_if_unsafe("load it for --compare-to — nothing from it was loaded or run")
     model, _ = _build(spec, args, inputs)

@@ -35,18 +35,13 @@ class Result:
 
 def run_cli(*args: object) -> Result:
     """The CLI's entry point in this process, with stdout and stderr captured apart."""
-    from ckpt_doctor.safepickle import policy
-
     out, err = io.StringIO(), io.StringIO()
     code: object = 0
-    allowed = policy._user_allowed  # --allow-global lasts for the process: here, for this one command
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):  # --allow-global lasts for its command
         try:
             main([str(a) for a in args])
         except SystemExit as exc:
             code = exc.code
-        finally:
-            policy._user_allowed = allowed
     return Result(code if isinstance(code, int) else (0 if code is None else 1), out.getvalue(), err.getvalue())
 
 

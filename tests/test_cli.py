@@ -52,13 +52,13 @@ def _commands(files: dict) -> dict[str, list[str]]:
 
 
 def invoke(*args: str):
+    """The command run in this process through click's CliRunner; its --allow-global is in force only while it
+    runs (nothing to save and restore)."""
     from ckpt_doctor.safepickle import policy
 
-    allowed = policy._user_allowed
-    try:
-        return CliRunner().invoke(main, list(args))
-    finally:
-        policy._user_allowed = allowed
+    result = CliRunner().invoke(main, list(args))
+    assert policy.in_force() is policy.DEFAULT_POLICY
+    return result
 
 
 def installed(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

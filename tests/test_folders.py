@@ -175,6 +175,7 @@ def test_a_file_deeper_than_path_max_is_read_by_both(tmp_path, cli, layout):
 
 def test_a_file_that_vanishes_is_said_by_both(tmp_path, monkeypatch, cli):
     """Deleted after the walk listed it, or between the folder's listing and the look at its entry."""
+    import ckpt_doctor.readers as readers_module
     import ckpt_doctor.scan as scan_module
     from ckpt_doctor import sniff
 
@@ -196,6 +197,7 @@ def test_a_file_that_vanishes_is_said_by_both(tmp_path, monkeypatch, cli):
         with monkeypatch.context() as m:
             m.setattr(sniff, "walk_folder", walk_then_delete)
             m.setattr(scan_module, "walk_folder", walk_then_delete)
+            m.setattr(readers_module, "walk_folder", walk_then_delete)  # the folder listing's walk
             result = cli(command, folder, "--json")
         assert result.exit_code == 2 and "internal error" not in result.stderr, result.stderr
         line = {f["path"]: f for f in result.json()["files"]}[str(folder / "b.pt")]

@@ -181,8 +181,26 @@ def test_allow_global_is_like_add_safe_globals_and_refuses_what_runs_code(tmp_pa
     path.write_bytes(b"\x80\x02}(" + _str("cfg") + global_op("mypkg.config", "TrainConfig") + b")\x81u.")
     assert cli("scan", path).exit_code == 1
     assert cli("scan", path, "--allow-global", "mypkg.config.TrainConfig").exit_code == 0
+    assert cli("scan", path).exit_code == 1  # the allowance was that command's, not the process's
     refused = cli("scan", path, "--allow-global", "os.system")
     assert refused.exit_code == 2 and "refused" in refused.stderr
+
+
+def test_the_allow_list_is_a_value_passed_in():
+    from ckpt_doctor.errors import UsageError
+    from ckpt_doctor.safepickle.policy import DEFAULT_POLICY, Policy, Verdict, allowed_globals, classify
+
+    mine = Policy.allowing(["mypkg.config.TrainConfig"])
+    assert mine.classify("mypkg.config", "TrainConfig")[0] is Verdict.SAFE
+    assert DEFAULT_POLICY.classify("mypkg.config", "TrainConfig")[0] is Verdict.CODE
+    assert classify("mypkg.config", "TrainConfig", mine)[0] is Verdict.SAFE
+    assert classify("mypkg.config", "TrainConfig")[0] is Verdict.CODE  # nothing in force outside a block
+    with allowed_globals(["mypkg.config.TrainConfig"]):
+        assert classify("mypkg.config", "TrainConfig")[0] is Verdict.SAFE
+    assert classify("mypkg.config", "TrainConfig")[0] is Verdict.CODE
+    assert mine.writable("mypkg.config.TrainConfig") and not DEFAULT_POLICY.writable("mypkg.config.TrainConfig")
+    with pytest.raises(UsageError, match="refused"):
+        Policy.allowing(["os.system"])
 
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..dtypes import ELEMENT_SIZE, element_size
 from ..errors import CkptDoctorError, ReadError, one_line
 from ..records import Checkpoint, Format, GlobalRef, StorageRecord, TensorRecord, fast_new, span_elements
+from ..assemble import contiguous_strides
 from ..tree import Flat, TorchScriptMembers, find_state_dict_root, flatten
 from ..safepickle import limits
 from ..safepickle.unpickler import RawTensor, Refused, SafeUnpickler, StorageRef
@@ -69,8 +70,6 @@ def assembled_tensor(key: str, dtype: str, shape: tuple[int, ...], assembly: Any
     """A contiguous tensor of `dtype` whose bytes are an Assembly of pieces (DCP chunks, ZeRO partitions), as the
     pickle readers' tensors are: a RawTensor on a resolved storage (named `record_key`, default `key`)."""
     from math import prod
-
-    from ..assemble import contiguous_strides
 
     numel = prod(shape)
     ref = StorageRef(key, dtype, numel, "cpu")

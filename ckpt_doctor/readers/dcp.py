@@ -23,7 +23,8 @@ from ..advice import consolidate
 from ..assemble import coverage_problem
 from ..dtypes import element_size
 from ..errors import ReadError
-from ..records import Assembly, Checkpoint, Format, GlobalRef, Piece
+from .._record import replace
+from ..records import Assembly, Checkpoint, DcpFolder, DistributedShard, Format, GlobalRef, Piece
 from ..safepickle import limits
 from ..safepickle.unpickler import Opaque, RawTensor, StorageRef
 from ._pickled import assembled_tensor, build_checkpoint
@@ -256,7 +257,7 @@ def _lightning_meta(folder: Path, names: list[str], root: dict) -> Checkpoint | 
     `meta.pt` beside the DCP files: read like any file, its values join the tree where no item is."""
     if "meta.pt" not in names:
         return None
-    from . import read_file
+    from .files import read_file
 
     meta = read_file(folder / "meta.pt")
     if isinstance(meta.root, dict) and not meta.tensors:
@@ -334,7 +335,7 @@ class _Items:
                 blob = read_safetensors(path, fd, size, base)
                 info = blob.metadata.get("DCP_SHARDING_INFO")
                 if info is not None:
-                    from . import parse_json
+                    from .jsonfile import parse_json
 
                     sharding = parse_json(info.encode(), path, "DCP_SHARDING_INFO")
                     if not isinstance(sharding, dict):
@@ -594,9 +595,8 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
     if lightning is not None:
         variant.append("Lightning ModelParallelStrategy (meta.pt beside it)")
     sharded = sum(1 for v in layouts.values() if not v.startswith("whole"))
-    distributed = {"format": "torch.distributed.checkpoint", "version": meta.version, "files": len(files),
-                   "ranks": len(ranks), "variant": variant or ["one .metadata"],
-                   "tensors": len(meta.tensors), "sharded_tensors": sharded, "values": len(meta.values)}
+    distributed = DcpFolder(len(files), len(ranks), tuple(variant or ["one .metadata"]), len(meta.tensors), sharded,
+                            len(meta.values), version=meta.version)
     notes = (f"torch.distributed.checkpoint folder: {_count(len(meta.tensors), 'tensor')} ({sharded} sharded) and "
              f"{_count(len(meta.values), 'other value')} in {_count(len(files), 'file')} from "
              f"{_count(len(ranks), 'rank')}; shapes are the global (unsharded) ones",)
@@ -608,15 +608,13 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
         if len(differ) > 3:
             notes += (f"… and {len(differ) - 3} more items the ranks saved differently (all in the JSON's "
                       "distributed.rank_differences)",)
-        distributed["rank_differences"] = [record for _, record in differ]
+        distributed = replace(distributed, rank_differences=tuple(record for _, record in differ))
     ckpt = build_checkpoint(folder, Format.DCP, root, unpicklers, notes=notes,
                             extra_globals=tuple(survey_globals + items.globals + view_globals),
                             extra_bytes=items.walked_bytes)
-    from .._record import replace
-
     if not all(isinstance(v, RawTensor) for v in root.values()):  # a flat state_dict needs no contents line
-        distributed["contents"] = _contents(root, ckpt.state_dict_root)
-    distributed["fix_notes"] = list(notes[1:])
+        distributed = replace(distributed, contents=tuple(_contents(root, ckpt.state_dict_root)))
+    distributed = replace(distributed, fix_notes=tuple(notes[1:]))
 
     extra_files = (folder / "meta.pt",) if lightning is not None else ()
     return replace(ckpt, files=(*metas, *(folder / f for f in sorted(files)), *extra_files),
@@ -806,7 +804,7 @@ def read_hf_shards(folder: Path, shards: list[Path]) -> Checkpoint:
     """A folder DCP's HuggingFaceStorageWriter wrote with save_distributed: every rank's chunks in safetensors files,
     each placed by its saved_offsets; a tensor's global shape is the largest offset + size over its chunks (the
     writer records no global shape), and its chunks must tile it."""
-    from . import parse_json
+    from .jsonfile import parse_json
     from .safetensors_reader import read_safetensors
 
     chunks: dict[str, list[tuple[tuple[int, ...], Any]]] = {}
@@ -859,10 +857,9 @@ def read_hf_shards(folder: Path, shards: list[Path]) -> Checkpoint:
     from .._record import replace
 
     return replace(ckpt, files=tuple(shards), layouts=layouts,
-                   distributed={"format": "torch.distributed.checkpoint", "files": len(shards),
-                                "ranks": len({p.name.split("-model-")[0] for p in shards}),
-                                "variant": ["Hugging Face storage writer (safetensors shards, no .metadata)"],
-                                "tensors": len(root), "sharded_tensors": sharded, "values": 0})
+                   distributed=DcpFolder(len(shards), len({p.name.split("-model-")[0] for p in shards}),
+                                         ("Hugging Face storage writer (safetensors shards, no .metadata)",),
+                                         len(root), sharded, 0, hf_writer=True))
 
 
 def metadata_items(folder: Path) -> dict[Path, list[tuple[int, int, tuple[str, ...]]]]:
@@ -884,7 +881,7 @@ def metadata_items(folder: Path) -> dict[Path, list[tuple[int, int, tuple[str, .
 def _blob_tensors(path: Path, base: int, size: int, meta: _Meta) -> dict[str, RawTensor]:
     """The tensors of a shard's safetensors blob, each named by its fqn (and its chunk's offsets when the folder's
     metadata splits that tensor), as chunks: their own shapes."""
-    from . import parse_json
+    from .jsonfile import parse_json
     from .safetensors_reader import read_safetensors
 
     fd = os.open(path, os.O_RDONLY)
@@ -947,5 +944,5 @@ def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
                             extra_bytes=sum(len(i.main_pickle or b"") for i in survey.items))
     from .._record import replace
 
-    return replace(ckpt, distributed={"format": "torch.distributed.checkpoint", "shard_of": str(folder)})
+    return replace(ckpt, distributed=DistributedShard("torch.distributed.checkpoint", str(folder)))
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..dtypes import element_size
 from ..errors import ReadError
-from ..records import Assembly, Checkpoint, Format, Piece
+from ..records import Assembly, Checkpoint, DeepSpeedFolder, DistributedShard, Format, Piece
 from ..safepickle.unpickler import Opaque, RawTensor
 from ._pickled import assembled_tensor
 
@@ -147,7 +147,7 @@ def _shape(value: Any, name: str, where: Path) -> tuple[int, ...]:
 
 
 def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
-    from . import read_file
+    from .files import read_file
 
     names = sorted(os.listdir(tag_dir), key=_natural)
     model_files = [tag_dir / n for n in names if MODEL_STATES.fullmatch(n)]
@@ -313,9 +313,8 @@ def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
                    other_state_dicts=tuple(o for o in (*ckpt.other_state_dicts, ckpt.state_dict_root)
                                            if o and (stage is None or o != FP32)),
                    files=tuple(ckpts), layouts=layouts,
-                   distributed={"format": "deepspeed", "zero_stage": stage, "ranks": world, "tag": tag_dir.name,
-                                "files": len(ckpts), "offered": [o.split(":")[0] for o in offered],
-                                "fix_notes": list(notes[1:])})
+                   distributed=DeepSpeedFolder(stage, world, tag_dir.name, len(ckpts),
+                                               tuple(o.split(":")[0] for o in offered), tuple(notes[1:])))
 
 
 def _subgroup_at(offset: int, per_key: dict[str, Any], groups: list[int]) -> int:
@@ -422,4 +421,4 @@ def rank_file_note(ckpt: Checkpoint) -> Checkpoint:
         return replace(ckpt, notes=(*ckpt.notes, note))
     note = (f"one rank's part of the DeepSpeed checkpoint in {save_dir}: its tensors are partitions, not whole "
             f"weights; consolidate the folder: `{consolidate(save_dir)}`")
-    return replace(ckpt, notes=(*ckpt.notes, note), distributed={"format": "deepspeed", "shard_of": str(save_dir)})
+    return replace(ckpt, notes=(*ckpt.notes, note), distributed=DistributedShard("deepspeed", str(save_dir)))

@@ -14,6 +14,7 @@ from ..errors import ReadError
 from ..records import Checkpoint, Format, StorageRecord, TensorRecord
 from ..safepickle import limits
 from .source import pread
+from .jsonfile import parse_json
 
 
 def _short(value: object) -> str:
@@ -31,7 +32,6 @@ def read_safetensors(path: Path, fd: Any, size: int, base: int = 0) -> Checkpoin
         raise ReadError(f"{path}: safetensors header length {n} is over the 100 MB limit (corrupt file)")
     if 8 + n > size - base:
         raise ReadError(f"{path}: safetensors header length {n} runs past the end of the file (truncated)")
-    from . import parse_json
 
     raw = pread(fd, n, base + 8)
     if raw.count(b'"data_offsets"') > limits.MAX_TENSORS:  # before parsing: 1.7 million entries took 2 GB

@@ -25,7 +25,7 @@ from ..safepickle.policy import GlobalRef, Verdict
 from ..safepickle.walker import Walk, new_budget, starts_pickle, walk
 from ..sniff import Container, sniff
 from .mapping import READ_UP_TO, find_all, read_all, walk_window
-from .source import RemotePath, close_source, is_remote, open_source, pread
+from .source import RemotePath, is_remote, open_source, pread
 from .zipindex import ZipIndex, ZipMember, ZipTooBig, local_members, member_head, read_member, read_zip_index
 
 TYPE_CHECKING = False

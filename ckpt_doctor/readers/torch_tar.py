@@ -14,10 +14,11 @@ import io
 import os
 import struct
 import tarfile
-from .._record import field, record
 from pathlib import Path
 from typing import Any
 
+from .._record import field, record
+from ..advice import command_line, output_beside, shell_path
 from ..dtypes import element_size
 from ..errors import ReadError
 from ..records import Checkpoint, Format, GlobalRef, StorageRecord
@@ -254,7 +255,6 @@ def read_torch_tar(path: Path, fd: int, layout: TarLayout, notes: tuple[str, ...
 
     unpickler = SafeUnpickler(io.BytesIO(raw), "tar member pickle", persistent=persistent)
     root = run_unpickler(unpickler, path)
-    from ..advice import command_line, output_beside, shell_path
 
     notes = notes + ("torch's pre-0.4 tar format: torch.load(weights_only=True) refuses it; rewrite it with "
                      f"`{command_line(('fix', shell_path(path), '-o', output_beside(path)))}`",)

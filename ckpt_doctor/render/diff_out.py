@@ -7,6 +7,7 @@ from typing import Any
 from ..analyze import collapse_labels
 from ..diff import DiffReport, TensorDiff, largest_changes, sparkline
 from .columns import KEYS, draw_table
+from .lines import Line, Severity
 
 TOP = 5
 
@@ -107,7 +108,8 @@ def diff_summary(report: DiffReport) -> list[str]:
         values += f"; but {' and '.join(report.unsafe_sides)} would run code when loaded as saved"
     lines.append(("verdict", values))
     width = max(len(label) for label, _ in lines)
-    return [f"{label:<{width}}  {text}" for label, text in lines]
+    return [Line(f"{label:<{width}}  {text}", Severity.PROBLEM if label in ("unsafe", "verdict") and report.exit_code
+                 else Severity.INFO) for label, text in lines]
 
 
 def diff_json(report: DiffReport) -> dict[str, Any]:

@@ -68,8 +68,8 @@ def inspect_json(report: InspectReport) -> dict[str, Any]:
         "non_persistent_buffers": list(ckpt.non_persistent),
         "notes": list(ckpt.notes) + list(report.extra_notes),
     }
-    if ckpt.distributed:
-        out["distributed"] = ckpt.distributed
+    if ckpt.distributed is not None:
+        out["distributed"] = ckpt.distributed.json()
     _remote(out)
     if len(ckpt.files) > 1:
         out["files"] = [str(f) for f in ckpt.files]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..analyze import human_bytes
 from ..listing import FolderListing
+from .lines import Line, Severity
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
@@ -43,8 +44,9 @@ def listing_summary(listing: FolderListing) -> list[str]:
     lines = [f"total  {len(files):,} checkpoint file(s) in {listing.folder}: {sum(f.tensors for f in read):,} tensors, "
              f"{sum(f.parameters for f in read):,} parameters, {human_bytes(sum(f.nbytes for f in read))}"]
     if unsafe:
-        lines.append(f"UNSAFE  {len(unsafe)} file(s) would run code under torch.load(weights_only=False): "
-                     + ", ".join(_name(listing, f.path) for f in unsafe[:5]) + (" …" if len(unsafe) > 5 else ""))
+        lines.append(Line(f"UNSAFE  {len(unsafe)} file(s) would run code under torch.load(weights_only=False): "
+                          + ", ".join(_name(listing, f.path) for f in unsafe[:5]) + (" …" if len(unsafe) > 5 else ""),
+                          Severity.PROBLEM))
     refused = [f for f in files if f.refused_by_default_load and not f.findings]
     if refused:
         lines.append(f"torch.load  {len(refused)} file(s) that run nothing torch.load(path) refuses with its defaults here: "
@@ -53,16 +55,17 @@ def listing_summary(listing: FolderListing) -> list[str]:
                         "; inspecting the file says why, and the way out"))
     unreadable = [f for f in files if f.error and not f.findings]
     if unreadable:
-        lines.append(f"Error: {len(unreadable)} file(s) could not be read (see the safety column)")
+        lines.append(Line(f"Error: {len(unreadable)} file(s) could not be read (see the safety column)",
+                          Severity.PROBLEM))
     from .scan_out import MAX_SKIPPED_LINES
 
     lines += [f"skipped {_name(listing, s.path)}: {s.reason}" for s in listing.skipped[:MAX_SKIPPED_LINES]]
     if len(listing.skipped) > MAX_SKIPPED_LINES:
         lines.append(f"skipped {len(listing.skipped) - MAX_SKIPPED_LINES:,} more files that are no checkpoint and run "
                      "nothing (--json lists them all)")
-    lines += [f"Error: {p}" for p in listing.problems]
+    lines += [Line(f"Error: {p}", Severity.PROBLEM) for p in listing.problems]
     if not files and not listing.problems:
-        lines.append(f"Error: {listing.folder}: no checkpoint found in the folder or below it")
+        lines.append(Line(f"Error: {listing.folder}: no checkpoint found in the folder or below it", Severity.PROBLEM))
     return lines
 
 

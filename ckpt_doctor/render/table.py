@@ -5,6 +5,8 @@ from __future__ import annotations
 from .columns import KEYS, draw_table
 
 from ..analyze import Row, collapse, human_bytes
+from .lines import Line, Severity
+from ..records import DcpFolder
 from ..report import InspectReport
 
 
@@ -72,7 +74,7 @@ def comparison_table(report: InspectReport, tablefmt: str = "simple") -> str:
 
 
 def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
-    """Lines for stderr, each `label  text`; the CLI colours the UNSAFE ones."""
+    """Lines for stderr, each `label  text`, a PROBLEM where its row says why the exit code is 1."""
     ckpt = report.checkpoint
     lines: list[tuple[str, str]] = []
     kind = "whole-model pickle of " + ckpt.model_class if ckpt.model_class else None
@@ -92,8 +94,8 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         lines.append(("state_dict", root + (f" (other state_dicts: {', '.join(shown)})" if others else "")))
     elif ckpt.tensors:
         lines.append(("state_dict", "not found (no container holds mostly tensors)"))
-    if ckpt.distributed.get("contents"):
-        lines.append(("contents", " · ".join(ckpt.distributed["contents"])))
+    if isinstance(ckpt.distributed, DcpFolder) and ckpt.distributed.contents:
+        lines.append(("contents", " · ".join(ckpt.distributed.contents)))
     for p in report.prefixes:
         where = ("leading" if not p.where else f"leading, after {p.where}") if p.leading else f"after {p.where!r}"
         lines.append(("prefix", f"{p.prefix} ({where}) on {p.count:,} of {p.total:,} keys" if p.certain else
@@ -150,7 +152,9 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
     if network is not None:
         lines.append(("network", network))
     width = max(len(label) for label, _ in lines)
-    return [f"{label:<{width}}  {text}" for label, text in lines]
+    problems = summary_problems(report)
+    return [Line(f"{label:<{width}}  {text}", Severity.PROBLEM if label in problems else Severity.INFO)
+            for label, text in lines]
 
 
 def summary_problems(report: InspectReport) -> set[str]:

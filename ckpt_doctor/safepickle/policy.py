@@ -301,9 +301,6 @@ def resolve(module: str, name: str) -> tuple[str, str]:
     return IMPORT_MAPPING.get(module, module), name
 
 
-_user_allowed: frozenset[str] = frozenset()
-
-
 def dangerous_reason(module: str, name: str) -> str | None:
     """Why `module.name` is known to run code, or None."""
     module, name = resolve(module, name)
@@ -323,35 +320,82 @@ def dangerous_reason(module: str, name: str) -> str | None:
     return None
 
 
-def classify(module: str, name: str) -> tuple[Verdict, str]:
-    """The verdict on a global a pickle names, and the reason a person would want to read."""
-    resolved_module, resolved_name = resolve(module, name)
-    full = f"{resolved_module}.{resolved_name}"
-    alias = "" if (resolved_module, resolved_name) == (module, name) else f" (the Python 2 name of {full})"
-    if full in TORCH_WEIGHTS_ONLY:
-        return Verdict.SAFE, "allowed by torch.load(weights_only=True)" + alias
-    if full in CURATED:
-        return Verdict.SAFE, CURATED[full] + alias
-    if full in _user_allowed:
-        return Verdict.SAFE, "allowed with --allow-global" + alias
-    danger = dangerous_reason(module, name)
-    if danger is not None:
-        return Verdict.DANGEROUS, danger + alias
-    if resolved_module.startswith("__torch__"):
-        return Verdict.CODE, "a TorchScript class: loading the archive runs its TorchScript code"
-    if not all(part.isidentifier() for part in full.split(".")):
-        return Verdict.CODE, "not a Python name, yet torch.load(weights_only=False) would try to import it"
-    if resolved_module.startswith("torch.nn.modules") or resolved_module.startswith("torch.nn."):
-        return Verdict.CODE, "a module class: a whole pickled model, which needs its code to load"
-    return Verdict.CODE, "not on the allow-list: torch.load(weights_only=False) would import and call it" + alias
+@record
+class Policy:
+    """The allow-list as a value: torch's own `weights_only` list and the curated records of the formats read (always),
+    plus the globals a user allows (`--allow-global`). Built once per command and passed to what judges or writes."""
+
+    extra: frozenset[str] = frozenset()  # dotted names the user allows, each checked by check_user_allowance
+
+    @staticmethod
+    def allowing(names: Iterable[str] = ()) -> Policy:
+        """The defaults and `names` (dotted, nothing known to run code: UsageError otherwise)."""
+        return Policy(frozenset(check_user_allowance(n) for n in names))
+
+    def classify(self, module: str, name: str) -> tuple[Verdict, str]:
+        """The verdict on a global a pickle names, and the reason a person would want to read."""
+        resolved_module, resolved_name = resolve(module, name)
+        full = f"{resolved_module}.{resolved_name}"
+        alias = "" if (resolved_module, resolved_name) == (module, name) else f" (the Python 2 name of {full})"
+        if full in TORCH_WEIGHTS_ONLY:
+            return Verdict.SAFE, "allowed by torch.load(weights_only=True)" + alias
+        if full in CURATED:
+            return Verdict.SAFE, CURATED[full] + alias
+        if full in self.extra:
+            return Verdict.SAFE, "allowed with --allow-global" + alias
+        danger = dangerous_reason(module, name)
+        if danger is not None:
+            return Verdict.DANGEROUS, danger + alias
+        if resolved_module.startswith("__torch__"):
+            return Verdict.CODE, "a TorchScript class: loading the archive runs its TorchScript code"
+        if not all(part.isidentifier() for part in full.split(".")):
+            return Verdict.CODE, "not a Python name, yet torch.load(weights_only=False) would try to import it"
+        if resolved_module.startswith("torch.nn.modules") or resolved_module.startswith("torch.nn."):
+            return Verdict.CODE, "a module class: a whole pickled model, which needs its code to load"
+        return Verdict.CODE, "not on the allow-list: torch.load(weights_only=False) would import and call it" + alias
+
+    def writable(self, full: str) -> bool:
+        """Whether an output may name the global `full` (resolved): torch.load(weights_only=True) accepts it, or the
+        user allowed it (fix never writes anything else)."""
+        return full in TORCH_WEIGHTS_ONLY or full in self.extra
+
+    def applied(self) -> _Applied:
+        """`with policy.applied():` the readers judge globals by this policy while the block runs (they are reached
+        through the survey and the format readers, which consult the policy in force; see in_force)."""
+        return _Applied(self)
+
+
+DEFAULT_POLICY = Policy()
+_in_force: list[Policy] = [DEFAULT_POLICY]  # innermost `with policy.applied()` last; never changed outside one
+
+
+class _Applied:
+    """The context manager of Policy.applied (a class, not a contextlib generator: importing contextlib costs every
+    start)."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+
+    def __enter__(self) -> Policy:
+        _in_force.append(self.policy)
+        return self.policy
+
+    def __exit__(self, *exc: object) -> None:
+        _in_force.pop()  # blocks nest: the innermost leaves first
+
+
+def in_force() -> Policy:
+    """The policy of the innermost `with policy.applied()` block, else the defaults."""
+    return _in_force[-1]
+
+
+def classify(module: str, name: str, policy: Policy | None = None) -> tuple[Verdict, str]:
+    """The verdict on a global a pickle names under `policy` (by default the one in force)."""
+    return (policy or _in_force[-1]).classify(module, name)
 
 
 def is_allowed(module: str, name: str) -> bool:
     return classify(module, name)[0] is Verdict.SAFE
-
-
-def user_allowed() -> frozenset[str]:
-    return _user_allowed
 
 
 def check_user_allowance(name: str) -> str:
@@ -367,25 +411,7 @@ def check_user_allowance(name: str) -> str:
     return name
 
 
-class allowed_globals:
+def allowed_globals(names: Iterable[str]) -> _Applied:
     """`with allowed_globals(names):` also allows `names` (dotted) while the block runs, as
-    `torch.serialization.safe_globals` does for torch.load. (A class, not a contextlib generator: importing
-    contextlib costs every start.)"""
-
-    def __init__(self, names: Iterable[str]) -> None:
-        self.names = names
-
-    def __enter__(self) -> None:
-        global _user_allowed
-        self.before = _user_allowed
-        _user_allowed = self.before | {check_user_allowance(n) for n in self.names}
-
-    def __exit__(self, *exc: object) -> None:
-        global _user_allowed
-        _user_allowed = self.before
-
-
-def allow_globals(names: Iterable[str]) -> None:
-    """Also allow `names` for the rest of the process (the CLI's --allow-global)."""
-    global _user_allowed
-    _user_allowed = _user_allowed | {check_user_allowance(n) for n in names}
+    `torch.serialization.safe_globals` does for torch.load."""
+    return Policy(in_force().extra | Policy.allowing(names).extra).applied()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import io
 import _pickle  # pickle.Unpickler itself (the C one), without pickle.py's own import (~0.7 ms a start)
+import io
 from collections import Counter, OrderedDict
 
 from ..dtypes import STORAGE_CLASS_DTYPE, element_size, torch_dtype_name
 from . import limits
 from .policy import HANDS_BACK, HASHING, TENSOR_REBUILDERS, GlobalRef, Verdict, classify, resolve
+from .walker import HashBuckets
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
@@ -136,7 +137,7 @@ class RawTensor:
         self.note = note
 
 
-class _Token:
+class Token:
     """A torch object a pickle may name as a value (a dtype, a device, a storage class), kept as its name. One
     token serves every mention of its global, so a pickle's BUILD must not change it (torch's own are immutable)."""
 
@@ -159,7 +160,7 @@ class _Token:
         return f"torch.{self.value}" if type(self) is DType else f"torch.{self.torch_name}({self.value!r})"
 
 
-class StorageType(_Token):
+class StorageType(Token):
     __slots__ = ()
     torch_name = "storage"
 
@@ -168,7 +169,7 @@ class StorageType(_Token):
         return self.value
 
 
-class DType(_Token):
+class DType(Token):
     __slots__ = ()
 
     @property
@@ -176,7 +177,7 @@ class DType(_Token):
         return self.value
 
 
-class Device(_Token):
+class Device(Token):
     __slots__ = ()
     torch_name = "device"
 
@@ -494,8 +495,6 @@ class _HashWork:
         """Count a value a call made whose hash the file chose (a complex): the walk cannot know a call's result,
         and a dict of 40,000 complex keys of one hash took CPython 95 s to build."""
         if self.buckets is None:
-            from .walker import HashBuckets
-
             self.buckets = HashBuckets()
         if self.buckets.add(hash(value), value) is not None:
             raise Refused(f"{what} makes more than {limits.MAX_KEYS_OF_ONE_HASH:,} distinct values of one hash "

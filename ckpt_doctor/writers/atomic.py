@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import Rerun, WriteError
+from ..units import human_bytes
 
 
 def check_destination(output: Path, inputs: tuple[Path, ...], force: bool) -> None:
@@ -48,7 +49,7 @@ def atomic_output(output: Path, size_hint: int = 0) -> Iterator[tuple[int, Path]
         os.close(fd)
         fd = -1
         os.replace(tmp_path, output)
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise WriteError(f"{output}: no space left{_space_note(parent, size_hint)}; nothing was written") \
@@ -109,7 +110,6 @@ def _alive(pid: int) -> bool:
 
 def _space_note(folder: Path, needed: int) -> str:
     """` (needs about 12.0 MB, 5.0 MB free in FOLDER)`, or what of it is known."""
-    from ..analyze import human_bytes
 
     parts = [f"needs about {human_bytes(needed)}"] if needed else []
     try:
@@ -120,7 +120,7 @@ def _space_note(folder: Path, needed: int) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     try:
         dfd = os.open(folder, os.O_RDONLY)
     except OSError:

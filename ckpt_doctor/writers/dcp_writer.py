@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError, Rerun, WriteError
-from .atomic import _fsync_dir
+from .atomic import fsync_dir as _fsync_dir
 
 _DCP_NAME = re.compile(r"\.metadata|__\d+\.metadata|__\d+_\d+\.distcp")
 
@@ -62,7 +62,7 @@ def check_dcp_destination(output: Path, inputs: tuple[Path, ...], force: bool) -
 
 def _materialize(tree: Any, tensors: dict[str, Any]) -> Any:
     """The planned tree with torch tensors at its leaves (one per source storage, so tied names stay one tensor)."""
-    from ..fix import OutTensor
+    from ..records import OutTensor
     from ..safepickle.unpickler import Opaque, SizeValue
 
     if isinstance(tree, OutTensor):

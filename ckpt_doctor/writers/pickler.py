@@ -6,10 +6,11 @@ import struct
 from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
+from .._record import record
 from ..dtypes import element_size
 from ..errors import WriteError
 from ..records import TensorRecord
-from ..safepickle.policy import TORCH_WEIGHTS_ONLY, resolve, user_allowed
+from ..safepickle.policy import DEFAULT_POLICY, TORCH_WEIGHTS_ONLY, Policy, in_force, resolve
 from ..safepickle.unpickler import Device, DType, Opaque, SizeValue
 
 # Legacy typed storage class for each dtype; others are written as UntypedStorage + _rebuild_tensor_v3.
@@ -21,21 +22,23 @@ STORAGE_CLASS = {
 }
 
 
+@record
 class TensorOut:
     """A tensor to write: its source record (for shape, stride, offset and flags), and the storage key, device
     and dtype it will have in the output."""
 
-    __slots__ = ("record", "storage_key", "device", "dtype", "storage_numel")
-
-    def __init__(self, record: TensorRecord, storage_key: str, device: str, dtype: str, storage_numel: int) -> None:
-        self.record, self.storage_key, self.device, self.dtype = record, storage_key, device, dtype
-        self.storage_numel = storage_numel
+    record: TensorRecord
+    storage_key: str
+    device: str
+    dtype: str
+    storage_numel: int
 
 
 class Emitter:
     """Protocol-2 opcodes for plain containers, TensorOut and the inert Opaque stand-ins of the reader."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: Policy = DEFAULT_POLICY) -> None:
+        self.policy = policy  # what the output may name
         self.out: list[bytes] = [b"\x80\x02"]
         self.unknown: list[str] = []
         self._memo: dict[tuple[str, str], int] = {}
@@ -201,10 +204,10 @@ class Emitter:
             raise WriteError("the checkpoint holds an object of unknown origin that cannot be written back")
         module, name = resolve(ref.module, ref.name)
         full = f"{module}.{name}"
+        if not self.policy.writable(full):
+            raise WriteError(f"the output would name {full} ({ref.verdict.value}), which is not allowed; leave "
+                             "that entry out with --drop")
         if full not in TORCH_WEIGHTS_ONLY:
-            if full not in user_allowed():
-                raise WriteError(f"the output would name {full} ({ref.verdict.value}), which is not allowed; leave "
-                                 "that entry out with --drop")
             self.unknown.append(full)
         self.global_(module, name)
 
@@ -257,8 +260,9 @@ def _ints_op(items: tuple[int, ...]) -> bytes:
     return b"(" + body + b"t"
 
 
-def dumps(obj: Any) -> tuple[bytes, list[str]]:
-    """The pickle bytes, and the globals beyond torch's weights_only list they name (allowed with --allow-global)."""
-    emitter = Emitter()
+def dumps(obj: Any, policy: Policy | None = None) -> tuple[bytes, list[str]]:
+    """The pickle bytes, and the globals beyond torch's weights_only list they name (allowed with --allow-global):
+    only what `policy` (by default the one in force) lets an output name."""
+    emitter = Emitter(policy or in_force())
     emitter.emit(obj)
     return emitter.getvalue(), sorted(set(emitter.unknown))

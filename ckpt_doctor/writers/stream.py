@@ -8,6 +8,9 @@ import os
 import sys
 from typing import Any, Callable, Iterator
 
+from ..dtypes import element_size
+from ..readers.zipindex import inflated_range
+
 try:  # ISA-L's crc32 is zlib's CRC-32 (the one zip records) at 9 GB/s here, against zlib's 2.7 GB/s
     from isal.isal_zlib import crc32, crc32_combine
 except ImportError:  # a platform isal has no wheel for (zlib has no crc32_combine: pieces are then summed)
@@ -121,14 +124,10 @@ def deflated_producer(src_fd: int, storage: Any, skip: int, nbytes: int, what: s
     writers: (fd, offset, progress) -> the crc32 of what it wrote."""
 
     def produce(fd: int, at: int, progress: Progress | None) -> int:
-        from ..readers.zipindex import inflated_range
-
         whole = (storage.nbytes, storage.crc) if storage.crc is not None else None
         crc, written, carry = 0, 0, b""
         elsize = 1
         if convert is not None:
-            from ..dtypes import element_size
-
             elsize = element_size(convert[0])
         for block in inflated_range(src_fd, storage.offset, storage.deflated, skip, nbytes,
                                     f"{storage.file}: {what} (storage {storage.entry or storage.key})", whole):

@@ -1,0 +1,110 @@
+"""The output's keys and tags: renames by position (--map-by-order), tied names (--tie), module versions carried
+over the renames, and device tags rewritten (--map-location)."""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+from ..errors import PlanError, Rerun, UsageError
+from ..records import OutTensor, TensorRecord
+from ..transforms import Transform, ordered, well_formed
+from ..tree import state_dict_metadata
+from .options import OutputFormat
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only
+    from typing import Any
+
+    from ..modelspec import ModelKeys
+    from ..records import Checkpoint
+
+
+def device_for(saved: str, table: tuple[tuple[str, str], ...]) -> str:
+    for old, new in table:
+        if old == "*" or old == saved or (old == "cuda" and saved.startswith("cuda")):
+            return new
+    return saved
+
+
+def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...], fmt: OutputFormat,
+         out_prefix: str, notes: list[str], applied: list[str], given: set | None = None) -> None:
+    """Write each tied alias as the same tensor as the key it shares a Parameter with (one storage in a torch
+    file), so that load_state_dict(strict=True) finds both names."""
+    done = []
+    for alias, key in ties:
+        if (alias, key) not in (given or ()):
+            if alias in state or key not in state:
+                continue
+        elif not well_formed(alias):
+            raise UsageError(f"--tie {alias}={key}: {alias!r} has an empty key component, which no module has")
+        elif key not in state:
+            raise UsageError(f"--tie {alias}={key}: the output has no tensor {key!r} to share (its keys after the "
+                             "renames are the ones --dry-run lists)")
+        elif alias in state:
+            if state[alias].source == state[key].source:
+                continue  # already one tensor under both names
+            raise UsageError(f"--tie {alias}={key}: the output already holds another tensor named {alias!r}; drop it "
+                             "first (--drop) to write the tie")
+        source = state[key]
+        state[alias] = OutTensor(out_prefix + alias, source.source, source.dtype, source.device)
+        done.append(f"{alias}={key}")
+    if done:
+        applied.append("--tie " + " --tie ".join(done))
+        if fmt is OutputFormat.SAFETENSORS:
+            notes.append("safetensors stores a tied tensor once: load it with the model's tie_weights(), or "
+                         "write torch output (.pt) where both names share one storage")
+
+
+def module_versions(ckpt: Checkpoint, root: str | None, renames: list[Transform]) -> Any:
+    """The state_dict's `_metadata` (each module's version, which its loading code reads: BatchNorm fills a
+    counter files of version 1 lack) under the module names the renames give: written back, so that the repaired
+    file loads as the original did. None when the file has none, or a rename leaves a module without a name."""
+    source = state_dict_metadata(ckpt.root, root)
+    if not source:
+        return None
+    leaf = "\0leaf"
+    out: OrderedDict[str, Any] = OrderedDict()
+    for module, version in source.items():
+        if not isinstance(module, str):
+            return None
+        new = module + "." + leaf if module else leaf
+        for step in ordered(renames):
+            new = step.apply(new) or ""
+        if not new.endswith(leaf):
+            continue  # the rename reached into the leaf: that module's name is gone, and so is its version
+        name = new[:-len(leaf)].rstrip(".")
+        out.setdefault(name, version)
+    return out
+
+
+def map_by_order(kept: list[TensorRecord], mapping: dict[str, str], model: ModelKeys | None, force: bool,
+                  notes: list[str], dry_run: bool = False, marked: list[str] | None = None) -> dict[str, str]:
+    assert model is not None
+    entries = list(model.entries)
+    olds = list(mapping)
+    if len(olds) != len(entries):
+        raise PlanError(f"--map-by-order: the checkpoint has {len(olds)} tensors, the model {len(entries)}; "
+                        "drop the extra ones first (--drop)")
+    by_key = {t.key: t for t in kept}
+    for i, (old, entry) in enumerate(zip(olds, entries)):
+        shape = by_key[old].shape
+        if tuple(shape) != tuple(entry.shape):
+            raise PlanError(f"--map-by-order: position {i}: {old} {list(shape)} cannot become {entry.key} "
+                            f"{list(entry.shape)}; the layers do not line up")
+    from ..compare import ambiguous_positions  # compare: ~40 ms of imports, only with --map-by-order
+
+    ambiguous = ambiguous_positions([by_key[old] for old in olds], [e.key for e in entries])
+    if marked is not None:
+        counts = Counter(tuple(by_key[old].shape) for old in olds)
+        marked += [old for old in olds if by_key[old].numel > 1 and counts[tuple(by_key[old].shape)] > 1]
+    if ambiguous and not (force or dry_run):
+        raise PlanError(f"--map-by-order: {len(ambiguous)} positions have a neighbour of the same shape (first: "
+                        f"{ambiguous[0]}), so a swap would go unnoticed; see the mapping with {{0}}, and write it, "
+                        "once checked, with {1}", reruns=(Rerun(add=("--dry-run",)), Rerun(add=("--force",))))
+    if ambiguous and force:
+        notes.append(f"--map-by-order with --force: {len(ambiguous)} ambiguous positions mapped by order")
+    elif ambiguous:
+        notes.append(f"--map-by-order: {len(ambiguous)} positions share their shape with another (marked ≈): a swap "
+                     "among them would go unnoticed; writing this mapping needs --force")
+    return {old: entry.key for old, entry in zip(olds, entries)}
+

@@ -1,0 +1,52 @@
+"""With --model: whether the planned output would load strictly into the model, asked of torch's own loading code
+before anything is written."""
+
+from __future__ import annotations
+
+import shlex
+
+from ..advice import command_line, shell_path
+from ..compare import allowances, check_entries, short_of_required, with_extras
+from ..errors import CheckFailed, one_line
+from ..records import OutTensor
+from .options import FixOptions
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only
+    from collections import OrderedDict
+
+
+def check_loads(state: "OrderedDict[str, OutTensor]", opts: FixOptions, notes: list[str],
+                 path: str = "", extras: set[str] | None = None) -> None:
+    """With a model: what the output's state_dict would get from load_state_dict(strict=True), asked of torch's
+    own loading code; refuse (exit 1, nothing written) when it would fail beyond --allow-missing/--allow-unexpected."""
+    assert opts.model is not None
+    entries = [(k, tuple(o.source.shape), o.dtype) for k, o in state.items() if isinstance(o, OutTensor)]
+    check = with_extras(check_entries(opts.model, entries, None), extras or set())
+    np_set = set(opts.model.non_persistent)
+    unexpected = [k for k in check.unexpected if k not in np_set]
+    allowed_m, allowed_u = allowances(opts.allow_missing, opts.allow_unexpected, check, unexpected)
+    missing = [k for k in check.missing if k not in allowed_m]
+    mismatched = [m for m in check.mismatched if m.key not in allowed_m]
+    unexpected = [k for k in check.unexpected if k not in allowed_u]
+    short = short_of_required(opts.model, check, opts.allow_missing)
+    if missing or mismatched or unexpected or check.errors or short:
+        parts = [short] if short else []
+        if missing:
+            parts.append(f"{len(missing)} missing ({', '.join(missing[:3])}{'…' if len(missing) > 3 else ''})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])}"
+                         f"{'…' if len(unexpected) > 3 else ''})")
+        if mismatched:
+            parts.append(f"{len(mismatched)} of another shape ({', '.join(m.key for m in mismatched[:3])})")
+        if check.errors:
+            parts.append(f"the model's loading code: {one_line(check.errors[0], 160)}")
+        closest = (f"the closest fix: {' '.join(shlex.quote(f) for f in opts.closest)}" if opts.closest else
+                   f"`{command_line(('inspect', shell_path(path), *opts.model.flags))}` shows the closest fix")
+        raise CheckFailed(f"the output would still not load strictly into {opts.model.source}: {'; '.join(parts)}. "
+                          f"Nothing was written; {closest} (--allow-missing/--allow-unexpected accept intended "
+                          "differences)")
+    if allowed_m or allowed_u:
+        notes.append(f"accepted: {len(allowed_m)} model keys left missing (--allow-missing), {len(allowed_u)} extra "
+                     "keys (--allow-unexpected)")
+

@@ -1,0 +1,458 @@
+"""Plans a repair: a checkpoint's structure and the options → a FixPlan (which tensors, under which names, in which
+format, and what is left out). Pure: it reads no tensor bytes and writes nothing; `--dry-run` prints what it returns.
+
+`plan_fix` is a sequence of steps, each a function with one job, in the order their lines are shown to the user."""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from pathlib import Path
+
+from .._record import field, record, replace
+from ..devices import missing_devices
+from ..dtypes import FLOATING, QUANTIZED
+from ..errors import PlanError, Rerun, UsageError
+from ..records import (
+    Checkpoint,
+    DeepSpeedFolder,
+    DistributedShard,
+    Format,
+    OutTensor,
+    TensorRecord,
+    ancestors,
+    relative_to_root,
+)
+from ..safepickle.policy import Policy, in_force
+from ..safepickle.unpickler import Opaque, RawTensor
+from ..transforms import Op, Transform, plan_keys
+from ..tree import join
+from .keys import device_for, map_by_order, module_versions, tie
+from .options import FixOptions, OutputFormat, output_format
+from .rebuild import (
+    MISSING,
+    check_writable,
+    in_source_order,
+    is_dropped,
+    is_module_root,
+    left_out,
+    out_tensors,
+    rebuild,
+    refuse_unwritable,
+    subtree,
+    tensors_under,
+    tied_duplicates,
+    unlisted_tensors,
+)
+from .results import FixPlan
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only
+    from typing import Any, Callable
+
+
+@record(frozen=False)
+class Draft:
+    """What the steps gather for the user as they go: the steps applied, notes, and what the output leaves out."""
+
+    applied: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    ambiguous: list[str] = field(default_factory=list)  # --map-by-order: keys another of their shape could take
+    problems: list = field(default_factory=list)  # (path, global, …) of objects the output could not hold
+
+
+@record
+class Scope:
+    """Which part of the checkpoint the output holds, and in what shape."""
+
+    select: str | None  # the part asked for (--select, or the one --auto found); None: the state_dict
+    root: str  # the part whose keys the renames act on
+    nested_format: bool  # the output format holds a tree (torch, DCP), not only tensors
+    whole_tree: bool  # every tensor where it was saved: none is taken out as the state_dict
+    optimizer_select: bool  # an optimizer's state_dict, written whole (only loadable so)
+    selected: Any  # the value at `select` (MISSING without one)
+    flat_output: bool  # the output is the state_dict: keys → tensors (and a few plain entries)
+
+    @property
+    def prefix(self) -> str:
+        return self.root + "." if self.root else ""
+
+    def keeps_extras(self, ckpt: Checkpoint) -> bool:
+        """A flat state_dict at the file's root written whole: its few plain entries (a version) are kept."""
+        return self.flat_output and self.root == "" and self.select is None and self.nested_format and \
+            isinstance(ckpt.root, dict)
+
+
+def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
+    """The repair `opts` asks of `ckpt`, written to `output`: checked (PlanError, UsageError, CheckFailed with
+    --model) before anything is written."""
+    refuse_unplannable(ckpt, output)
+    fmt = output_format(output, opts.format)
+    check_option_needs(opts)
+    policy = opts.policy or in_force()
+    draft = Draft()
+    user_ties = set(opts.ties)  # --tie as given: checked strictly; those --auto infers fit by construction
+    auto_select = False
+    if opts.auto:
+        opts, auto_select = resolve_auto(ckpt, opts, draft)
+    scope = choose_scope(ckpt, fmt, opts, auto_select, draft)
+    drops = [t for t in opts.transforms if t.op is Op.DROP]
+    renames = [t for t in opts.transforms if t.op is not Op.DROP]
+    kept = kept_tensors(ckpt, scope, drops, draft)
+    refuse_same_keys(ckpt, kept if scope.flat_output else ckpt.tensors)
+    mapping = key_mapping(kept, renames, opts, draft)
+    versions = None if opts.map_by_order or fmt is not OutputFormat.TORCH else module_versions(ckpt, scope.root,
+                                                                                                renames)
+
+    def out_tensor(key: str, record: TensorRecord) -> OutTensor:
+        dtype = opts.dtype if opts.dtype and record.dtype in FLOATING else record.dtype
+        return OutTensor(key, record, dtype, device_for(record.device, opts.map_location))
+
+    by_key = {t.key: t for t in kept}
+    out_prefix = "" if scope.flat_output else scope.prefix  # nested output: the state_dict keeps its place
+    state = OrderedDict((new, out_tensor(out_prefix + new, by_key[old])) for old, new in mapping.items())
+    if versions is not None:
+        state._metadata = versions  # type: ignore[attr-defined]
+    tie(state, opts.ties, fmt, out_prefix, draft.notes, draft.applied, user_ties)
+    extra_renamed: dict[str, str] = {}  # state_dict entries that are no tensors, renamed with the tensors
+    if scope.flat_output:
+        tree, outs, mapping, extra_renamed, written = flat_tree(ckpt, scope, state, mapping, drops, renames,
+                                                                versions, opts.reorder, out_tensor, policy, draft)
+    else:
+        if scope.whole_tree:  # every tensor where it was saved: none is taken out as the state_dict
+            if renames or opts.model is not None:
+                raise PlanError(f"--select {scope.select or chr(39) * 2} writes that part as it was saved; renames "
+                                "and --model apply to a model's state_dict: name it with --select PATH")
+            state.clear()
+            mapping = {}
+        tree, outs, written = nested_tree(ckpt, scope, state, drops, out_tensor, policy, draft)
+    refuse_unwritable(draft.problems)
+    if scope.flat_output:
+        note_odd_keys(ckpt, scope, draft)
+    if opts.model is not None:
+        check_against_model(ckpt, scope, state, tree, opts, draft)
+    list_left_out(ckpt, scope, drops, draft)
+    written.update(scope.prefix + old for old in mapping)
+    draft.dropped += unlisted_tensors(ckpt.tensors, written, draft.dropped, scope.prefix)
+    list_non_persistent(ckpt, draft)
+    tied, metadata = safetensors_sharing(ckpt, outs, draft) if fmt is OutputFormat.SAFETENSORS else ({}, {})
+    refuse_unwritable_tensors(outs)
+    note_devices(fmt, outs, draft)
+    return FixPlan(ckpt.path, output, fmt, tuple(draft.applied), {**mapping, **extra_renamed},
+                   tuple(draft.dropped), tuple(outs), tree, tuple(draft.notes), tied, metadata,
+                   tuple(draft.ambiguous), policy)
+
+
+def refuse_unplannable(ckpt: Checkpoint, output: Path) -> None:
+    """Files no output can be planned from: plain values only, or one rank's part of a distributed checkpoint."""
+    ckpt.refuse_values("rewrite it")
+    if isinstance(ckpt.distributed, DistributedShard):
+        raise PlanError(f"{ckpt.path}: one rank's shard of a distributed checkpoint holds only parts of its tensors; "
+                        f"consolidate the folder: ckpt-doctor fix {ckpt.distributed.shard_of} -o {output}")
+
+
+def check_option_needs(opts: FixOptions) -> None:
+    """Options that mean something only with --model."""
+    if (opts.auto or opts.map_by_order or opts.reorder) and opts.model is None:
+        raise UsageError("--auto, --map-by-order and --reorder need --model SPEC")
+    if (opts.allow_missing or opts.allow_unexpected) and opts.model is None:
+        raise UsageError("--allow-missing and --allow-unexpected need --model SPEC (what the output must load into)")
+
+
+def resolve_auto(ckpt: Checkpoint, opts: FixOptions, draft: Draft) -> tuple[FixOptions, bool]:
+    """--auto: the options of the fix `inspect --model` infers, made explicit; and whether it chose the part."""
+    from ..compare import compare_checkpoint  # compare: ~40 ms of imports, only with --auto
+
+    assert opts.model is not None
+    comparison = compare_checkpoint(ckpt, opts.model, select=opts.select)
+    select = opts.select
+    auto_select = select is None and bool(comparison.fix_root or comparison.state_dict_root)
+    if auto_select:
+        select = comparison.fix_root or comparison.state_dict_root
+    if comparison.paired and comparison.ambiguous and not (opts.force or opts.dry_run):
+        raise PlanError(f"--auto: {len(comparison.ambiguous)} of the renames it infers pair keys of one shape by "
+                        f"their order (first: {comparison.ambiguous[0]}), so a swap would go unnoticed; see the "
+                        "mapping with {0}, and write it, once checked, with {1}",
+                        reruns=(Rerun(add=("--dry-run",)), Rerun(add=("--force",))))
+    # A new head's keys stay missing: accepted only by an explicit --allow-missing (the line inspect prints holds
+    # it), never silently by --auto.
+    opts = replace(opts, select=select, transforms=opts.transforms + tuple(comparison.transforms),
+                   map_by_order=opts.map_by_order or comparison.fix_kind == "map-by-order",
+                   ties=opts.ties + comparison.ties, closest=comparison.suggested_fix)
+    if comparison.missing_devices and not opts.map_location:
+        opts = replace(opts, map_location=(("*", "cpu"),))
+    shown = list(comparison.suggested_fix)
+    if "--map-location" in shown:  # listed once, as its own step, below
+        at = shown.index("--map-location")
+        del shown[at:at + 2]
+    draft.applied.append("--auto → " + (" ".join(shown) or "(nothing to change)"))
+    return opts, auto_select
+
+
+def choose_scope(ckpt: Checkpoint, fmt: OutputFormat, opts: FixOptions, auto_select: bool, draft: Draft) -> Scope:
+    """The part written (--select, the state_dict, or all of it) and whether the output is flat or nested."""
+    select = opts.select
+    nested_format = fmt in (OutputFormat.TORCH, OutputFormat.DCP)  # formats that hold a tree, not only tensors
+    if select is not None:
+        check_select(ckpt, select)
+        if not (opts.auto and auto_select):  # --auto's own --select is already in its line
+            draft.applied.append(f"--select {select or chr(39) * 2}")
+    # `--select ''` is all of the file. A format that holds a tree keeps it nested as saved: a training checkpoint
+    # exactly as without --select (its state_dict renamed in place); a distributed one, or a file without a
+    # state_dict, whole as saved (what dcp_to_torch_save writes). A tensors-only format gets every tensor.
+    everything = select == "" and nested_format
+    if everything and ckpt.distributed is None and ckpt.state_dict_root is not None and isinstance(ckpt.root, dict):
+        select = None
+    root = select if select is not None else ckpt.state_dict_root
+    if root is None:
+        tops = ", ".join(sorted({t.key.split(".", 1)[0] for t in ckpt.tensors})[:8])
+        raise PlanError(f"{ckpt.path}: no state_dict found to repair (no container holds mostly tensors); name the "
+                        f"part to write with --select PATH (entries with tensors: {tops or 'none'}), or write all of "
+                        "it with --select ''")
+    whole_tree = everything and select == ""
+    # An optimizer's state_dict ({"state", "param_groups"}) is only loadable whole: selected, it keeps its nesting.
+    selected = subtree(ckpt.root, select) if select else MISSING
+    optimizer_select = isinstance(selected, dict) and "state" in selected and "param_groups" in selected
+    if optimizer_select and fmt is OutputFormat.SAFETENSORS:
+        draft.notes.append(f"{select!r} is an optimizer's state_dict: safetensors holds its tensors only (no "
+                           "param_groups), which Optimizer.load_state_dict cannot take; write a .pt to keep it whole")
+        optimizer_select = False
+    whole_tree = whole_tree or optimizer_select
+    flat_output = not whole_tree and (select is not None or fmt is OutputFormat.SAFETENSORS or root == ""
+                                      or is_module_root(ckpt, root) or ckpt.distributed is not None)
+    if ckpt.distributed is not None:
+        draft.notes += ckpt.distributed.fix_notes
+    if ckpt.distributed is not None and select is None and root:
+        draft.notes.append(f"a distributed checkpoint: wrote the model's state_dict at {root!r}, as load_state_dict "
+                           "takes it; the rest (optimizer state, other values) with --select PATH, all of it with "
+                           "--select ''")
+    elif fmt is OutputFormat.SAFETENSORS and select is None and root:
+        draft.notes.append(f"safetensors holds tensors only: wrote the state_dict at {root!r}; the rest of the "
+                           "checkpoint (optimizer, metadata) is left out")
+    return Scope(select, root, nested_format, whole_tree, optimizer_select, selected, flat_output)
+
+
+def check_select(ckpt: Checkpoint, select: str) -> None:
+    """A --select that names tensors (or '' for all of the file)."""
+    if select == "" and ckpt.tensors:
+        return  # the whole checkpoint
+    if not any(t.key.startswith(select + ".") for t in ckpt.tensors):
+        if isinstance(ckpt.distributed, DeepSpeedFolder) and select == "module":
+            raise PlanError(f"{ckpt.path}: ZeRO-3 saves only 0-element placeholders in module; the weights are "
+                            "fp32_weights (the default)")
+        tops = sorted({t.key.split(".", 1)[0] for t in ckpt.tensors})[:8]
+        raise PlanError(f"{ckpt.path}: --select {select!r} holds no tensors; the file's top-level entries with "
+                        f"tensors are: {', '.join(tops)}")
+
+
+def kept_tensors(ckpt: Checkpoint, scope: Scope, drops: list[Transform], draft: Draft) -> list[TensorRecord]:
+    """The part's tensors (keyed relative to it) that --drop leaves in; the others go to draft.dropped."""
+    kept = []
+    # A --drop that names the state_dict itself, or a container above it, drops all of it.
+    whole = any(is_dropped(path, drops) for path in ancestors(scope.root))
+    for t in relative_to_root(ckpt.tensors, scope.root):
+        if whole or is_dropped(t.key, drops) or is_dropped(scope.prefix + t.key, drops):
+            draft.dropped.append(t.key)
+        else:
+            kept.append(t)
+    return kept
+
+
+def refuse_same_keys(ckpt: Checkpoint, tensors: list[TensorRecord] | tuple[TensorRecord, ...]) -> None:
+    """Two tensors whose dotted keys are one string could not be told apart in the output."""
+    seen: set[str] = set()
+    for t in tensors:
+        if t.key in seen:
+            raise PlanError(f"{ckpt.path}: two tensors are both named {t.key!r} once their nesting is joined with "
+                            "dots ({'a.b': {'c': x}} and {'a': {'b.c': y}}); ckpt-doctor cannot tell them apart in "
+                            "its output: write one of them with --select PATH")
+        seen.add(t.key)
+
+
+def key_mapping(kept: list[TensorRecord], renames: list[Transform], opts: FixOptions,
+                draft: Draft) -> dict[str, str]:
+    """Old key → new key for every kept tensor, in output order: the renames, --map-by-order, --reorder."""
+    mapping = dict(plan_keys([t.key for t in kept], renames).mapping)
+    draft.applied += [" ".join(t.flags()) for t in opts.transforms if not opts.auto]
+    if opts.map_by_order:
+        mapping = map_by_order(kept, mapping, opts.model, opts.force, draft.notes, opts.dry_run, draft.ambiguous)
+        draft.applied.append("--map-by-order")
+    if opts.reorder:
+        assert opts.model is not None
+        rank = {e.key: i for i, e in enumerate(opts.model.entries)}
+        mapping = dict(sorted(mapping.items(), key=lambda kv: rank.get(kv[1], len(rank))))
+        draft.applied.append("--reorder")
+    if opts.dtype:
+        draft.applied.append(f"--dtype {opts.dtype}")
+    if opts.map_location:
+        draft.applied.append("--map-location " + ",".join(f"{a}={b}" if a != "*" else b
+                                                          for a, b in opts.map_location))
+    return mapping
+
+
+def flat_tree(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTensor], mapping: dict[str, str],
+              drops: list[Transform], renames: list[Transform], versions: Any, reorder: bool,
+              out_tensor: Callable[[str, TensorRecord], OutTensor], policy: Policy,
+              draft: Draft) -> tuple[Any, list[OutTensor], dict[str, str], dict[str, str], set[str]]:
+    """The output as a state_dict; a flat state_dict at the file's root keeps its few plain entries beside the
+    tensors. Returns the tree, its tensors, the mapping, the plain entries renamed, and the source tensors held."""
+    tree: Any = state
+    outs = list(state.values())
+    extra_renamed: dict[str, str] = {}
+    written: set[str] = set()
+    if scope.keeps_extras(ckpt):
+        full_records = {t.key: t for t in ckpt.tensors}
+        nested: set[str] = set()
+        cut: set[str] = set()
+        for key, value in ckpt.root.items():
+            path = join("", key)
+            if isinstance(value, RawTensor):
+                continue
+            if isinstance(key, Opaque) or isinstance(key, type) and issubclass(key, Opaque):
+                check_writable(key, path, draft.problems, policy)
+            if is_dropped(path, drops):
+                cut.add(path)
+                continue
+            extra: list[OutTensor] = []
+            # (with root "" every tensor is in the state_dict, so kept_tensors has listed the dropped ones)
+            # a state_dict entry that is no tensor (an `_extra_state`) is renamed as the tensors beside it are
+            name = plan_keys([key], renames).mapping[key] if isinstance(key, str) and renames else key
+            if name != key:
+                if name in state or name in tree:
+                    raise PlanError(f"{key!r} would be renamed {name!r}, which the output already holds; "
+                                    "nothing written")
+                extra_renamed[key] = name
+            tree[name] = rebuild(value, path, "\0", state, full_records, drops, extra, out_tensor, cut,
+                                 draft.problems, policy)
+            nested.update(o.source.key for o in extra)
+        draft.dropped += [p for p in cut if not any(k == p or k.startswith(p + ".") for k in draft.dropped)]
+        if nested:  # tensors inside such an entry stay there, and are not written a second time as keys
+            for new in [k for k, o in state.items() if isinstance(o, OutTensor) and o.source.key in nested]:
+                del state[new]
+            mapping = {old: new for old, new in mapping.items() if old not in nested}
+        if not reorder:  # the entries in the file's order, tensors and the rest as they were interleaved
+            tree = in_source_order(tree, ckpt.root, {**mapping, **extra_renamed})
+            if versions is not None:
+                tree._metadata = versions
+        outs = out_tensors(tree)
+        written |= nested
+    if is_module_root(ckpt, scope.root) and scope.select is None:
+        draft.notes.append(f"whole-model pickle of {ckpt.model_class}: written as its state_dict")
+    return tree, outs, mapping, extra_renamed, written
+
+
+def nested_tree(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTensor], drops: list[Transform],
+                out_tensor: Callable[[str, TensorRecord], OutTensor], policy: Policy,
+                draft: Draft) -> tuple[Any, list[OutTensor], set[str]]:
+    """The output as the source's tree (or the selected optimizer's), the state_dict replaced by `state` in its
+    place. Returns the tree, its tensors, and the source tensors it holds where they were saved."""
+    outs: list[OutTensor] = []
+    full_records = {t.key: t for t in ckpt.tensors}
+    cut: set[str] = set()
+    select = scope.select
+    base, base_path = (scope.selected, select) if scope.optimizer_select else (ckpt.root, "")
+    cut_prefix = len(select) + 1 if scope.optimizer_select and select else 0  # keys are the selected part's own
+
+    def maker(key: str, record: TensorRecord) -> OutTensor:
+        return out_tensor(key[cut_prefix:], record)
+
+    tree = rebuild(base, base_path, "\0" if scope.whole_tree else scope.root, state, full_records, drops, outs,
+                   maker, cut, draft.problems, policy)
+    written = {o.source.key for o in outs}  # rebuilt where they were saved: full paths
+    outs = list(state.values()) + outs
+    under = tensors_under(cut - {scope.root}, full_records, scope.prefix)
+    draft.dropped += under + sorted(cut - {scope.root})  # the tensors, and the entries around them
+    return tree, outs, written
+
+
+def note_odd_keys(ckpt: Checkpoint, scope: Scope, draft: Draft) -> None:
+    """A state_dict's keys are written as the strings its tensors are named by: say so for keys that are none."""
+    node = subtree(ckpt.root, scope.root) if scope.root else ckpt.root
+    odd = [k for k in node if not isinstance(k, str)] if isinstance(node, dict) else []
+    if odd:
+        draft.notes.append(f"{len(odd)} keys of the state_dict are no strings ({', '.join(repr(k) for k in odd[:3])}"
+                           f"{', …' if len(odd) > 3 else ''}): written as the text they are listed by "
+                           f"({', '.join(repr(join('', k)) for k in odd[:3])})")
+
+
+def check_against_model(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTensor], tree: Any,
+                        opts: FixOptions, draft: Draft) -> None:
+    """With --model: the output must load strictly into it (torch's own loading code decides)."""
+    from .loadcheck import check_loads  # compare and the model check: ~40 ms of imports, only with --model
+
+    extras = {k for k, v in tree.items() if isinstance(k, str) and k.endswith("_extra_state")
+              and not isinstance(v, OutTensor)} if scope.flat_output and isinstance(tree, dict) else set()
+    check_loads(state, opts, draft.notes, str(ckpt.path), extras)
+
+
+def list_left_out(ckpt: Checkpoint, scope: Scope, drops: list[Transform], draft: Draft) -> None:
+    """Nothing leaves without being listed: what lies beside the written part, and what a tensors-only output (or
+    the state_dict's place in a nested one) cannot hold."""
+    if scope.optimizer_select:  # the optimizer alone: the rest of the file is left out
+        listed = set(draft.dropped)
+        draft.dropped += [p for p in left_out(ckpt.root, scope.select or "", beside=True, inside=False)
+                          if p not in listed]
+    elif not scope.whole_tree and isinstance(ckpt.root, (dict, list, tuple)):
+        part = scope.root if scope.flat_output else None
+        listed = set(draft.dropped)
+        for path in left_out(ckpt.root, part if part is not None else scope.root, beside=part is not None,
+                             inside=not scope.keeps_extras(ckpt)):
+            if path not in listed and not is_dropped(path, drops):
+                draft.dropped.append(path)
+
+
+def list_non_persistent(ckpt: Checkpoint, draft: Draft) -> None:
+    """A whole pickled model's buffers its state_dict() leaves out: its storages are not written."""
+    if not ckpt.non_persistent:
+        return
+    listed = set(draft.dropped)
+    left = [k for k in ckpt.non_persistent if k not in listed]
+    draft.dropped += left
+    if left:
+        draft.notes.append(f"{len(left)} non-persistent buffer(s) of the pickled model left out, as its state_dict() "
+                           f"leaves them out ({', '.join(left[:3])}{', …' if len(left) > 3 else ''})")
+
+
+def safetensors_sharing(ckpt: Checkpoint, outs: list[OutTensor], draft: Draft) -> tuple[dict[str, str],
+                                                                                          dict[str, str]]:
+    """safetensors cannot share storage: each tied duplicate → the key written once; and the header's metadata."""
+    metadata: dict[str, str] = {}
+    tied = tied_duplicates(outs)
+    if tied:
+        draft.notes.append("safetensors cannot share storage: " + ", ".join(f"{d} is written once as {k}"
+                                                                            for d, k in tied.items())
+                           + "; re-tie after loading (e.g. model.tie_weights()), and load with strict=False or "
+                             "copy the kept tensor into the tied name")
+        metadata["ckpt_doctor.tied"] = ",".join(f"{d}={k}" for d, k in tied.items())
+    if ckpt.format is Format.SAFETENSORS:
+        metadata.update({k: v for k, v in ckpt.metadata.items() if isinstance(v, str)})
+    metadata.setdefault("format", "pt")
+    return tied, metadata
+
+
+def refuse_unwritable_tensors(outs: list[OutTensor]) -> None:
+    """Tensors whose data the output could not hold as they are: meta tensors, quantized ones."""
+    for t in outs:
+        if t.source.storage is None:
+            raise PlanError(f"{t.source.key}: has no data in the file (a meta tensor); drop it with --drop")
+    quantized = [t.key for t in outs if t.source.dtype in QUANTIZED]
+    if quantized:
+        pattern = "^(" + "|".join(re.escape(k) for k in quantized[:50]) + ")$" if len(quantized) <= 50 else None
+        raise PlanError(f"{len(quantized)} quantized tensors ({', '.join(quantized[:3])}"
+                        f"{', …' if len(quantized) > 3 else ''}): ckpt-doctor does not read their scale and zero "
+                        "point, so it would write them without; nothing written"
+                        + ("; leave them out with {0}" if pattern else ""),
+                        reruns=(Rerun(add=("--drop", pattern)),) if pattern else ())
+
+
+def note_devices(fmt: OutputFormat, outs: list[OutTensor], draft: Draft) -> None:
+    """What becomes of the saved device tags in this format, and tags this machine lacks."""
+    if fmt is OutputFormat.DCP and any(t.device != "cpu" for t in outs):
+        draft.notes.append("a DCP folder holds CPU tensors: the saved devices are not kept (dcp.load fills the "
+                           "tensors of the model it is given, wherever they are)")
+    if fmt is OutputFormat.TORCH:
+        absent = missing_devices(sorted({t.device for t in outs}))
+        if absent:
+            draft.notes.append(f"the output keeps the device tags {', '.join(absent)}, which this machine lacks: "
+                               "torch.load here needs map_location; add --map-location cpu to rewrite them for good")

@@ -1,0 +1,126 @@
+"""The bytes of each output tensor, produced straight into the output: copied as they lie, inflated, converted to
+another dtype, assembled from a distributed checkpoint's pieces, or made contiguous. Each producer returns the crc32
+of what it wrote, so the output is verified against its source without reading it twice."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..assemble import stream, whole_piece_runs
+from ..dtypes import element_size
+from ..errors import WriteError
+from ..records import Assembly, TensorRecord
+from ..tensordata import load_tensor, tensor_bytes
+from ..writers.stream import CHUNK, Progress, copy_range, crc32, crc32_combine, write_bytes
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only
+    from typing import Callable
+
+
+def _raise_open_files_limit() -> None:
+    """A distributed checkpoint can hold thousands of files, each kept open once opened: lift the soft limit on open
+    descriptors to the hard one (as `ulimit -n` would), which a process may always do."""
+    try:
+        import resource  # POSIX only: elsewhere the default limit stays
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+    except (ImportError, ValueError, OSError):
+        pass  # not POSIX, or not allowed: the default limit stays
+
+
+class Sources:
+    """Open read-only descriptors of the input files, closed together."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+        _raise_open_files_limit()
+
+    def fd(self, path: Path) -> int:
+        key = str(path)
+        if key not in self.fds:
+            self.fds[key] = os.open(path, os.O_RDONLY)
+        return self.fds[key]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def convert_producer(src_fd: int, offset: int, nbytes: int, src: str, dst: str) -> Callable:
+    """Converted bytes of a storage, chunk by chunk (floating storages only); returns their crc."""
+
+    def produce(fd: int, at: int, progress: Progress | None) -> int:
+        import torch  # torch: ~1 s, only when a dtype is converted
+
+        elsize = element_size(src)
+        step = CHUNK // elsize * elsize
+        crc, done, written = 0, 0, 0
+        while done < nbytes:
+            chunk = bytearray(os.pread(src_fd, min(step, nbytes - done), offset + done))
+            if not chunk:
+                raise WriteError("input ended early while converting")
+            data = tensor_bytes(torch.frombuffer(chunk, dtype=getattr(torch, src)).to(getattr(torch, dst)))
+            write_bytes(fd, at + written, data)
+            crc = crc32(data, crc)
+            done += len(chunk)
+            written += len(data)
+            if progress:
+                progress.advance(len(chunk))
+        return crc
+
+    return produce
+
+
+def assembly_producer(assembly: Assembly, what: str, dtype: str, sources: Sources) -> Callable:
+    """A tensor of several files' pieces (DCP, ZeRO), assembled straight into the output in CHUNK-sized blocks and
+    converted on the way when asked; the tiling of its pieces is checked as it goes (a gap: nothing written)."""
+
+    def produce(fd: int, at: int, progress: Progress | None) -> int:
+        whole = whole_piece_runs(assembly, what) if dtype == assembly.dtype and crc32_combine is not None else None
+        if whole is not None:  # each chunk a whole archived storage: kernel copies, crcs combined (see stream.py)
+            crc, elsize = 0, element_size(dtype)
+            for out, _src, piece, length in whole:
+                nbytes = length * elsize
+                copy_range(sources.fd(piece.file), piece.offset, nbytes, fd, at + out * elsize, progress,
+                           known_crc=piece.crc)
+                crc = crc32_combine(crc, piece.crc, nbytes)
+            return crc
+        state = [0, at]  # crc, where the next block goes
+
+        def sink(block: bytes) -> None:
+            if dtype != assembly.dtype:
+                import torch  # torch: ~1 s, only when a dtype is converted
+
+                block = tensor_bytes(torch.frombuffer(bytearray(block), dtype=getattr(torch, assembly.dtype))
+                                     .to(getattr(torch, dtype)))
+            write_bytes(fd, state[1], block)
+            state[0] = crc32(block, state[0])
+            state[1] += len(block)
+            if progress:
+                progress.advance(len(block))
+
+        stream(assembly, what, sources.fd, sink, CHUNK)
+        return state[0]
+
+    return produce
+
+
+def contiguous_producer(record: TensorRecord, dtype: str) -> Callable:
+    def produce(fd: int, at: int, progress: Progress | None) -> int:
+        import torch  # torch: ~1 s, only for a tensor that is not copied as it lies
+
+        tensor = load_tensor(record)
+        if dtype != record.dtype:
+            tensor = tensor.to(getattr(torch, dtype))
+        data = tensor_bytes(tensor.contiguous()) if tensor.numel() else b""
+        write_bytes(fd, at, data)
+        if progress:
+            progress.advance(record.nbytes)
+        return crc32(data)
+
+    return produce
+

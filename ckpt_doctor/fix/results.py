@@ -1,0 +1,61 @@
+"""The values a repair hands on: the plan (what the output will hold) and the result of writing it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .._record import field, record
+from ..dtypes import element_size
+from ..records import OutTensor
+from ..safepickle.policy import DEFAULT_POLICY, Policy
+from .options import OutputFormat
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only
+    from typing import Any
+
+
+@record
+class FixPlan:
+    input: Path
+    output: Path
+    format: OutputFormat
+    applied: tuple[str, ...]
+    renamed: dict[str, str]
+    dropped: tuple[str, ...]
+    tensors: tuple[OutTensor, ...]
+    tree: Any = None  # torch output: containers with OutTensor leaves
+    notes: tuple[str, ...] = ()
+    tied: dict[str, str] = field(default_factory=dict)  # safetensors: duplicate key -> key written
+    metadata: dict[str, str] = field(default_factory=dict)  # safetensors __metadata__
+    ambiguous: tuple[str, ...] = ()  # --map-by-order: the keys whose place another of their shape could take
+    policy: Policy = DEFAULT_POLICY  # what the output may name (planned under it, written under it)
+
+    @property
+    def nbytes(self) -> int:
+        seen, total = set(), 0
+        for t in self.tensors:
+            if t.key in self.tied:
+                continue
+            ident = t.source.storage.ident if t.source.storage else t.key
+            if self.format is OutputFormat.SAFETENSORS:
+                total += t.source.numel * element_size(t.dtype)
+            elif ident not in seen:
+                seen.add(ident)
+                total += converted_nbytes(t.source.storage.nbytes, t.source.dtype, t.dtype) if t.source.storage else 0
+        return total
+
+
+@record
+class FixResult:
+    plan: FixPlan
+    bytes: int
+    verified: bool
+    unknown_globals: tuple[str, ...] = ()
+    shards: tuple[Path, ...] = ()  # with --max-shard-size: the shard files; plan.output is then the index
+
+
+
+def converted_nbytes(nbytes: int, src: str, dst: str) -> int:
+    return nbytes // element_size(src) * element_size(dst)
+

@@ -1,0 +1,57 @@
+"""A whole repair, as the library runs it: read the checkpoint, refuse what needs consent, plan, write, verify."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import Rerun, UsageError
+from ..readers import read_checkpoint
+from ..records import Checkpoint
+from ..writers.atomic import check_destination
+from .execute import execute
+from .options import FixOptions, OutputFormat, output_format
+from .plan import plan_fix
+from .results import FixPlan, FixResult
+from .shard import execute_sharded
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only
+    from typing import Callable
+
+
+def prepare_fix(source: str | os.PathLike[str] | Checkpoint, output: str | os.PathLike[str],
+                options: FixOptions = FixOptions()) -> FixPlan:
+    """The plan of a repair of `source` into `output`, checked before anything is written: a file that names
+    dangerous globals is refused unless options.allow_unsafe, an existing output unless options.force."""
+    output = Path(output)
+    fmt = output_format(output, options.format)
+    checkpoint = source if isinstance(source, Checkpoint) else read_checkpoint(source)
+    if not options.allow_unsafe and checkpoint.dangerous_globals:
+        # A whole pickled model (code: its classes) is what fix rescues; what is known to be dangerous needs consent.
+        from .rescue import rescue  # the rescue planner: only for a file that needs consent
+
+        found = rescue(checkpoint)
+        extra = tuple(found.argv[4:]) if found is not None else ("--allow-unsafe",)
+        checkpoint.refuse_if_unsafe("rewrite it", "To keep only its tensors and plain data (nothing it names is ever "
+                                    "run or written): {0}", code_too=False, reruns=(Rerun(add=extra),))
+    if not options.dry_run and options.max_shard_size is None and fmt is not OutputFormat.DCP:
+        check_destination(output, checkpoint.files, options.force)  # shards and a DCP folder: as they are written
+    return plan_fix(checkpoint, output, options)
+
+
+def write_fix(plan: FixPlan, options: FixOptions = FixOptions(),
+              progress_callback: Callable[[int, int], None] | None = None) -> FixResult:
+    """Write a plan (in shards with options.max_shard_size), atomically, re-read and compared unless told not to."""
+    if options.dry_run:
+        raise UsageError("a dry run writes nothing: prepare_fix returns its plan")
+    if options.max_shard_size is not None:
+        return execute_sharded(plan, options.max_shard_size, progress_callback, options.verify, options.force)
+    return execute(plan, progress_callback=progress_callback, verify=options.verify, force=options.force)
+
+
+def fix_checkpoint(source: str | os.PathLike[str] | Checkpoint, output: str | os.PathLike[str],
+                   options: FixOptions = FixOptions(),
+                   progress_callback: Callable[[int, int], None] | None = None) -> FixResult:
+    """`ckpt-doctor fix` as a function: the repair `options` asks, written to `output` and verified."""
+    return write_fix(prepare_fix(source, output, options), options, progress_callback)

@@ -1,0 +1,75 @@
+"""JSON files a checkpoint folder holds (shard indexes, configs) and safetensors headers, read within the limits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import ReadError
+from ..safepickle import limits
+
+
+def read_json(path: Path, what: str, max_bytes: int) -> object:
+    """A JSON file, every failure a ReadError: too big, not UTF-8, not JSON, nested too deep, numbers too long."""
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise ReadError(f"{path}: {what} of {size:,} bytes, over the {max_bytes >> 20} MB limit")
+        return parse_json(path.read_bytes(), path, what)
+    except OSError as exc:
+        raise ReadError(f"{path}: cannot be read ({exc.strerror})") from None
+
+
+def parse_json(raw: bytes, path: Path, what: str) -> object:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ReadError(f"{path}: {what} is not UTF-8") from None
+    depth = _json_depth(text)
+    if depth > limits.MAX_JSON_DEPTH:
+        raise ReadError(f"{path}: {what} nests {depth} levels deep; JSON readers stop at {limits.MAX_JSON_DEPTH}")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ReadError(f"{path}: {what} is not valid JSON ({exc.msg} at {exc.pos})") from None
+    except (ValueError, RecursionError) as exc:  # an integer of thousands of digits
+        raise ReadError(f"{path}: {what} holds a value no JSON reader accepts ({str(exc)[:80]})") from None
+    if _has_lone_surrogate(value, text):
+        raise ReadError(f"{path}: {what} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which JSON readers refuse")
+    return value
+
+
+def _json_depth(text: str) -> int:
+    """How deep brackets nest (strings skipped), without recursion: a 200,000-deep header must not crash the parser.
+    The strings and everything but brackets are cut out by one regex, and the depth is the highest running sum."""
+    if text.count("[") + text.count("{") <= limits.MAX_JSON_DEPTH:
+        return 0
+    import re
+    from itertools import accumulate
+
+    # a string (an unterminated one runs to the end, as a parser reads it), or any run of other non-bracket text
+    brackets = re.sub(r'"[^"\\]*(?:\\(?:.|$)[^"\\]*)*(?:"|$)|[^"\[\]{}]+', "", text, flags=re.S)
+    return max(accumulate(1 if ch in "[{" else -1 for ch in brackets), default=0)
+
+
+def _has_lone_surrogate(value: object, text: str) -> bool:
+    """Text decoded from UTF-8 holds no surrogate: one can only come from a \\uD800-\\uDFFF escape, so the values
+    are walked only when the text has one (a pair that makes one character is fine)."""
+    import re
+
+    if not re.search(r"\\u[dD][89a-fA-F]", text):
+        return False
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
