@@ -117,6 +117,9 @@ def handle_errors(func: Callable[..., int]) -> Callable[..., None]:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> None:
         debug = os.environ.get("CKPT_DOCTOR_DEBUG") == "1"
+        if sys.stdout is None:  # started with stdout closed (`>&-`): nowhere to put the data
+            say("Error: stdout is closed: nowhere to print the result (redirect it to a file or /dev/null)")
+            sys.exit(2)
         for stream in (sys.stdout, sys.stderr):  # a key that is no valid UTF-8 is shown escaped, never a crash
             if hasattr(stream, "reconfigure"):
                 stream.reconfigure(errors="backslashreplace")
@@ -138,6 +141,12 @@ def handle_errors(func: Callable[..., int]) -> Callable[..., None]:
             sys.exit(2)
         except BrokenPipeError:
             sys.exit(0)
+        except OSError as exc:  # the system refused a path or a write (a name too long, a full disk): no bug of ours
+            if debug:
+                raise
+            where = f"{exc.filename}: " if exc.filename else "writing the output: " if exc.errno == 28 else ""
+            say(f"Error: {where}{exc.strerror or exc}", color="red")
+            sys.exit(2)
         except RecursionError:  # the readers and fix walk on stacks of their own; a path that does not is no crash
             if debug:
                 raise
@@ -188,6 +197,21 @@ class _Command(click.Command):
         super().__init__(*args, **kwargs)
         self.arguments = arguments or {}
         self.sections = sections
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """click takes the word after an option that needs a value as that value, even when it is another of the
+        command's options (`--drop --strip-module` would drop nothing and strip nothing): refused, as a usage error.
+        A value that starts with '-' is written --option=-value."""
+        own = {name: p for p in self.get_params(ctx) if isinstance(p, click.Option)
+               for name in (*p.opts, *p.secondary_opts)}
+        for word, following in zip(args, args[1:]):
+            if word == "--":
+                break
+            param = own.get(word)
+            if param is not None and not param.is_flag and not param.count and following.split("=", 1)[0] in own:
+                raise click.UsageError(f"{word} needs a value, and the next word {following} is an option (a value "
+                                       f"that starts with '-' is written {word}=-value)", ctx)
+        return super().parse_args(ctx, args)
 
     def get_short_help_str(self, limit: int = 45) -> str:
         """The first sentence of the help, or up to a colon: the group's list of commands shows it whole."""
@@ -244,7 +268,7 @@ class _Group(click.Group):
         except click.UsageError as exc:
             where = exc.ctx.command_path if exc.ctx is not None else \
                 "ckpt-doctor" + (f" {args[0]}" if args[0] in self.commands else "")  # the command's help
-            sys.stderr.write(f"Error: {exc.format_message()} (see `{where} --help`)\n")
+            sys.stderr.write(f"Error: {exc.format_message()}{_usage_hint(exc)} (see `{where} --help`)\n")
             sys.exit(exc.exit_code)
         except click.ClickException as exc:
             sys.stderr.write(f"Error: {exc.format_message()}\n")
@@ -256,6 +280,17 @@ class _Group(click.Group):
             if from_console:  # the process ends here: Python's shutdown would run the cycle collector over every
                 gc.freeze()  # object made (~2.5 ms for 1,000 tensors); frozen objects are skipped by it
         sys.exit(code if isinstance(code, int) else 0)  # --help and --version end here
+
+
+def _usage_hint(exc: click.UsageError) -> str:
+    """What a usage error's reader most likely meant, when click's words do not say it: a path or a value that
+    starts with '-'."""
+    if isinstance(exc, click.NoSuchOption) and not exc.option_name.startswith("--"):
+        return " (a path that starts with '-' goes after --, or is written ./-name)"
+    if (isinstance(exc, click.BadOptionUsage) and exc.option_name.startswith("--")
+            and exc.format_message().endswith("requires an argument.")):
+        return f" (a value that starts with '-' is written {exc.option_name}=-value)"
+    return ""
 
 
 class _PathType(click.Path):
@@ -382,7 +417,8 @@ def main() -> None:
 @click.option("--full", is_flag=True, help="One row per tensor; by default repeated blocks are collapsed "
               "(layers.{0..23}.attn.q.weight) and long lists shortened.")
 @click.option("--model", "model_spec", metavar="SPEC", help="Compare with a model: package.module:attr or "
-              "path/to/file.py:attr (a class or factory, built on the meta device), or a reference checkpoint.")
+              "path/to/file.py:attr (a class or factory, built on the meta device), hf:PATH (a Hugging Face "
+              "config.json; hf: alone, the one beside CKPT), or a reference checkpoint.")
 @click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE",
               help="Argument for the model's constructor (repeatable; values are Python literals).")
 @click.option("--allow-missing", metavar="REGEX", help="Accept model keys matching REGEX being missing or of another "
@@ -531,8 +567,9 @@ def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_
 @click.option("--dtype", metavar="DT", help="Cast floating tensors to float16 (half, fp16), bfloat16 (bf16), float32 "
               "(float, fp32) or float64 (double, fp64); integer buffers such as num_batches_tracked are untouched.")
 @click.option("--model", "model_spec", metavar="SPEC", help="The model the output must load into "
-              "(package.module:attr, file.py:attr or a reference checkpoint): the output is checked with torch's "
-              "loading code before anything is written, and refused when it would not load strictly. Needed by "
+              "(package.module:attr, file.py:attr, hf:PATH for a Hugging Face config.json, or a reference "
+              "checkpoint): the output is checked with torch's loading code before anything is written, and "
+              "refused when it would not load strictly. Needed by "
               "--auto, --reorder and --map-by-order.")
 @click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Constructor argument.")
 @click.option("--auto", is_flag=True, help="Apply the fix `inspect --model` suggests.")
@@ -592,7 +629,8 @@ def fix(ckpt: str, output: str, as_json: bool, allow_global: tuple[str, ...], **
 
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit becomes EFBIG, reported, not a crash
-    options = fix_options(allow_global=allow_global, checkpoint=ckpt, **flags)  # the one place the flags become the library's options
+    # the one place the flags become the library's options
+    options = fix_options(allow_global=allow_global, checkpoint=ckpt, **flags)
     plan = prepare_fix(ckpt, output, options)
     if options.dry_run:
         if as_json:
@@ -622,9 +660,11 @@ def fix(ckpt: str, output: str, as_json: bool, allow_global: tuple[str, ...], **
     ("Safety", ("allow_global",))))
 @click.argument("a", metavar="A", type=PATH)
 @click.argument("b", metavar="B", type=PATH)
-@click.option("--atol", type=NON_NEGATIVE_FLOAT, default=0.0, help="Absolute tolerance: pairs within it count as the "
+@click.option("--atol", type=NON_NEGATIVE_FLOAT, default=0.0, metavar="ATOL", help="Absolute tolerance: pairs "
+              "within it count as the "
               "same (torch.isclose's rule, |B - A| <= atol + rtol*|A|). (default: 0.0)")
-@click.option("--rtol", type=NON_NEGATIVE_FLOAT, default=0.0, help="Relative tolerance (see --atol). (default: 0.0)")
+@click.option("--rtol", type=NON_NEGATIVE_FLOAT, default=0.0, metavar="RTOL",
+              help="Relative tolerance (see --atol). (default: 0.0)")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object on stdout instead of the table.")
 @_format_option("the table of changes")
 @click.option("--full", is_flag=True, help="One row per tensor; by default repeated blocks are collapsed.")
@@ -695,7 +735,8 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, format_: str, 
     ("Safety", ("allow_global",))))
 @click.argument("ckpt", metavar="CKPT", type=PATH)
 @click.option("--model", "model_spec", required=True, metavar="SPEC", help="package.module:attr or "
-              "path/to/file.py:attr: the model class or factory.")
+              "path/to/file.py:attr: the model class or factory; or hf:PATH, a Hugging Face config.json (hf: "
+              "alone, the one beside CKPT).")
 @click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Constructor argument.")
 @click.option("--input-shape", "input_shapes", multiple=True, metavar="8,3,32,32", help="Shape of a seeded random "
               "input (repeatable for several inputs). The first size is the batch.")
@@ -728,9 +769,11 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, format_: str, 
               "model does not have.")
 @click.option("--min-loaded", type=FRACTION, metavar="FRACTION", help="Run nothing unless at least this share of the "
               "model's parameters (by elements) comes from the checkpoint, e.g. 0.99.")
-@click.option("--rtol", type=NON_NEGATIVE_FLOAT, help="Relative tolerance for comparing outputs (default: "
+@click.option("--rtol", type=NON_NEGATIVE_FLOAT, metavar="RTOL", help="Relative tolerance for comparing outputs "
+              "(default: "
               "torch.testing.assert_close's for each output's dtype, x16 where the batch was split).")
-@click.option("--atol", type=NON_NEGATIVE_FLOAT, help="Absolute tolerance for comparing outputs (default as --rtol).")
+@click.option("--atol", type=NON_NEGATIVE_FLOAT, metavar="ATOL",
+              help="Absolute tolerance for comparing outputs (default as --rtol).")
 @_allow_global_option
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @_format_option("the table of runs")
@@ -768,6 +811,9 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
         bounds = (int(low), int(high))
     except ValueError:
         raise UsageError(f"--input-range {input_range!r}: expected LOW,HIGH such as 0,1000") from None
+    if bounds[0] >= bounds[1]:  # torch.randint(low, high) draws from [low, high): it needs low < high
+        raise UsageError(f"--input-range {input_range!r}: LOW must be below HIGH (integers are drawn from "
+                         "[LOW, HIGH)), e.g. 0,1000")
     from .dtypes import user_dtype_name
 
     dtype = user_dtype_name(input_dtype)
@@ -901,6 +947,12 @@ def scan(paths: tuple[str, ...], as_json: bool, format_: str, show_all: bool, re
         say(f"{refused} file(s) that run nothing are refused by torch.load with its defaults here (see their "
             "torch.load lines)" + ("" if report.require_default_load else "; --require-default-load makes that "
                                    "exit 1"), color="red" if report.require_default_load else None, no_color=no_color)
+    from .safepickle.policy import Verdict  # only when a scan ends: --help does not pay for the policy
+
+    unread = sum(1 for f in report.files if f.error and f.verdict is Verdict.SAFE)
+    if unread:  # nothing is claimed about a file that was not read; when it decides the exit, say so as an error
+        say(("Error: " if report.exit_code == 2 else "") + f"{unread} file(s) could not be read: nothing is claimed "
+            "about them (see their NOT READ lines)", color="red", no_color=no_color)
     return report.exit_code
 
 

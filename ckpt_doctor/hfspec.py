@@ -40,8 +40,8 @@ def resolve(spec: str, checkpoint: str | os.PathLike | None) -> str:
     folder = path if path.is_dir() else path.parent
     config = folder / CONFIG
     if not config.is_file():
-        raise ModelSpecError(f"--model hf: means {config}, the config.json beside {checkpoint}, and there is none: "
-                             "name the model's config with --model hf:path/to/config.json (or its folder)")
+        raise ModelSpecError(f"--model hf: reads the config.json beside {checkpoint}, and {folder} has none: name "
+                             "the model's config with --model hf:path/to/config.json (or its folder)")
     return PREFIX + str(config)
 
 
@@ -82,7 +82,10 @@ def read_config(spec: str, overrides: dict[str, Any] | None = None) -> tuple[Any
         if path.stat().st_size > MAX_CONFIG_BYTES:
             raise ModelSpecError(f"--model {spec}: {path} is {path.stat().st_size} bytes, no model config")
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except UnicodeDecodeError:
+        raise ModelSpecError(f"--model {spec}: {path} is not a config.json (not text; a Hugging Face model's config is "
+                             "the config.json beside its weights)") from None
+    except (OSError, ValueError) as exc:
         raise ModelSpecError(f"--model {spec}: {path} is no JSON config: {one_line(exc, 160)}") from None
     if not isinstance(data, dict):
         raise ModelSpecError(f"--model {spec}: {path} holds {type(data).__name__}, not a config object")

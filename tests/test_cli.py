@@ -137,6 +137,14 @@ def test_json_with_a_table_format_is_a_usage_error(files):
     (["inspect", "x.pt", "--no-such-flag"], "No such option"),
     (["frobnicate"], "No such command 'frobnicate'"),
     ([], "Error: name a command (inspect, fix, diff, verify, scan)"),
+    # an option that needs a value never takes the next option as its value (--drop would drop nothing)
+    (["fix", "x.pt", "-o", "y.pt", "--drop", "--strip-module"],
+     "--drop needs a value, and the next word --strip-module is an option (a value that starts with '-' is written "
+     "--drop=-value)"),
+    (["inspect", "x.pt", "--filter", "--full"], "--filter needs a value, and the next word --full is an option"),
+    (["inspect", "x.pt", "--model"], "requires an argument. (a value that starts with '-' is written --model=-value)"),
+    (["inspect", "-weird.pt"], "(a path that starts with '-' goes after --, or is written ./-name)"),
+    (["verify", "x.pt", "--model", "m:f", "--input-range", "5,1"], "LOW must be below HIGH"),
 ])
 def test_usage_errors_exit_2_with_one_error_line(argv, words):
     result = invoke(*argv)
@@ -208,3 +216,50 @@ def test_tabulate_is_imported_only_for_its_formats(files):
         proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60,
                               env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
         assert proc.stderr.strip().splitlines()[-1] == imported, (argv, proc.stderr)
+
+
+def test_a_value_that_starts_with_a_dash_is_written_with_an_equals_sign(files, tmp_path):
+    out = tmp_path / "out.pt"
+    result = invoke("fix", str(files["a"]), "-o", str(out), "--drop=-nothing", "--dry-run")
+    assert result.exit_code == 0 and "--drop -nothing" in result.stderr, result.stderr
+
+
+def test_machine_formats_get_cells_as_they_are_and_a_table_even_when_empty(files):
+    """tsv is for a program: no blanks around a cell; a filter that keeps nothing, a scan that finds nothing, still
+    print the headers (the sentence a person reads goes to stderr with the summary)."""
+    tsv = invoke("inspect", str(files["a"]), "--full", "--format", "tsv").stdout
+    rows = [line.split("\t") for line in tsv.splitlines()]
+    assert rows[0] == ["key", "shape", "dtype", "device", "size"]
+    assert [row[0] for row in rows[1:]] == files["keys"] and all(c == c.strip() for row in rows for c in row)
+    empty = invoke("inspect", str(files["a"]), "--filter", "nothing-matches", "--format", "tsv")
+    assert empty.exit_code == 0 and empty.stdout == "key\tshape\tdtype\tdevice\tsize\n"
+    clean = invoke("scan", str(files["a"]), "--format", "github")
+    assert clean.exit_code == 0 and clean.stdout.splitlines()[0].split("|")[1].strip() == "file"
+    assert len(clean.stdout.splitlines()) == 2 and "clean" in clean.stderr
+
+
+def test_what_the_system_refuses_is_one_line_not_an_internal_error(files, tmp_path):
+    long_name = str(tmp_path / ("a" * 300 + ".pt"))
+    for argv in (["inspect", long_name], ["fix", str(files["a"]), "-o", long_name]):
+        proc = installed(*argv)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith("Error: ") and "File name too long" in proc.stderr
+        assert "internal error" not in proc.stderr
+    exe = shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(sys.executable), "ckpt-doctor")
+    closed = subprocess.run([exe, "inspect", str(files["a"])], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False,
+                            preexec_fn=lambda: os.close(1))
+    assert closed.returncode == 2 and closed.stderr.startswith("Error: stdout is closed"), closed.stderr
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([exe, "inspect", str(files["a"])], stdout=full, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+    assert proc.returncode == 2 and "No space left on device" in proc.stderr and "internal" not in proc.stderr
+
+
+def test_scan_says_which_files_it_could_not_read_when_they_decide_the_exit(files, tmp_path):
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(files["a"].read_bytes()[:300])
+    result = invoke("scan", str(files["a"]), str(cut))
+    assert result.exit_code == 2
+    assert f"{cut}: NOT READ" in result.stderr
+    assert "Error: 1 file(s) could not be read: nothing is claimed about them" in result.stderr

@@ -84,7 +84,9 @@ def _tabulate(headers: Sequence[str], rows: list[list[str]], tablefmt: str) -> s
     if tablefmt == "github":  # a | in a cell (the header max|Δ|) would end a markdown cell
         rows = [[c.replace("|", "\\|") for c in row] for row in rows]
         headers = [h.replace("|", "\\|") for h in headers]
-    return tabulate(rows, headers, tablefmt=tablefmt, disable_numparse=True, preserve_whitespace=True)
+    # tsv is for a program (a spreadsheet, cut, csv.reader): cells as they are, no blanks padding the columns
+    align = {"stralign": None} if tablefmt == "tsv" else {}
+    return tabulate(rows, headers, tablefmt=tablefmt, disable_numparse=True, preserve_whitespace=True, **align)
 
 
 def _keys_above(headers: Sequence[str], rows: list[list[str]]) -> str:

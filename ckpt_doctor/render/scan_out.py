@@ -60,9 +60,14 @@ def scan_table(report: ScanReport, show_safe: bool = False, tablefmt: str = "sim
         unread = sum(1 for f in report.files if f.error)
         if unread == len(report.files):
             return None
+        if tablefmt != "simple":  # a program given --format gets the empty table; the summary on stderr says why
+            return draw_table(SCAN_HEADERS, [], tablefmt)
         read = f" in the {len(report.files) - unread} file(s) read" if unread else ""
         return f"(no globals off the allow-list{read})"
-    return draw_table(["file", "verdict", "global", "in", "why"], rows, tablefmt)
+    return draw_table(SCAN_HEADERS, rows, tablefmt)
+
+
+SCAN_HEADERS = ["file", "verdict", "global", "in", "why"]
 
 
 def scan_summary(report: ScanReport, with_severity: bool = False) -> list:

@@ -46,7 +46,7 @@ def inspect_table(report: InspectReport, full: bool = False, tablefmt: str = "si
                 mean, std = (s.mean, s.std) if len(stats) == 1 else (None, None)
                 line += [_fmt(lo), _fmt(hi), _fmt(mean), _fmt(std), str(bad) if bad else ""]
         body.append(line)
-    if not body:
+    if not body and tablefmt == "simple":  # a person's terminal; a program given --format gets the empty table
         return "(no tensors)" if not report.filter else f"(no tensor key matches --filter {report.filter!r})"
     return draw_table(headers, body, tablefmt, max_width=KEYS)
 
