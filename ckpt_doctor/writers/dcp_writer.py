@@ -1,10 +1,14 @@
 """`fix --format dcp`: a torch.distributed.checkpoint folder that `dcp.load` reads into an FSDP2 / DTensor model.
 
-The folder is written by torch's own DCP writer (`dcp.save(..., no_dist=True)`, one rank, each tensor one chunk),
-so torch's reader is sure to accept it; what is handed to it is the planned tree with every tensor read from the
-source's records (never unpickled). It is written into a temporary folder beside OUT, each file synced, read back
-by ckpt-doctor's own DCP reader and compared tensor by tensor (crc32 of the bytes) with the source, and only then
-renamed onto OUT. An existing OUT is replaced only with --force, and only when it is itself a DCP folder.
+The folder is laid out as torch's own FileSystemWriter lays out one rank with `single_file_per_rank=False`: each item
+is a `torch.save` archive of its own, in `__0_N.distcp`, and `.metadata` is the pickle of torch's `Metadata`
+(TensorStorageMetadata with one whole chunk per tensor, BytesStorageMetadata for a value, planner_data and
+storage_data as DefaultSavePlanner and FileSystemWriter fill them). Nothing is loaded into memory: every tensor's
+bytes are streamed from the source's records into its item (copied by the kernel where they are contiguous), so peak
+memory is flat in the checkpoint's size and torch is not imported (a dtype conversion or a strided view excepted).
+It is written into a temporary folder beside OUT, each file synced, read back by ckpt-doctor's own DCP reader and
+compared tensor by tensor (crc32 of the bytes) with what was written from the source, and only then renamed onto OUT.
+An existing OUT is replaced only with --force, and only when it is itself a DCP folder.
 """
 
 from __future__ import annotations
@@ -60,44 +64,294 @@ def check_dcp_destination(output: Path, inputs: tuple[Path, ...], force: bool) -
         raise WriteError(f"{output}: folder {parent} is not writable (permission denied)")
 
 
-def _materialize(tree: Any, tensors: dict[str, Any]) -> Any:
-    """The planned tree with torch tensors at its leaves (one per source storage, so tied names stay one tensor)."""
+_MD = "torch.distributed.checkpoint.metadata"
+_VERSION = "1.0.0"  # torch's CURRENT_DCP_VERSION of the layout written here
+
+
+def _is_terminal(value: Any) -> bool:
+    """torch.distributed.checkpoint._traverse.traverse_state_dict's test: a mapping is walked into; a list only when
+    it holds a tensor or a container that is walked into; anything else (a tuple too) is one value."""
     from ..fix import OutTensor
-    from ..safepickle.unpickler import Opaque, SizeValue
 
-    if isinstance(tree, OutTensor):
-        return tensors[tree.key]
-    if isinstance(tree, dict):
-        return OrderedDict((k, _materialize(v, tensors)) for k, v in tree.items()) if isinstance(tree, OrderedDict) \
-            else {k: _materialize(v, tensors) for k, v in tree.items()}
-    if isinstance(tree, SizeValue):
-        import torch
-
-        return torch.Size(tree)
-    if isinstance(tree, (list, tuple)):
-        items = [_materialize(v, tensors) for v in tree]
-        return items if isinstance(tree, list) else tuple(items)
-    if isinstance(tree, Opaque) or isinstance(tree, type) and issubclass(tree, Opaque):
-        raise PlanError("a DCP folder holds tensors and plain values; this checkpoint holds objects of other classes "
-                        "(write the state_dict alone with --select PATH)")
-    return tree
+    if isinstance(value, dict):
+        return False
+    if not isinstance(value, list):
+        return True
+    for entry in value:
+        if isinstance(entry, (dict, list)) and not _is_terminal(entry):
+            return False
+        if isinstance(entry, OutTensor):
+            return False
+    return True
 
 
-def _load(plan) -> dict[str, Any]:
-    import torch
+def _flatten(tree: dict) -> list[tuple[tuple, Any]]:
+    """(path, leaf) in torch's traversal order: what DefaultSavePlanner's flatten_state_dict makes of `tree` (keys of
+    mappings as str, list indices as int; an empty mapping holds nothing)."""
+    out: list[tuple[tuple, Any]] = []
+    stack: list[tuple[tuple, Any]] = [((str(k),), v) for k, v in reversed(tree.items())]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(((*path, str(k)), v) for k, v in reversed(value.items()))
+        elif _is_terminal(value):
+            out.append((path, value))
+        else:
+            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(value))))
+    return out
 
-    from ..tensordata import load_tensor
 
-    by_storage: dict[Any, Any] = {}
-    tensors: dict[str, Any] = {}
-    for t in plan.tensors:
-        ident = (t.source.storage.ident, t.source.storage_offset, t.source.shape, t.source.stride, t.dtype) \
-            if t.source.storage is not None else t.key
-        if ident not in by_storage:
-            value = load_tensor(t.source)
-            by_storage[ident] = value.to(getattr(torch, t.dtype)) if t.dtype != t.source.dtype else value
-        tensors[t.key] = by_storage[ident]
-    return tensors
+def _check_value(value: Any, where: str) -> None:
+    """A value item holds plain data: no tensor (torch would pickle it into the value's archive) and no object."""
+    from ..fix import OutTensor
+    from ..safepickle.unpickler import Opaque
+
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, OutTensor):
+            raise PlanError(f"{where} is a tuple holding tensors, which a DCP folder stores as a pickled value; write "
+                            "it as another format, or leave it out with --drop")
+        if isinstance(v, Opaque) or isinstance(v, type) and issubclass(v, Opaque):
+            raise PlanError("a DCP folder holds tensors and plain values; this checkpoint holds objects of other "
+                            "classes (write the state_dict alone with --select PATH)")
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            stack.extend(v)
+
+
+class _MetaPickle:
+    """The pickle FileSystemWriter writes for torch's `Metadata`, opcode by opcode (pickling torch's classes with
+    Python's pickler would import torch): NEWOBJ and BUILD of each dataclass, TensorProperties' tuple state."""
+
+    def __init__(self) -> None:
+        from .pickler import Emitter
+
+        self.e = Emitter()
+        self.w = self.e.out.append
+
+    def new(self, name: str, module: str = _MD) -> None:
+        self.e.global_(module, name)
+        self.w(b")\x81")
+
+    def size(self, dims: tuple[int, ...]) -> None:
+        from .pickler import _ints_op
+
+        self.e.global_("torch", "Size")
+        self.w(_ints_op(tuple(dims)) + b"\x85R")
+
+    def path(self, path: tuple) -> None:
+        from .pickler import _int_op, _str_op
+
+        self.w(b"(" + b"".join(_str_op(k) if type(k) is str else _int_op(k) for k in path) + b"t")
+
+    def tensor(self, dtype: str, shape: tuple[int, ...]) -> None:
+        from .pickler import _str_op
+
+        self.new("TensorStorageMetadata")
+        self.w(b"}(" + _str_op("properties"))
+        self.new("TensorProperties")
+        self.w(b"(")
+        self.e.global_("torch", dtype)
+        self.e.global_("torch.serialization", "_get_layout")
+        self.w(_str_op("torch.strided") + b"\x85R\x89")
+        self.e.global_(_MD, "_MEM_FORMAT_ENCODING")
+        self.w(b"K\x00\x85R\x89tb" + _str_op("size"))
+        self.size(shape)
+        self.w(_str_op("chunks") + b"]")
+        self.new("ChunkStorageMetadata")
+        self.w(b"}(" + _str_op("offsets"))
+        self.size((0,) * len(shape))
+        self.w(_str_op("sizes"))
+        self.size(shape)
+        self.w(b"ub" + b"a" + b"ub")
+
+    def index(self, fqn: str, offsets: tuple[int, ...] | None) -> None:
+        from .pickler import _str_op
+
+        self.new("MetadataIndex")
+        self.w(b"}(" + _str_op("fqn") + _str_op(fqn) + _str_op("index") + b"N" + _str_op("offset"))
+        if offsets is None:
+            self.w(b"N")
+        else:
+            self.size(offsets)
+        self.w(b"ub")
+
+    def info(self, rel: str, offset: int, length: int) -> None:
+        from .pickler import _int_op, _str_op
+
+        self.new("_StorageInfo", "torch.distributed.checkpoint.filesystem")
+        self.w(b"}(" + _str_op("relative_path") + _str_op(rel) + _str_op("offset") + _int_op(offset)
+               + _str_op("length") + _int_op(length) + b"ub")
+
+    def dump(self, items: list[tuple[str, tuple, Any]], storage: list[tuple[str, tuple | None, tuple]]) -> bytes:
+        """`items`: (fqn, path, (dtype, shape) or None for a value); `storage`: (fqn, chunk offsets or None, (file,
+        offset, length))."""
+        from .pickler import _str_op
+
+        self.new("Metadata")
+        self.w(b"}(" + _str_op("state_dict_metadata") + b"}")
+        for start in range(0, len(items), 1000):
+            self.w(b"(")
+            for fqn, _path, tensor in items[start:start + 1000]:
+                self.w(_str_op(fqn))
+                if tensor is None:
+                    self.new("BytesStorageMetadata")
+                else:
+                    self.tensor(*tensor)
+            self.w(b"u")
+        self.w(_str_op("planner_data") + b"}")
+        for start in range(0, len(items), 1000):
+            self.w(b"(")
+            for fqn, path, _tensor in items[start:start + 1000]:
+                self.w(_str_op(fqn))
+                self.path(path)
+            self.w(b"u")
+        self.w(_str_op("storage_data") + b"}")
+        for start in range(0, len(storage), 1000):
+            self.w(b"(")
+            for fqn, offsets, where in storage[start:start + 1000]:
+                self.index(fqn, offsets)
+                self.info(*where)
+            self.w(b"u")
+        self.w(_str_op("storage_meta") + b"N" + _str_op("version") + _str_op(_VERSION) + b"ub")
+        return self.e.getvalue()
+
+
+def _tensor_item(t, sources) -> tuple[bytes, Any]:
+    """The pickle and the one storage of `t`'s archive: the tensor whole and contiguous in its planned dtype, as
+    torch's writer saves a chunk (a view is saved as its own elements, not its source's storage)."""
+    from .._record import replace
+    from ..assemble import contiguous_strides
+    from ..dtypes import element_size
+    from ..fix import _assembly_producer, _contiguous_producer, _convert_producer
+    from .pickler import TensorOut, dumps
+    from .stream import deflated_producer
+    from .torch_writer import StorageOut
+
+    rec = t.source
+    st = rec.storage
+    es = element_size(rec.dtype)
+    nbytes = rec.numel * element_size(t.dtype)
+    same = t.dtype == rec.dtype
+    if nbytes == 0:
+        out = StorageOut("0", 0, produce=lambda fd, at, progress: 0)
+    elif st is None:
+        raise PlanError(f"{rec.key} has no stored bytes to write")
+    elif not rec.is_contiguous:
+        out = StorageOut("0", nbytes, produce=_contiguous_producer(rec, t.dtype))
+    elif st.assembly is not None:
+        if rec.storage_offset == 0 and rec.numel * es == st.nbytes:
+            out = StorageOut("0", nbytes, produce=_assembly_producer(st.assembly, rec.key, t.dtype, sources))
+        else:
+            out = StorageOut("0", nbytes, produce=_contiguous_producer(rec, t.dtype))
+    elif st.deflated:
+        convert = (rec.dtype, t.dtype) if not same else None
+        out = StorageOut("0", nbytes, produce=deflated_producer(sources.fd(st.file), st, rec.storage_offset * es,
+                                                                 rec.numel * es, rec.key, convert))
+    elif not same:
+        out = StorageOut("0", nbytes, produce=_convert_producer(sources.fd(st.file), rec.file_offset, rec.numel * es,
+                                                                rec.dtype, t.dtype))
+    else:
+        whole = rec.storage_offset == 0 and nbytes == st.nbytes
+        out = StorageOut("0", nbytes, sources.fd(st.file), rec.file_offset, st.crc if whole else None)
+    flat = replace(rec, storage_offset=0, stride=contiguous_strides(rec.shape), requires_grad=False,
+                   is_parameter=False)
+    pickle_bytes, _unknown = dumps(TensorOut(flat, "0", "cpu", t.dtype, rec.numel))
+    return pickle_bytes, out
+
+
+def _write_file(folder: Path, name: str, write, sync: bool = False) -> int:
+    """A new file of the folder, written by `write(fd)`; returns its size. The items are synced together by
+    _sync_all (one fsync per item file costs a disk flush each: 1,000 tensors took seconds more than `cp`)."""
+    fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write(fd)
+        if sync:
+            os.fsync(fd)
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def _sync_all(folder: Path) -> None:
+    """Every file of the folder on disk: Linux's syncfs on the folder's filesystem (one flush), else an fsync each."""
+    import ctypes
+
+    from .stream import _linux_call
+
+    syncfs = _linux_call("syncfs", ctypes.c_int)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        if syncfs is not None and syncfs(fd) == 0:
+            return
+    finally:
+        os.close(fd)
+    for name in os.listdir(folder):
+        fd = os.open(folder / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_folder(plan, tree: dict, tmp: Path) -> dict[str, tuple[int, tuple, str, tuple]]:
+    """Every item into `tmp`, then `.metadata`; returns what each tensor's fqn was written as: (crc32 of its bytes,
+    shape, dtype, the path of the fqn whose item holds it)."""
+    from ..fix import OutTensor, _Sources
+    from .pickler import dumps
+    from .stream import write_bytes
+    from .torch_writer import write_torch_zip
+
+    leaves = _flatten(tree)
+    items: list[tuple[str, tuple, Any]] = []
+    storage: list[tuple[str, tuple | None, tuple]] = []
+    written: dict[str, tuple[int, tuple, str, tuple]] = {}
+    owners: dict[tuple, tuple[str, tuple]] = {}  # a source tensor -> the item that holds it (tied names share it)
+    seen: set[str] = set()
+    files = 0
+    sources = _Sources()
+    try:
+        for path, leaf in leaves:
+            fqn = ".".join(str(k) for k in path)
+            if fqn in seen:
+                raise PlanError(f"two entries of the checkpoint are both named {fqn} once flattened, which DCP cannot "
+                                "save (rename one with --rename)")
+            seen.add(fqn)
+            name = f"__0_{files}.distcp"  # one file per item, as single_file_per_rank=False writes them
+            if isinstance(leaf, OutTensor):
+                rec = leaf.source
+                ident = (rec.storage.ident if rec.storage is not None else leaf.key, rec.storage_offset, rec.shape,
+                         rec.stride, leaf.dtype)
+                zeros = (0,) * len(rec.shape)
+                items.append((fqn, path, (leaf.dtype, rec.shape)))
+                owner = owners.get(ident)
+                if owner is not None:  # a tied name: the owner's item again, one tensor on load
+                    storage.append((fqn, zeros, owner[1]))
+                    written[fqn] = (*written[owner[0]][:3], owner[0])
+                    continue
+                pickle_bytes, out = _tensor_item(leaf, sources)
+                size = _write_file(tmp, name, lambda fd: write_torch_zip(fd, "archive", pickle_bytes, [out]))
+                files += 1
+                storage.append((fqn, zeros, (name, 0, size)))
+                owners[ident] = (fqn, (name, 0, size))
+                written[fqn] = (out.crc if out.crc is not None else 0, rec.shape, leaf.dtype, fqn)
+            else:
+                _check_value(leaf, fqn)
+                pickle_bytes, _unknown = dumps(leaf)
+                size = _write_file(tmp, name, lambda fd: write_torch_zip(fd, "archive", pickle_bytes, []))
+                files += 1
+                items.append((fqn, path, None))
+                storage.append((fqn, None, (name, 0, size)))
+    finally:
+        sources.close()
+    _sync_all(tmp)  # the items are on disk before the metadata that names them
+    data = _MetaPickle().dump(items, storage)
+    _write_file(tmp, ".metadata.tmp", lambda fd: write_bytes(fd, 0, data), sync=True)  # as FileSystemWriter.finish
+    os.rename(tmp / ".metadata.tmp", tmp / ".metadata")
+    return written
 
 
 def write_dcp(plan, verify: bool, force: bool) -> int:
@@ -107,28 +361,17 @@ def write_dcp(plan, verify: bool, force: bool) -> int:
               *{p.file for t in plan.tensors if t.source.storage and t.source.storage.assembly
                 for p in t.source.storage.assembly.pieces})
     check_dcp_destination(output, inputs, force)
-    tensors = _load(plan)
-    tree = _materialize(plan.tree, tensors) if plan.tree is not None else \
-        OrderedDict((t.key, tensors[t.key]) for t in plan.tensors)
+    tree = plan.tree if plan.tree is not None else OrderedDict((t.key, t) for t in plan.tensors)
     if not isinstance(tree, dict):
         raise PlanError("a DCP folder saves a dict; this checkpoint's root is not one (write it with --select PATH)")
     parent = output.parent if str(output.parent) else Path(".")
     tmp = parent / f".{output.name}.ckpt-doctor-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        import warnings
-
-        ties = _untie(tree)
-        with warnings.catch_warnings():  # "torch.distributed is … uninitialized, assuming … a single process": yes
-            warnings.simplefilter("ignore")
-            meta = dcp.save(tree, storage_writer=FileSystemWriter(str(tmp), sync_files=True), no_dist=True)
-        if ties:
-            _record_ties(tmp, meta, ties)
+        os.mkdir(tmp)
+        written = _write_folder(plan, tree, tmp)
         if verify:
-            _verify(tmp, plan, tensors)
+            _verify(tmp, plan, written)
         _fsync_dir(tmp)
         if output.exists():
             old = parent / f".{output.name}.ckpt-doctor-old-{os.getpid()}"
@@ -145,81 +388,30 @@ def write_dcp(plan, verify: bool, force: bool) -> int:
     return sum(p.stat().st_size for p in output.iterdir())
 
 
-def _leaves(tree: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
-    if isinstance(tree, dict):
-        return [leaf for k, v in tree.items() for leaf in _leaves(v, (*path, k))]
-    if isinstance(tree, list):
-        return [leaf for i, v in enumerate(tree) for leaf in _leaves(v, (*path, i))]
-    return [(path, tree)]
-
-
-def _untie(tree: dict) -> list[tuple[tuple, tuple]]:
-    """Take every second name of a tied tensor out of the tree (DCP would save it twice, and read back two tensors);
-    returns (alias path, owner path) pairs, written into the metadata by _record_ties."""
-    import torch
-
-    owners: dict[int, tuple] = {}
-    ties = []
-    for path, value in _leaves(tree):
-        if isinstance(value, torch.Tensor):
-            owner = owners.setdefault(id(value), path)
-            if owner != path:
-                ties.append((path, owner))
-    for path, _ in ties:
-        parent = tree
-        for key in path[:-1]:
-            parent = parent[key]
-        if isinstance(parent, dict):
-            del parent[path[-1]]
-        else:  # a list keeps its length: the slot is filled from the owner's item on load
-            parent[path[-1]] = None
-    return ties
-
-
-def _record_ties(folder: Path, meta: Any, ties: list[tuple[tuple, tuple]]) -> None:
-    """Name each alias in the folder's metadata as a second name of its owner's chunks (its own planner path, the
-    owner's storage entries): dcp.load fills it from the same bytes, and a reader sees one tensor under two names.
-    `meta` is the Metadata dcp.save returned for this folder (nothing is read back and unpickled); it is written
-    again over the .metadata torch just wrote."""
-    import pickle
-
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    def fqn(p: tuple) -> str:
-        return ".".join(str(k) for k in p)
-
-    for alias, owner in ties:
-        a, o = fqn(alias), fqn(owner)
-        meta.state_dict_metadata[a] = meta.state_dict_metadata[o]
-        meta.planner_data[a] = alias
-        for index, info in list(meta.storage_data.items()):
-            if index.fqn == o:
-                meta.storage_data[MetadataIndex(a, index.offset, index.index)] = info
-    path = folder / ".metadata"
-    tmp = path.with_name(".metadata.tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(meta, f, protocol=4)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _verify(folder: Path, plan, tensors: dict[str, Any]) -> None:
-    """Read the folder back with ckpt-doctor's DCP reader: the same tensors, bit for bit (crc32 of the bytes)."""
-    import zlib
-
+def _verify(folder: Path, plan, written: dict[str, tuple[int, tuple, str, tuple]]) -> None:
+    """Read the folder back with ckpt-doctor's DCP reader: the same tensors, bit for bit (crc32 of the bytes each
+    item holds against the crc32 of what was copied into it from the source), tied names still one tensor."""
     from ..readers import read_checkpoint
-    from ..tensordata import read_bytes, tensor_bytes
+    from .stream import crc_range
 
-    written = {t.key: t for t in read_checkpoint(folder).tensors}
-    if set(written) != set(tensors):
-        differ = sorted(set(written) ^ set(tensors))[:3]
+    back = {t.key: t for t in read_checkpoint(folder).tensors}
+    if set(back) != set(written):
+        differ = sorted(set(back) ^ set(written))[:3]
         raise WriteError(f"{plan.output}: verification failed: the folder holds other tensors than planned ({differ}); "
                          "nothing written")
-    for key, value in tensors.items():
-        got = written[key]
-        if got.shape != tuple(value.shape) or got.dtype != str(value.dtype).removeprefix("torch."):
+    for key, (crc, shape, dtype, _owner) in written.items():
+        got = back[key]
+        if got.shape != tuple(shape) or got.dtype != dtype:
             raise WriteError(f"{plan.output}: verification failed for {key}: wrote {got.dtype}{list(got.shape)}; "
                              "nothing written")
-        if zlib.crc32(read_bytes(got)) != zlib.crc32(tensor_bytes(value.contiguous())):
+        pieces = got.storage.assembly.pieces if got.storage is not None and got.storage.assembly else ()
+        if len(pieces) != 1:
+            raise WriteError(f"{plan.output}: verification failed for {key}: read back as {len(pieces)} chunks; "
+                             "nothing written")
+        fd = os.open(pieces[0].file, os.O_RDONLY)
+        try:
+            got_crc = crc_range(fd, pieces[0].offset, got.nbytes) if got.nbytes else 0
+        finally:
+            os.close(fd)
+        if got_crc != crc:
             raise WriteError(f"{plan.output}: verification failed: {key} does not match its source; nothing written")
