@@ -299,6 +299,7 @@ class _Items:
         self.hazards: list = []
         self.walked_bytes = 0
         self.budget: list[int] | None = None
+        self.value_ends: dict[str, int] | None = None
 
     def open(self, rel: str, fqn: str) -> tuple[Path, int]:
         path = self.folder / rel
@@ -322,9 +323,12 @@ class _Items:
         if rel in self.blobs:
             return self.blobs[rel]
         path, size = self.open(rel, fqn)
-        ends = [at + n for (f, off), (r, at, n, _t) in self.meta.entries() if r == rel and off is None] \
-            if self.meta is not None else []
-        base = max(ends, default=0)
+        if self.value_ends is None:  # where each file's value items end: one pass over the entries, not one a file
+            self.value_ends = {}
+            for (_f, off), (r, at, n, _t) in self.meta.entries() if self.meta is not None else ():
+                if off is None:
+                    self.value_ends[r] = max(self.value_ends.get(r, 0), at + n)
+        base = self.value_ends.get(rel, 0)
         found = None
         fd = os.open(path, os.O_RDONLY)
         try:
