@@ -280,12 +280,12 @@ def _archive(fd: int, pickle_bytes: bytes, storages: list) -> None:
     z.finish()
 
 
-def _write_file(folder: Path, name: str, write, sync: bool = False) -> int:
-    """A new file of the folder, written by `write(fd)`; returns its size. The items are synced together by
+def _write_file(folder: Path, name: str, write, *args: Any, sync: bool = False) -> int:
+    """A new file of the folder, written by `write(fd, *args)`; returns its size. The items are synced together by
     _sync_all (one fsync per item file costs a disk flush each: 1,000 tensors took seconds more than `cp`)."""
     fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        write(fd)
+        write(fd, *args)
         if sync:
             os.fsync(fd)
         return os.fstat(fd).st_size
@@ -349,7 +349,7 @@ def _write_folder(plan, tree: dict, tmp: Path) -> dict[str, tuple[int, tuple, st
                     written[fqn] = (*written[owner[0]][:3], owner[0])
                     continue
                 pickle_bytes, out = _tensor_item(leaf, sources)
-                size = _write_file(tmp, name, lambda fd: _archive(fd, pickle_bytes, [out]))
+                size = _write_file(tmp, name, _archive, pickle_bytes, [out])
                 files += 1
                 storage.append((fqn, zeros, (name, 0, size)))
                 owners[ident] = (fqn, (name, 0, size))
@@ -357,7 +357,7 @@ def _write_folder(plan, tree: dict, tmp: Path) -> dict[str, tuple[int, tuple, st
             else:
                 _check_value(leaf, fqn)
                 pickle_bytes, _unknown = dumps(leaf)
-                size = _write_file(tmp, name, lambda fd: _archive(fd, pickle_bytes, []))
+                size = _write_file(tmp, name, _archive, pickle_bytes, [])
                 files += 1
                 items.append((fqn, path, None))
                 storage.append((fqn, None, (name, 0, size)))
@@ -365,7 +365,7 @@ def _write_folder(plan, tree: dict, tmp: Path) -> dict[str, tuple[int, tuple, st
         sources.close()
     _sync_all(tmp)  # the items are on disk before the metadata that names them
     data = _MetaPickle().dump(items, storage)
-    _write_file(tmp, ".metadata.tmp", lambda fd: write_bytes(fd, 0, data), sync=True)  # as FileSystemWriter.finish
+    _write_file(tmp, ".metadata.tmp", write_bytes, 0, data, sync=True)  # as FileSystemWriter.finish
     os.rename(tmp / ".metadata.tmp", tmp / ".metadata")
     return written
 
