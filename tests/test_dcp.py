@@ -438,6 +438,46 @@ def test_a_single_file_becomes_a_dcp_folder_fsdp2_resumes_from(tmp_path):
     assert refused.exit_code == 2 and (tmp_path / "notdcp" / "keep.txt").read_text() == "mine"
 
 
+def test_a_training_checkpoint_streams_into_a_dcp_folder_dcp_load_reads_bit_for_bit(tmp_path):
+    """fix --format dcp writes the folder itself, item by item from the source's bytes: torch's dcp.load fills the
+    same nested state (bf16, a transposed view, a view at an offset, an empty tensor, integer optimizer state keys,
+    param_groups values) with exactly the file's tensors and values, and --dtype converts on the way."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(4, 10)).sum().backward()
+    opt.step()
+    base = torch.randn(6, 4)
+    source = {"model": {**net.state_dict(), "half": torch.randn(3, 5).to(torch.bfloat16), "t": base.t(),
+                        "part": base[2:4], "empty": torch.zeros(0, 3)},
+              "optimizer": opt.state_dict(), "epoch": 3, "tag": "run-1"}
+    torch.save(source, tmp_path / "train.pt")
+    folder = tmp_path / "out_dcp"
+    result = run_cli("fix", tmp_path / "train.pt", "-o", folder, "--format", "dcp", "--select", "")
+    assert result.exit_code == 0, result.stderr
+    target = {"model": {k: torch.full_like(v, 7) for k, v in source["model"].items()},
+              "optimizer": {"state": {k: {n: torch.zeros_like(x) for n, x in v.items()}
+                                      for k, v in source["optimizer"]["state"].items()},
+                            "param_groups": [{k: None for k in g} for g in source["optimizer"]["param_groups"]]},
+              "epoch": 0, "tag": ""}
+    dcp.load(target, checkpoint_id=str(folder), no_dist=True)
+    for key, value in source["model"].items():
+        assert same_bits(target["model"][key], value.contiguous()), key
+    for k, state in source["optimizer"]["state"].items():
+        assert same_bits(target["optimizer"]["state"][k]["momentum_buffer"], state["momentum_buffer"])
+    assert target["optimizer"]["param_groups"] == source["optimizer"]["param_groups"]
+    assert (target["epoch"], target["tag"]) == (3, "run-1")
+    half = tmp_path / "half_dcp"
+    assert run_cli("fix", tmp_path / "train.pt", "-o", half, "--format", "dcp", "--dtype", "bfloat16").exit_code == 0
+    weights = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in net.state_dict().items()
+               if v.is_floating_point()}
+    dcp.load({"model": weights}, checkpoint_id=str(half), no_dist=True)
+    for key, value in weights.items():
+        assert same_bits(value, net.state_dict()[key].to(torch.bfloat16)), key
+
+
 def test_accelerate_fsdp_layout_reads_the_model_folder(samples, tmp_path):
     """accelerate's save_state under FSDP (SHARDED_STATE_DICT): pytorch_model_fsdp_0/ and optimizer_0/ DCP folders
     beside the scheduler and random states (laid out as accelerate does; writing it needs GPUs)."""
@@ -677,3 +717,31 @@ def test_selecting_the_optimizer_keeps_it_a_state_dict(samples, tmp_path):
     assert_same_tree(torch.load(out, weights_only=True), full["optim"])
     flat = run_cli("fix", samples / "fsdp2", "-o", tmp_path / "optim.safetensors", "--select", "optim")
     assert flat.exit_code == 0 and "write a .pt to keep it whole" in flat.stderr
+
+
+def test_a_large_runs_metadata_is_walked_whole_while_a_memo_bomb_is_still_refused():
+    """A .metadata of 140,000 chunk entries (torch's own classes, pickled as FileSystemWriter pickles them) stores 2.25
+    million memo entries, honestly: the walk reaches its end. The bound grows with the pickle's length, so a pickle
+    that spends one byte per memo entry is refused at the same count."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    from ckpt_doctor.safepickle.walker import walk
+
+    props = TensorProperties(dtype=torch.float32)
+    sdm, storage = {}, {}
+    for t in range(1400):
+        fqn = f"layers.{t}.weight"
+        sdm[fqn] = TensorStorageMetadata(props, torch.Size([100, 8]), [
+            ChunkStorageMetadata(torch.Size([c, 0]), torch.Size([1, 8])) for c in range(100)])
+        for c in range(100):
+            storage[MetadataIndex(fqn, [c, 0], c)] = _StorageInfo(f"__{c}_0.distcp", t * 1600, 1600)
+    data = pickle.dumps(Metadata(sdm, {f: (f,) for f in sdm}, storage, None, "1.0.0"), protocol=4)
+    assert data.count(b"\x94") > 2_000_000
+    honest = walk(data, ".metadata")
+    assert honest.refused is None and honest.broken is None, honest.refused
+    bomb = walk(b"\x80\x04N" + b"\x94" * 2_100_000 + b".", "bomb")
+    assert bomb.refused and "memo entries" in bomb.refused

@@ -1,5 +1,5 @@
 """Repairs a checkpoint into a file that loads: planned (options.py → plan.py, pure) apart from carried out
-(execute.py, produce.py, readback.py, shard.py; a DCP folder through writers/dcp_writer.py).
+(execute.py, produce.py, readback.py, shard.py; a DCP folder: dcp_output.py).
 
     from ckpt_doctor.fix import FixOptions, fix_checkpoint
     from ckpt_doctor.transforms import strip_prefix

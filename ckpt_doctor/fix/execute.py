@@ -14,7 +14,7 @@ from ..records import OutTensor
 from ..safepickle.unpickler import SizeValue
 from ..tree import run_nested
 from ..writers.atomic import atomic_output, check_destination
-from ..writers.dcp_writer import write_dcp
+from .dcp_output import write_dcp
 from ..writers.pickler import TensorOut, dumps
 from ..writers.safetensors_writer import TensorBytes, write_safetensors
 from ..writers.stream import Progress, WrittenRanges, deflated_producer

@@ -26,7 +26,7 @@ from ..errors import ReadError
 from .._record import replace
 from ..records import Assembly, Checkpoint, DcpFolder, DistributedShard, Format, GlobalRef, Piece
 from ..safepickle import limits
-from ..safepickle.unpickler import Opaque, RawTensor, StorageRef
+from ..safepickle.unpickler import Opaque, RawTensor, SizeValue, StorageRef
 from ._pickled import assembled_tensor, build_checkpoint
 from .survey import survey_file, survey_item
 
@@ -87,6 +87,8 @@ def _field(state: Any, name: str, where: Path) -> Any:
 
 
 def _ints(value: Any, what: str, where: Path) -> tuple[int, ...]:
+    if type(value) is SizeValue and (not value or min(value) >= 0):  # a torch.Size: its items are ints already
+        return tuple(value)
     if not isinstance(value, (tuple, list)) or not all(type(v) is int and v >= 0 for v in value):
         raise ReadError(f"{where}: {what} is not a list of sizes ({str(value)[:60]})")
     return tuple(value)
@@ -167,23 +169,44 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = Tru
             if meta.paths.setdefault(fqn, p) != p:
                 raise ReadError(f"{path}: planner_data puts {fqn} at {list(p)[:6]}, another rank's metadata at "
                                 f"{list(meta.paths[fqn])[:6]}: the metadata files disagree")
+    # One entry per chunk: a million in a large run's metadata. Each class is checked once (every entry of a class is
+    # an instance of the same stand-in class), each file name once, and a plain dict state is read directly.
+    index_classes: set[type] = set()
+    info_classes: set[type] = set()
+    good_files: set[str] = set()
     for index, info in storage.items():
-        mi = _state(index, "MetadataIndex", path)
-        si = _state(info, "_StorageInfo", path)
-        fqn = _field(mi, "fqn", path)
+        if type(index) in index_classes:
+            mi = index._ckd.state
+        else:
+            mi = _state(index, "MetadataIndex", path)
+            index_classes.add(type(index))
+        if type(info) in info_classes:
+            si = info._ckd.state
+        else:
+            si = _state(info, "_StorageInfo", path)
+            info_classes.add(type(info))
+        fqn = mi["fqn"] if type(mi) is dict and "fqn" in mi else _field(mi, "fqn", path)
         if not isinstance(fqn, str):
             raise ReadError(f"{path}: a storage entry names its item by a {type(fqn).__name__}, not a string")
         offset = mi.get("offset") if isinstance(mi, dict) else None  # absent for a non-tensor value
-        rel, at, length = _field(si, "relative_path", path), _field(si, "offset", path), _field(si, "length", path)
-        transforms = si.get("transform_descriptors") if isinstance(si, dict) else None
+        if type(si) is dict and "relative_path" in si and "offset" in si and "length" in si:
+            rel, at, length = si["relative_path"], si["offset"], si["length"]
+            transforms = si.get("transform_descriptors")
+        else:
+            rel, at, length = _field(si, "relative_path", path), _field(si, "offset", path), _field(si, "length", path)
+            transforms = si.get("transform_descriptors") if isinstance(si, dict) else None
         if transforms is not None and not (isinstance(transforms, (list, tuple))
                                            and all(isinstance(t, str) for t in transforms)):
             raise ReadError(f"{path}: the storage entry of {fqn[:80]} has malformed transform descriptors")
-        if not (isinstance(rel, str) and type(at) is int and type(length) is int and at >= 0 and length >= 0):
+        if not (type(at) is int and type(length) is int and at >= 0 and length >= 0):
             raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} is malformed")
-        if "/" in rel or "\\" in rel or rel in ("", ".", ".."):
-            raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} names {rel[:80]!r}, not a file in the "
-                            "folder")
+        if not isinstance(rel, str) or rel not in good_files:
+            if not isinstance(rel, str):
+                raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} is malformed")
+            if "/" in rel or "\\" in rel or rel in ("", ".", ".."):
+                raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} names {rel[:80]!r}, not a file in "
+                                "the folder")
+            good_files.add(rel)
         key = (fqn, None if offset is None else _ints(offset, f"a storage offset of {fqn}", path))
         entry = (rel, at, length, tuple(transforms or ()))
         if strict and key[1] is not None and fqn in own and key[1] not in own[fqn]:
@@ -300,6 +323,7 @@ class _Items:
         self.hazards: list = []
         self.walked_bytes = 0
         self.budget: list[int] | None = None
+        self.value_ends: dict[str, int] | None = None
 
     def open(self, rel: str, fqn: str) -> tuple[Path, int]:
         path = self.folder / rel
@@ -323,9 +347,12 @@ class _Items:
         if rel in self.blobs:
             return self.blobs[rel]
         path, size = self.open(rel, fqn)
-        ends = [at + n for (f, off), (r, at, n, _t) in self.meta.entries() if r == rel and off is None] \
-            if self.meta is not None else []
-        base = max(ends, default=0)
+        if self.value_ends is None:  # where each file's value items end: one pass over the entries, not one a file
+            self.value_ends = {}
+            for (_f, off), (r, at, n, _t) in self.meta.entries() if self.meta is not None else ():
+                if off is None:
+                    self.value_ends[r] = max(self.value_ends.get(r, 0), at + n)
+        base = self.value_ends.get(rel, 0)
         found = None
         fd = os.open(path, os.O_RDONLY)
         try:

@@ -21,8 +21,18 @@ def max_memo_index(pickle_length: int) -> int:
 MAX_INT_BYTES = 1024
 
 # Memo entries one pickle may store: a 20,000-tensor data.pkl stores 160,000; 15 million (74 MB of LONG_BINPUTs)
-# took 1.4 GB to track.
+# took 1.4 GB to track. A bigger pickle may honestly store more: torch's DCP `.metadata` (protocol 4, a MEMOIZE after
+# almost every object) stores one entry per 8.6 bytes, 16 million for 1,000,000 chunks in 138 MB. So the bound grows
+# with the pickle's length, one entry per MEMO_BYTES_PER_ENTRY bytes past MAX_MEMO_ENTRIES: a bomb still pays at least
+# that many bytes of file per entry it makes the walk track, and the pickle's length is itself bounded (a pickle over
+# MAX_UNPICKLE_BYTES is not unpickled; the walk stops at MAX_PICKLE_OPCODES).
 MAX_MEMO_ENTRIES = 2_000_000
+MEMO_BYTES_PER_ENTRY = 6
+
+
+def max_memo_entries(pickle_length: int) -> int:
+    return max(MAX_MEMO_ENTRIES, pickle_length // MEMO_BYTES_PER_ENTRY)
+
 
 # Distinct globals one pickle may name: a checkpoint names a few dozen. Each is listed with its verdict.
 MAX_DISTINCT_GLOBALS = 10_000

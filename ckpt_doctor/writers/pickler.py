@@ -66,11 +66,11 @@ class Emitter:
             for obj in stack[-1][0]:
                 kind = type(obj)  # the common exact types first: a state_dict is thousands of keys and tensors
                 if kind is str:
-                    write(_str_op(obj))
+                    write(str_op(obj))
                 elif kind is TensorOut:
                     self._tensor(obj)
                 elif kind is int:
-                    write(_int_op(obj))
+                    write(int_op(obj))
                 else:
                     if id(obj) in open_:
                         raise WriteError(f"the checkpoint holds a {kind.__name__} inside itself (a cycle), which "
@@ -89,11 +89,11 @@ class Emitter:
         elif isinstance(obj, bool):
             write(b"\x88" if obj else b"\x89")
         elif isinstance(obj, int):
-            write(_int_op(obj))
+            write(int_op(obj))
         elif isinstance(obj, float):
             write(b"G" + struct.pack(">d", obj))
         elif isinstance(obj, str):
-            write(_str_op(obj))
+            write(str_op(obj))
         elif isinstance(obj, bytearray):
             self.global_("builtins", "bytearray")
             yield bytes(obj)
@@ -184,8 +184,8 @@ class Emitter:
             self.global_("torch.storage", "UntypedStorage")
         # Typed storages count elements; an UntypedStorage counts bytes.
         numel = t.storage_numel if legacy_class else t.storage_numel * element_size(t.dtype)
-        self.out.append(b"".join((_str_op(t.storage_key), _str_op(t.device), _int_op(numel), b"tQ",
-                                  _int_op(rec.storage_offset), _ints_op(rec.shape), _ints_op(rec.stride),
+        self.out.append(b"".join((str_op(t.storage_key), str_op(t.device), int_op(numel), b"tQ",
+                                  int_op(rec.storage_offset), ints_op(rec.shape), ints_op(rec.stride),
                                   b"\x88" if rec.requires_grad and not rec.is_parameter else b"\x89")))
         self.global_("collections", "OrderedDict")
         self.out.append(b")R")
@@ -231,7 +231,7 @@ class Emitter:
             self.out.append(b"b")
 
 
-def _int_op(n: int) -> bytes:
+def int_op(n: int) -> bytes:
     if 0 <= n < 256:
         return b"K" + bytes((n,))
     if 0 <= n < 65536:
@@ -244,17 +244,17 @@ def _int_op(n: int) -> bytes:
     return b"\x8b" + len(raw).to_bytes(4, "little") + raw  # LONG4: past 255 bytes
 
 
-def _str_op(text: str) -> bytes:
+def str_op(text: str) -> bytes:
     raw = text.encode("utf-8", "surrogatepass")
     return b"X" + len(raw).to_bytes(4, "little") + raw
 
 
-_STORAGE = _str_op("storage")
+_STORAGE = str_op("storage")
 
 
-def _ints_op(items: tuple[int, ...]) -> bytes:
+def ints_op(items: tuple[int, ...]) -> bytes:
     """A tuple of ints (a shape, a stride)."""
-    body = b"".join(map(_int_op, items))
+    body = b"".join(map(int_op, items))
     if len(items) <= 3:
         return body + b")\x85\x86\x87"[len(items):len(items) + 1] if items else b")"
     return b"(" + body + b"t"

@@ -174,7 +174,7 @@ def crc_range(fd: int, offset: int, nbytes: int, progress: Progress | None = Non
     return crc
 
 
-def _linux_call(name: str, *argtypes: Any) -> Callable[..., int] | None:
+def linux_call(name: str, *argtypes: Any) -> Callable[..., int] | None:
     """A libc function of Linux's (int result, errno kept), or None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
@@ -193,7 +193,7 @@ def _sync_file_range() -> Callable[[int, int, int], None] | None:
     """Linux's sync_file_range(SYNC_FILE_RANGE_WRITE): start writing a range to disk and return at once."""
     import ctypes
 
-    func = _linux_call("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    func = linux_call("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
     if func is None:
         return None
     return lambda fd, offset, nbytes: func(fd, offset, nbytes, 2)  # 2 = SYNC_FILE_RANGE_WRITE; errors ignored
@@ -206,7 +206,7 @@ def preallocate(fd: int, nbytes: int) -> None:
     A full disk is found now, before any copying (OSError ENOSPC). The writer truncates to the size it ends at."""
     import ctypes
 
-    func = _linux_call("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    func = linux_call("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
     if func is None or nbytes <= 0 or func(fd, 0, 0, nbytes) == 0:
         return
     code = ctypes.get_errno()
