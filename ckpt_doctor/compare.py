@@ -375,8 +375,9 @@ def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str 
         flags += [*model.flags, "--allow-missing", _alternation(fix.left_missing)]
     missing = tuple(k for k in check.missing if k not in allowed_m)
     required, reason = required_share(model, allow_missing, min_loaded)
-    bn_missing = tuple(k for k in (fix.after.missing if fix.after else check.missing) if k.rsplit(".", 1)[-1]
-                       in BN_STATS and k in check.missing)
+    # What the file lacks once the fix renames its keys: a mapping by order fills every key of the model.
+    still = () if fix.kind == "map-by-order" else fix.after.missing if fix.after else check.missing
+    bn_missing = tuple(k for k in still if k.rsplit(".", 1)[-1] in BN_STATS and k in check.missing)
     return Comparison(
         model=model.source, state_dict_root=root, fix_root=fix.root, matched=check.matched, missing=missing,
         unexpected=tuple(k for k in unexpected if k not in allowed_u),
@@ -521,6 +522,8 @@ def infer_fix(tensors: list[TensorRecord], model: ModelKeys, check: LoadCheck, *
         keys = [t.key for t in part_tensors]
         by_key = {t.key: t for t in part_tensors}
         candidates = _candidates(keys, model_keys)
+        moved = _with_module_renames(candidates, keys, by_key, model)  # candidate → keys its module renames move
+        candidates += [list(transforms) for transforms in moved]
         if model.load_name is not None:  # the renames the model's library makes as it loads (transformers')
             known = set(model_keys)
             pairs = [(k, n) for k, n in ((k, model.load_name(k)) for k in keys) if n != k and n in known]
@@ -538,8 +541,12 @@ def infer_fix(tensors: list[TensorRecord], model: ModelKeys, check: LoadCheck, *
             left_out = len(tensors) - len(part_tensors) if inside and part != root else 0
             # Placed keys first; then fewer left out; then names over shapes (a prefix stripped rather than every
             # key paired by shape), the fewest guesses by position among them.
+            # A module renamed whole is a guess from its keys' shapes as a pairing is, key by key; as sure (a wrapper
+            # stripped and one layer paired is no worse), the module's own name is the better line.
+            guessed = moved.get(tuple(transforms))
             score = (len(fix.renames) + fix.matched, -len(fix.dropped) - len(fix.left_missing) - left_out,
-                     -len(fix.ambiguous), -len(fix.paired), part == root, -len(transforms))
+                     -len(fix.ambiguous), -len(fix.paired) - (guessed or 0), guessed is not None, part == root,
+                     -len(transforms))
             if best is None or score > best[0]:
                 best = (score, fix)
     fix = best[1] if best is not None else Fix()
@@ -862,6 +869,87 @@ def _candidates(ckpt_keys: list[str], model_keys: list[str]) -> list[list[Transf
         for head in _model_heads(stripped, model_keys):
             out.append(s + [add_prefix(head)])
     return out
+
+
+def _with_module_renames(candidates: list[list[Transform]], keys: list[str], by_key: dict[str, TensorRecord],
+                         model: ModelKeys) -> dict[tuple[Transform, ...], int]:
+    """Each candidate followed by the renames of whole modules its keys still lack (`_module_renames`) → how many
+    keys those renames move."""
+    model_shapes = {e.key: tuple(e.shape) for e in model.entries if e.key not in set(model.non_persistent)}
+    out: dict[tuple[Transform, ...], int] = {}
+    for transforms in candidates:
+        if any(t.op is Op.ADD_PREFIX for t in transforms):
+            continue  # renames act before --add-prefix: the names they see are not the model's
+        try:
+            mapping = plan_keys(keys, transforms).mapping
+        except PlanError:
+            continue
+        renames = _module_renames({new: tuple(by_key[old].shape) for old, new in mapping.items()}, model_shapes)
+        if renames:
+            try:
+                after = plan_keys(list(mapping.values()), renames).mapping
+            except PlanError:
+                continue
+            out.setdefault(tuple(transforms + renames), sum(old != new for old, new in after.items()))
+    return out
+
+
+def _module_renames(ckpt_shapes: dict[str, tuple[int, ...]], model_shapes: dict[str, tuple[int, ...]]
+                    ) -> list[Transform]:
+    r"""`^old\.` → `new.` for each module of the checkpoint that the model holds under another name: every key under
+    `old` is one the model lacks, every key under `new` one the checkpoint lacks, and the two hold the same keys
+    below them with the same shapes, which no other module on either side does (`features` → `backbone`,
+    `encoder.block` → `encoder.layer`). The outermost such module is renamed whole; one whose name is also a module
+    on the other side (a swap, a shift) is left to the pairing by shape or by order."""
+
+    def under(key: str, module: str) -> bool:
+        return key == module or key.startswith(module + ".")
+
+    def modules(shapes: dict[str, tuple[int, ...]], other: dict) -> dict[str, frozenset]:
+        """Each module (a key's leading components) all of whose keys `other` lacks → its keys below it, shaped."""
+        below: dict[str, set] = {}
+        complete: dict[str, bool] = {}
+        for key, shape in shapes.items():
+            parts = key.split(".")
+            for i in range(1, len(parts)):
+                name = ".".join(parts[:i])
+                below.setdefault(name, set()).add((".".join(parts[i:]), shape))
+                complete[name] = complete.get(name, True) and key not in other
+        return {name: frozenset(held) for name, held in below.items() if complete[name]}
+
+    heads = {key.split(".", 1)[0] for key in ckpt_shapes}
+    if len(heads) == 1 and "." in next(iter(ckpt_shapes), "") and not any(under(k, *heads) for k in model_shapes):
+        return []  # one wrapper around every key (`module.`): stripped by another candidate, not renamed away
+    old_modules = modules(ckpt_shapes, model_shapes)
+    new_modules = modules(model_shapes, ckpt_shapes)
+    if not old_modules or not new_modules:
+        return []
+    holders_old: dict[frozenset, list[str]] = {}
+    holders_new: dict[frozenset, list[str]] = {}
+    for name, held in old_modules.items():
+        holders_old.setdefault(held, []).append(name)
+    for name, held in new_modules.items():
+        holders_new.setdefault(held, []).append(name)
+
+    done: list[str] = []
+    for old in sorted(old_modules, key=lambda n: n.count(".")):
+        if any(under(old, d) for d in done):
+            continue  # inside a module already renamed whole
+        held = old_modules[old]
+        if len(holders_old[held]) != 1 or len(holders_new.get(held, ())) != 1:
+            continue  # no module of the model holds these keys, or several could: names cannot tell
+        new = holders_new[held][0]
+        if new == old or any(under(k, new) for k in ckpt_shapes) or any(under(k, old) for k in model_shapes):
+            continue
+        done.append(old)
+    first = {}  # the modules in the order of the file's keys
+    for i, key in enumerate(ckpt_shapes):
+        for old in done:
+            if under(key, old):
+                first.setdefault(old, i)
+    new_of = {old: holders_new[old_modules[old]][0] for old in done}
+    return [Transform(Op.RENAME, f"^{_literal(old + '.')}", _replacement(new_of[old] + "."))
+            for old in sorted(done, key=first.__getitem__)]
 
 
 def _shared_heads(ckpt_keys: list[str], model_keys: list[str]) -> list[str]:

@@ -7,7 +7,7 @@ import re
 from collections import Counter
 from ._record import record
 
-from .errors import PlanError, UsageError
+from .errors import PlanError, Rerun, UsageError
 
 
 class Op(str, enum.Enum):
@@ -120,10 +120,14 @@ class KeyPlan:
 
 
 def plan_keys(keys: list[str], transforms: list[Transform], order: list[str] | None = None) -> KeyPlan:
-    """Apply transforms to every key; two keys landing on one name is a PlanError, never a silent overwrite."""
+    """Apply transforms to every key; two keys landing on one name is a PlanError, never a silent overwrite, and so
+    is a key no module could have (`key_problem`)."""
+    return _plan_keys(keys, ordered(transforms), order, suggest=True)
+
+
+def _plan_keys(keys: list[str], steps: list[Transform], order: list[str] | None, suggest: bool) -> KeyPlan:
     mapping: dict[str, str] = {}
     dropped: list[str] = []
-    steps = ordered(transforms)
     for key in keys:
         new: str | None = key
         for step in steps:
@@ -131,7 +135,7 @@ def plan_keys(keys: list[str], transforms: list[Transform], order: list[str] | N
             if new is None:
                 break
         if not well_formed(new) and well_formed(key):  # a name the file already has is kept as torch would
-            raise _malformed(key, steps, keys)
+            raise _malformed(key, steps, keys, suggest)
         if new is None:
             dropped.append(key)
         else:
@@ -148,36 +152,62 @@ def plan_keys(keys: list[str], transforms: list[Transform], order: list[str] | N
     return KeyPlan(mapping, tuple(dropped))
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def key_problem(key: str | None) -> str | None:
+    """Why no module could have `key` as the name of a tensor (an empty component: a leading, trailing or doubled
+    dot, or no name at all; a control character), or None when it is a name torch can use."""
+    if key is None:
+        return None
+    if key == "":
+        return "an empty key"
+    if key.startswith(".") or key.endswith(".") or ".." in key:
+        return "a key with an empty component"
+    control = _CONTROL.search(key)
+    if control:
+        return f"a key with a control character ({control.group()!r})"
+    return None
+
+
 def well_formed(key: str | None) -> bool:
-    """A key torch can name a tensor by: no empty component (no leading, trailing or doubled dot)."""
-    return key is None or (key != "" and not key.startswith(".") and not key.endswith(".") and ".." not in key)
+    """A key torch can name a tensor by: no empty component (no leading, trailing or doubled dot), no control
+    character."""
+    return key_problem(key) is None
 
 
-def _malformed(key: str, steps: list[Transform], keys: list[str]) -> PlanError:
-    """The refusal of transforms that make a key with an empty component: names the first step that does, with the
-    rename that was meant when one is plain (the dot beside the match taken with it) and makes every key well
-    formed."""
-    from .errors import Rerun
+def _malformed(key: str, steps: list[Transform], keys: list[str], suggest: bool = True) -> PlanError:
+    """The refusal of transforms that make a key no module has: names the first step that does, with the rename that
+    was meant when one is plain (the dot beside the match taken with it) and the whole set of transforms, so changed,
+    plans cleanly on every key; else says why that rename would not do either."""
+    import shlex
 
     new: str | None = key
     for step in steps:
         before, new = new, step.apply(new)  # type: ignore[arg-type]
         if not well_formed(new):
             break
-    what = f"{' '.join(step.flags())} turns {before!r} into {new!r}: a key with an empty component, which no " \
-           "module has; nothing written"
-    if step.op is not Op.RENAME:
+    problem = key_problem(new)
+    what = f"{' '.join(step.flags())} turns {before!r} into {new!r}: {problem}, which no module has; nothing written"
+    if step.op is not Op.RENAME or not suggest or not problem or "empty" not in problem:
         return PlanError(what)
+    why_not: list[str] = []
     for pattern in (step.arg + r"\.", r"\." + step.arg):
         meant = Transform(Op.RENAME, pattern, step.repl)
         try:
             re.compile(pattern)
-            if all(well_formed(meant.apply(k)) for k in keys) and any(meant.apply(k) != k for k in keys):
-                return PlanError(what + "; the rename with the dot beside it: {0}",
-                                 reruns=(Rerun(add=tuple(meant.flags()), remove=tuple(step.flags())),))
+            if not (all(well_formed(meant.apply(k)) for k in keys) and any(meant.apply(k) != k for k in keys)):
+                continue
+            _plan_keys(keys, [meant if s is step else s for s in steps], None, suggest=False)  # checked as a whole
         except re.error:
             continue
-    return PlanError(what)
+        except (PlanError, UsageError) as exc:
+            why_not.append(f"{' '.join(shlex.quote(f) for f in meant.flags())} would not do either: "
+                           f"{str(exc).split('; nothing written')[0]}")
+            continue
+        return PlanError(what + "; the rename with the dot beside it: {0}",
+                         reruns=(Rerun(add=tuple(meant.flags()), remove=tuple(step.flags())),))
+    return PlanError(what + (f" ({why_not[0]})" if why_not else ""))
 
 
 def flags_for(transforms: list[Transform]) -> list[str]:

@@ -101,14 +101,17 @@ def test_new_head_is_a_shape_mismatch_and_can_be_allowed(fixtures, cli):
     assert code == 1
 
 
-def test_renamed_layers_propose_mapping_by_order(fixtures, cli):
+def test_renamed_layers_are_renamed_module_by_module(fixtures, cli):
+    """Each layer of SmallCNN holds keys of shapes no other layer holds: its module is renamed whole, by name, and
+    no position is left to a guess (a mapping by order would call the BatchNorms' neighbours ambiguous)."""
     code, comp = comparison(cli, fixtures["plain"]["path"], "fixtures.models:RenamedCNN")
     assert code == 1
-    assert comp["fix_kind"] == "map-by-order"
-    assert comp["suggested_fix"][-1] == "--map-by-order" and "--force" not in comp["suggested_fix"]
-    assert "--model" in comp["suggested_fix"]
-    # BatchNorm weight/bias/running stats are neighbours of one shape: each such position is reported.
-    assert any("features.1.weight → bn1.weight" in a for a in comp["ambiguous"])
+    assert comp["fix_kind"] == "rename" and comp["ambiguous"] == []
+    flags = comp["suggested_fix"]
+    renames = [flags[i + 1] for i, f in enumerate(flags) if f == "--rename"]
+    assert renames == [r"^features\.0\.=conv1.", r"^features\.1\.=bn1.", r"^features\.3\.=conv2.",
+                       r"^features\.4\.=bn2.", r"^classifier\.=fc."]
+    assert "--map-by-order" not in flags and comp["bn_stats_missing"] == []
 
 
 def test_non_persistent_buffer_is_named(cli, tmp_path):
@@ -237,6 +240,20 @@ def test_load_into_refuses_what_it_cannot_fix(fixtures):
         ckpt_doctor.load_into(nn.Linear(2, 2), fixtures["plain"]["path"])
 
 
-def test_load_into_renamed_model_is_not_guessed(fixtures):
+def test_load_into_renames_whole_modules_but_does_not_guess_by_order(fixtures, tmp_path):
+    """Each of RenamedCNN's layers holds the keys of exactly one of SmallCNN's: renamed module by module, the values
+    the file's. Layers of one shape that only their order tells apart are not guessed."""
+    model = RenamedCNN()
+    ckpt_doctor.load_into(model, fixtures["plain"]["path"])
+    ref = torch.load(fixtures["plain"]["path"], weights_only=True)
+    assert torch.equal(model.bn2.running_mean, ref["features.4.running_mean"])
+    assert torch.equal(model.fc.weight, ref["classifier.weight"])
+    torch.save(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).state_dict(), tmp_path / "seq.pt")
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
     with pytest.raises(ckpt_doctor.ReadError):
-        ckpt_doctor.load_into(RenamedCNN(), fixtures["plain"]["path"])
+        ckpt_doctor.load_into(Two(), tmp_path / "seq.pt")

@@ -61,11 +61,12 @@ def check_dcp_destination(output: Path, inputs: tuple[Path, ...], force: bool) -
         raise WriteError(f"{output}: is, holds or lies inside the input; the input is never modified — write "
                          "elsewhere")
     if output.exists() or output.is_symlink():
-        if not force:
-            raise WriteError(f"{output}: already exists; replace it with {{0}}", reruns=(Rerun(add=("--force",)),))
+        # What --force cannot replace is refused as such, without offering it.
         if not output.is_dir() or output.is_symlink() or not _is_dcp_folder(output):
             raise WriteError(f"{output}: exists and is not a DCP folder (.metadata and .distcp files only); "
-                             "ckpt-doctor replaces nothing else, even with --force")
+                             "ckpt-doctor replaces nothing else, even with --force: write the folder elsewhere")
+        if not force:
+            raise WriteError(f"{output}: already exists; replace it with {{0}}", reruns=(Rerun(add=("--force",)),))
     parent = output.parent if str(output.parent) else Path(".")
     if not parent.is_dir():
         raise WriteError(f"{output}: folder {parent} does not exist")
@@ -358,16 +359,30 @@ def _write_folder(plan, tree: dict, tmp: Path) -> dict[str, tuple[int, tuple, st
     return written
 
 
-def write_dcp(plan, verify: bool, force: bool) -> int:
-    """Write `plan` as a DCP folder at plan.output; returns its size in bytes."""
-    output = plan.output
-    inputs = (plan.input, *{t.source.storage.file for t in plan.tensors if t.source.storage},
-              *{p.file for t in plan.tensors if t.source.storage and t.source.storage.assembly
-                for p in t.source.storage.assembly.pieces})
-    check_dcp_destination(output, inputs, force)
+def dcp_inputs(plan) -> tuple[Path, ...]:
+    """Every file the plan reads: none of them may lie inside the folder written."""
+    return (plan.input, *{t.source.storage.file for t in plan.tensors if t.source.storage},
+            *{p.file for t in plan.tensors if t.source.storage and t.source.storage.assembly
+              for p in t.source.storage.assembly.pieces})
+
+
+def check_dcp_plan(plan) -> None:
+    """What a DCP folder cannot hold, refused before anything (the destination included) is checked: a root that is
+    no dict, values holding tensors or objects of other classes."""
     tree = plan.tree if plan.tree is not None else OrderedDict((t.key, t) for t in plan.tensors)
     if not isinstance(tree, dict):
         raise PlanError("a DCP folder saves a dict; this checkpoint's root is not one (write it with --select PATH)")
+    for path, leaf in _flatten(tree):
+        if not isinstance(leaf, OutTensor):
+            _check_value(leaf, ".".join(map(str, path)))
+
+
+def write_dcp(plan, verify: bool, force: bool) -> int:
+    """Write `plan` as a DCP folder at plan.output; returns its size in bytes."""
+    output = plan.output
+    check_dcp_plan(plan)
+    check_dcp_destination(output, dcp_inputs(plan), force)
+    tree = plan.tree if plan.tree is not None else OrderedDict((t.key, t) for t in plan.tensors)
     parent = output.parent if str(output.parent) else Path(".")
     tmp = parent / f".{output.name}.ckpt-doctor-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

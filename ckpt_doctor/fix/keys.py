@@ -7,7 +7,7 @@ from collections import Counter, OrderedDict
 
 from ..errors import PlanError, Rerun, UsageError
 from ..records import OutTensor, TensorRecord
-from ..transforms import Transform, ordered, well_formed
+from ..transforms import Transform, key_problem, ordered, well_formed
 from ..tree import state_dict_metadata
 from .options import OutputFormat
 
@@ -36,7 +36,7 @@ def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...],
             if alias in state or key not in state:
                 continue
         elif not well_formed(alias):
-            raise UsageError(f"--tie {alias}={key}: {alias!r} has an empty key component, which no module has")
+            raise UsageError(f"--tie {alias}={key}: {alias!r} is {key_problem(alias)}, which no module has")
         elif key not in state:
             raise UsageError(f"--tie {alias}={key}: the output has no tensor {key!r} to share (its keys after the "
                              "renames are the ones --dry-run lists)")

@@ -10,10 +10,10 @@ from ..readers import read_checkpoint
 from ..records import Checkpoint
 from ..writers.atomic import check_destination
 from .execute import execute
-from .options import FixOptions, OutputFormat, output_format
+from .options import FixOptions, OutputFormat
 from .plan import plan_fix
 from .results import FixPlan, FixResult
-from .shard import execute_sharded
+from .shard import execute_sharded, shard_paths, split_plan
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -25,7 +25,6 @@ def prepare_fix(source: str | os.PathLike[str] | Checkpoint, output: str | os.Pa
     """The plan of a repair of `source` into `output`, checked before anything is written: a file that names
     dangerous globals is refused unless options.allow_unsafe, an existing output unless options.force."""
     output = Path(output)
-    fmt = output_format(output, options.format)
     checkpoint = source if isinstance(source, Checkpoint) else read_checkpoint(source)
     if not options.allow_unsafe and checkpoint.dangerous_globals:
         # A whole pickled model (code: its classes) is what fix rescues; what is known to be dangerous needs consent.
@@ -35,9 +34,29 @@ def prepare_fix(source: str | os.PathLike[str] | Checkpoint, output: str | os.Pa
         extra = tuple(found.argv[4:]) if found is not None else ("--allow-unsafe",)
         checkpoint.refuse_if_unsafe("rewrite it", "To keep only its tensors and plain data (nothing it names is ever "
                                     "run or written): {0}", code_too=False, reruns=(Rerun(add=extra),))
-    if not options.dry_run and options.max_shard_size is None and fmt is not OutputFormat.DCP:
-        check_destination(output, checkpoint.files, options.force)  # shards and a DCP folder: as they are written
-    return plan_fix(checkpoint, output, options)
+    # The whole fix is planned (every option checked) before the destination is: `--force` is offered only when it
+    # alone would make the command succeed, never for a command that would then fail on another option.
+    plan = plan_fix(checkpoint, output, options)
+    if not options.dry_run:
+        check_output(plan, checkpoint, options)
+    return plan
+
+
+def check_output(plan: FixPlan, checkpoint: Checkpoint, options: FixOptions) -> None:
+    """What only the write could still refuse, checked before it: the destination (an input, an existing file
+    without --force, a folder that cannot be written), each shard's and the index's, a DCP folder's contents."""
+    if plan.format is OutputFormat.DCP:
+        from .dcp_output import check_dcp_destination, check_dcp_plan, dcp_inputs  # only for --format dcp
+
+        check_dcp_plan(plan)
+        check_dcp_destination(plan.output, dcp_inputs(plan), options.force)
+    elif options.max_shard_size is not None:
+        parts = split_plan(plan, options.max_shard_size)
+        shards, index = shard_paths(plan.output, len(parts))
+        for path in (*shards, index):
+            check_destination(path, checkpoint.files, options.force)
+    else:
+        check_destination(plan.output, checkpoint.files, options.force)
 
 
 def write_fix(plan: FixPlan, options: FixOptions = FixOptions(),

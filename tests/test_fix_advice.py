@@ -1,0 +1,298 @@
+"""What `fix` and `inspect --model` tell the user to run, run as printed: `--force` is offered only when it alone
+makes the command succeed, a suggested rename is one that plans, no transform writes a key no module has, and a
+module renamed whole (features → backbone) is renamed by name, not mapped by order."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli
+from torch import nn
+
+COMMAND = re.compile(r"`(ckpt-doctor [^`]+)`")
+
+
+def printed(text: str) -> list[str]:
+    return COMMAND.findall(text)
+
+
+def run_printed(command: str):
+    argv = shlex.split(command)
+    assert argv[0] == "ckpt-doctor"
+    return run_cli(*argv[1:])
+
+
+@pytest.fixture
+def plain(tmp_path):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    torch.save(net.state_dict(), tmp_path / "plain.pt")
+    torch.save({f"module.{k}": v for k, v in net.state_dict().items()}, tmp_path / "dp.pt")
+    return tmp_path
+
+
+# --- 1. the destination is checked after everything else ------------------------------------------------------------
+
+@pytest.mark.parametrize("options", [
+    ("--tie", "garbage"), ("--tie", "a=nothere"), ("--map-location", "cuda:99=foo"), ("--map-location", ""),
+    ("--map-location", "meta"), ("--select", "nothere"), ("--select", "a..b"), ("--dtype", ""),
+    ("--rename", "^=\\n"), ("--strip-prefix", "a..b"),
+])
+def test_force_is_not_offered_for_a_command_that_fails_on_another_option(plain, options):
+    out = plain / "existing.pt"
+    out.write_bytes(b"keep me")
+    result = run_cli("fix", plain / "plain.pt", "-o", out, *options)
+    assert result.exit_code == 2
+    assert "already exists" not in result.stderr and "--force" not in result.stderr, result.stderr
+    for command in printed(result.stderr):  # whatever way out is printed runs as printed
+        assert run_printed(command).exit_code == 0, command
+    assert out.read_bytes() == b"keep me"
+
+
+def test_force_is_offered_when_it_alone_makes_the_command_succeed(plain):
+    out = plain / "existing.pt"
+    out.write_bytes(b"old")
+    result = run_cli("fix", plain / "dp.pt", "-o", out, "--strip-module", "--tie", "extra.weight=0.weight")
+    assert result.exit_code == 2 and "already exists" in result.stderr
+    (again,) = printed(result.stderr)
+    assert again.endswith("--force")
+    assert run_printed(again).exit_code == 0
+    loaded = torch.load(out, weights_only=True)
+    assert loaded["extra.weight"] is loaded["0.weight"] or torch.equal(loaded["extra.weight"], loaded["0.weight"])
+
+
+def test_sharded_output_checks_every_shard_after_planning(plain):
+    first = run_cli("fix", plain / "plain.pt", "-o", plain / "s.pt", "--max-shard-size", "40B")
+    assert first.exit_code == 0, first.stderr
+    bad = run_cli("fix", plain / "plain.pt", "-o", plain / "s.pt", "--max-shard-size", "40B", "--select", "nothere")
+    assert bad.exit_code == 2 and "--force" not in bad.stderr
+    again = run_cli("fix", plain / "plain.pt", "-o", plain / "s.pt", "--max-shard-size", "40B")
+    assert again.exit_code == 2 and "already exists" in again.stderr
+    (command,) = printed(again.stderr)
+    assert run_printed(command).exit_code == 0
+
+
+def test_dcp_onto_a_file_is_refused_without_offering_force(plain):
+    out = plain / "existing.pt"
+    out.write_bytes(b"keep me")
+    for extra in ((), ("--force",)):
+        result = run_cli("fix", plain / "plain.pt", "-o", out, "--format", "dcp", *extra)
+        assert result.exit_code == 2 and "not a DCP folder" in result.stderr
+        assert printed(result.stderr) == []
+    assert out.read_bytes() == b"keep me"
+    folder = plain / "dcp"
+    assert run_cli("fix", plain / "plain.pt", "-o", folder, "--format", "dcp").exit_code == 0
+    again = run_cli("fix", plain / "plain.pt", "-o", folder, "--format", "dcp")
+    assert again.exit_code == 2
+    (command,) = printed(again.stderr)
+    assert command.endswith("--force") and run_printed(command).exit_code == 0
+
+
+# --- 2. a suggested rename is one that plans ------------------------------------------------------------------------
+
+def test_a_rename_that_would_fail_is_not_suggested(plain):
+    result = run_cli("fix", plain / "dp.pt", "-o", plain / "r.pt", "--rename", ".*=")
+    assert result.exit_code == 2
+    assert printed(result.stderr) == []  # the dotted rename would give every weight one name: not offered
+    assert "would not do either" in result.stderr and "same name" in result.stderr
+    assert not (plain / "r.pt").exists()
+
+
+def test_a_suggested_rename_runs_as_printed(plain):
+    result = run_cli("fix", plain / "dp.pt", "-o", plain / "r.pt", "--rename", "^module=")
+    assert result.exit_code == 2
+    (meant,) = printed(result.stderr)
+    assert run_printed(meant).exit_code == 0
+    assert list(torch.load(plain / "r.pt", weights_only=True)) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+# --- 3. no transform writes a key no module could have --------------------------------------------------------------
+
+@pytest.mark.parametrize("flags", [("--rename", "^=\\n"), ("--rename", "weight=w\\t"), ("--add-prefix", "x\x01"),
+                                   ("--rename", "^0\\.=0.."), ("--rename", "bias$=bias.")])
+def test_no_key_with_a_control_character_or_an_empty_component(plain, flags):
+    out = plain / "q.pt"
+    result = run_cli("fix", plain / "plain.pt", "-o", out, *flags)
+    assert result.exit_code == 2 and not out.exists()
+    assert "control character" in result.stderr or "empty component" in result.stderr
+    for command in printed(result.stderr):
+        assert run_printed(command).exit_code == 0
+        assert all(k.isprintable() and ".." not in k for k in torch.load(out, weights_only=True))
+
+
+def test_the_library_refuses_such_keys_too():
+    from ckpt_doctor.errors import PlanError
+    from ckpt_doctor.transforms import plan_keys, rename
+
+    with pytest.raises(PlanError, match="control character"):
+        plan_keys(["a.weight"], [rename("^=\\n")])
+    assert plan_keys(["a\nb"], []).mapping == {"a\nb": "a\nb"}  # a name the file already has is kept
+
+
+# --- 4. modules renamed whole ---------------------------------------------------------------------------------------
+
+NETS = textwrap.dedent('''
+    from torch import nn
+
+
+    def _features():
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.BatchNorm2d(16))
+
+
+    class Old(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, 3, 1)
+            self.features = _features()
+            self.head = nn.Linear(16, 10)
+
+
+    class New(nn.Module):
+        """features → backbone, head → fc, conv1 → stem."""
+
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 3, 1)
+            self.backbone = _features()
+            self.fc = nn.Linear(16, 10)
+
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = nn.Linear(6, 6)
+            self.norm = nn.LayerNorm(6)
+
+
+    class DeepOld(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Module()
+            self.encoder.block = Block()
+            self.encoder.out = nn.Linear(6, 2)
+
+
+    class DeepNew(nn.Module):
+        """encoder.block → encoder.layer: a module renamed at depth 2, its parent and sibling as they were."""
+
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Module()
+            self.encoder.layer = Block()
+            self.encoder.out = nn.Linear(6, 2)
+
+
+    class Seq(nn.Sequential):
+        def __init__(self):
+            super().__init__(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+
+
+    class Named(nn.Module):
+        """Seq's layers under names that say nothing of their order: only a mapping by order fits."""
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+''')
+
+
+@pytest.fixture
+def nets(tmp_path):
+    (tmp_path / "renets.py").write_text(NETS)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import importlib
+
+        module = importlib.import_module("renets")
+        module = importlib.reload(module)
+    finally:
+        sys.path.remove(str(tmp_path))
+    module.SPEC = f"{tmp_path / 'renets.py'}:"
+    return module
+
+
+def _inspect(path: Path, spec: str) -> tuple[int, dict, str]:
+    table = run_cli("inspect", path, "--model", spec)
+    data = run_cli("inspect", path, "--model", spec, "--json")
+    assert table.exit_code == data.exit_code
+    return data.exit_code, data.json(), table.stderr
+
+
+def _fix_runs_and_loads(stderr: str, source: Path, model: nn.Module, expect: dict[str, str]) -> None:
+    """The printed fix line runs as printed; its output loads strictly into the model, each tensor the file's."""
+    fixes = [c for c in printed(stderr) if c.startswith("ckpt-doctor fix ") and "--dry-run" not in c]
+    assert len(fixes) == 1, stderr
+    assert "--map-by-order" not in fixes[0] and "--force" not in fixes[0]
+    result = run_printed(fixes[0])
+    assert result.exit_code == 0, (fixes[0], result.stderr)
+    out = shlex.split(fixes[0])[shlex.split(fixes[0]).index("-o") + 1]
+    written = torch.load(out, weights_only=True)
+    model.load_state_dict(written, strict=True)
+    saved = torch.load(source, weights_only=True)
+    for new, old in expect.items():
+        assert torch.equal(written[new], saved[old]), new
+    for old, tensor in saved.items():  # every tensor of the file is in the output, bit for bit
+        assert any(torch.equal(tensor, t) and tensor.shape == t.shape for t in written.values()), old
+
+
+def test_renamed_modules_are_renamed_by_name(nets, tmp_path):
+    torch.manual_seed(0)
+    old = nets.Old()
+    old.features[1].running_mean += 1.5  # stats the output must carry over
+    path = tmp_path / "renamed.pt"
+    torch.save(old.state_dict(), path)
+    code, data, stderr = _inspect(path, nets.SPEC + "New")
+    comp = data["comparison"]
+    assert code == 1 and comp["fix_kind"] == "rename" and comp["ambiguous"] == []
+    flags = comp["suggested_fix"]
+    assert [flags[i + 1] for i, f in enumerate(flags) if f == "--rename"] == [
+        r"^conv1\.=stem.", r"^features\.=backbone.", r"^head\.=fc."]
+    # the file holds the BatchNorm statistics (under features.*): nothing says they are missing
+    assert comp["bn_stats_missing"] == [] and "running stats missing" not in stderr
+    assert "ambiguous" not in stderr
+    _fix_runs_and_loads(stderr, path, nets.New(), {"backbone.1.running_mean": "features.1.running_mean",
+                                                   "fc.weight": "head.weight", "stem.weight": "conv1.weight"})
+
+
+def test_a_module_renamed_below_the_top(nets, tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "deep.pt"
+    torch.save(nets.DeepOld().state_dict(), path)
+    code, data, stderr = _inspect(path, nets.SPEC + "DeepNew")
+    flags = data["comparison"]["suggested_fix"]
+    assert code == 1 and flags == ["--rename", r"^encoder\.block\.=encoder.layer."], flags
+    _fix_runs_and_loads(stderr, path, nets.DeepNew(), {"encoder.layer.attention.weight": "encoder.block.attention.weight",
+                                                       "encoder.layer.norm.bias": "encoder.block.norm.bias"})
+
+
+def test_a_renamed_model_behind_a_wrapper(nets, tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "dp.pt"
+    torch.save(nn.DataParallel(nets.Old()).state_dict(), path)
+    code, data, stderr = _inspect(path, nets.SPEC + "New")
+    flags = data["comparison"]["suggested_fix"]
+    assert code == 1 and flags[0] == "--strip-module" and r"^features\.=backbone." in flags
+    _fix_runs_and_loads(stderr, path, nets.New(), {"backbone.0.weight": "module.features.0.weight"})
+
+
+def test_names_that_give_no_pairing_still_map_by_order(nets, tmp_path):
+    torch.manual_seed(0)
+    path = tmp_path / "seq.pt"
+    torch.save(nets.Seq().state_dict(), path)
+    code, data, stderr = _inspect(path, nets.SPEC + "Named")
+    comp = data["comparison"]
+    assert code == 1 and comp["fix_kind"] == "map-by-order" and comp["ambiguous"]
+    assert "--map-by-order" in comp["suggested_fix"]
+    commands = printed(stderr)
+    force = next(c for c in commands if c.startswith("ckpt-doctor fix") and c.endswith("--force"))
+    dry = next(c for c in commands if c.endswith("--dry-run"))
+    assert run_printed(dry).exit_code == 0
+    assert run_printed(force).exit_code == 0
+    out = shlex.split(force)[shlex.split(force).index("-o") + 1]
+    nets.Named().load_state_dict(torch.load(out, weights_only=True), strict=True)
