@@ -351,6 +351,29 @@ def _client(url: str, shown: str) -> Any:
     return _HTTP(url, shown)
 
 
+def _in_words(exc: BaseException, url: str, shown: str) -> str:
+    """What went wrong, said in words (never a library's class name)."""
+    import ssl
+
+    host = shown.split("://", 1)[1].split("/", 1)[0]
+    names = {c.__name__ for c in type(exc).__mro__}
+    cause = exc.__cause__ or exc.__context__
+    if names & {"ClientConnectorDNSError"} or isinstance(exc, __import__("socket").gaierror) or \
+            isinstance(cause, __import__("socket").gaierror):
+        return f"the host name {host.rsplit(':', 1)[0]} cannot be resolved (DNS): check the URL and the network"
+    if isinstance(exc, ssl.SSLError) or names & {"ClientSSLError", "ClientConnectorCertificateError", "SSLError"}:
+        return f"the TLS handshake with {host} failed (certificate or protocol)"
+    if names & {"ClientConnectorError", "EndpointConnectionError", "ConnectTimeoutError"} or \
+            isinstance(exc, ConnectionError):
+        return f"cannot connect to {host} (nothing answers there, or the connection was refused)"
+    if names & {"NoCredentialsError", "PartialCredentialsError"}:
+        return "no credentials were found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or ~/.aws/credentials)"
+    if names & {"ParamValidationError"}:
+        return "the bucket or key is not a valid S3 name"
+    text = " ".join(str(exc).replace(url, shown).split())
+    return text[:200] or "the request failed without saying why"
+
+
 def _content_range(value: str | None) -> tuple[int, int, int] | None:
     """(first, last, total) of `bytes a-b/total`; None when it is not that."""
     if not value or not value.startswith("bytes "):
@@ -394,8 +417,7 @@ class _Client:
             if type(exc).__name__ in ("ClientPayloadError", "IncompleteReadError", "ResponseStreamingError"):
                 raise RemoteError(f"{self.shown}: the answer for bytes {start}-{end - 1} ended before its "
                                   "Content-Length (truncated: the connection closed early)") from None
-            text = str(exc).replace(self.url, self.shown)
-            raise RemoteError(f"{self.shown}: cannot be read ({type(exc).__name__}: {text[:200]})") from None
+            raise RemoteError(f"{self.shown}: cannot be read: {_in_words(exc, self.url, self.shown)}") from None
 
     def _check(self, status: int, got: tuple[int, int, int] | None, start: int, end: int) -> int:
         if status == 200:
@@ -465,6 +487,10 @@ class _S3(_Client):
         self.fs = fsspec.filesystem("s3")  # credentials and endpoint as s3fs finds them (environment, AWS config)
         self.loop = self.fs.loop
         self.bucket, _, self.key = url[len("s3://"):].split("?", 1)[0].partition("/")
+        if not self.bucket:
+            raise RemoteError("s3:// names no bucket: give s3://BUCKET/KEY")
+        if not self.key:
+            raise RemoteError(f"{shown}: names a bucket, not an object: give s3://{self.bucket}/KEY")
 
     async def _get(self, start: int, end: int, tag: str | None) -> tuple[bytes, int, str | None]:
         kwargs = {"Bucket": self.bucket, "Key": self.key, "Range": f"bytes={start}-{end - 1}"}
