@@ -93,8 +93,10 @@ def _chunks(fd: int, offset: int, nbytes: int, what: str) -> Iterator[memoryview
     """`nbytes` of `fd` from `offset`, read into one reused buffer a chunk at a time: each chunk is good until
     the next is read. `what` names the file if it ends early. A remote source (readers/source.py) hands views of
     its data windows instead: large sequential requests, the next fetched while this one is written."""
-    if fd.__class__ is not int:
-        yield from fd.data_blocks(offset, nbytes)
+    if fd.__class__ is not int:  # handed on COPY_BUFFER at a time, as a local copy is: a 256 MB fix over HTTP took
+        for block in fd.data_blocks(offset, nbytes):  # 4.3 s here in 32 MB writes, 1.8 s in 1 MB ones
+            for at in range(0, len(block), COPY_BUFFER):
+                yield block[at:at + COPY_BUFFER]
         return
     buffer = memoryview(bytearray(min(COPY_BUFFER, nbytes)))
     done = 0
