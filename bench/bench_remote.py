@@ -5,7 +5,10 @@ localhost ports: RangeHTTPServer counting what it sends, moto's standalone S3 se
 
 Targets (issue 26): inspect and scan of a 1 GiB torch zip or safetensors file read <= 0.1 % of its bytes in <= 4
 requests (counted by the HTTP server; by moto's request log for S3). Each time is printed beside the time s3fs takes
-to `get` the same object, measured in the same run, as a ratio. The files are written sparse (their big tensor is
+to `get` the same object, measured in the same run, as a ratio. `fix` from the URL to a local file (every byte of
+tensor data read, in windows of readers/source.DATA_SPAN) takes <= 1.2x the time of downloading the object (s3fs
+`get_file` for s3://, fsspec's HTTP `get_file` for https://: one streamed request each), at a peak memory (the
+process's maximum resident set, from wait4) <= 150 MB. The files are written sparse (their big tensor is
 zeros, left as a hole), so the bench needs little disk.
 """
 
@@ -32,6 +35,23 @@ def _cli(*args: str, env: dict | None = None) -> tuple[float, subprocess.Complet
     began = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "ckpt_doctor", *args], capture_output=True, text=True, env=full)
     return time.perf_counter() - began, result
+
+
+# Runs the command and prints its peak resident set: measured from a small process of its own, since a child
+# forked from this one (which wrote the files through torch) would start from this one's peak.
+_PEAK = ("import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL); "
+         "_, st, ru = os.wait4(p.pid, 0); print(os.waitstatus_to_exitcode(st), ru.ru_maxrss // 1024)")
+
+
+def _fix(url: str, out: str, env: dict) -> tuple[float, int, int, str]:
+    """(seconds, peak resident MB, exit code, stderr) of `ckpt-doctor fix URL -o OUT`."""
+    full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    began = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", _PEAK, sys.executable, "-m", "ckpt_doctor", "fix", url, "-o", out,
+                             "--force"], capture_output=True, text=True, env=full)
+    took = time.perf_counter() - began
+    code, peak = (int(x) for x in result.stdout.split())
+    return took, peak, code, result.stderr
 
 
 def main() -> None:
@@ -86,6 +106,22 @@ def main() -> None:
                         nbytes, requests = used["bytes"], moto_log.read_text().count('GET /bench/') - moto_before
                     print(f"{label + ' ' + command + ' over ' + where:44} {took:7.2f}s {nbytes:12,} "
                           f"{nbytes / total:8.4%} {requests:8}  {took / get:.3f}x of {get:.2f}s")
+            import fsspec
+
+            began = time.perf_counter()
+            with tempfile.TemporaryDirectory() as tmp:
+                fsspec.filesystem("http").get_file(f"http://127.0.0.1:{hport}/{path.name}", os.path.join(tmp, "c"))
+            http_get = time.perf_counter() - began
+            for where, url, ref, ref_name in (("s3", f"s3://bench/{path.name}", get, "s3fs get"),
+                                              ("https", f"http://127.0.0.1:{hport}/{path.name}", http_get,
+                                               "fsspec http get")):
+                with tempfile.TemporaryDirectory(dir=folder) as tmp:
+                    took, peak, code, err = _fix(url, os.path.join(tmp, "out" + path.suffix), env)
+                if code != 0:
+                    print(f"{label} fix {where}: exit {code}: {err.strip()[-300:]}")
+                    continue
+                print(f"{label + ' fix over ' + where + ' to a local file':44} {took:7.2f}s {'peak ' + str(peak):>12}"
+                      f" MB{'':6} {'':8}  {took / ref:.3f}x of {ref:.2f}s ({ref_name})")
     finally:
         _stop(http)
         _stop(moto)

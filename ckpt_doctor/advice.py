@@ -65,7 +65,7 @@ def _quote(word: str) -> str:
 
 def shell_path(path: str | os.PathLike[str]) -> str:
     """A path as an argument: one that starts with `-` is written `./-x.pt`, which no parser takes for an option."""
-    text = os.fspath(path)
+    text = str(path) if type(path).__name__ == "RemotePath" else os.fspath(path)  # a URL as it may be printed
     return "./" + text if text.startswith("-") else text
 
 
@@ -78,9 +78,14 @@ def output_beside(source: str | os.PathLike[str], tag: str = "fixed", suffix: st
                   taken: set[str] | None = None) -> str:
     """A suggested output: beside the input (a folder's sibling), its checkpoint suffixes replaced by `_TAG.pt`,
     and a name no file has yet (`_fixed2.pt` when `_fixed.pt` exists) nor another suggestion of this run
-    (`taken`), so that the command runs as printed. Where the input's folder is not writable, in this one."""
-    text = os.fspath(source).rstrip("/") or "."
-    folder, name = os.path.split(text)
+    (`taken`), so that the command runs as printed. Where the input's folder is not writable, in this one; for a URL
+    (https://, s3://: ckpt-doctor writes local files only) in this one too, named after the URL's last part."""
+    text = str(source).rstrip("/") or "."
+    if text.startswith(("https://", "http://", "s3://")):
+        folder, name = "", text.split("://", 1)[1].split("?", 1)[0].rsplit("/", 1)[-1] or "checkpoint"
+    else:
+        text = os.fspath(source).rstrip("/") or "."
+        folder, name = os.path.split(text)
     if os.path.isdir(folder or ".") and not os.access(folder or ".", os.W_OK) and os.access(".", os.W_OK):
         folder = ""
     stem = name

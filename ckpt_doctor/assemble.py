@@ -16,6 +16,7 @@ from math import prod
 
 from .dtypes import element_size, tensor_bytes
 from .errors import ReadError
+from .readers.source import close_source, open_source, read_data
 from .records import Assembly, Piece
 
 Run = tuple[int, int, Piece, int]  # (output element, piece element, piece, elements)
@@ -116,7 +117,7 @@ def read_piece(piece: Piece, dtype: str, fd: int) -> bytes:
 
     elsize = element_size(dtype)
     span = sum((s - 1) * st for s, st in zip(piece.sizes, piece.stride)) + 1 if prod(piece.sizes) else 0
-    data = bytearray(os.pread(fd, span * elsize, piece.offset))
+    data = bytearray(read_data(fd, span * elsize, piece.offset))
     if len(data) != span * elsize:
         raise ReadError(f"{piece.file}: {piece.label} is cut short ({len(data)} of {span * elsize} bytes)")
     flat = torch.frombuffer(data, dtype=getattr(torch, dtype)) if data else torch.empty(0)
@@ -141,7 +142,7 @@ def stream(assembly: Assembly, what: str, fd_of: Callable[[object], int], sink: 
             done = 0
             while done < nbytes:
                 step = min(nbytes - done, max(block - len(buf), elsize))
-                got = os.pread(fd_of(piece.file), step, at + done)
+                got = read_data(fd_of(piece.file), step, at + done)
                 if len(got) != step:
                     raise ReadError(f"{piece.file}: {piece.label} is cut short (the file ends at byte "
                                     f"{at + done + len(got):,}); nothing written")
@@ -166,7 +167,7 @@ def assembled_bytes(assembly: Assembly, what: str) -> bytes:
     def fd_of(path: object) -> int:
         key = str(path)
         if key not in fds:
-            fds[key] = os.open(key, os.O_RDONLY)
+            fds[key] = open_source(path)  # a descriptor, or a remote object's source (readers/source.py)
         return fds[key]
 
     try:
@@ -175,5 +176,5 @@ def assembled_bytes(assembly: Assembly, what: str) -> bytes:
         raise ReadError(f"{what}: {exc.filename} is missing") from None
     finally:
         for fd in fds.values():
-            os.close(fd)
+            close_source(fd)
     return bytes(out)

@@ -996,7 +996,9 @@ def fix_command(path: str, comparison: Comparison) -> str:
     """The full `ckpt-doctor fix` line a user can paste."""
     import shlex
 
+    from .advice import output_beside
+
     flags = list(comparison.suggested_fix)
-    out = str(path).rstrip("/").rsplit("/", 1)[-1].rsplit(".", 1)[0] + "_fixed.pt"
+    out = output_beside(path)
     return " ".join(["ckpt-doctor", "fix", shlex.quote(str(path)), "-o", out] + [shlex.quote(f) for f in flags])
 

@@ -101,8 +101,8 @@ WORKER_TIMEOUT = 60.0  # seconds of silence before the worker is given up on and
 
 
 def _mappable(t: TensorRecord) -> bool:
-    st = t.storage
-    return st is not None and st.assembly is None and not st.deflated and t.is_contiguous and t.numel > 0 and t.dtype in _NUMPY
+    st = t.storage  # a remote file's tensors are read through torch, from its data windows (readers/source.py)
+    return st is not None and type(st.file).__name__ != "RemotePath" and st.assembly is None and not st.deflated and t.is_contiguous and t.numel > 0 and t.dtype in _NUMPY
 
 
 def _pieces(ta: TensorRecord, tb: TensorRecord) -> list[tuple]:
@@ -558,11 +558,6 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
                      transforms: tuple = (), progress=None) -> DiffReport:
     """`transforms` (fix's --strip-prefix/--add-prefix/--rename) map A's names onto B's instead of the inference."""
     from .readers import read_checkpoint
-    from .readers.source import is_url, needs_tensor_data
-
-    for side in (a_path, b_path):  # diff reads tensor data: not over the network yet (the message says the way out)
-        if is_url(side):
-            raise needs_tensor_data(side)
     from .tensordata import load_tensor  # torch: ~1 s, imported when values are compared
 
     a, b = read_checkpoint(a_path), read_checkpoint(b_path)

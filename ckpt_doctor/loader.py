@@ -31,7 +31,8 @@ def _tensors_via_torch_load(ckpt: Checkpoint, device_map: dict[str, str]) -> dic
 
     from .default_load import default_load
 
-    if ckpt.format not in (Format.TORCH_ZIP, Format.TORCH_LEGACY) or ckpt.unsafe_globals or ckpt.hazards:
+    if ckpt.format not in (Format.TORCH_ZIP, Format.TORCH_LEGACY) or ckpt.unsafe_globals or ckpt.hazards \
+            or type(ckpt.path).__name__ == "RemotePath":  # a URL: its records, read by range requests
         return None
     if default_load(ckpt).refused:  # torch's unpickler would refuse it (an argparse.Namespace): read the records
         return None

@@ -69,7 +69,8 @@ def parse_model_args(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
 
 def is_checkpoint_spec(spec: str) -> bool:
     """A SPEC naming an existing file or folder (without `:attr`) is a reference checkpoint."""
-    return not is_hf_spec(spec) and os.path.exists(spec) and not spec.endswith(".py")
+    return not is_hf_spec(spec) and (os.path.exists(spec) or spec.startswith(("https://", "http://", "s3://"))) \
+        and not spec.endswith(".py")
 
 
 def is_hf_spec(spec: str) -> bool:

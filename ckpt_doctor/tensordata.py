@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .assemble import assembled_bytes
 from .dtypes import QUANTIZED, element_size, tensor_bytes  # noqa: F401  (tensor_bytes: re-exported)
 from .errors import ReadError
+from .readers.source import close_source, is_url, open_source
 from .readers.zipindex import inflated_range
 from .records import StorageRecord, TensorRecord
 
@@ -31,6 +33,8 @@ def read_bytes(record: TensorRecord) -> bytes | bytearray:
         return inflated_bytes(record.storage, record.storage_offset * element_size(record.dtype), size, record.key)
     start = record.file_offset
     assert start is not None
+    if is_url(record.storage.file):  # an https:// or s3:// object: its data windows (readers/source.py)
+        return remote_bytes(open_source(record.storage.file), start, size, f"{record.storage.file}: {record.key}")
     data = bytearray(size)  # read into the buffer load_tensor hands torch: no second copy
     done = 0
     with open(record.storage.file, "rb") as f, memoryview(data) as view:
@@ -41,6 +45,13 @@ def read_bytes(record: TensorRecord) -> bytes | bytearray:
                 raise ReadError(f"{record.storage.file}: {record.key} is cut short ({done} of {size} bytes)")
             done += n
     return data
+
+
+def remote_bytes(src: Any, start: int, size: int, what: str) -> bytearray:
+    data = src.read_data(size, start)
+    if len(data) < size:
+        raise ReadError(f"{what} is cut short ({len(data)} of {size} bytes)")
+    return data if isinstance(data, bytearray) else bytearray(data)
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:
@@ -56,12 +67,22 @@ def inflated_bytes(storage: StorageRecord, skip: int, nbytes: int, what: str) ->
     whole = (storage.nbytes, storage.crc) if storage.crc is not None else None
     out = bytearray(nbytes)  # filled in place: one buffer of the tensor's size, whatever the member's
     at = 0
-    with open(storage.file, "rb") as f, memoryview(out) as view:
-        for block in inflated_range(f.fileno(), storage.offset, storage.deflated, skip, nbytes,
+    with _source(storage.file) as src, memoryview(out) as view:
+        for block in inflated_range(src, storage.offset, storage.deflated, skip, nbytes,
                                     f"{storage.file}: {what} (storage {storage.entry or storage.key})", whole):
             view[at:at + len(block)] = block
             at += len(block)
     return out
+
+
+@contextlib.contextmanager
+def _source(path: Any) -> Iterator[Any]:
+    """A descriptor of a local file (closed after), or the remote object's source (kept for the process)."""
+    src = open_source(path)
+    try:
+        yield src
+    finally:
+        close_source(src)
 
 
 def load_tensor(record: TensorRecord) -> "torch.Tensor":

@@ -602,7 +602,7 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
             runs.append(run_dp(model, inputs, reference, gpus, tolerance))
         if Mode.DDP in modes:
             backend = "nccl" if cuda_count() >= gpus and torch.distributed.is_nccl_available() else "gloo"
-            job = RankJob(str(Path(ckpt).resolve()), model_spec, {k: repr(v) for k, v in model_args.items()},
+            job = RankJob(_job_path(ckpt), model_spec, {k: repr(v) for k, v in model_args.items()},
                           backend, gpus, os.getcwd(), select, allow_missing, allow_unexpected, tolerance.rtol,
                           tolerance.atol, SEED)
             runs.append(run_ddp(job, inputs, reference, timeout, progress))
@@ -698,7 +698,7 @@ def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any]
     try:
         single, reference = run_single(model, inputs, "cpu")
         start = time.perf_counter()
-        job = RankJob(str(Path(ckpt).resolve()), model_spec, {k: repr(v) for k, v in model_args.items()}, backend,
+        job = RankJob(_job_path(ckpt), model_spec, {k: repr(v) for k, v in model_args.items()}, backend,
                       world, os.getcwd(), select, allow_missing, allow_unexpected, tolerance.rtol, tolerance.atol,
                       SEED)
         if progress and rank == 0:
@@ -725,6 +725,13 @@ def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any]
         diff_at = first_difference(model, other, inputs, tolerance)
     return VerifyReport(ckpt, model_spec, (single, run), prepared.comparison, rows, diff_at, allow_skip, compare_to,
                         tolerance, compare_model, prepared.lazy)
+
+
+def _job_path(ckpt: Any) -> str:
+    """The checkpoint as each rank opens it: a URL as given (each rank reads it by range requests), else absolute."""
+    from .readers.source import is_url, real_url
+
+    return real_url(ckpt) if is_url(ckpt) else str(Path(ckpt).resolve())
 
 
 def check_torchrun() -> bool:

@@ -295,3 +295,129 @@ def test_s3_missing_object_and_bucket(s3):
         result = _cli("inspect", url, env=env)
         assert result.returncode == 2
         assert result.stderr.count("\n") == 1 and "not found" in result.stderr, result.stderr
+
+
+# --- tensor data over the network: fix, diff, verify, inspect --stats ------------------------------------------------
+
+def _net():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+@pytest.fixture(scope="module")
+def wide(served):
+    """24 tensors of 512 KB under a DataParallel prefix: per-tensor requests would be 24, a window is one."""
+    import torch
+
+    folder, base, log = served
+    torch.manual_seed(1)
+    state = {f"module.layer{i}.weight": torch.randn(256, 512) for i in range(24)}
+    torch.save(state, folder / "wide.pt")
+    return folder / "wide.pt", f"{base}/wide.pt", log
+
+
+def test_fix_from_a_url_streams_in_few_requests(wide, tmp_path):
+    import torch
+
+    path, url, log = wide
+    before = len(_requests(log))
+    out = tmp_path / "wide_fixed.safetensors"
+    result = _cli("fix", url, "-o", str(out), "--strip-prefix", "module.", "--json")
+    assert result.returncode == 0, result.stderr
+    sent = _requests(log)[before:]
+    assert len(sent) <= 3, sent  # the head, the tail (directory), one window of data: never one per tensor
+    assert json.loads(result.stdout)["remote"] == {"bytes": sum(sent), "requests": len(sent),
+                                                   "size": path.stat().st_size}
+    from safetensors.torch import load_file
+
+    got, want = load_file(out), torch.load(path, weights_only=True)
+    assert list(got) == [k[len("module."):] for k in want]
+    assert all(torch.equal(got[k[len("module."):]], v) for k, v in want.items())
+
+
+def test_diff_and_stats_of_a_url_equal_the_local_run(wide, served):
+    path, url, _ = wide
+    folder, base, _ = served
+    for args in (("diff", "{wide}", "{small}", "--json"), ("inspect", "{wide}", "--stats", "--json")):
+        remote = _cli(*(a.format(wide=url, small=f"{base}/small.pt") for a in args))
+        local = _cli(*(a.format(wide=str(path), small=str(folder / "small.pt")) for a in args))
+        assert remote.returncode == local.returncode, remote.stderr
+        a = json.loads(remote.stdout.replace(url, str(path)).replace(f"{base}/small.pt", str(folder / "small.pt")))
+        assert a.pop("remote")["requests"] >= 1
+        b = json.loads(local.stdout)
+        for d in (a, b):
+            d.pop("notes", None)
+        assert a == b
+
+
+def test_verify_reads_a_url(served, tmp_path):
+    import torch
+
+    folder, base, _ = served
+    torch.save(_net().state_dict(), folder / "net.pt")
+    (tmp_path / "m.py").write_text("import torch\n\ndef net():\n    return torch.nn.Sequential(torch.nn.Linear(16, 32), "
+                                   "torch.nn.ReLU(), torch.nn.Linear(32, 4))\n")
+    result = _cli("verify", f"{base}/net.pt", "--model", f"{tmp_path / 'm.py'}:net", "--input-shape", "2,16",
+                  "--mode", "single", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["ok"] is True
+
+
+def _printed(text: str) -> list[list[str]]:
+    import re
+    import shlex
+
+    return [shlex.split(c)[1:] for c in re.findall(r"`(ckpt-doctor [^`]+)`", text)]
+
+
+def test_every_command_printed_for_a_url_runs_as_printed(served, tmp_path):
+    """A DataParallel model pickled whole: inspect's torch.load line, inspect --model's fix line and scan's rescue
+    line each name a local output in this folder, and each runs as printed and writes a file torch.load loads."""
+    import torch
+
+    folder, base, _ = served
+    net = _net()
+    torch.save(torch.nn.DataParallel(net), folder / "dp.pt")
+    url = f"{base}/dp.pt"
+    lines = []
+    for args in (("inspect", url), ("inspect", url, "--model", f"{base}/small.pt"), ("scan", url)):
+        shown = subprocess.run([sys.executable, "-m", "ckpt_doctor", *args], capture_output=True, text=True,
+                               cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        found = [c for c in _printed(shown.stdout + shown.stderr) if c[0] == "fix"]
+        assert found, shown.stderr
+        lines += found
+    assert len(lines) >= 3
+    for argv in lines:
+        out = argv[argv.index("-o") + 1]
+        assert "://" not in out and "/" not in out, argv
+        run = subprocess.run([sys.executable, "-m", "ckpt_doctor", *argv], capture_output=True, text=True,
+                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert run.returncode == 0, (argv, run.stderr)
+        loaded = torch.load(tmp_path / out, weights_only=True)
+        keys = {k.removeprefix("module.") for k in loaded}
+        assert keys == set(net.state_dict())
+        (tmp_path / out).unlink()
+
+
+def test_a_small_file_costs_one_request(served):
+    folder, base, log = served
+    before = len(_requests(log))
+    result = _cli("inspect", f"{base}/small.pt", "--json")
+    assert result.returncode == 0, result.stderr
+    assert _requests(log)[before:] == [(folder / "small.pt").stat().st_size]
+
+
+@pytest.mark.parametrize("url, words", [
+    ("s3://", "Error: s3:// names no bucket"),
+    ("http://127.0.0.1:{closed}/x.pt", "cannot connect to 127.0.0.1:{closed}"),
+])
+def test_bad_urls_are_said_in_words(url, words):
+    closed = _port()  # nothing listens there
+    result = _cli("inspect", url.format(closed=closed))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert words.format(closed=closed) in result.stderr
+    assert "Error:" in result.stderr and not any(c in result.stderr for c in ("ClientConnector", "ParamValidation",
+                                                                              "Exception"))

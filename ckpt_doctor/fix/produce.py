@@ -4,19 +4,19 @@ of what it wrote, so the output is verified against its source without reading i
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from ..assemble import stream, whole_piece_runs
 from ..dtypes import element_size
 from ..errors import WriteError
+from ..readers.source import close_source, open_source, read_data
 from ..records import Assembly, TensorRecord
 from ..tensordata import load_tensor, tensor_bytes
 from ..writers.stream import CHUNK, Progress, copy_range, crc32, crc32_combine, write_bytes
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
-    from typing import Callable
+    from typing import Any, Callable
 
 
 def _raise_open_files_limit() -> None:
@@ -33,24 +33,25 @@ def _raise_open_files_limit() -> None:
 
 
 class Sources:
-    """Open read-only descriptors of the input files, closed together."""
+    """Open read-only descriptors of the input files (or, for a URL, its remote source: readers/source.py), closed
+    together."""
 
     def __init__(self) -> None:
-        self.fds: dict[str, int] = {}
+        self.fds: dict[str, Any] = {}
         _raise_open_files_limit()
 
-    def fd(self, path: Path) -> int:
+    def fd(self, path: Path) -> Any:
         key = str(path)
         if key not in self.fds:
-            self.fds[key] = os.open(path, os.O_RDONLY)
+            self.fds[key] = open_source(path)
         return self.fds[key]
 
     def close(self) -> None:
         for fd in self.fds.values():
-            os.close(fd)
+            close_source(fd)
 
 
-def convert_producer(src_fd: int, offset: int, nbytes: int, src: str, dst: str) -> Callable:
+def convert_producer(src_fd: Any, offset: int, nbytes: int, src: str, dst: str) -> Callable:
     """Converted bytes of a storage, chunk by chunk (floating storages only); returns their crc."""
 
     def produce(fd: int, at: int, progress: Progress | None) -> int:
@@ -60,7 +61,7 @@ def convert_producer(src_fd: int, offset: int, nbytes: int, src: str, dst: str) 
         step = CHUNK // elsize * elsize
         crc, done, written = 0, 0, 0
         while done < nbytes:
-            chunk = bytearray(os.pread(src_fd, min(step, nbytes - done), offset + done))
+            chunk = bytearray(read_data(src_fd, min(step, nbytes - done), offset + done))
             if not chunk:
                 raise WriteError("input ended early while converting")
             data = tensor_bytes(torch.frombuffer(chunk, dtype=getattr(torch, src)).to(getattr(torch, dst)))

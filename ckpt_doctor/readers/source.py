@@ -7,8 +7,11 @@ reads from either; nothing else in the readers asks which it is, except where a 
 requests (zipindex: the local headers of storages it need not fetch).
 
 A RemoteSource reads as little as it can in as few requests as it can: its first request takes the object's first
-HEAD_BLOCK bytes (and learns the size and the ETag from the answer); a read near the end takes the last TAIL_BLOCK
-bytes at once (a zip's end records and central directory); any other small read takes at least MIN_FETCH bytes.
+HEAD_BLOCK + TAIL_BLOCK bytes (and learns the size and the ETag from the answer: an object that small is read in
+that one request); a read near the end takes the last TAIL_BLOCK bytes at once (a zip's end records and central
+directory; not again what the first request holds); any other small read takes at least MIN_FETCH bytes. Tensor
+data (fix, diff, verify, inspect --stats) is read by data(): windows of DATA_SPAN bytes, the next one fetched while
+the last is used, never kept in the cache.
 What was fetched is kept (the readers ask for the same bytes more than once), up to CACHE_BYTES. Every answer is
 checked: a 206 with the Content-Range asked for, no byte more, no byte fewer, the same ETag (or Last-Modified) as
 the first, within a time limit; anything else is one RemoteError naming what the server did (exit 2).
@@ -27,10 +30,11 @@ if TYPE_CHECKING:
 
 SCHEMES = ("https://", "http://", "s3://")
 HEAD_BLOCK = 64 << 10
-TAIL_BLOCK = 256 << 10
+TAIL_BLOCK = 192 << 10
 MIN_FETCH = 64 << 10
 CACHE_BYTES = 256 << 20  # small reads kept; a streamed span of tensor data is never kept
-STREAM_SPAN = 64 << 20  # tensor data is read in requests of this many bytes (few requests, flat memory)
+STREAM_SPAN = 64 << 20  # RemoteSource.spans: requests of at most this many bytes
+DATA_SPAN = 32 << 20  # tensor data: one request fetches this much from where it is asked, the next is prefetched
 INSTALL = "pip install 'ckpt-doctor[remote]'"
 
 
@@ -51,6 +55,14 @@ def pread(src: Any, n: int, at: int) -> bytes:
 
 def is_remote(src: Any) -> bool:
     return src.__class__ is not int
+
+
+def read_data(src: Any, n: int, at: int) -> bytes | bytearray:
+    """`n` bytes of tensor data at `at` (fewer at the end): os.pread of a descriptor, the data windows of a remote
+    object (large sequential requests, see RemoteSource.data)."""
+    if src.__class__ is int:
+        return os.pread(src, n, at)
+    return src.read_data(n, at)
 
 
 # --- URLs as paths -------------------------------------------------------------------------------------------------
@@ -77,8 +89,8 @@ class RemotePath(type(__import__("pathlib").Path())):  # type: ignore[misc]
         parts = self.parts
         return parts[0] + "//" + "/".join(parts[1:])
 
-    def __fspath__(self) -> str:  # what opens a local file: tensor data, which is not read over the network yet
-        raise needs_tensor_data(self)
+    def __fspath__(self) -> str:  # what opens a local file: a URL is read through open_source, never opened so
+        raise RemoteError(f"{self}: is a URL, not a file on this machine")
 
     def __repr__(self) -> str:
         return f"RemotePath({str(self)!r})"
@@ -91,11 +103,6 @@ class RemotePath(type(__import__("pathlib").Path())):  # type: ignore[misc]
 
     def exists(self) -> bool:  # type: ignore[override]
         return True
-
-
-def needs_tensor_data(url: str | RemotePath) -> RemoteError:
-    return RemoteError(f"{remote_path(url)}: this command reads tensor data, which ckpt-doctor does not read over the "
-                       "network yet (inspect and scan do not need it); download the file and run it on the copy")
 
 
 def remote_path(url: str | RemotePath) -> RemotePath:
@@ -175,12 +182,14 @@ class RemoteSource:
         self.tag: str | None = None
         self.blocks: list[tuple[int, bytes]] = []  # (offset, bytes) fetched and kept, newest last
         self.kept = 0
+        self._window: tuple[int, bytearray] | None = None  # tensor data: the window read from (see data())
+        self._prefetch: tuple[int, _Fetch] | None = None  # the window after it, on its way
         self._client = _client(url, shown)
         self._first()
 
     # The first request: the head block, which also says how big the object is and which version it is.
     def _first(self) -> None:
-        data, total, tag = self._client.get(0, HEAD_BLOCK, None)
+        data, total, tag = self._client.get(0, HEAD_BLOCK + TAIL_BLOCK, None)  # a file this small: one request
         self.requests += 1
         self.bytes += len(data)
         self.size, self.tag = total, tag
@@ -197,9 +206,11 @@ class RemoteSource:
                               "command again once it is written")
         if keep:
             self._keep(start, data)
+            return self.blocks[-1][1]
         return data
 
     def _keep(self, start: int, data: bytes) -> None:
+        data = bytes(data)  # what the readers are handed: bytes, as os.pread gives
         self.blocks.append((start, data))
         self.kept += len(data)
         while self.kept > CACHE_BYTES and len(self.blocks) > 1:
@@ -222,12 +233,70 @@ class RemoteSource:
         end = min(at + n, self.size)
         if end > self.size - TAIL_BLOCK and end - at <= TAIL_BLOCK:  # end records, directory: the whole tail at once
             start, stop = max(self.size - TAIL_BLOCK, 0), self.size
+            if self.blocks and self.blocks[0][0] == 0 and start < len(self.blocks[0][1]) <= at:
+                start = len(self.blocks[0][1])  # not again what the first request fetched
         elif end - at < MIN_FETCH:
             start, stop = at, min(at + MIN_FETCH, self.size)
         else:
             start, stop = at, end
         data = self._fetch(start, stop, keep=stop - start <= STREAM_SPAN)
         return data[at - start:end - start]
+
+    # --- tensor data: large sequential requests, one window kept and the next one fetched beside the work --------
+
+    def data(self, n: int, at: int) -> memoryview:
+        """Tensor data: up to `n` bytes at `at` (fewer where a window ends or the object does; ask again for the rest),
+        from the window of DATA_SPAN bytes fetched from where a read first falls outside it. A read that continues
+        where the window ends finds the next window already on its way (fetched by a helper thread while the bytes of
+        this one are written), so a fix or a diff reads a file front to back in size / DATA_SPAN requests and holds
+        two windows at the most."""
+        if n <= 0 or at >= self.size:
+            return memoryview(b"")
+        win = self._window
+        if win is None or not win[0] <= at < win[0] + len(win[1]):
+            hit = self.cached(n, at)  # already fetched with the structure (a small file: all of it)
+            if hit is not None:
+                return memoryview(hit)
+            win = self._window = self._next_window(at)
+            nxt = win[0] + len(win[1])
+            if nxt < self.size:
+                self._prefetch = (nxt, _Fetch(self, nxt, min(nxt + DATA_SPAN, self.size)))
+        start, buf = win
+        return memoryview(buf)[at - start:min(at + n, start + len(buf)) - start]
+
+    def read_data(self, n: int, at: int) -> bytes | bytearray:
+        """Exactly the bytes [at, at + n) of tensor data (fewer only at the object's end), in one buffer."""
+        first = self.data(n, at)
+        if len(first) >= n or not first:
+            return bytes(first)
+        out = bytearray(n)
+        done = 0
+        while done < n:
+            part = self.data(n - done, at + done)
+            if not part:
+                return out[:done]
+            out[done:done + len(part)] = part
+            done += len(part)
+        return out
+
+    def data_blocks(self, at: int, n: int) -> Any:
+        """The bytes [at, at + n) in order, as views of the data windows; raises at the object's end."""
+        end = at + n
+        while at < end:
+            part = self.data(end - at, at)
+            if not part:
+                raise RemoteError(f"{self.shown}: ends at byte {self.size:,}, before the tensor data at {at:,}")
+            yield part
+            at += len(part)
+
+    def _next_window(self, at: int) -> tuple[int, bytearray]:
+        pending, self._prefetch = self._prefetch, None
+        if pending is not None:
+            got = pending[1].result()  # a failed prefetch raises its error here
+            if pending[0] == at:
+                return at, got
+        stop = min(at + DATA_SPAN, self.size)
+        return at, self._fetch(at, stop, keep=False)
 
     def spans(self, at: int, n: int, span: int = STREAM_SPAN) -> Any:
         """The bytes [at, at + n) in order, as blocks of at most `span` bytes, each one request (never kept)."""
@@ -237,6 +306,31 @@ class RemoteSource:
             hit = self.cached(stop - at, at)
             yield hit if hit is not None else self._fetch(at, stop, keep=False)
             at = stop
+
+
+class _Fetch:
+    """One range fetched by a helper thread; result() waits for it (and raises what the fetch raised)."""
+
+    def __init__(self, src: RemoteSource, start: int, stop: int) -> None:
+        import threading
+
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(src, start, stop), daemon=True,
+                                       name="ckpt-doctor-prefetch")
+        self.thread.start()
+
+    def _run(self, src: RemoteSource, start: int, stop: int) -> None:
+        try:
+            self.value = src._fetch(start, stop, keep=False)
+        except BaseException as exc:  # handed to whoever asks for the bytes
+            self.error = exc
+
+    def result(self) -> Any:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 def _client(url: str, shown: str) -> Any:
@@ -255,6 +349,29 @@ def _client(url: str, shown: str) -> Any:
     except ImportError:
         raise ReadError(f"{shown}: reading https:// needs aiohttp: {INSTALL}") from None
     return _HTTP(url, shown)
+
+
+def _in_words(exc: BaseException, url: str, shown: str) -> str:
+    """What went wrong, said in words (never a library's class name)."""
+    import ssl
+
+    host = shown.split("://", 1)[1].split("/", 1)[0]
+    names = {c.__name__ for c in type(exc).__mro__}
+    cause = exc.__cause__ or exc.__context__
+    if names & {"ClientConnectorDNSError"} or isinstance(exc, __import__("socket").gaierror) or \
+            isinstance(cause, __import__("socket").gaierror):
+        return f"the host name {host.rsplit(':', 1)[0]} cannot be resolved (DNS): check the URL and the network"
+    if isinstance(exc, ssl.SSLError) or names & {"ClientSSLError", "ClientConnectorCertificateError", "SSLError"}:
+        return f"the TLS handshake with {host} failed (certificate or protocol)"
+    if names & {"ClientConnectorError", "EndpointConnectionError", "ConnectTimeoutError"} or \
+            isinstance(exc, ConnectionError):
+        return f"cannot connect to {host} (nothing answers there, or the connection was refused)"
+    if names & {"NoCredentialsError", "PartialCredentialsError"}:
+        return "no credentials were found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or ~/.aws/credentials)"
+    if names & {"ParamValidationError"}:
+        return "the bucket or key is not a valid S3 name"
+    text = " ".join(str(exc).replace(url, shown).split())
+    return text[:200] or "the request failed without saying why"
 
 
 def _content_range(value: str | None) -> tuple[int, int, int] | None:
@@ -300,8 +417,7 @@ class _Client:
             if type(exc).__name__ in ("ClientPayloadError", "IncompleteReadError", "ResponseStreamingError"):
                 raise RemoteError(f"{self.shown}: the answer for bytes {start}-{end - 1} ended before its "
                                   "Content-Length (truncated: the connection closed early)") from None
-            text = str(exc).replace(self.url, self.shown)
-            raise RemoteError(f"{self.shown}: cannot be read ({type(exc).__name__}: {text[:200]})") from None
+            raise RemoteError(f"{self.shown}: cannot be read: {_in_words(exc, self.url, self.shown)}") from None
 
     def _check(self, status: int, got: tuple[int, int, int] | None, start: int, end: int) -> int:
         if status == 200:
@@ -313,21 +429,22 @@ class _Client:
                               f"{self.shown}: the server answered a range request without a valid Content-Range")
         return got[1] - got[0] + 1
 
-    async def _body(self, read: Any, want: int, start: int) -> bytes:
-        """Exactly `want` bytes from `read(n)`: more is an error (never read past want + 1), fewer is truncation."""
-        parts, have = [], 0
+    async def _body(self, read: Any, want: int, start: int) -> bytearray:
+        """Exactly `want` bytes from `read(n)`, into one buffer: more is an error (never read past want + 1), fewer
+        is truncation."""
+        out, have = bytearray(want), 0
         while True:
             chunk = await read(min(1 << 20, want + 1 - have))
             if not chunk:
                 break
-            have += len(chunk)
-            parts.append(chunk)
-            if have > want:
+            if have + len(chunk) > want:
                 raise RemoteError(f"{self.shown}: the server sent more than the {want:,} bytes asked at byte {start}")
+            out[have:have + len(chunk)] = chunk
+            have += len(chunk)
         if have < want:
             raise RemoteError(f"{self.shown}: the answer for bytes {start}-{start + want - 1} ends after {have:,} of "
                               f"{want:,} bytes (truncated)")
-        return b"".join(parts)
+        return out
 
 
 class _HTTP(_Client):
@@ -370,6 +487,10 @@ class _S3(_Client):
         self.fs = fsspec.filesystem("s3")  # credentials and endpoint as s3fs finds them (environment, AWS config)
         self.loop = self.fs.loop
         self.bucket, _, self.key = url[len("s3://"):].split("?", 1)[0].partition("/")
+        if not self.bucket:
+            raise RemoteError("s3:// names no bucket: give s3://BUCKET/KEY")
+        if not self.key:
+            raise RemoteError(f"{shown}: names a bucket, not an object: give s3://{self.bucket}/KEY")
 
     async def _get(self, start: int, end: int, tag: str | None) -> tuple[bytes, int, str | None]:
         kwargs = {"Bucket": self.bucket, "Key": self.key, "Range": f"bytes={start}-{end - 1}"}

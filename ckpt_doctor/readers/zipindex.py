@@ -18,7 +18,7 @@ from collections import namedtuple
 
 from ..errors import ReadError
 from ..safepickle import limits
-from .source import is_remote, pread
+from .source import is_remote, pread, read_data
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -379,7 +379,7 @@ def inflated_range(fd: int, offset: int, compressed: int, skip: int, nbytes: int
     limit = whole[0] if whole is not None else end
     pos = read = crc = 0
     while pos < limit and read < compressed and not inflater.eof:
-        raw = pread(fd, min(1 << 20, compressed - read), offset + read)
+        raw = read_data(fd, min(1 << 20, compressed - read), offset + read)
         if not raw:
             raise ReadError(f"{what}: the file ends inside its compressed bytes (truncated)")
         read += len(raw)

@@ -107,6 +107,11 @@ def diff_summary(report: DiffReport) -> list[str]:
     if report.unsafe_sides:
         values += f"; but {' and '.join(report.unsafe_sides)} would run code when loaded as saved"
     lines.append(("verdict", values))
+    from ..readers.source import usage_line
+
+    network = usage_line()
+    if network is not None:
+        lines.append(("network", network))
     width = max(len(label) for label, _ in lines)
     return [Line(f"{label:<{width}}  {text}", Severity.PROBLEM if label in ("unsafe", "verdict") and report.exit_code
                  else Severity.INFO) for label, text in lines]
@@ -130,7 +135,16 @@ def diff_json(report: DiffReport) -> dict[str, Any]:
         "counts": {s: report.count(s) for s in ("identical", "close", "changed", "shape", "only-a", "only-b")},
         "bn_drift": list(report.bn_drift),
         "tensors": [stat(r) for r in report.rows],
+        **_remote(),
     }
+
+
+def _remote() -> dict[str, Any]:
+    """Bytes and requests used over the network (a URL as A or B), when any were."""
+    from ..readers.source import usage
+
+    used = usage()
+    return {"remote": used} if used is not None else {}
 
 
 def _finite(x: float) -> float | str:

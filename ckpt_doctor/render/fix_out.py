@@ -26,7 +26,16 @@ def fix_json(plan: FixPlan, result: FixResult | None) -> dict[str, Any]:
         "notes": list(plan.notes),
         "unknown_globals": list(result.unknown_globals) if result else [],
         **({"shards": [str(p) for p in result.shards]} if result and result.shards else {}),
+        **_remote(),
     }
+
+
+def _remote() -> dict[str, Any]:
+    """Bytes and requests used over the network (a URL as the source), when any were."""
+    from ..readers.source import usage
+
+    used = usage()
+    return {"remote": used} if used is not None else {}
 
 
 def dry_run_table(plan: FixPlan) -> str:
@@ -67,4 +76,9 @@ def fix_summary(plan: FixPlan, result: FixResult | None) -> list[str]:
         names = ", ".join(result.unknown_globals)
         lines.append(f"note: the output names {names}, allowed with --allow-global; load it with "
                      f"torch.serialization.safe_globals([{names}]) around torch.load(weights_only=True)")
+    from ..readers.source import usage_line
+
+    network = usage_line()
+    if network is not None:
+        lines.append(f"network: {network}")
     return lines

@@ -9,12 +9,17 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import Rerun, WriteError
+from ..readers.source import is_url
 from ..units import human_bytes
 
 
 def check_destination(output: Path, inputs: tuple[Path, ...], force: bool) -> None:
     """Refuse to overwrite an input (ever) or an existing output (without --force)."""
+    if is_url(output):
+        raise WriteError(f"{output}: ckpt-doctor writes local files only; give a path on this machine")
     for source in inputs:
+        if is_url(source):  # a remote input is never the local output
+            continue
         try:
             if output.exists() and os.path.samefile(output, source):
                 raise WriteError(f"{output}: is the input file; the input is never modified — write elsewhere")

@@ -41,12 +41,12 @@ class Progress:
             self.callback(self.done, self.total)
 
 
-def copy_bytes(src_fd: int, src_offset: int, nbytes: int, dst_fd: int, dst_offset: int,
+def copy_bytes(src_fd: Any, src_offset: int, nbytes: int, dst_fd: int, dst_offset: int,
                progress: Progress | None = None) -> None:
     """Copy `nbytes`: in the kernel (copy_file_range) when both ends have the same phase on the FOLIO grid, else
     (or where the kernel cannot) through a buffer."""
     copied = 0
-    if hasattr(os, "copy_file_range") and (src_offset - dst_offset) % FOLIO == 0:
+    if src_fd.__class__ is int and hasattr(os, "copy_file_range") and (src_offset - dst_offset) % FOLIO == 0:
         step = FOLIO - src_offset % FOLIO  # up to the grid first (see FOLIO), then whole multiples of it
         try:
             while copied < nbytes:
@@ -65,7 +65,7 @@ def copy_bytes(src_fd: int, src_offset: int, nbytes: int, dst_fd: int, dst_offse
     _buffered_copy(src_fd, src_offset + copied, nbytes - copied, dst_fd, dst_offset + copied, progress, False)
 
 
-def copy_range(src_fd: int, src_offset: int, nbytes: int, dst_fd: int, dst_offset: int,
+def copy_range(src_fd: Any, src_offset: int, nbytes: int, dst_fd: int, dst_offset: int,
                progress: Progress | None = None, known_crc: int | None = None) -> int:
     """Copy `nbytes`; returns their crc32. With `known_crc` nothing is summed and the kernel may copy."""
     if known_crc is not None:
@@ -91,7 +91,13 @@ def _buffered_copy(src_fd: int, src_offset: int, nbytes: int, dst_fd: int, dst_o
 
 def _chunks(fd: int, offset: int, nbytes: int, what: str) -> Iterator[memoryview]:
     """`nbytes` of `fd` from `offset`, read into one reused buffer a chunk at a time: each chunk is good until
-    the next is read. `what` names the file if it ends early."""
+    the next is read. `what` names the file if it ends early. A remote source (readers/source.py) hands views of
+    its data windows instead: large sequential requests, the next fetched while this one is written."""
+    if fd.__class__ is not int:  # handed on COPY_BUFFER at a time, as a local copy is: a 256 MB fix over HTTP took
+        for block in fd.data_blocks(offset, nbytes):  # 4.3 s here in 32 MB writes, 1.8 s in 1 MB ones
+            for at in range(0, len(block), COPY_BUFFER):
+                yield block[at:at + COPY_BUFFER]
+        return
     buffer = memoryview(bytearray(min(COPY_BUFFER, nbytes)))
     done = 0
     while done < nbytes:

@@ -114,6 +114,8 @@ class ZipOut:
         this archive would write for it (same name, stored, its crc and size in the header or in a data descriptor
         after `prev`): then both are copied as one range, headers and descriptors included. Returns the length
         of the descriptor between them (0 or 16), or None."""
+        if prev.source_fd.__class__ is not int:  # a remote source: its data windows already make few requests
+            return None
         if prev.produce is not None or nxt.produce is not None or prev.source_fd != nxt.source_fd \
                 or prev.known_crc is None or nxt.known_crc is None or max(prev.nbytes, nxt.nbytes) >= _U32 \
                 or prev.source_offset % ALIGN or nxt.source_offset % ALIGN:  # (old files: copied one by one)
