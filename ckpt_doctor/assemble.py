@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import os
 from collections.abc import Callable, Iterator
 from math import prod
 

@@ -15,6 +15,7 @@ import re
 from collections import Counter
 from typing import Any
 
+from .advice import output_beside
 from ._record import field, record, replace
 from .analyze import find_prefixes
 from .devices import missing_devices
@@ -995,8 +996,6 @@ def ambiguous_positions(tensors: list[TensorRecord], new_keys: list[str]) -> lis
 def fix_command(path: str, comparison: Comparison) -> str:
     """The full `ckpt-doctor fix` line a user can paste."""
     import shlex
-
-    from .advice import output_beside
 
     flags = list(comparison.suggested_fix)
     out = output_beside(path)

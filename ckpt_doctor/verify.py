@@ -21,6 +21,7 @@ from .loader import load_into
 from .modelspec import example_inputs, library_names, model_keys, resolve_attr, resolve_spec, spec_flags
 from .outputs import Tolerance, compare_outputs, flat_outputs
 from .readers import read_checkpoint
+from .readers.source import is_url, real_url
 
 
 class Mode(str, enum.Enum):
@@ -729,8 +730,6 @@ def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any]
 
 def _job_path(ckpt: Any) -> str:
     """The checkpoint as each rank opens it: a URL as given (each rank reads it by range requests), else absolute."""
-    from .readers.source import is_url, real_url
-
     return real_url(ckpt) if is_url(ckpt) else str(Path(ckpt).resolve())
 
 
