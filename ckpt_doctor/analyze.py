@@ -6,7 +6,7 @@ import re
 from collections import Counter, OrderedDict, defaultdict
 from ._record import record
 
-from .records import SharedGroup, TensorRecord
+from .records import SharedGroup, TensorRecord, TensorTable
 from .units import human_bytes  # noqa: F401  (re-exported for the renderers)
 
 # Components that wrappers insert into keys: DataParallel/DDP, torch.compile, Lightning, FSDP, EMA helpers.
@@ -111,19 +111,26 @@ def _keys_under(keys: list[str], parents: set[str]) -> dict[str, int]:
     return {p: (bisect_left(ordered, p[:-1] + "/") - bisect_left(ordered, p)) if p else len(keys) for p in parents}
 
 
-def shared_groups(tensors: tuple[TensorRecord, ...] | list[TensorRecord]) -> list[SharedGroup]:
+def shared_groups(tensors: tuple[TensorRecord, ...] | list[TensorRecord] | TensorTable) -> list[SharedGroup]:
     """Tensors reading one storage: tied weights (same bytes) or views (different parts)."""
-    by_storage: dict[tuple, list[TensorRecord]] = {}
-    for t in tensors:
-        if t.storage is not None:
-            by_storage.setdefault(t.storage.ident, []).append(t)
+    table = TensorTable.of(tensors)
+    by_storage: dict[tuple, list[int]] = {}
+    for i, ident in enumerate(table.storage_idents()):
+        if ident is not None:
+            members = by_storage.get(ident)
+            if members is None:
+                by_storage[ident] = [i]
+            else:
+                members.append(i)
     groups = []
+    keys = table.keys
     for (_, key), members in by_storage.items():
         if len(members) > 1:
+            shapes, strides, offsets, dtypes = table.shapes, table.strides, table.offsets, table.dtypes
             first = members[0]
-            same = all((m.storage_offset, m.shape, m.stride, m.dtype) ==
-                       (first.storage_offset, first.shape, first.stride, first.dtype) for m in members)
-            groups.append(SharedGroup(key, tuple(m.key for m in members), same))
+            same = all((offsets[m], shapes[m], strides[m], dtypes[m]) ==
+                       (offsets[first], shapes[first], strides[first], dtypes[first]) for m in members)
+            groups.append(SharedGroup(key, tuple(keys[m] for m in members), same))
     return groups
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from math import prod
 from pathlib import Path
 
@@ -128,6 +129,145 @@ class TensorRecord:
         if self.storage is None:
             return None
         return self.storage.offset + self.storage_offset * element_size(self.dtype)
+
+
+class TensorTable(Sequence):
+    """A checkpoint's tensors held column-wise: keys, dtypes, shapes, strides, storage offsets, devices and storages in
+    a few lists, read by the stages that pass over every tensor (analysis, JSON, the table) without a Python object
+    per tensor. As a sequence it is the tuple of TensorRecords it stands for: a record (and a safetensors storage's
+    StorageRecord) is made only when a caller asks for one, then all of them once.
+
+    Storages are a list of StorageRecord (None: no storage), or, for a safetensors file, where every tensor owns its
+    bytes, `file` with each tensor's absolute byte offset and byte count, its StorageRecord named by its key."""
+
+    __slots__ = ("keys", "dtypes", "shapes", "offsets", "devices", "requires_grad", "is_parameter", "_strides",
+                 "_storages", "_file", "_file_offsets", "_nbytes", "_records")
+
+    def __init__(self, keys: Any, dtypes: Any, shapes: Any, strides: Any = None, offsets: Any = None,
+                 devices: Any = None, storages: Any = None, requires_grad: Any = None, is_parameter: Any = None, *,
+                 file: Path | None = None, file_offsets: Any = None, nbytes: Any = None) -> None:
+        n = len(keys)
+        self.keys, self.dtypes, self.shapes = keys, dtypes, shapes
+        self._strides = strides  # None: contiguous, made from the shapes when asked for
+        self.offsets = offsets if offsets is not None else [0] * n  # storage offsets, in elements
+        self.devices = devices if devices is not None else ["cpu"] * n
+        self.requires_grad = requires_grad  # None: all False
+        self.is_parameter = is_parameter  # None: all False
+        self._storages, self._file, self._file_offsets, self._nbytes = storages, file, file_offsets, nbytes
+        self._records: tuple[TensorRecord, ...] | None = None
+
+    @classmethod
+    def of(cls, tensors: Any) -> TensorTable:
+        """`tensors` as columns: itself when it is a table, else the columns of its records (kept as its records)."""
+        if type(tensors) is cls:
+            return tensors
+        records = tuple(tensors)
+        table = cls([t.key for t in records], [t.dtype for t in records], [t.shape for t in records],
+                    [t.stride for t in records], [t.storage_offset for t in records], [t.device for t in records],
+                    [t.storage for t in records], [t.requires_grad for t in records],
+                    [t.is_parameter for t in records])
+        table._records = records
+        return table
+
+    @property
+    def strides(self) -> Any:
+        if self._strides is None:
+            from .assemble import contiguous_strides
+
+            self._strides = [contiguous_strides(s) for s in self.shapes]
+        return self._strides
+
+    def nbytes(self) -> list[int]:
+        """Each tensor's bytes (numel × element size), as TensorRecord.nbytes."""
+        if self._nbytes is not None:
+            return self._nbytes
+        sizes: dict[str, int] = {}
+        out = []
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            size = sizes.get(dtype)
+            if size is None:
+                size = sizes[dtype] = element_size(dtype)
+            out.append(prod(shape) * size)
+        return out
+
+    def storage_keys(self) -> list[str | None]:
+        """Each tensor's storage key (None: no storage)."""
+        if self._storages is None:
+            return self.keys
+        return [None if s is None else s.key for s in self._storages]
+
+    def storage_idents(self) -> list[tuple[str, str] | None]:
+        """Each tensor's StorageRecord.ident (None: no storage): tensors with the same one share bytes."""
+        if self._storages is None:
+            name = str(self._file)
+            return [(name, k) for k in self.keys]
+        names: dict[int, str] = {}
+        out: list[tuple[str, str] | None] = []
+        for s in self._storages:
+            if s is None:
+                out.append(None)
+                continue
+            name = names.get(id(s.file))
+            if name is None:
+                name = names[id(s.file)] = str(s.file)
+            out.append((name, s.key))
+        return out
+
+    def storage_nbytes(self) -> list[int | None]:
+        if self._storages is None:
+            return self._nbytes
+        return [None if s is None else s.nbytes for s in self._storages]
+
+    def records(self) -> tuple[TensorRecord, ...]:
+        """The TensorRecords, made on the first call."""
+        if self._records is None:
+            n = len(self.keys)
+            storages = self._storages
+            if storages is None:
+                file, at, nbytes = self._file, self._file_offsets, self._nbytes
+                storages = [fast_new(StorageRecord, key=k, dtype=d, nbytes=nb, device="cpu", file=file, offset=o,
+                                     entry="", crc=None, assembly=None, deflated=0)
+                            for k, d, nb, o in zip(self.keys, self.dtypes, nbytes, at)]
+            grads = self.requires_grad or [False] * n
+            params = self.is_parameter or [False] * n
+            self._records = tuple(
+                fast_new(TensorRecord, key=k, dtype=d, shape=sh, stride=st, storage_offset=o, storage=s, device=dev,
+                         requires_grad=g, is_parameter=p)
+                for k, d, sh, st, o, s, dev, g, p in zip(self.keys, self.dtypes, self.shapes, self.strides,
+                                                          self.offsets, storages, self.devices, grads, params))
+        return self._records
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.records()[index]
+
+    def __iter__(self) -> Any:
+        return iter(self.records())
+
+    def __reversed__(self) -> Any:
+        return reversed(self.records())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (TensorTable, tuple)):
+            return self.records() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.records())
+
+    def __add__(self, other: Any) -> Any:
+        return self.records() + tuple(other)
+
+    def __radd__(self, other: Any) -> Any:
+        return tuple(other) + self.records()
+
+    def __repr__(self) -> str:
+        return repr(self.records())
+
+    def __reduce__(self) -> Any:  # pickled (a worker's result) and copied as the tuple it stands for
+        return tuple, (self.records(),)
 
 
 @record
@@ -284,7 +424,20 @@ class Checkpoint:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        return tuple(sorted({t.device for t in self.tensors}))
+        tensors = self.tensors
+        return tuple(sorted(set(tensors.devices) if type(tensors) is TensorTable else {t.device for t in tensors}))
+
+    def state_dict_keys(self) -> list[str]:
+        """The keys of state_dict_tensors(), without making their records."""
+        root = self.state_dict_root
+        if root is None:
+            return []
+        keys = TensorTable.of(self.tensors).keys
+        if root == "":
+            return list(keys)
+        prefix = root + "."
+        cut = len(prefix)
+        return [k[cut:] for k in keys if k.startswith(prefix)]
 
     def state_dict_tensors(self) -> tuple[TensorRecord, ...]:
         """Tensors under the state_dict root, keyed relative to it."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from ..records import GlobalRef
+from ..records import GlobalRef, TensorTable
 from ..report import InspectReport
 
 TYPE_CHECKING = False
@@ -28,15 +28,17 @@ def global_json(g: GlobalRef) -> dict[str, Any]:
 def inspect_json(report: InspectReport) -> dict[str, Any]:
     ckpt = report.checkpoint
     tensors = []
-    for t in report.tensors:
-        item: dict[str, Any] = {"key": t.key, "shape": list(t.shape), "dtype": t.dtype, "device": t.device,
-                                "nbytes": t.nbytes}
-        if t.storage is not None:
-            item["storage"] = t.storage.key
-        if t.key in ckpt.layouts:
-            item["layout"] = ckpt.layouts[t.key]
-        if report.stats is not None:
-            s = report.stats.get(t.key)
+    table = TensorTable.of(report.tensors)
+    layouts, stats = ckpt.layouts, report.stats
+    for key, shape, dtype, device, nbytes, storage in zip(table.keys, table.shapes, table.dtypes, table.devices,
+                                                          table.nbytes(), table.storage_keys()):
+        item: dict[str, Any] = {"key": key, "shape": list(shape), "dtype": dtype, "device": device, "nbytes": nbytes}
+        if storage is not None:
+            item["storage"] = storage
+        if layouts and key in layouts:
+            item["layout"] = layouts[key]
+        if stats is not None:
+            s = stats.get(key)
             item["stats"] = None if s is None else {
                 "min": _num(s.min), "max": _num(s.max), "mean": _num(s.mean), "std": _num(s.std),
                 "nan": s.nan, "inf": s.inf}
