@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, defaultdict
 from ._record import record
 
 from .records import SharedGroup, TensorRecord, TensorTable
@@ -114,6 +114,8 @@ def _keys_under(keys: list[str], parents: set[str]) -> dict[str, int]:
 def shared_groups(tensors: tuple[TensorRecord, ...] | list[TensorRecord] | TensorTable) -> list[SharedGroup]:
     """Tensors reading one storage: tied weights (same bytes) or views (different parts)."""
     table = TensorTable.of(tensors)
+    if table.owns_storages:
+        return []
     by_storage: dict[tuple, list[int]] = {}
     for i, ident in enumerate(table.storage_idents()):
         if ident is not None:
@@ -170,13 +172,19 @@ def collapse_labels(labels: list[str], signatures: list[tuple]) -> list[tuple[st
 
 
 def _collapse_once(rows: list[tuple[str, list[int], tuple]]) -> list[tuple[str, list[int], tuple]]:
-    groups: "OrderedDict[tuple, list[tuple[int, int]]]" = OrderedDict()  # key -> [(index value, row position)]
+    groups: dict[tuple, list[tuple[int, int]]] = {}  # key -> [(index value, row position)], in order of first row
+    search = _NUM.search
     for pos, (label, members, sig) in enumerate(rows):
-        m = _NUM.search(label)
+        m = search(label)
         if m is None:
             continue
-        pattern = label[:m.start()] + "\0" + label[m.end():]
-        groups.setdefault((pattern, sig, len(members)), []).append((int(m.group(1)), pos))
+        start, end = m.span()
+        key = (label[:start] + "\0" + label[end:], sig, len(members))
+        found = groups.get(key)
+        if found is None:
+            groups[key] = [(int(label[start:end]), pos)]
+        else:
+            found.append((int(label[start:end]), pos))
     merged_at: dict[int, tuple[str, list[int], tuple]] = {}
     absorbed: set[int] = set()
     for (pattern, sig, _), found in groups.items():
@@ -185,6 +193,8 @@ def _collapse_once(rows: list[tuple[str, list[int], tuple]]) -> list[tuple[str, 
         label = pattern.replace("\0", "{" + _index_range([i for i, _ in found]) + "}")
         merged_at[found[0][1]] = (label, [m for _, pos in found for m in rows[pos][1]], sig)
         absorbed.update(pos for _, pos in found[1:])
+    if not merged_at:
+        return rows
     return [merged_at.get(pos, row) for pos, row in enumerate(rows) if pos not in absorbed]
 
 

@@ -141,7 +141,7 @@ class TensorTable(Sequence):
     bytes, `file` with each tensor's absolute byte offset and byte count, its StorageRecord named by its key."""
 
     __slots__ = ("keys", "dtypes", "shapes", "offsets", "devices", "requires_grad", "is_parameter", "_strides",
-                 "_storages", "_file", "_file_offsets", "_nbytes", "_records")
+                 "_storages", "_file", "_file_offsets", "_nbytes", "_records", "checked")
 
     def __init__(self, keys: Any, dtypes: Any, shapes: Any, strides: Any = None, offsets: Any = None,
                  devices: Any = None, storages: Any = None, requires_grad: Any = None, is_parameter: Any = None, *,
@@ -155,6 +155,9 @@ class TensorTable(Sequence):
         self.is_parameter = is_parameter  # None: all False
         self._storages, self._file, self._file_offsets, self._nbytes = storages, file, file_offsets, nbytes
         self._records: tuple[TensorRecord, ...] | None = None
+        # Set by a reader that checked its columns: keys, dtypes, devices and storage keys are str, shapes tuples of
+        # int (not bool): the JSON of a row can then be written without asking the encoder about each value.
+        self.checked = False
 
     @classmethod
     def of(cls, tensors: Any) -> TensorTable:
@@ -174,8 +177,28 @@ class TensorTable(Sequence):
         if self._strides is None:
             from .assemble import contiguous_strides
 
-            self._strides = [contiguous_strides(s) for s in self.shapes]
+            made: dict[tuple[int, ...], tuple[int, ...]] = {}  # most shapes repeat: each made once
+            strides = []
+            for shape in self.shapes:
+                stride = made.get(shape)
+                if stride is None:
+                    stride = made[shape] = contiguous_strides(shape)
+                strides.append(stride)
+            self._strides = strides
         return self._strides
+
+    def check_types(self) -> TensorTable:
+        """Sets `checked` when every key, dtype, device and storage key is a str and every shape a tuple of int."""
+        self.checked = all(k.__class__ is str for k in self.keys) and all(
+            d.__class__ is str for d in self.dtypes) and all(d.__class__ is str for d in self.devices) and all(
+            k is None or k.__class__ is str for k in self.storage_keys()) and all(
+            s.__class__ is tuple and all(x.__class__ is int for x in s) for s in self.shapes)
+        return self
+
+    @property
+    def owns_storages(self) -> bool:
+        """Every tensor has a storage of its own (a safetensors file): none shares bytes with another."""
+        return self._storages is None
 
     def nbytes(self) -> list[int]:
         """Each tensor's bytes (numel × element size), as TensorRecord.nbytes."""

@@ -196,17 +196,20 @@ def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
     named = {e.key: e.is_parameter for e in model.entries} if model is not None else None
     marks = table.is_parameter
     marked = marks is not None and any(marks[i] for i in chosen)
-    idents, offsets, shapes, strides, dtypes = (table.storage_idents(), table.offsets, table.shapes, table.strides,
-                                                table.dtypes)
+    shapes, dtypes = table.shapes, table.dtypes
+    shares = not table.owns_storages  # else every tensor is counted: no two read the same bytes
+    if shares:
+        idents, offsets, strides = table.storage_idents(), table.offsets, table.strides
     floating: dict[str, bool] = {}
     seen: set[tuple] = set()
     params = buffers = 0
     for i in chosen:
         key = keys[i]
-        ident = (idents[i], offsets[i], shapes[i], strides[i]) if idents[i] is not None else (key,)
-        if ident in seen:
-            continue
-        seen.add(ident)
+        if shares:
+            ident = (idents[i], offsets[i], shapes[i], strides[i]) if idents[i] is not None else (key,)
+            if ident in seen:
+                continue
+            seen.add(ident)
         if named is not None and key in named:
             is_param = named[key]
         elif marked:

@@ -98,7 +98,7 @@ def tensor_table(path: Path, raws: list[tuple[str, RawTensor]]) -> TensorTable:
         devices.append(device)
         grads.append(raw.requires_grad)
         params.append(raw.is_parameter)
-    return TensorTable(keys, dtypes, shapes, strides, offsets, devices, storages, grads, params)
+    return TensorTable(keys, dtypes, shapes, strides, offsets, devices, storages, grads, params).check_types()
 
 
 def assembled_tensor(key: str, dtype: str, shape: tuple[int, ...], assembly: Any, source: Path,

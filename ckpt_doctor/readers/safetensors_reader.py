@@ -92,6 +92,7 @@ def read_safetensors(path: Path, fd: Any, size: int, base: int = 0) -> Checkpoin
     if spans:
         begins, sizes, keys, dtypes, shapes = (list(column) for column in zip(*spans))
     table = TensorTable(keys, dtypes, shapes, file=path, file_offsets=[data_start + b for b in begins], nbytes=sizes)
+    table.checked = True  # keys are JSON strings, shapes JSON integers (checked above)
     return Checkpoint(path=path, format=Format.SAFETENSORS, tensors=table, metadata=dict(metadata),
                       globals=(), state_dict_root="" if keys else None, files=(path,))
 
