@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections import Counter, defaultdict
+from collections import defaultdict
+from itertools import repeat
 from ._record import record
 
 from .records import SharedGroup, TensorRecord, TensorTable
@@ -76,9 +77,8 @@ def find_prefixes(keys: list[str], model_keys: list[str] | None = None) -> list[
     if not findings:
         # A prefix most (not all) keys share may be a partial wrap or a Lightning `model.` beside a loss's weight,
         # or a submodule of that name: possible, not certain.
-        firsts = Counter(k.partition(".")[0] for k in keys if "." in k)
         for token in WRAPPER_TOKENS:
-            count = firsts[token]
+            count = sum(map(str.startswith, keys, repeat(token + ".")))  # keys whose first component it is
             if count and count * 2 >= total:
                 findings.append(PrefixFinding(token + ".", "", count, total, True, certain=False))
     if model_keys and findings:
