@@ -114,7 +114,7 @@ def _keys_under(keys: list[str], parents: set[str]) -> dict[str, int]:
 def shared_groups(tensors: tuple[TensorRecord, ...] | list[TensorRecord] | TensorTable) -> list[SharedGroup]:
     """Tensors reading one storage: tied weights (same bytes) or views (different parts)."""
     table = TensorTable.of(tensors)
-    if table.owns_storages:
+    if not table.shares_storages():
         return []
     by_storage: dict[tuple, list[int]] = {}
     for i, ident in enumerate(table.storage_idents()):

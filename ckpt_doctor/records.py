@@ -141,7 +141,7 @@ class TensorTable(Sequence):
     bytes, `file` with each tensor's absolute byte offset and byte count, its StorageRecord named by its key."""
 
     __slots__ = ("keys", "dtypes", "shapes", "offsets", "devices", "requires_grad", "is_parameter", "_strides",
-                 "_storages", "_file", "_file_offsets", "_nbytes", "_records", "checked")
+                 "_storages", "_file", "_file_offsets", "_nbytes", "_records", "checked", "_idents")
 
     def __init__(self, keys: Any, dtypes: Any, shapes: Any, strides: Any = None, offsets: Any = None,
                  devices: Any = None, storages: Any = None, requires_grad: Any = None, is_parameter: Any = None, *,
@@ -155,6 +155,7 @@ class TensorTable(Sequence):
         self.is_parameter = is_parameter  # None: all False
         self._storages, self._file, self._file_offsets, self._nbytes = storages, file, file_offsets, nbytes
         self._records: tuple[TensorRecord, ...] | None = None
+        self._idents: list[tuple[str, str] | None] | None = None
         # Set by a reader that checked its columns: keys, dtypes, devices and storage keys are str, shapes tuples of
         # int (not bool): the JSON of a row can then be written without asking the encoder about each value.
         self.checked = False
@@ -211,6 +212,7 @@ class TensorTable(Sequence):
             if size is None:
                 size = sizes[dtype] = element_size(dtype)
             out.append(prod(shape) * size)
+        self._nbytes = out
         return out
 
     def storage_keys(self) -> list[str | None]:
@@ -221,9 +223,12 @@ class TensorTable(Sequence):
 
     def storage_idents(self) -> list[tuple[str, str] | None]:
         """Each tensor's StorageRecord.ident (None: no storage): tensors with the same one share bytes."""
+        if self._idents is not None:
+            return self._idents
         if self._storages is None:
             name = str(self._file)
-            return [(name, k) for k in self.keys]
+            self._idents = [(name, k) for k in self.keys]
+            return self._idents
         names: dict[int, str] = {}
         out: list[tuple[str, str] | None] = []
         for s in self._storages:
@@ -234,7 +239,16 @@ class TensorTable(Sequence):
             if name is None:
                 name = names[id(s.file)] = str(s.file)
             out.append((name, s.key))
+        self._idents = out
         return out
+
+    def shares_storages(self) -> bool:
+        """Whether two tensors read one storage (tied weights, views), or a tensor has none: else each tensor's
+        bytes are its own."""
+        if self._storages is None:
+            return False
+        idents = self.storage_idents()
+        return len(set(idents)) != len(idents) or None in idents
 
     def storage_nbytes(self) -> list[int | None]:
         if self._storages is None:

@@ -197,7 +197,7 @@ def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
     marks = table.is_parameter
     marked = marks is not None and any(marks[i] for i in chosen)
     shapes, dtypes = table.shapes, table.dtypes
-    shares = not table.owns_storages  # else every tensor is counted: no two read the same bytes
+    shares = table.shares_storages()  # else every tensor is counted: no two read the same bytes
     if shares:
         idents, offsets, strides = table.storage_idents(), table.offsets, table.strides
     floating: dict[str, bool] = {}

@@ -25,26 +25,15 @@ def global_json(g: GlobalRef) -> dict[str, Any]:
     return {"global": g.qualname, "verdict": g.verdict.value, "reason": g.reason, "source": g.source}
 
 
-def inspect_json(report: InspectReport) -> dict[str, Any]:
+def inspect_json(report: InspectReport, *, encoded_rows: bool = False) -> dict[str, Any]:
+    """`inspect --json`'s data. With `encoded_rows`, for `dumps` only: its `tensors` are written from the table's
+    columns when the reader checked their types (str keys, int shapes), without a dict per tensor (20,000 rows
+    through the encoder one by one cost three times as much)."""
     ckpt = report.checkpoint
     table = TensorTable.of(report.tensors)
     layouts, stats = ckpt.layouts, report.stats
-    tensors = _TensorRows()
-    if table.checked and stats is None:
-        tensors.table, tensors.layouts = table, layouts
-    for key, shape, dtype, device, nbytes, storage in zip(table.keys, table.shapes, table.dtypes, table.devices,
-                                                          table.nbytes(), table.storage_keys()):
-        item: dict[str, Any] = {"key": key, "shape": list(shape), "dtype": dtype, "device": device, "nbytes": nbytes}
-        if storage is not None:
-            item["storage"] = storage
-        if layouts and key in layouts:
-            item["layout"] = layouts[key]
-        if stats is not None:
-            s = stats.get(key)
-            item["stats"] = None if s is None else {
-                "min": _num(s.min), "max": _num(s.max), "mean": _num(s.mean), "std": _num(s.std),
-                "nan": s.nan, "inf": s.inf}
-        tensors.append(item)
+    tensors = _EncodedRows(table, layouts) if encoded_rows and table.checked and stats is None else \
+        _rows(table, layouts, stats)
     out: dict[str, Any] = {
         "ok": report.exit_code == 0,
         "exit_code": report.exit_code,
@@ -96,24 +85,44 @@ def inspect_json(report: InspectReport) -> dict[str, Any]:
     return out
 
 
-class _TensorRows(list):
-    """inspect's `tensors`: a list of dicts like any other, which `dumps` writes from the table's columns when the
-    reader checked their types (str keys, int shapes): 20,000 rows through the encoder one by one cost three times
-    as much. The dicts are what the lines say; a list changed after it was made is encoded item by item."""
+def _rows(table: TensorTable, layouts: dict[str, str], stats: dict[str, Any] | None) -> list[dict[str, Any]]:
+    rows = []
+    for key, shape, dtype, device, nbytes, storage in zip(table.keys, table.shapes, table.dtypes, table.devices,
+                                                          table.nbytes(), table.storage_keys()):
+        item: dict[str, Any] = {"key": key, "shape": list(shape), "dtype": dtype, "device": device, "nbytes": nbytes}
+        if storage is not None:
+            item["storage"] = storage
+        if layouts and key in layouts:
+            item["layout"] = layouts[key]
+        if stats is not None:
+            s = stats.get(key)
+            item["stats"] = None if s is None else {
+                "min": _num(s.min), "max": _num(s.max), "mean": _num(s.mean), "std": _num(s.std),
+                "nan": s.nan, "inf": s.inf}
+        rows.append(item)
+    return rows
 
-    table: Any = None
-    layouts: dict[str, str] = {}
+
+class _EncodedRows:
+    """inspect's `tensors` as `dumps` writes them, from a checked table's columns: each line what the encoder makes
+    of the row's dict."""
+
+    def __init__(self, table: TensorTable, layouts: dict[str, str]) -> None:
+        self.table, self.layouts = table, layouts
+
+    def __bool__(self) -> bool:
+        return bool(len(self.table))
 
     def lines(self) -> list[str] | None:
-        table = self.table
-        if table is None or len(self) != len(table):
-            return None
         from json.encoder import encode_basestring as text
 
         try:
-            return self._lines(table, text)
+            return self._lines(self.table, text)
         except TypeError:  # a value that is not what the reader checked: the encoder decides
             return None
+
+    def dicts(self) -> list[dict[str, Any]]:
+        return _rows(self.table, self.layouts, None)
 
     def _lines(self, table: Any, text: Callable[[str], str]) -> list[str]:
         layouts = self.layouts
@@ -148,9 +157,15 @@ def dumps(data: Any) -> str:
     enc = _item_encoder()
     parts = []
     for key, value in data.items():
+        if type(value) is _EncodedRows:
+            lines = value.lines() if value else []
+            value = value.dicts() if lines is None else lines
+            if lines is not None and lines:
+                inner = ",\n    ".join(lines)
+                parts.append(f"  {enc(key)}: [\n    {inner}\n  ]")
+                continue
         if isinstance(value, list) and value:
-            lines = value.lines() if type(value) is _TensorRows else None
-            inner = ",\n    ".join(lines if lines is not None else map(enc, value))
+            inner = ",\n    ".join(map(enc, value))
             parts.append(f"  {enc(key)}: [\n    {inner}\n  ]")
         else:
             parts.append(f"  {enc(key)}: {enc(value)}")
