@@ -173,6 +173,18 @@ class TensorTable(Sequence):
         table._records = records
         return table
 
+    def take(self, positions: list[int]) -> TensorTable:
+        """The tensors at these positions, as a table of their own (an --filter's)."""
+        def pick(column: Any) -> Any:
+            return None if column is None else [column[i] for i in positions]
+
+        table = TensorTable(pick(self.keys), pick(self.dtypes), pick(self.shapes), pick(self._strides),
+                            pick(self.offsets), pick(self.devices), pick(self._storages), pick(self.requires_grad),
+                            pick(self.is_parameter), file=self._file, file_offsets=pick(self._file_offsets),
+                            nbytes=pick(self._nbytes) if self._storages is None else None)
+        table.checked = self.checked
+        return table
+
     @property
     def strides(self) -> Any:
         if self._strides is None:

@@ -124,7 +124,8 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         from .transforms import compile_regex
 
         pattern = compile_regex(filter, "--filter")
-        tensors = tuple(t for t in tensors if pattern.search(t.key))
+        table = TensorTable.of(tensors)
+        tensors = table.take([i for i, key in enumerate(table.keys) if pattern.search(key)])
     root_keys = ckpt.state_dict_keys()
     table_stats = None
     bn: list[str] = []
