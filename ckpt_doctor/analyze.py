@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-from collections import Counter, OrderedDict, defaultdict
+from collections import defaultdict
+from itertools import repeat
 from ._record import record
 
-from .records import SharedGroup, TensorRecord
+from .records import SharedGroup, TensorRecord, TensorTable
 from .units import human_bytes  # noqa: F401  (re-exported for the renderers)
 
 # Components that wrappers insert into keys: DataParallel/DDP, torch.compile, Lightning, FSDP, EMA helpers.
@@ -76,9 +77,8 @@ def find_prefixes(keys: list[str], model_keys: list[str] | None = None) -> list[
     if not findings:
         # A prefix most (not all) keys share may be a partial wrap or a Lightning `model.` beside a loss's weight,
         # or a submodule of that name: possible, not certain.
-        firsts = Counter(k.partition(".")[0] for k in keys if "." in k)
         for token in WRAPPER_TOKENS:
-            count = firsts[token]
+            count = sum(map(str.startswith, keys, repeat(token + ".")))  # keys whose first component it is
             if count and count * 2 >= total:
                 findings.append(PrefixFinding(token + ".", "", count, total, True, certain=False))
     if model_keys and findings:
@@ -111,19 +111,28 @@ def _keys_under(keys: list[str], parents: set[str]) -> dict[str, int]:
     return {p: (bisect_left(ordered, p[:-1] + "/") - bisect_left(ordered, p)) if p else len(keys) for p in parents}
 
 
-def shared_groups(tensors: tuple[TensorRecord, ...] | list[TensorRecord]) -> list[SharedGroup]:
+def shared_groups(tensors: tuple[TensorRecord, ...] | list[TensorRecord] | TensorTable) -> list[SharedGroup]:
     """Tensors reading one storage: tied weights (same bytes) or views (different parts)."""
-    by_storage: dict[tuple, list[TensorRecord]] = {}
-    for t in tensors:
-        if t.storage is not None:
-            by_storage.setdefault(t.storage.ident, []).append(t)
+    table = TensorTable.of(tensors)
+    if not table.shares_storages():
+        return []
+    by_storage: dict[tuple, list[int]] = {}
+    for i, ident in enumerate(table.storage_idents()):
+        if ident is not None:
+            members = by_storage.get(ident)
+            if members is None:
+                by_storage[ident] = [i]
+            else:
+                members.append(i)
     groups = []
+    keys = table.keys
     for (_, key), members in by_storage.items():
         if len(members) > 1:
+            shapes, strides, offsets, dtypes = table.shapes, table.strides, table.offsets, table.dtypes
             first = members[0]
-            same = all((m.storage_offset, m.shape, m.stride, m.dtype) ==
-                       (first.storage_offset, first.shape, first.stride, first.dtype) for m in members)
-            groups.append(SharedGroup(key, tuple(m.key for m in members), same))
+            same = all((offsets[m], shapes[m], strides[m], dtypes[m]) ==
+                       (offsets[first], shapes[first], strides[first], dtypes[first]) for m in members)
+            groups.append(SharedGroup(key, tuple(keys[m] for m in members), same))
     return groups
 
 
@@ -163,13 +172,19 @@ def collapse_labels(labels: list[str], signatures: list[tuple]) -> list[tuple[st
 
 
 def _collapse_once(rows: list[tuple[str, list[int], tuple]]) -> list[tuple[str, list[int], tuple]]:
-    groups: "OrderedDict[tuple, list[tuple[int, int]]]" = OrderedDict()  # key -> [(index value, row position)]
+    groups: dict[tuple, list[tuple[int, int]]] = {}  # key -> [(index value, row position)], in order of first row
+    search = _NUM.search
     for pos, (label, members, sig) in enumerate(rows):
-        m = _NUM.search(label)
+        m = search(label)
         if m is None:
             continue
-        pattern = label[:m.start()] + "\0" + label[m.end():]
-        groups.setdefault((pattern, sig, len(members)), []).append((int(m.group(1)), pos))
+        start, end = m.span()
+        key = (label[:start] + "\0" + label[end:], sig, len(members))
+        found = groups.get(key)
+        if found is None:
+            groups[key] = [(int(label[start:end]), pos)]
+        else:
+            found.append((int(label[start:end]), pos))
     merged_at: dict[int, tuple[str, list[int], tuple]] = {}
     absorbed: set[int] = set()
     for (pattern, sig, _), found in groups.items():
@@ -178,6 +193,8 @@ def _collapse_once(rows: list[tuple[str, list[int], tuple]]) -> list[tuple[str, 
         label = pattern.replace("\0", "{" + _index_range([i for i, _ in found]) + "}")
         merged_at[found[0][1]] = (label, [m for _, pos in found for m in rows[pos][1]], sig)
         absorbed.update(pos for _, pos in found[1:])
+    if not merged_at:
+        return rows
     return [merged_at.get(pos, row) for pos, row in enumerate(rows) if pos not in absorbed]
 
 

@@ -508,7 +508,7 @@ def inspect(ckpt: str, as_json: bool, format_: str, stats: bool, filter_: str | 
     if as_json:
         from .render.json_out import dumps, inspect_json
 
-        echo(dumps(inspect_json(report)))
+        echo(dumps(inspect_json(report, encoded_rows=True)))
     else:
         from .render.lines import color_of
         from .render.table import inspect_summary, inspect_table

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from math import prod
 from pathlib import Path
 
@@ -128,6 +129,194 @@ class TensorRecord:
         if self.storage is None:
             return None
         return self.storage.offset + self.storage_offset * element_size(self.dtype)
+
+
+class TensorTable(Sequence):
+    """A checkpoint's tensors held column-wise: keys, dtypes, shapes, strides, storage offsets, devices and storages in
+    a few lists, read by the stages that pass over every tensor (analysis, JSON, the table) without a Python object
+    per tensor. As a sequence it is the tuple of TensorRecords it stands for: a record (and a safetensors storage's
+    StorageRecord) is made only when a caller asks for one, then all of them once.
+
+    Storages are a list of StorageRecord (None: no storage), or, for a safetensors file, where every tensor owns its
+    bytes, `file` with each tensor's absolute byte offset and byte count, its StorageRecord named by its key."""
+
+    __slots__ = ("keys", "dtypes", "shapes", "offsets", "devices", "requires_grad", "is_parameter", "_strides",
+                 "_storages", "_file", "_file_offsets", "_nbytes", "_records", "checked", "_idents")
+
+    def __init__(self, keys: Any, dtypes: Any, shapes: Any, strides: Any = None, offsets: Any = None,
+                 devices: Any = None, storages: Any = None, requires_grad: Any = None, is_parameter: Any = None, *,
+                 file: Path | None = None, file_offsets: Any = None, nbytes: Any = None) -> None:
+        n = len(keys)
+        self.keys, self.dtypes, self.shapes = keys, dtypes, shapes
+        self._strides = strides  # None: contiguous, made from the shapes when asked for
+        self.offsets = offsets if offsets is not None else [0] * n  # storage offsets, in elements
+        self.devices = devices if devices is not None else ["cpu"] * n
+        self.requires_grad = requires_grad  # None: all False
+        self.is_parameter = is_parameter  # None: all False
+        self._storages, self._file, self._file_offsets, self._nbytes = storages, file, file_offsets, nbytes
+        self._records: tuple[TensorRecord, ...] | None = None
+        self._idents: list[tuple[str, str] | None] | None = None
+        # Set by a reader that checked its columns: keys, dtypes, devices and storage keys are str, shapes tuples of
+        # int (not bool): the JSON of a row can then be written without asking the encoder about each value.
+        self.checked = False
+
+    @classmethod
+    def of(cls, tensors: Any) -> TensorTable:
+        """`tensors` as columns: itself when it is a table, else the columns of its records (kept as its records)."""
+        if type(tensors) is cls:
+            return tensors
+        records = tuple(tensors)
+        table = cls([t.key for t in records], [t.dtype for t in records], [t.shape for t in records],
+                    [t.stride for t in records], [t.storage_offset for t in records], [t.device for t in records],
+                    [t.storage for t in records], [t.requires_grad for t in records],
+                    [t.is_parameter for t in records])
+        table._records = records
+        return table
+
+    def take(self, positions: list[int]) -> TensorTable:
+        """The tensors at these positions, as a table of their own (an --filter's)."""
+        def pick(column: Any) -> Any:
+            return None if column is None else [column[i] for i in positions]
+
+        table = TensorTable(pick(self.keys), pick(self.dtypes), pick(self.shapes), pick(self._strides),
+                            pick(self.offsets), pick(self.devices), pick(self._storages), pick(self.requires_grad),
+                            pick(self.is_parameter), file=self._file, file_offsets=pick(self._file_offsets),
+                            nbytes=pick(self._nbytes) if self._storages is None else None)
+        table.checked = self.checked
+        return table
+
+    @property
+    def strides(self) -> Any:
+        if self._strides is None:
+            from .assemble import contiguous_strides
+
+            made: dict[tuple[int, ...], tuple[int, ...]] = {}  # most shapes repeat: each made once
+            strides = []
+            for shape in self.shapes:
+                stride = made.get(shape)
+                if stride is None:
+                    stride = made[shape] = contiguous_strides(shape)
+                strides.append(stride)
+            self._strides = strides
+        return self._strides
+
+    def check_types(self) -> TensorTable:
+        """Sets `checked` when every key, dtype, device and storage key is a str and every shape a tuple of int."""
+        self.checked = all(k.__class__ is str for k in self.keys) and all(
+            d.__class__ is str for d in self.dtypes) and all(d.__class__ is str for d in self.devices) and all(
+            k is None or k.__class__ is str for k in self.storage_keys()) and all(
+            s.__class__ is tuple and all(x.__class__ is int for x in s) for s in self.shapes)
+        return self
+
+    @property
+    def owns_storages(self) -> bool:
+        """Every tensor has a storage of its own (a safetensors file): none shares bytes with another."""
+        return self._storages is None
+
+    def nbytes(self) -> list[int]:
+        """Each tensor's bytes (numel × element size), as TensorRecord.nbytes."""
+        if self._nbytes is not None:
+            return self._nbytes
+        sizes: dict[str, int] = {}
+        out = []
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            size = sizes.get(dtype)
+            if size is None:
+                size = sizes[dtype] = element_size(dtype)
+            out.append(prod(shape) * size)
+        self._nbytes = out
+        return out
+
+    def storage_keys(self) -> list[str | None]:
+        """Each tensor's storage key (None: no storage)."""
+        if self._storages is None:
+            return self.keys
+        return [None if s is None else s.key for s in self._storages]
+
+    def storage_idents(self) -> list[tuple[str, str] | None]:
+        """Each tensor's StorageRecord.ident (None: no storage): tensors with the same one share bytes."""
+        if self._idents is not None:
+            return self._idents
+        if self._storages is None:
+            name = str(self._file)
+            self._idents = [(name, k) for k in self.keys]
+            return self._idents
+        names: dict[int, str] = {}
+        out: list[tuple[str, str] | None] = []
+        for s in self._storages:
+            if s is None:
+                out.append(None)
+                continue
+            name = names.get(id(s.file))
+            if name is None:
+                name = names[id(s.file)] = str(s.file)
+            out.append((name, s.key))
+        self._idents = out
+        return out
+
+    def shares_storages(self) -> bool:
+        """Whether two tensors read one storage (tied weights, views), or a tensor has none: else each tensor's
+        bytes are its own."""
+        if self._storages is None:
+            return False
+        idents = self.storage_idents()
+        return len(set(idents)) != len(idents) or None in idents
+
+    def storage_nbytes(self) -> list[int | None]:
+        if self._storages is None:
+            return self._nbytes
+        return [None if s is None else s.nbytes for s in self._storages]
+
+    def records(self) -> tuple[TensorRecord, ...]:
+        """The TensorRecords, made on the first call."""
+        if self._records is None:
+            n = len(self.keys)
+            storages = self._storages
+            if storages is None:
+                file, at, nbytes = self._file, self._file_offsets, self._nbytes
+                storages = [fast_new(StorageRecord, key=k, dtype=d, nbytes=nb, device="cpu", file=file, offset=o,
+                                     entry="", crc=None, assembly=None, deflated=0)
+                            for k, d, nb, o in zip(self.keys, self.dtypes, nbytes, at)]
+            grads = self.requires_grad or [False] * n
+            params = self.is_parameter or [False] * n
+            self._records = tuple(
+                fast_new(TensorRecord, key=k, dtype=d, shape=sh, stride=st, storage_offset=o, storage=s, device=dev,
+                         requires_grad=g, is_parameter=p)
+                for k, d, sh, st, o, s, dev, g, p in zip(self.keys, self.dtypes, self.shapes, self.strides,
+                                                          self.offsets, storages, self.devices, grads, params))
+        return self._records
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.records()[index]
+
+    def __iter__(self) -> Any:
+        return iter(self.records())
+
+    def __reversed__(self) -> Any:
+        return reversed(self.records())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (TensorTable, tuple)):
+            return self.records() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.records())
+
+    def __add__(self, other: Any) -> Any:
+        return self.records() + tuple(other)
+
+    def __radd__(self, other: Any) -> Any:
+        return tuple(other) + self.records()
+
+    def __repr__(self) -> str:
+        return repr(self.records())
+
+    def __reduce__(self) -> Any:  # pickled (a worker's result) and copied as the tuple it stands for
+        return tuple, (self.records(),)
 
 
 @record
@@ -284,7 +473,20 @@ class Checkpoint:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        return tuple(sorted({t.device for t in self.tensors}))
+        tensors = self.tensors
+        return tuple(sorted(set(tensors.devices) if type(tensors) is TensorTable else {t.device for t in tensors}))
+
+    def state_dict_keys(self) -> list[str]:
+        """The keys of state_dict_tensors(), without making their records."""
+        root = self.state_dict_root
+        if root is None:
+            return []
+        keys = TensorTable.of(self.tensors).keys
+        if root == "":
+            return list(keys)
+        prefix = root + "."
+        cut = len(prefix)
+        return [k[cut:] for k in keys if k.startswith(prefix)]
 
     def state_dict_tensors(self) -> tuple[TensorRecord, ...]:
         """Tensors under the state_dict root, keyed relative to it."""

@@ -12,7 +12,7 @@ from .default_load import DefaultLoad, default_load
 from .devices import missing_devices
 from .errors import ReadError, SeveralCheckpoints, UsageError
 from .readers import read_checkpoint
-from .records import Checkpoint, Hazard, SharedGroup, TensorRecord, Verdict
+from .records import Checkpoint, Hazard, SharedGroup, TensorRecord, TensorTable, Verdict
 from .sniff import deep, walk_folder
 
 TYPE_CHECKING = False
@@ -124,8 +124,9 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         from .transforms import compile_regex
 
         pattern = compile_regex(filter, "--filter")
-        tensors = tuple(t for t in tensors if pattern.search(t.key))
-    root_keys = [t.key for t in ckpt.state_dict_tensors()]
+        table = TensorTable.of(tensors)
+        tensors = table.take([i for i, key in enumerate(table.keys) if pattern.search(key)])
+    root_keys = ckpt.state_dict_keys()
     table_stats = None
     bn: list[str] = []
     if stats:
@@ -135,12 +136,14 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
 
         table_stats = {t.key: tensor_stats(t) for t in tensors}
         bn = batchnorm_at_init(list(tensors), table_stats)
-    storages = {t.storage.ident: t.storage.nbytes for t in ckpt.tensors if t.storage is not None}
+    table = TensorTable.of(ckpt.tensors)
+    storages = {ident: nbytes for ident, nbytes in zip(table.storage_idents(), table.storage_nbytes())
+                if ident is not None}
     loads = default_load(ckpt)
     counts = parameter_counts(ckpt, keys if comparison is not None and comparison.oracle else None)
     return InspectReport(
         checkpoint=ckpt, tensors=tensors, prefixes=tuple(find_prefixes(root_keys, list(model_shapes) or None)),
-        shared=tuple(shared_groups(ckpt.tensors)), parameter_count=counts[0], buffer_count=counts[1],
+        shared=tuple(shared_groups(table)), parameter_count=counts[0], buffer_count=counts[1],
         total_bytes=sum(storages.values()), storage_count=len(storages),
         stats=table_stats, batchnorm_at_init=tuple(bn), filter=filter, comparison=comparison,
         model_shapes=model_shapes, value_diffs=diffs, missing_devices=tuple(missing_devices(ckpt.devices)),
@@ -177,29 +180,51 @@ def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
     """(parameters, buffer elements) of the state_dict, as `model.parameters()` and `model.buffers()` count them (one
     tensor under two names once): told apart by the model when one is given, by the pickle when it says (a whole
     pickled model's Parameters), else by BUFFER_NAMES and dtype."""
+    from math import prod
+
     from .dtypes import FLOATING
 
-    tensors = ckpt.state_dict_tensors() or ckpt.tensors
+    table = TensorTable.of(ckpt.tensors)
+    keys = table.keys
+    chosen: Any = range(len(keys))  # positions of the state_dict's tensors (all of them when it holds none)
+    root = ckpt.state_dict_root
+    if root:
+        prefix = root + "."
+        under = [i for i, k in enumerate(keys) if k.startswith(prefix)]
+        if under:
+            chosen, cut = under, len(prefix)
+            keys = [k[cut:] if k.startswith(prefix) else k for k in keys]
     named = {e.key: e.is_parameter for e in model.entries} if model is not None else None
-    marked = any(t.is_parameter for t in tensors)
+    marks = table.is_parameter
+    marked = marks is not None and any(marks[i] for i in chosen)
+    shapes, dtypes = table.shapes, table.dtypes
+    shares = table.shares_storages()  # else every tensor is counted: no two read the same bytes
+    if shares:
+        idents, offsets, strides = table.storage_idents(), table.offsets, table.strides
+    floating: dict[str, bool] = {}
     seen: set[tuple] = set()
     params = buffers = 0
-    for t in tensors:
-        ident = (t.storage.ident, t.storage_offset, t.shape, t.stride) if t.storage is not None else (t.key,)
-        if ident in seen:
-            continue
-        seen.add(ident)
-        if named is not None and t.key in named:
-            is_param = named[t.key]
+    for i in chosen:
+        key = keys[i]
+        if shares:
+            ident = (idents[i], offsets[i], shapes[i], strides[i]) if idents[i] is not None else (key,)
+            if ident in seen:
+                continue
+            seen.add(ident)
+        if named is not None and key in named:
+            is_param = named[key]
         elif marked:
-            is_param = t.is_parameter
+            is_param = marks[i]
         else:
-            is_param = (t.dtype in FLOATING or t.dtype.startswith("complex")) and \
-                t.key.rsplit(".", 1)[-1] not in BUFFER_NAMES
+            dtype = dtypes[i]
+            float_like = floating.get(dtype)
+            if float_like is None:
+                float_like = floating[dtype] = dtype in FLOATING or dtype.startswith("complex")
+            is_param = float_like and key.rsplit(".", 1)[-1] not in BUFFER_NAMES
         if is_param:
-            params += t.numel
+            params += prod(shapes[i])
         else:
-            buffers += t.numel
+            buffers += prod(shapes[i])
     return params, buffers
 
 

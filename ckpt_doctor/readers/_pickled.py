@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..dtypes import ELEMENT_SIZE, element_size
 from ..errors import CkptDoctorError, ReadError, one_line
-from ..records import Checkpoint, Format, GlobalRef, StorageRecord, TensorRecord, fast_new, span_elements
+from ..records import (Checkpoint, Format, GlobalRef, StorageRecord, TensorRecord, TensorTable, fast_new,
+                       span_elements)
 from ..assemble import contiguous_strides
 from ..tree import Flat, TorchScriptMembers, find_state_dict_root, flatten
 from ..safepickle import limits
@@ -65,6 +66,41 @@ def tensor_record(path: Path, key: str, raw: RawTensor) -> TensorRecord:
     return record
 
 
+def tensor_table(path: Path, raws: list[tuple[str, RawTensor]]) -> TensorTable:
+    """The tensors as columns (tensor_record's checks, without a record per tensor)."""
+    keys, dtypes, shapes, strides, offsets, storages, devices, grads, params = ([] for _ in range(9))
+    sizes = ELEMENT_SIZE
+    for key, raw in raws:
+        ref = raw.storage
+        if ref is None:
+            storage = None
+            device = raw.device or "cpu"
+        else:
+            storage = ref.resolved if ref.view_of is None else _view_record(ref)
+            if storage is None:
+                raise ReadError(f"{path}: tensor {key} names storage {ref.key}, which the file does not hold")
+            device = raw.device or ref.location
+            shape, stride = raw.shape, raw.stride
+            if len(shape) == 1 and len(stride) == 1 and shape[0] > 0 and stride[0] >= 0:  # the common case, inline
+                span = (shape[0] - 1) * stride[0] + 1
+            else:
+                span = span_elements(shape, stride)  # None: shape and stride are malformed; 0: no elements
+            if span is None or span and (raw.offset + span) * sizes[raw.dtype] > storage.nbytes:
+                raise ReadError(f"{path}: tensor {key or '(the root object)'} ({list(raw.shape)}, {raw.dtype}) reads "
+                                f"past the end of its storage {storage.key} ({storage.nbytes} bytes): the file is "
+                                "corrupt")
+        keys.append(key)
+        dtypes.append(raw.dtype)
+        shapes.append(raw.shape)
+        strides.append(raw.stride)
+        offsets.append(raw.offset)
+        storages.append(storage)
+        devices.append(device)
+        grads.append(raw.requires_grad)
+        params.append(raw.is_parameter)
+    return TensorTable(keys, dtypes, shapes, strides, offsets, devices, storages, grads, params).check_types()
+
+
 def assembled_tensor(key: str, dtype: str, shape: tuple[int, ...], assembly: Any, source: Path,
                      record_key: str | None = None) -> RawTensor:
     """A contiguous tensor of `dtype` whose bytes are an Assembly of pieces (DCP chunks, ZeRO partitions), as the
@@ -88,7 +124,7 @@ def build_checkpoint(path: Path, fmt: Format, root: Any, unpicklers: list[SafeUn
         raise ReadError(f"{path}: the pickle nests too deeply to be a checkpoint") from exc
     except ReadError as exc:
         raise ReadError(f"{path}: {exc}") from None
-    tensors = tuple(tensor_record(path, key, raw) for key, raw in flat.tensors)
+    tensors = tensor_table(path, flat.tensors)
     sd_root, others = find_state_dict_root(flat)
     model_class = flat.module_classes.get(sd_root) if sd_root is not None else None
     all_notes = list(notes)

@@ -9,9 +9,9 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-from ..dtypes import SAFETENSORS_TO_TORCH, element_size
+from ..dtypes import ELEMENT_SIZE, SAFETENSORS_TO_TORCH, element_size
 from ..errors import ReadError
-from ..records import Checkpoint, Format, StorageRecord, TensorRecord
+from ..records import Checkpoint, Format, TensorTable
 from ..safepickle import limits
 from .source import pread
 from .jsonfile import parse_json
@@ -46,28 +46,60 @@ def read_safetensors(path: Path, fd: Any, size: int, base: int = 0) -> Checkpoin
         raise ReadError(f"{path}: safetensors __metadata__ must map strings to strings")
     data_start = base + 8 + n
     data_len = size - data_start
-    spans = []
-    tensors = []
+    # One tight pass over the entries into columns (no object per tensor); an entry the fast checks do not pass
+    # is checked again by _entry, which says what is wrong with it.
+    begins, sizes, keys, dtypes, shapes = [], [], [], [], []
+    max_key = limits.MAX_KEY_LENGTH
+    codes = SAFETENSORS_TO_TORCH
     for key, info in header.items():
-        tensors.append(_record(path, key, info, data_start, data_len))
-        spans.append((tensors[-1].storage.offset - data_start, tensors[-1].nbytes, key))
-    spans.sort()
+        try:
+            dtype = codes[info["dtype"]]
+            shape = info["shape"]
+            offsets = info["data_offsets"]
+            numel = 1
+            for s in shape:
+                if type(s) is not int or s < 0:
+                    raise TypeError
+                numel *= s
+            begin, end = offsets
+            if type(shape) is not list or type(offsets) is not list or type(begin) is not int or \
+                    type(end) is not int or not 0 <= begin <= end <= data_len or len(key) > max_key or \
+                    numel * ELEMENT_SIZE[dtype] != end - begin:
+                raise TypeError
+        except Exception:
+            dtype, shape, begin, end = _entry(path, key, info, data_len)
+        begins.append(begin)
+        sizes.append(end - begin)
+        keys.append(key)
+        dtypes.append(dtype)
+        shapes.append(tuple(shape))
+    # In order of their bytes (keys are unique: tuples never compare past the key), each span after the last.
+    spans = sorted(zip(begins, sizes, keys, dtypes, shapes))
     cursor = 0
-    for begin, nbytes, key in spans:
+    tie = False
+    for begin, nbytes, key, _, _ in spans:
         if begin < cursor:
             raise ReadError(f"{path}: safetensors tensor {key} overlaps the tensor before it (corrupt header)")
         if begin > cursor:
             raise ReadError(f"{path}: safetensors data has a gap before tensor {key} (corrupt header)")
+        tie = tie or begin == cursor and nbytes == 0
         cursor = begin + nbytes
     if cursor != data_len:
         raise ReadError(f"{path}: safetensors data is {data_len} bytes but the tensors cover {cursor} "
                         "(trailing or missing bytes)")
-    tensors.sort(key=lambda t: (t.storage.offset, t.key))
-    return Checkpoint(path=path, format=Format.SAFETENSORS, tensors=tuple(tensors), metadata=dict(metadata),
-                      globals=(), state_dict_root="" if tensors else None, files=(path,))
+    if tie:  # empty tensors at the offset of another: listed by offset, then key
+        spans.sort(key=lambda span: (span[0], span[2]))
+    if spans:
+        begins, sizes, keys, dtypes, shapes = (list(column) for column in zip(*spans))
+    table = TensorTable(keys, dtypes, shapes, file=path, file_offsets=[data_start + b for b in begins], nbytes=sizes)
+    table.checked = True  # keys are JSON strings, shapes JSON integers (checked above)
+    return Checkpoint(path=path, format=Format.SAFETENSORS, tensors=table, metadata=dict(metadata),
+                      globals=(), state_dict_root="" if keys else None, files=(path,))
 
 
-def _record(path: Path, key: str, info: object, data_start: int, data_len: int) -> TensorRecord:
+def _entry(path: Path, key: str, info: object, data_len: int) -> tuple[str, list, int, int]:
+    """One header entry checked by the reference parser's rules: (dtype, shape, begin, end), or the ReadError that
+    says what is wrong with it."""
     if len(key) > limits.MAX_KEY_LENGTH:
         raise ReadError(f"{path}: safetensors entry {key[:60]}… has a name of {len(key):,} characters")
     if not isinstance(info, dict):
@@ -92,10 +124,4 @@ def _record(path: Path, key: str, info: object, data_start: int, data_len: int) 
     if numel * element_size(dtype) != end - begin:
         raise ReadError(f"{path}: safetensors entry {key}: {dtype}{_short(shape)} needs "
                         f"{_short(numel * element_size(dtype))} bytes, its offsets give {end - begin}")
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    storage = StorageRecord(key, dtype, end - begin, "cpu", path, data_start + begin)
-    return TensorRecord(key=key, dtype=dtype, shape=tuple(shape), stride=tuple(reversed(stride)),
-                        storage_offset=0, storage=storage, device="cpu")
+    return dtype, shape, begin, end

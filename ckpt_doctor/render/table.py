@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from .columns import KEYS, draw_table
 
-from ..analyze import Row, collapse, human_bytes
+from ..analyze import collapse_labels, human_bytes
 from .lines import Line, Severity
-from ..records import DcpFolder
+from ..records import DcpFolder, TensorTable
 from ..report import InspectReport
 
 
@@ -17,7 +17,10 @@ def _fmt(x: float | None) -> str:
 def inspect_table(report: InspectReport, full: bool = False, tablefmt: str = "simple") -> str:
     if report.comparison is not None:
         return comparison_table(report, tablefmt)
-    rows = [Row(t.key, (t,)) for t in report.tensors] if full else collapse(list(report.tensors))
+    table = TensorTable.of(report.tensors)
+    keys, shapes, dtypes, devices = table.keys, table.shapes, table.dtypes, table.devices
+    rows = [(k, [i]) for i, k in enumerate(keys)] if full else \
+        collapse_labels(keys, list(zip(shapes, dtypes, devices)))
     headers = ["key", "shape", "dtype", "device", "size"]
     layouts = report.checkpoint.layouts
     if layouts:
@@ -25,17 +28,18 @@ def inspect_table(report: InspectReport, full: bool = False, tablefmt: str = "si
     with_stats = report.stats is not None
     if with_stats:
         headers += ["min", "max", "mean", "std", "nan/inf"]
+    nbytes = table.nbytes()
     body = []
-    for row in rows:
-        t = row.first
-        size = human_bytes(t.nbytes)
-        if len(row.tensors) > 1:
-            size = f"{len(row.tensors)} × {size}"
-        line = [row.label, str(list(t.shape)), t.dtype, t.device, size]
+    for label, members in rows:
+        i = members[0]
+        size = human_bytes(nbytes[i])
+        if len(members) > 1:
+            size = f"{len(members)} × {size}"
+        line = [label, str(list(shapes[i])), dtypes[i], devices[i], size]
         if layouts:
-            line.append(layouts.get(t.key, ""))
+            line.append(layouts.get(keys[i], ""))
         if with_stats:
-            stats = [report.stats.get(x.key) for x in row.tensors]  # type: ignore[union-attr]
+            stats = [report.stats.get(keys[m]) for m in members]  # type: ignore[union-attr]
             s = stats[0]
             if s is None:
                 line += ["", "", "", "", ""]
@@ -105,7 +109,7 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
     if devices:
         from collections import Counter
 
-        counts = Counter(t.device for t in ckpt.tensors)
+        counts = Counter(TensorTable.of(ckpt.tensors).devices)
         shown = devices if full or len(devices) <= 8 else devices[:8]
         more = f", … {len(devices) - len(shown)} more devices" if len(shown) < len(devices) else ""
         lines.append(("saved on", ", ".join(f"{d} ({counts[d]:,} tensors)" for d in shown) + more))

@@ -388,6 +388,8 @@ def _mapping(kind, pairs: bool):
     def build(work, items=(), *rest, **kwargs):
         if type(items) not in (list, tuple, dict):
             raise TypeError(f"{kind.__name__} of something other than a list or dict")
+        if not items:  # torch's OrderedDict() of every tensor's hooks: nothing to hash
+            return kind()
         if type(items) is dict:
             keys = list(items)
         elif pairs:

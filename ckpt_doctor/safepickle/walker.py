@@ -654,42 +654,54 @@ class _Machine:
         """A tuple holding a global, a float, a number of chosen hash or another _Held: its _Held."""
         below = depth = 0
         chosen = False
-        digests: list = []
-        values: list = []
-        data = self.data
         for value in items:
             kind = value.__class__
-            code = value if kind is int else value.code if kind is _Held else None
-            if code is not None:
-                below += (code >> _NODES) + 1
-                depth = max(depth, code & _DEPTH)
-            if kind is float:
-                chosen = True
-                digests.append(hash(value))
-                values.append(value)
-            elif kind is _Held and value.digest is not None:
-                chosen = True
-                digests.append(value.digest)
-                values.append(value.value)
-            elif kind is tuple:  # a str: equal strs hash alike
-                raw = bytes(data[value[0]:value[1]]) if value[1] - value[0] <= 4096 else \
-                    (value[1] - value[0], bytes(data[value[0]:value[0] + 2048]), bytes(data[value[1] - 2048:value[1]]))
-                digests.append(hash(raw))
-                values.append(raw)
-            elif kind is _Global:
-                digests.append(hash(value.ref.qualname))
-                values.append(value.ref.qualname)
+            if kind is int:
+                code = value
+            elif kind is _Held:
+                code = value.code
+                if value.digest is not None:
+                    chosen = True
+                if code is None:
+                    continue
             else:
-                digests.append(0)
-                values.append(None)
+                if kind is float:
+                    chosen = True
+                continue
+            below += (code >> _NODES) + 1
+            depth = max(depth, code & _DEPTH)
+        digest = value = None
+        if chosen:  # its hash is the file's choice: what tells it apart (most tuples, a storage's among them, not)
+            digests: list = []
+            values: list = []
+            data = self.data
+            for item in items:
+                kind = item.__class__
+                if kind is float:
+                    digests.append(hash(item))
+                    values.append(item)
+                elif kind is _Held and item.digest is not None:
+                    digests.append(item.digest)
+                    values.append(item.value)
+                elif kind is tuple:  # a str: equal strs hash alike
+                    raw = bytes(data[item[0]:item[1]]) if item[1] - item[0] <= 4096 else \
+                        (item[1] - item[0], bytes(data[item[0]:item[0] + 2048]), bytes(data[item[1] - 2048:item[1]]))
+                    digests.append(hash(raw))
+                    values.append(raw)
+                elif kind is _Global:
+                    digests.append(hash(item.ref.qualname))
+                    values.append(item.ref.qualname)
+                else:
+                    digests.append(0)
+                    values.append(None)
+            digest, value = hash(tuple(digests)), tuple(values)
         depth += 1
         if depth > limits.MAX_TUPLE_DEPTH:
             self._refuse(f"tuples nested {depth:,} deep at byte {at}: hashing one overflows CPython's stack (no "
                          "pickler writes one)")
             depth = _DEPTH
         code = min(below, limits.MAX_HASHED_TUPLES) << _NODES | depth
-        return _Held(code=code, items=tuple(items) if len(items) <= _SHORT else None,
-                     digest=hash(tuple(digests)) if chosen else None, value=tuple(values) if chosen else None)
+        return _Held(code=code, items=tuple(items) if len(items) <= _SHORT else None, digest=digest, value=value)
 
     @staticmethod
     def _frozenset(items: list) -> object:
