@@ -13,20 +13,12 @@ import itertools
 from collections.abc import Callable, Iterator
 from math import prod
 
-from .dtypes import element_size, tensor_bytes
+from .dtypes import contiguous_strides, element_size, tensor_bytes  # noqa: F401  (contiguous_strides: re-exported)
 from .errors import ReadError
 from .readers.source import close_source, open_source, read_data
 from .records import Assembly, Piece
 
 Run = tuple[int, int, Piece, int]  # (output element, piece element, piece, elements)
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def is_contiguous(piece: Piece) -> bool:

@@ -88,3 +88,12 @@ def tensor_bytes(tensor: "torch.Tensor") -> bytes:
     if buf:
         torch.frombuffer(buf, dtype=tensor.dtype).copy_(tensor.reshape(-1))
     return bytes(buf)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`, in elements (a dimension of size 0 counts as 1, as torch's)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

@@ -8,7 +8,7 @@ from math import prod
 from pathlib import Path
 
 from ._record import fast_new, field, record, replace  # noqa: F401  (fast_new: re-exported for the readers)
-from .dtypes import element_size
+from .dtypes import contiguous_strides, element_size
 from .errors import ReadError
 from .safepickle.policy import GlobalRef, Verdict  # noqa: F401  (re-exported: part of the result types)
 
@@ -188,8 +188,6 @@ class TensorTable(Sequence):
     @property
     def strides(self) -> Any:
         if self._strides is None:
-            from .assemble import contiguous_strides
-
             made: dict[tuple[int, ...], tuple[int, ...]] = {}  # most shapes repeat: each made once
             strides = []
             for shape in self.shapes:

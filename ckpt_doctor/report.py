@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .dtypes import FLOATING
 from ._record import field, record, replace
 from .advice import Suggestion, fix_suggestions
 from .analyze import PrefixFinding, find_prefixes, shared_groups
@@ -181,8 +182,6 @@ def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
     tensor under two names once): told apart by the model when one is given, by the pickle when it says (a whole
     pickled model's Parameters), else by BUFFER_NAMES and dtype."""
     from math import prod
-
-    from .dtypes import FLOATING
 
     table = TensorTable.of(ckpt.tensors)
     keys = table.keys
