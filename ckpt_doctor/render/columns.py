@@ -64,6 +64,8 @@ def draw_table(headers: Sequence[str], rows: Sequence[Sequence[object]], tablefm
     last = len(headers) - 1
     indent = sum(widths[:last]) + 2 * last  # where the last column starts
     if max_width is not None and last > 0 and indent + widths[last] > max_width:
+        if indent + SHORT > max_width and max_width == MAX_WIDTH:  # not even a note's marker fits beside the first (a
+            return _keys_above(headers, rows)  # long path): each first cell on a line of its own, the rest under it
         return _fitted(headers, rows, widths, indent, max_width, overflow == "wrap")
     if max_width is None and last > 0 and indent + widths[last] > MAX_WIDTH:
         return _keys_above(headers, rows)
@@ -91,12 +93,23 @@ def _tabulate(headers: Sequence[str], rows: list[list[str]], tablefmt: str) -> s
 
 def _keys_above(headers: Sequence[str], rows: list[list[str]]) -> str:
     """A table of keys too wide for MAX_WIDTH: each key whole on a line of its own, its other cells on the next line,
-    indented and in columns of their own (a key is data to copy and is never cut)."""
+    indented and in columns of their own (a key is data to copy and is never cut); a last cell that would still
+    pass MAX_WIDTH there goes below the table as a numbered note."""
     pad = " " * 4
     widths = [len(h) + 2 for h in headers[1:]]
     for row in rows:
-        for i, cell in enumerate(row[1:]):
+        for i, cell in enumerate(row[1:-1]):
             widths[i] = max(widths[i], len(cell))
+    room = MAX_WIDTH - len(pad) - sum(widths[:-1]) - 2 * (len(widths) - 1)
+    notes: list[str] = []
+    rows = [list(row) for row in rows]
+    for row in rows:
+        cell = row[-1]
+        if len(headers) > 1 and len(cell) > max(room, SHORT):  # the same text in many rows is one note
+            if cell not in notes:
+                notes.append(cell)
+            row[-1] = f"(note {notes.index(cell) + 1})"
+        widths[-1] = max(widths[-1], len(row[-1]))
 
     def rest(cells: Sequence[str]) -> str:
         return (pad + "  ".join(c.ljust(w) for c, w in zip(cells, widths))).rstrip()
@@ -107,7 +120,19 @@ def _keys_above(headers: Sequence[str], rows: list[list[str]]) -> str:
         out.append(row[0])
         if any(row[1:]):
             out.append(rest(row[1:]))
-    return "\n".join(out)
+    return "\n".join(out + _notes(notes, MAX_WIDTH))
+
+
+def _notes(notes: list[str], max_width: int) -> list[str]:
+    """The numbered notes below a table, each wrapped to `max_width`."""
+    import textwrap
+
+    out = ["", "notes:"] if notes else []
+    for n, note in enumerate(notes, 1):
+        mark = f"({n}) "
+        out.extend(textwrap.wrap(note, max_width, initial_indent=mark, subsequent_indent=" " * len(mark),
+                                 break_on_hyphens=False) or [mark.strip()])
+    return out
 
 
 def _fitted(headers: Sequence[str], rows: list[list[str]], widths: list[int], indent: int, max_width: int,
@@ -138,11 +163,4 @@ def _fitted(headers: Sequence[str], rows: list[list[str]], widths: list[int], in
     for row, lines in zip(rows, body):
         out.append(line([*row[:last], lines[0]]))
         out.extend((" " * indent + more).rstrip() for more in lines[1:])
-    if notes:
-        out.append("")
-        out.append("notes:")
-    for n, note in enumerate(notes, 1):
-        mark = f"({n}) "
-        out.extend(textwrap.wrap(note, max_width, initial_indent=mark, subsequent_indent=" " * len(mark),
-                                 break_on_hyphens=False) or [mark.strip()])
-    return "\n".join(out)
+    return "\n".join(out + _notes(notes, max_width))
