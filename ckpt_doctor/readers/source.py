@@ -165,11 +165,14 @@ def human(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+DEFAULT_TIMEOUT = 20.0  # seconds a request may take (plus one per 4 MB asked): a stalled server ends a run in 30 s
+
+
 def _timeout() -> float:
     try:
-        return max(float(os.environ.get("CKPT_DOCTOR_REMOTE_TIMEOUT", "60")), 0.1)
+        return max(float(os.environ.get("CKPT_DOCTOR_REMOTE_TIMEOUT", DEFAULT_TIMEOUT)), 0.1)
     except ValueError:
-        return 60.0
+        return DEFAULT_TIMEOUT
 
 
 class RemoteSource:
