@@ -114,3 +114,22 @@ def consolidation_report(cmds: dict[str, list[str]], rounds: int, before, offici
     print(f"targets ({fix}): <= 0.5x {official.split()[0]}: {'met' if t_fix <= 0.5 * t_off else 'NOT met'}; "
           f"<= 1.5x cp -r: {'met' if t_fix <= 1.5 * t_cp else 'NOT met'}; peak RSS <= 150 MB: "
           f"{'met' if rss_fix <= 150 else 'NOT met'}; inspect <= 0.3 s: {'met' if t_inspect <= 0.3 else 'NOT met'}")
+
+
+# The peers the inspect figures are set beside, each run as `python -c SCRIPT FILE` in a fresh process.
+TO_SAFETENSORS = """
+import sys, torch
+from safetensors.torch import save_file
+save_file({k: v.contiguous() for k, v in torch.load(sys.argv[1], mmap=True, weights_only=True).items()}, sys.argv[2])
+"""
+SAFE_OPEN = """
+import sys
+from safetensors import safe_open
+with safe_open(sys.argv[1], "np") as f:
+    print([(k, f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()])
+"""
+TORCH_LISTING = """
+import sys, torch
+sd = torch.load(sys.argv[1], mmap=True, weights_only=True)
+print([(k, tuple(v.shape), v.dtype) for k, v in sd.items()])
+"""

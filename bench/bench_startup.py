@@ -23,25 +23,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import bench_args, compile_bytecode, make_checkpoint, measure_rounds  # noqa: E402
+from _measure import (SAFE_OPEN, TO_SAFETENSORS, TORCH_LISTING, bench_args, compile_bytecode,  # noqa: E402
+                      make_checkpoint, measure_rounds)
 
-TO_SAFETENSORS = """
-import sys, torch
-from safetensors.torch import save_file
-save_file({k: v.contiguous() for k, v in torch.load(sys.argv[1], mmap=True, weights_only=True).items()}, sys.argv[2])
-"""
 IMPORT_CLICK = "import click"
-SAFE_OPEN = """
-import sys
-from safetensors import safe_open
-with safe_open(sys.argv[1], "np") as f:
-    print([(k, f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()])
-"""
-TORCH_LISTING = """
-import sys, torch
-sd = torch.load(sys.argv[1], mmap=True, weights_only=True)
-print([(k, tuple(v.shape), v.dtype) for k, v in sd.items()])
-"""
 MAKE_FOLDER = """
 import os, sys, torch
 from safetensors.torch import save_file
