@@ -15,7 +15,6 @@ import re
 from collections import Counter
 from typing import Any
 
-from .advice import output_beside
 from ._record import field, record, replace
 from .analyze import find_prefixes
 from .devices import missing_devices
@@ -991,13 +990,3 @@ def ambiguous_positions(tensors: list[TensorRecord], new_keys: list[str]) -> lis
     counts = Counter(tuple(t.shape) for t in tensors)
     return [f"{i}: {t.key} → {new} {list(t.shape)}" for i, (t, new) in enumerate(zip(tensors, new_keys))
             if t.numel > 1 and counts[tuple(t.shape)] > 1]
-
-
-def fix_command(path: str, comparison: Comparison) -> str:
-    """The full `ckpt-doctor fix` line a user can paste."""
-    import shlex
-
-    flags = list(comparison.suggested_fix)
-    out = output_beside(path)
-    return " ".join(["ckpt-doctor", "fix", shlex.quote(str(path)), "-o", out] + [shlex.quote(f) for f in flags])
-

@@ -231,14 +231,6 @@ def _short_repr(value: Any) -> str:
     return short.repr(value)[:80]
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 def _tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
             dtype: str | None = None) -> RawTensor:
     if not isinstance(storage, StorageRef) or type(offset) is not int or not 0 <= offset < _INT64:
