@@ -223,6 +223,8 @@ def _peak(devices: list[int]) -> dict[str, int]:
 def _reset_peak(devices: list[int]) -> None:
     import torch
 
+    if devices:  # the allocator's statistics exist once CUDA is initialised: resetting them before that raises
+        torch.cuda.init()  # "Invalid device argument" (a fresh `ckpt-doctor verify` on a GPU machine did)
     for d in devices:
         torch.cuda.reset_peak_memory_stats(d)
 
@@ -287,8 +289,9 @@ def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int,
         diff = compare_outputs(out, reference, tolerance)
         status = Status.SKIPPED if diff.ok else Status.FAIL
         why = "" if diff.ok else _unrepeatable(model, inputs, reference, tolerance)
+        outputs = "match" if diff.ok else f"DIFFER: {diff.detail}{why}"
         detail = (f"no CUDA device: ran nn.DataParallel on the CPU, where it only calls the model (outputs "
-                  f"{'match' if diff.ok else 'DIFFER: ' + diff.detail}{why}); a {gpus}-GPU run needs {gpus} GPUs")
+                  f"{outputs}); a {gpus}-GPU run needs {gpus} GPU{'s' if gpus != 1 else ''}")
         return RunResult(Mode.DP, 1, "-", ("cpu",), status, diff.max_abs_diff, time.perf_counter() - start, detail,
                          _peak([]), diff.rtol, diff.atol)
     used = list(range(min(gpus, have)))
@@ -686,7 +689,10 @@ def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any]
     model_spec, compare_model = _resolved(model_spec, ckpt, compare_model, compare_to)
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     local = int(os.environ.get("LOCAL_RANK", 0))
-    backend = "nccl" if cuda_count() > local and dist.is_nccl_available() else "gloo"
+    # Every rank must pick the same backend: nccl only when this node has a GPU for each of its ranks (two ranks on
+    # one GPU would have rank 0 on nccl and rank 1 on gloo, and the group would never form).
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    backend = "nccl" if cuda_count() >= per_node and dist.is_nccl_available() else "gloo"
     prepared = _prepare(ckpt, model_spec, model_args, spec, select, allow_missing, allow_unexpected, min_loaded)
     if not prepared.comparison.ok:
         return VerifyReport(ckpt, model_spec, (), prepared.comparison, allow_skip=allow_skip,
