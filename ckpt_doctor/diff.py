@@ -17,6 +17,7 @@ from ._record import field, record
 from .dtypes import element_size
 from .errors import ReadError
 from .pool import can_fork, workers
+from .readers.held import Holder
 from .records import Checkpoint, TensorRecord, relative_to_root
 
 TYPE_CHECKING = False
@@ -102,7 +103,8 @@ WORKER_TIMEOUT = 60.0  # seconds of silence before the worker is given up on and
 
 def _mappable(t: TensorRecord) -> bool:
     st = t.storage  # a remote file's tensors are read through torch, from its data windows (readers/source.py)
-    return st is not None and type(st.file).__name__ != "RemotePath" and st.assembly is None and not st.deflated and t.is_contiguous and t.numel > 0 and t.dtype in _NUMPY
+    return (st is not None and type(st.file).__name__ != "RemotePath" and st.assembly is None and not st.deflated
+            and t.is_contiguous and t.numel > 0 and t.dtype in _NUMPY)
 
 
 def _pieces(ta: TensorRecord, tb: TensorRecord) -> list[tuple]:
@@ -123,28 +125,41 @@ def _piece_bytes(piece: tuple) -> int:
 
 
 class _Mapped:
-    """Each file mapped read-only once; a pair is compared straight from the page cache (no copy), a piece at a
-    time, and every WINDOW bytes read the file's pages are dropped from this process (MADV_DONTNEED: they stay in
-    the page cache, this process just stops holding them), so memory does not grow with the files."""
+    """Each file read once through the page cache: mapped where it is held still (readers/held.py: a file cut short
+    under a map would end the process with SIGBUS), else read by pread into one reused buffer a side. A mapped pair
+    is compared straight from the page cache (no copy), a piece at a time, and every WINDOW bytes read the file's
+    pages are dropped from this process (MADV_DONTNEED: they stay in the page cache, this process just stops
+    holding them), so memory does not grow with the files. `holder` takes the leases (in the main process); a
+    forked worker is given the paths its parent holds as `held`."""
 
-    def __init__(self) -> None:
-        self.maps: dict[str, Any] = {}
+    def __init__(self, holder: Any = None, held: frozenset[str] = frozenset()) -> None:
+        self.holder, self.held = holder, held
+        self.maps: dict[str, Any] = {}  # path -> its mmap, or its file descriptor where it is read by pread
         self.read_since_drop: dict[str, int] = {}
+        self.buffers: list[Any] = [None, None]  # side A's and side B's pread buffer
         self.memcmp = _memcmp()
 
+    def held_paths(self) -> frozenset[str]:
+        return frozenset(path for path, m in self.maps.items() if not isinstance(m, int))
+
     def _file(self, path: str, nbytes: int) -> Any:
-        """The map of `path`, about to have `nbytes` more of it read."""
+        """The map (or the descriptor) of `path`, about to have `nbytes` more of it read."""
         import mmap
         import os
 
         mm = self.maps.get(path)
         if mm is None:
             fd = os.open(path, os.O_RDONLY)
+            if not (path in self.held or self.holder is not None and self.holder.hold(path)):
+                self.maps[path] = fd
+                return fd
             try:
                 mm = self.maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             finally:
                 os.close(fd)
             self.read_since_drop[path] = 0
+        if isinstance(mm, int):
+            return mm
         read = self.read_since_drop[path] + nbytes
         if read > WINDOW and hasattr(mm, "madvise"):
             mm.madvise(mmap.MADV_DONTNEED)  # what earlier windows faulted in; re-read from the page cache if needed
@@ -153,10 +168,37 @@ class _Mapped:
         return mm
 
     def check(self, t: TensorRecord) -> None:
+        import os
+
         key = str(t.storage.file)
         mm, start = self._file(key, 0), t.file_offset or 0
-        if start + t.nbytes > len(mm):
-            raise ReadError(f"{key}: {t.key} is cut short ({max(len(mm) - start, 0)} of {t.nbytes} bytes)")
+        size = os.fstat(mm).st_size if isinstance(mm, int) else len(mm)
+        if start + t.nbytes > size:
+            raise ReadError(f"{key}: {t.key} is cut short ({max(size - start, 0)} of {t.nbytes} bytes)")
+
+    def _read(self, fd: int, offset: int, nbytes: int, side: int) -> Any:
+        """`nbytes` at `offset` of a file read by pread, as a uint8 array over this side's buffer."""
+        import os
+
+        import numpy as np
+
+        buffer = self.buffers[side]
+        if buffer is None or buffer.size < nbytes:
+            buffer = self.buffers[side] = np.empty(max(nbytes, 1 << 20), np.uint8)
+        view, done = buffer[:nbytes], 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise ReadError(f"a file compared was cut short while it was read ({offset + done:,} bytes in)")
+            done += got
+        return view
+
+    def _array(self, source: Any, offset: int, dtype: Any, count: int, side: int) -> Any:
+        import numpy as np
+
+        if isinstance(source, int):
+            return self._read(source, offset, count * dtype.itemsize, side).view(dtype)
+        return np.frombuffer(source, dtype, count, offset)
 
     def piece(self, piece: tuple) -> tuple[Any, Any]:
         """(A's part, B's part) of a piece as flat NumPy arrays of their dtypes, over the page cache."""
@@ -165,7 +207,7 @@ class _Mapped:
         fa, oa, da, fb, ob, db, count = piece
         code_a, code_b = np.dtype(_NUMPY[da]), np.dtype(_NUMPY[db])
         ma, mb = self._file(fa, count * code_a.itemsize), self._file(fb, count * code_b.itemsize)
-        return np.frombuffer(ma, code_a, count, oa), np.frombuffer(mb, code_b, count, ob)
+        return self._array(ma, oa, code_a, count, 0), self._array(mb, ob, code_b, count, 1)
 
     def same_bytes(self, ta: TensorRecord, tb: TensorRecord) -> bool:
         if ta.dtype != tb.dtype:
@@ -173,15 +215,24 @@ class _Mapped:
         if ta.nbytes <= SMALL:
             ma, mb = self._file(str(ta.storage.file), ta.nbytes), self._file(str(tb.storage.file), tb.nbytes)
             oa, ob = ta.file_offset or 0, tb.file_offset or 0
+            if isinstance(ma, int) or isinstance(mb, int):
+                return bytes(self._bytes(ma, oa, ta.nbytes, 0)) == bytes(self._bytes(mb, ob, tb.nbytes, 1))
             return ma[oa:oa + ta.nbytes] == mb[ob:ob + tb.nbytes]
         return all(self.memcmp(*self.piece(p)) for p in _pieces(ta, tb))
 
+    def _bytes(self, source: Any, offset: int, nbytes: int, side: int) -> Any:
+        return self._read(source, offset, nbytes, side) if isinstance(source, int) else \
+            memoryview(source)[offset:offset + nbytes]
+
     def close(self) -> None:
+        import os
+
         for mm in self.maps.values():
             try:
-                mm.close()
+                os.close(mm) if isinstance(mm, int) else mm.close()
             except BufferError:  # an array view still held by an exception's traceback: freed with it
                 pass
+        self.maps.clear()
 
 
 def _memcmp():
@@ -576,32 +627,33 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
     b_tensors = {t.key: t for t in b.state_dict_tensors()}
     rows: list[TensorDiff] = []
     done: set[str] = set()
-    mapped = _Mapped()
-    figures = _Figures(mapped, atol, rtol)
-    pending: dict[int, range] = {}  # row → its pieces, for pairs whose figures are still being computed
-    try:
-        for i, (a_key, b_key) in enumerate(mapping.items()):
-            ta, tb = a_tensors.get(a_key), b_tensors.get(b_key)
-            if ta is None:
-                continue
-            if tb is None:
-                rows.append(TensorDiff(a_key, a_key, "only-a", ta.shape, None, ta.dtype, None))
-                continue
-            done.add(b_key)
-            row, pieces = _pair(b_key, a_key, ta, tb, atol, rtol, load_tensor, mapped, figures)
-            if pieces is not None:
-                pending[len(rows)] = pieces
-            rows.append(row)
-            if progress is not None:
-                progress(i + 1, len(mapping))
-        figures.finish()
-        for at, pieces in pending.items():
-            r, stats = rows[at], figures.stats(pieces)
-            rows[at] = TensorDiff(r.key, r.a_key, "close" if stats.close else "changed", r.shape_a, r.shape_b,
-                                  r.dtype_a, r.dtype_b, stats)
-    finally:
-        figures.close()
-        mapped.close()
+    with Holder() as holder:  # the files are let go of once the worker is dead and the maps are closed
+        mapped = _Mapped(holder)
+        figures = _Figures(mapped, atol, rtol)
+        pending: dict[int, range] = {}  # row → its pieces, for pairs whose figures are still being computed
+        try:
+            for i, (a_key, b_key) in enumerate(mapping.items()):
+                ta, tb = a_tensors.get(a_key), b_tensors.get(b_key)
+                if ta is None:
+                    continue
+                if tb is None:
+                    rows.append(TensorDiff(a_key, a_key, "only-a", ta.shape, None, ta.dtype, None))
+                    continue
+                done.add(b_key)
+                row, pieces = _pair(b_key, a_key, ta, tb, atol, rtol, load_tensor, mapped, figures)
+                if pieces is not None:
+                    pending[len(rows)] = pieces
+                rows.append(row)
+                if progress is not None:
+                    progress(i + 1, len(mapping))
+            figures.finish()
+            for at, pieces in pending.items():
+                r, stats = rows[at], figures.stats(pieces)
+                rows[at] = TensorDiff(r.key, r.a_key, "close" if stats.close else "changed", r.shape_a, r.shape_b,
+                                      r.dtype_a, r.dtype_b, stats)
+        finally:
+            figures.close()
+            mapped.close()
     rows += [TensorDiff(k, None, "only-b", None, t.shape, None, t.dtype) for k, t in b_tensors.items() if k not in done]
     return DiffReport(a, b, tuple(rows), flags, a_root, b.state_dict_root, atol, rtol, tuple(_bn_drift(rows)))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import sys
@@ -10,6 +11,7 @@ import zlib
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from ckpt_doctor.errors import WriteError
 from ckpt_doctor.writers import stream
 from ckpt_doctor.writers.stream import FOLIO, WrittenRanges, copy_range, crc_range, preallocate
 from ckpt_doctor.writers.torch_writer import ALIGN, _local_header
@@ -65,21 +67,35 @@ def test_copy_of_a_short_source_says_so(source, tmp_path):
 @settings(max_examples=40, **SAME_PATCH)
 @given(offset=st.integers(0, len(SOURCE)), nbytes=st.integers(0, len(SOURCE)))
 def test_read_back_crc_across_windows(source, monkeypatch, offset, nbytes):
-    # The read-back maps a window at a time; a window of two pages makes every range cross several.
-    monkeypatch.setattr(stream, "WINDOW", 2 * PAGE)
+    # The read-back reads a buffer at a time; a buffer of 1,000 bytes makes every range cross several.
+    monkeypatch.setattr(stream, "COPY_BUFFER", 1000)
     nbytes = min(nbytes, len(SOURCE) - offset)
     assert crc_range(source, offset, nbytes) == zlib.crc32(SOURCE[offset:offset + nbytes])
 
 
-def test_read_back_without_mmap_reads_instead(source, monkeypatch):
+def test_read_back_reads_by_pread_never_a_map(source, monkeypatch):
+    """The output is read back with pread, a chunk at a time: a map of a file another process cuts short would end
+    this one with SIGBUS."""
     def no_mmap(*args, **kwargs):
-        raise OSError(19, "No such device")  # what a filesystem without mmap says
+        raise AssertionError("the read-back mapped the output")
 
-    monkeypatch.setattr(stream.mmap, "mmap", no_mmap)
-    monkeypatch.setattr(stream, "WINDOW", 3 * PAGE)
+    monkeypatch.setattr(mmap, "mmap", no_mmap)
     monkeypatch.setattr(stream, "COPY_BUFFER", 1000)
     for offset, nbytes in ((0, len(SOURCE)), (5000, 70001), (123, 0)):
         assert crc_range(source, offset, nbytes) == zlib.crc32(SOURCE[offset:offset + nbytes])
+
+
+def test_an_output_cut_short_while_read_back_is_a_write_error(tmp_path):
+    path = tmp_path / "out.bin"
+    path.write_bytes(SOURCE[:5000])  # what the read-back finds once another process truncated the output
+    fd = os.open(path, os.O_RDWR)
+    try:
+        written = WrittenRanges(fd, str(path), verify=True)
+        written.done(0, len(SOURCE), zlib.crc32(SOURCE), "w0")
+        with pytest.raises(WriteError, match="^w0: the output was cut short while it was read back"):
+            written.failures()
+    finally:
+        os.close(fd)
 
 
 def test_read_back_reports_each_range_that_differs(tmp_path):
@@ -95,19 +111,6 @@ def test_read_back_reports_each_range_that_differs(tmp_path):
     finally:
         os.close(fd)
     assert len(failures) == 1 and failures[0].startswith("second (crc ")
-
-
-def test_read_back_error_reaches_the_caller(tmp_path):
-    path = tmp_path / "out.bin"
-    path.write_bytes(b"short")
-    fd = os.open(path, os.O_RDWR)
-    try:
-        written = WrittenRanges(fd, str(path), verify=True)
-        written.done(0, 10 * PAGE, 0, "past the end")  # the file is shorter than the range
-        with pytest.raises(ValueError):
-            written.failures()
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux's")

@@ -427,6 +427,9 @@ def _verify(folder: Path, plan, written: dict[str, tuple[int, tuple, str, tuple]
         fd = os.open(pieces[0].file, os.O_RDONLY)
         try:
             got_crc = crc_range(fd, pieces[0].offset, got.nbytes) if got.nbytes else 0
+        except EOFError:
+            raise WriteError(f"{plan.output}: {key} was cut short while it was read back (another process truncated "
+                             "it?); nothing written") from None
         finally:
             os.close(fd)
         if got_crc != crc:
