@@ -155,14 +155,20 @@ def looks_like_safetensors(head: bytes, size: int) -> bool:
     if len(head) < 9:
         return False
     (n,) = struct.unpack("<Q", head[:8])
-    return 0 < n <= min(limits.MAX_SAFETENSORS_HEADER, size - 8) and head[8:9] == b"{"
+    return 0 < n <= min(limits.MAX_SAFETENSORS_HEADER, size - 8) and _json_object_starts(head[8:])
+
+
+def _json_object_starts(text: bytes) -> bool:
+    """A JSON object's `{`, after any JSON whitespace: the safetensors library reads a header that starts with
+    spaces (its format text says `{` comes first, but the library is what loads the file)."""
+    return text.lstrip(b" \t\r\n")[:1] == b"{"
 
 
 def describe_other(head: bytes, size: int) -> str:
     """Why a file that no reader opens is no checkpoint, for an error message."""
     if head.startswith(LFS_POINTER):
         return "the bytes are a Git LFS pointer, not the file itself — run `git lfs pull` in its repository"
-    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") > size:
+    if len(head) >= 9 and _json_object_starts(head[8:]) and int.from_bytes(head[:8], "little") > size:
         return "its safetensors header length runs past the end of the file (truncated?)"
     return "no torch zip, tar, pickle or safetensors signature"
 

@@ -1,4 +1,9 @@
-"""Writes safetensors: a JSON header padded to 8 bytes, then each tensor's bytes, streamed from the source."""
+"""Writes safetensors: a JSON header padded to 8 bytes, then each tensor's bytes, streamed from the source.
+
+Why not `safetensors.torch.save_file`: it takes every tensor in memory at once, and fix keeps its peak memory flat
+whatever the file's size (1 GB in about 40 MB here) by copying each tensor's bytes from the source file. What it
+writes is held to the library by the tests: tests/test_fix.py loads every output with `safetensors.torch.load_file`.
+"""
 
 from __future__ import annotations
 
