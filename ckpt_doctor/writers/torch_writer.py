@@ -69,15 +69,19 @@ def _local_header(name: bytes, size: int, crc: int, at: int, phase: int = 0, ali
 
 
 class ZipOut:
-    """Appends stored (uncompressed) members to an open file, then the central directory with zip64 records."""
+    """Appends stored (uncompressed) members to an open file, then the central directory with zip64 records.
 
-    def __init__(self, fd: int, prefix: str) -> None:
-        self.fd, self.prefix, self.pos, self.entries = fd, prefix, 0, []
+    `base`: where the archive starts in the file (a DCP item inside its rank's file; a multiple of ALIGN). Offsets
+    inside the archive count from there, and data is aligned in the file (add_bytes, add_storage and finish honour
+    it; add_run writes whole files only)."""
+
+    def __init__(self, fd: int, prefix: str, base: int = 0) -> None:
+        self.fd, self.prefix, self.pos, self.entries, self.base = fd, prefix, 0, [], base
 
     def add_bytes(self, name: str, data: bytes) -> None:
         crc = crc32(data)
-        header = _local_header(f"{self.prefix}/{name}".encode(), len(data), crc, self.pos)
-        write_bytes(self.fd, self.pos, header + data)
+        header = _local_header(f"{self.prefix}/{name}".encode(), len(data), crc, self.base + self.pos)
+        write_bytes(self.fd, self.base + self.pos, header + data)
         self.entries.append(_Entry(f"{self.prefix}/{name}".encode(), self.pos, len(data), crc))
         self.pos += len(header) + len(data)
 
@@ -87,19 +91,20 @@ class ZipOut:
         header_at = self.pos
         layout = (0, ALIGN) if storage.produce is not None else _source_phase(storage.source_offset, storage.nbytes)
         # With the source's crc known the header is final before the copy; else it is rewritten once the crc is.
-        header = _local_header(name, storage.nbytes, storage.known_crc or 0, header_at, *layout)
-        write_bytes(self.fd, header_at, header)
+        base = self.base
+        header = _local_header(name, storage.nbytes, storage.known_crc or 0, base + header_at, *layout)
+        write_bytes(self.fd, base + header_at, header)
         data_at = header_at + len(header)
         if storage.produce is not None:
-            crc = storage.produce(self.fd, data_at, progress)
+            crc = storage.produce(self.fd, base + data_at, progress)
         else:
-            crc = copy_range(storage.source_fd, storage.source_offset, storage.nbytes, self.fd, data_at, progress,
-                             storage.known_crc)
+            crc = copy_range(storage.source_fd, storage.source_offset, storage.nbytes, self.fd, base + data_at,
+                             progress, storage.known_crc)
         if crc != storage.known_crc:
-            write_bytes(self.fd, header_at, _local_header(name, storage.nbytes, crc, header_at, *layout))
-        storage.crc, storage.offset = crc, data_at
+            write_bytes(self.fd, base + header_at, _local_header(name, storage.nbytes, crc, base + header_at, *layout))
+        storage.crc, storage.offset = crc, base + data_at
         if written is not None:
-            written.done(data_at, storage.nbytes, crc, f"storage data/{storage.key}")
+            written.done(base + data_at, storage.nbytes, crc, f"storage data/{storage.key}")
         self.entries.append(_Entry(name, header_at, storage.nbytes, crc))
         self.pos = data_at + storage.nbytes
 
@@ -199,9 +204,10 @@ class ZipOut:
         locator = struct.pack("<IIQI", 0x07064B50, 0, zip64_at, 1)
         end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
                           min(len(cd), _U32), min(cd_at, _U32), 0)
-        write_bytes(self.fd, self.pos, cd + zip64 + locator + end)
+        write_bytes(self.fd, self.base + self.pos, cd + zip64 + locator + end)
         self.pos += len(cd) + len(zip64) + len(locator) + len(end)
-        os.ftruncate(self.fd, self.pos)
+        if not self.base:  # a whole file: nothing of a preallocation left past the end
+            os.ftruncate(self.fd, self.pos)
 
 
 def write_torch_zip(fd: int, prefix: str, pickle_bytes: bytes, storages: list[StorageOut],
