@@ -276,6 +276,10 @@ def _unrepeatable(model: Any, inputs: tuple[Any, ...], reference: list[Any], tol
             "(an RNN's hidden state kept on the module, a counter), which no wrapper can make repeatable")
 
 
+def _gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
 def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int,
            tolerance: Tolerance = Tolerance()) -> RunResult:
     import torch
@@ -291,7 +295,7 @@ def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int,
         why = "" if diff.ok else _unrepeatable(model, inputs, reference, tolerance)
         outputs = "match" if diff.ok else f"DIFFER: {diff.detail}{why}"
         detail = (f"no CUDA device: ran nn.DataParallel on the CPU, where it only calls the model (outputs "
-                  f"{outputs}); a {gpus}-GPU run needs {gpus} GPU{'s' if gpus != 1 else ''}")
+                  f"{outputs}); a {gpus}-GPU run needs {_gpus(gpus)}")
         return RunResult(Mode.DP, 1, "-", ("cpu",), status, diff.max_abs_diff, time.perf_counter() - start, detail,
                          _peak([]), diff.rtol, diff.atol)
     used = list(range(min(gpus, have)))
@@ -312,7 +316,7 @@ def run_dp(model: Any, inputs: tuple[Any, ...], reference: list[Any], gpus: int,
                          f"needs {gpus} CUDA devices, found {have}: ran DataParallel on {', '.join(devices)} only "
                          f"(outputs match single: {diff.describe()})", _peak(used), diff.rtol, diff.atol)
     return RunResult(Mode.DP, len(used), "-", devices, Status.PASS, diff.max_abs_diff, elapsed,
-                     f"scatter/gather over {len(used)} GPUs matches single ({diff.describe()})", _peak(used),
+                     f"scatter/gather over {_gpus(len(used))} matches single ({diff.describe()})", _peak(used),
                      diff.rtol, diff.atol)
 
 
@@ -364,7 +368,7 @@ def ddp_outcome(results: list[RankResult], backend: str, batch: int, elapsed: fl
     peak = {(r.device if backend == "nccl" else f"rank {r.rank} (RSS)"): r.peak_memory for r in results
             if r.peak_memory}
     where = launcher or (f"gloo on the CPU ({have} CUDA device{'s' if have != 1 else ''} here, {world} needed for "
-                         "nccl)" if backend == "gloo" else f"nccl on {world} GPUs")
+                         "nccl)" if backend == "gloo" else f"nccl on {_gpus(world)}")
     sizes = sorted({len(r.samples) for r in results if r.samples})
     split = ""
     if batch % world:
@@ -601,7 +605,7 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
     if single.status is Status.PASS:
         if Mode.DP in modes:
             if progress:
-                progress(f"dp: running nn.DataParallel over {min(gpus, cuda_count())} GPUs …" if cuda_count() else
+                progress(f"dp: running nn.DataParallel over {_gpus(min(gpus, cuda_count()))} …" if cuda_count() else
                          "dp: no CUDA device: running nn.DataParallel on the CPU …")
             runs.append(run_dp(model, inputs, reference, gpus, tolerance))
         if Mode.DDP in modes:

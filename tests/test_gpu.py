@@ -116,7 +116,7 @@ def test_verify_runs_dataparallel_and_nccl_ddp_on_the_gpus_here(on_gpu, cli):
     assert by_mode["dp"]["devices"] == gpus and by_mode["dp"]["status"] == "pass"
     ddp = by_mode["ddp"]
     assert (ddp["backend"], ddp["world_size"], ddp["devices"], ddp["status"]) == ("nccl", have, gpus, "pass")
-    assert f"nccl on {have} GPUs" in ddp["detail"]
+    assert f"nccl on {have} GPU" in ddp["detail"]  # "1 GPU", "2 GPUs"
     assert set(ddp["peak_memory"]) == set(gpus) and all(v > 0 for v in ddp["peak_memory"].values())
     assert result.json()["ok"] is True
 
