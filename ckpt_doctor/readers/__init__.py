@@ -15,6 +15,7 @@ from ..records import Checkpoint, DistributedShard, Format
 from ..safepickle import limits
 from ..sniff import HEAD, Container, dangling, deep, kernel_filesystem, other_format, sniff, walk_folder
 from .files import read_container, read_surveyed
+from .hfcache import is_hf_ref, resolve as resolve_hf
 from .jsonfile import parse_json, read_json  # noqa: F401  (re-exported: the folder readers' JSON)
 from .source import is_url, remote_path
 from .survey import Survey, survey_file
@@ -34,6 +35,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint's structure (keys, shapes, dtypes, devices, byte ranges) without loading tensor data."""
     if is_url(path):  # https://, s3://: read by range requests (readers/source.py)
         return read_file(remote_path(path))
+    if is_hf_ref(path):  # hf://org/name: the local cache's snapshot, resolved offline (readers/hfcache.py)
+        path = resolve_hf(str(path))
     path = deep(path)  # a path of any length opens (sniff.DeepPath)
     try:
         st = os.stat(path)
