@@ -371,6 +371,8 @@ class _Failed(click.ClickException):
 
 PATH = _PathType()
 INPUT = _InputType()
+CKPT_ARGUMENT = {"CKPT": "A checkpoint file or folder, an https:// or s3:// URL, or hf://org/name[@revision] (a model "
+                         "in the local Hugging Face cache)."}
 FRACTION = _FloatRange("more than 0 and at most 1 (a check that loads nothing proves nothing)", min=0, max=1,
                        min_open=True)
 POSITIVE_INT = _IntRange("1 or more", min=1)
@@ -428,7 +430,7 @@ def main() -> None:
     """
 
 
-@main.command(epilog=EXIT_CODES, arguments={"CKPT": "A checkpoint file or folder."}, sections=(
+@main.command(epilog=EXIT_CODES, arguments=CKPT_ARGUMENT, sections=(
     ("Output", ("as_json", "format_", "full", "filter_", "stats", "html_out", "no_color")),
     ("Against a model", ("model_spec", "model_args", "allow_missing", "allow_unexpected", "min_loaded", "select",
                          "values")),
@@ -563,7 +565,7 @@ def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_
     return listing.exit_code if listing.files or listing.problems else 2
 
 
-@main.command(epilog=EXIT_CODES, arguments={"CKPT": "A checkpoint file or folder."}, sections=(
+@main.command(epilog=EXIT_CODES, arguments=CKPT_ARGUMENT, sections=(
     ("Output", ("output", "format_", "max_shard_size", "dry_run", "force", "no_verify", "as_json")),
     ("Keys", ("strip_module", "add_module", "strip_prefix", "add_prefix", "rename", "drop", "select", "ties")),
     ("Tensors", ("map_location", "dtype")),
@@ -751,7 +753,7 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, format_: str, 
     return report.exit_code
 
 
-@main.command(epilog=EXIT_CODES, arguments={"CKPT": "A checkpoint file or folder."}, sections=(
+@main.command(epilog=EXIT_CODES, arguments=CKPT_ARGUMENT, sections=(
     ("Model and inputs", ("model_spec", "model_args", "input_shapes", "input_dtype", "input_range", "input_fn")),
     ("Runs", ("gpus", "modes", "timeout", "allow_skip", "summary", "rtol", "atol")),
     ("What is loaded", ("select", "allow_missing", "allow_unexpected", "min_loaded")),
@@ -896,7 +898,8 @@ def _report_verify(report, as_json: bool, tablefmt: str = "simple") -> int:
     return report.exit_code
 
 
-@main.command(epilog=EXIT_CODES, arguments={"PATH...": "Files or folders (searched recursively)."}, sections=(
+@main.command(epilog=EXIT_CODES, arguments={"PATH...": "Files or folders (searched recursively), URLs, or "
+                                                     "hf://org/name (the local Hugging Face cache)."}, sections=(
     ("Output", ("as_json", "format_", "show_all", "no_color")),
     ("Safety", ("require_default_load", "allow_global"))))
 @click.argument("paths", metavar="PATH...", nargs=-1, required=True, type=INPUT)

@@ -15,7 +15,8 @@ from ..records import Checkpoint, DistributedShard, Format
 from ..safepickle import limits
 from ..sniff import HEAD, Container, dangling, deep, kernel_filesystem, other_format, sniff, walk_folder
 from .files import read_container, read_surveyed
-from .hfcache import is_hf_ref, resolve as resolve_hf
+from .hfcache import is_hf_ref
+from .hfcache import resolve as resolve_hf
 from .jsonfile import parse_json, read_json  # noqa: F401  (re-exported: the folder readers' JSON)
 from .source import is_url, remote_path
 from .survey import Survey, survey_file
