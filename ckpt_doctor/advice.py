@@ -109,7 +109,7 @@ def output_beside(source: str | os.PathLike[str], tag: str = "fixed", suffix: st
         folder, name = os.path.split(text)
     if os.path.isdir(folder or ".") and not os.access(folder or ".", os.W_OK) and os.access(".", os.W_OK):
         folder = ""
-    stem = name
+    stem = name.removesuffix(".index.json")  # a shard index (a remote sharded checkpoint): named as its model
     while True:
         base, dot, ext = stem.rpartition(".")
         if not dot or not base or "." + ext.lower() not in CHECKPOINT_SUFFIXES:

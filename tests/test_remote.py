@@ -535,3 +535,12 @@ def test_an_s3_folder_is_read_as_the_local_folder(s3, tmp_path):
         result = _cli("inspect", url, env=env)
         assert result.returncode == 2 and words in result.stderr, (url, result.stderr)
         assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+
+
+def test_a_fix_suggested_for_a_shard_index_url_is_named_after_its_model(tmp_path, monkeypatch):
+    from ckpt_doctor.advice import output_beside
+
+    monkeypatch.chdir(tmp_path)
+    assert output_beside("https://host/org/model.safetensors.index.json") == "model_fixed.pt"
+    assert output_beside("s3://bucket/run/pytorch_model.bin.index.json", "fixed", ".safetensors") == \
+        "pytorch_model_fixed.safetensors"
