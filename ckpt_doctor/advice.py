@@ -63,9 +63,28 @@ def _quote(word: str) -> str:
     return "$'" + "".join(escaped) + "'"
 
 
+_SHOWN_AS: dict[str, str] = {}  # a local path -> the reference the user named it by (hf://org/name)
+
+
+def show_as(local: str, ref: str) -> None:
+    """Print `local` (and what lies under it) as `ref` in every command: a Hugging Face cache reference resolved to
+    its snapshot (readers/hfcache.py) is printed as the user wrote it, and runs as printed."""
+    _SHOWN_AS[local.rstrip(os.sep) or os.sep] = ref.rstrip("/")
+
+
+def _shown(text: str) -> str:
+    for local, ref in _SHOWN_AS.items():
+        if text == local:
+            return ref
+        if text.startswith(local + os.sep):
+            return ref + "/" + text[len(local) + 1:].replace(os.sep, "/")
+    return text
+
+
 def shell_path(path: str | os.PathLike[str]) -> str:
     """A path as an argument: one that starts with `-` is written `./-x.pt`, which no parser takes for an option."""
     text = str(path) if type(path).__name__ == "RemotePath" else os.fspath(path)  # a URL as it may be printed
+    text = _shown(text) if _SHOWN_AS else text
     return "./" + text if text.startswith("-") else text
 
 
@@ -79,16 +98,18 @@ def output_beside(source: str | os.PathLike[str], tag: str = "fixed", suffix: st
     """A suggested output: beside the input (a folder's sibling), its checkpoint suffixes replaced by `_TAG.pt`,
     and a name no file has yet (`_fixed2.pt` when `_fixed.pt` exists) nor another suggestion of this run
     (`taken`), so that the command runs as printed. Where the input's folder is not writable, in this one; for a URL
-    (https://, s3://: ckpt-doctor writes local files only) in this one too, named after the URL's last part."""
+    (https://, s3://: ckpt-doctor writes local files only) and a Hugging Face cache reference (hf://) in this one
+    too, named after the URL's last part."""
     text = str(source).rstrip("/") or "."
-    if text.startswith(("https://", "http://", "s3://")):
-        folder, name = "", text.split("://", 1)[1].split("?", 1)[0].rsplit("/", 1)[-1] or "checkpoint"
+    text = _shown(text) if _SHOWN_AS else text
+    if text.startswith(("https://", "http://", "s3://", "hf://")):  # hf://org/name@rev: `name`, never in the cache
+        folder, name = "", text.split("://", 1)[1].split("?", 1)[0].rsplit("/", 1)[-1].split("@", 1)[0] or "checkpoint"
     else:
         text = os.fspath(source).rstrip("/") or "."
         folder, name = os.path.split(text)
     if os.path.isdir(folder or ".") and not os.access(folder or ".", os.W_OK) and os.access(".", os.W_OK):
         folder = ""
-    stem = name
+    stem = name.removesuffix(".index.json")  # a shard index (a remote sharded checkpoint): named as its model
     while True:
         base, dot, ext = stem.rpartition(".")
         if not dot or not base or "." + ext.lower() not in CHECKPOINT_SUFFIXES:

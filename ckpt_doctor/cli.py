@@ -302,6 +302,9 @@ class _PathType(click.Path):
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
         if value == "":
             self.fail("an empty path names no file (use . for this folder)", param, ctx)
+        if isinstance(value, str) and value.startswith("hf://") and type(self) is _PathType:
+            self.fail(f"{value}: ckpt-doctor reads the Hugging Face cache but never writes into it; give a local "
+                      "path", param, ctx)
         return super().convert(value, param, ctx)
 
 
@@ -345,7 +348,31 @@ class _IntRange(click.IntRange):
             self.fail(f"{value!r} is not {self.refused}", param, ctx)
 
 
+class _InputType(_PathType):
+    """A checkpoint to read: a path, a URL, or a Hugging Face cache reference (hf://org/name[@revision][/file]),
+    which is resolved here, offline, to the local snapshot it names (readers/hfcache.py)."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if isinstance(value, str) and value.startswith("hf://"):
+            from .readers.hfcache import resolve  # only when a hf:// reference is given
+
+            try:
+                return str(resolve(value))
+            except CkptDoctorError as exc:
+                raise _Failed(str(exc)) from None
+        return super().convert(value, param, ctx)
+
+
+class _Failed(click.ClickException):
+    """An argument that cannot be read, found while the command line is parsed: one `Error:` line, exit 2."""
+
+    exit_code = 2
+
+
 PATH = _PathType()
+INPUT = _InputType()
+CKPT_ARGUMENT = {"CKPT": "A checkpoint file or folder, an https:// or s3:// URL, or hf://org/name[@revision] (a model "
+                         "in the local Hugging Face cache)."}
 FRACTION = _FloatRange("more than 0 and at most 1 (a check that loads nothing proves nothing)", min=0, max=1,
                        min_open=True)
 POSITIVE_INT = _IntRange("1 or more", min=1)
@@ -403,12 +430,12 @@ def main() -> None:
     """
 
 
-@main.command(epilog=EXIT_CODES, arguments={"CKPT": "A checkpoint file or folder."}, sections=(
+@main.command(epilog=EXIT_CODES, arguments=CKPT_ARGUMENT, sections=(
     ("Output", ("as_json", "format_", "full", "filter_", "stats", "html_out", "no_color")),
     ("Against a model", ("model_spec", "model_args", "allow_missing", "allow_unexpected", "min_loaded", "select",
                          "values")),
     ("Safety", ("require_default_load", "allow_global"))))
-@click.argument("ckpt", metavar="CKPT", type=PATH)
+@click.argument("ckpt", metavar="CKPT", type=INPUT)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object on stdout instead of the table.")
 @_format_option("the listing")
 @click.option("--stats", is_flag=True, help="Read tensor data (one tensor at a time) for min/max/mean/std, NaN/Inf "
@@ -538,14 +565,14 @@ def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_
     return listing.exit_code if listing.files or listing.problems else 2
 
 
-@main.command(epilog=EXIT_CODES, arguments={"CKPT": "A checkpoint file or folder."}, sections=(
+@main.command(epilog=EXIT_CODES, arguments=CKPT_ARGUMENT, sections=(
     ("Output", ("output", "format_", "max_shard_size", "dry_run", "force", "no_verify", "as_json")),
     ("Keys", ("strip_module", "add_module", "strip_prefix", "add_prefix", "rename", "drop", "select", "ties")),
     ("Tensors", ("map_location", "dtype")),
     ("Against a model", ("model_spec", "model_args", "auto", "reorder", "map_by_order", "allow_missing",
                          "allow_unexpected")),
     ("Safety", ("allow_unsafe", "allow_global"))))
-@click.argument("ckpt", metavar="CKPT", type=PATH)
+@click.argument("ckpt", metavar="CKPT", type=INPUT)
 @click.option("-o", "--output", required=True, type=PATH, metavar="OUT", help="Where to write. The suffix picks the "
               "format (.safetensors, or .pt/.pth/.bin for torch).")
 @click.option("--strip-module", is_flag=True, help="Remove a leading `module.` (DataParallel/DDP) where present.")
@@ -658,8 +685,8 @@ def fix(ckpt: str, output: str, as_json: bool, allow_global: tuple[str, ...], **
     ("Tolerance", ("atol", "rtol")),
     ("Names", ("strip_prefix", "add_prefix", "rename")),
     ("Safety", ("allow_global",))))
-@click.argument("a", metavar="A", type=PATH)
-@click.argument("b", metavar="B", type=PATH)
+@click.argument("a", metavar="A", type=INPUT)
+@click.argument("b", metavar="B", type=INPUT)
 @click.option("--atol", type=NON_NEGATIVE_FLOAT, default=0.0, metavar="ATOL", help="Absolute tolerance: pairs "
               "within it count as the "
               "same (torch.isclose's rule, |B - A| <= atol + rtol*|A|). (default: 0.0)")
@@ -726,14 +753,14 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, format_: str, 
     return report.exit_code
 
 
-@main.command(epilog=EXIT_CODES, arguments={"CKPT": "A checkpoint file or folder."}, sections=(
+@main.command(epilog=EXIT_CODES, arguments=CKPT_ARGUMENT, sections=(
     ("Model and inputs", ("model_spec", "model_args", "input_shapes", "input_dtype", "input_range", "input_fn")),
     ("Runs", ("gpus", "modes", "timeout", "allow_skip", "summary", "rtol", "atol")),
     ("What is loaded", ("select", "allow_missing", "allow_unexpected", "min_loaded")),
     ("Against another checkpoint", ("compare_to", "compare_model", "compare_model_args")),
     ("Output", ("as_json", "format_")),
     ("Safety", ("allow_global",))))
-@click.argument("ckpt", metavar="CKPT", type=PATH)
+@click.argument("ckpt", metavar="CKPT", type=INPUT)
 @click.option("--model", "model_spec", required=True, metavar="SPEC", help="package.module:attr or "
               "path/to/file.py:attr: the model class or factory; or hf:PATH, a Hugging Face config.json (hf: "
               "alone, the one beside CKPT).")
@@ -871,10 +898,11 @@ def _report_verify(report, as_json: bool, tablefmt: str = "simple") -> int:
     return report.exit_code
 
 
-@main.command(epilog=EXIT_CODES, arguments={"PATH...": "Files or folders (searched recursively)."}, sections=(
+@main.command(epilog=EXIT_CODES, arguments={"PATH...": "Files or folders (searched recursively), URLs, or "
+                                                     "hf://org/name (the local Hugging Face cache)."}, sections=(
     ("Output", ("as_json", "format_", "show_all", "no_color")),
     ("Safety", ("require_default_load", "allow_global"))))
-@click.argument("paths", metavar="PATH...", nargs=-1, required=True, type=PATH)
+@click.argument("paths", metavar="PATH...", nargs=-1, required=True, type=INPUT)
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
 @_format_option("the table of findings")
 @click.option("--all", "show_all", is_flag=True, help="List allow-listed globals too.")

@@ -19,7 +19,8 @@ from ._record import field, record
 from .advice import Suggestion
 from .default_load import DefaultLoad, default_load
 from .errors import CkptDoctorError, NotACheckpoint
-from .readers import named_as_checkpoint, read_file
+from .readers import named_as_checkpoint, read_file, remote_members
+from .readers.source import real_url
 from .readers.survey import Survey, survey_file
 from .records import GlobalRef, Hazard
 from .safepickle.policy import Verdict
@@ -174,7 +175,12 @@ def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str],
     for raw in paths:
         path = deep(raw)
         if type(path).__name__ == "RemotePath":  # a URL: read by range requests (readers/source.py)
-            files.append((path, False))
+            try:
+                members = remote_members(real_url(path))  # a shard index's shards, an s3:// folder's objects
+            except CkptDoctorError as exc:
+                problems.append(str(exc))
+                continue
+            files += [(path, False)] if members is None else [(p, True) for p in members]
             continue
         try:
             st = os.stat(path)

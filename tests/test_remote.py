@@ -426,3 +426,121 @@ def test_bad_urls_are_said_in_words(url, words):
     assert words.format(closed=closed) in result.stderr
     assert "Error:" in result.stderr and not any(c in result.stderr for c in ("ClientConnector", "ParamValidation",
                                                                               "Exception"))
+
+
+# --- remote folders: a shard index and its shards, an s3:// folder ---------------------------------------------------
+
+def _write_sharded(folder: Path, torch_shards: bool = False) -> dict:
+    """A Hugging Face sharded checkpoint in `folder` (two shards and their index, as save_pretrained writes them);
+    the state_dict it holds."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(exist_ok=True)
+    sd = _net().state_dict()
+    halves = ({k: v for k, v in sd.items() if k.startswith("0.")}, {k: v for k, v in sd.items() if k.startswith("2.")})
+    stem, suffix = ("pytorch_model", "bin") if torch_shards else ("model", "safetensors")
+    weight_map = {}
+    for i, half in enumerate(halves, 1):
+        name = f"{stem}-{i:05d}-of-00002.{suffix}"
+        if torch_shards:
+            torch.save(half, folder / name)
+        else:
+            save_file({k: v.contiguous() for k, v in half.items()}, folder / name)
+        weight_map.update({k: name for k in half})
+    index = f"{stem}.{suffix}.index.json"
+    (folder / index).write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return sd
+
+
+@pytest.mark.parametrize("torch_shards", [False, True])
+def test_a_shard_index_url_reads_its_shards_by_range_as_the_local_folder(served, tmp_path, torch_shards):
+    import torch
+
+    folder, base, log = served
+    name = "sharded-bin" if torch_shards else "sharded"
+    sd = _write_sharded(folder / name, torch_shards)
+    index = "pytorch_model.bin.index.json" if torch_shards else "model.safetensors.index.json"
+    before = len(_requests(log))
+    remote = _cli("inspect", f"{base}/{name}/{index}", "--json")
+    assert remote.returncode == 0, remote.stderr
+    assert len(_requests(log)) - before == json.loads(remote.stdout)["remote"]["requests"] <= 1 + 2 * 2
+    local = _cli("inspect", str(folder / name), "--json")  # the folder: read by its index
+    _same(remote.stdout, local.stdout, f"{base}/{name}", folder / name)
+    assert {t["key"]: t["shape"] for t in json.loads(remote.stdout)["tensors"]} == \
+        {k: list(v.shape) for k, v in sd.items()}
+    # its tensor data, streamed from the shards: fix writes what torch.load reads back equal
+    out = tmp_path / "whole.safetensors"
+    fixed = _cli("fix", f"{base}/{name}/{index}", "-o", str(out))
+    assert fixed.returncode == 0, fixed.stderr
+    from safetensors.torch import load_file
+
+    loaded = load_file(out)
+    assert loaded.keys() == sd.keys() and all(torch.equal(loaded[k], v) for k, v in sd.items())
+    scan = _cli("scan", f"{base}/{name}/{index}", "--json")
+    assert scan.returncode == 0, scan.stderr
+    assert sorted(f["path"].rsplit("/", 1)[-1] for f in json.loads(scan.stdout)["files"]) == \
+        sorted(p.name for p in (folder / name).iterdir() if not p.name.endswith(".json"))
+
+
+def test_a_shard_that_runs_code_is_found_through_its_index_url(served, tmp_path):
+    from tests.payloads import call
+
+    folder, base, _ = served
+    _write_sharded(folder / "sharded-evil", torch_shards=True)
+    canary = tmp_path / "CANARY"
+    (folder / "sharded-evil" / "pytorch_model-00002-of-00002.bin").write_bytes(
+        b"\x80\x02" + call("os", "system", f"touch {canary}") + b".")
+    scan = _cli("scan", f"{base}/sharded-evil/pytorch_model.bin.index.json", "--json")
+    assert scan.returncode == 1, scan.stderr
+    assert [f["verdict"] for f in json.loads(scan.stdout)["files"]] == ["safe", "dangerous"]
+    assert not canary.exists()
+
+
+def test_an_http_folder_cannot_be_listed_and_says_what_to_give(served):
+    _, base, _ = served
+    for command in ("inspect", "scan"):
+        result = _cli(command, f"{base}/sharded/")
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+        assert "cannot be listed over HTTP" in result.stderr and "model.safetensors.index.json" in result.stderr
+
+
+def test_an_s3_folder_is_read_as_the_local_folder(s3, tmp_path):
+    import torch
+
+    folder, env, log = s3
+    sd = _write_sharded(folder / "s3-sharded")
+    import s3fs
+
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=env["AWS_ENDPOINT_URL"])
+    for p in (folder / "s3-sharded").iterdir():
+        fs.put_file(str(p), f"ckpts/sharded/{p.name}")
+    local = _cli("inspect", str(folder / "s3-sharded"), "--json")
+    for url in ("s3://ckpts/sharded/", "s3://ckpts/sharded", "s3://ckpts/sharded/model.safetensors.index.json"):
+        before = _s3_gets(log)
+        remote = _cli("inspect", url, "--json", env=env)
+        assert remote.returncode == 0, (url, remote.stderr)
+        assert 3 <= _s3_gets(log) - before <= 1 + 2 * 2  # the index, then each shard's header
+        shown = json.loads(remote.stdout)
+        assert shown["path"] == "s3://ckpts/sharded/model.safetensors.index.json"
+        _same(remote.stdout, local.stdout, "s3://ckpts/sharded", folder / "s3-sharded")
+    out = tmp_path / "whole.pt"
+    fixed = _cli("fix", "s3://ckpts/sharded/", "-o", str(out), env=env)
+    assert fixed.returncode == 0, fixed.stderr
+    loaded = torch.load(out, weights_only=True)
+    assert loaded.keys() == sd.keys() and all(torch.equal(loaded[k], v) for k, v in sd.items())
+    assert _cli("scan", "s3://ckpts/sharded/", env=env).returncode == 0
+    for url, words in (("s3://ckpts/nothing-here/", "not found"), ("s3://ckpts/", "holds")):
+        result = _cli("inspect", url, env=env)
+        assert result.returncode == 2 and words in result.stderr, (url, result.stderr)
+        assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+
+
+def test_a_fix_suggested_for_a_shard_index_url_is_named_after_its_model(tmp_path, monkeypatch):
+    from ckpt_doctor.advice import output_beside
+
+    monkeypatch.chdir(tmp_path)
+    assert output_beside("https://host/org/model.safetensors.index.json") == "model_fixed.pt"
+    assert output_beside("s3://bucket/run/pytorch_model.bin.index.json", "fixed", ".safetensors") == \
+        "pytorch_model_fixed.safetensors"

@@ -15,8 +15,10 @@ from ..records import Checkpoint, DistributedShard, Format
 from ..safepickle import limits
 from ..sniff import HEAD, Container, dangling, deep, kernel_filesystem, other_format, sniff, walk_folder
 from .files import read_container, read_surveyed
+from .hfcache import is_hf_ref
+from .hfcache import resolve as resolve_hf
 from .jsonfile import parse_json, read_json  # noqa: F401  (re-exported: the folder readers' JSON)
-from .source import is_url, remote_path
+from .source import RemoteError, RemotePath, is_url, list_folder, open_source, pread, real_url, redact, remote_path, sibling
 from .survey import Survey, survey_file
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar", ".model", ".pth.tar")
@@ -33,7 +35,9 @@ def named_as_checkpoint(path: Path, tar_archive: bool) -> bool:
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint's structure (keys, shapes, dtypes, devices, byte ranges) without loading tensor data."""
     if is_url(path):  # https://, s3://: read by range requests (readers/source.py)
-        return read_file(remote_path(path))
+        return read_url(str(path) if isinstance(path, str) else real_url(path))
+    if is_hf_ref(path):  # hf://org/name: the local cache's snapshot, resolved offline (readers/hfcache.py)
+        path = resolve_hf(str(path))
     path = deep(path)  # a path of any length opens (sniff.DeepPath)
     try:
         st = os.stat(path)
@@ -229,17 +233,106 @@ def read_folder(folder: Path) -> Checkpoint:
     return ckpt
 
 
-def read_sharded(index_path: Path) -> Checkpoint:
-    index = read_json(index_path, "shard index", limits.MAX_INDEX_BYTES)
+# What a remote folder is read by: its shard index, else its one checkpoint file (by name: a listing says no more).
+_MODEL_FILES = ("model.safetensors", "pytorch_model.bin", "diffusion_pytorch_model.safetensors")
+
+
+def read_url(url: str) -> Checkpoint:
+    """A checkpoint behind a URL: a file, a shard index with its shards beside it (https:// or s3://), or an s3://
+    folder holding one (listed once). Only headers and directories are fetched, by range requests."""
+    shown = redact(url)
+    if shown.endswith(".index.json"):
+        return read_sharded(remote_path(url))
+    if not _remote_folder(shown):
+        try:
+            return read_file(remote_path(url))
+        except RemoteError as exc:
+            # s3://bucket/prefix: no object of that name, but maybe a folder
+            if not shown.startswith("s3://") or "not found (404)" not in str(exc) or not list_folder(url + "/"):
+                raise
+        url, shown = url.split("?", 1)[0] + "/", shown + "/"
+    names = list_folder(url)
+    if not names:
+        raise RemoteError(f"{shown}: not found (404): no object under this prefix")
+    if ".metadata" in names or any(n.startswith("global_step") for n in names) or "latest" in names:
+        raise ReadError(f"{shown}: a torch.distributed.checkpoint or DeepSpeed folder, which is not read over the "
+                        "network yet: download it and inspect the copy")
+    indexes = [n for n in names if n.endswith(".index.json")]
+    chosen = next((n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json") if n in indexes),
+                  indexes[0] if len(indexes) == 1 else None)
+    if chosen is None and not indexes:
+        files = [n for n in names if n.endswith(CHECKPOINT_SUFFIXES)]
+        chosen = next((n for n in _MODEL_FILES if n in files), files[0] if len(files) == 1 else None)
+    if chosen is None:
+        some = ", ".join(names[:5]) + (", …" if len(names) > 5 else "")
+        raise ReadError(f"{shown}: holds {len(names)} objects ({some}) and no one checkpoint to read (no "
+                        "shard index, no model.safetensors or pytorch_model.bin); name the one to open, e.g. "
+                        f"{shown}{(indexes or names)[0]}")
+    path = remote_path(url + chosen)
+    return read_sharded(path) if chosen.endswith(".index.json") else read_file(path)
+
+
+def _remote_folder(shown: str) -> bool:
+    """Whether a URL names a folder: it ends with `/` after a host or bucket (`s3://bucket/prefix/`), or it is a
+    bucket alone (`s3://bucket`)."""
+    rest = shown.split("://", 1)[1]
+    return bool(rest.strip("/")) and not rest.startswith("/") and (shown.endswith("/") or shown.startswith("s3://") and "/" not in rest.strip("/"))
+
+
+def remote_members(url: str) -> list[RemotePath] | None:
+    """The objects a URL stands for when scanned as a folder: a shard index's shards, an s3:// folder's objects (one
+    level); None for a URL of one file."""
+    shown = redact(url)
+    if shown.endswith(".index.json"):
+        index_path = remote_path(url)
+        return [sibling(index_path, shard) for shard in _shard_names(index_path, _remote_index(index_path))]
+    if _remote_folder(shown):
+        base = url.split("?", 1)[0].rstrip("/") + "/"
+        names = list_folder(base)
+        if not names:
+            raise RemoteError(f"{shown}: not found (404): no object under this prefix")
+        return [remote_path(base + name) for name in names]
+    return None
+
+
+def _shard_names(index_path: Path, index: object) -> list[str]:
+    """The shard files a shard index names, each a plain file name beside it."""
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise ReadError(f"{index_path}: not a shard index (needs a JSON object with a weight_map)")
-    folder = index_path.parent
-    shards: dict[str, Checkpoint] = {}
     for shard in dict.fromkeys(weight_map.values()):
         if not isinstance(shard, str) or "/" in shard or "\\" in shard or shard.startswith(".."):
             raise ReadError(f"{index_path}: weight_map names shard {str(shard)[:80]!r}, which is not a file name")
-        shard_path = folder / shard
+    return list(dict.fromkeys(weight_map.values()))
+
+
+def _remote_index(index_path: RemotePath) -> object:
+    """A shard index behind a URL, fetched whole (usually in the first request), within the same size limit."""
+    from .jsonfile import parse_json  # only for a remote index
+
+    src = open_source(index_path)
+    if src.size > limits.MAX_INDEX_BYTES:
+        raise ReadError(f"{index_path}: shard index of {src.size:,} bytes, over the "
+                        f"{limits.MAX_INDEX_BYTES >> 20} MB limit")
+    raw = bytearray()
+    while len(raw) < src.size:
+        part = pread(src, src.size - len(raw), len(raw))
+        if not part:
+            break
+        raw += part
+    return parse_json(bytes(raw), index_path, "shard index")
+
+
+def read_sharded(index_path: Path) -> Checkpoint:
+    remote = isinstance(index_path, RemotePath)
+    index = _remote_index(index_path) if remote else read_json(index_path, "shard index", limits.MAX_INDEX_BYTES)
+    names = _shard_names(index_path, index)
+    assert isinstance(index, dict)  # _shard_names checked it
+    weight_map = index["weight_map"]
+    folder = index_path.parent
+    shards: dict[str, Checkpoint] = {}
+    for shard in names:
+        shard_path = sibling(index_path, shard) if remote else folder / shard
         if not shard_path.is_file():
             raise ReadError(f"{index_path}: shard {shard} is missing from {folder}")
         shards[shard] = read_file(shard_path)

@@ -119,6 +119,48 @@ def real_url(path: RemotePath | str) -> str:
     return _REAL.get(text, text)
 
 
+def sibling(path: RemotePath, name: str) -> RemotePath:
+    """The object `name` beside `path` (a shard beside its index): fetched with the same user and password, without
+    the query (a presigned URL's signature is for one object)."""
+    real = real_url(path).split("#", 1)[0].split("?", 1)[0]
+    return remote_path(f"{real.rsplit('/', 1)[0]}/{name}")
+
+
+_LISTED: list[int] = []  # one entry per listing request (s3:// folders), counted with the reads
+
+
+def list_folder(url: str) -> list[str]:
+    """The names of the objects directly under an `s3://bucket/prefix/` folder (one LIST request); [] when none.
+    HTTP has no listing: an https:// folder is refused with the way out."""
+    shown = redact(url)
+    if not url.startswith("s3://"):
+        raise RemoteError(f"{shown}: a folder cannot be listed over HTTP: give the URL of its shard index "
+                          f"({shown.rstrip('/')}/model.safetensors.index.json or pytorch_model.bin.index.json) or of "
+                          "one checkpoint file")
+    prefix = url[len("s3://"):].split("?", 1)[0].strip("/")
+    if not prefix:
+        raise RemoteError("s3:// names no bucket: give s3://BUCKET/KEY")
+    client = _client(f"s3://{prefix}/x", shown)  # the fsspec and s3fs checks
+
+    def listing() -> list[str]:
+        try:
+            return client.fs.ls(prefix, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+
+    _LISTED.append(1)
+    try:
+        entries = listing()
+    except PermissionError:
+        raise RemoteError(f"{shown}: access denied (403): check the credentials (environment, "
+                          "~/.aws/credentials)") from None
+    except Exception as exc:  # a connection refused, a DNS failure: one line saying which
+        if os.environ.get("CKPT_DOCTOR_DEBUG") == "1":
+            raise
+        raise RemoteError(f"{shown}: cannot be listed: {_in_words(exc, url, shown)}") from None
+    return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != prefix)
+
+
 # --- the remote source ---------------------------------------------------------------------------------------------
 
 _OPEN: dict[str, RemoteSource] = {}  # one source per URL for the process: its blocks, ETag and counts are shared
@@ -142,9 +184,10 @@ def close_source(src: Any) -> None:
 
 def usage() -> dict[str, int] | None:
     """Bytes and requests of every remote read this process made, and the objects' sizes; None when none."""
-    if not _OPEN:
+    if not _OPEN and not _LISTED:
         return None
-    return {"bytes": sum(s.bytes for s in _OPEN.values()), "requests": sum(s.requests for s in _OPEN.values()),
+    return {"bytes": sum(s.bytes for s in _OPEN.values()),
+            "requests": sum(s.requests for s in _OPEN.values()) + len(_LISTED),
             "size": sum(s.size for s in _OPEN.values())}
 
 
