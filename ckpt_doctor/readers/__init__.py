@@ -308,7 +308,6 @@ def _shard_names(index_path: Path, index: object) -> list[str]:
 
 def _remote_index(index_path: RemotePath) -> object:
     """A shard index behind a URL, fetched whole (usually in the first request), within the same size limit."""
-    from .jsonfile import parse_json  # only for a remote index
 
     src = open_source(index_path)
     if src.size > limits.MAX_INDEX_BYTES:
