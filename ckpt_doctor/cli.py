@@ -445,7 +445,8 @@ def main() -> None:
               "(layers.{0..23}.attn.q.weight) and long lists shortened.")
 @click.option("--model", "model_spec", metavar="SPEC", help="Compare with a model: package.module:attr or "
               "path/to/file.py:attr (a class or factory, built on the meta device), hf:PATH (a Hugging Face "
-              "config.json; hf: alone, the one beside CKPT), or a reference checkpoint.")
+              "config.json; hf: alone, the one beside CKPT; hf://org/name, a cached model's), or a reference "
+              "checkpoint.")
 @click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE",
               help="Argument for the model's constructor (repeatable; values are Python literals).")
 @click.option("--allow-missing", metavar="REGEX", help="Accept model keys matching REGEX being missing or of another "
@@ -594,9 +595,9 @@ def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_
 @click.option("--dtype", metavar="DT", help="Cast floating tensors to float16 (half, fp16), bfloat16 (bf16), float32 "
               "(float, fp32) or float64 (double, fp64); integer buffers such as num_batches_tracked are untouched.")
 @click.option("--model", "model_spec", metavar="SPEC", help="The model the output must load into "
-              "(package.module:attr, file.py:attr, hf:PATH for a Hugging Face config.json, or a reference "
-              "checkpoint): the output is checked with torch's loading code before anything is written, and "
-              "refused when it would not load strictly. Needed by "
+              "(package.module:attr, file.py:attr, hf:PATH for a Hugging Face config.json or hf://org/name for a "
+              "cached model's, or a reference checkpoint): the output is checked with torch's loading code before "
+              "anything is written, and refused when it would not load strictly. Needed by "
               "--auto, --reorder and --map-by-order.")
 @click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Constructor argument.")
 @click.option("--auto", is_flag=True, help="Apply the fix `inspect --model` suggests.")
@@ -762,8 +763,8 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, format_: str, 
     ("Safety", ("allow_global",))))
 @click.argument("ckpt", metavar="CKPT", type=INPUT)
 @click.option("--model", "model_spec", required=True, metavar="SPEC", help="package.module:attr or "
-              "path/to/file.py:attr: the model class or factory; or hf:PATH, a Hugging Face config.json (hf: "
-              "alone, the one beside CKPT).")
+              "path/to/file.py:attr: the model class or factory; or hf:PATH, a Hugging Face config.json "
+              "(hf://org/name: a cached model's; hf: alone, the one beside CKPT).")
 @click.option("--model-arg", "model_args", multiple=True, metavar="KEY=VALUE", help="Constructor argument.")
 @click.option("--input-shape", "input_shapes", multiple=True, metavar="8,3,32,32", help="Shape of a seeded random "
               "input (repeatable for several inputs). The first size is the batch.")

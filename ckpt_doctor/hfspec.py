@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import ModelSpecError, UsageError, one_line
+from .errors import CkptDoctorError, ModelSpecError, UsageError, one_line
 
 PREFIX = "hf:"
 CONFIG = "config.json"
@@ -50,7 +50,15 @@ def config_path(spec: str) -> Path:
     if not rest:
         raise ModelSpecError("--model hf: with no path means the config.json beside the checkpoint: name the "
                              "config with --model hf:path/to/config.json")
-    path = Path(rest)
+    if rest.startswith("//"):  # hf://org/name[@revision]: the config.json of a model in the local cache
+        from .readers.hfcache import resolve  # only for such a spec
+
+        try:
+            path = resolve("hf:" + rest)
+        except CkptDoctorError as exc:
+            raise ModelSpecError(f"--model {spec}: {exc}") from None
+    else:
+        path = Path(rest)
     if path.is_dir():
         path = path / CONFIG
     if not path.is_file():

@@ -207,3 +207,22 @@ def test_a_reference_that_names_no_repository_is_refused(cache, cli):
         result = cli("inspect", ref)
         assert result.exit_code == 2 and result.stderr.startswith("Error: "), (ref, result.stderr)
         assert len(result.stderr.splitlines()) == 1
+
+
+def test_a_cached_model_s_own_config_is_its_model_spec(cache, tmp_path, cli):
+    """`--model hf://org/name` builds the model from the config.json of the cached snapshot, offline, and checks the
+    cached weights (or any file) against it."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=37, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config)
+    add_snapshot(cache, "org/bert-tiny", SHA1, {"config.json": config.to_json_string().encode(),
+                                                 "model.safetensors": safetensors_bytes(tmp_path, model.state_dict())},
+                 refs=("main",))
+    result = cli("inspect", "hf://org/bert-tiny", "--model", "hf://org/bert-tiny", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert "strict load OK" in result.json()["comparison"]["verdict"]
+    missing = cli("inspect", "hf://org/bert-tiny", "--model", "hf://org/other")
+    assert missing.exit_code == 2 and missing.stderr.startswith("Error: --model hf://org/other: ")
+    assert "not in the local Hugging Face cache" in missing.stderr and len(missing.stderr.splitlines()) == 1
