@@ -19,7 +19,7 @@ from ._record import field, record
 from .advice import Suggestion
 from .default_load import DefaultLoad, default_load
 from .errors import CkptDoctorError, NotACheckpoint
-from .readers import named_as_checkpoint, read_file, remote_members
+from .readers import index_members, named_as_checkpoint, read_file, remote_members
 from .readers.source import real_url
 from .readers.survey import Survey, survey_file
 from .records import GlobalRef, Hazard
@@ -202,6 +202,11 @@ def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str],
             files += [(p, True) for p in walked.files]
         elif not stat.S_ISREG(mode):
             problems.append(f"{path}: not a regular file")
+        elif path.name.endswith(".index.json"):  # a shard index: its shards, as inspect reads it
+            try:
+                files += [(shard, False) for shard in index_members(path)]
+            except CkptDoctorError as exc:
+                problems.append(str(exc))
         else:
             files.append((path, False))
     return files, problems, skipped

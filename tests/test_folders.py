@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -323,3 +324,31 @@ def test_a_clean_checkpoint_beside_a_file_that_runs_code_is_not_called_unsafe_it
     assert "UNSAFE folder: ok.pt itself names nothing off the allow-list" in inspect.stderr
     assert "rescue" not in inspect.stderr and "rescue line" not in scan.stderr
     assert "evil.npy in the same folder would run code" in inspect.stderr
+
+
+def test_a_shard_index_named_by_itself_is_its_checkpoint(tmp_path, cli):
+    """`inspect model.safetensors.index.json` reads the shards it names, as the folder is read (a remote index URL
+    already was); `scan` of it scans those shards; a shard it names that is missing is one error line."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    save_file({"a.weight": torch.ones(2, 3)}, folder / "model-00001-of-00002.safetensors")
+    save_file({"b.weight": torch.zeros(4)}, folder / "model-00002-of-00002.safetensors")
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 40}, "weight_map": {
+        "a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}))
+    by_index, by_folder = cli("inspect", index, "--json"), cli("inspect", folder, "--json")
+    assert by_index.exit_code == by_folder.exit_code == 0, by_index.stderr
+    assert by_index.json()["tensors"] == by_folder.json()["tensors"]
+    assert [t["key"] for t in by_index.json()["tensors"]] == ["a.weight", "b.weight"]
+    scanned = cli("scan", index, "--json")
+    assert scanned.exit_code == 0, scanned.stderr
+    assert sorted(Path(f["path"]).name for f in scanned.json()["files"]) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    for command in ("inspect", "scan"):
+        broken = cli(command, index)
+        assert broken.exit_code == 2 and "model-00002-of-00002.safetensors" in broken.stderr

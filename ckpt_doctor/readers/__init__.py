@@ -59,6 +59,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         return read_folder(path)
     if not stat.S_ISREG(st.st_mode):
         raise ReadError(f"{path}: not a regular file")
+    if path.name.endswith(".index.json"):  # a shard index: the checkpoint of its shards, as its folder is read
+        return read_sharded(path)
     return read_file(path)
 
 
@@ -293,6 +295,13 @@ def remote_members(url: str) -> list[RemotePath] | None:
             raise RemoteError(f"{shown}: not found (404): no object under this prefix")
         return [remote_path(base + name) for name in names]
     return None
+
+
+def index_members(index_path: Path) -> list[Path]:
+    """The shard files a local shard index names, each beside it (present or not: a missing one is reported when it
+    is opened)."""
+    index = read_json(index_path, "shard index", limits.MAX_INDEX_BYTES)
+    return [index_path.parent / shard for shard in _shard_names(index_path, index)]
 
 
 def _shard_names(index_path: Path, index: object) -> list[str]:
