@@ -18,7 +18,8 @@ from .files import read_container, read_surveyed
 from .hfcache import is_hf_ref
 from .hfcache import resolve as resolve_hf
 from .jsonfile import parse_json, read_json  # noqa: F401  (re-exported: the folder readers' JSON)
-from .source import RemoteError, RemotePath, is_url, list_folder, open_source, pread, real_url, redact, remote_path, sibling
+from .source import (RemoteError, RemotePath, is_url, list_folder, open_source, pread, real_url, redact, remote_path,
+                     sibling)
 from .survey import Survey, survey_file
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar", ".model", ".pth.tar")
@@ -278,7 +279,8 @@ def _remote_folder(shown: str) -> bool:
     """Whether a URL names a folder: it ends with `/` after a host or bucket (`s3://bucket/prefix/`), or it is a
     bucket alone (`s3://bucket`)."""
     rest = shown.split("://", 1)[1]
-    return bool(rest.strip("/")) and not rest.startswith("/") and (shown.endswith("/") or shown.startswith("s3://") and "/" not in rest.strip("/"))
+    return bool(rest.strip("/")) and not rest.startswith("/") and (
+        shown.endswith("/") or shown.startswith("s3://") and "/" not in rest.strip("/"))
 
 
 def remote_members(url: str) -> list[RemotePath] | None:
