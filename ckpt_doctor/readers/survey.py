@@ -357,7 +357,11 @@ def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, bu
     data.pkl torch would unpickle is kept, for the reader, when it is small enough to unpickle."""
     name = member.name
     result = data = None
-    if member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 and not member.is_dir:
+    # A big stored pickle the reader will unpickle (its size known from the directory, within the bound of what is
+    # unpickled) is read whole once: a window grown while the walk runs into its end walked it again per doubling.
+    whole = is_main and member.size <= limits.MAX_UNPICKLE_BYTES and not is_remote(fd)
+    if member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 and not member.is_dir \
+            and not whole:
         # read through a window that grows while the walk needs more (never mapped: no SIGBUS on a cut file)
         result = walk_window(fd, member.size, lambda data: walk(data, name, budget=survey.budget), survey.budget,
                              member.offset)
