@@ -751,3 +751,93 @@ def test_a_large_runs_metadata_is_walked_whole_while_a_memo_bomb_is_still_refuse
     assert honest.refused is None and honest.broken is None, honest.refused
     bomb = walk(b"\x80\x04N" + b"\x94" * (limits.MAX_MEMO_ENTRIES + 100_000) + b".", "bomb")
     assert bomb.refused and "memo entries" in bomb.refused
+
+
+def test_items_alike_are_walked_once_yet_each_pays_the_walks_cost(tmp_path):
+    """DCP items with the same data.pkl bytes (every chunk of one shape) share one walk, but the folder's budget is
+    debited by each as if it had been walked: a folder of many alike items meets the opcode bound as before, and a
+    budget too small for the walk gets a walk of its own, which refuses the item."""
+    import io
+
+    from ckpt_doctor.readers.survey import ItemCache
+    from ckpt_doctor.safepickle.walker import new_budget, walk
+
+    buf = io.BytesIO()
+    torch.save(torch.zeros(1, 8), buf)
+    import zipfile
+
+    data = zipfile.ZipFile(buf).read("archive/data.pkl")
+    cost = new_budget()[1] - (lambda b: (walk(data, "archive/data.pkl", budget=b), b[1])[1])(new_budget())
+    assert cost > 0
+    cache, budget = ItemCache(), new_budget()
+    first = cache.walk(data, "archive/data.pkl", budget)
+    again = cache.walk(data, "archive/data.pkl", budget)
+    assert again is first and first.refused is None
+    assert budget[1] == new_budget()[1] - 2 * cost
+    budget[1] = cost - 1  # the folder's opcodes all but spent: no reuse, a walk of its own that runs out
+    short = cache.walk(data, "archive/data.pkl", budget)
+    assert short is not first and short.refused and "opcodes" in short.refused
+
+
+def _chunked_folder(folder: Path, rows: int = 6) -> torch.Tensor:
+    """A DCP folder of one (rows, 8) tensor saved as `rows` chunks of one row, end to end in one file, written with
+    torch's own metadata classes as FileSystemWriter writes them: every item a torch.save archive, all alike but
+    for their values. Returns the whole tensor."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    folder.mkdir()
+    whole = torch.arange(rows * 8, dtype=torch.float32).reshape(rows, 8)
+    storage, items = {}, b""
+    for r in range(rows):
+        buf = io.BytesIO()
+        torch.save(whole[r:r + 1].clone(), buf)
+        storage[MetadataIndex("w", [r, 0], 0)] = _StorageInfo("__0_0.distcp", len(items), len(buf.getvalue()))
+        items += buf.getvalue()
+    (folder / "__0_0.distcp").write_bytes(items)
+    sdm = {"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([rows, 8]), [
+        ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, 8])) for r in range(rows)])}
+    (folder / ".metadata").write_bytes(pickle.dumps(Metadata(sdm, {"w": ("w",)}, storage, None, "1.0.0")))
+    return whole
+
+
+def test_chunk_items_alike_keep_their_own_bytes(tmp_path):
+    """Chunk items that differ only in their values (read once, the rest recognised as alike): each chunk is its own
+    item's bytes, crc32 and all — the consolidated tensor is torch's."""
+    whole = _chunked_folder(tmp_path / "ckpt")
+    result = run_cli("inspect", tmp_path / "ckpt", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert [(t["key"], t["shape"]) for t in result.json()["tensors"]] == [("w", [6, 8])]
+    out = tmp_path / "w.pt"
+    result = run_cli("fix", tmp_path / "ckpt", "-o", out)
+    assert result.exit_code == 0, result.stderr
+    assert torch.equal(torch.load(out, weights_only=True)["w"], whole)
+
+
+def test_an_item_alike_but_for_its_pickle_is_walked(tmp_path):
+    """One chunk item whose data.pkl names another global (the same length, so the archive's layout is the same):
+    it is not taken for the items before it, it is walked, and what it names is reported."""
+    _chunked_folder(tmp_path / "ckpt")
+    import io
+    import struct
+    import zipfile
+    import zlib
+
+    shard = tmp_path / "ckpt" / "__0_0.distcp"
+    data = shard.read_bytes()
+    size = len(data) // 6
+    item = data[4 * size:5 * size]  # the fifth of six: not the archive a zip reader finds at the end of the file
+    pkl = zipfile.ZipFile(io.BytesIO(item)).read("archive/data.pkl")
+    changed = pkl.replace(b"_utils\n_rebuild_tensor_v2", b"_utils\n_rebuild_tensor_v9")
+    old_crc, new_crc = struct.pack("<I", zlib.crc32(pkl)), struct.pack("<I", zlib.crc32(changed))
+    assert item.count(pkl) == 1 and item.count(old_crc) == 2  # its data descriptor and its directory entry
+    item = item.replace(pkl, changed).replace(old_crc, new_crc)  # crc32 kept right: only the name differs
+    shard.write_bytes(data[:4 * size] + item + data[5 * size:])
+    for command in ("scan", "inspect"):
+        result = run_cli(command, tmp_path / "ckpt")
+        assert result.exit_code in (1, 2), result.stderr
+        assert "_rebuild_tensor_v9" in result.stdout + result.stderr, (command, result.stdout, result.stderr)

@@ -57,6 +57,8 @@ class Survey:
     items: list[Survey] = field(default_factory=list)  # each archive of a DCP shard, walked (its offset: .base)
     base: int = 0  # where this archive starts in its file (an item of a DCP shard)
     budget: list[int] = field(default_factory=new_budget)  # what walking this file may cost, all walks together
+    # What the items of one DCP folder share (ItemCache): a walk and an unpickled tensor by their pickle's bytes
+    cache: Any = field(default=None, repr=False, compare=False)
 
     @property
     def findings(self) -> list[GlobalRef]:
@@ -343,9 +345,53 @@ def _survey_items(survey: Survey, fd: int) -> None:
         survey.items.append(item)
 
 
-def survey_item(path: Path, fd: int, offset: int, length: int, budget: list[int] | None = None) -> Survey:
+class ItemCache:
+    """What reading many small archives of one folder (DCP items: one torch.save archive per chunk, mostly alike)
+    reuses: the walk of a pickle, and the tensor it unpickles to, by the pickle's exact bytes. A walk is a function of
+    the bytes it walks (and its label, the same member name in every item), so equal bytes give the same findings and
+    refusals; only pickles of at most MAX_BYTES are kept, at most MAX_ENTRIES of them, MAX_HELD bytes in all (the
+    DCP reader keeps its item templates here too)."""
+
+    MAX_BYTES = 64 << 10
+    MAX_ENTRIES = 16_384
+    MAX_HELD = 64 << 20  # bytes kept, all tables together
+
+    def __init__(self) -> None:
+        self.walks: dict[tuple[str, bytes], tuple[Walk, tuple[int, ...]]] = {}
+        self.trees: dict[bytes, Any] = {}
+        self.held = 0
+
+    def keep(self, table: dict, key: Any, value: Any, size: int = 0) -> bool:
+        """Keep `value` under `key` (`size`: the bytes it holds), while the cache is within its bounds."""
+        if len(table) >= self.MAX_ENTRIES or self.held + size > self.MAX_HELD:
+            return False
+        table[key] = value
+        self.held += size
+        return True
+
+    def walk(self, data: bytes, name: str, budget: list) -> Walk:
+        """walk(data, name) against `budget`, or the walk of the same bytes already made: the budget is debited by
+        what that walk cost all the same (it bounds the time the unpickler then takes too), and a budget that cannot
+        pay for it gets a walk of its own (which meets the limit as before)."""
+        known = self.walks.get((name, data))
+        if known is not None:
+            result, cost = known
+            if all(budget[i] >= c for i, c in enumerate(cost)):
+                for i, c in enumerate(cost):
+                    budget[i] -= c
+                return result
+        before = budget[:3]
+        result = walk(data, name, budget=budget)
+        if known is None:
+            self.keep(self.walks, (name, data), (result, tuple(b - a for b, a in zip(before, budget[:3]))), len(data))
+        return result
+
+
+def survey_item(path: Path, fd: int, offset: int, length: int, budget: list[int] | None = None,
+                cache: ItemCache | None = None) -> Survey:
     """One archive inside a file (a DCP item), walked as its own zip."""
     item = Survey(path, length, Container.ZIP, pread(fd, 16, offset), base=offset)
+    item.cache = cache
     if budget is not None:
         item.budget = budget
     _survey_zip(item, fd, offset)
@@ -357,7 +403,11 @@ def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, bu
     data.pkl torch would unpickle is kept, for the reader, when it is small enough to unpickle."""
     name = member.name
     result = data = None
-    if member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 and not member.is_dir:
+    # A big stored pickle the reader will unpickle (its size known from the directory, within the bound of what is
+    # unpickled) is read whole once: a window grown while the walk runs into its end walked it again per doubling.
+    whole = is_main and member.size <= limits.MAX_UNPICKLE_BYTES and not is_remote(fd)
+    if member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 and not member.is_dir \
+            and not whole:
         # read through a window that grows while the walk needs more (never mapped: no SIGBUS on a cut file)
         result = walk_window(fd, member.size, lambda data: walk(data, name, budget=survey.budget), survey.budget,
                              member.offset)
@@ -367,7 +417,11 @@ def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, bu
         except ReadError as exc:
             survey.notes.append(str(exc))
             return
-        result = walk(data, name, budget=survey.budget)
+        cache = survey.cache
+        if cache is not None and len(data) <= cache.MAX_BYTES:
+            result = cache.walk(data, name, survey.budget)
+        else:
+            result = walk(data, name, budget=survey.budget)
     if not (is_main or _is_pickle_name(name)) and not result.pickles:
         return  # a member that is no pickle (a text file, an image): nothing a loader would unpickle
     survey._add(result)

@@ -7,14 +7,15 @@ import re
 import zlib
 from pathlib import Path
 
+from .._record import replace
 from ..dtypes import element_size
 from ..errors import ReadError
 from ..records import Checkpoint, Format, StorageRecord, fast_new
 from ..safepickle import limits
-from ..safepickle.unpickler import SafeUnpickler, StorageRef
-from ._pickled import build_checkpoint, run_unpickler
+from ..safepickle.unpickler import RawTensor, SafeUnpickler, StorageRef
+from ._pickled import build_checkpoint, run_unpickler, tensor_table
 from .source import close_source, open_source
-from .survey import Survey
+from .survey import ItemCache, Survey
 from .zipindex import ZipIndex, read_member
 
 _RECORDS_TORCH_READS = (".data/serialization_id", ".format_version", ".storage_alignment", "byteorder")
@@ -91,10 +92,23 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
         raw = survey.main_pickle if survey.main_pickle is not None else read_member(fd, pkl, str(path))
         if zlib.crc32(raw) != pkl.crc:
             raise ReadError(f"{path}: zip member {pkl.name} fails its CRC check (the file is corrupt)")
-        stream = io.BytesIO(raw)
-        unpickler = SafeUnpickler(stream, pkl.name, resolve)
+        cache = survey.cache if not is_script and len(raw) <= ItemCache.MAX_BYTES else None
+        known = cache.trees.get(raw) if cache is not None else None
+        if known is not None:  # an item alike an earlier one (a DCP chunk): its tensor again, on this item's storage
+            unpickler, tensor, built = known
+            first = tensor.storage
+            ref = StorageRef(first.key, first.dtype, first.numel, first.location)
+            resolve(ref)
+            root = RawTensor(ref, tensor.dtype, tensor.offset, tensor.shape, tensor.stride, tensor.requires_grad,
+                             tensor.is_parameter, tensor.device, tensor.note)
+        else:
+            unpickler = SafeUnpickler(io.BytesIO(raw), pkl.name, resolve)
+            root = run_unpickler(unpickler, path)
+            if cache is not None and type(root) is RawTensor and root.storage is not None \
+                    and root.storage.view_of is None and list(unpickler.storages.values()) == [root.storage]:
+                # what build_checkpoint reads of the unpickler, not the unpickler (its memo stays with it)
+                cache.keep(cache.trees, raw, [_Unpickled(unpickler), root, None], len(raw))
         unpicklers = [unpickler]
-        root = run_unpickler(unpickler, path)
         if compressed:
             notes.append(f"{len(compressed)} storage{'s are' if len(compressed) > 1 else ' is'} compressed (deflated) "
                          "in the archive, which torch.save never does: torch.load inflates them, torch.load(mmap=True) "
@@ -110,8 +124,26 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
                 unpicklers.append(cup)
     finally:
         close_source(fd)
-    return build_checkpoint(path, Format.TORCHSCRIPT if is_script else Format.TORCH_ZIP, root, unpicklers,
+    if known is not None and built is not None and built.notes == tuple(notes):
+        # what build_checkpoint made of the same tree, with this item's tensor (its reach checked on its storage)
+        return replace(built, path=path, files=(path,), root=root, tensors=tensor_table(path, [(built.tensors.keys[0],
+                                                                                                root)]))
+    ckpt = build_checkpoint(path, Format.TORCHSCRIPT if is_script else Format.TORCH_ZIP, root, unpicklers,
                             ts_members=ts_members, notes=tuple(notes))
+    entry = cache.trees.get(raw) if cache is not None else None
+    if entry is not None and entry[2] is None and len(ckpt.tensors) == 1 and ckpt.notes == tuple(notes):
+        entry[2] = ckpt
+    return ckpt
+
+
+class _Unpickled:
+    """What build_checkpoint reads of an unpickler that has run: the globals it looked up, its notes, its length."""
+
+    __slots__ = ("globals", "notes", "length", "source")
+
+    def __init__(self, unpickler: SafeUnpickler) -> None:
+        self.globals, self.notes = list(unpickler.globals), list(unpickler.notes)
+        self.length, self.source = unpickler.length, unpickler.source
 
 
 def _script_members(fd: int, index: ZipIndex, prefix: str, path: Path):
