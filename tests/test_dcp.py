@@ -841,3 +841,114 @@ def test_an_item_alike_but_for_its_pickle_is_walked(tmp_path):
         result = run_cli(command, tmp_path / "ckpt")
         assert result.exit_code in (1, 2), result.stderr
         assert "_rebuild_tensor_v9" in result.stdout + result.stderr, (command, result.stdout, result.stderr)
+
+
+def _forced_crc(data: bytes, target: int) -> bytes:
+    """`data` with its last 4 bytes set so that its crc32 is `target` (crc32 is affine in those bits)."""
+    import zlib
+
+    base = int.from_bytes(data[-4:], "little")
+    def crc(x: int) -> int:
+        return zlib.crc32(data[:-4] + x.to_bytes(4, "little"))
+    basis: dict[int, tuple[int, int]] = {}  # leading bit -> (crc change, the bits of x that make it)
+    for bit in range(32):
+        v, m = crc(base ^ 1 << bit) ^ crc(base), 1 << bit
+        for b in range(31, -1, -1):
+            if v >> b & 1:
+                if b not in basis:
+                    basis[b] = (v, m)
+                    break
+                v, m = v ^ basis[b][0], m ^ basis[b][1]
+    want, x = crc(base) ^ target, base
+    for b in range(31, -1, -1):
+        if want >> b & 1:
+            want, x = want ^ basis[b][0], x ^ basis[b][1]
+    return data[:-4] + x.to_bytes(4, "little")
+
+
+def test_an_item_alike_but_for_a_field_a_comment_disguises_as_a_crc32_is_walked(tmp_path):
+    """A template whose data.pkl entry's method and time bytes hold its tensor's crc32, behind a directory signature
+    in the previous entry's comment that names the tensor's header (its real entry gives it in a zip64 extra): the
+    later items, alike but for those 4 bytes, store data.pkl where the template deflates it — torch.load then runs
+    the raw deflate stream as the pickle. Each such item is walked (its real directory entries) and refused."""
+    import io
+    import pickle
+    import struct
+    import zipfile
+    import zlib
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    from tests.helpers import child_fires
+    from tests.payloads import call
+
+    canary = tmp_path / "canary"
+    buf = io.BytesIO()
+    torch.save(torch.zeros(1, 8), buf)
+    body = zipfile.ZipFile(buf).read("archive/data.pkl")[2:]
+    # A stored deflate block of 0x4302 bytes: as raw pickle bytes, PROTO 2 then SHORT_BINBYTES of 253 bytes, so the
+    # pickle goes on 252 bytes into the block; inflated, a benign tensor pickle whose BINBYTES constant holds that.
+    size = 0x4302
+    head = b"\x80" + struct.pack("<HH", size, size ^ 0xFFFF)  # non-final stored block: 80 02 43 FD BC
+    payload = call("os", "system", f"touch {canary}") + b"."
+    filler = size - 8 - len(body)
+    constant = b"A" * 245 + payload + b"A" * (filler - 245 - len(payload))
+    benign = b"\x80\x02B" + struct.pack("<I", filler) + constant + b"0" + body
+    for n in range(1, 64):  # a final block that makes stored and inflated sizes equal
+        tail = zlib.compressobj(9, zlib.DEFLATED, -15)
+        stream = head + benign + tail.compress(b"\0" * n) + tail.flush()
+        if len(stream) == size + n:
+            break
+    inflated = zlib.decompressobj(-15).decompress(stream)
+    assert len(stream) == len(inflated) and inflated[:size] == benign
+
+    def item(values: bytes, later: bool) -> bytes:
+        crc = 0 if later else 8  # the tensor's crc32 is data.pkl's method (8, then 0) and time (0)
+        values = _forced_crc(values, crc)
+        out, offsets = bytearray(), []
+        for name, data, method, c, usize in ((b"byteorder", b"little", 0, None, 6),
+                                             (b"data.pkl", stream, 8, zlib.crc32(inflated), len(inflated)),
+                                             (b"version", b"3\n", 0, None, 2), (b"data/0", values, 0, crc, 32)):
+            offsets.append(len(out))
+            c = zlib.crc32(data) if c is None else c
+            out += struct.pack("<4s5H3I2H", b"PK\x03\x04", 20, 0, method, 0, 0, c, len(data), usize,
+                               len(name) + 8, 0) + b"archive/" + name + data
+        directory = len(out)
+        entries = ((b"byteorder", 0, 6, offsets[0], b"", b"", 0),
+                   (b"version", 0, 2, offsets[2], b"", b"PK\x01\x02\0\0", 0),  # a signature 6 bytes before the next
+                   (b"data.pkl", 0 if later else 8, len(inflated), offsets[1], b"", b"", offsets[3]),
+                   (b"data/0", 0, 32, 0xFFFFFFFF, struct.pack("<HHQ", 1, 8, offsets[3]), b"", 0))
+        for (name, method, usize, local, extra, comment, internal), data in zip(entries, (b"little", b"3\n", stream,
+                                                                                         values)):
+            c = zlib.crc32(data) if name != b"data/0" else 8
+            c = zlib.crc32(inflated) if name == b"data.pkl" else c
+            out += struct.pack("<4s6H3I5H2I", b"PK\x01\x02", 20, 20, 0, method, 0, 0, c, len(data), usize,
+                               len(name) + 8, len(extra), len(comment), 0, internal, 0, local)
+            out += b"archive/" + name + extra + comment
+        return bytes(out + struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, 4, 4, len(out) - directory, directory, 0))
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    storage, blob = {}, b""
+    for r in range(3):
+        archive = item(torch.arange(r * 8, r * 8 + 8, dtype=torch.float32).numpy().tobytes(), r > 0)
+        storage[MetadataIndex("w", [r, 0], 0)] = _StorageInfo("__0_0.distcp", len(blob), len(archive))
+        blob += archive
+    (folder / "__0_0.distcp").write_bytes(blob)
+    sdm = {"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([3, 8]), [
+        ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, 8])) for r in range(3)])}
+    (folder / ".metadata").write_bytes(pickle.dumps(Metadata(sdm, {"w": ("w",)}, storage, None, "1.0.0")))
+    first, second = tmp_path / "first.pt", tmp_path / "second.pt"
+    first.write_bytes(blob[:len(blob) // 3])
+    second.write_bytes(blob[len(blob) // 3:2 * len(blob) // 3])
+    load = "import sys, torch; torch.load(sys.argv[1], weights_only=False)"
+    assert not child_fires(load, first, canary) and child_fires(load, second, canary)  # torch's view of the two
+    for command in ("scan", "inspect"):
+        result = run_cli(command, folder)
+        assert result.exit_code in (1, 2) and "os.system" in result.stdout + result.stderr, (command, result.stderr)
+    out = tmp_path / "w.pt"
+    result = run_cli("fix", folder, "-o", out)
+    assert result.exit_code in (1, 2) and not out.exists(), result.stderr
+    assert not canary.exists()

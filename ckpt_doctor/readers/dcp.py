@@ -508,28 +508,38 @@ class _Template:
         # Members one after another, none inside another (as torch writes them; anything else is read item by item):
         # then every byte masked below is the tensor's or the serialization id's own, or a directory entry's crc32,
         # and every other byte (data.pkl's among them) is compared.
-        spans = sorted((m.header_offset - at, m.offset - at + m.compressed_size) for m in item.zip.members)
-        if any(m.offset < 0 for m in item.zip.members) or any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+        members = item.zip.members
+        spans = sorted((m.header_offset - at, m.offset - at + m.compressed_size) for m in members)
+        directory = item.zip.directory - at
+        if any(m.offset < 0 for m in members) or any(b[0] < a[1] for a, b in zip(spans, spans[1:])) \
+                or directory < spans[-1][1]:  # the directory is past every member
             return None
-        starts = [a for a, _ in spans[1:]] + [spans[-1][1] + 16]
+        starts = [a for a, _ in spans[1:]] + [min(spans[-1][1] + 16, directory)]
 
         def framed(x: int) -> int:  # a position in the item -> in the frame (or -1: in the tensor's bytes)
             return x if x < data_at else x - data_len if x >= data_at + data_len else -1
 
+        # Each member's directory entry, walked from the directory's start as a zip reader walks it (entries are in
+        # the members' order): a signature searched for in the bytes could be one a comment or name holds, and the
+        # bytes masked as "its crc32" then a field of another entry (a data.pkl's compression method, its offset).
+        entries, q = [], framed(directory)
+        for _ in members:
+            if len(frame) < q + 46 or frame[q:q + 4] != b"PK\x01\x02":
+                return None
+            entries.append(q)
+            q += 46 + sum(struct.unpack_from("<HHH", frame, q + 28))
+
         def crc_fields(m: Any) -> list[int] | None:
             """Where the frame holds member m's crc32: its directory entry's, its local header's or descriptor's."""
             crc = struct.pack("<I", m.crc)
-            entries = [q for q in _find_all(frame, b"PK\x01\x02") if len(frame) >= q + 46
-                       and struct.unpack_from("<I", frame, q + 42)[0] == m.header_offset - at]
-            if len(entries) != 1 or entries[0] < framed(spans[-1][1]):  # the directory is past every member
-                return None
-            fields = [entries[0] + 16, framed(m.header_offset - at + 14)]
+            entry = next(e for e, x in zip(entries, members) if x is m)
+            fields = [entry + 16, framed(m.header_offset - at + 14)]
             end = m.offset - at + m.compressed_size
             following = min(x for x in starts if x >= end)
             if framed(end) >= 0 and frame[framed(end):framed(end) + 4] == b"PK\x07\x08" and end + 16 <= following:
                 fields.append(framed(end) + 4)  # a data descriptor (torch's writer adds one), before the next member
             fields = [f for f in fields if f >= 0 and frame[f:f + 4] == crc]
-            return fields if fields and fields[0] == entries[0] + 16 else None
+            return fields if fields and fields[0] == entry + 16 else None
 
         fields = crc_fields(member)
         if fields is None:
@@ -540,6 +550,7 @@ class _Template:
             sid_at = framed(sid.offset - at)
             sid_fields = crc_fields(sid)
             if sid.method != 0 or sid_at < data_at or sid_fields is None or sid.size > 64 \
+                    or sid.size != sid.compressed_size \
                     or frame[sid_at:sid_at + 6] == b"\x93NUMPY":
                 return None
             masks += [(sid_at, sid.size)] + [(f, 4) for f in sid_fields]
@@ -567,14 +578,6 @@ def _zeroed(data: bytes, masks: list[tuple[int, int]]) -> bytes:
     for at, n in masks:
         out[at:at + n] = bytes(n)
     return bytes(out)
-
-
-def _find_all(data: bytes, what: bytes) -> list[int]:
-    found, i = [], data.find(what)
-    while i >= 0:
-        found.append(i)
-        i = data.find(what, i + 1)
-    return found
 
 
 _INFLATED: list[str] = []  # temporary folders of inflated zstd items, removed when the process ends
