@@ -952,3 +952,88 @@ def test_an_item_alike_but_for_a_field_a_comment_disguises_as_a_crc32_is_walked(
     result = run_cli("fix", folder, "-o", out)
     assert result.exit_code in (1, 2) and not out.exists(), result.stderr
     assert not canary.exists()
+
+
+def test_an_item_alike_but_for_a_zip64_record_its_tensor_bytes_hold_is_walked(tmp_path):
+    """A template whose zip64 locator (the last directory entry's comment) names a zip64 end record inside its
+    tensor's bytes, which names the directory ckpt-doctor and torch read; the end record's own fields name another
+    directory, inside the tensor's bytes of the later items. Those items, alike but for their tensor's bytes, hold no
+    zip64 record there: torch's reader then takes the end record's directory and runs its data.pkl. Each such item
+    is walked (the directory it really has) and refused."""
+    import io
+    import pickle
+    import struct
+    import zipfile
+    import zlib
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    from tests.helpers import child_fires
+    from tests.payloads import call
+
+    canary = tmp_path / "canary"
+    buf = io.BytesIO()
+    torch.save(torch.zeros(1, 128), buf)
+    benign = zipfile.ZipFile(buf).read("archive/data.pkl")
+    evil = call("os", "system", f"touch {canary}") + b"."
+
+    def local(name: bytes, data: bytes, crc: int | None = None) -> bytes:
+        crc = zlib.crc32(data) if crc is None else crc
+        return struct.pack("<4s5H3I2H", b"PK\x03\x04", 20, 0, 0, 0, 0, crc, len(data), len(data), len(name), 0) \
+            + name + data
+
+    def entry(name: bytes, data: bytes, at: int, comment: bytes = b"") -> bytes:
+        return struct.pack("<4s6H3I5H2I", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, zlib.crc32(data), len(data), len(data),
+                           len(name), 0, len(comment), 0, 0, 0, at) + name + comment
+
+    def item(later: bool) -> bytes:
+        out = bytearray()
+        records = [(b"archive/data.pkl", benign), (b"archive/byteorder", b"little"), (b"archive/version", b"3\n")]
+        offsets = []
+        for name, data in records:
+            offsets.append(len(out))
+            out += local(name, data)
+        tensor = len(out) + 30 + len(b"archive/data/0")
+        values = bytearray(512)  # 128 float32
+        if later:  # another archive: a data.pkl that runs a command, and a directory naming it and the version
+            values[8:8 + 46 + len(evil)] = local(b"archive/data.pkl", evil)
+            other = entry(b"archive/data.pkl", evil, tensor + 8) + entry(b"archive/version", b"3\n", offsets[2])
+            values[200:200 + len(other)] = other
+        directory = tensor + len(values)
+        locator = struct.pack("<4sIQI", b"PK\x06\x07", 0, tensor + 64, 1)  # names a zip64 record at tensor byte 64
+        size = sum(46 + len(n) for n, _ in records) + 46 + len(b"archive/data/0") + len(locator)
+        if not later:  # the template's zip64 end record: this item's directory, its four entries
+            values[64:120] = struct.pack("<4sQ2H2I4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, 4, 4, size, directory)
+        out += local(b"archive/data/0", bytes(values))
+        for (name, data), at in zip(records, offsets):
+            out += entry(name, data, at)
+        out += entry(b"archive/data/0", bytes(values), tensor - 30 - len(b"archive/data/0"), locator)
+        assert len(out) == directory + size
+        # the end record's own fields: the directory inside the tensor's bytes (2 entries)
+        inner = 2 * 46 + len(b"archive/data.pkl") + len(b"archive/version")
+        return bytes(out + struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, 2, 2, inner, tensor + 200, 0))
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    storage, blob = {}, b""
+    for r in range(3):
+        archive = item(r > 0)
+        storage[MetadataIndex("w", [r, 0], 0)] = _StorageInfo("__0_0.distcp", len(blob), len(archive))
+        blob += archive
+    (folder / "__0_0.distcp").write_bytes(blob)
+    sdm = {"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([3, 128]), [
+        ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, 128])) for r in range(3)])}
+    (folder / ".metadata").write_bytes(pickle.dumps(Metadata(sdm, {"w": ("w",)}, storage, None, "1.0.0")))
+    first, second = tmp_path / "first.pt", tmp_path / "second.pt"
+    first.write_bytes(blob[:len(blob) // 3])
+    second.write_bytes(blob[len(blob) // 3:2 * len(blob) // 3])
+    load = "import sys, torch; torch.load(sys.argv[1], weights_only=False)"
+    assert not child_fires(load, first, canary) and child_fires(load, second, canary)  # torch's view of the two
+    result = run_cli("inspect", folder)
+    assert result.exit_code in (1, 2) and "would run code" in result.stdout + result.stderr, result.stderr
+    out = tmp_path / "w.pt"
+    result = run_cli("fix", folder, "-o", out)
+    assert result.exit_code in (1, 2) and not out.exists(), result.stderr
+    assert not canary.exists()

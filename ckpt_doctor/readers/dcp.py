@@ -554,6 +554,22 @@ class _Template:
                     or frame[sid_at:sid_at + 6] == b"\x93NUMPY":
                 return None
             masks += [(sid_at, sid.size)] + [(f, 4) for f in sid_fields]
+        # What leads a zip reader to the directory: the end record, the zip64 locator before it, and the zip64 end
+        # record the locator names (miniz and the index take its directory over the end record's own fields). One
+        # inside the tensor's bytes or another masked range would let a later item drop or change it, and so name
+        # another directory, which torch would read and nothing here would walk: such items are read one by one.
+        def clear(start: int, n: int) -> bool:
+            return (start + n <= data_at or start >= data_at + data_len) and start >= 0 \
+                and not any(framed(start) < f + k and f < framed(start) + n for f, k in masks)
+
+        # The end record is the last signature with a record's length after it: nothing masked may follow it.
+        end = item.zip.end_record - at
+        if end < 20 or not clear(end - 20, 20 + 22) or data_at + data_len > end \
+                or any(f + k > framed(end) for f, k in masks):
+            return None
+        locator = frame[framed(end - 20):framed(end - 20) + 20]
+        if end >= 20 + 56 and locator[:4] == b"PK\x06\x07" and not clear(struct.unpack_from("<Q", locator, 8)[0], 56):
+            return None
         template = cls(at, data_at, data_len, _zeroed(frame, masks), fields[0], masks, len(fields), piece, item)
         template.sid_at = sid_at if sid is not None else -1
         return template
