@@ -1037,3 +1037,42 @@ def test_an_item_alike_but_for_a_zip64_record_its_tensor_bytes_hold_is_walked(tm
     result = run_cli("fix", folder, "-o", out)
     assert result.exit_code in (1, 2) and not out.exists(), result.stderr
     assert not canary.exists()
+
+
+def test_chunk_items_saved_big_endian_are_not_rewritten_as_little_endian_values(tmp_path):
+    """Chunk items whose byteorder record says big (torch.load swaps their bytes): fix refuses rather than write
+    the bytes as little-endian values (it wrote byte-swapped numbers, exit 0); inspect still lists the tensor."""
+    import io
+    import pickle
+    import zipfile
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    whole = torch.arange(16, dtype=torch.float32).reshape(2, 8) + 0.5
+    storage, blob = {}, b""
+    for r in range(2):
+        buf, out = io.BytesIO(), io.BytesIO()
+        torch.save(whole[r:r + 1].clone(), buf)
+        with zipfile.ZipFile(buf) as src, zipfile.ZipFile(out, "w") as z:
+            for info in src.infolist():
+                data = src.read(info)
+                data = b"big" if info.filename.endswith("/byteorder") else data
+                z.writestr(info.filename, whole[r:r + 1].numpy().astype(">f4").tobytes()
+                           if info.filename.endswith("/data/0") else data)
+        item = out.getvalue()
+        assert torch.equal(torch.load(io.BytesIO(item), weights_only=True), whole[r:r + 1])  # torch swaps them
+        storage[MetadataIndex("w", [r, 0], 0)] = _StorageInfo("__0_0.distcp", len(blob), len(item))
+        blob += item
+    (folder / "__0_0.distcp").write_bytes(blob)
+    sdm = {"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2, 8]), [
+        ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, 8])) for r in range(2)])}
+    (folder / ".metadata").write_bytes(pickle.dumps(Metadata(sdm, {"w": ("w",)}, storage, None, "1.0.0")))
+    result = run_cli("inspect", folder)
+    assert result.exit_code == 0 and "big-endian" in result.stderr + result.stdout, result.stderr
+    out = tmp_path / "w.pt"
+    result = run_cli("fix", folder, "-o", out)
+    assert result.exit_code == 2 and "big-endian" in result.stderr and not out.exists(), result.stderr

@@ -327,6 +327,7 @@ class _Items:
         self.cache = ItemCache()  # items alike (a chunk's archive, by its data.pkl's bytes) are walked and read once
         self.templates: dict[tuple, _Template] = {}  # chunk items by (length, sizes, dtype): items alike are not read
         self.last: Any = None  # the survey of the item read last
+        self.big_endian = False  # a chunk item saved on a big-endian machine (its bytes are not swapped here)
         self.value_ends: dict[str, int] | None = None
 
     def open(self, rel: str, fqn: str) -> tuple[Path, int]:
@@ -795,6 +796,8 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
     notes = (f"torch.distributed.checkpoint folder: {_count(len(meta.tensors), 'tensor')} ({sharded} sharded) and "
              f"{_count(len(meta.values), 'other value')} in {_count(len(files), 'file')} from "
              f"{_count(len(ranks), 'rank')}; shapes are the global (unsharded) ones",)
+    if items.big_endian:  # what refuse_values reads: fix and diff would take big-endian bytes as little-endian ones
+        notes += ("saved on a big-endian machine: tensor bytes are big-endian (in some chunk items)",)
     if restored:
         notes += (f"optimizer state keys at {', '.join(restored[:3])} are integers again: DCP saves them as strings, "
                   "and Optimizer.load_state_dict matches state to the integer ids in param_groups",)
@@ -839,6 +842,7 @@ def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple
     rec = chunk.tensors[0] if len(chunk.tensors) == 1 and chunk.tensors[0].key == "" else None
     if rec is None or rec.storage is None:
         raise ReadError(f"{folder}: {fqn}: {rel} item at byte {at} holds no single tensor")
+    items.big_endian = items.big_endian or chunk.big_endian  # items alike share its byteorder record
     if rec.shape != sizes or rec.dtype != dtype:
         raise ReadError(f"{folder}: {fqn}: {rel} item at byte {at} holds {rec.dtype}{list(rec.shape)}, the metadata "
                         f"says {dtype}{list(sizes)}")
