@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import stat
-import struct
 import sys
 from math import prod
 from pathlib import Path
@@ -325,8 +324,6 @@ class _Items:
         self.walked_bytes = 0
         self.budget: list[int] | None = None
         self.cache = ItemCache()  # items alike (a chunk's archive, by its data.pkl's bytes) are walked and read once
-        self.templates: dict[tuple, _Template] = {}  # chunk items by (length, sizes, dtype): items alike are not read
-        self.last: Any = None  # the survey of the item read last
         self.big_endian = False  # a chunk item saved on a big-endian machine (its bytes are not swapped here)
         self.value_ends: dict[str, int] | None = None
 
@@ -385,44 +382,6 @@ class _Items:
             self.blob_base[rel] = base
         return found
 
-    def remember(self, at: int, length: int, sizes: tuple[int, ...], dtype: str, piece: Piece) -> None:
-        """Keep the chunk item just read (self.last) as the template of items alike (_Template)."""
-        item, self.last = self.last, None
-        key = (length, sizes, dtype)
-        if item is None or item.zip is None or key in self.templates or len(self.templates) >= ItemCache.MAX_ENTRIES:
-            return
-        storages = [m for m in item.zip.members if m.offset >= 0 and m.offset <= piece.offset < m.offset + m.size]
-        if len(storages) != 1 or length - storages[0].compressed_size > ItemCache.MAX_BYTES:
-            return
-        template = _Template.of(item, storages[0], at, length, piece)
-        if template is not None:
-            self.cache.keep(self.templates, key, template, len(template.frame))
-
-    def alike(self, rel: str, at: int, length: int, transforms: tuple[str, ...], offsets: tuple[int, ...],
-              sizes: tuple[int, ...], dtype: str, fqn: str) -> Piece | None:
-        """The chunk at `at` as a piece, when its item is byte for byte a template's but for its tensor's bytes and
-        their crc32 (each chunk of one shape saved by torch.save): what walking and reading it would give, without
-        doing either again. None: read it (a different item, or one this cannot tell)."""
-        template = self.templates.get((length, sizes, dtype)) if not transforms else None
-        if template is None:
-            return None
-        path, size = self.open(rel, fqn)
-        if at + length > size:
-            return None  # read, to say what is wrong
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            crc = template.match(fd, at)
-        finally:
-            os.close(fd)
-        if crc is None:
-            return None
-        self.globals.extend(template.globals)
-        self.hazards.extend(template.hazards)
-        self.walked_bytes += template.walked
-        piece = template.piece
-        return Piece(path, piece.offset - template.at + at, offsets, sizes, piece.stride, f"{rel} item at byte {at}",
-                     crc if piece.crc is not None else None)
-
     def read(self, rel: str, at: int, length: int, transforms: tuple[str, ...], fqn: str,
              expect: int | None = None) -> Checkpoint:
         """The item's archive, read; `expect`: the bytes its tensor holds (bounds a compressed item's inflation)."""
@@ -468,133 +427,7 @@ class _Items:
         except ReadError as exc:
             raise ReadError(f"{self.folder}: {fqn} ({label}): {str(exc).removeprefix(f'{path}: ')}") from None
         self.walked_bytes += len(item.main_pickle or b"")
-        self.last = item
         return ckpt
-
-
-class _Template:
-    """A chunk item of a DCP folder (a torch.save archive of one tensor), kept to recognise items alike: every byte
-    of it but its tensor's (stored, one member), the serialization id torch's writer derives from them (a record
-    torch reads but never interprets; nothing walks it), and the crc32 fields of those two members (in their
-    directory entries, and their local headers or the data descriptors after them). An item equal to it there is the
-    same archive to torch's reader and to the survey — the same members at the same places, the same pickles, so the
-    same walks, findings and tensor — but for the bytes of its tensor, which nothing walks (unless they start like an
-    .npy, which np.load would read: such an item is read)."""
-
-    def __init__(self, at: int, data_at: int, data_len: int, frame: bytes, crc_at: int, masks: list[tuple[int, int]],
-                 crcs: int, piece: Piece, item: Any) -> None:
-        self.at, self.data_at, self.data_len = at, data_at, data_len  # the tensor's bytes: [data_at, +data_len)
-        self.frame = frame  # the bytes before and after them, end to end, with the masked ranges zeroed
-        self.crc_at, self.masks = crc_at, masks  # where the tensor's crc32 is in the frame; the ranges masked
-        self.crcs = [f for f, n in masks[:crcs]]  # every copy of the tensor's crc32: one value in an item
-        self.piece = piece
-        self.globals, self.hazards = list(item.globals), list(item.hazards)
-        self.walked = len(item.main_pickle or b"")
-        self.sid_at = -1  # where the serialization id starts in the frame (-1: none)
-
-    @classmethod
-    def of(cls, item: Any, member: Any, at: int, length: int, piece: Piece) -> _Template | None:
-        data_at, data_len = member.offset - at, member.compressed_size
-        if member.method != 0 or item.refused or not 0 <= member.header_offset - at < data_at:
-            return None
-        fd = os.open(piece.file, os.O_RDONLY)
-        try:
-            head = os.pread(fd, data_at + min(data_len, 6), at)
-            tail = os.pread(fd, length - data_at - data_len, at + data_at + data_len)
-        finally:
-            os.close(fd)
-        if head[data_at:data_at + 6] == b"\x93NUMPY" or len(tail) != length - data_at - data_len:
-            return None
-        frame = head[:data_at] + tail
-        # Members one after another, none inside another (as torch writes them; anything else is read item by item):
-        # then every byte masked below is the tensor's or the serialization id's own, or a directory entry's crc32,
-        # and every other byte (data.pkl's among them) is compared.
-        members = item.zip.members
-        spans = sorted((m.header_offset - at, m.offset - at + m.compressed_size) for m in members)
-        directory = item.zip.directory - at
-        if any(m.offset < 0 for m in members) or any(b[0] < a[1] for a, b in zip(spans, spans[1:])) \
-                or directory < spans[-1][1]:  # the directory is past every member
-            return None
-        starts = [a for a, _ in spans[1:]] + [min(spans[-1][1] + 16, directory)]
-
-        def framed(x: int) -> int:  # a position in the item -> in the frame (or -1: in the tensor's bytes)
-            return x if x < data_at else x - data_len if x >= data_at + data_len else -1
-
-        # Each member's directory entry, walked from the directory's start as a zip reader walks it (entries are in
-        # the members' order): a signature searched for in the bytes could be one a comment or name holds, and the
-        # bytes masked as "its crc32" then a field of another entry (a data.pkl's compression method, its offset).
-        entries, q = [], framed(directory)
-        for _ in members:
-            if len(frame) < q + 46 or frame[q:q + 4] != b"PK\x01\x02":
-                return None
-            entries.append(q)
-            q += 46 + sum(struct.unpack_from("<HHH", frame, q + 28))
-
-        def crc_fields(m: Any) -> list[int] | None:
-            """Where the frame holds member m's crc32: its directory entry's, its local header's or descriptor's."""
-            crc = struct.pack("<I", m.crc)
-            entry = next(e for e, x in zip(entries, members) if x is m)
-            fields = [entry + 16, framed(m.header_offset - at + 14)]
-            end = m.offset - at + m.compressed_size
-            following = min(x for x in starts if x >= end)
-            if framed(end) >= 0 and frame[framed(end):framed(end) + 4] == b"PK\x07\x08" and end + 16 <= following:
-                fields.append(framed(end) + 4)  # a data descriptor (torch's writer adds one), before the next member
-            fields = [f for f in fields if f >= 0 and frame[f:f + 4] == crc]
-            return fields if fields and fields[0] == entry + 16 else None
-
-        fields = crc_fields(member)
-        if fields is None:
-            return None
-        masks = [(f, 4) for f in fields]
-        sid = item.zip.find(item.zip.prefix + "/.data/serialization_id") if item.zip.prefix else None
-        if sid is not None:
-            sid_at = framed(sid.offset - at)
-            sid_fields = crc_fields(sid)
-            if sid.method != 0 or sid_at < data_at or sid_fields is None or sid.size > 64 \
-                    or sid.size != sid.compressed_size \
-                    or frame[sid_at:sid_at + 6] == b"\x93NUMPY":
-                return None
-            masks += [(sid_at, sid.size)] + [(f, 4) for f in sid_fields]
-        # What leads a zip reader to the directory: the end record, the zip64 locator before it, and the zip64 end
-        # record the locator names (miniz and the index take its directory over the end record's own fields). One
-        # inside the tensor's bytes or another masked range would let a later item drop or change it, and so name
-        # another directory, which torch would read and nothing here would walk: such items are read one by one.
-        def clear(start: int, n: int) -> bool:
-            return (start + n <= data_at or start >= data_at + data_len) and start >= 0 \
-                and not any(framed(start) < f + k and f < framed(start) + n for f, k in masks)
-
-        # The end record is the last signature with a record's length after it: nothing masked may follow it.
-        end = item.zip.end_record - at
-        if end < 20 or not clear(end - 20, 20 + 22) or data_at + data_len > end \
-                or any(f + k > framed(end) for f, k in masks):
-            return None
-        locator = frame[framed(end - 20):framed(end - 20) + 20]
-        if end >= 20 + 56 and locator[:4] == b"PK\x06\x07" and not clear(struct.unpack_from("<Q", locator, 8)[0], 56):
-            return None
-        template = cls(at, data_at, data_len, _zeroed(frame, masks), fields[0], masks, len(fields), piece, item)
-        template.sid_at = sid_at if sid is not None else -1
-        return template
-
-    def match(self, fd: int, at: int) -> int | None:
-        """The crc32 the item at `at` records for its tensor, when the item is this one but for its tensor's bytes."""
-        head = os.pread(fd, self.data_at + min(self.data_len, 6), at)
-        if len(head) < self.data_at or head[self.data_at:self.data_at + 6] == b"\x93NUMPY":
-            return None
-        frame = head[:self.data_at] + os.pread(fd, len(self.frame) - self.data_at, at + self.data_at + self.data_len)
-        crc = frame[self.crc_at:self.crc_at + 4]
-        if self.sid_at >= 0 and frame[self.sid_at:self.sid_at + 6] == b"\x93NUMPY":
-            return None  # np.load would read it: the survey walks it
-        if len(frame) != len(self.frame) or any(frame[f:f + 4] != crc for f in self.crcs) \
-                or _zeroed(frame, self.masks) != self.frame:
-            return None
-        return struct.unpack("<I", crc)[0]
-
-
-def _zeroed(data: bytes, masks: list[tuple[int, int]]) -> bytes:
-    out = bytearray(data)
-    for at, n in masks:
-        out[at:at + n] = bytes(n)
-    return bytes(out)
 
 
 _INFLATED: list[str] = []  # temporary folders of inflated zstd items, removed when the process ends
@@ -835,14 +668,11 @@ def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple
             raise ReadError(f"{folder}: {fqn}: {rel} holds {rec.dtype}{list(rec.shape)}, the metadata says "
                             f"{dtype}{list(sizes)}")
         return Piece(rec.storage.file, rec.storage.offset, offsets, sizes, rec.stride, f"{rel} safetensors entry {fqn}")
-    piece = items.alike(rel, at, length, transforms, offsets, sizes, dtype, fqn)
-    if piece is not None:
-        return piece
     chunk = items.read(rel, at, length, transforms, fqn, prod(sizes) * element_size(dtype))
     rec = chunk.tensors[0] if len(chunk.tensors) == 1 and chunk.tensors[0].key == "" else None
     if rec is None or rec.storage is None:
         raise ReadError(f"{folder}: {fqn}: {rel} item at byte {at} holds no single tensor")
-    items.big_endian = items.big_endian or chunk.big_endian  # items alike share its byteorder record
+    items.big_endian = items.big_endian or chunk.big_endian
     if rec.shape != sizes or rec.dtype != dtype:
         raise ReadError(f"{folder}: {fqn}: {rel} item at byte {at} holds {rec.dtype}{list(rec.shape)}, the metadata "
                         f"says {dtype}{list(sizes)}")
@@ -851,11 +681,8 @@ def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple
                         "member, which torch's DCP writer never writes; ckpt-doctor assembles chunks from stored bytes "
                         "only")
     whole = rec.storage_offset == 0 and rec.nbytes == rec.storage.nbytes and rec.is_contiguous
-    piece = Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride, f"{rel} item at byte {at}",
-                  rec.storage.crc if whole else None)
-    if not transforms:
-        items.remember(at, length, sizes, dtype, piece)
-    return piece
+    return Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride, f"{rel} item at byte {at}",
+                 rec.storage.crc if whole else None)
 
 
 def _same_range(folder: Path, a: tuple, b: tuple) -> bool:

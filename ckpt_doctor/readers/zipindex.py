@@ -74,8 +74,6 @@ class ZipIndex:
         self.torch_problem: str | None = None
         self.other_readers: str | None = None  # why Python's zipfile could see other members than torch
         self.guessed = 0  # storages whose local header was not fetched (a remote archive in torch's layout)
-        self.directory = -1  # where the central directory starts in the file (its entries: members' order)
-        self.end_record = -1  # where the end-of-central-directory record starts in the file
         if not members:
             self.torch_problem = "the archive is empty"
         elif self.prefix is None:
@@ -237,8 +235,6 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
         guessed = []
     index = ZipIndex(members, path, whole, base, heads)
     index.guessed = len(guessed)
-    index.directory = base + cd_offset
-    index.end_record = base + eocd_at
     # Python's zipfile (np.load, most tools) reads the same archive differently: it shifts every offset by the
     # bytes between where the directory ends and where the end record is, and reads entries until the directory's
     # size is used up. When that could give it other members, say so: the survey then walks its view too.
