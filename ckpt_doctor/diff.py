@@ -16,7 +16,7 @@ from sys import intern
 from ._record import field, record
 from .dtypes import element_size
 from .errors import ReadError
-from .pool import can_fork, workers
+from .pool import can_fork, one_blas_thread, workers
 from .readers.held import Holder
 from .records import Checkpoint, TensorRecord, relative_to_root
 
@@ -611,6 +611,8 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
     from .readers import read_checkpoint
     from .tensordata import load_tensor  # torch: ~1 s, imported when values are compared
 
+    import numpy  # noqa: F401  (loaded now, when values are compared, so that one_blas_thread finds its OpenBLAS)
+
     a, b = read_checkpoint(a_path), read_checkpoint(b_path)
     for ckpt in (a, b):
         ckpt.refuse_if_unsafe("compare it", code_too=False)
@@ -627,7 +629,7 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
     b_tensors = {t.key: t for t in b.state_dict_tensors()}
     rows: list[TensorDiff] = []
     done: set[str] = set()
-    with Holder() as holder:  # the files are let go of once the worker is dead and the maps are closed
+    with Holder() as holder, one_blas_thread():  # the files are let go of once the worker is dead, maps closed
         mapped = _Mapped(holder)
         figures = _Figures(mapped, atol, rtol)
         pending: dict[int, range] = {}  # row → its pieces, for pairs whose figures are still being computed

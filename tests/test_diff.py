@@ -289,3 +289,24 @@ def test_a_worker_that_fails_costs_time_never_the_figures(tmp_path, monkeypatch,
     assert small_worker_batches["failed"] == 1 and len(small_worker_batches["pids"]) == 1
     with pytest.raises(ChildProcessError):
         os.waitpid(small_worker_batches["pids"][0], os.WNOHANG)
+
+
+def test_blas_runs_one_thread_a_process_during_a_diff_then_gets_its_threads_back():
+    """diff and its forked worker each keep OpenBLAS to one thread (their threads spun against each other: a 1 GB
+    pair took 9-14 s instead of 0.5-0.7 s); a library caller's setting comes back afterwards."""
+    import ctypes
+
+    import numpy  # noqa: F401  (its OpenBLAS loaded)
+
+    from ckpt_doctor.pool import one_blas_thread
+
+    paths = {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.lower()}
+    getters = [getattr(ctypes.CDLL(p), name) for p in paths if p.startswith("/")
+               for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads") if
+               hasattr(ctypes.CDLL(p), name)]
+    if not getters:
+        pytest.skip("NumPy here uses no OpenBLAS")
+    before = getters[0]()
+    with one_blas_thread() as held:
+        assert getters[0]() == 1 and held.restore
+    assert getters[0]() == before
