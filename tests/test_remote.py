@@ -531,6 +531,10 @@ def test_an_s3_folder_is_read_as_the_local_folder(s3, tmp_path):
     loaded = torch.load(out, weights_only=True)
     assert loaded.keys() == sd.keys() and all(torch.equal(loaded[k], v) for k, v in sd.items())
     assert _cli("scan", "s3://ckpts/sharded/", env=env).returncode == 0
+    fs.pipe_file("ckpts/sharded/old/notes.txt", b"an object under a sub-prefix")  # a "folder" inside: not an object
+    scanned = _cli("scan", "s3://ckpts/sharded/", "--json", env=env)
+    assert scanned.returncode == 0 and "404" not in scanned.stderr, scanned.stderr
+    assert len(json.loads(scanned.stdout)["files"]) == 2  # the two shards (the index is JSON, skipped)
     for url, words in (("s3://ckpts/nothing-here/", "not found"), ("s3://ckpts/", "holds")):
         result = _cli("inspect", url, env=env)
         assert result.returncode == 2 and words in result.stderr, (url, result.stderr)

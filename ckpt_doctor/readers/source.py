@@ -130,7 +130,8 @@ _LISTED: list[int] = []  # one entry per listing request (s3:// folders), counte
 
 
 def list_folder(url: str) -> list[str]:
-    """The names of the objects directly under an `s3://bucket/prefix/` folder (one LIST request); [] when none.
+    """The names of the objects directly under an `s3://bucket/prefix/` folder (one LIST request; sub-prefixes are
+    not listed); [] when none.
     HTTP has no listing: an https:// folder is refused with the way out."""
     shown = redact(url)
     if not url.startswith("s3://"):
@@ -142,9 +143,9 @@ def list_folder(url: str) -> list[str]:
         raise RemoteError("s3:// names no bucket: give s3://BUCKET/KEY")
     client = _client(f"s3://{prefix}/x", shown)  # the fsspec and s3fs checks
 
-    def listing() -> list[str]:
+    def listing() -> list[dict]:
         try:
-            return client.fs.ls(prefix, detail=False, refresh=True)
+            return client.fs.ls(prefix, detail=True, refresh=True)
         except FileNotFoundError:
             return []
 
@@ -158,7 +159,9 @@ def list_folder(url: str) -> list[str]:
         if os.environ.get("CKPT_DOCTOR_DEBUG") == "1":
             raise
         raise RemoteError(f"{shown}: cannot be listed: {_in_words(exc, url, shown)}") from None
-    return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != prefix)
+    # objects only: a sub-prefix ("folder") is no object, and reading it as one ended in a 404 line of its own
+    names = [e["name"].rstrip("/") for e in entries if e.get("type") != "directory"]
+    return sorted(n.rsplit("/", 1)[-1] for n in names if n != prefix)
 
 
 # --- the remote source ---------------------------------------------------------------------------------------------
