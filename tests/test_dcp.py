@@ -866,22 +866,50 @@ def _forced_crc(data: bytes, target: int) -> bytes:
     return data[:-4] + x.to_bytes(4, "little")
 
 
+def _rows_in_one_file(tmp_path, archives: list[bytes], cols: int):
+    """A DCP folder of one float32 tensor `w` of len(archives) rows, one row a chunk, each chunk's item one of
+    `archives`, back to back in __0_0.distcp (as FileSystemWriter lays out one rank)."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    storage, at = {}, 0
+    for r, archive in enumerate(archives):
+        storage[MetadataIndex("w", [r, 0], 0)] = _StorageInfo("__0_0.distcp", at, len(archive))
+        at += len(archive)
+    (folder / "__0_0.distcp").write_bytes(b"".join(archives))
+    sdm = {"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([len(archives), cols]), [
+        ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, cols])) for r in range(len(archives))])}
+    (folder / ".metadata").write_bytes(pickle.dumps(Metadata(sdm, {"w": ("w",)}, storage, None, "1.0.0")))
+    return folder
+
+
+def _only_later_items_fire(tmp_path, archives: list[bytes], canary) -> None:
+    """torch's view, the oracle: torch.load(weights_only=False) of the first item runs nothing, of the second it
+    runs the payload."""
+    from tests.helpers import child_fires
+
+    first, second = tmp_path / "first.pt", tmp_path / "second.pt"
+    first.write_bytes(archives[0])
+    second.write_bytes(archives[1])
+    load = "import sys, torch; torch.load(sys.argv[1], weights_only=False)"
+    assert not child_fires(load, first, canary) and child_fires(load, second, canary)
+
+
 def test_an_item_alike_but_for_a_field_a_comment_disguises_as_a_crc32_is_walked(tmp_path):
     """A template whose data.pkl entry's method and time bytes hold its tensor's crc32, behind a directory signature
     in the previous entry's comment that names the tensor's header (its real entry gives it in a zip64 extra): the
     later items, alike but for those 4 bytes, store data.pkl where the template deflates it — torch.load then runs
     the raw deflate stream as the pickle. Each such item is walked (its real directory entries) and refused."""
     import io
-    import pickle
     import struct
     import zipfile
     import zlib
 
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                       TensorProperties, TensorStorageMetadata)
-
-    from tests.helpers import child_fires
     from tests.payloads import call
 
     canary = tmp_path / "canary"
@@ -929,22 +957,9 @@ def test_an_item_alike_but_for_a_field_a_comment_disguises_as_a_crc32_is_walked(
             out += b"archive/" + name + extra + comment
         return bytes(out + struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, 4, 4, len(out) - directory, directory, 0))
 
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    storage, blob = {}, b""
-    for r in range(3):
-        archive = item(torch.arange(r * 8, r * 8 + 8, dtype=torch.float32).numpy().tobytes(), r > 0)
-        storage[MetadataIndex("w", [r, 0], 0)] = _StorageInfo("__0_0.distcp", len(blob), len(archive))
-        blob += archive
-    (folder / "__0_0.distcp").write_bytes(blob)
-    sdm = {"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([3, 8]), [
-        ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, 8])) for r in range(3)])}
-    (folder / ".metadata").write_bytes(pickle.dumps(Metadata(sdm, {"w": ("w",)}, storage, None, "1.0.0")))
-    first, second = tmp_path / "first.pt", tmp_path / "second.pt"
-    first.write_bytes(blob[:len(blob) // 3])
-    second.write_bytes(blob[len(blob) // 3:2 * len(blob) // 3])
-    load = "import sys, torch; torch.load(sys.argv[1], weights_only=False)"
-    assert not child_fires(load, first, canary) and child_fires(load, second, canary)  # torch's view of the two
+    archives = [item(torch.arange(r * 8, r * 8 + 8, dtype=torch.float32).numpy().tobytes(), r > 0) for r in range(3)]
+    folder = _rows_in_one_file(tmp_path, archives, 8)
+    _only_later_items_fire(tmp_path, archives, canary)
     for command in ("scan", "inspect"):
         result = run_cli(command, folder)
         assert result.exit_code in (1, 2) and "os.system" in result.stdout + result.stderr, (command, result.stderr)
@@ -961,16 +976,10 @@ def test_an_item_alike_but_for_a_zip64_record_its_tensor_bytes_hold_is_walked(tm
     zip64 record there: torch's reader then takes the end record's directory and runs its data.pkl. Each such item
     is walked (the directory it really has) and refused."""
     import io
-    import pickle
     import struct
     import zipfile
     import zlib
 
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                       TensorProperties, TensorStorageMetadata)
-
-    from tests.helpers import child_fires
     from tests.payloads import call
 
     canary = tmp_path / "canary"
@@ -1015,22 +1024,9 @@ def test_an_item_alike_but_for_a_zip64_record_its_tensor_bytes_hold_is_walked(tm
         inner = 2 * 46 + len(b"archive/data.pkl") + len(b"archive/version")
         return bytes(out + struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, 2, 2, inner, tensor + 200, 0))
 
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    storage, blob = {}, b""
-    for r in range(3):
-        archive = item(r > 0)
-        storage[MetadataIndex("w", [r, 0], 0)] = _StorageInfo("__0_0.distcp", len(blob), len(archive))
-        blob += archive
-    (folder / "__0_0.distcp").write_bytes(blob)
-    sdm = {"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([3, 128]), [
-        ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, 128])) for r in range(3)])}
-    (folder / ".metadata").write_bytes(pickle.dumps(Metadata(sdm, {"w": ("w",)}, storage, None, "1.0.0")))
-    first, second = tmp_path / "first.pt", tmp_path / "second.pt"
-    first.write_bytes(blob[:len(blob) // 3])
-    second.write_bytes(blob[len(blob) // 3:2 * len(blob) // 3])
-    load = "import sys, torch; torch.load(sys.argv[1], weights_only=False)"
-    assert not child_fires(load, first, canary) and child_fires(load, second, canary)  # torch's view of the two
+    archives = [item(r > 0) for r in range(3)]
+    folder = _rows_in_one_file(tmp_path, archives, 128)
+    _only_later_items_fire(tmp_path, archives, canary)
     result = run_cli("inspect", folder)
     assert result.exit_code in (1, 2) and "would run code" in result.stdout + result.stderr, result.stderr
     out = tmp_path / "w.pt"

@@ -349,8 +349,8 @@ class ItemCache:
     """What reading many small archives of one folder (DCP items: one torch.save archive per chunk, mostly alike)
     reuses: the walk of a pickle, and the tensor it unpickles to, by the pickle's exact bytes. A walk is a function of
     the bytes it walks (and its label, the same member name in every item), so equal bytes give the same findings and
-    refusals; only pickles of at most MAX_BYTES are kept, at most MAX_ENTRIES of them, MAX_HELD bytes in all (the
-    DCP reader keeps its item templates here too)."""
+    refusals; only pickles of at most MAX_BYTES are kept, at most MAX_ENTRIES of them, MAX_HELD bytes in all (walks
+    and trees together)."""
 
     MAX_BYTES = 64 << 10
     MAX_ENTRIES = 16_384
