@@ -39,13 +39,18 @@ def read_all(fd: Any, size: int, at: int = 0) -> bytes:
     return b"".join(parts) if len(parts) != 1 else parts[0]
 
 
-def walk_window(fd: Any, size: int, run: Callable[[bytes], Any], budget: list | None = None, at: int = 0) -> Any:
+def walk_window(fd: Any, size: int, run: Callable[[bytes], Any], budget: list | None = None, at: int = 0,
+                first: int | None = None) -> Any:
     """`run(data)` over the bytes [at, at + size) of the file — all of them when they are few, else a window from
     `at` that doubles while the walk `run` returns (a Walk) ran into the window's end, up to limits.MAX_PICKLE_BYTES
-    (what a walk reads at most). `budget`, the walker's, is restored before each retry, so a walk costs what one
-    walk of the final window costs."""
-    window = size if size <= READ_UP_TO and not is_remote(fd) else min(size, REMOTE_WINDOW if is_remote(fd)
-                                                                             else READ_UP_TO)
+    (what a walk reads at most). `first`: the first window, where the walk is expected to end early (the pickle a
+    safetensors file's first bytes might be). `budget`, the walker's, is restored before each retry, so a walk costs
+    what one walk of the final window costs."""
+    if first is not None:
+        window = min(size, first)
+    else:
+        window = size if size <= READ_UP_TO and not is_remote(fd) else min(size, REMOTE_WINDOW if is_remote(fd)
+                                                                                 else READ_UP_TO)
     cap = min(size, limits.MAX_PICKLE_BYTES)
     while True:
         data = read_all(fd, window, at)
