@@ -38,6 +38,7 @@ class Reader:
 
 # In torch.load's order (a zip, then a tar, then a pickle from byte 0): the first row that claims a file's bytes
 # (and, for a local file, confirms them) names it. A format whose bytes another row would claim too goes above it.
+# The built-in walks and readers are named, not imported: survey.py and files.py follow this table (they import it).
 READERS: tuple[Reader, ...] = (
     Reader(Container.EMPTY, is_empty, ".files:read_empty", survey=None, in_folder=False),
     Reader(Container.ZIP, is_zip, ".files:read_zip", survey=".survey:survey_zip", in_folder=".files:zip_in_folder"),
