@@ -17,8 +17,26 @@ if TYPE_CHECKING:  # names for annotations only: importing typing costs every st
     from typing import Any
 
 
-class Format(str, enum.Enum):
-    """How a checkpoint is laid out on disk, found from its bytes."""
+class OpenEnum(str, enum.Enum):
+    """A str enum that a format added in readers/table.py may add a member to (`Format.declare("toy")`)."""
+
+    @classmethod
+    def declare(cls, value: str) -> Any:
+        """The member of this value, made when there is none: it is then found by `cls(value)`, compares, hashes and
+        serialises as its value like the others, and is not listed when the class is iterated."""
+        known = cls._value2member_map_.get(value)
+        if known is not None:
+            return known
+        member = str.__new__(cls, value)
+        member._name_ = value.upper().replace("-", "_")
+        member._value_ = value
+        cls._value2member_map_[value] = member
+        return member
+
+
+class Format(OpenEnum):
+    """How a checkpoint is laid out on disk, found from its bytes (a format added in readers/table.py declares its
+    own: `Format.declare("toy")`)."""
 
     TORCH_ZIP = "torch-zip"
     TORCH_LEGACY = "torch-legacy"

@@ -1,4 +1,5 @@
-"""The one sniffer: what container a file is, from its bytes, in the order torch.load tries them.
+"""What a file is, from its bytes: the tests on its first bytes that readers/table.py tries in the order torch.load
+tries formats, and what a file no reader opens is instead.
 
 torch.load takes a file for a zip when its first four bytes are a zip local header, then tries Python's tarfile
 (the pre-0.4 format), then unpickles from byte 0 (the legacy format, or any pickle). safetensors files and NumPy
@@ -8,7 +9,6 @@ walked as a pickle from byte 0 (readers/survey.py), as torch.load would read it 
 
 from __future__ import annotations
 
-import enum
 import errno
 import os
 import stat
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ._record import record
 from .errors import CkptDoctorError
+from .records import OpenEnum
 from .safepickle import limits
 from .safepickle.walker import starts_pickle
 
@@ -25,7 +26,9 @@ if TYPE_CHECKING:  # names for annotations only: importing typing costs every st
     from typing import Callable
 
 
-class Container(str, enum.Enum):
+class Container(OpenEnum):
+    """What a file's bytes are (scan's `container`); a format added in readers/table.py declares its own."""
+
     ZIP = "zip"  # torch.save (≥ 1.6), TorchScript, or another zip
     TAR = "tar"  # torch's pre-0.4 format, or any archive Python's tarfile opens
     SAFETENSORS = "safetensors"
@@ -56,38 +59,39 @@ LFS_POINTER = b"version https://git-lfs"
 HEAD = 512  # enough for a tar header
 
 
-def sniff_bytes(head: bytes, size: int) -> Container:
-    """The container of a file whose first bytes are `head` (at least 512 of them when the file is that long)."""
-    if size == 0:
-        return Container.EMPTY
-    if head[:4] == b"PK\x03\x04":
-        return Container.ZIP
-    if is_tar_header(head):
-        return Container.TAR
-    if looks_like_safetensors(head, size):
-        return Container.SAFETENSORS
-    if head[:6] == b"\x93NUMPY":
-        return Container.NUMPY
-    if starts_pickle(head):
-        return Container.PICKLE
-    return Container.OTHER
+# The tests readers/table.py tries in its order, each on a file's first HEAD bytes (fewer when the file is shorter)
+# and its size.
+
+def is_empty(head: bytes, size: int) -> bool:
+    return size == 0
 
 
-def sniff(fd: int, size: int) -> tuple[Container, bytes]:
-    """The container of an open file, and its first bytes."""
-    head = os.pread(fd, HEAD, 0)
-    kind = sniff_bytes(head, size)
-    # (a first header whose metadata tarfile would read into memory, hundreds of MB, is left to the tar reader,
-    # which refuses it; tarfile is not asked)
-    if kind is Container.TAR and tar_metadata_too_big(head) is None and not _tarfile_opens(fd):
-        kind = _after_tar(head, size)
-    return kind, head
+def is_zip(head: bytes, size: int) -> bool:
+    return head[:4] == b"PK\x03\x04"
 
 
-def _after_tar(head: bytes, size: int) -> Container:
-    if looks_like_safetensors(head, size):
-        return Container.SAFETENSORS
-    return Container.PICKLE if starts_pickle(head) else Container.OTHER
+def is_tar(head: bytes, size: int) -> bool:
+    return is_tar_header(head)
+
+
+def tarfile_opens(fd: int, head: bytes) -> bool:
+    """The second look at a local file whose first block is a tar header: whether tarfile, which torch.load calls,
+    opens it. (A first header whose metadata tarfile would read into memory, hundreds of MB, is left to the tar
+    reader, which refuses it; tarfile is not asked.)"""
+    return tar_metadata_too_big(head) is not None or _tarfile_opens(fd)
+
+
+def is_npy(head: bytes, size: int) -> bool:
+    """NumPy's magic; a first block that is a tar header tarfile refused is read on as torch reads it (a pickle)."""
+    return head[:6] == b"\x93NUMPY" and not is_tar_header(head)
+
+
+def is_pickle(head: bytes, size: int) -> bool:
+    return starts_pickle(head)
+
+
+def anything(head: bytes, size: int) -> bool:
+    return True
 
 
 def is_tar_header(block: bytes) -> bool:

@@ -134,12 +134,12 @@ def test_the_payload_corpus_covers_every_route_to_a_call(corpora):
     import io
     import pickletools
 
-    from ckpt_doctor.sniff import sniff_bytes
+    from ckpt_doctor.readers.table import sniff_head
 
     containers, opcodes = set(), set()
     for path in corpora["evil"]:
         data = path.read_bytes()
-        containers.add(sniff_bytes(data[:512], len(data)).name)
+        containers.add(sniff_head(data[:512], len(data)).name)
         try:
             opcodes.update(op.name for op, _, _ in pickletools.genops(io.BytesIO(data)))
         except ValueError:  # not a pickle from its first byte (a zip), or one that breaks after its call

@@ -13,16 +13,15 @@ from ..advice import consolidate
 from ..errors import ReadError, SeveralCheckpoints
 from ..records import Checkpoint, DistributedShard, Format
 from ..safepickle import limits
-from ..sniff import HEAD, Container, dangling, deep, kernel_filesystem, other_format, sniff, walk_folder
-from .files import read_container, read_surveyed
+from ..sniff import HEAD, Container, dangling, deep, kernel_filesystem, other_format, walk_folder
+from .files import CHECKPOINT_SUFFIXES, read_container, read_surveyed
 from .hfcache import is_hf_ref
 from .hfcache import resolve as resolve_hf
 from .jsonfile import parse_json, read_json  # noqa: F401  (re-exported: the folder readers' JSON)
 from .source import (RemoteError, RemotePath, is_url, list_folder, open_source, pread, real_url, redact, remote_path,
                      sibling)
 from .survey import Survey, survey_file
-
-CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar", ".model", ".pth.tar")
+from .table import is_checkpoint_in_folder, sniff_file
 
 
 def named_as_checkpoint(path: Path, tar_archive: bool) -> bool:
@@ -128,26 +127,21 @@ def find_in_folder(folder: Path) -> tuple[Path | None, list[Path]]:
 
 
 def _looks_like_checkpoint(path: Path) -> bool:
-    """By content (the sniffer), whatever the name: a zip whose first member is in a folder (torch's layout), a
-    tar, safetensors, or a pickle — one that starts with PROTO, or any pickle under a checkpoint's usual suffix (text
-    files can start with an opcode letter)."""
+    """By content (the sniffer), whatever the name: what its container's row of readers/table.py says of a model
+    folder's file (a zip whose first member is in a folder, a tar, safetensors, a pickle that starts with PROTO or
+    bears a checkpoint's suffix)."""
 
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return path.name.endswith(CHECKPOINT_SUFFIXES)  # report it when it is opened, do not hide it
     try:
-        kind, head = sniff(fd, os.fstat(fd).st_size)
+        kind, head = sniff_file(fd, os.fstat(fd).st_size)
     except OSError:  # unreadable (EIO): report it when it is opened, do not hide it
         return path.name.endswith(CHECKPOINT_SUFFIXES)
     finally:
         os.close(fd)
-    if kind is Container.ZIP:  # torch's reader needs its first member in a folder: an .npz or a plain zip is none
-        name_length = int.from_bytes(head[26:28], "little")
-        return b"/" in head[30:30 + name_length] or len(head) < 30 + name_length
-    if kind in (Container.TAR, Container.SAFETENSORS):
-        return True
-    return kind is Container.PICKLE and (head[:1] == b"\x80" or path.name.endswith(CHECKPOINT_SUFFIXES))
+    return is_checkpoint_in_folder(kind, path, head)
 
 
 def _other(path: Path) -> bool:

@@ -1,5 +1,6 @@
-"""One checkpoint file, read by the reader of its container (torch zip, pre-0.4 tar, legacy pickle, safetensors):
-the table from what sniff finds to the reader that reads it. Folder readers read their member files with it."""
+"""One checkpoint file, read by the reader its container's row of readers/table.py names (torch zip, pre-0.4 tar,
+legacy pickle, safetensors; what is no checkpoint said as what it is). Folder readers read their member files
+with it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from ..records import Checkpoint
 from ..sniff import Container, describe_other, what_else
 from .source import close_source, open_source
 from .survey import Survey, survey_file
+from .table import function, reader
+
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar", ".model", ".pth.tar")
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -47,45 +51,64 @@ def read_surveyed(path: Path, survey: Survey, read: Callable[[Path, Survey], Che
 
 
 def read_container(path: Path, survey: Survey) -> Checkpoint:
-    kind = survey.container
-    if kind is Container.EMPTY:
-        raise ReadError(f"{path}: file is empty (0 bytes)")
-    if kind is Container.ZIP and survey.items:  # a DCP shard: what it is comes from its folder (readers/dcp.py)
+    """The file read by the reader its container's row names (readers/table.py)."""
+    return function(reader(survey.container).read)(path, survey)
+
+
+# The readers of the table's rows, each (path, survey) -> Checkpoint; each reader module is imported when a file of
+# its kind is read, so other formats do not pay for it.
+
+def read_empty(path: Path, survey: Survey) -> Checkpoint:
+    raise ReadError(f"{path}: file is empty (0 bytes)")
+
+
+def read_zip(path: Path, survey: Survey) -> Checkpoint:
+    if survey.items:  # a DCP shard: what it is comes from its folder (readers/dcp.py)
         raise ReadError(f"{path}: a torch.distributed.checkpoint shard; read the folder it belongs to")
-    if kind is Container.ZIP:
-        from .torch_zip import read_torch_zip
+    from .torch_zip import read_torch_zip  # only when a zip is read
 
-        _check_torch_zip(path, survey)
-        return read_torch_zip(path, survey)
-    if kind is Container.TAR:
-        from .torch_tar import MEMBERS, read_torch_tar
+    _check_torch_zip(path, survey)
+    return read_torch_zip(path, survey)
 
-        layout = survey.tar
-        if layout is not None and not layout.refused and not any(m in layout.members for m in MEMBERS):
-            names = list(layout.members)
-            raise NotACheckpoint(f"{path}: not a PyTorch checkpoint: a tar archive of {_some(names)}, without the "
-                                 f"members {', '.join(MEMBERS)} of torch's pre-0.4 format; extract it and inspect "
-                                 "what it holds")
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            return read_torch_tar(path, fd, survey.tar, (), ())
-        finally:
-            os.close(fd)
-    if kind is Container.SAFETENSORS:
-        from .safetensors_reader import read_safetensors  # each reader imported when a file of its kind is read
 
-        fd = open_source(path)  # a local file's descriptor, or a URL's range reader (readers/source.py)
-        try:
-            return read_safetensors(path, fd, survey.size)
-        finally:
-            close_source(fd)
-    if kind is Container.PICKLE:
-        from .torch_legacy import read_torch_legacy
+def read_tar(path: Path, survey: Survey) -> Checkpoint:
+    from .torch_tar import MEMBERS, read_torch_tar  # only when a tar is read
 
-        _check_pickle(path, survey)
-        return read_torch_legacy(path, survey)
-    if kind is Container.NUMPY:
-        raise NotACheckpoint(f"{path}: not a PyTorch checkpoint: {_npy_kind(survey)}")
+    layout = survey.tar
+    if layout is not None and not layout.refused and not any(m in layout.members for m in MEMBERS):
+        names = list(layout.members)
+        raise NotACheckpoint(f"{path}: not a PyTorch checkpoint: a tar archive of {_some(names)}, without the "
+                             f"members {', '.join(MEMBERS)} of torch's pre-0.4 format; extract it and inspect "
+                             "what it holds")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return read_torch_tar(path, fd, survey.tar, (), ())
+    finally:
+        os.close(fd)
+
+
+def read_safetensors_file(path: Path, survey: Survey) -> Checkpoint:
+    from .safetensors_reader import read_safetensors  # only when a safetensors file is read
+
+    fd = open_source(path)  # a local file's descriptor, or a URL's range reader (readers/source.py)
+    try:
+        return read_safetensors(path, fd, survey.size)
+    finally:
+        close_source(fd)
+
+
+def read_pickle(path: Path, survey: Survey) -> Checkpoint:
+    from .torch_legacy import read_torch_legacy  # only when a pickle is read
+
+    _check_pickle(path, survey)
+    return read_torch_legacy(path, survey)
+
+
+def read_npy(path: Path, survey: Survey) -> Checkpoint:
+    raise NotACheckpoint(f"{path}: not a PyTorch checkpoint: {_npy_kind(survey)}")
+
+
+def read_other(path: Path, survey: Survey) -> Checkpoint:
     other = what_else(survey.head)
     if other is not None:
         raise _not_a_checkpoint(path, *other)
@@ -95,6 +118,20 @@ def read_container(path: Path, survey: Survey) -> Checkpoint:
     if why.startswith("no "):  # nothing any reader knows: no checkpoint, not a broken one
         raise NotACheckpoint(f"{path}: not a PyTorch checkpoint: {why}")
     raise ReadError(f"{path}: not a checkpoint: {why}")
+
+
+# Whether a model folder's file is its checkpoint, for the rows whose answer is not always the same.
+
+def zip_in_folder(path: Path, head: bytes) -> bool:
+    """torch's reader needs a zip's first member in a folder: an .npz or a plain zip is none."""
+    name_length = int.from_bytes(head[26:28], "little")
+    return b"/" in head[30:30 + name_length] or len(head) < 30 + name_length
+
+
+def pickle_in_folder(path: Path, head: bytes) -> bool:
+    """A pickle that starts with PROTO, or any under a checkpoint's usual suffix (text files can start with an opcode
+    letter)."""
+    return head[:1] == b"\x80" or path.name.endswith(CHECKPOINT_SUFFIXES)
 
 
 def _not_a_checkpoint(path: Path, what: str, advice: str) -> NotACheckpoint:

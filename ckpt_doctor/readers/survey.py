@@ -23,9 +23,10 @@ from ..records import Hazard
 from ..safepickle import limits
 from ..safepickle.policy import GlobalRef, Verdict
 from ..safepickle.walker import Walk, new_budget, starts_pickle, walk
-from ..sniff import Container, sniff
+from ..sniff import Container
 from .mapping import READ_UP_TO, find_all, read_all, walk_window
 from .source import RemotePath, is_remote, open_source, pread
+from .table import sniff_file, sniff_head, walk_pickles
 from .zipindex import ZipIndex, ZipMember, ZipTooBig, local_members, member_head, read_member, read_zip_index
 
 TYPE_CHECKING = False
@@ -59,6 +60,7 @@ class Survey:
     budget: list[int] = field(default_factory=new_budget)  # what walking this file may cost, all walks together
     # What the items of one DCP folder share (ItemCache): a walk and an unpickled tensor by their pickle's bytes
     cache: Any = field(default=None, repr=False, compare=False)
+    thorough: bool = field(default=True, repr=False, compare=False)  # survey_file's: the whole-file searches too
 
     @property
     def findings(self) -> list[GlobalRef]:
@@ -106,7 +108,7 @@ def survey_file(path: Path, thorough: bool = True) -> Survey:
         if not stat.S_ISREG(st.st_mode):
             raise ReadError(f"{path}: not a regular file")
         size = st.st_size
-        container, head = sniff(fd, size)
+        container, head = sniff_file(fd, size)
         return _survey_source(path, fd, size, container, head, thorough)
     except OSError as exc:
         raise ReadError(f"{path}: read failed ({exc.strerror})") from None
@@ -116,11 +118,11 @@ def survey_file(path: Path, thorough: bool = True) -> Survey:
 
 def _survey_remote(path: RemotePath, thorough: bool) -> Survey:
     """An object behind a URL: the same walks, through a source that fetches by range what they read."""
-    from ..sniff import HEAD, sniff_bytes
+    from ..sniff import HEAD
 
     src = open_source(path)
     head = pread(src, HEAD, 0)
-    container = sniff_bytes(head, src.size)
+    container = sniff_head(head, src.size)
     if container is Container.TAR:
         raise ReadError(f"{path}: a tar archive (torch's pre-0.4 format) is not read over the network; download it "
                         "and inspect the copy")
@@ -129,17 +131,8 @@ def _survey_remote(path: RemotePath, thorough: bool) -> Survey:
 
 def _survey_source(path: Path, fd: Any, size: int, container: Container, head: bytes, thorough: bool) -> Survey:
     if True:
-        survey = Survey(path, size, container, head)
-        if container is Container.ZIP:
-            _survey_zip(survey, fd, local_scan=thorough)
-            if thorough and (survey.zip is None or survey.zip.other_readers):
-                _survey_items(survey, fd)
-        elif container is Container.TAR:
-            _survey_tar(survey, fd)
-        elif container is Container.NUMPY:
-            _survey_npy(survey, fd)
-        elif container in (Container.PICKLE, Container.SAFETENSORS):
-            _survey_pickles(survey, fd)
+        survey = Survey(path, size, container, head, thorough=thorough)
+        walk_pickles(survey, fd)  # what the container's row of readers/table.py walks
         if container is not Container.ZIP and (head[:4] == b"PK\x05\x06" or _ends_like_a_zip(fd, size)):
             # np.load and Python's zipfile open this as an archive (an empty-zip magic first, or an end record
             # last) although torch does not: what they would read is walked too.
@@ -148,7 +141,7 @@ def _survey_source(path: Path, fd: Any, size: int, container: Container, head: b
         return survey
 
 
-def _survey_pickles(survey: Survey, fd: int) -> None:
+def survey_pickles(survey: Survey, fd: int) -> None:
     """A file torch.load unpickles from byte 0: the legacy sequence (five pickles, then raw storages, which the
     reader walks past), or a bare pickle and whatever pickles follow it."""
     state: list = []
@@ -215,6 +208,14 @@ def _is_magic(data: Any, end: int) -> bool:
         return SafeUnpickler(io.BytesIO(first), "magic").load() == 0x1950A86A20F9469CFC6C
     except PICKLE_ERRORS:
         return False  # a malformed first pickle simply is not the magic number
+
+
+def survey_zip(survey: Survey, fd: int) -> None:
+    """A file torch.load takes for a zip: its archive, and, when the survey is thorough and the archive is broken or
+    read two ways, the archives laid end to end in it (a DCP shard)."""
+    _survey_zip(survey, fd, local_scan=survey.thorough)
+    if survey.thorough and (survey.zip is None or survey.zip.other_readers):
+        _survey_items(survey, fd)
 
 
 def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True) -> None:
@@ -516,7 +517,7 @@ def _survey_local_pickles(survey: Survey, fd: int, start: int, how: str) -> None
             survey._add(result)
 
 
-def _survey_tar(survey: Survey, fd: int) -> None:
+def survey_tar(survey: Survey, fd: int) -> None:
     from .torch_tar import tar_layout
 
     layout = tar_layout(fd, survey.size, survey.path, survey.budget)
@@ -540,7 +541,7 @@ def _survey_tar(survey: Survey, fd: int) -> None:
                                              "torch.load reads one or the other depending on how it is called"))
 
 
-def _survey_npy(survey: Survey, fd: Any) -> None:
+def survey_npy(survey: Survey, fd: Any) -> None:
     at = _npy_pickle_start(read_all(fd, min(survey.size, (1 << 16) + 12)), lambda at: pread(fd, 1, at))
     if at is None:
         return
