@@ -66,7 +66,7 @@ def load(path: str | Path, device: Any = "auto", *, checkpoint: Checkpoint | Non
     need their own classes (whole-model pickles, TorchScript) are read tensor by tensor from their records.
     `policy`: the allow-list the file is read under (`Policy.allowing([...])` adds names, as --allow-global does).
     """
-    from .tensordata import load_tensor
+    from .tensordata import load_tensor  # torch: ~1 s, only when tensors are loaded
 
     ckpt = checkpoint or read_checkpoint(path, policy=policy)
     ckpt.refuse_if_unsafe("load it", code_too=False)  # a pickled whole model is rescued tensor by tensor
