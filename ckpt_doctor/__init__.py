@@ -22,7 +22,7 @@ _EXPORTS = {
     "TensorRecord": "records", "Verdict": "records",
     "CkptDoctorError": "errors", "ReadError": "errors", "UsageError": "errors", "ModelSpecError": "errors",
     "FixOptions": "fix", "FixPlan": "fix", "FixResult": "fix", "plan_fix": "fix", "prepare_fix": "fix",
-    "fix_checkpoint": "fix", "Policy": "safepickle.policy", "allowed_globals": "safepickle.policy",
+    "fix_checkpoint": "fix", "Policy": "safepickle.policy", "DEFAULT_POLICY": "safepickle.policy",
     "PlanError": "errors", "WriteError": "errors", "VerifyError": "errors",
 }
 

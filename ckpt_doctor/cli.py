@@ -21,6 +21,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
     from typing import Any, Callable
 
+    from .safepickle.policy import Policy
+
 EXIT_CODES = """\b
 Exit codes (every command):
   0  done, nothing wrong found
@@ -87,14 +89,14 @@ def _write_page(path: str, text: str, inputs: tuple) -> None:
 
 
 def _under_policy(func: Callable[..., int]) -> Callable[..., int]:
-    """The command run with its allow-list in force: the defaults and its --allow-global names, for this command
-    only (built and checked here, so a refused name is the command's own usage error)."""
+    """The command given its allow-list as a value: `policy`, the defaults and its --allow-global names (built and
+    checked here, before anything else, so a refused name is the command's own usage error). The command passes it
+    to the library call it makes; nothing else knows of it."""
 
-    def run(**args: Any) -> int:
+    def run(allow_global: tuple[str, ...] = (), **args: Any) -> int:
         from .safepickle.policy import Policy
 
-        with Policy.allowing(args.get("allow_global", ())).applied():
-            return func(**args)
+        return func(policy=Policy.allowing(allow_global), **args)
 
     run.__name__, run.__doc__ = func.__name__, func.__doc__
     return run
@@ -468,7 +470,7 @@ def main() -> None:
 def inspect(ckpt: str, as_json: bool, format_: str, stats: bool, filter_: str | None, full: bool, model_spec: str | None,
             model_args: tuple[str, ...], allow_missing: str | None, allow_unexpected: str | None,
             min_loaded: float | None, select: str | None, values: bool, html_out: str | None,
-            require_default_load: bool, allow_global: tuple[str, ...], no_color: bool) -> int:
+            require_default_load: bool, policy: Policy, no_color: bool) -> int:
     """Show what a checkpoint holds: keys, shapes, dtypes, saved devices, prefixes, metadata, unsafe globals.
 
     CKPT is a file (torch zip, legacy torch, TorchScript, safetensors, a pickle) or a folder (a shard
@@ -522,13 +524,13 @@ def inspect(ckpt: str, as_json: bool, format_: str, stats: bool, filter_: str | 
         report = inspect_checkpoint(ckpt, stats=stats or bool(html_out), filter=filter_, model=model_spec,
                                     model_args=args, allow_missing=allow_missing,
                                     allow_unexpected=allow_unexpected, min_loaded=min_loaded, values=values,
-                                    select=select, require_default_load=require_default_load)
+                                    select=select, require_default_load=require_default_load, policy=policy)
     except SeveralCheckpoints as exc:
         needs_one = [flag for flag, given in (("--model", model_spec), ("--stats", stats), ("--html", html_out),
                                               ("--filter", filter_), ("--values", values)) if given]
         if needs_one:  # a listing has one line per file: these need the file named
             raise UsageError(f"{exc} ({needs_one[0]} needs one checkpoint)") from None
-        return _inspect_folder(exc.folder, as_json, no_color, require_default_load, tablefmt)
+        return _inspect_folder(exc.folder, policy, as_json, no_color, require_default_load, tablefmt)
     if html_out:
         from .render.html import inspect_html
 
@@ -547,14 +549,14 @@ def inspect(ckpt: str, as_json: bool, format_: str, stats: bool, filter_: str | 
     return report.exit_code
 
 
-def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_load: bool = False,
+def _inspect_folder(folder: Any, policy: Policy, as_json: bool, no_color: bool, require_default_load: bool = False,
                     tablefmt: str = "simple") -> int:
     """A folder of many checkpoints: one line per file (read several at once), a total; exit as the worst file."""
     from .listing import list_folder
     from .render.lines import color_of
     from .render.listing_out import listing_json, listing_summary, listing_table
 
-    listing = list_folder(folder, require_default_load)
+    listing = list_folder(folder, require_default_load, policy=policy)
     if as_json:
         from .render.json_out import dumps
 
@@ -626,7 +628,7 @@ def _inspect_folder(folder: Any, as_json: bool, no_color: bool, require_default_
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @handle_errors
 @_under_policy
-def fix(ckpt: str, output: str, as_json: bool, allow_global: tuple[str, ...], **flags: Any) -> int:
+def fix(ckpt: str, output: str, as_json: bool, policy: Policy, **flags: Any) -> int:
     """Repair a checkpoint into a file that loads: rename keys, pick the state_dict, drop, re-tag, convert.
 
     The input is never modified. The output is written to a temporary file beside it, fsynced, re-read
@@ -658,7 +660,7 @@ def fix(ckpt: str, output: str, as_json: bool, allow_global: tuple[str, ...], **
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit becomes EFBIG, reported, not a crash
     # the one place the flags become the library's options
-    options = fix_options(allow_global=allow_global, checkpoint=ckpt, **flags)
+    options = fix_options(policy=policy, checkpoint=ckpt, **flags)
     plan = prepare_fix(ckpt, output, options)
     if options.dry_run:
         if as_json:
@@ -707,7 +709,7 @@ def fix(ckpt: str, output: str, as_json: bool, allow_global: tuple[str, ...], **
 @_under_policy
 def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, format_: str, full: bool, html_out: str | None,
          strip_prefix: tuple[str, ...], add_prefix: tuple[str, ...], rename: tuple[str, ...],
-         allow_global: tuple[str, ...]) -> int:
+         policy: Policy) -> int:
     """What changed between two checkpoints: per tensor, shape and dtype changes, max |B - A|, the relative change
     ||B - A|| / ||A|| and the cosine similarity; which tensors stayed bit-identical, which exist on one side only,
     and the BatchNorm layers whose running statistics moved while their weights did not.
@@ -738,7 +740,7 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, format_: str, 
 
     steps = [T.strip_prefix(p) for p in strip_prefix] + [T.add_prefix(p) for p in add_prefix]
     steps += [T.rename(r) for r in rename]
-    report = diff_checkpoints(a, b, atol=atol, rtol=rtol, transforms=tuple(steps))
+    report = diff_checkpoints(a, b, atol=atol, rtol=rtol, transforms=tuple(steps), policy=policy)
     if html_out:
         from .render.html import diff_html
 
@@ -811,7 +813,7 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
            input_range: str, input_fn: str | None, gpus: int, modes: str, timeout: float, allow_skip: bool,
            summary: bool, compare_to: str | None, compare_model: str | None, compare_model_args: tuple[str, ...],
            select: str | None, allow_missing: str | None, allow_unexpected: str | None, min_loaded: float | None,
-           rtol: float | None, atol: float | None, allow_global: tuple[str, ...], as_json: bool, format_: str) -> int:
+           rtol: float | None, atol: float | None, policy: Policy, as_json: bool, format_: str) -> int:
     """Prove a checkpoint works: strict load, then run it alone, under DataParallel and under DDP.
 
     \b
@@ -864,7 +866,7 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
         report = verify_under_torchrun(ckpt, model_spec, args, spec, allow_skip, select, allow_missing,
                                        allow_unexpected, tolerance, min_loaded=min_loaded, timeout=timeout,
                                        summary=summary, compare_to=compare_to, compare_model=compare_model,
-                                       compare_model_args=other_args, progress=progress)
+                                       compare_model_args=other_args, progress=progress, policy=policy)
         code = 0 if report is None else _report_verify(report, as_json, tablefmt)  # rank 0 reports for all
         # gloo's threads can abort the interpreter's teardown once a peer has left ("terminate called without an
         # active exception"): the verdict is out, so leave without that teardown.
@@ -878,7 +880,8 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
     with contextlib.redirect_stdout(sys.stderr):  # the model's prints while it runs: stdout carries the report
         report = run_verify(ckpt, model_spec, args, spec, gpus, parse_modes(modes), timeout, summary, compare_to,
                             allow_skip, select, allow_missing, allow_unexpected, tolerance, min_loaded=min_loaded,
-                            compare_model=compare_model, compare_model_args=other_args, progress=progress)
+                            compare_model=compare_model, compare_model_args=other_args, progress=progress,
+                            policy=policy)
     return _report_verify(report, as_json, tablefmt)
 
 
@@ -913,7 +916,7 @@ def _report_verify(report, as_json: bool, tablefmt: str = "simple") -> int:
 @handle_errors
 @_under_policy
 def scan(paths: tuple[str, ...], as_json: bool, format_: str, show_all: bool, require_default_load: bool,
-         allow_global: tuple[str, ...], no_color: bool) -> int:
+         policy: Policy, no_color: bool) -> int:
     """Would torch.load(weights_only=False) run code from these files? Every global every pickle names, judged.
 
     \b
@@ -944,7 +947,7 @@ def scan(paths: tuple[str, ...], as_json: bool, format_: str, show_all: bool, re
     from .scan import scan as run_scan
 
     as_json, tablefmt = _table_format(as_json, format_)
-    report = run_scan(list(paths), require_default_load=require_default_load)
+    report = run_scan(list(paths), require_default_load=require_default_load, policy=policy)
     if as_json:
         from .render.json_out import dumps
 

@@ -7,7 +7,7 @@ import re
 
 from .dtypes import user_dtype_name
 from .errors import UsageError
-from .safepickle.policy import Policy
+from .safepickle.policy import DEFAULT_POLICY, Policy
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -72,11 +72,12 @@ def fix_options(*, strip_module: bool = False, add_module: bool = False, strip_p
                 reorder: bool = False, map_by_order: bool = False, allow_missing: str | None = None,
                 allow_unexpected: str | None = None, ties: tuple[str, ...] = (), format_: str | None = None,
                 max_shard_size: str | None = None, dry_run: bool = False, force: bool = False,
-                no_verify: bool = False, allow_unsafe: bool = False, allow_global: tuple[str, ...] = (),
+                no_verify: bool = False, allow_unsafe: bool = False, policy: Policy = DEFAULT_POLICY,
                 checkpoint: str | None = None) -> FixOptions:
     """The flags of `ckpt-doctor fix` (as the parser names them) -> FixOptions. Transforms are listed in the order
     they apply, whatever their order on the command line; the model is built (on meta) here. `checkpoint`: the
-    file fixed, beside which `--model hf:` alone finds its config.json."""
+    file fixed, beside which `--model hf:` alone finds its config.json. `policy`: the allow-list the command built
+    from --allow-global (a reference checkpoint given as --model is read under it too)."""
     from . import transforms as T
     from .fix import FixOptions, OutputFormat
 
@@ -100,10 +101,10 @@ def fix_options(*, strip_module: bool = False, add_module: bool = False, strip_p
     if model_spec:
         from .modelspec import keys_from_spec, parse_model_args  # ast, and torch to build the model: only with --model
 
-        model = keys_from_spec(model_spec, parse_model_args(model_args), checkpoint=checkpoint)
+        model = keys_from_spec(model_spec, parse_model_args(model_args), checkpoint=checkpoint, policy=policy)
     return FixOptions(transforms=tuple(steps), select=select, map_location=parse_map_location(map_location),
                       dtype=parse_dtype(dtype), model=model, reorder=reorder, auto=auto, map_by_order=map_by_order,
                       force=force, format=OutputFormat(format_) if format_ else None, allow_missing=allow_missing,
                       allow_unexpected=allow_unexpected, ties=tuple(parse_tie(t) for t in ties), dry_run=dry_run,
                       max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
-                      verify=not no_verify, allow_unsafe=allow_unsafe, policy=Policy.allowing(allow_global))
+                      verify=not no_verify, allow_unsafe=allow_unsafe, policy=policy)

@@ -19,6 +19,7 @@ from .errors import ReadError
 from .pool import can_fork, one_blas_thread, workers
 from .readers.held import Holder
 from .records import Checkpoint, TensorRecord, relative_to_root
+from .safepickle.policy import DEFAULT_POLICY, Policy
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
@@ -584,7 +585,8 @@ def _read_exactly(fd: int, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _match(a: Checkpoint, b: Checkpoint, b_path: str) -> tuple[dict[str, str], tuple[str, ...], str | None]:
+def _match(a: Checkpoint, b: Checkpoint, b_path: str,
+           policy: Policy = DEFAULT_POLICY) -> tuple[dict[str, str], tuple[str, ...], str | None]:
     """A's state_dict names → B's: the same names when they are, else the renames `inspect A --model B` infers."""
     a_root = a.state_dict_root
     a_keys = [t.key for t in a.state_dict_tensors()]
@@ -594,7 +596,7 @@ def _match(a: Checkpoint, b: Checkpoint, b_path: str) -> tuple[dict[str, str], t
     from .compare import compare_checkpoint  # compare, modelspec: ~40 ms, only when names must be matched
     from .modelspec import keys_from_spec
 
-    comparison = compare_checkpoint(a, keys_from_spec(b_path))
+    comparison = compare_checkpoint(a, keys_from_spec(b_path, policy=policy))
     root = comparison.fix_root if comparison.fix_root is not None else comparison.state_dict_root
     if root != a_root:
         a_keys = [t.key for t in a.tensors if root == "" or t.key.startswith(root + ".")]
@@ -606,14 +608,15 @@ def _match(a: Checkpoint, b: Checkpoint, b_path: str) -> tuple[dict[str, str], t
 
 
 def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.0, rtol: float = 0.0,
-                     transforms: tuple = (), progress=None) -> DiffReport:
-    """`transforms` (fix's --strip-prefix/--add-prefix/--rename) map A's names onto B's instead of the inference."""
+                     transforms: tuple = (), progress=None, policy: Policy = DEFAULT_POLICY) -> DiffReport:
+    """`transforms` (fix's --strip-prefix/--add-prefix/--rename) map A's names onto B's instead of the inference.
+    Both files are read under `policy` (the defaults unless passed)."""
     from .readers import read_checkpoint
     from .tensordata import load_tensor  # torch: ~1 s, imported when values are compared
 
     import numpy  # noqa: F401  (loaded now, when values are compared, so that one_blas_thread finds its OpenBLAS)
 
-    a, b = read_checkpoint(a_path), read_checkpoint(b_path)
+    a, b = read_checkpoint(a_path, policy=policy), read_checkpoint(b_path, policy=policy)
     for ckpt in (a, b):
         ckpt.refuse_if_unsafe("compare it", code_too=False)
         ckpt.refuse_values("compare its values")
@@ -624,7 +627,7 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
         mapping = dict(plan_keys([t.key for t in a.state_dict_tensors()], list(transforms)).mapping)
         flags = tuple(f for t in transforms for f in t.flags())
     else:
-        mapping, flags, a_root = _match(a, b, str(b_path))
+        mapping, flags, a_root = _match(a, b, str(b_path), policy)
     a_tensors = {t.key: t for t in relative_to_root(a.tensors, a_root)}
     b_tensors = {t.key: t for t in b.state_dict_tensors()}
     rows: list[TensorDiff] = []

@@ -22,6 +22,7 @@ from .pool import map_paths
 from .readers import checkpoint_paths, read_file
 from .readers.survey import survey_file
 from .report import inspect_checkpoint
+from .safepickle.policy import DEFAULT_POLICY, Policy
 from .scan import Skipped, is_skipped
 from .sniff import link_target
 
@@ -69,15 +70,19 @@ class FolderListing:
         return 2 if 2 in codes or self.problems else 0
 
 
-def list_folder(folder: Path, require_default_load: bool = False) -> FolderListing:
+def list_folder(folder: Path, require_default_load: bool = False, *,
+                policy: Policy = DEFAULT_POLICY) -> FolderListing:
+    """`inspect FOLDER` of many checkpoints: one line per file, each read under `policy`."""
+    import functools
+
     paths, problems, walk_skipped = checkpoint_paths(folder)
-    results = map_paths(inspect_line, paths)
+    results = map_paths(functools.partial(inspect_line, policy=policy), paths)
     lines = tuple(r for r in results if isinstance(r, FileLine))
     skipped = [Skipped(p, why) for p, why in walk_skipped] + [r for r in results if isinstance(r, Skipped)]
     return FolderListing(folder, lines, tuple(problems), tuple(skipped), require_default_load)
 
 
-def inspect_line(path: Path) -> FileLine | Skipped:
+def inspect_line(path: Path, *, policy: Policy = DEFAULT_POLICY) -> FileLine | Skipped:
     """One line: what `inspect PATH` reports, summed up; a file that cannot be read is a line with its error. A file
     that is no checkpoint and names nothing off the allow-list (a README, an image, a NumPy array) is Skipped, as
     `scan DIR` skips it — unless it bears a checkpoint's name (`model.pt` that is a web page is an error)."""
@@ -88,16 +93,16 @@ def inspect_line(path: Path) -> FileLine | Skipped:
     gc.disable()  # as in `inspect`: acyclic records, nothing for the collector to free (a forked worker too)
     try:
         if path.is_dir():
-            report = inspect_checkpoint(path)
+            report = inspect_checkpoint(path, policy=policy)
         else:
-            survey = survey_file(path)
+            survey = survey_file(path, policy=policy)
             try:
                 checkpoint = read_file(path, survey)
             except CkptDoctorError as exc:
                 if is_skipped(exc, survey, path):
                     return Skipped(path, str(exc).removeprefix(f"{path}: "))
                 raise
-            report = inspect_checkpoint(path, checkpoint=checkpoint)
+            report = inspect_checkpoint(path, checkpoint=checkpoint, policy=policy)
     except CkptDoctorError as exc:
         findings = tuple(getattr(exc, "findings", ()))
         verdict = "dangerous" if any(f.endswith("(dangerous)") for f in findings) else "code" if findings else "safe"

@@ -15,6 +15,7 @@ from .errors import ReadError, one_line
 from .modelspec import model_keys
 from .readers import read_checkpoint
 from .records import Checkpoint, Format, relative_to_root
+from .safepickle.policy import DEFAULT_POLICY, Policy
 from .transforms import plan_keys
 
 
@@ -57,16 +58,17 @@ def _tensors_via_torch_load(ckpt: Checkpoint, device_map: dict[str, str]) -> dic
 
 
 def load(path: str | Path, device: Any = "auto", *, checkpoint: Checkpoint | None = None,
-         select: str | None = None) -> StateDict:
+         select: str | None = None, policy: Policy = DEFAULT_POLICY) -> StateDict:
     """The state_dict inside any checkpoint, each tensor on a device this machine has.
 
     `device`: "auto" (cuda:N if present, else cuda:0, else mps, else cpu), a device ("cpu", "cuda:1"), or a
     dict like torch's map_location ({"cuda:3": "cuda:0"}). Never unpickles with weights_only=False: files that
     need their own classes (whole-model pickles, TorchScript) are read tensor by tensor from their records.
+    `policy`: the allow-list the file is read under (`Policy.allowing([...])` adds names, as --allow-global does).
     """
-    from .tensordata import load_tensor
+    from .tensordata import load_tensor  # torch: ~1 s, only when tensors are loaded
 
-    ckpt = checkpoint or read_checkpoint(path)
+    ckpt = checkpoint or read_checkpoint(path, policy=policy)
     ckpt.refuse_if_unsafe("load it", code_too=False)  # a pickled whole model is rescued tensor by tensor
     root = select if select is not None else ckpt.state_dict_root
     if root is None:
@@ -92,7 +94,7 @@ def load(path: str | Path, device: Any = "auto", *, checkpoint: Checkpoint | Non
 
 def load_into(model: Any, path: str | Path, fix: str | None = "auto", device: Any = None, *,
               select: str | None = None, allow_missing: str | None = None,
-              allow_unexpected: str | None = None) -> Comparison:
+              allow_unexpected: str | None = None, policy: Policy = DEFAULT_POLICY) -> Comparison:
     """Load the checkpoint into `model` strictly, after the fix `inspect --model` infers, and return the comparison
     of what was loaded — the state after the fix, with the fix it applied in `suggested_fix`.
 
@@ -100,13 +102,13 @@ def load_into(model: Any, path: str | Path, fix: str | None = "auto", device: An
     which only `ckpt-doctor fix --map-by-order` does, with its checks); `fix=None` loads the keys as they are.
     `select` picks another state_dict in the file (`model_ema`); `allow_missing` / `allow_unexpected` (regexes)
     accept intended differences, as on the command line: those keys keep the model's own values. Raises ReadError
-    naming what still fails.
+    naming what still fails. `policy`: the allow-list the file is read under.
     """
     import re
 
     from .compare import compare_tensors  # compare: ~40 ms, only when loading into a model
 
-    ckpt = read_checkpoint(path)
+    ckpt = read_checkpoint(path, policy=policy)
     keys = model_keys(model, type(model).__name__)
     before = compare_checkpoint(ckpt, keys, select=select)
     target = device

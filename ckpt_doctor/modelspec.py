@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ModelSpecError, UsageError, one_line
+from .safepickle.policy import DEFAULT_POLICY, Policy
 
 
 @record
@@ -206,14 +207,15 @@ def tied_names(model: Any) -> dict[str, list[str]]:
 
 
 def keys_from_spec(spec: str, model_args: dict[str, Any] | None = None, *,
-                   checkpoint: str | os.PathLike | None = None) -> ModelKeys:
+                   checkpoint: str | os.PathLike | None = None, policy: Policy = DEFAULT_POLICY) -> ModelKeys:
     """ModelKeys from a model SPEC (built on meta) or from a reference checkpoint's state_dict. `checkpoint` is the
-    file compared: what `hf:` alone names is beside it."""
+    file compared: what `hf:` alone names is beside it. `policy`: the allow-list a reference checkpoint is read
+    under."""
     spec = resolve_spec(spec, checkpoint)
     if is_checkpoint_spec(spec):
         from .readers import read_checkpoint
 
-        ref = read_checkpoint(spec)
+        ref = read_checkpoint(spec, policy=policy)
         if ref.state_dict_root is None:
             raise ModelSpecError(f"--model {spec}: the reference checkpoint holds no state_dict")
         entries = tuple(ModelEntry(t.key, t.shape, t.dtype, t.is_parameter or t.dtype.startswith(("float", "bf")))

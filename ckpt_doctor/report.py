@@ -14,6 +14,7 @@ from .devices import missing_devices
 from .errors import ReadError, SeveralCheckpoints, UsageError
 from .readers import read_checkpoint
 from .records import Checkpoint, Hazard, SharedGroup, TensorRecord, TensorTable, Verdict
+from .safepickle.policy import DEFAULT_POLICY, Policy
 from .sniff import deep, walk_folder
 
 TYPE_CHECKING = False
@@ -78,26 +79,27 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
                        model_args: dict[str, Any] | None = None, allow_missing: str | None = None,
                        allow_unexpected: str | None = None, min_loaded: float | None = None,
                        values: bool = False, select: str | None = None,
-                       require_default_load: bool = False) -> InspectReport:
-    """What `inspect` reports; with `model`, also the comparison with that model (or reference checkpoint)."""
+                       require_default_load: bool = False, policy: Policy = DEFAULT_POLICY) -> InspectReport:
+    """What `inspect` reports; with `model`, also the comparison with that model (or reference checkpoint). Globals
+    are judged by `policy` (the defaults unless passed; `Policy.allowing([...])` is --allow-global)."""
 
     path = deep(path)  # a path of any length opens (sniff.DeepPath)
     folder = checkpoint is None and path.is_dir()
     try:
-        ckpt = checkpoint or read_checkpoint(path)
+        ckpt = checkpoint or read_checkpoint(path, policy=policy)
     except SeveralCheckpoints:
         raise  # `inspect` lists them; for anything else, the message says which to name
     except ReadError as exc:
         if not folder or exc.findings:
             raise
         # Which checkpoint to open is unclear, but what the folder's files would run is not: say it (exit 1).
-        found = sibling_hazards(Path(path), ())
+        found = sibling_hazards(Path(path), (), policy=policy)
         if found:
             raise ReadError(f"{exc} — and files in it would run code: "
                             + "; ".join(h.what for h in found[:3]), tuple(h.what for h in found)) from None
         raise
     if folder:
-        ckpt = replace(ckpt, hazards=ckpt.hazards + tuple(sibling_hazards(Path(path), ckpt.files)))
+        ckpt = replace(ckpt, hazards=ckpt.hazards + tuple(sibling_hazards(Path(path), ckpt.files, policy=policy)))
     comparison = None
     model_shapes: dict[str, tuple] = {}
     diffs = None
@@ -110,14 +112,14 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         for flag, pattern in (("--allow-missing", allow_missing), ("--allow-unexpected", allow_unexpected)):
             if pattern:
                 compile_regex(pattern, flag)
-        keys = keys_from_spec(model, model_args, checkpoint=path)
+        keys = keys_from_spec(model, model_args, checkpoint=path, policy=policy)
         model_shapes = {e.key: e.shape for e in keys.entries}
         if select is not None and not any(t.key.startswith(select + ".") for t in ckpt.tensors):
             raise UsageError(f"--select {select!r} holds no tensors in {ckpt.path}")
         comparison = compare_checkpoint(ckpt, keys, select=select, allow_missing=allow_missing,
                                         allow_unexpected=allow_unexpected, min_loaded=min_loaded)
         if values:
-            diffs = value_differences(ckpt, model)
+            diffs = value_differences(ckpt, model, policy=policy)
     elif values:
         raise UsageError("--values compares with a reference checkpoint: give one with --model OTHER_CKPT")
     tensors = ckpt.tensors
@@ -149,11 +151,11 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         stats=table_stats, batchnorm_at_init=tuple(bn), filter=filter, comparison=comparison,
         model_shapes=model_shapes, value_diffs=diffs, missing_devices=tuple(missing_devices(ckpt.devices)),
         default_load=loads, require_default_load=require_default_load,
-        suggestions=tuple(_suggestions(ckpt, comparison, loads, str(path) if folder else str(ckpt.path))))
+        suggestions=tuple(_suggestions(ckpt, comparison, loads, str(path) if folder else str(ckpt.path), policy)))
 
 
 def _suggestions(ckpt: Checkpoint, comparison: Any, loads: DefaultLoad,
-                 source: str) -> list[tuple[str, Suggestion]]:
+                 source: str, policy: Policy = DEFAULT_POLICY) -> list[tuple[str, Suggestion]]:
     """The commands `inspect` suggests, each a value the summary, the JSON and the tests share: the fix a comparison
     infers (see `fix_suggestions`), else the rewrite after which torch.load(path) with torch's defaults loads the
     file here."""
@@ -165,7 +167,8 @@ def _suggestions(ckpt: Checkpoint, comparison: Any, loads: DefaultLoad,
     if not loads.ok and loads.applies and (loads.refused or loads.missing_devices):
         from .fix.rescue import rescue  # the fix planner: only for a file torch.load refuses
 
-        found = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [], source=source)
+        found = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [], source=source,
+                       policy=policy)
         if found is not None:
             return [("torch.load", found)]
     return []
@@ -227,7 +230,7 @@ def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
     return params, buffers
 
 
-def value_differences(ckpt: Checkpoint, reference: str) -> dict[str, float]:
+def value_differences(ckpt: Checkpoint, reference: str, *, policy: Policy = DEFAULT_POLICY) -> dict[str, float]:
     """max |a - b| for tensors present in both checkpoints with the same shape (read one pair at a time)."""
     from .diff import pair_stats  # diff, modelspec, tensordata (torch): only against a reference checkpoint
     from .modelspec import is_checkpoint_spec
@@ -235,7 +238,7 @@ def value_differences(ckpt: Checkpoint, reference: str) -> dict[str, float]:
 
     if not is_checkpoint_spec(reference):
         raise UsageError("--values needs a reference checkpoint as --model, not a model definition")
-    other = {t.key: t for t in read_checkpoint(reference).state_dict_tensors()}
+    other = {t.key: t for t in read_checkpoint(reference, policy=policy).state_dict_tensors()}
     diffs: dict[str, float] = {}
     for t in ckpt.state_dict_tensors():
         o = other.get(t.key)
@@ -245,7 +248,7 @@ def value_differences(ckpt: Checkpoint, reference: str) -> dict[str, float]:
     return diffs
 
 
-def sibling_hazards(folder: Path, own: tuple[Path, ...]) -> list[Hazard]:
+def sibling_hazards(folder: Path, own: tuple[Path, ...], *, policy: Policy = DEFAULT_POLICY) -> list[Hazard]:
     """The other files of a model folder that would run code when loaded (a training_args.bin, an optimizer.pt),
     judged by scan's own per-file check: `inspect DIR` then agrees with `scan DIR` on them."""
     from .scan import scan_file
@@ -255,7 +258,7 @@ def sibling_hazards(folder: Path, own: tuple[Path, ...]) -> list[Hazard]:
     for path in walk_folder(folder).files:
         if _identity(path) in mine:
             continue
-        result = scan_file(path, in_folder=True)
+        result = scan_file(path, in_folder=True, policy=policy)
         if result is not None and result.verdict is not Verdict.SAFE:
             names = [g.qualname for g in result.findings] + [h.what for h in result.hazards]
             found.append(Hazard(result.verdict, f"{path.relative_to(folder)} in the same folder would run code when "

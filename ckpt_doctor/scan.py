@@ -23,7 +23,7 @@ from .readers import index_members, named_as_checkpoint, read_file, remote_membe
 from .readers.source import real_url
 from .readers.survey import Survey, survey_file
 from .records import GlobalRef, Hazard
-from .safepickle.policy import Verdict
+from .safepickle.policy import DEFAULT_POLICY, Policy, Verdict
 from .sniff import Container, dangling, deep, kernel_filesystem, link_target, walk_folder, other_format
 
 
@@ -101,18 +101,20 @@ class ScanReport:
         return 2 if self.errors else 0
 
 
-def scan_file(path: Path, *, in_folder: bool = False) -> FileScan | None:
-    """The scan of one file; None for a file of a folder that is skipped (scan_one)."""
-    result = scan_one(path, in_folder=in_folder)
+def scan_file(path: Path, *, in_folder: bool = False, policy: Policy = DEFAULT_POLICY) -> FileScan | None:
+    """The scan of one file under `policy`; None for a file of a folder that is skipped (scan_one)."""
+    result = scan_one(path, in_folder=in_folder, policy=policy)
     return None if isinstance(result, Skipped) else result
 
 
-def scan_one(path: Path, *, in_folder: bool = False, taken: set[str] | None = None) -> FileScan | Skipped:
-    """The scan of one file. A file found in a folder is Skipped when it is no checkpoint and names nothing off the
-    allow-list (an image, an HDF5 file, a clean NumPy array), or holds no pickle at all (a README)."""
+def scan_one(path: Path, *, in_folder: bool = False, taken: set[str] | None = None,
+             policy: Policy = DEFAULT_POLICY) -> FileScan | Skipped:
+    """The scan of one file, its globals judged by `policy`. A file found in a folder is Skipped when it is no
+    checkpoint and names nothing off the allow-list (an image, an HDF5 file, a clean NumPy array), or holds no pickle
+    at all (a README)."""
     link = link_target(path)
     try:
-        survey = survey_file(path)
+        survey = survey_file(path, policy=policy)
     except CkptDoctorError as exc:
         return FileScan(path, None, None, (), error=str(exc), link=link)
     fmt, error, loads, fix = None, None, None, None
@@ -124,7 +126,7 @@ def scan_one(path: Path, *, in_folder: bool = False, taken: set[str] | None = No
         if not loads.ok or ckpt.verdict is not Verdict.SAFE:
             from .fix.rescue import rescue  # the fix planner: only for a file torch.load refuses
 
-            fix = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [], taken)
+            fix = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [], taken, policy=policy)
     except CkptDoctorError as exc:
         if in_folder and is_skipped(exc, survey, path):
             return Skipped(path, str(exc).removeprefix(f"{path}: "))
@@ -221,8 +223,8 @@ def _is_folder(raw: str) -> bool:
         return False
 
 
-def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
-                    unread: list[str]) -> tuple[list[FileScan], list[Skipped]]:
+def _with_dcp_items(results: list[FileScan], skipped: list[Skipped], unread: list[str],
+                    policy: Policy = DEFAULT_POLICY) -> tuple[list[FileScan], list[Skipped]]:
     """In a torch.distributed.checkpoint folder, the byte ranges its metadata names are what torch's DCP reader
     loads: each is walked too (a range need not start where the file's own archives do)."""
     from ._record import replace
@@ -234,7 +236,7 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
     ranges: dict[Path, list[tuple[int, int, tuple[str, ...]]]] = {}
     for folder in sorted(folders):
         try:
-            ranges.update(metadata_items(folder))
+            ranges.update(metadata_items(folder, policy=policy))
         except CkptDoctorError as exc:
             unread.append(f"{exc} — the items torch's DCP loader would unpickle from it were not all walked")
     # A shard of compressed items holds no pickle a file reader sees: it is scanned through its items.
@@ -261,12 +263,12 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
                             continue
                         ifd = os.open(inflated, os.O_RDONLY)
                         try:
-                            item = survey_item(inflated, ifd, 0, full)
+                            item = survey_item(inflated, ifd, 0, full, policy=policy)
                         finally:
                             os.close(ifd)
                             os.unlink(inflated)  # walked: not kept
                     else:
-                        item = survey_item(result.path, fd, at, length)
+                        item = survey_item(result.path, fd, at, length, policy=policy)
                     extra_globals += item.globals
                     extra_hazards += item.hazards
             finally:
@@ -280,18 +282,20 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
     return out, skipped
 
 
-def scan(paths: list[str], *, require_default_load: bool = False) -> ScanReport:
+def scan(paths: list[str], *, require_default_load: bool = False, policy: Policy = DEFAULT_POLICY) -> ScanReport:
+    """What `scan PATHS` reports: every file named or found under a folder, its globals judged by `policy` (the
+    defaults unless one is passed: `Policy.allowing([...])` adds names, as --allow-global does)."""
     files, problems, walk_skipped = files_to_scan(paths)
     results: list[FileScan] = []
     skipped: list[Skipped] = []
     taken: set[str] = set()  # the outputs the rescues suggest: a.pt and a.pth are not both rescued to a_fixed.pt
     for path, in_folder in files:
-        result = scan_one(path, in_folder=in_folder, taken=taken)
+        result = scan_one(path, in_folder=in_folder, taken=taken, policy=policy)
         if isinstance(result, Skipped):
             skipped.append(result)
         else:
             results.append(result)
-    results, skipped = _with_dcp_items(results, skipped, problems)
+    results, skipped = _with_dcp_items(results, skipped, problems, policy)
     skipped = walk_skipped + skipped  # never opened: a pipe a DCP folder's metadata names as a shard included
     for folder in (deep(p) for p in paths if _is_folder(p)):
         if not any(folder in r.path.parents for r in results):

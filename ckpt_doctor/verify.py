@@ -22,6 +22,7 @@ from .modelspec import example_inputs, library_names, model_keys, resolve_attr, 
 from .outputs import Tolerance, compare_outputs, flat_outputs
 from .readers import read_checkpoint
 from .readers.source import is_url, real_url
+from .safepickle.policy import DEFAULT_POLICY, Policy
 
 
 class Mode(str, enum.Enum):
@@ -515,10 +516,11 @@ class _Prepared:
 
 
 def _prepare(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: InputSpec, select: str | None,
-             allow_missing: str | None, allow_unexpected: str | None, min_loaded: float | None) -> _Prepared:
+             allow_missing: str | None, allow_unexpected: str | None, min_loaded: float | None,
+             policy: Policy = DEFAULT_POLICY) -> _Prepared:
     """The inputs, the model built on the CPU (lazy modules created by a forward on them), the load's verdict,
     and, when that verdict lets anything run, the model loaded: the same in every process that verifies."""
-    checkpoint = _read_safe(ckpt)  # judged before torch loads: a file that would run code is refused in a moment
+    checkpoint = _read_safe(ckpt, policy)  # judged before torch loads: code is refused in a moment
     import torch
 
     torch.manual_seed(SEED)  # an --input function drawing from torch's generator draws the same batch every time
@@ -532,18 +534,19 @@ def _prepare(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec
                          missing_devices=())
     if comparison.ok:  # the file as it is: tied names filled, what the allowances accept kept from the model
         load_into(model, ckpt, fix=None, device="cpu", select=select, allow_missing=allow_missing,
-                  allow_unexpected=allow_unexpected)
+                  allow_unexpected=allow_unexpected, policy=policy)
     return _Prepared(comparison, model, inputs, lazy)
 
 
-def _read_safe(ckpt: str) -> Any:
-    """The checkpoint read, refused (exit 1) when loading it would run code, with the rescue to run instead."""
+def _read_safe(ckpt: str, policy: Policy = DEFAULT_POLICY) -> Any:
+    """The checkpoint read under `policy`, refused (exit 1) when loading it would run code, with the rescue to run
+    instead."""
 
-    checkpoint = read_checkpoint(ckpt)
+    checkpoint = read_checkpoint(ckpt, policy=policy)
     if checkpoint.unsafe_globals or checkpoint.hazards:
         from .fix.rescue import rescue  # the fix planner: only for a file that would run code
 
-        found = rescue(checkpoint)
+        found = rescue(checkpoint, policy=policy)
         checkpoint.refuse_if_unsafe("verify it — nothing from it was loaded or run",
                                     f"Rescue its weights first with `{found.command}`, then verify {found.argv[3]}"
                                     if found is not None else "")
@@ -567,16 +570,18 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
            summary: bool = False, compare_to: str | None = None, allow_skip: bool = False,
            select: str | None = None, allow_missing: str | None = None, allow_unexpected: str | None = None,
            tolerance: Tolerance = Tolerance(), *, min_loaded: float | None = None, compare_model: str | None = None,
-           compare_model_args: dict[str, Any] | None = None, progress: Progress | None = None) -> VerifyReport:
+           compare_model_args: dict[str, Any] | None = None, progress: Progress | None = None,
+           policy: Policy = DEFAULT_POLICY) -> VerifyReport:
     """The load's verdict (allowances and --min-loaded applied), then the runs asked for. `compare_to` runs in
     `compare_model` when given (the original of a checkpoint mapped by order, in its own model), else in this
-    model, loaded with the fix `inspect --model` infers for it (the file a checkpoint was repaired from)."""
+    model, loaded with the fix `inspect --model` infers for it (the file a checkpoint was repaired from). The files
+    are read under `policy` here (each DDP rank, a process of its own, reads with the defaults)."""
     if gpus < 1:
         raise UsageError("--gpus must be at least 1")
     _check_compare_flags(compare_to, compare_model, compare_model_args)
     model_spec, compare_model = _resolved(model_spec, ckpt, compare_model, compare_to)
     prepared = _prepare(ckpt, model_spec, model_args, inputs_spec, select, allow_missing, allow_unexpected,
-                        min_loaded)
+                        min_loaded, policy)
     import torch
 
     comparison, model, inputs = prepared.comparison, prepared.model, prepared.inputs
@@ -600,7 +605,7 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
         other = load_reference(compare_to, compare_model or model_spec,
                                model_args if compare_model is None else (compare_model_args or {}), inputs,
                                own_model=compare_model is not None, allow_missing=allow_missing,
-                               allow_unexpected=allow_unexpected)
+                               allow_unexpected=allow_unexpected, policy=policy)
         diff_at = first_difference(model, other, inputs, tolerance)
     if single.status is Status.PASS:
         if Mode.DP in modes:
@@ -635,19 +640,20 @@ def _resolved(model_spec: str, ckpt: str, compare_model: str | None,
 
 
 def load_reference(path: str, spec: str, args: dict[str, Any], inputs: tuple[Any, ...], *, own_model: bool,
-                   allow_missing: str | None = None, allow_unexpected: str | None = None) -> Any:
+                   allow_missing: str | None = None, allow_unexpected: str | None = None,
+                   policy: Policy = DEFAULT_POLICY) -> Any:
     """The checkpoint `--compare-to` names, loaded on the CPU into a model of `spec`: its own model (`own_model`,
     from --compare-model: loaded with the fix inspect infers, nothing accepted) or the verified one (the fix
     inspect infers and the allowances given). A file that does not load so is refused in one line that says
     which flag to use."""
-    checkpoint = read_checkpoint(path)  # an unreadable file is its own error, raised as such
+    checkpoint = read_checkpoint(path, policy=policy)  # an unreadable file is its own error, raised as such
     checkpoint.refuse_if_unsafe("load it for --compare-to — nothing from it was loaded or run")
     model, _ = _build(spec, args, inputs)
     if own_model:
         allow_missing = allow_unexpected = None
     try:
         load_into(model, path, fix="auto", device="cpu", allow_missing=allow_missing,
-                  allow_unexpected=allow_unexpected)
+                  allow_unexpected=allow_unexpected, policy=policy)
     except ReadError:
         c = compare_checkpoint(checkpoint, model_keys(model, spec), allow_missing=allow_missing,
                                allow_unexpected=allow_unexpected)
@@ -681,7 +687,7 @@ def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any]
                           min_loaded: float | None = None, timeout: float = 300.0, summary: bool = False,
                           compare_to: str | None = None, compare_model: str | None = None,
                           compare_model_args: dict[str, Any] | None = None,
-                          progress: Progress | None = None) -> VerifyReport | None:
+                          progress: Progress | None = None, policy: Policy = DEFAULT_POLICY) -> VerifyReport | None:
     """Launched by torchrun: join its group, run this rank, and let rank 0 report for all (across nodes too).
     Every rank reaches the load's verdict on its own (the same one): a refused load runs nothing anywhere."""
     from datetime import timedelta
@@ -697,7 +703,8 @@ def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any]
     # one GPU would have rank 0 on nccl and rank 1 on gloo, and the group would never form).
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     backend = "nccl" if cuda_count() >= per_node and dist.is_nccl_available() else "gloo"
-    prepared = _prepare(ckpt, model_spec, model_args, spec, select, allow_missing, allow_unexpected, min_loaded)
+    prepared = _prepare(ckpt, model_spec, model_args, spec, select, allow_missing, allow_unexpected, min_loaded,
+                        policy)
     if not prepared.comparison.ok:
         return VerifyReport(ckpt, model_spec, (), prepared.comparison, allow_skip=allow_skip,
                             lazy=prepared.lazy) if rank == 0 else None
@@ -732,7 +739,7 @@ def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any]
         other = load_reference(compare_to, compare_model or model_spec,
                                model_args if compare_model is None else (compare_model_args or {}), inputs,
                                own_model=compare_model is not None, allow_missing=allow_missing,
-                               allow_unexpected=allow_unexpected)
+                               allow_unexpected=allow_unexpected, policy=policy)
         diff_at = first_difference(model, other, inputs, tolerance)
     return VerifyReport(ckpt, model_spec, (single, run), prepared.comparison, rows, diff_at, allow_skip, compare_to,
                         tolerance, compare_model, prepared.lazy)

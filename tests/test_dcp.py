@@ -760,6 +760,7 @@ def test_items_alike_are_walked_once_yet_each_pays_the_walks_cost(tmp_path):
     import io
 
     from ckpt_doctor.readers.survey import ItemCache
+    from ckpt_doctor.safepickle.policy import DEFAULT_POLICY
     from ckpt_doctor.safepickle.walker import new_budget, walk
 
     buf = io.BytesIO()
@@ -770,12 +771,12 @@ def test_items_alike_are_walked_once_yet_each_pays_the_walks_cost(tmp_path):
     cost = new_budget()[1] - (lambda b: (walk(data, "archive/data.pkl", budget=b), b[1])[1])(new_budget())
     assert cost > 0
     cache, budget = ItemCache(), new_budget()
-    first = cache.walk(data, "archive/data.pkl", budget)
-    again = cache.walk(data, "archive/data.pkl", budget)
+    first = cache.walk(data, "archive/data.pkl", budget, DEFAULT_POLICY)
+    again = cache.walk(data, "archive/data.pkl", budget, DEFAULT_POLICY)
     assert again is first and first.refused is None
     assert budget[1] == new_budget()[1] - 2 * cost
     budget[1] = cost - 1  # the folder's opcodes all but spent: no reuse, a walk of its own that runs out
-    short = cache.walk(data, "archive/data.pkl", budget)
+    short = cache.walk(data, "archive/data.pkl", budget, DEFAULT_POLICY)
     assert short is not first and short.refused and "opcodes" in short.refused
 
 

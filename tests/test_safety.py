@@ -186,22 +186,54 @@ def test_allow_global_is_like_add_safe_globals_and_refuses_what_runs_code(tmp_pa
     assert refused.exit_code == 2 and "refused" in refused.stderr
 
 
-def test_the_allow_list_is_a_value_passed_in():
+def test_the_allow_list_is_a_value_passed_in(tmp_path):
+    """A Policy is passed to what reads: one that allows a global makes it safe for that call only, and the default
+    call before and after is unaffected (no policy is "in force" anywhere)."""
+    from ckpt_doctor import read_checkpoint
+    from ckpt_doctor._record import FrozenInstanceError
     from ckpt_doctor.errors import UsageError
-    from ckpt_doctor.safepickle.policy import DEFAULT_POLICY, Policy, Verdict, allowed_globals, classify
+    from ckpt_doctor.safepickle.policy import DEFAULT_POLICY, Policy, Verdict, classify
+    from ckpt_doctor.scan import scan
 
     mine = Policy.allowing(["mypkg.config.TrainConfig"])
     assert mine.classify("mypkg.config", "TrainConfig")[0] is Verdict.SAFE
     assert DEFAULT_POLICY.classify("mypkg.config", "TrainConfig")[0] is Verdict.CODE
     assert classify("mypkg.config", "TrainConfig", mine)[0] is Verdict.SAFE
-    assert classify("mypkg.config", "TrainConfig")[0] is Verdict.CODE  # nothing in force outside a block
-    with allowed_globals(["mypkg.config.TrainConfig"]):
-        assert classify("mypkg.config", "TrainConfig")[0] is Verdict.SAFE
     assert classify("mypkg.config", "TrainConfig")[0] is Verdict.CODE
     assert mine.writable("mypkg.config.TrainConfig") and not DEFAULT_POLICY.writable("mypkg.config.TrainConfig")
+    with pytest.raises(FrozenInstanceError):
+        mine.extra = frozenset()  # type: ignore[misc]
     with pytest.raises(UsageError, match="refused"):
         Policy.allowing(["os.system"])
 
+    path = tmp_path / "cfg.pkl"
+    path.write_bytes(b"\x80\x02}(" + _str("cfg") + global_op("mypkg.config", "TrainConfig") + b")\x81u.")
+    zipped = tmp_path / "cfg.pt"  # the same global inside a torch zip: walked, then unpickled
+    zipped.write_bytes(stored_zip({"archive/data.pkl": b"\x80\x02}(" + _str("cfg") + global_op("mypkg.config",
+                                  "TrainConfig") + b")\x81u.", "archive/version": b"3\n"}))
+    for p in (path, zipped):
+        assert [g.qualname for g in read_checkpoint(p).unsafe_globals] == ["mypkg.config.TrainConfig"]
+        allowed = read_checkpoint(p, policy=mine)
+        assert not allowed.unsafe_globals
+        assert [g.verdict for g in allowed.globals if g.qualname == "mypkg.config.TrainConfig"] == [Verdict.SAFE]
+        assert [g.qualname for g in read_checkpoint(p).unsafe_globals] == ["mypkg.config.TrainConfig"]
+    assert scan([str(path)], policy=mine).exit_code == 0
+    assert scan([str(path)]).exit_code == 1
+
+
+def test_a_cached_walk_is_never_served_under_another_policy():
+    """DCP items alike are walked once (ItemCache): the walk of the same bytes under another policy is its own."""
+    from ckpt_doctor.readers.survey import ItemCache
+    from ckpt_doctor.safepickle.policy import DEFAULT_POLICY, Policy, Verdict
+    from ckpt_doctor.safepickle.walker import new_budget
+
+    data = b"\x80\x02}(" + _str("cfg") + global_op("mypkg.config", "TrainConfig") + b")\x81u."
+    cache = ItemCache()
+    mine = Policy.allowing(["mypkg.config.TrainConfig"])
+    budget = new_budget()
+    assert [g.verdict for g in cache.walk(data, "data.pkl", budget, DEFAULT_POLICY).globals] == [Verdict.CODE]
+    assert [g.verdict for g in cache.walk(data, "data.pkl", budget, mine).globals] == [Verdict.SAFE]
+    assert [g.verdict for g in cache.walk(data, "data.pkl", budget, DEFAULT_POLICY).globals] == [Verdict.CODE]
 
 
 @pytest.mark.parametrize("module, name", [("transformers.training_args", "TrainingArguments"),

@@ -327,7 +327,7 @@ def _write_folder(plan, tree: dict, tmp: Path) -> dict[str, tuple[int, tuple, st
                 written[fqn] = (out.crc if out.crc is not None else 0, rec.shape, leaf.dtype, fqn)
             else:
                 _check_value(leaf, fqn)
-                pickle_bytes, _unknown = dumps(leaf)
+                pickle_bytes, _unknown = dumps(leaf, plan.policy)
                 size = _archive(fd, pickle_bytes, [], base)
                 items.append((fqn, path, None))
                 storage.append((fqn, None, (name, base, size)))
@@ -393,7 +393,7 @@ def write_dcp(plan, verify: bool, force: bool) -> int:
 def _verify(folder: Path, plan, written: dict[str, tuple[int, tuple, str, tuple]]) -> None:
     """Read the folder back with ckpt-doctor's DCP reader: the same tensors, bit for bit (crc32 of the bytes each
     item holds against the crc32 of what was copied into it from the source), tied names still one tensor."""
-    back = {t.key: t for t in read_checkpoint(folder).tensors}
+    back = {t.key: t for t in read_checkpoint(folder, policy=plan.policy).tensors}
     if set(back) != set(written):
         differ = sorted(set(back) ^ set(written))[:3]
         raise WriteError(f"{plan.output}: verification failed: the folder holds other tensors than planned ({differ}); "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .._record import record
 from ..errors import UsageError
-from ..safepickle.policy import Policy
+from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..transforms import Transform
 
 TYPE_CHECKING = False
@@ -60,5 +60,5 @@ class FixOptions:
     max_shard_size: int | None = None  # bytes: shards of at most this, and an index naming them
     verify: bool = True  # re-read the output and compare every tensor with its source (the default never skips it)
     allow_unsafe: bool = False  # rewrite a file that names dangerous globals (its tensors and plain data only)
-    policy: Policy | None = None  # what the output may name beyond torch's list (--allow-global); None: in force
+    policy: Policy = DEFAULT_POLICY  # the allow-list (--allow-global): the source read under it, the output naming it
 

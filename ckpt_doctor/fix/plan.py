@@ -23,7 +23,7 @@ from ..records import (
     ancestors,
     relative_to_root,
 )
-from ..safepickle.policy import Policy, in_force
+from ..safepickle.policy import Policy
 from ..safepickle.unpickler import Opaque, RawTensor
 from ..transforms import Op, Transform, plan_keys
 from ..tree import join
@@ -90,7 +90,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     refuse_unplannable(ckpt, output)
     fmt = output_format(output, opts.format)
     check_option_needs(opts)
-    policy = opts.policy or in_force()
+    policy = opts.policy
     draft = Draft()
     user_ties = set(opts.ties)  # --tie as given: checked strictly; those --auto infers fit by construction
     auto_select = False

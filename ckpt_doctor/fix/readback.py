@@ -14,7 +14,7 @@ from .results import FixPlan
 
 def verify_torch_structure(tmp: Path, plan: FixPlan, expected: dict[str, TensorOut]) -> None:
     """The written file, re-read by the same reader a user's inspect uses, holds exactly the planned tensors."""
-    written = {t.key: t for t in read_checkpoint(tmp).tensors}
+    written = {t.key: t for t in read_checkpoint(tmp, policy=plan.policy).tensors}
     if set(written) != set(expected):
         missing = sorted(set(expected) ^ set(written))[:3]
         raise WriteError(f"{plan.output}: verification failed: keys differ from the plan ({missing}); nothing written")

@@ -8,6 +8,7 @@ from pathlib import Path
 from ..advice import Promise, Suggestion, output_beside, shell_path
 from ..errors import CkptDoctorError
 from ..records import Checkpoint
+from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..transforms import drop
 from .options import FixOptions
 from .plan import plan_fix
@@ -18,17 +19,18 @@ if TYPE_CHECKING:  # names for annotations only
 
 
 def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None = None,
-           source: str | None = None) -> Suggestion | None:
+           source: str | None = None, *, policy: Policy = DEFAULT_POLICY) -> Suggestion | None:
     """The `fix` command that writes a file's tensors and plain data as a file torch.load(weights_only=True) loads
     (a whole pickled model as its state_dict; what only code can rebuild left out with --drop), checked by planning
-    it — nothing is written — so the command printed is one that runs. None when no plain command does."""
+    it — nothing is written — so the command printed is one that runs. None when no plain command does. `policy`:
+    the allow-list the file was read under, which the plan writes by."""
     path = source or str(ckpt.path)  # as the user named it (a model's folder)
     out = output_beside(path, taken=taken)
     flags: list[str] = ["--allow-unsafe"] if ckpt.dangerous_globals else []
     flags += extra
     for _ in range(2):
         try:
-            plan_fix(ckpt, Path(out), FixOptions(transforms=tuple(_drops(flags))))
+            plan_fix(ckpt, Path(out), FixOptions(transforms=tuple(_drops(flags)), policy=policy))
         except CkptDoctorError as exc:
             pattern = getattr(exc, "drop", None)
             if not pattern or "--drop" in flags:

@@ -25,12 +25,12 @@ def prepare_fix(source: str | os.PathLike[str] | Checkpoint, output: str | os.Pa
     """The plan of a repair of `source` into `output`, checked before anything is written: a file that names
     dangerous globals is refused unless options.allow_unsafe, an existing output unless options.force."""
     output = Path(output)
-    checkpoint = source if isinstance(source, Checkpoint) else read_checkpoint(source)
+    checkpoint = source if isinstance(source, Checkpoint) else read_checkpoint(source, policy=options.policy)
     if not options.allow_unsafe and checkpoint.dangerous_globals:
         # A whole pickled model (code: its classes) is what fix rescues; what is known to be dangerous needs consent.
         from .rescue import rescue  # the rescue planner: only for a file that needs consent
 
-        found = rescue(checkpoint)
+        found = rescue(checkpoint, policy=options.policy)
         extra = tuple(found.argv[4:]) if found is not None else ("--allow-unsafe",)
         checkpoint.refuse_if_unsafe("rewrite it", "To keep only its tensors and plain data (nothing it names is ever "
                                     "run or written): {0}", code_too=False, reruns=(Rerun(add=extra),))

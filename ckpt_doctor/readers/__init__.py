@@ -13,6 +13,7 @@ from ..advice import consolidate
 from ..errors import ReadError, SeveralCheckpoints
 from ..records import Checkpoint, DistributedShard, Format
 from ..safepickle import limits
+from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..sniff import HEAD, Container, dangling, deep, kernel_filesystem, other_format, walk_folder
 from .files import CHECKPOINT_SUFFIXES, read_container, read_surveyed
 from .hfcache import is_hf_ref
@@ -32,10 +33,11 @@ def named_as_checkpoint(path: Path, tar_archive: bool) -> bool:
         tar_archive and name.endswith(".tar") and not name.endswith(".pth.tar"))
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Read a checkpoint's structure (keys, shapes, dtypes, devices, byte ranges) without loading tensor data."""
+def read_checkpoint(path: str | os.PathLike[str], *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
+    """Read a checkpoint's structure (keys, shapes, dtypes, devices, byte ranges) without loading tensor data.
+    `policy`: the allow-list its globals are judged by (`Policy.allowing([...])` adds names to the defaults)."""
     if is_url(path):  # https://, s3://: read by range requests (readers/source.py)
-        return read_url(str(path) if isinstance(path, str) else real_url(path))
+        return read_url(str(path) if isinstance(path, str) else real_url(path), policy=policy)
     if is_hf_ref(path):  # hf://org/name: the local cache's snapshot, resolved offline (readers/hfcache.py)
         path = resolve_hf(str(path))
     path = deep(path)  # a path of any length opens (sniff.DeepPath)
@@ -56,18 +58,19 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if kind is not None:  # /proc, /sys: files that claim terabytes, or block when read
         raise ReadError(f"{path}: on the kernel's {kind} filesystem, not a checkpoint on disk: not read")
     if stat.S_ISDIR(st.st_mode):
-        return read_folder(path)
+        return read_folder(path, policy=policy)
     if not stat.S_ISREG(st.st_mode):
         raise ReadError(f"{path}: not a regular file")
     if path.name.endswith(".index.json"):  # a shard index: the checkpoint of its shards, as its folder is read
-        return read_sharded(path)
-    return read_file(path)
+        return read_sharded(path, policy=policy)
+    return read_file(path, policy=policy)
 
 
-def read_file(path: Path, survey: Survey | None = None) -> Checkpoint:
+def read_file(path: Path, survey: Survey | None = None, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
     """One checkpoint file as a user names it: read by its container's reader (files.py), a DCP shard by the DCP
-    reader, and said what it is when it is one rank's file of a distributed checkpoint."""
-    survey = survey or survey_file(path)
+    reader, and said what it is when it is one rank's file of a distributed checkpoint. Its globals are judged by
+    `policy` (a survey given carries the policy it was made under)."""
+    survey = survey or survey_file(path, policy=policy)
     if survey.container is Container.ZIP and survey.items:
         from .dcp import read_dcp_shard  # the DCP reader, a big module: only for a DCP shard
 
@@ -179,7 +182,7 @@ def is_one_checkpoint(folder: Path, names: list[str]) -> bool:
             or find_tag_folder(folder, names) is not None)
 
 
-def read_folder(folder: Path) -> Checkpoint:
+def read_folder(folder: Path, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
     from .dcp import is_dcp_folder, read_dcp  # the DCP and DeepSpeed readers: ~100 ms, only for a folder
 
     try:
@@ -187,7 +190,7 @@ def read_folder(folder: Path) -> Checkpoint:
     except PermissionError:
         raise ReadError(f"{folder}: permission denied (cannot list the folder)") from None
     if is_dcp_folder(names):
-        return read_dcp(folder, names)
+        return read_dcp(folder, names, policy=policy)
     from .dcp import hf_shard_files, read_hf_shards  # only for a folder
 
     hf_shards = hf_shard_files(folder, names)
@@ -195,7 +198,7 @@ def read_folder(folder: Path) -> Checkpoint:
         return read_hf_shards(folder, hf_shards)
     fsdp = _accelerate_fsdp_model(folder, names)
     if fsdp is not None:  # accelerate's save_state under FSDP: the model is a DCP folder of its own
-        ckpt = read_dcp(fsdp, os.listdir(fsdp))
+        ckpt = read_dcp(fsdp, os.listdir(fsdp), policy=policy)
         note = (f"accelerate save_state folder (FSDP): the model is read from {fsdp.name}/; the optimizer, "
                 "scheduler and random states beside it can be inspected by name")
         return replace(ckpt, notes=(note, *ckpt.notes))
@@ -203,7 +206,7 @@ def read_folder(folder: Path) -> Checkpoint:
 
     tag_dir = find_tag_folder(folder, names)
     if tag_dir is not None:
-        return read_deepspeed(folder, tag_dir)
+        return read_deepspeed(folder, tag_dir, policy=policy)
     chosen, candidates = find_in_folder(folder)
     if chosen is None:
         if not candidates:
@@ -222,7 +225,8 @@ def read_folder(folder: Path) -> Checkpoint:
         names = ", ".join(p.name for p in candidates[:5])
         raise SeveralCheckpoints(f"{folder}: folder holds {len(candidates)} checkpoints ({names}); name the file to "
                                  "open", folder)
-    ckpt = read_sharded(chosen) if chosen.name.endswith(".index.json") else read_file(chosen)
+    ckpt = read_sharded(chosen, policy=policy) if chosen.name.endswith(".index.json") \
+        else read_file(chosen, policy=policy)
     if "optimizer.bin" in names and any(n.startswith("random_states_") for n in names):
         note = (f"accelerate save_state folder: the model is {chosen.name}; optimizer.bin (an optimizer's "
                 "state_dict), the scheduler and random states beside it can be inspected by name")
@@ -234,15 +238,15 @@ def read_folder(folder: Path) -> Checkpoint:
 _MODEL_FILES = ("model.safetensors", "pytorch_model.bin", "diffusion_pytorch_model.safetensors")
 
 
-def read_url(url: str) -> Checkpoint:
+def read_url(url: str, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
     """A checkpoint behind a URL: a file, a shard index with its shards beside it (https:// or s3://), or an s3://
     folder holding one (listed once). Only headers and directories are fetched, by range requests."""
     shown = redact(url)
     if shown.endswith(".index.json"):
-        return read_sharded(remote_path(url))
+        return read_sharded(remote_path(url), policy=policy)
     if not _remote_folder(shown):
         try:
-            return read_file(remote_path(url))
+            return read_file(remote_path(url), policy=policy)
         except RemoteError as exc:
             # s3://bucket/prefix: no object of that name, but maybe a folder
             if not shown.startswith("s3://") or "not found (404)" not in str(exc) or not list_folder(url + "/"):
@@ -266,7 +270,7 @@ def read_url(url: str) -> Checkpoint:
                         "shard index, no model.safetensors or pytorch_model.bin); name the one to open, e.g. "
                         f"{shown}{(indexes or names)[0]}")
     path = remote_path(url + chosen)
-    return read_sharded(path) if chosen.endswith(".index.json") else read_file(path)
+    return read_sharded(path, policy=policy) if chosen.endswith(".index.json") else read_file(path, policy=policy)
 
 
 def _remote_folder(shown: str) -> bool:
@@ -327,7 +331,7 @@ def _remote_index(index_path: RemotePath) -> object:
     return parse_json(bytes(raw), index_path, "shard index")
 
 
-def read_sharded(index_path: Path) -> Checkpoint:
+def read_sharded(index_path: Path, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
     remote = isinstance(index_path, RemotePath)
     index = _remote_index(index_path) if remote else read_json(index_path, "shard index", limits.MAX_INDEX_BYTES)
     names = _shard_names(index_path, index)
@@ -339,7 +343,7 @@ def read_sharded(index_path: Path) -> Checkpoint:
         shard_path = sibling(index_path, shard) if remote else folder / shard
         if not shard_path.is_file():
             raise ReadError(f"{index_path}: shard {shard} is missing from {folder}")
-        shards[shard] = read_file(shard_path)
+        shards[shard] = read_file(shard_path, policy=policy)
     by_key = {}
     for name, ckpt in shards.items():
         for t in ckpt.state_dict_tensors():

@@ -26,6 +26,7 @@ from ..errors import ReadError
 from .._record import replace
 from ..records import Assembly, Checkpoint, DcpFolder, DistributedShard, Format, GlobalRef, Piece
 from ..safepickle import limits
+from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..safepickle.unpickler import Opaque, RawTensor, SizeValue, StorageRef
 from ._pickled import assembled_tensor, build_checkpoint
 from .survey import ItemCache, survey_file, survey_item
@@ -94,7 +95,8 @@ def _ints(value: Any, what: str, where: Path) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = True) -> None:
+def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = True,
+                   policy: Policy = DEFAULT_POLICY) -> None:
     import io
 
     from ..safepickle.unpickler import SafeUnpickler
@@ -111,7 +113,7 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = Tru
                         "ckpt-doctor unpickles")
     rank_file = RANK_METADATA.fullmatch(path.name)
     rank = int(rank_file.group(1)) if rank_file else None
-    up = SafeUnpickler(io.BytesIO(path.read_bytes()), path.name, None)
+    up = SafeUnpickler(io.BytesIO(path.read_bytes()), path.name, None, policy=policy)
     unpicklers.append(up)
     state = _state(run_unpickler(up, path), "Metadata", path)
     meta.version = str(_field(state, "version", path)) if isinstance(state, dict) and "version" in state else ""
@@ -275,14 +277,14 @@ def set_element(root: dict, path: tuple, value: Any, limit: int) -> None:
     cur[key] = value
 
 
-def _lightning_meta(folder: Path, names: list[str], root: dict) -> Checkpoint | None:
+def _lightning_meta(folder: Path, names: list[str], root: dict, policy: Policy) -> Checkpoint | None:
     """Lightning's ModelParallelStrategy saves the non-distributed part of its state (step, epoch, loops) in
     `meta.pt` beside the DCP files: read like any file, its values join the tree where no item is."""
     if "meta.pt" not in names:
         return None
     from .files import read_file
 
-    meta = read_file(folder / "meta.pt")
+    meta = read_file(folder / "meta.pt", policy=policy)
     if isinstance(meta.root, dict) and not meta.tensors:
         for key, value in meta.root.items():
             root.setdefault(key, value)
@@ -296,12 +298,13 @@ def _place(folder: Path, root: dict, path: tuple, value: Any, limit: int) -> Non
         raise ReadError(f"{folder}: {exc}") from None
 
 
-def _whole_file_views(folder: Path, files: set[str], items: dict[str, list[tuple[int, int]]]) -> tuple[list, list]:
+def _whole_file_views(folder: Path, files: set[str], items: dict[str, list[tuple[int, int]]],
+                      policy: Policy) -> tuple[list, list]:
     """What torch.load and Python's zipfile would read of each shard taken whole (a payload after the items is
     seen there): globals and hazards. Their disagreement is what a shard is when its items tile it exactly."""
     globals_, hazards = [], []
     for rel in sorted(files):
-        survey = survey_file(folder / rel, thorough=False)
+        survey = survey_file(folder / rel, thorough=False, policy=policy)
         globals_ += survey.globals
         spans = sorted(items.get(rel, []))
         tiled = spans and spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])) \
@@ -313,9 +316,10 @@ def _whole_file_views(folder: Path, files: set[str], items: dict[str, list[tuple
 class _Items:
     """Each item's file opened and checked once; each item walked and read as the torch.save archive it is."""
 
-    def __init__(self, folder: Path, meta: _Meta | None = None) -> None:
+    def __init__(self, folder: Path, meta: _Meta | None = None, policy: Policy = DEFAULT_POLICY) -> None:
         self.folder = folder
         self.meta = meta
+        self.policy = policy  # what every item's globals are judged by
         self.blobs: dict[str, dict[str, tuple[Any, tuple[int, ...]]] | None] = {}
         self.blob_base: dict[str, int] = {}  # where each shard's safetensors blob starts
         self.sizes: dict[str, int] = {}
@@ -415,7 +419,7 @@ class _Items:
             if os.pread(fd, 4, at) != b"PK\x03\x04":
                 raise ReadError(f"{self.folder}: {fqn} ({label}) is no torch.save archive (nor a tensor of a "
                                 "safetensors blob the metadata leads to)")
-            item = survey_item(path, fd, at, length, self.budget, self.cache)
+            item = survey_item(path, fd, at, length, self.budget, self.cache, policy=self.policy)
         finally:
             os.close(fd)
         self.globals.extend(item.globals)
@@ -505,7 +509,7 @@ def _remove_on_exit(folder: str) -> None:
                 signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
 
 
-def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
+def read_dcp(folder: Path, names: list[str], *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
     metas = metadata_files(folder, names)
     if not metas:
         shards = [n for n in names if n.endswith(".distcp")]
@@ -522,19 +526,19 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
             raise ReadError(f"{path}: cannot be read ({exc.strerror})") from None
         if not stat.S_ISREG(mode):  # a pipe would block the open below
             raise ReadError(f"{path}: not a regular file (a device, a pipe or a folder)")
-        survey = survey_file(path)
+        survey = survey_file(path, policy=policy)
         survey_globals.extend(survey.globals)
         hazards.extend(survey.hazards)
         if survey.refused:
             raise ReadError(f"{path}: refused to read it: {survey.refused}")
         try:
-            _read_metadata(path, meta, unpicklers)
+            _read_metadata(path, meta, unpicklers, policy=policy)
         except ReadError as exc:
             findings = survey.finding_names()
             if findings:
                 raise ReadError(f"{exc} — and it would run code: {', '.join(findings[:4])}", findings) from None
             raise
-    items = _Items(folder, meta)
+    items = _Items(folder, meta, policy)
     root: dict = {}
     layouts: dict[str, str] = {}
     files: set[str] = set()
@@ -597,7 +601,7 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
             if others:
                 differ.append(_differs(meta, (fqn, None), where, others, False, value))
             _place(folder, root, path, value, len(order))
-    lightning = _lightning_meta(folder, names, root)
+    lightning = _lightning_meta(folder, names, root, policy)
     if lightning is not None:
         survey_globals.extend(lightning.globals)
         hazards.extend(lightning.hazards)
@@ -608,7 +612,7 @@ def read_dcp(folder: Path, names: list[str]) -> Checkpoint:
             spans.setdefault(rel, []).append((at, length))
     for rel, base in items.blob_base.items():
         spans.setdefault(rel, []).append((base, items.sizes[rel] - base))  # the blob runs to the end of the file
-    view_globals, view_hazards = _whole_file_views(folder, files, spans)
+    view_globals, view_hazards = _whole_file_views(folder, files, spans, policy)
     if problems:
         shown = "; ".join(problems[:3]) + (f"; … {len(problems) - 3} more" if len(problems) > 3 else "")
         raise ReadError(f"{folder}: the checkpoint is incomplete: {shown}")
@@ -894,14 +898,15 @@ def read_hf_shards(folder: Path, shards: list[Path]) -> Checkpoint:
                                          len(root), sharded, 0, hf_writer=True))
 
 
-def metadata_items(folder: Path) -> dict[Path, list[tuple[int, int, tuple[str, ...]]]]:
+def metadata_items(folder: Path, *,
+                   policy: Policy = DEFAULT_POLICY) -> dict[Path, list[tuple[int, int, tuple[str, ...]]]]:
     """Each byte range the folder's metadata names, by file: what torch's DCP reader hands torch.load (for `scan`,
     which walks them beside each file's own views). Raises ReadError when the metadata cannot be read: the items
     DCP's loader would unpickle are then unknown, and scan must not call the folder clean."""
     meta = _Meta()
     try:
         for path in metadata_files(folder, os.listdir(folder)):
-            _read_metadata(path, meta, [], strict=False)
+            _read_metadata(path, meta, [], strict=False, policy=policy)
     except OSError as exc:
         raise ReadError(f"{folder}: its metadata cannot be read ({exc.strerror})") from None
     ranges: dict[Path, list[tuple[int, int, tuple[str, ...]]]] = {}
@@ -945,7 +950,7 @@ def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
     metas = metadata_files(folder, os.listdir(folder))
     for m in metas:
         try:
-            _read_metadata(m, meta, [])
+            _read_metadata(m, meta, [], policy=survey.policy)
         except (ReadError, OSError):
             names.clear()
             break

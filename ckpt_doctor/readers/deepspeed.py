@@ -30,6 +30,7 @@ from typing import Any
 from ..dtypes import element_size
 from ..errors import ReadError
 from ..records import Assembly, Checkpoint, DeepSpeedFolder, DistributedShard, Format, Piece
+from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..safepickle.unpickler import Opaque, RawTensor
 from ._pickled import assembled_tensor
 
@@ -146,7 +147,7 @@ def _shape(value: Any, name: str, where: Path) -> tuple[int, ...]:
     return tuple(value)
 
 
-def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
+def read_deepspeed(folder: Path, tag_dir: Path, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
     from .files import read_file
 
     names = sorted(os.listdir(tag_dir), key=_natural)
@@ -161,7 +162,7 @@ def read_deepspeed(folder: Path, tag_dir: Path) -> Checkpoint:
             raise ReadError(f"{p}: cannot be read ({exc.strerror})") from None
         if not stat.S_ISREG(mode):
             raise ReadError(f"{p}: not a regular file (a device, a pipe or a folder)")
-    ckpts = {p: read_file(p) for p in [*model_files, *optim_files]}
+    ckpts = {p: read_file(p, policy=policy) for p in [*model_files, *optim_files]}
     models = [ckpts[p].root for p in model_files]
     m0, first = models[0], model_files[0]
     if not isinstance(m0, dict) or "buffer_names" not in m0:

@@ -10,6 +10,7 @@ from pathlib import Path
 from .._record import replace
 from ..errors import NotACheckpoint, ReadError
 from ..records import Checkpoint
+from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..sniff import Container, describe_other, what_else
 from .source import close_source, open_source
 from .survey import Survey, survey_file
@@ -22,10 +23,11 @@ if TYPE_CHECKING:  # names for annotations only
     from typing import Callable
 
 
-def read_file(path: Path, survey: Survey | None = None) -> Checkpoint:
+def read_file(path: Path, survey: Survey | None = None, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
     """One file of a container the file readers know: what a folder reader reads its members (a DeepSpeed rank's
-    states, Lightning's meta.pt) with. `readers.read_file` adds what a lone file is within its folder."""
-    return read_surveyed(path, survey or survey_file(path), read_container)
+    states, Lightning's meta.pt) with. `readers.read_file` adds what a lone file is within its folder. `policy`
+    judges its globals (a survey given was made under its own)."""
+    return read_surveyed(path, survey or survey_file(path, policy=policy), read_container)
 
 
 def read_surveyed(path: Path, survey: Survey, read: Callable[[Path, Survey], Checkpoint]) -> Checkpoint:

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import CkptDoctorError, ReadError
 from ..records import Hazard
 from ..safepickle import limits
-from ..safepickle.policy import GlobalRef, Verdict
+from ..safepickle.policy import DEFAULT_POLICY, GlobalRef, Policy, Verdict
 from ..safepickle.walker import Walk, new_budget, starts_pickle, walk
 from ..sniff import Container
 from .mapping import READ_UP_TO, find_all, read_all, walk_window
@@ -58,6 +58,7 @@ class Survey:
     items: list[Survey] = field(default_factory=list)  # each archive of a DCP shard, walked (its offset: .base)
     base: int = 0  # where this archive starts in its file (an item of a DCP shard)
     budget: list[int] = field(default_factory=new_budget)  # what walking this file may cost, all walks together
+    policy: Policy = DEFAULT_POLICY  # the allow-list every global of the file is judged by (the readers' too)
     # What the items of one DCP folder share (ItemCache): a walk and an unpickled tensor by their pickle's bytes
     cache: Any = field(default=None, repr=False, compare=False)
     thorough: bool = field(default=True, repr=False, compare=False)  # survey_file's: the whole-file searches too
@@ -87,14 +88,15 @@ class Survey:
             self.refused = self.refused or result.refused
 
 
-def survey_file(path: Path, thorough: bool = True) -> Survey:
+def survey_file(path: Path, thorough: bool = True, *, policy: Policy = DEFAULT_POLICY) -> Survey:
     """Walk every pickle of the file at `path`. Raises ReadError only when the file cannot be opened or read.
 
     `thorough=False` skips the two walks that read a whole file looking for signatures (splitting a DCP shard into
     its archives, and local headers of an archive whose directory is broken): the DCP reader, which knows each item
-    of a shard from its metadata, walks those itself and asks here only what torch.load and zipfile would read."""
+    of a shard from its metadata, walks those itself and asks here only what torch.load and zipfile would read.
+    `policy`: the allow-list the globals are judged by (kept on the Survey for the reader that reads the file)."""
     if isinstance(path, RemotePath):
-        return _survey_remote(path, thorough)
+        return _survey_remote(path, thorough, policy)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a named pipe put in its place never blocks
     except PermissionError:
@@ -109,14 +111,14 @@ def survey_file(path: Path, thorough: bool = True) -> Survey:
             raise ReadError(f"{path}: not a regular file")
         size = st.st_size
         container, head = sniff_file(fd, size)
-        return _survey_source(path, fd, size, container, head, thorough)
+        return _survey_source(path, fd, size, container, head, thorough, policy)
     except OSError as exc:
         raise ReadError(f"{path}: read failed ({exc.strerror})") from None
     finally:
         os.close(fd)
 
 
-def _survey_remote(path: RemotePath, thorough: bool) -> Survey:
+def _survey_remote(path: RemotePath, thorough: bool, policy: Policy) -> Survey:
     """An object behind a URL: the same walks, through a source that fetches by range what they read."""
     from ..sniff import HEAD
 
@@ -126,12 +128,13 @@ def _survey_remote(path: RemotePath, thorough: bool) -> Survey:
     if container is Container.TAR:
         raise ReadError(f"{path}: a tar archive (torch's pre-0.4 format) is not read over the network; download it "
                         "and inspect the copy")
-    return _survey_source(path, src, src.size, container, head, thorough)
+    return _survey_source(path, src, src.size, container, head, thorough, policy)
 
 
-def _survey_source(path: Path, fd: Any, size: int, container: Container, head: bytes, thorough: bool) -> Survey:
+def _survey_source(path: Path, fd: Any, size: int, container: Container, head: bytes, thorough: bool,
+                   policy: Policy) -> Survey:
     if True:
-        survey = Survey(path, size, container, head, thorough=thorough)
+        survey = Survey(path, size, container, head, thorough=thorough, policy=policy)
         walk_pickles(survey, fd)  # what the container's row of readers/table.py walks
         if container is not Container.ZIP and (head[:4] == b"PK\x05\x06" or _ends_like_a_zip(fd, size)):
             # np.load and Python's zipfile open this as an archive (an empty-zip magic first, or an end record
@@ -147,13 +150,13 @@ def survey_pickles(survey: Survey, fd: int) -> None:
     state: list = []
 
     def run(data: bytes) -> Walk:
-        result = walk(data, "pickle", max_pickles=1, budget=survey.budget)
+        result = walk(data, "pickle", max_pickles=1, budget=survey.budget, policy=survey.policy)
         legacy = bool(result.pickles) and _is_magic(data, result.pickles[0][1])
         if legacy:
-            result = walk(data, "pickle", max_pickles=LEGACY_PICKLES, budget=survey.budget)
+            result = walk(data, "pickle", max_pickles=LEGACY_PICKLES, budget=survey.budget, policy=survey.policy)
         elif result.pickles and survey.container is Container.PICKLE and result.pickles[0][1] < len(data):
             _walk_on(result, walk(data, "pickle", start=result.pickles[0][1], budget=survey.budget,
-                                    following=True))
+                                  policy=survey.policy, following=True))
         after = result.pickles[-1][1] if result.pickles else 0
         state[:] = [legacy, after, data[after:after + 4] == b"PK\x03\x04"]
         return result
@@ -339,7 +342,7 @@ def _survey_items(survey: Survey, fd: int) -> None:
     survey.notes.append(f"{len(items)} torch.save archive{'s' if len(items) > 1 else ''} end to end (a "
                         f"torch.distributed.checkpoint shard),{blob} each archive walked")
     for offset, length in items:
-        item = survey_item(survey.path, fd, offset, length, survey.budget)
+        item = survey_item(survey.path, fd, offset, length, survey.budget, policy=survey.policy)
         survey.globals.extend(item.globals)
         survey.hazards.extend(item.hazards)
         if item.refused:
@@ -351,18 +354,19 @@ def _survey_items(survey: Survey, fd: int) -> None:
 
 class ItemCache:
     """What reading many small archives of one folder (DCP items: one torch.save archive per chunk, mostly alike)
-    reuses: the walk of a pickle, and the tensor it unpickles to, by the pickle's exact bytes. A walk is a function of
-    the bytes it walks (and its label, the same member name in every item), so equal bytes give the same findings and
-    refusals; only pickles of at most MAX_BYTES are kept, at most MAX_ENTRIES of them, MAX_HELD bytes in all (walks
-    and trees together)."""
+    reuses: the walk of a pickle, and the tensor it unpickles to, by the pickle's exact bytes and the policy that
+    judged it. A walk is a function of the bytes it walks, its label (the same member name in every item) and the
+    policy, so equal keys give the same findings and refusals (a verdict is never served under another policy); only
+    pickles of at most MAX_BYTES are kept, at most MAX_ENTRIES of them, MAX_HELD bytes in all (walks and trees
+    together)."""
 
     MAX_BYTES = 64 << 10
     MAX_ENTRIES = 16_384
     MAX_HELD = 64 << 20  # bytes kept, all tables together
 
     def __init__(self) -> None:
-        self.walks: dict[tuple[str, bytes], tuple[Walk, tuple[int, ...]]] = {}
-        self.trees: dict[bytes, Any] = {}
+        self.walks: dict[tuple[Policy, str, bytes], tuple[Walk, tuple[int, ...]]] = {}
+        self.trees: dict[tuple[Policy, bytes], Any] = {}
         self.held = 0
 
     def keep(self, table: dict, key: Any, value: Any, size: int = 0) -> bool:
@@ -373,11 +377,13 @@ class ItemCache:
         self.held += size
         return True
 
-    def walk(self, data: bytes, name: str, budget: list) -> Walk:
-        """walk(data, name) against `budget`, or the walk of the same bytes already made: the budget is debited by
+    def walk(self, data: bytes, name: str, budget: list, policy: Policy) -> Walk:
+        """walk(data, name) under `policy` against `budget`, or the walk of the same bytes under the same policy
+        already made: the budget is debited by
         what that walk cost all the same (it bounds the time the unpickler then takes too), and a budget that cannot
         pay for it gets a walk of its own (which meets the limit as before)."""
-        known = self.walks.get((name, data))
+        key = (policy, name, data)
+        known = self.walks.get(key)
         if known is not None:
             result, cost = known
             if all(budget[i] >= c for i, c in enumerate(cost)):
@@ -385,16 +391,16 @@ class ItemCache:
                     budget[i] -= c
                 return result
         before = budget[:3]
-        result = walk(data, name, budget=budget)
+        result = walk(data, name, budget=budget, policy=policy)
         if known is None:
-            self.keep(self.walks, (name, data), (result, tuple(b - a for b, a in zip(before, budget[:3]))), len(data))
+            self.keep(self.walks, key, (result, tuple(b - a for b, a in zip(before, budget[:3]))), len(data))
         return result
 
 
 def survey_item(path: Path, fd: int, offset: int, length: int, budget: list[int] | None = None,
-                cache: ItemCache | None = None) -> Survey:
-    """One archive inside a file (a DCP item), walked as its own zip."""
-    item = Survey(path, length, Container.ZIP, pread(fd, 16, offset), base=offset)
+                cache: ItemCache | None = None, *, policy: Policy = DEFAULT_POLICY) -> Survey:
+    """One archive inside a file (a DCP item), walked as its own zip under `policy`."""
+    item = Survey(path, length, Container.ZIP, pread(fd, 16, offset), base=offset, policy=policy)
     item.cache = cache
     if budget is not None:
         item.budget = budget
@@ -413,8 +419,9 @@ def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, bu
     if member.method == 0 and member.size > limits.ZIP_WHOLE_READ and member.offset >= 0 and not member.is_dir \
             and not whole:
         # read through a window that grows while the walk needs more (never mapped: no SIGBUS on a cut file)
-        result = walk_window(fd, member.size, lambda data: walk(data, name, budget=survey.budget), survey.budget,
-                             member.offset)
+        result = walk_window(fd, member.size,
+                             lambda data: walk(data, name, budget=survey.budget, policy=survey.policy),
+                             survey.budget, member.offset)
     if result is None:
         try:
             data = read_member(fd, member, str(survey.path), check_crc=False, budget=budget)
@@ -423,9 +430,9 @@ def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, bu
             return
         cache = survey.cache
         if cache is not None and len(data) <= cache.MAX_BYTES:
-            result = cache.walk(data, name, survey.budget)
+            result = cache.walk(data, name, survey.budget, survey.policy)
         else:
-            result = walk(data, name, budget=survey.budget)
+            result = walk(data, name, budget=survey.budget, policy=survey.policy)
     if not (is_main or _is_pickle_name(name)) and not result.pickles:
         return  # a member that is no pickle (a text file, an image): nothing a loader would unpickle
     survey._add(result)
@@ -492,7 +499,7 @@ def _survey_zipfile_view(survey: Survey, fd: int) -> None:
                     if head[:6] == b"\x93NUMPY":
                         _survey_npy_bytes(survey, data, label)
                     else:
-                        survey._add(walk(data, label, budget=survey.budget))
+                        survey._add(walk(data, label, budget=survey.budget, policy=survey.policy))
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, RuntimeError,
             NotImplementedError, UnicodeError, OverflowError, struct.error, zlib.error) as exc:
         survey.notes.append(f"Python's zipfile cannot read it either ({type(exc).__name__})")
@@ -507,11 +514,12 @@ def _survey_local_pickles(survey: Survey, fd: int, start: int, how: str) -> None
         if whole is not None:  # a small file: read once, each walk from its byte
             if not (_is_pickle_name(name) or starts_pickle(whole, data_at)):
                 continue
-            result = walk(whole, label, start=data_at, budget=survey.budget)
+            result = walk(whole, label, start=data_at, budget=survey.budget, policy=survey.policy)
         else:  # a big one: a window from each member's data (no map: a cut file must not SIGBUS)
             if not (_is_pickle_name(name) or starts_pickle(pread(fd, 16, data_at))):
                 continue
-            result = walk_window(fd, survey.size - data_at, lambda data: walk(data, label, budget=survey.budget),
+            result = walk_window(fd, survey.size - data_at,
+                                 lambda data: walk(data, label, budget=survey.budget, policy=survey.policy),
                                  survey.budget, data_at)
         if result.pickles or result.globals or _is_pickle_name(name):
             survey._add(result)
@@ -520,7 +528,7 @@ def _survey_local_pickles(survey: Survey, fd: int, start: int, how: str) -> None
 def survey_tar(survey: Survey, fd: int) -> None:
     from .torch_tar import tar_layout
 
-    layout = tar_layout(fd, survey.size, survey.path, survey.budget)
+    layout = tar_layout(fd, survey.size, survey.path, survey.budget, survey.policy)
     survey.tar = layout
     if layout.refused:
         survey.refused = survey.refused or layout.refused
@@ -533,7 +541,8 @@ def survey_tar(survey: Survey, fd: int) -> None:
     if starts_pickle(survey.head):
         if True:
             result = walk_window(fd, survey.size, lambda data: walk(data, "the file read as a pickle from byte 0",
-                                                                     max_pickles=LEGACY_PICKLES, budget=survey.budget),
+                                                                     max_pickles=LEGACY_PICKLES, budget=survey.budget,
+                                                                     policy=survey.policy),
                                  survey.budget)
             survey._add(result)
             if result.pickles:
@@ -547,7 +556,8 @@ def survey_npy(survey: Survey, fd: Any) -> None:
         return
     where = "the file"
     survey._add(walk_window(fd, survey.size, lambda data: walk(data, f"{where}: the pickle after the NumPy header",
-                                                                start=at, budget=survey.budget), survey.budget))
+                                                                start=at, budget=survey.budget, policy=survey.policy),
+                            survey.budget))
     survey.notes.append(f"{where}: a NumPy array whose data np.load(allow_pickle=True) would unpickle")
 
 
@@ -556,7 +566,8 @@ def _survey_npy_bytes(survey: Survey, data: Any, where: str) -> None:
     at = _npy_pickle_start(data)
     if at is None:
         return
-    survey._add(walk(data, f"{where}: the pickle after the NumPy header", start=at, budget=survey.budget))
+    survey._add(walk(data, f"{where}: the pickle after the NumPy header", start=at, budget=survey.budget,
+                     policy=survey.policy))
     survey.notes.append(f"{where}: a NumPy array whose data np.load(allow_pickle=True) would unpickle")
 
 
@@ -585,8 +596,8 @@ def _npy_pickle_start(data: Any, first: Any = None) -> int | None:
     return at
 
 
-def survey_or_error(path: Path) -> tuple[Survey | None, CkptDoctorError | None]:
+def survey_or_error(path: Path, *, policy: Policy = DEFAULT_POLICY) -> tuple[Survey | None, CkptDoctorError | None]:
     try:
-        return survey_file(path), None
+        return survey_file(path, policy=policy), None
     except CkptDoctorError as exc:
         return None, exc

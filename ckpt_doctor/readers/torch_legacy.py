@@ -11,6 +11,7 @@ from ..dtypes import element_size
 from ..errors import ReadError
 from ..records import Checkpoint, Format, GlobalRef, StorageRecord
 from ..safepickle import limits
+from ..safepickle.policy import Policy
 from ..safepickle.unpickler import SafeUnpickler
 from ..safepickle.walker import starts_pickle, walk
 from ._pickled import build_checkpoint, run_unpickler
@@ -37,7 +38,7 @@ def read_torch_legacy(path: Path, survey: Survey) -> Checkpoint:
             raise ReadError(f"{path}: a pickle of {needed:,} bytes, over the {limits.MAX_UNPICKLE_BYTES >> 20} MB "
                             "ckpt-doctor unpickles (it was walked: what it would run is reported)")
         head = os.pread(fd, needed, 0)
-        first = _load(head, spans[0], _LABELS[0], path)
+        first = _load(head, spans[0], _LABELS[0], path, survey.policy)
         if first[1] != MAGIC_NUMBER:
             # A bare pickle (pickle.dump): the first object is the content; torch.load would refuse it after
             # unpickling it ("Invalid magic number").
@@ -50,7 +51,7 @@ def read_torch_legacy(path: Path, survey: Survey) -> Checkpoint:
         if len(head) < spans[LEGACY_PICKLES - 1][1]:
             raise ReadError(f"{path}: legacy torch file whose pickles are over the "
                             f"{limits.MAX_UNPICKLE_BYTES >> 20} MB ckpt-doctor unpickles")
-        loaded = [first] + [_load(head, spans[i], _LABELS[i], path) for i in range(1, LEGACY_PICKLES)]
+        loaded = [first] + [_load(head, spans[i], _LABELS[i], path, survey.policy) for i in range(1, LEGACY_PICKLES)]
         (_, version), (_, sys_info), (body, root), (_, keys) = loaded[1], loaded[2], loaded[3], loaded[4]
         if version != PROTOCOL_VERSION:
             raise ReadError(f"{path}: legacy torch file with protocol version {version!r}; only "
@@ -77,7 +78,7 @@ def read_torch_legacy(path: Path, survey: Survey) -> Checkpoint:
         missing = set(body.storages) - set(keys)
         if missing:
             raise ReadError(f"{path}: storages {sorted(missing)[:3]} are named but not stored (corrupt file)")
-        trailing_notes, extra = _trailing(fd, offset, survey.size)
+        trailing_notes, extra = _trailing(fd, offset, survey.size, survey.policy)
         notes.extend(trailing_notes)
     finally:
         os.close(fd)
@@ -85,13 +86,13 @@ def read_torch_legacy(path: Path, survey: Survey) -> Checkpoint:
                             extra_globals=extra)
 
 
-def _load(data: bytes, span: tuple[int, int], label: str, path: Path):
-    """Unpickle one walked pickle: (the unpickler, with its records; the object)."""
-    unpickler = SafeUnpickler(io.BytesIO(data[span[0]:span[1]]), label)
+def _load(data: bytes, span: tuple[int, int], label: str, path: Path, policy: Policy):
+    """Unpickle one walked pickle under `policy`: (the unpickler, with its records; the object)."""
+    unpickler = SafeUnpickler(io.BytesIO(data[span[0]:span[1]]), label, policy=policy)
     return unpickler, run_unpickler(unpickler, path)
 
 
-def _trailing(fd: int, at: int, size: int) -> tuple[list[str], tuple[GlobalRef, ...]]:
+def _trailing(fd: int, at: int, size: int, policy: Policy) -> tuple[list[str], tuple[GlobalRef, ...]]:
     """A note on bytes after the last storage, and the globals they name (a pickle or a zip appended)."""
     left = size - at
     if left <= 0:
@@ -102,5 +103,5 @@ def _trailing(fd: int, at: int, size: int) -> tuple[list[str], tuple[GlobalRef, 
         notes.append("a zip archive follows the storages")
     if not starts_pickle(data):
         return notes, ()
-    result = walk(data, f"pickle after the storages (byte {at})")
+    result = walk(data, f"pickle after the storages (byte {at})", policy=policy)
     return notes + result.notes, tuple(result.globals)

@@ -22,6 +22,7 @@ from ..advice import command_line, output_beside, shell_path
 from ..dtypes import element_size
 from ..errors import ReadError
 from ..records import Checkpoint, Format, GlobalRef, StorageRecord
+from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..safepickle.unpickler import RawTensor, SafeUnpickler, StorageRef, StorageType
 from ..safepickle.walker import Walk, walk
 from ..sniff import MAX_TAR_METADATA, tar_field_number, tar_metadata_too_big
@@ -45,6 +46,7 @@ class TarLayout:
     problem: str | None = None  # where reading stopped, when it did
     refused: str | None = None  # headers no checkpoint has (tarfile would hold hundreds of MB): not read at all
     unpicklers: list[SafeUnpickler] = field(default_factory=list)
+    policy: Policy = DEFAULT_POLICY  # what the walks judged globals by; the `pickle` member is read under it too
 
 
 def _precheck(fd: int, size: int) -> str | None:
@@ -68,9 +70,11 @@ def _precheck(fd: int, size: int) -> str | None:
     return None
 
 
-def tar_layout(fd: int, size: int, path: Path, budget: list[int] | None = None) -> TarLayout:
-    """List the archive with tarfile (the module torch uses) and walk every pickle torch would unpickle."""
-    layout = TarLayout()
+def tar_layout(fd: int, size: int, path: Path, budget: list[int] | None = None,
+               policy: Policy = DEFAULT_POLICY) -> TarLayout:
+    """List the archive with tarfile (the module torch uses) and walk every pickle torch would unpickle, judging
+    its globals by `policy`."""
+    layout = TarLayout(policy=policy)
     layout.refused = _precheck(fd, size)
     if layout.refused:
         layout.problem = layout.refused
@@ -127,7 +131,7 @@ class _Reader:
         chunk = 1 << 16
         while True:
             data = os.pread(self.fd, min(chunk, end - at), at)
-            result = walk(data, label, max_pickles=1, budget=self.budget)
+            result = walk(data, label, max_pickles=1, budget=self.budget, policy=self.layout.policy)
             if not result.truncated or len(data) >= end - at:
                 break
             chunk *= 4
@@ -141,7 +145,7 @@ class _Reader:
         return result, data[:stop], at + stop
 
     def _load(self, raw: bytes, label: str) -> Any:
-        unpickler = SafeUnpickler(io.BytesIO(raw), label)
+        unpickler = SafeUnpickler(io.BytesIO(raw), label, policy=self.layout.policy)
         self.layout.unpicklers.append(unpickler)
         try:
             return run_unpickler(unpickler, self.path)
@@ -154,7 +158,9 @@ class _Reader:
             return
         start, end = region
         # read, not mapped: a file cut short meanwhile ends the walk early instead of killing the process (SIGBUS)
-        result = walk_window(self.fd, end - start, lambda data: walk(data, f"tar member {name}", budget=self.budget),
+        result = walk_window(self.fd, end - start,
+                             lambda data: walk(data, f"tar member {name}", budget=self.budget,
+                                               policy=self.layout.policy),
                              self.budget, start)
         self.layout.walks.append(result)
         self.layout.globals.extend(result.globals)
@@ -253,7 +259,7 @@ def read_torch_tar(path: Path, fd: int, layout: TarLayout, notes: tuple[str, ...
         except (KeyError, TypeError, ValueError):
             raise ReadError(f"{path}: tar member pickle names object {pid!r:.40}, which the archive lacks") from None
 
-    unpickler = SafeUnpickler(io.BytesIO(raw), "tar member pickle", persistent=persistent)
+    unpickler = SafeUnpickler(io.BytesIO(raw), "tar member pickle", persistent=persistent, policy=layout.policy)
     root = run_unpickler(unpickler, path)
 
     notes = notes + ("torch's pre-0.4 tar format: torch.load(weights_only=True) refuses it; rewrite it with "

@@ -93,7 +93,8 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
         if zlib.crc32(raw) != pkl.crc:
             raise ReadError(f"{path}: zip member {pkl.name} fails its CRC check (the file is corrupt)")
         cache = survey.cache if not is_script and len(raw) <= ItemCache.MAX_BYTES else None
-        known = cache.trees.get(raw) if cache is not None else None
+        tree_key = (survey.policy, raw)  # a tree is unpickled under a policy: never served under another
+        known = cache.trees.get(tree_key) if cache is not None else None
         if known is not None:  # an item alike an earlier one (a DCP chunk): its tensor again, on this item's storage
             unpickler, tensor, built = known
             first = tensor.storage
@@ -102,12 +103,12 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
             root = RawTensor(ref, tensor.dtype, tensor.offset, tensor.shape, tensor.stride, tensor.requires_grad,
                              tensor.is_parameter, tensor.device, tensor.note)
         else:
-            unpickler = SafeUnpickler(io.BytesIO(raw), pkl.name, resolve)
+            unpickler = SafeUnpickler(io.BytesIO(raw), pkl.name, resolve, policy=survey.policy)
             root = run_unpickler(unpickler, path)
             if cache is not None and type(root) is RawTensor and root.storage is not None \
                     and root.storage.view_of is None and list(unpickler.storages.values()) == [root.storage]:
                 # what build_checkpoint reads of the unpickler, not the unpickler (its memo stays with it)
-                cache.keep(cache.trees, raw, [_Unpickled(unpickler), root, None], len(raw))
+                cache.keep(cache.trees, tree_key, [_Unpickled(unpickler), root, None], len(raw))
         unpicklers = [unpickler]
         if compressed:
             notes.append(f"{len(compressed)} storage{'s are' if len(compressed) > 1 else ' is'} compressed (deflated) "
@@ -119,7 +120,8 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
             ts_members = _script_members(fd, index, prefix, path)
             constants = index.find(prefix + "constants.pkl")
             if constants is not None:
-                cup = SafeUnpickler(io.BytesIO(read_member(fd, constants, str(path))), constants.name, resolve)
+                cup = SafeUnpickler(io.BytesIO(read_member(fd, constants, str(path))), constants.name, resolve,
+                                    policy=survey.policy)
                 run_unpickler(cup, path)
                 unpicklers.append(cup)
     finally:
@@ -130,7 +132,7 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
                                                                                                 root)]))
     ckpt = build_checkpoint(path, Format.TORCHSCRIPT if is_script else Format.TORCH_ZIP, root, unpicklers,
                             ts_members=ts_members, notes=tuple(notes))
-    entry = cache.trees.get(raw) if cache is not None else None
+    entry = cache.trees.get(tree_key) if cache is not None else None
     if entry is not None and entry[2] is None and len(ckpt.tensors) == 1 and ckpt.notes == tuple(notes):
         entry[2] = ckpt
     return ckpt

@@ -6,7 +6,9 @@ data records of the formats ckpt-doctor reads (each with the reason it cannot ru
 is known to run commands, evaluate text, touch files or the network, or unpickle more data; otherwise "code" — a
 class or function that `torch.load(weights_only=False)` would import and call. Nothing named here is ever imported.
 
-The static walker and the safe unpickler both ask `classify`; nothing else decides.
+The static walker and the safe unpickler both ask the `Policy` they are handed; nothing else decides. A Policy is
+an immutable value built once per command (the defaults and `--allow-global`) and passed down: no policy is "in
+force", and nothing here changes after import.
 """
 
 from __future__ import annotations
@@ -323,7 +325,8 @@ def dangerous_reason(module: str, name: str) -> str | None:
 @record
 class Policy:
     """The allow-list as a value: torch's own `weights_only` list and the curated records of the formats read (always),
-    plus the globals a user allows (`--allow-global`). Built once per command and passed to what judges or writes."""
+    plus the globals a user allows (`--allow-global`). Built once per command and passed to what reads, judges or
+    writes; frozen, and hashable (a cache of verdicts is keyed by it)."""
 
     extra: frozenset[str] = frozenset()  # dotted names the user allows, each checked by check_user_allowance
 
@@ -359,43 +362,13 @@ class Policy:
         user allowed it (fix never writes anything else)."""
         return full in TORCH_WEIGHTS_ONLY or full in self.extra
 
-    def applied(self) -> _Applied:
-        """`with policy.applied():` the readers judge globals by this policy while the block runs (they are reached
-        through the survey and the format readers, which consult the policy in force; see in_force)."""
-        return _Applied(self)
+
+DEFAULT_POLICY = Policy()  # the defaults alone: torch's list and the curated records (immutable, as every Policy)
 
 
-DEFAULT_POLICY = Policy()
-_in_force: list[Policy] = [DEFAULT_POLICY]  # innermost `with policy.applied()` last; never changed outside one
-
-
-class _Applied:
-    """The context manager of Policy.applied (a class, not a contextlib generator: importing contextlib costs every
-    start)."""
-
-    def __init__(self, policy: Policy) -> None:
-        self.policy = policy
-
-    def __enter__(self) -> Policy:
-        _in_force.append(self.policy)
-        return self.policy
-
-    def __exit__(self, *exc: object) -> None:
-        _in_force.pop()  # blocks nest: the innermost leaves first
-
-
-def in_force() -> Policy:
-    """The policy of the innermost `with policy.applied()` block, else the defaults."""
-    return _in_force[-1]
-
-
-def classify(module: str, name: str, policy: Policy | None = None) -> tuple[Verdict, str]:
-    """The verdict on a global a pickle names under `policy` (by default the one in force)."""
-    return (policy or _in_force[-1]).classify(module, name)
-
-
-def is_allowed(module: str, name: str) -> bool:
-    return classify(module, name)[0] is Verdict.SAFE
+def classify(module: str, name: str, policy: Policy = DEFAULT_POLICY) -> tuple[Verdict, str]:
+    """The verdict on a global a pickle names under `policy` (the defaults unless one is passed)."""
+    return policy.classify(module, name)
 
 
 def check_user_allowance(name: str) -> str:
@@ -410,8 +383,3 @@ def check_user_allowance(name: str) -> str:
         raise UsageError(f"--allow-global {name}: refused, {danger}")
     return name
 
-
-def allowed_globals(names: Iterable[str]) -> _Applied:
-    """`with allowed_globals(names):` also allows `names` (dotted) while the block runs, as
-    `torch.serialization.safe_globals` does for torch.load."""
-    return Policy(in_force().extra | Policy.allowing(names).extra).applied()

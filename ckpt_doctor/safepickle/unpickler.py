@@ -8,7 +8,7 @@ from collections import Counter, OrderedDict
 
 from ..dtypes import STORAGE_CLASS_DTYPE, element_size, torch_dtype_name
 from . import limits
-from .policy import HANDS_BACK, HASHING, TENSOR_REBUILDERS, GlobalRef, Verdict, classify, resolve
+from .policy import DEFAULT_POLICY, HANDS_BACK, HASHING, TENSOR_REBUILDERS, GlobalRef, Policy, Verdict, resolve
 from .walker import HashBuckets
 
 TYPE_CHECKING = False
@@ -574,14 +574,15 @@ class SafeUnpickler(_pickle.Unpickler):
     """Unpickles into plain containers, RawTensor/StorageRef records and Opaque stand-ins.
 
     `find_class` never imports: it returns one of the inert functions above or an Opaque class.
-    Every global named is recorded in `self.globals` with its verdict.
+    Every global named is recorded in `self.globals` with its verdict under `policy` (the defaults unless passed).
     """
 
     def __init__(self, file: io.BufferedIOBase, source: str,
                  resolve_storage: Callable[[StorageRef], None] | None = None,
-                 persistent: Callable[[Any], Any] | None = None) -> None:
+                 persistent: Callable[[Any], Any] | None = None, *, policy: Policy = DEFAULT_POLICY) -> None:
         super().__init__(file, encoding="utf-8", errors="surrogateescape")
         self.source = source
+        self.policy = policy  # the allow-list each global named is judged by
         self.globals: list[GlobalRef] = []
         # one answer per name: a pickle may name one global millions of times
         self._classes: dict[tuple[str, str], Any] = {}
@@ -600,7 +601,7 @@ class SafeUnpickler(_pickle.Unpickler):
         return self._classes[key]
 
     def _find_class(self, module: str, name: str) -> Any:
-        verdict, reason = classify(module, name)
+        verdict, reason = self.policy.classify(module, name)
         ref = GlobalRef(module, name, verdict, reason, self.source)
         self.globals.append(ref)
         if verdict is Verdict.SAFE:

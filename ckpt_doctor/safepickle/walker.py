@@ -22,7 +22,7 @@ import struct
 from .._record import field, record
 
 from . import limits
-from .policy import GlobalRef, Verdict, call_kind, classify, is_mutable
+from .policy import DEFAULT_POLICY, GlobalRef, Policy, Verdict, call_kind, is_mutable
 
 # What the walker knows of a stack value: a str it can read back (kept as (start, end, codec) into the data, so a
 # big string is never copied), definitely not a str, or unknown (the result of a call: it might be a str). A tuple
@@ -251,28 +251,29 @@ def starts_pickle(data: bytes, at: int = 0) -> bool:
 
 
 def walk(data: bytes | memoryview, source: str, start: int = 0, *, max_pickles: int | None = None,
-         depth: int = 0, budget: list | None = None, following: bool = False) -> Walk:
+         depth: int = 0, budget: list | None = None, following: bool = False, policy: Policy = DEFAULT_POLICY) -> Walk:
     """Walk pickles from `start`: the first, then each that follows its STOP, until one breaks off, the data ends,
     or `max_pickles` have been walked. Never raises for malformed data: it says where and why it stopped.
 
     A pickle whose FRAME reaches past its STOP leaves a stream positioned at the frame's end when CPython reads it
     through `read` (a BytesIO, a frame of 8 KB or more): the pickles from there on are walked too.
     `following`: this walk goes on where an earlier one stopped, so its first pickle is named by its byte too.
+    `policy`: the allow-list each global is judged by.
     """
     result = Walk(end=start)
     budget = budget or new_budget()
-    side = _chain(data, start, source, result, depth, budget, max_pickles, main=True, following=following)
+    side = _chain(data, start, source, result, depth, budget, max_pickles, policy, main=True, following=following)
     seen = {start}
     while side:
         at = side.pop()
         if at not in seen and len(seen) < 64:
             seen.add(at)
-            side += _chain(data, at, source, result, depth, budget, max_pickles, main=False)
+            side += _chain(data, at, source, result, depth, budget, max_pickles, policy, main=False)
     return result
 
 
 def _chain(data, at: int, source: str, result: Walk, depth: int, budget: list, max_pickles: int | None,
-           main: bool, following: bool = False) -> list[int]:
+           policy: Policy, main: bool, following: bool = False) -> list[int]:
     """Walk one run of concatenated pickles from `at`; the start of every other run a frame makes possible."""
     side: list[int] = []
     index = 0
@@ -282,7 +283,7 @@ def _chain(data, at: int, source: str, result: Walk, depth: int, budget: list, m
         if index and not starts_pickle(data, at):
             break
         label = source if index == 0 and at == first and main and not following else f"{source} (pickle at byte {at})"
-        machine = _Machine(data, at, label, result, depth, budget)
+        machine = _Machine(data, at, label, result, depth, budget, policy)
         try:
             end = machine.run()
         except _Break as exc:
@@ -311,9 +312,9 @@ def _chain(data, at: int, source: str, result: Walk, depth: int, budget: list, m
 class _Machine:
     """One pickle's worth of CPython's unpickling machine, run on what the walker knows of each value."""
 
-    def __init__(self, data, pos: int, source: str, result: Walk, depth: int, budget: list) -> None:
+    def __init__(self, data, pos: int, source: str, result: Walk, depth: int, budget: list, policy: Policy) -> None:
         self.data, self.pos, self.source, self.result = data, pos, source, result
-        self.depth, self.budget = depth, budget
+        self.depth, self.budget, self.policy = depth, budget, policy
         self.start = pos
         self.frame_end = 0  # the furthest end of a FRAME seen
         self.current_frame_end = 0  # set by a FRAME opcode, taken over by the loop
@@ -370,7 +371,7 @@ class _Machine:
         """The stack value a global leaves, after listing it. `by_line`: named by GLOBAL or INST, whose text lines
         CPython cannot look up when unresolvable(): that one is no finding, and the walk goes on past it as if it
         were found (a loader that did find it would read on)."""
-        if by_line and unresolvable(module, name) and classify(module, name)[0] is not Verdict.DANGEROUS:
+        if by_line and unresolvable(module, name) and self.policy.classify(module, name)[0] is not Verdict.DANGEROUS:
             if self.result.unresolved is None:
                 self.result.unresolved = (at, f"{self.source} at byte {at}: {module[:60]!r} and {name[:60]!r} are "
                                               "no Python names, which CPython's unpickler stops at")
@@ -381,7 +382,7 @@ class _Machine:
             if len(seen) >= limits.MAX_DISTINCT_GLOBALS:
                 raise _OutOfTime(f"more than {limits.MAX_DISTINCT_GLOBALS:,} distinct globals: no checkpoint "
                                  "names that many")
-            verdict, reason = classify(module, name)
+            verdict, reason = self.policy.classify(module, name)
             ref = GlobalRef(module, name, verdict, reason, f"{self.source} at byte {at}")
             value = seen[(module, name)] = _Global(ref)
             self.result.globals.append(ref)
@@ -416,7 +417,8 @@ class _Machine:
                 return
             raw = bytes(data[start:end])
         self.budget[0] -= len(raw)
-        inner = walk(raw, f"{self.source} → nested pickle at byte {at}", depth=self.depth + 1, budget=self.budget)
+        inner = walk(raw, f"{self.source} → nested pickle at byte {at}", depth=self.depth + 1, budget=self.budget,
+                     policy=self.policy)
         self.result.globals.extend(inner.globals)
         self.result.notes.extend(inner.notes)
         self.result.anomalies.extend(inner.anomalies)

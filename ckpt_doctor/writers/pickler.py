@@ -10,7 +10,7 @@ from .._record import record
 from ..dtypes import element_size
 from ..errors import WriteError
 from ..records import TensorRecord
-from ..safepickle.policy import DEFAULT_POLICY, TORCH_WEIGHTS_ONLY, Policy, in_force, resolve
+from ..safepickle.policy import DEFAULT_POLICY, TORCH_WEIGHTS_ONLY, Policy, resolve
 from ..safepickle.unpickler import Device, DType, Opaque, SizeValue
 
 # Legacy typed storage class for each dtype; others are written as UntypedStorage + _rebuild_tensor_v3.
@@ -260,9 +260,9 @@ def ints_op(items: tuple[int, ...]) -> bytes:
     return b"(" + body + b"t"
 
 
-def dumps(obj: Any, policy: Policy | None = None) -> tuple[bytes, list[str]]:
+def dumps(obj: Any, policy: Policy = DEFAULT_POLICY) -> tuple[bytes, list[str]]:
     """The pickle bytes, and the globals beyond torch's weights_only list they name (allowed with --allow-global):
-    only what `policy` (by default the one in force) lets an output name."""
-    emitter = Emitter(policy or in_force())
+    only what `policy` (the defaults unless passed) lets an output name."""
+    emitter = Emitter(policy)
     emitter.emit(obj)
     return emitter.getvalue(), sorted(set(emitter.unknown))
