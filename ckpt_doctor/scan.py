@@ -227,14 +227,18 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
     loads: each is walked too (a range need not start where the file's own archives do)."""
     from ._record import replace
     from .readers.dcp import METADATA, RANK_METADATA, inflate_zstd, metadata_items
+    from .readers.mapping import file_size
+    from .readers.source import close_source, open_source
     from .readers.survey import survey_item
     from .safepickle import limits
 
     folders = {r.path.parent for r in results if r.path.name == METADATA or RANK_METADATA.fullmatch(r.path.name)}
     ranges: dict[Path, list[tuple[int, int, tuple[str, ...]]]] = {}
-    for folder in sorted(folders):
+    for folder in sorted(folders, key=str):
+        remote = type(folder).__name__ == "RemotePath"  # a URL's folder is not listed again: its objects scanned
+        names = [p.name for p in (*(r.path for r in results), *(s.path for s in skipped)) if p.parent == folder]
         try:
-            ranges.update(metadata_items(folder))
+            ranges.update(metadata_items(folder, names if remote else None))
         except CkptDoctorError as exc:
             unread.append(f"{exc} — the items torch's DCP loader would unpickle from it were not all walked")
     # A shard of compressed items holds no pickle a file reader sees: it is scanned through its items.
@@ -246,9 +250,9 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
         spans = ranges.get(result.path)
         if spans:
             extra_globals, extra_hazards = [], []
-            fd = os.open(result.path, os.O_RDONLY)
+            fd = open_source(result.path)  # a descriptor, or a URL's remote object (its blocks kept)
             try:
-                size = os.fstat(fd).st_size
+                size = file_size(fd)
                 for at, length, transforms in sorted(set(spans)):
                     if at + length > size:
                         continue
@@ -270,7 +274,7 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
                     extra_globals += item.globals
                     extra_hazards += item.hazards
             finally:
-                os.close(fd)
+                close_source(fd)
             known = {h.what for h in result.hazards}
             result = replace(result, globals=tuple(_dedupe([*result.globals, *extra_globals])),
                              hazards=(*result.hazards, *(h for h in extra_hazards if h.what not in known)),

@@ -246,6 +246,10 @@ def read_url(url: str) -> Checkpoint:
     shown = redact(url)
     if shown.endswith(".index.json"):
         return read_sharded(remote_path(url))
+    if shown.endswith("/.metadata"):  # a DCP folder by its metadata (https:// lists no folder): readers/dcp.py
+        from .dcp import read_remote_dcp
+
+        return read_remote_dcp(url)
     if not _remote_folder(shown):
         try:
             return read_file(remote_path(url))
@@ -257,9 +261,13 @@ def read_url(url: str) -> Checkpoint:
     names = list_folder(url)
     if not names:
         raise RemoteError(f"{shown}: not found (404): no object under this prefix")
-    if ".metadata" in names or any(n.startswith("global_step") for n in names) or "latest" in names:
-        raise ReadError(f"{shown}: a torch.distributed.checkpoint or DeepSpeed folder, which is not read over the "
-                        "network yet: download it and inspect the copy")
+    from .dcp import is_dcp_folder, read_remote_dcp
+
+    if is_dcp_folder(names):  # its metadata and pickled items, by range requests
+        return read_remote_dcp(url, names)
+    if "latest" in names or any(n.endswith("_states.pt") for n in names):
+        raise ReadError(f"{shown}: a DeepSpeed folder, which is not read over the network yet: download it and "
+                        "inspect the copy")
     indexes = [n for n in names if n.endswith(".index.json")]
     chosen = next((n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json") if n in indexes),
                   indexes[0] if len(indexes) == 1 else None)
@@ -290,6 +298,10 @@ def remote_members(url: str) -> list[RemotePath] | None:
     if shown.endswith(".index.json"):
         index_path = remote_path(url)
         return [sibling(index_path, shard) for shard in _shard_names(index_path, _remote_index(index_path))]
+    if shown.endswith("/.metadata"):  # a DCP folder by its metadata: the item files its storage_data names
+        from .dcp import remote_dcp_members
+
+        return remote_dcp_members(url)
     if _remote_folder(shown):
         base = url.split("?", 1)[0].rstrip("/") + "/"
         names = list_folder(base)
