@@ -227,10 +227,10 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped],
     loads: each is walked too (a range need not start where the file's own archives do)."""
     from ._record import replace
     from .readers.dcp import METADATA, RANK_METADATA, inflate_zstd, metadata_items
-    from .readers.mapping import file_size
+    from .readers.mapping import file_size  # (only when a DCP folder is scanned)
     from .readers.source import close_source, open_source
     from .readers.survey import survey_item
-    from .safepickle import limits
+    from .safepickle import limits  # (only when a DCP folder is scanned)
 
     folders = {r.path.parent for r in results if r.path.name == METADATA or RANK_METADATA.fullmatch(r.path.name)}
     ranges: dict[Path, list[tuple[int, int, tuple[str, ...]]]] = {}

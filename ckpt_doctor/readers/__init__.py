@@ -247,7 +247,7 @@ def read_url(url: str) -> Checkpoint:
     if shown.endswith(".index.json"):
         return read_sharded(remote_path(url))
     if shown.endswith("/.metadata"):  # a DCP folder by its metadata (https:// lists no folder): readers/dcp.py
-        from .dcp import read_remote_dcp
+        from .dcp import read_remote_dcp  # the DCP reader, a big module: only for a DCP folder
 
         return read_remote_dcp(url)
     if not _remote_folder(shown):
@@ -261,7 +261,7 @@ def read_url(url: str) -> Checkpoint:
     names = list_folder(url)
     if not names:
         raise RemoteError(f"{shown}: not found (404): no object under this prefix")
-    from .dcp import is_dcp_folder, read_remote_dcp
+    from .dcp import is_dcp_folder, read_remote_dcp  # the DCP reader: ~100 ms, only for a remote folder
 
     if is_dcp_folder(names):  # its metadata and pickled items, by range requests
         return read_remote_dcp(url, names)
@@ -299,7 +299,7 @@ def remote_members(url: str) -> list[RemotePath] | None:
         index_path = remote_path(url)
         return [sibling(index_path, shard) for shard in _shard_names(index_path, _remote_index(index_path))]
     if shown.endswith("/.metadata"):  # a DCP folder by its metadata: the item files its storage_data names
-        from .dcp import remote_dcp_members
+        from .dcp import remote_dcp_members  # the DCP reader: only for a DCP folder
 
         return remote_dcp_members(url)
     if _remote_folder(shown):
