@@ -103,7 +103,10 @@ def output_beside(source: str | os.PathLike[str], tag: str = "fixed", suffix: st
     text = str(source).rstrip("/") or "."
     text = _shown(text) if _SHOWN_AS else text
     if text.startswith(("https://", "http://", "s3://", "hf://")):  # hf://org/name@rev: `name`, never in the cache
-        folder, name = "", text.split("://", 1)[1].split("?", 1)[0].rsplit("/", 1)[-1].split("@", 1)[0] or "checkpoint"
+        parts = text.split("://", 1)[1].split("?", 1)[0].rsplit("/", 2)
+        if len(parts) == 3 and parts[-1] == ".metadata":  # a DCP folder by its metadata: named as the folder
+            parts.pop()
+        folder, name = "", parts[-1].split("@", 1)[0] or "checkpoint"
     else:
         text = os.fspath(source).rstrip("/") or "."
         folder, name = os.path.split(text)

@@ -167,7 +167,8 @@ def _dedupe(refs) -> list[GlobalRef]:
     return list(seen.values())
 
 
-def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str], list[Skipped]]:
+def files_to_scan(paths: list[str], policy: Policy = DEFAULT_POLICY
+                  ) -> tuple[list[tuple[Path, bool]], list[str], list[Skipped]]:
     """(file, found in a folder) for every path named and every regular file under folders named (sniff.walk_folder:
     file links followed, folder links only inside the folder, special files skipped); problems for paths that do
     not exist or cannot be listed; what the walks skipped, each with why."""
@@ -178,7 +179,7 @@ def files_to_scan(paths: list[str]) -> tuple[list[tuple[Path, bool]], list[str],
         path = deep(raw)
         if type(path).__name__ == "RemotePath":  # a URL: read by range requests (readers/source.py)
             try:
-                members = remote_members(real_url(path))  # a shard index's shards, an s3:// folder's objects
+                members = remote_members(real_url(path), policy=policy)  # a shard index's shards, an s3:// folder's objects
             except CkptDoctorError as exc:
                 problems.append(str(exc))
                 continue
@@ -229,14 +230,18 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped], unread: lis
     loads: each is walked too (a range need not start where the file's own archives do)."""
     from ._record import replace
     from .readers.dcp import METADATA, RANK_METADATA, inflate_zstd, metadata_items
+    from .readers.mapping import file_size  # (only when a DCP folder is scanned)
+    from .readers.source import close_source, open_source
     from .readers.survey import survey_item
-    from .safepickle import limits
+    from .safepickle import limits  # (only when a DCP folder is scanned)
 
     folders = {r.path.parent for r in results if r.path.name == METADATA or RANK_METADATA.fullmatch(r.path.name)}
     ranges: dict[Path, list[tuple[int, int, tuple[str, ...]]]] = {}
-    for folder in sorted(folders):
+    for folder in sorted(folders, key=str):
+        remote = type(folder).__name__ == "RemotePath"  # a URL's folder is not listed again: its objects scanned
+        names = [p.name for p in (*(r.path for r in results), *(s.path for s in skipped)) if p.parent == folder]
         try:
-            ranges.update(metadata_items(folder, policy=policy))
+            ranges.update(metadata_items(folder, names if remote else None, policy=policy))
         except CkptDoctorError as exc:
             unread.append(f"{exc} — the items torch's DCP loader would unpickle from it were not all walked")
     # A shard of compressed items holds no pickle a file reader sees: it is scanned through its items.
@@ -248,9 +253,9 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped], unread: lis
         spans = ranges.get(result.path)
         if spans:
             extra_globals, extra_hazards = [], []
-            fd = os.open(result.path, os.O_RDONLY)
+            fd = open_source(result.path)  # a descriptor, or a URL's remote object (its blocks kept)
             try:
-                size = os.fstat(fd).st_size
+                size = file_size(fd)
                 for at, length, transforms in sorted(set(spans)):
                     if at + length > size:
                         continue
@@ -272,7 +277,7 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped], unread: lis
                     extra_globals += item.globals
                     extra_hazards += item.hazards
             finally:
-                os.close(fd)
+                close_source(fd)
             known = {h.what for h in result.hazards}
             result = replace(result, globals=tuple(_dedupe([*result.globals, *extra_globals])),
                              hazards=(*result.hazards, *(h for h in extra_hazards if h.what not in known)),
@@ -285,7 +290,7 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped], unread: lis
 def scan(paths: list[str], *, require_default_load: bool = False, policy: Policy = DEFAULT_POLICY) -> ScanReport:
     """What `scan PATHS` reports: every file named or found under a folder, its globals judged by `policy` (the
     defaults unless one is passed: `Policy.allowing([...])` adds names, as --allow-global does)."""
-    files, problems, walk_skipped = files_to_scan(paths)
+    files, problems, walk_skipped = files_to_scan(paths, policy)
     results: list[FileScan] = []
     skipped: list[Skipped] = []
     taken: set[str] = set()  # the outputs the rescues suggest: a.pt and a.pth are not both rescued to a_fixed.pt

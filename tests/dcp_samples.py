@@ -199,6 +199,34 @@ def load_into_fsdp2(folder: Path, out: Path) -> dict:
     return torch.load(out, weights_only=True)
 
 
+def _remote_rank(rank: int, out: str, port: int) -> None:
+    """An FSDP2 model with 2 MB weights and its Adam state, saved by two ranks: the tensor data outweighs the
+    metadata and pickles a remote read fetches (tests/test_remote.py)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 512)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    _save({"model": msd, "optim": osd, "epoch": 3}, Path(out), rank)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_remote_sample(out: Path) -> Path:
+    """`out`: a DCP folder (two ranks' files, about 12 MB), and beside it `out`.full.pt, the state it holds."""
+    spawn_two(_remote_rank, str(out))
+    return out
+
+
 def write_samples(out: Path) -> Path:
     spawn_two(_rank, str(out))
     return out

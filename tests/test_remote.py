@@ -548,3 +548,141 @@ def test_a_fix_suggested_for_a_shard_index_url_is_named_after_its_model(tmp_path
     assert output_beside("https://host/org/model.safetensors.index.json") == "model_fixed.pt"
     assert output_beside("s3://bucket/run/pytorch_model.bin.index.json", "fixed", ".safetensors") == \
         "pytorch_model_fixed.safetensors"
+
+
+# --- remote torch.distributed.checkpoint folders: by the URL of their .metadata (https://), an s3:// prefix ----------
+
+@pytest.fixture(scope="module")
+def dcp_folder(served):
+    """A DCP folder written by torch's dcp.save from two ranks (FSDP2 weights and Adam state, ~12 MB) in the served
+    folder, with the state it holds (`dcp.full.pt`) beside it."""
+    from tests.dcp_samples import write_remote_sample
+
+    folder, base, log = served
+    write_remote_sample(folder / "dcp")
+    return folder / "dcp", f"{base}/dcp", log
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir())
+
+
+def _same_dcp(remote: str, local: str, url: str, folder: Path) -> dict:
+    """inspect --json of a remote DCP folder equals the local folder's, but for the path and the network's cost."""
+    a = json.loads(remote.replace(url, str(folder)))
+    b = json.loads(local)
+    used = a.pop("remote")
+    a["path"] = a["path"].removesuffix("/.metadata")
+    assert a == b
+    return used
+
+
+def _fixed_equal(a: Path, b: Path) -> None:
+    import torch
+
+    x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert x.keys() == y.keys() and x
+    assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_a_dcp_folder_over_http_by_its_metadata_reads_as_the_local_folder(dcp_folder, tmp_path):
+    import torch
+
+    folder, url, log = dcp_folder
+    local = _cli("inspect", str(folder), "--json")
+    assert local.returncode == 0, local.stderr
+    before = len(_requests(log))
+    remote = _cli("inspect", f"{url}/.metadata", "--json")
+    assert remote.returncode == 0, remote.stderr
+    sent = _requests(log)[before:]
+    used = _same_dcp(remote.stdout, local.stdout, url, folder)
+    assert used == {"bytes": sum(sent), "requests": len(sent), "size": _folder_bytes(folder)}
+    assert used["bytes"] < used["size"] / 4  # metadata and pickled items: not the tensor data
+    full = torch.load(folder.with_suffix(".full.pt"), weights_only=True)
+    shapes = {t["key"]: t["shape"] for t in json.loads(remote.stdout)["tensors"]}
+    assert shapes["model.0.weight"] == list(full["model"]["0.weight"].shape)
+    human = _cli("inspect", f"{url}/.metadata")
+    assert human.returncode == 0 and "over the network" in human.stdout + human.stderr
+    # fix streams the chunks from the rank files: the same file as the local folder's fix
+    ours, theirs = tmp_path / "remote.pt", tmp_path / "local.pt"
+    assert _cli("fix", f"{url}/.metadata", "-o", str(ours)).returncode == 0
+    assert _cli("fix", str(folder), "-o", str(theirs)).returncode == 0
+    _fixed_equal(ours, theirs)
+    assert all(torch.equal(v, full["model"][k]) for k, v in torch.load(ours, weights_only=True).items())
+
+
+def test_a_dcp_folder_over_http_is_scanned_by_its_metadata(dcp_folder):
+    folder, url, log = dcp_folder
+    before = len(_requests(log))
+    remote = _cli("scan", f"{url}/.metadata", "--json")
+    local = _cli("scan", str(folder), "--json")
+    assert remote.returncode == local.returncode == 0, remote.stderr
+    sent = _requests(log)[before:]
+    a, b = json.loads(remote.stdout), json.loads(local.stdout)
+    assert a.pop("remote")["bytes"] == sum(sent) < _folder_bytes(folder) / 2
+    assert [(f["path"].rsplit("/", 1)[-1], f["verdict"], sorted(g["global"] for g in f["globals"]))
+            for f in a["files"]] == \
+        [(f["path"].rsplit("/", 1)[-1], f["verdict"], sorted(g["global"] for g in f["globals"])) for f in b["files"]]
+    printed = _printed(_cli("scan", f"{url}/.metadata").stderr)
+    assert printed and all(line[1] == f"{url}/.metadata" for line in printed)  # HTTP: the folder by its metadata
+
+
+def test_a_payload_in_a_remote_dcp_item_is_found(served, tmp_path):
+    """A value whose unpickling would call a function, saved by dcp.save as an item: found over HTTP, never run."""
+    import functools
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    folder, base, _ = served
+    dcp.save({"w": torch.ones(3), "hook": functools.partial(print, "payload ran")},
+             checkpoint_id=str(folder / "dcp-payload"), no_dist=True)
+    for command in ("inspect", "scan"):
+        result = _cli(command, f"{base}/dcp-payload/.metadata")
+        assert result.returncode == 1, result.stderr
+        assert "functools.partial" in result.stdout + result.stderr
+        assert "payload ran" not in result.stdout + result.stderr
+
+
+def test_a_missing_item_file_of_a_remote_dcp_folder_ends_in_one_line(dcp_folder, served):
+    folder, _, _ = dcp_folder
+    root, base, _ = served
+    broken = root / "dcp-broken"
+    shutil.copytree(folder, broken)
+    (broken / "__1_0.distcp").unlink()  # the server answers 404 for it
+    for command in ("inspect", "fix"):
+        args = [command, f"{base}/dcp-broken/.metadata"] + (["-o", str(root.parent / "x.pt")] if command == "fix"
+                                                               else [])
+        result = _cli(*args)
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+        assert "__1_0.distcp is missing" in lines[0] and "404" in lines[0]
+        assert result.stdout == ""
+
+
+def test_an_s3_dcp_folder_reads_scans_and_fixes_as_the_local_folder(s3, dcp_folder, tmp_path):
+    import s3fs
+
+    folder, _, _ = dcp_folder
+    _, env, log = s3
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=env["AWS_ENDPOINT_URL"])
+    for p in folder.iterdir():
+        fs.put_file(str(p), f"ckpts/dcp/{p.name}")
+    local = _cli("inspect", str(folder), "--json")
+    for url in ("s3://ckpts/dcp/", "s3://ckpts/dcp", "s3://ckpts/dcp/.metadata"):
+        before = _s3_gets(log)
+        remote = _cli("inspect", url, "--json", env=env)
+        assert remote.returncode == 0, (url, remote.stderr)
+        used = _same_dcp(remote.stdout, local.stdout, "s3://ckpts/dcp", folder)
+        assert used["bytes"] < _folder_bytes(folder) / 4
+        assert used["requests"] >= _s3_gets(log) - before  # (and one listing, for a prefix)
+    scanned = _cli("scan", "s3://ckpts/dcp/", "--json", env=env)
+    assert scanned.returncode == 0, scanned.stderr
+    assert sorted(f["path"] for f in json.loads(scanned.stdout)["files"]) == \
+        sorted(f"s3://ckpts/dcp/{p.name}" for p in folder.iterdir())
+    ours, theirs = tmp_path / "remote.pt", tmp_path / "local.pt"
+    fixed = _cli("fix", "s3://ckpts/dcp/", "-o", str(ours), env=env)
+    assert fixed.returncode == 0, fixed.stderr
+    assert _cli("fix", str(folder), "-o", str(theirs)).returncode == 0
+    _fixed_equal(ours, theirs)

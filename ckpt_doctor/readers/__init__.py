@@ -244,6 +244,10 @@ def read_url(url: str, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
     shown = redact(url)
     if shown.endswith(".index.json"):
         return read_sharded(remote_path(url), policy=policy)
+    if shown.endswith("/.metadata"):  # a DCP folder by its metadata (https:// lists no folder): readers/dcp.py
+        from .dcp import read_remote_dcp  # the DCP reader, a big module: only for a DCP folder
+
+        return read_remote_dcp(url, policy=policy)
     if not _remote_folder(shown):
         try:
             return read_file(remote_path(url), policy=policy)
@@ -255,9 +259,13 @@ def read_url(url: str, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
     names = list_folder(url)
     if not names:
         raise RemoteError(f"{shown}: not found (404): no object under this prefix")
-    if ".metadata" in names or any(n.startswith("global_step") for n in names) or "latest" in names:
-        raise ReadError(f"{shown}: a torch.distributed.checkpoint or DeepSpeed folder, which is not read over the "
-                        "network yet: download it and inspect the copy")
+    from .dcp import is_dcp_folder, read_remote_dcp  # the DCP reader: ~100 ms, only for a remote folder
+
+    if is_dcp_folder(names):  # its metadata and pickled items, by range requests
+        return read_remote_dcp(url, names, policy=policy)
+    if "latest" in names or any(n.endswith("_states.pt") for n in names):
+        raise ReadError(f"{shown}: a DeepSpeed folder, which is not read over the network yet: download it and "
+                        "inspect the copy")
     indexes = [n for n in names if n.endswith(".index.json")]
     chosen = next((n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json") if n in indexes),
                   indexes[0] if len(indexes) == 1 else None)
@@ -281,13 +289,17 @@ def _remote_folder(shown: str) -> bool:
         shown.endswith("/") or shown.startswith("s3://") and "/" not in rest.strip("/"))
 
 
-def remote_members(url: str) -> list[RemotePath] | None:
+def remote_members(url: str, *, policy: Policy = DEFAULT_POLICY) -> list[RemotePath] | None:
     """The objects a URL stands for when scanned as a folder: a shard index's shards, an s3:// folder's objects (one
     level); None for a URL of one file."""
     shown = redact(url)
     if shown.endswith(".index.json"):
         index_path = remote_path(url)
         return [sibling(index_path, shard) for shard in _shard_names(index_path, _remote_index(index_path))]
+    if shown.endswith("/.metadata"):  # a DCP folder by its metadata: the item files its storage_data names
+        from .dcp import remote_dcp_members  # the DCP reader: only for a DCP folder
+
+        return remote_dcp_members(url, policy=policy)
     if _remote_folder(shown):
         base = url.split("?", 1)[0].rstrip("/") + "/"
         names = list_folder(base)

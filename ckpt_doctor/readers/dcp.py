@@ -29,6 +29,8 @@ from ..safepickle import limits
 from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..safepickle.unpickler import Opaque, RawTensor, SizeValue, StorageRef
 from ._pickled import assembled_tensor, build_checkpoint
+from .mapping import read_all
+from .source import RemoteError, RemotePath, close_source, open_source, pread, read_data
 from .survey import ItemCache, survey_file, survey_item
 
 METADATA = ".metadata"
@@ -46,6 +48,23 @@ def metadata_files(folder: Path, names: list[str]) -> list[Path]:
         return [folder / METADATA]
     return [folder / n for n in sorted((n for n in names if RANK_METADATA.fullmatch(n)),
                                        key=lambda n: int(RANK_METADATA.fullmatch(n).group(1)))]
+
+
+def _open(path: Path) -> tuple[Any, int]:
+    """A source for one file of the folder, and its size: a descriptor (a local file that is not a regular one is
+    refused: a pipe would block), or the remote object of a URL (readers/source.py), read by range requests."""
+    if isinstance(path, RemotePath):
+        src = open_source(path)
+        return src, src.size
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a named pipe put in its place never blocks
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ReadError(f"{path}: not a regular file (a device, a pipe or a folder)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
 
 
 class _Meta:
@@ -104,16 +123,17 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = Tru
 
     from ..safepickle import limits
 
-    st = path.stat()
-    if not stat.S_ISREG(st.st_mode):
-        raise ReadError(f"{path}: not a regular file (a device, a pipe or a folder)")
-    size = st.st_size
-    if size > limits.MAX_UNPICKLE_BYTES:
-        raise ReadError(f"{path}: {size:,} bytes of DCP metadata, over the {limits.MAX_UNPICKLE_BYTES >> 20} MB "
-                        "ckpt-doctor unpickles")
+    src, size = _open(path)
+    try:
+        if size > limits.MAX_UNPICKLE_BYTES:
+            raise ReadError(f"{path}: {size:,} bytes of DCP metadata, over the {limits.MAX_UNPICKLE_BYTES >> 20} MB "
+                            "ckpt-doctor unpickles")
+        raw = read_all(src, size)
+    finally:
+        close_source(src)
     rank_file = RANK_METADATA.fullmatch(path.name)
     rank = int(rank_file.group(1)) if rank_file else None
-    up = SafeUnpickler(io.BytesIO(path.read_bytes()), path.name, None, policy=policy)
+    up = SafeUnpickler(io.BytesIO(raw), path.name, None, policy=policy)
     unpicklers.append(up)
     state = _state(run_unpickler(up, path), "Metadata", path)
     meta.version = str(_field(state, "version", path)) if isinstance(state, dict) and "version" in state else ""
@@ -333,6 +353,14 @@ class _Items:
 
     def open(self, rel: str, fqn: str) -> tuple[Path, int]:
         path = self.folder / rel
+        if rel not in self.sizes and isinstance(path, RemotePath):  # a URL: its size from its first request
+            try:
+                self.sizes[rel] = open_source(path).size
+            except RemoteError as exc:
+                if "not found (404)" not in str(exc):
+                    raise
+                raise ReadError(f"{self.folder}: {rel} is missing (not found (404); it holds {fqn}, among others): "
+                                "the checkpoint is incomplete") from None
         if rel not in self.sizes:
             try:
                 st = os.stat(path)
@@ -360,9 +388,9 @@ class _Items:
                     self.value_ends[r] = max(self.value_ends.get(r, 0), at + n)
         base = self.value_ends.get(rel, 0)
         found = None
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_source(path)
         try:
-            if size - base > 8 and os.pread(fd, 1, base + 8) == b"{":
+            if size - base > 8 and pread(fd, 1, base + 8) == b"{":
                 from .safetensors_reader import read_safetensors
 
                 blob = read_safetensors(path, fd, size, base)
@@ -380,7 +408,7 @@ class _Items:
                         found[rec.key] = (rec, _ints(saved, f"the saved offsets of {rec.key}", path)
                                           if saved is not None else (0,) * len(rec.shape))
         finally:
-            os.close(fd)
+            close_source(fd)
         self.blobs[rel] = found
         if found is not None:
             self.blob_base[rel] = base
@@ -414,14 +442,14 @@ class _Items:
 
         if self.budget is None:
             self.budget = new_budget()
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_source(path)
         try:
-            if os.pread(fd, 4, at) != b"PK\x03\x04":
+            if pread(fd, 4, at) != b"PK\x03\x04":
                 raise ReadError(f"{self.folder}: {fqn} ({label}) is no torch.save archive (nor a tensor of a "
                                 "safetensors blob the metadata leads to)")
             item = survey_item(path, fd, at, length, self.budget, self.cache, policy=self.policy)
         finally:
-            os.close(fd)
+            close_source(fd)
         self.globals.extend(item.globals)
         self.hazards.extend(item.hazards)
         if item.refused:
@@ -453,7 +481,7 @@ def inflate_zstd(path: Path, at: int, length: int, cap: int, what: str) -> tuple
         _INFLATED.append(tempfile.mkdtemp(prefix="ckpt-doctor-zstd-"))
         _remove_on_exit(_INFLATED[0])
     room = shutil.disk_usage(_INFLATED[0]).free - (1 << 30)  # a gigabyte is left to the rest of the machine
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_source(path)
     out_fd, out_name = tempfile.mkstemp(dir=_INFLATED[0], suffix=".zip")
 
     class _Slice:
@@ -462,7 +490,7 @@ def inflate_zstd(path: Path, at: int, length: int, cap: int, what: str) -> tuple
 
         def read(self, n: int = -1) -> bytes:
             n = length - self.pos if n < 0 else min(n, length - self.pos)
-            data = os.pread(fd, n, at + self.pos) if n > 0 else b""
+            data = read_data(fd, n, at + self.pos) if n > 0 else b""
             self.pos += len(data)
             return data
 
@@ -488,7 +516,7 @@ def inflate_zstd(path: Path, at: int, length: int, cap: int, what: str) -> tuple
     except zstandard.ZstdError as exc:
         raise ReadError(f"{what}: is not a valid zstd stream ({exc})") from None
     finally:
-        os.close(fd)
+        close_source(fd)
         os.close(out_fd)
         if not done:
             os.unlink(out_name)
@@ -509,7 +537,37 @@ def _remove_on_exit(folder: str) -> None:
                 signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
 
 
-def read_dcp(folder: Path, names: list[str], *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
+def read_remote_dcp(url: str, names: list[str] | None = None, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
+    """A DCP folder behind URLs, read as a local one is (the same checks and limits), by range requests: its
+    metadata and pickled items, never its tensor data. `names`: the objects of an s3:// prefix, listed once; None
+    for the URL of the folder's `.metadata` (https:// lists no folder: the item files are the ones its storage_data
+    names), which is then the checkpoint's path, so that the commands printed for it run as printed."""
+    from .source import remote_path
+
+    plain = url.split("#", 1)[0].split("?", 1)[0]
+    if names is None:
+        shown = remote_path(url)  # (its query kept: a presigned URL of the metadata object)
+        return read_dcp(remote_path(plain.rsplit("/", 1)[0]), [METADATA], shown, policy=policy)
+    return read_dcp(remote_path(plain.rstrip("/")), names, policy=policy)
+
+
+def remote_dcp_members(url: str, *, policy: Policy = DEFAULT_POLICY) -> list[Path]:
+    """What `scan` of the URL of a DCP folder's `.metadata` reads: the metadata, and every file its storage_data
+    names (https:// lists no folder). A metadata that does not read gives itself alone: it is scanned, and the scan
+    says its items were not walked."""
+    from .source import remote_path
+
+    shown = remote_path(url)
+    folder = remote_path(url.split("#", 1)[0].split("?", 1)[0].rsplit("/", 1)[0])
+    try:
+        files = metadata_items(folder, [METADATA], policy=policy)
+    except ReadError:
+        return [shown]
+    return [shown, *sorted(files, key=str)]
+
+
+def read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
+             policy: Policy = DEFAULT_POLICY) -> Checkpoint:
     metas = metadata_files(folder, names)
     if not metas:
         shards = [n for n in names if n.endswith(".distcp")]
@@ -520,12 +578,13 @@ def read_dcp(folder: Path, names: list[str], *, policy: Policy = DEFAULT_POLICY)
     survey_globals: list[GlobalRef] = []
     hazards: list = []
     for path in metas:
-        try:
-            mode = os.stat(path).st_mode
-        except OSError as exc:
-            raise ReadError(f"{path}: cannot be read ({exc.strerror})") from None
-        if not stat.S_ISREG(mode):  # a pipe would block the open below
-            raise ReadError(f"{path}: not a regular file (a device, a pipe or a folder)")
+        if not isinstance(path, RemotePath):  # (a URL: its first request says what it is)
+            try:
+                mode = os.stat(path).st_mode
+            except OSError as exc:
+                raise ReadError(f"{path}: cannot be read ({exc.strerror})") from None
+            if not stat.S_ISREG(mode):  # a pipe would block the open below
+                raise ReadError(f"{path}: not a regular file (a device, a pipe or a folder)")
         survey = survey_file(path, policy=policy)
         survey_globals.extend(survey.globals)
         hazards.extend(survey.hazards)
@@ -652,7 +711,7 @@ def read_dcp(folder: Path, names: list[str], *, policy: Policy = DEFAULT_POLICY)
     distributed = replace(distributed, fix_notes=tuple(notes[1:]))
 
     extra_files = (folder / "meta.pt",) if lightning is not None else ()
-    return replace(ckpt, files=(*metas, *(folder / f for f in sorted(files)), *extra_files),
+    return replace(ckpt, path=shown or ckpt.path, files=(*metas, *(folder / f for f in sorted(files)), *extra_files),
                    hazards=tuple(hazards + items.hazards + view_hazards),
                    layouts=layouts, distributed=distributed)
 
@@ -699,14 +758,21 @@ def _same_range(folder: Path, a: tuple, b: tuple) -> bool:
 
 
 def _same_bytes(path_a: Path, at_a: int, path_b: Path, at_b: int, n: int) -> bool:
-    with open(path_a, "rb") as fa, open(path_b, "rb") as fb:
-        done = 0
-        while done < n:
-            step = min(1 << 20, n - done)
-            x, y = os.pread(fa.fileno(), step, at_a + done), os.pread(fb.fileno(), step, at_b + done)
-            if x != y or len(x) != step:
-                return False
-            done += step
+    fa = open_source(path_a)
+    try:
+        fb = open_source(path_b)
+        try:
+            done = 0
+            while done < n:
+                step = min(1 << 20, n - done)
+                x, y = read_data(fa, step, at_a + done), read_data(fb, step, at_b + done)
+                if x != y or len(x) != step:
+                    return False
+                done += step
+        finally:
+            close_source(fb)
+    finally:
+        close_source(fa)
     return True
 
 
@@ -718,12 +784,12 @@ def _same_piece(a: Piece, b: Piece, dtype: str) -> bool:
     nbytes = prod(a.sizes) * element_size(dtype)
     if is_contiguous(a) and is_contiguous(b):
         return (a.file, a.offset) == (b.file, b.offset) or _same_bytes(a.file, a.offset, b.file, b.offset, nbytes)
-    fds = [os.open(p.file, os.O_RDONLY) for p in (a, b)]
+    fds = [open_source(p.file) for p in (a, b)]
     try:
         return read_piece(a, dtype, fds[0]) == read_piece(b, dtype, fds[1])
     finally:
         for fd in fds:
-            os.close(fd)
+            close_source(fd)
 
 
 def _differs(meta: _Meta, key: tuple, mine: tuple, others: list[tuple[int | None, tuple, Any]], chunked: bool,
@@ -898,14 +964,15 @@ def read_hf_shards(folder: Path, shards: list[Path]) -> Checkpoint:
                                          len(root), sharded, 0, hf_writer=True))
 
 
-def metadata_items(folder: Path, *,
+def metadata_items(folder: Path, names: list[str] | None = None, *,
                    policy: Policy = DEFAULT_POLICY) -> dict[Path, list[tuple[int, int, tuple[str, ...]]]]:
     """Each byte range the folder's metadata names, by file: what torch's DCP reader hands torch.load (for `scan`,
     which walks them beside each file's own views). Raises ReadError when the metadata cannot be read: the items
-    DCP's loader would unpickle are then unknown, and scan must not call the folder clean."""
+    DCP's loader would unpickle are then unknown, and scan must not call the folder clean. `names`: the folder's
+    files, when it is not listed here (a URL's folder: the objects scanned)."""
     meta = _Meta()
     try:
-        for path in metadata_files(folder, os.listdir(folder)):
+        for path in metadata_files(folder, os.listdir(folder) if names is None else names):
             _read_metadata(path, meta, [], strict=False, policy=policy)
     except OSError as exc:
         raise ReadError(f"{folder}: its metadata cannot be read ({exc.strerror})") from None
@@ -921,11 +988,11 @@ def _blob_tensors(path: Path, base: int, size: int, meta: _Meta) -> dict[str, Ra
     from .jsonfile import parse_json
     from .safetensors_reader import read_safetensors
 
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_source(path)
     try:
         blob = read_safetensors(path, fd, size, base)
     finally:
-        os.close(fd)
+        close_source(fd)
     sharding = parse_json(str(blob.metadata.get("DCP_SHARDING_INFO", "{}")).encode(), path, "DCP_SHARDING_INFO")
     out = {}
     for rec in blob.tensors:
@@ -939,6 +1006,11 @@ def _blob_tensors(path: Path, base: int, size: int, meta: _Meta) -> dict[str, Ra
     return out
 
 
+def _named(folder: Path, metas: list[Path]) -> Path:
+    """How a command names the folder: an https:// folder by the URL of its `.metadata` (HTTP lists no folder)."""
+    return metas[0] if isinstance(folder, RemotePath) and not str(folder).startswith("s3://") and metas else folder
+
+
 def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
     """One `__R_N.distcp` file on its own: its items, named by the folder's metadata when it is beside it. Shapes are
     the chunks' (local); the folder is what holds whole tensors, and `fix` refuses a lone shard."""
@@ -947,7 +1019,7 @@ def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
     folder = path.parent
     names: dict[int, str] = {}
     meta = _Meta()
-    metas = metadata_files(folder, os.listdir(folder))
+    metas = metadata_files(folder, [METADATA] if isinstance(folder, RemotePath) else os.listdir(folder))
     for m in metas:
         try:
             _read_metadata(m, meta, [], policy=survey.policy)
@@ -973,7 +1045,7 @@ def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
         fqns = {n.split("@")[0] for n in names.values()}
         note = (f"{whose} shard of the torch.distributed.checkpoint folder {folder}: {len(survey.items)} items, parts "
                 f"of {len(fqns)} of its {len(meta.tensors) + len(meta.values)} entries; shapes here are the chunks' "
-                f"own. Inspect or fix the folder for whole tensors: `{consolidate(folder)}`")
+                f"own. Inspect or fix the folder for whole tensors: `{consolidate(_named(folder, metas))}`")
     else:
         note = (f"{whose} shard of a torch.distributed.checkpoint folder ({len(survey.items)} items); without its "
                 ".metadata beside it the items' names are unknown and shapes are the chunks' own")

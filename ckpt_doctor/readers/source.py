@@ -95,6 +95,15 @@ class RemotePath(type(__import__("pathlib").Path())):  # type: ignore[misc]
     def __repr__(self) -> str:
         return f"RemotePath({str(self)!r})"
 
+    def __truediv__(self, name: str) -> RemotePath:  # type: ignore[override]
+        """The object `name` under this URL's folder (a DCP folder's item file), fetched with the same user and
+        password, without the query (a presigned URL's signature is for one object)."""
+        child = super().__truediv__(name)
+        real = _REAL.get(str(self))
+        if real is not None:
+            _REAL.setdefault(str(child), f"{real.split('#', 1)[0].split('?', 1)[0].rstrip('/')}/{name}")
+        return child
+
     def is_dir(self) -> bool:  # type: ignore[override]
         return False
 
@@ -136,7 +145,8 @@ def list_folder(url: str) -> list[str]:
     shown = redact(url)
     if not url.startswith("s3://"):
         raise RemoteError(f"{shown}: a folder cannot be listed over HTTP: give the URL of its shard index "
-                          f"({shown.rstrip('/')}/model.safetensors.index.json or pytorch_model.bin.index.json) or of "
+                          f"({shown.rstrip('/')}/model.safetensors.index.json or pytorch_model.bin.index.json), of "
+                          f"a torch.distributed.checkpoint folder's metadata ({shown.rstrip('/')}/.metadata) or of "
                           "one checkpoint file")
     prefix = url[len("s3://"):].split("?", 1)[0].strip("/")
     if not prefix:

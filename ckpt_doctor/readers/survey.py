@@ -219,6 +219,8 @@ def survey_zip(survey: Survey, fd: int) -> None:
     _survey_zip(survey, fd, local_scan=survey.thorough)
     if survey.thorough and (survey.zip is None or survey.zip.other_readers):
         _survey_items(survey, fd)
+        if is_remote(fd) and survey.zip is None and not isinstance(survey.zip_error, ZipTooBig):
+            _survey_remote_broken_zip(survey, fd)
 
 
 def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True) -> None:
@@ -232,7 +234,7 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True)
         return
     except ReadError as exc:
         survey.zip_error = exc
-        if not base and local_scan:
+        if not base and local_scan and not is_remote(fd):
             _survey_broken_zip(survey, fd)
         elif not base:
             _survey_zipfile_view(survey, fd)
@@ -290,8 +292,14 @@ def split_archives(fd: int, size: int) -> list[tuple[int, int]]:
     shard: one `torch.save` archive per item); [] unless they tile the whole file, or tile it up to a safetensors
     blob that runs exactly to its end (a shard in torch's safetensors format: its values, then its tensors). An
     archive ends with its end record, whose directory offset and size (relative to the archive's start) lead back
-    to exactly that record."""
-    items: list[tuple[int, int]] = []
+    to exactly that record. A remote source is split from its end first (each archive's end record leads to its
+    start, where the one before it ends: its structure fetched, not its tensor data); only when that chain does not
+    tile it is it searched as a local file is."""
+    if is_remote(fd):
+        items = _split_from_end(fd, size)
+        if items:
+            return items
+    items = []
     start = 0
     for at in find_all(fd, size, b"PK\x05\x06"):  # searched in blocks read, not in a map (a cut file: no SIGBUS)
         if at < start:
@@ -313,6 +321,40 @@ def split_archives(fd: int, size: int) -> list[tuple[int, int]]:
     if start == size:
         return items if len(items) > 1 else []
     return items if items and _safetensors_tail(fd, start, size) else []
+
+
+def _split_from_end(fd: Any, size: int) -> list[tuple[int, int]]:
+    """split_archives by the chain of end records from the file's end: the archives, when there are several and
+    they tile the file; [] otherwise (a safetensors blob at its end, an archive comment, a file no chain explains).
+    Two requests an archive: its last 4 KB (end records and directory), its first bytes (the local header)."""
+    items: list[tuple[int, int]] = []
+    end = size
+    while end > 0:
+        if len(items) >= limits.MAX_ZIP_MEMBERS or end < 22:
+            return []
+        tail_at = max(end - 4096, 0)
+        tail = pread(fd, end - tail_at, tail_at)
+        at = len(tail) - 22
+        if len(tail) != end - tail_at or tail[at:at + 4] != b"PK\x05\x06" or tail[at + 20:at + 22] != b"\0\0":
+            return []  # torch writes no archive comment: its end record ends the archive
+        cd_size, cd_offset = struct.unpack_from("<II", tail, at + 12)
+        end_of_dir = at
+        if at >= 20 + 56 and tail[at - 20:at - 16] == b"PK\x06\x07":  # zip64 (torch always writes it): its
+            (z64_at,) = struct.unpack_from("<Q", tail, at - 12)  # end record just before its locator
+            z64 = at - 20 - 56
+            if tail[z64:z64 + 4] != b"PK\x06\x06":
+                return []
+            cd_size, cd_offset = struct.unpack_from("<QQ", tail, z64 + 40)
+            end_of_dir = z64
+            if tail_at + z64 - cd_size - cd_offset + z64_at != tail_at + z64:  # the locator names that record
+                return []
+        start = tail_at + end_of_dir - cd_size - cd_offset
+        if start < 0 or pread(fd, 4, start) != b"PK\x03\x04":
+            return []
+        items.append((start, end - start))
+        end = start
+    items.reverse()
+    return items if len(items) > 1 else []
 
 
 def _safetensors_tail(fd: int, start: int, size: int) -> bool:
@@ -464,6 +506,18 @@ def _survey_broken_zip(survey: Survey, fd: int) -> None:
     pickles its local headers start."""
     _survey_zipfile_view(survey, fd)
     _survey_local_pickles(survey, fd, 0, "found from its local header")
+
+
+def _survey_remote_broken_zip(survey: Survey, fd: Any) -> None:
+    """An object no zip reader opens whole (the zipfile view was walked): the pickles its local headers start, as
+    _survey_broken_zip walks them, which reads all of its bytes; a DCP shard's archives (split from its end, each
+    walked, as every loader reads them) spare that search, and the scan says so."""
+    if not survey.items or fd.cached(survey.size, 0) is not None:  # (an object fetched whole: no cost)
+        _survey_local_pickles(survey, fd, 0, "found from its local header")
+        return
+    survey.notes.append("over the network: the file's local headers (the members of its archives no directory "
+                        "lists, which no loader reads) were not searched, which would fetch all its bytes; scan a "
+                        "local copy for that")
 
 
 def _ends_like_a_zip(fd: int, size: int) -> bool:

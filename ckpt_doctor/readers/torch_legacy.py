@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 import struct
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from ..safepickle.policy import Policy
 from ..safepickle.unpickler import SafeUnpickler
 from ..safepickle.walker import starts_pickle, walk
 from ._pickled import build_checkpoint, run_unpickler
+from .source import close_source, open_source, pread
 from .survey import LEGACY_PICKLES, Survey
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -27,7 +27,7 @@ def read_torch_legacy(path: Path, survey: Survey) -> Checkpoint:
     walked = survey.main_walk
     assert walked is not None
     spans = walked.pickles
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_source(path)  # a descriptor, or a URL's remote object (readers/source.py)
     try:
         if not spans:
             raise ReadError(f"{path}: {walked.broken or 'not a valid pickle'}")
@@ -37,7 +37,7 @@ def read_torch_legacy(path: Path, survey: Survey) -> Checkpoint:
         if needed > limits.MAX_UNPICKLE_BYTES:
             raise ReadError(f"{path}: a pickle of {needed:,} bytes, over the {limits.MAX_UNPICKLE_BYTES >> 20} MB "
                             "ckpt-doctor unpickles (it was walked: what it would run is reported)")
-        head = os.pread(fd, needed, 0)
+        head = pread(fd, needed, 0)
         first = _load(head, spans[0], _LABELS[0], path, survey.policy)
         if first[1] != MAGIC_NUMBER:
             # A bare pickle (pickle.dump): the first object is the content; torch.load would refuse it after
@@ -64,7 +64,7 @@ def read_torch_legacy(path: Path, survey: Survey) -> Checkpoint:
         offset = spans[-1][1]
         for key in keys:
             ref = body.storages.get(key)
-            count_bytes = os.pread(fd, 8, offset)
+            count_bytes = pread(fd, 8, offset)
             if ref is None or len(count_bytes) != 8:
                 what = "is not named by the object pickle" if ref is None else "is cut short"
                 raise ReadError(f"{path}: storage {key} {what} (the file is corrupt or truncated)")
@@ -81,7 +81,7 @@ def read_torch_legacy(path: Path, survey: Survey) -> Checkpoint:
         trailing_notes, extra = _trailing(fd, offset, survey.size, survey.policy)
         notes.extend(trailing_notes)
     finally:
-        os.close(fd)
+        close_source(fd)
     return build_checkpoint(path, Format.TORCH_LEGACY, root, [u for u, _ in loaded], notes=tuple(notes),
                             extra_globals=extra)
 
@@ -97,7 +97,7 @@ def _trailing(fd: int, at: int, size: int, policy: Policy) -> tuple[list[str], t
     left = size - at
     if left <= 0:
         return [], ()
-    data = os.pread(fd, min(left, limits.MAX_PICKLE_BYTES), at)
+    data = pread(fd, min(left, limits.MAX_PICKLE_BYTES), at)
     notes = [f"{left} trailing bytes after the last storage; torch never reads them"]
     if data[:4] == b"PK\x03\x04":
         notes.append("a zip archive follows the storages")
