@@ -168,6 +168,17 @@ def verdict_text(c: Comparison) -> str:
     return f"strict load OK{at}: {matched} of {total} model keys loaded; {filled}"
 
 
+def needs_code_text(ckpt: Any) -> str:
+    """What makes loading the file need code, for full_verdict: a TorchScript archive, a whole pickled model (and of
+    which class), or the globals off the allow-list it names."""
+    if ckpt.format.value == "torchscript":
+        return "a TorchScript archive" + (f" of {ckpt.model_class}" if ckpt.model_class else "")
+    if ckpt.model_class:
+        return f"a whole pickled model of {ckpt.model_class}"
+    names = [g.qualname for g in ckpt.unsafe_globals]
+    return "a file naming " + ", ".join(names[:3]) + (f", … {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def full_verdict(c: Comparison, needs_code: str = "") -> str:
     """The verdict line: the strict load's, after what loading the file at all needs (its code, for a whole pickled
     model or TorchScript) when it does."""

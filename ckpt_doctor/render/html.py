@@ -104,10 +104,10 @@ def inspect_html(report: Any) -> str:
         body.append("<p id=verdict class='verdict ok'>Safe: every global the file names is on the allow-list</p>")
     c = report.comparison
     if c is not None:  # the words and the fix line the terminal prints, from the same code
-        from .compare_out import comparison_lines, full_verdict
-        from .table import _needs_code
+        # only with --model: compare_out brings compare, modelspec and transforms, which a page without one never needs
+        from .compare_out import comparison_lines, full_verdict, needs_code_text
 
-        needs_code = _needs_code(ckpt) if report.needs_code else ""
+        needs_code = needs_code_text(ckpt) if report.needs_code else ""
         cls = "ok" if c.ok and not needs_code else "bad"
         body.append(f"<h2>Against the model</h2><p id=comparison class='verdict {cls}'>"
                     f"{_e(full_verdict(c, needs_code))}</p>")

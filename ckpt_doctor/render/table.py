@@ -140,10 +140,10 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
     for note in ckpt.notes + report.extra_notes:
         lines.append(("note", note))
     if report.comparison is not None:
-        from .compare_out import comparison_lines
+        from .compare_out import comparison_lines, needs_code_text
 
         lines += comparison_lines(report.comparison, str(ckpt.path), dict(report.suggestions),
-                                  needs_code=_needs_code(ckpt) if report.needs_code else "")
+                                  needs_code=needs_code_text(ckpt) if report.needs_code else "")
     if report.value_diffs:
         worst = sorted(report.value_diffs.items(), key=lambda kv: -kv[1])[:3]
         lines.append(("values", f"max |diff| over {len(report.value_diffs)} common tensors: "
@@ -170,15 +170,6 @@ def summary_problems(report: InspectReport) -> set[str]:
     if "unsafe" in report.problems and report.comparison is not None:
         labels.add("verdict")  # it says the file needs code to load
     return labels
-
-
-def _needs_code(ckpt) -> str:
-    if ckpt.format.value == "torchscript":
-        return "a TorchScript archive" + (f" of {ckpt.model_class}" if ckpt.model_class else "")
-    if ckpt.model_class:
-        return f"a whole pickled model of {ckpt.model_class}"
-    names = [g.qualname for g in ckpt.unsafe_globals]
-    return "a file naming " + ", ".join(names[:3]) + (f", … {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def default_load_lines(report: InspectReport) -> list[tuple[str, str]]:
