@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..advice import fix_suggestions
 from ..analyze import collapse_labels
 from ..compare import Comparison
 from ..errors import one_line, percent
+from .columns import MAX_WIDTH
 
 
 def comparison_json(c: Comparison, needs_code: str = "") -> dict[str, Any]:
@@ -99,8 +101,6 @@ def verdict_rows(c: Comparison, shapes: dict[str, tuple], model_shapes: dict[str
 def renames_on_two_lines(headers: list[str], rows: list[list[str]]) -> list[list[str]]:
     """`old → new` keys as two rows, `old` with its cells and `→ new` under it, when one line would be wider than
     MAX_WIDTH (keys are never cut; `module.bert.….weight → bert.….weight` made rows of 165 columns)."""
-    from .columns import MAX_WIDTH
-
     others = [max([len(h) + 2, *(len(r[i]) for r in rows)]) for i, h in enumerate(headers) if i]
     room = MAX_WIDTH - sum(others) - 2 * len(others)
     if all(len(r[0]) <= room for r in rows):
@@ -216,8 +216,6 @@ def comparison_lines(c: Comparison, path: str, suggestions: dict[str, Any] | Non
         lines.append(("dtype", f"{len(c.dtype_differs)} tensors differ in dtype (e.g. {k}: {a} vs {b}); "
                                "load_state_dict casts them"))
     if suggestions is None and c.suggested_fix:
-        from ..advice import fix_suggestions
-
         suggestions = dict(fix_suggestions(path, c))
     suggestions = suggestions or {}
     if "fix" in suggestions:

@@ -196,6 +196,7 @@ def diff_html(report: Any) -> str:
         layers = _e(", ".join(report.bn_drift))
         body.append("<p id=bn-drift class='verdict warn'>BatchNorm running stats changed while the weights stayed "
                     f"bit-identical (a frozen BatchNorm left in train mode?): {layers}</p>")
+    # only for diff --html, where ckpt_doctor.diff is loaded already: an inspect --html page does not pay for it
     from ..diff import largest_changes
 
     changed = largest_changes(rows)

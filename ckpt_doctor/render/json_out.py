@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from ..readers.source import usage
 from ..records import GlobalRef, TensorTable
 from ..report import InspectReport
 
@@ -174,8 +175,6 @@ def dumps(data: Any) -> str:
 
 def _remote(out: dict[str, Any]) -> None:
     """Bytes and requests used over the network (https://, s3://), when any were."""
-    from ..readers.source import usage
-
     used = usage()
     if used is not None:
         out["remote"] = used
