@@ -181,8 +181,7 @@ def test_an_import_inside_a_function_says_what_it_defers():
 # Modules being reworked elsewhere (the click CLI, tabulate renderers, the DCP/DeepSpeed readers' speed, the byte-source
 # layer, Hugging Face model specs): their function-level imports are to be given reasons there.
 SILENT_PENDING = ("ckpt_doctor.cli", "ckpt_doctor.readers.dcp", "ckpt_doctor.readers.deepspeed",
-                  "ckpt_doctor.readers.survey", "ckpt_doctor.readers.mapping", "ckpt_doctor.readers.zipindex",
-                  "ckpt_doctor.modelspec")
+                  "ckpt_doctor.readers.survey", "ckpt_doctor.readers.mapping", "ckpt_doctor.readers.zipindex")
 
 
 if __name__ == "__main__":
