@@ -15,7 +15,7 @@ import sys
 import click
 
 from ._version import __version__
-from .errors import CkptDoctorError, UsageError
+from .errors import CkptDoctorError, SeveralCheckpoints, UsageError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -49,7 +49,7 @@ _ANSI = {"red": 31, "green": 32, "yellow": 33}
 def say(line: str = "", *, color: str | None = None, no_color: bool = False) -> None:
     """A line for the person, on stderr (control characters from keys or file names escaped)."""
     if not line.isprintable():
-        from .render.columns import printable
+        from .render.columns import printable  # only for a line with control characters: --help imports no renderer
 
         line = printable(line)
     if color and _use_color(sys.stderr, no_color):
@@ -68,13 +68,13 @@ def _write_page(path: str, text: str, inputs: tuple) -> None:
     """An --html page, written as every output is: a temporary file beside it, synced, renamed; never an input."""
     from pathlib import Path
 
-    from .writers.atomic import atomic_output, check_destination
+    from .writers.atomic import atomic_output, check_destination  # only for --html
 
     out = Path(path)
     if out.is_file():  # a page written before is replaced (a CI job re-runs); anything else is refused
         with open(out, "rb") as f:
             head = f.read(512)
-        from .render.html import GENERATOR
+        from .render.html import GENERATOR  # only for --html
 
         if GENERATOR.encode() not in head:
             raise UsageError(f"--html {out}: the file exists and is not a page ckpt-doctor wrote; remove it or name "
@@ -94,7 +94,7 @@ def _under_policy(func: Callable[..., int]) -> Callable[..., int]:
     to the library call it makes; nothing else knows of it."""
 
     def run(allow_global: tuple[str, ...] = (), **args: Any) -> int:
-        from .safepickle.policy import Policy
+        from .safepickle.policy import Policy  # only when a command runs: --help and --version never load the policy
 
         return func(policy=Policy.allowing(allow_global), **args)
 
@@ -107,7 +107,7 @@ _ARGV: list[str] = []  # the command line being run: an error's way out is this 
 
 def _rerun_command(rerun: Any) -> str:
     """A way out of an error as the whole command to paste: the user's own, with the flags it needs."""
-    from .advice import command_line, rerun_argv
+    from .advice import command_line, rerun_argv  # only when an error offers a rerun
 
     argv = rerun_argv(_ARGV, rerun.add, rerun.remove) if _ARGV else None
     return f"`{command_line(argv)}`" if argv is not None else rerun.describe()
@@ -503,7 +503,7 @@ def inspect(ckpt: str, as_json: bool, format_: str, stats: bool, filter_: str | 
 
     The table goes to stdout, the summary to stderr.
     """
-    from .report import inspect_checkpoint
+    from .report import inspect_checkpoint  # inspect's library, imported only when inspect runs
 
     # A short-lived process building an acyclic tree of ~10 objects per tensor: the cycle collector would walk
     # it over and over (a fifth of the time for 20,000 tensors) and never free anything.
@@ -518,8 +518,6 @@ def inspect(ckpt: str, as_json: bool, format_: str, stats: bool, filter_: str | 
         args = parse_model_args(model_args)
     if select is not None and not model_spec:
         raise UsageError("--select needs --model (it picks the state_dict compared with the model)")
-    from .errors import SeveralCheckpoints
-
     try:
         report = inspect_checkpoint(ckpt, stats=stats or bool(html_out), filter=filter_, model=model_spec,
                                     model_args=args, allow_missing=allow_missing,
@@ -532,15 +530,15 @@ def inspect(ckpt: str, as_json: bool, format_: str, stats: bool, filter_: str | 
             raise UsageError(f"{exc} ({needs_one[0]} needs one checkpoint)") from None
         return _inspect_folder(exc.folder, policy, as_json, no_color, require_default_load, tablefmt)
     if html_out:
-        from .render.html import inspect_html
+        from .render.html import inspect_html  # only for --html
 
         _write_page(html_out, inspect_html(report), report.checkpoint.files or (report.checkpoint.path,))
     if as_json:
-        from .render.json_out import dumps, inspect_json
+        from .render.json_out import dumps, inspect_json  # only for --json
 
         echo(dumps(inspect_json(report, encoded_rows=True)))
     else:
-        from .render.lines import color_of
+        from .render.lines import color_of  # only for the table (and the next line): --json never imports table code
         from .render.table import inspect_summary, inspect_table
 
         echo(inspect_table(report, full=full, tablefmt=tablefmt))
@@ -552,13 +550,13 @@ def inspect(ckpt: str, as_json: bool, format_: str, stats: bool, filter_: str | 
 def _inspect_folder(folder: Any, policy: Policy, as_json: bool, no_color: bool, require_default_load: bool = False,
                     tablefmt: str = "simple") -> int:
     """A folder of many checkpoints: one line per file (read several at once), a total; exit as the worst file."""
-    from .listing import list_folder
+    from .listing import list_folder  # only for a folder of checkpoints (and the next two)
     from .render.lines import color_of
     from .render.listing_out import listing_json, listing_summary, listing_table
 
     listing = list_folder(folder, require_default_load, policy=policy)
     if as_json:
-        from .render.json_out import dumps
+        from .render.json_out import dumps  # only for --json
 
         echo(dumps(listing_json(listing)))
     elif listing.files:
@@ -653,7 +651,7 @@ def fix(ckpt: str, output: str, as_json: bool, policy: Policy, **flags: Any) -> 
     import signal
 
     gc.disable()  # as in inspect: one pass over an acyclic tree of records, nothing for the collector to free
-    from .cliparse import fix_options
+    from .cliparse import fix_options  # fix's modules (and the next two), imported only when fix runs
     from .fix.run import prepare_fix, write_fix
     from .render.fix_out import dry_run_table, fix_json, fix_summary
 
@@ -664,7 +662,7 @@ def fix(ckpt: str, output: str, as_json: bool, policy: Policy, **flags: Any) -> 
     plan = prepare_fix(ckpt, output, options)
     if options.dry_run:
         if as_json:
-            from .render.json_out import dumps
+            from .render.json_out import dumps  # only for --json
 
             echo(dumps(fix_json(plan, None)))
         else:
@@ -674,7 +672,7 @@ def fix(ckpt: str, output: str, as_json: bool, policy: Policy, **flags: Any) -> 
         return 0
     result = write_fix(plan, options, progress_bar())
     if as_json:
-        from .render.json_out import dumps
+        from .render.json_out import dumps  # only for --json
 
         echo(dumps(fix_json(plan, result)))
     for line in fix_summary(plan, result):
@@ -727,7 +725,7 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, format_: str, 
 
     The table goes to stdout, the summary to stderr.
     """
-    from .diff import diff_checkpoints
+    from .diff import diff_checkpoints  # diff's modules (and the next two), imported only when diff runs
     from .render.diff_out import diff_json, diff_summary, diff_table
     from .render.lines import color_of
 
@@ -736,17 +734,17 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool, format_: str, 
     # than the product (a 1 GB pair changed throughout: 1.47 s with threads, 1.15 s without). Set before NumPy loads.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     as_json, tablefmt = _table_format(as_json, format_)
-    from . import transforms as T
+    from . import transforms as T  # only when diff runs
 
     steps = [T.strip_prefix(p) for p in strip_prefix] + [T.add_prefix(p) for p in add_prefix]
     steps += [T.rename(r) for r in rename]
     report = diff_checkpoints(a, b, atol=atol, rtol=rtol, transforms=tuple(steps), policy=policy)
     if html_out:
-        from .render.html import diff_html
+        from .render.html import diff_html  # only for --html
 
         _write_page(html_out, diff_html(report), (report.a.path, report.b.path))
     if as_json:
-        from .render.json_out import dumps
+        from .render.json_out import dumps  # only for --json
 
         echo(dumps(diff_json(report)))
     else:
@@ -832,7 +830,7 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
     ckpt-doctor verify last.ckpt --select model_ema --model nets.py:Net --input-shape 8,3,32,32
     ckpt-doctor verify mapped.pt --model new.py:Net --compare-to old.pth --compare-model old.py:OldNet
     """
-    from .modelspec import parse_model_args
+    from .modelspec import parse_model_args  # verify's modules (and the next line), imported only when verify runs
     from .verify import InputSpec, check_torchrun, parse_modes, parse_shape, verify as run_verify
 
     as_json, tablefmt = _table_format(as_json, format_)
@@ -844,13 +842,13 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
     if bounds[0] >= bounds[1]:  # torch.randint(low, high) draws from [low, high): it needs low < high
         raise UsageError(f"--input-range {input_range!r}: LOW must be below HIGH (integers are drawn from "
                          "[LOW, HIGH)), e.g. 0,1000")
-    from .dtypes import user_dtype_name
+    from .dtypes import user_dtype_name  # only when verify runs
 
     dtype = user_dtype_name(input_dtype)
     if dtype is None:
         raise UsageError(f"--input-dtype {input_dtype!r} is not a torch dtype")
     spec = InputSpec(tuple(parse_shape(s) for s in input_shapes), dtype, bounds[0], bounds[1], input_fn)
-    from .outputs import Tolerance
+    from .outputs import Tolerance  # only when verify runs (and the next line)
     from .transforms import compile_regex
 
     for flag, pattern in (("--allow-missing", allow_missing), ("--allow-unexpected", allow_unexpected)):
@@ -861,7 +859,7 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
     other_args = parse_model_args(compare_model_args)
     progress = say if sys.stderr.isatty() else None  # a person waiting at a terminal sees each stage start and end
     if check_torchrun():
-        from .verify import verify_under_torchrun
+        from .verify import verify_under_torchrun  # only under torchrun
 
         report = verify_under_torchrun(ckpt, model_spec, args, spec, allow_skip, select, allow_missing,
                                        allow_unexpected, tolerance, min_loaded=min_loaded, timeout=timeout,
@@ -887,12 +885,12 @@ def verify(ckpt: str, model_spec: str, model_args: tuple[str, ...], input_shapes
 
 def _report_verify(report, as_json: bool, tablefmt: str = "simple") -> int:
     """The report on stdout (table or JSON), its lines on stderr; the exit code is the report's own."""
-    from .advice import rerun_argv
+    from .advice import rerun_argv  # only when verify reports (and the next line)
     from .render.verify_out import verify_advice, verify_json, verify_lines, verify_table
 
     advice = verify_advice(report, lambda flags: rerun_argv(_ARGV, flags))
     if as_json:
-        from .render.json_out import dumps
+        from .render.json_out import dumps  # only for --json
 
         echo(dumps(verify_json(report, advice)))
     elif report.runs:
@@ -943,13 +941,13 @@ def scan(paths: tuple[str, ...], as_json: bool, format_: str, show_all: bool, re
     Exit 1 if anything is code or dangerous; 2 if a path is missing or unreadable, a checkpoint is corrupt,
     a file named alone is no checkpoint, or a folder holds nothing to scan.
     """
-    from .render.scan_out import scan_json, scan_summary, scan_table
+    from .render.scan_out import scan_json, scan_summary, scan_table  # only when scan runs (and the next line)
     from .scan import scan as run_scan
 
     as_json, tablefmt = _table_format(as_json, format_)
     report = run_scan(list(paths), require_default_load=require_default_load, policy=policy)
     if as_json:
-        from .render.json_out import dumps
+        from .render.json_out import dumps  # only for --json
 
         echo(dumps(scan_json(report)))
     else:

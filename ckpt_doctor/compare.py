@@ -372,7 +372,7 @@ def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str 
         flags += ["--tie", f"{alias}={source}"]
     if fix.left_missing and fix.kind == "allowed":
         # fix checks its output against the model when told of one: the line names the model and what it accepts
-        flags += [*model.flags, "--allow-missing", _alternation(fix.left_missing)]
+        flags += [*model.flags, "--allow-missing", exact_keys_regex(fix.left_missing)]
     missing = tuple(k for k in check.missing if k not in allowed_m)
     required, reason = required_share(model, allow_missing, min_loaded)
     # What the file lacks once the fix renames its keys: a mapping by order fills every key of the model.
@@ -483,7 +483,7 @@ def short_of_required(model: ModelKeys, check: LoadCheck, allow_missing: str | N
             f"{percent(required)}: {reason})")
 
 
-def _alternation(keys: list[str] | tuple[str, ...]) -> str:
+def exact_keys_regex(keys: list[str] | tuple[str, ...]) -> str:
     """One anchored regex naming exactly these keys: `^(fc\\.weight|fc\\.bias)$`."""
     if len(keys) == 1:
         return f"^{re.escape(keys[0])}$"
@@ -677,8 +677,8 @@ def _place(mapping: dict[str, str], by_key: dict[str, TensorRecord], model: Mode
               kept=kept)
     fix.flags = flags_for(transforms)
     if dropped:
-        fix.transforms = fix.transforms + [Transform(Op.DROP, _alternation(dropped))]
-        fix.flags += ["--drop", _alternation(dropped)]
+        fix.transforms = fix.transforms + [Transform(Op.DROP, exact_keys_regex(dropped))]
+        fix.flags += ["--drop", exact_keys_regex(dropped)]
     fix.matched = matched
     return fix
 

@@ -8,12 +8,13 @@ import importlib
 import importlib.util
 import os
 import sys
-from ._record import field, record, replace
 from math import prod
 from pathlib import Path
 from typing import Any
 
+from ._record import field, record, replace
 from .errors import ModelSpecError, UsageError, one_line
+from .readers import read_checkpoint
 from .safepickle.policy import DEFAULT_POLICY, Policy
 
 
@@ -83,6 +84,8 @@ def resolve_spec(spec: str, checkpoint: str | os.PathLike | None) -> str:
     """The SPEC with what it leaves to the checkpoint filled in: `hf:` alone is the config.json beside it."""
     if not is_hf_spec(spec):
         return spec
+    # hfspec (the Hugging Face config reader, a few ms) is imported only for an hf: SPEC, here and below: a model
+    # of the user's own code never pays for it
     from .hfspec import resolve
 
     return resolve(spec, checkpoint)
@@ -92,7 +95,7 @@ def example_inputs(spec: str, model_args: dict[str, Any] | None, seed: int) -> t
     """Inputs the model itself says it takes, where its SPEC says (a Hugging Face config); None for code."""
     if not is_hf_spec(spec):
         return None
-    from .hfspec import example_inputs as from_config
+    from .hfspec import example_inputs as from_config  # only for an hf: SPEC
 
     return from_config(spec, model_args, seed)
 
@@ -142,13 +145,12 @@ def resolve_attr(spec: str) -> Any:
 def build_model(spec: str, model_args: dict[str, Any] | None = None, device: str = "meta") -> Any:
     """Instantiate the model; on `meta` no memory is allocated, so a 70B model costs nothing."""
     import contextlib
-    import sys
 
     import torch
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries data: what the model's module prints is no JSON
         if is_hf_spec(spec):  # the config's fields are the model's arguments: given to the config, not the call
-            from .hfspec import factory as hf_factory
+            from .hfspec import factory as hf_factory  # only for an hf: SPEC
 
             factory, call_args = hf_factory(spec, model_args), {}
         else:
@@ -213,8 +215,6 @@ def keys_from_spec(spec: str, model_args: dict[str, Any] | None = None, *,
     under."""
     spec = resolve_spec(spec, checkpoint)
     if is_checkpoint_spec(spec):
-        from .readers import read_checkpoint
-
         ref = read_checkpoint(spec, policy=policy)
         if ref.state_dict_root is None:
             raise ModelSpecError(f"--model {spec}: the reference checkpoint holds no state_dict")
@@ -237,7 +237,7 @@ def library_names(spec: str, model: Any) -> Any:
     of the user's own."""
     if not is_hf_spec(spec):
         return None
-    from .hfspec import load_name
+    from .hfspec import load_name  # only for an hf: SPEC
 
     return load_name(model)
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..advice import fix_suggestions
 from ..analyze import collapse_labels
 from ..compare import Comparison
 from ..errors import one_line, percent
+from .columns import MAX_WIDTH
 
 
 def comparison_json(c: Comparison, needs_code: str = "") -> dict[str, Any]:
@@ -99,8 +101,6 @@ def verdict_rows(c: Comparison, shapes: dict[str, tuple], model_shapes: dict[str
 def renames_on_two_lines(headers: list[str], rows: list[list[str]]) -> list[list[str]]:
     """`old → new` keys as two rows, `old` with its cells and `→ new` under it, when one line would be wider than
     MAX_WIDTH (keys are never cut; `module.bert.….weight → bert.….weight` made rows of 165 columns)."""
-    from .columns import MAX_WIDTH
-
     others = [max([len(h) + 2, *(len(r[i]) for r in rows)]) for i, h in enumerate(headers) if i]
     room = MAX_WIDTH - sum(others) - 2 * len(others)
     if all(len(r[0]) <= room for r in rows):
@@ -168,6 +168,17 @@ def verdict_text(c: Comparison) -> str:
     return f"strict load OK{at}: {matched} of {total} model keys loaded; {filled}"
 
 
+def needs_code_text(ckpt: Any) -> str:
+    """What makes loading the file need code, for full_verdict: a TorchScript archive, a whole pickled model (and of
+    which class), or the globals off the allow-list it names."""
+    if ckpt.format.value == "torchscript":
+        return "a TorchScript archive" + (f" of {ckpt.model_class}" if ckpt.model_class else "")
+    if ckpt.model_class:
+        return f"a whole pickled model of {ckpt.model_class}"
+    names = [g.qualname for g in ckpt.unsafe_globals]
+    return "a file naming " + ", ".join(names[:3]) + (f", … {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def full_verdict(c: Comparison, needs_code: str = "") -> str:
     """The verdict line: the strict load's, after what loading the file at all needs (its code, for a whole pickled
     model or TorchScript) when it does."""
@@ -205,8 +216,6 @@ def comparison_lines(c: Comparison, path: str, suggestions: dict[str, Any] | Non
         lines.append(("dtype", f"{len(c.dtype_differs)} tensors differ in dtype (e.g. {k}: {a} vs {b}); "
                                "load_state_dict casts them"))
     if suggestions is None and c.suggested_fix:
-        from ..advice import fix_suggestions
-
         suggestions = dict(fix_suggestions(path, c))
     suggestions = suggestions or {}
     if "fix" in suggestions:

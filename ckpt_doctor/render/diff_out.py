@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..advice import command_line, shell_path
 from ..analyze import collapse_labels
 from ..diff import DiffReport, TensorDiff, largest_changes, sparkline
+from ..readers.source import usage, usage_line
 from .columns import KEYS, draw_table
 from .lines import Line, Severity
 
@@ -62,8 +64,6 @@ def _labels(rows: list[TensorDiff], limit: int = 6) -> str:
 
 
 def diff_summary(report: DiffReport) -> list[str]:
-    from ..advice import command_line, shell_path
-
     lines: list[tuple[str, str]] = []
     a, b = report.a, report.b
     lines.append(("A", f"{a.path} ({a.format.value}, {len(a.tensors):,} tensors)"))
@@ -107,8 +107,6 @@ def diff_summary(report: DiffReport) -> list[str]:
     if report.unsafe_sides:
         values += f"; but {' and '.join(report.unsafe_sides)} would run code when loaded as saved"
     lines.append(("verdict", values))
-    from ..readers.source import usage_line
-
     network = usage_line()
     if network is not None:
         lines.append(("network", network))
@@ -141,8 +139,6 @@ def diff_json(report: DiffReport) -> dict[str, Any]:
 
 def _remote() -> dict[str, Any]:
     """Bytes and requests used over the network (a URL as A or B), when any were."""
-    from ..readers.source import usage
-
     used = usage()
     return {"remote": used} if used is not None else {}
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from ..analyze import human_bytes
 from ..fix import FixPlan, FixResult
+from ..readers.source import usage, usage_line
 
 
 def fix_json(plan: FixPlan, result: FixResult | None) -> dict[str, Any]:
@@ -32,8 +33,6 @@ def fix_json(plan: FixPlan, result: FixResult | None) -> dict[str, Any]:
 
 def _remote() -> dict[str, Any]:
     """Bytes and requests used over the network (a URL as the source), when any were."""
-    from ..readers.source import usage
-
     used = usage()
     return {"remote": used} if used is not None else {}
 
@@ -45,7 +44,7 @@ def dry_run_table(plan: FixPlan) -> str:
         rows.append([old, "≈" if old in marked else "→" if old != new else "=", new])
     for key in plan.dropped:
         rows.append([key, "✗", "(dropped)"])
-    from .columns import KEYS, draw_table
+    from .columns import KEYS, draw_table  # only when a table is drawn: --json does not import the table code
 
     return draw_table(["key", "", "output key"], rows, max_width=KEYS)
 
@@ -76,8 +75,6 @@ def fix_summary(plan: FixPlan, result: FixResult | None) -> list[str]:
         names = ", ".join(result.unknown_globals)
         lines.append(f"note: the output names {names}, allowed with --allow-global; load it with "
                      f"torch.serialization.safe_globals([{names}]) around torch.load(weights_only=True)")
-    from ..readers.source import usage_line
-
     network = usage_line()
     if network is not None:
         lines.append(f"network: {network}")

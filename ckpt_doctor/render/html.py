@@ -104,10 +104,10 @@ def inspect_html(report: Any) -> str:
         body.append("<p id=verdict class='verdict ok'>Safe: every global the file names is on the allow-list</p>")
     c = report.comparison
     if c is not None:  # the words and the fix line the terminal prints, from the same code
-        from .compare_out import comparison_lines, full_verdict
-        from .table import _needs_code
+        # only with --model: compare_out brings compare, modelspec and transforms, which a page without one never needs
+        from .compare_out import comparison_lines, full_verdict, needs_code_text
 
-        needs_code = _needs_code(ckpt) if report.needs_code else ""
+        needs_code = needs_code_text(ckpt) if report.needs_code else ""
         cls = "ok" if c.ok and not needs_code else "bad"
         body.append(f"<h2>Against the model</h2><p id=comparison class='verdict {cls}'>"
                     f"{_e(full_verdict(c, needs_code))}</p>")
@@ -196,6 +196,7 @@ def diff_html(report: Any) -> str:
         layers = _e(", ".join(report.bn_drift))
         body.append("<p id=bn-drift class='verdict warn'>BatchNorm running stats changed while the weights stayed "
                     f"bit-identical (a frozen BatchNorm left in train mode?): {layers}</p>")
+    # only for diff --html, where ckpt_doctor.diff is loaded already: an inspect --html page does not pay for it
     from ..diff import largest_changes
 
     changed = largest_changes(rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from ..readers.source import usage
 from ..records import GlobalRef, TensorTable
 from ..report import InspectReport
 
@@ -78,10 +79,10 @@ def inspect_json(report: InspectReport, *, encoded_rows: bool = False) -> dict[s
         out["default_load"] = report.default_load.json()
     out["suggested_commands"] = [dict(s.json(), label=label) for label, s in report.suggestions]
     if report.comparison is not None:
-        from .compare_out import comparison_json  # noqa: PLC0415
-        from .table import _needs_code  # noqa: PLC0415
+        # only with --model: compare_out brings compare, modelspec and transforms, which plain --json never pays for
+        from .compare_out import comparison_json, needs_code_text  # noqa: PLC0415
 
-        out["comparison"] = comparison_json(report.comparison, _needs_code(ckpt) if report.needs_code else "")
+        out["comparison"] = comparison_json(report.comparison, needs_code_text(ckpt) if report.needs_code else "")
     return out
 
 
@@ -174,8 +175,6 @@ def dumps(data: Any) -> str:
 
 def _remote(out: dict[str, Any]) -> None:
     """Bytes and requests used over the network (https://, s3://), when any were."""
-    from ..readers.source import usage
-
     used = usage()
     if used is not None:
         out["remote"] = used

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..analyze import human_bytes
 from ..listing import FolderListing
 from .lines import Line, Severity
+from .scan_out import MAX_SKIPPED_LINES
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
@@ -19,7 +20,7 @@ def _name(listing: FolderListing, path) -> str:
 
 
 def listing_table(listing: FolderListing, tablefmt: str = "simple") -> str:
-    from .columns import draw_table
+    from .columns import draw_table  # only when a table is drawn: --json does not import the table code
 
     rows = []
     for f in listing.files:
@@ -57,8 +58,6 @@ def listing_summary(listing: FolderListing) -> list[str]:
     if unreadable:
         lines.append(Line(f"Error: {len(unreadable)} file(s) could not be read (see the safety column)",
                           Severity.PROBLEM))
-    from .scan_out import MAX_SKIPPED_LINES
-
     lines += [f"skipped {_name(listing, s.path)}: {s.reason}" for s in listing.skipped[:MAX_SKIPPED_LINES]]
     if len(listing.skipped) > MAX_SKIPPED_LINES:
         lines.append(f"skipped {len(listing.skipped) - MAX_SKIPPED_LINES:,} more files that are no checkpoint and run "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..readers.source import usage, usage_line
 from ..records import Verdict
 from ..scan import FileScan, ScanReport
 
@@ -36,8 +37,6 @@ def scan_json(report: ScanReport) -> dict[str, Any]:
 
 
 def _remote() -> dict[str, Any]:
-    from ..readers.source import usage
-
     used = usage()
     return {"remote": used} if used is not None else {}
 
@@ -45,7 +44,7 @@ def _remote() -> dict[str, Any]:
 def scan_table(report: ScanReport, show_safe: bool = False, tablefmt: str = "simple") -> str | None:
     """One row per global off the allow-list (every global with show_safe) and per hazard; None when there is
     nothing to show and no file was read: no claim is made about a file that could not be read."""
-    from .columns import draw_table
+    from .columns import draw_table  # only when a table is drawn: --json does not import the table code
 
     rows = []
     for f in report.files:
@@ -104,8 +103,6 @@ def scan_summary(report: ScanReport, with_severity: bool = False) -> list:
     if len(report.skipped) > MAX_SKIPPED_LINES:
         lines.append((f"skipped {len(report.skipped) - MAX_SKIPPED_LINES:,} more files that are no checkpoint and run "
                       "nothing (--json lists them all)", False))
-    from ..readers.source import usage_line
-
     network = usage_line()
     if network is not None:
         lines.append((network, False))

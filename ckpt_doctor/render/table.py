@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .columns import KEYS, draw_table
-
 from ..analyze import collapse_labels, human_bytes
-from .lines import Line, Severity
-from ..records import DcpFolder, TensorTable
+from ..readers.source import usage_line
+from ..records import DcpFolder, TensorTable, relative_to_root
 from ..report import InspectReport
+from .columns import KEYS, draw_table
+from .lines import Line, Severity
 
 
 def _fmt(x: float | None) -> str:
@@ -56,9 +56,9 @@ def inspect_table(report: InspectReport, full: bool = False, tablefmt: str = "si
 
 
 def comparison_table(report: InspectReport, tablefmt: str = "simple") -> str:
+    # only with --model: compare_out brings compare, modelspec and transforms, which plain inspect never pays for
+    from ..transforms import compile_regex
     from .compare_out import fix_prefix, renames_on_two_lines, verdict_rows
-
-    from ..records import relative_to_root
 
     c = report.comparison
     shapes = {t.key: t.shape for t in relative_to_root(report.checkpoint.tensors, c.state_dict_root)}
@@ -67,8 +67,6 @@ def comparison_table(report: InspectReport, tablefmt: str = "simple") -> str:
         shapes.update({at + t.key: t.shape for t in relative_to_root(report.checkpoint.tensors, c.fix_root)})
     body = verdict_rows(report.comparison, shapes, report.model_shapes)
     if report.filter:
-        from ..transforms import compile_regex
-
         pattern = compile_regex(report.filter, "--filter")
         body = [row for row in body if pattern.search(row[0])]
     headers = ["key", "verdict", "checkpoint", "model"]
@@ -140,18 +138,16 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
     for note in ckpt.notes + report.extra_notes:
         lines.append(("note", note))
     if report.comparison is not None:
-        from .compare_out import comparison_lines
+        from .compare_out import comparison_lines, needs_code_text  # only with --model, as in comparison_table
 
         lines += comparison_lines(report.comparison, str(ckpt.path), dict(report.suggestions),
-                                  needs_code=_needs_code(ckpt) if report.needs_code else "")
+                                  needs_code=needs_code_text(ckpt) if report.needs_code else "")
     if report.value_diffs:
         worst = sorted(report.value_diffs.items(), key=lambda kv: -kv[1])[:3]
         lines.append(("values", f"max |diff| over {len(report.value_diffs)} common tensors: "
                                 + ", ".join(f"{k} {v:.3g}" for k, v in worst)))
     elif report.value_diffs is not None:
         lines.append(("values", "no common tensors of the same shape to compare"))
-    from ..readers.source import usage_line
-
     network = usage_line()
     if network is not None:
         lines.append(("network", network))
@@ -170,15 +166,6 @@ def summary_problems(report: InspectReport) -> set[str]:
     if "unsafe" in report.problems and report.comparison is not None:
         labels.add("verdict")  # it says the file needs code to load
     return labels
-
-
-def _needs_code(ckpt) -> str:
-    if ckpt.format.value == "torchscript":
-        return "a TorchScript archive" + (f" of {ckpt.model_class}" if ckpt.model_class else "")
-    if ckpt.model_class:
-        return f"a whole pickled model of {ckpt.model_class}"
-    names = [g.qualname for g in ckpt.unsafe_globals]
-    return "a file naming " + ", ".join(names[:3]) + (f", … {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def default_load_lines(report: InspectReport) -> list[tuple[str, str]]:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from ..errors import percent
-
 from typing import Any
 
-from .columns import draw_table
-
+from ..advice import Promise, Suggestion, fix_suggestions
 from ..analyze import human_bytes
+from ..compare import exact_keys_regex
+from ..errors import percent
 from ..verify import RunResult, Status, VerifyReport
+from .columns import draw_table
+from .compare_out import comparison_json, comparison_lines
 
 
 def verify_advice(report: VerifyReport, rerun: Any = None) -> list[tuple[str, Any]]:
@@ -20,15 +21,10 @@ def verify_advice(report: VerifyReport, rerun: Any = None) -> list[tuple[str, An
     if c is None or not report.refused or c.strict_ok:
         return []
     if c.fix_kind == "allowed" and not c.renames and not c.dropped and c.left_missing and rerun is not None:
-        from ..advice import Promise, Suggestion
-        from ..compare import _alternation
-
-        argv = rerun(("--allow-missing", _alternation(c.left_missing)))
+        argv = rerun(("--allow-missing", exact_keys_regex(c.left_missing)))
         if argv is not None:
             return [("verify", Suggestion(tuple(argv), Promise.SHOWS, "accepts that the model keeps its own values "
                                                                       "for the keys the file lacks"))]
-    from ..advice import fix_suggestions
-
     return fix_suggestions(report.checkpoint, c)
 
 
@@ -52,8 +48,6 @@ def verify_json(report: VerifyReport, advice: list[tuple[str, Any]] | None = Non
                   **({"ranks": [_rank_json(k) for k in r.ranks]} if r.ranks else {})} for r in report.runs],
     }
     if report.refused:  # the load's verdict is why nothing ran: all of it
-        from .compare_out import comparison_json
-
         out["comparison"] = comparison_json(report.comparison)
     if report.summary:
         out["summary"] = [{"module": m.name, "type": m.kind, "output_shape": m.output_shape, "params": m.params}
@@ -109,8 +103,6 @@ def _peak(run: RunResult) -> str:
 def verify_lines(report: VerifyReport, advice: list[tuple[str, Any]] | None = None) -> list[tuple[str, bool]]:
     """The lines for stderr, each with whether it tells of a problem (shown red): the share loaded, the load's
     verdict when it stopped verify, the comparison with --compare-to, and the verdict, from `report.problems`."""
-    from .compare_out import comparison_lines
-
     lines: list[tuple[str, bool]] = []
     if report.lazy:
         lines.append((f"lazy        {', '.join(report.lazy)}: parameters created by one forward on the inputs "
