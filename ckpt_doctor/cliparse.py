@@ -78,8 +78,9 @@ def fix_options(*, strip_module: bool = False, add_module: bool = False, strip_p
     they apply, whatever their order on the command line; the model is built (on meta) here. `checkpoint`: the
     file fixed, beside which `--model hf:` alone finds its config.json. `policy`: the allow-list the command built
     from --allow-global (a reference checkpoint given as --model is read under it too)."""
+    # only when fix runs: the fix package (its plan, options and writers) is not imported for the other commands
     from . import transforms as T
-    from .fix import FixOptions, OutputFormat
+    from .fix import FixOptions, OutputFormat  # (only for fix)
 
     if model_args and not model_spec:
         raise UsageError("--model-arg needs --model")

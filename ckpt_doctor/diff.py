@@ -17,9 +17,11 @@ from ._record import field, record
 from .dtypes import element_size
 from .errors import ReadError
 from .pool import can_fork, one_blas_thread, workers
+from .readers import read_checkpoint
 from .readers.held import Holder
 from .records import Checkpoint, TensorRecord, relative_to_root
 from .safepickle.policy import DEFAULT_POLICY, Policy
+from .transforms import plan_keys
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
@@ -611,7 +613,6 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
                      transforms: tuple = (), progress=None, policy: Policy = DEFAULT_POLICY) -> DiffReport:
     """`transforms` (fix's --strip-prefix/--add-prefix/--rename) map A's names onto B's instead of the inference.
     Both files are read under `policy` (the defaults unless passed)."""
-    from .readers import read_checkpoint
     from .tensordata import load_tensor  # torch: ~1 s, imported when values are compared
 
     import numpy  # noqa: F401  (loaded now, when values are compared, so that one_blas_thread finds its OpenBLAS)
@@ -621,8 +622,6 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
         ckpt.refuse_if_unsafe("compare it", code_too=False)
         ckpt.refuse_values("compare its values")
     if transforms:
-        from .transforms import plan_keys
-
         a_root = a.state_dict_root
         mapping = dict(plan_keys([t.key for t in a.state_dict_tensors()], list(transforms)).mapping)
         flags = tuple(f for t in transforms for f in t.flags())

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+from .errors import CkptDoctorError
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
     from typing import Callable, TypeVar
@@ -43,8 +45,6 @@ def map_paths(func: Callable[[T], R], items: list[T]) -> list[R]:
                                  initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
             return list(pool.map(func, items, chunksize=chunk))
     except BrokenProcessPool:  # a worker was killed (the system out of memory?): said, not an internal error
-        from .errors import CkptDoctorError
-
         raise CkptDoctorError("a worker process reading the files was killed (out of memory?); run again with "
                               "CKPT_DOCTOR_NO_FORK=1 to read them one at a time in this process") from None
 

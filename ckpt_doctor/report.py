@@ -107,7 +107,7 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
     if model is not None:
         from .compare import compare_checkpoint  # compare, modelspec: ~40 ms, only with --model
         from .modelspec import keys_from_spec
-        from .transforms import compile_regex
+        from .transforms import compile_regex  # only with --filter
 
         for flag, pattern in (("--allow-missing", allow_missing), ("--allow-unexpected", allow_unexpected)):
             if pattern:
@@ -124,7 +124,7 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         raise UsageError("--values compares with a reference checkpoint: give one with --model OTHER_CKPT")
     tensors = ckpt.tensors
     if filter:
-        from .transforms import compile_regex
+        from .transforms import compile_regex  # only with --filter
 
         pattern = compile_regex(filter, "--filter")
         table = TensorTable.of(tensors)

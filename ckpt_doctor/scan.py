@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from ._record import field, record
+from ._record import field, record, replace
 from .advice import Suggestion
 from .default_load import DefaultLoad, default_load
 from .errors import CkptDoctorError, NotACheckpoint
@@ -228,7 +228,7 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped], unread: lis
                     policy: Policy = DEFAULT_POLICY) -> tuple[list[FileScan], list[Skipped]]:
     """In a torch.distributed.checkpoint folder, the byte ranges its metadata names are what torch's DCP reader
     loads: each is walked too (a range need not start where the file's own archives do)."""
-    from ._record import replace
+    # only when a DCP folder is scanned: the DCP reader and what it imports
     from .readers.dcp import METADATA, RANK_METADATA, inflate_zstd, metadata_items
     from .readers.mapping import file_size  # (only when a DCP folder is scanned)
     from .readers.source import close_source, open_source

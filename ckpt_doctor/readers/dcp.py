@@ -11,6 +11,7 @@ path makes a list: optimizer `param_groups` stay lists, integer state keys stay 
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import stat
@@ -27,11 +28,16 @@ from .._record import replace
 from ..records import Assembly, Checkpoint, DcpFolder, DistributedShard, Format, GlobalRef, Piece
 from ..safepickle import limits
 from ..safepickle.policy import DEFAULT_POLICY, Policy
-from ..safepickle.unpickler import Opaque, RawTensor, SizeValue, StorageRef
-from ._pickled import assembled_tensor, build_checkpoint
+from ..safepickle.unpickler import Opaque, RawTensor, SafeUnpickler, SizeValue, StorageRef
+from ..safepickle.walker import new_budget
+from ._pickled import assembled_tensor, build_checkpoint, run_unpickler
+from .files import read_file
+from .jsonfile import parse_json
 from .mapping import read_all
-from .source import RemoteError, RemotePath, close_source, open_source, pread, read_data
+from .safetensors_reader import read_safetensors
+from .source import RemoteError, RemotePath, close_source, open_source, pread, read_data, remote_path
 from .survey import ItemCache, survey_file, survey_item
+from .torch_zip import read_torch_zip
 
 METADATA = ".metadata"
 SHARD = re.compile(r"__(\d+)_(\d+)\.distcp")
@@ -116,13 +122,6 @@ def _ints(value: Any, what: str, where: Path) -> tuple[int, ...]:
 
 def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = True,
                    policy: Policy = DEFAULT_POLICY) -> None:
-    import io
-
-    from ..safepickle.unpickler import SafeUnpickler
-    from ._pickled import run_unpickler
-
-    from ..safepickle import limits
-
     src, size = _open(path)
     try:
         if size > limits.MAX_UNPICKLE_BYTES:
@@ -302,8 +301,6 @@ def _lightning_meta(folder: Path, names: list[str], root: dict, policy: Policy) 
     `meta.pt` beside the DCP files: read like any file, its values join the tree where no item is."""
     if "meta.pt" not in names:
         return None
-    from .files import read_file
-
     meta = read_file(folder / "meta.pt", policy=policy)
     if isinstance(meta.root, dict) and not meta.tensors:
         for key, value in meta.root.items():
@@ -391,13 +388,9 @@ class _Items:
         fd = open_source(path)
         try:
             if size - base > 8 and pread(fd, 1, base + 8) == b"{":
-                from .safetensors_reader import read_safetensors
-
                 blob = read_safetensors(path, fd, size, base)
                 info = blob.metadata.get("DCP_SHARDING_INFO")
                 if info is not None:
-                    from .jsonfile import parse_json
-
                     sharding = parse_json(info.encode(), path, "DCP_SHARDING_INFO")
                     if not isinstance(sharding, dict):
                         raise ReadError(f"{path}: DCP_SHARDING_INFO is not a JSON object")
@@ -437,9 +430,6 @@ class _Items:
         return self._read_archive(path, at, length, fqn, label)
 
     def _read_archive(self, path: Path, at: int, length: int, fqn: str, label: str) -> Checkpoint:
-        from ..safepickle.walker import new_budget
-        from .torch_zip import read_torch_zip
-
         if self.budget is None:
             self.budget = new_budget()
         fd = open_source(path)
@@ -542,8 +532,6 @@ def read_remote_dcp(url: str, names: list[str] | None = None, *, policy: Policy 
     metadata and pickled items, never its tensor data. `names`: the objects of an s3:// prefix, listed once; None
     for the URL of the folder's `.metadata` (https:// lists no folder: the item files are the ones its storage_data
     names), which is then the checkpoint's path, so that the commands printed for it run as printed."""
-    from .source import remote_path
-
     plain = url.split("#", 1)[0].split("?", 1)[0]
     if names is None:
         shown = remote_path(url)  # (its query kept: a presigned URL of the metadata object)
@@ -555,8 +543,6 @@ def remote_dcp_members(url: str, *, policy: Policy = DEFAULT_POLICY) -> list[Pat
     """What `scan` of the URL of a DCP folder's `.metadata` reads: the metadata, and every file its storage_data
     names (https:// lists no folder). A metadata that does not read gives itself alone: it is scanned, and the scan
     says its items were not walked."""
-    from .source import remote_path
-
     shown = remote_path(url)
     folder = remote_path(url.split("#", 1)[0].split("?", 1)[0].rsplit("/", 1)[0])
     try:
@@ -906,9 +892,6 @@ def read_hf_shards(folder: Path, shards: list[Path]) -> Checkpoint:
     """A folder DCP's HuggingFaceStorageWriter wrote with save_distributed: every rank's chunks in safetensors files,
     each placed by its saved_offsets; a tensor's global shape is the largest offset + size over its chunks (the
     writer records no global shape), and its chunks must tile it."""
-    from .jsonfile import parse_json
-    from .safetensors_reader import read_safetensors
-
     chunks: dict[str, list[tuple[tuple[int, ...], Any]]] = {}
     for path in shards:
         fd = os.open(path, os.O_RDONLY)
@@ -956,8 +939,6 @@ def read_hf_shards(folder: Path, shards: list[Path]) -> Checkpoint:
              f"({sharded} sharded) in {len(shards)} safetensors files; shapes are the largest offset + size over each "
              "tensor's chunks (the writer records no global shape)",)
     ckpt = build_checkpoint(folder, Format.DCP, root, [], notes=notes)
-    from .._record import replace
-
     return replace(ckpt, files=tuple(shards), layouts=layouts,
                    distributed=DcpFolder(len(shards), len({p.name.split("-model-")[0] for p in shards}),
                                          ("Hugging Face storage writer (safetensors shards, no .metadata)",),
@@ -985,9 +966,6 @@ def metadata_items(folder: Path, names: list[str] | None = None, *,
 def _blob_tensors(path: Path, base: int, size: int, meta: _Meta) -> dict[str, RawTensor]:
     """The tensors of a shard's safetensors blob, each named by its fqn (and its chunk's offsets when the folder's
     metadata splits that tensor), as chunks: their own shapes."""
-    from .jsonfile import parse_json
-    from .safetensors_reader import read_safetensors
-
     fd = open_source(path)
     try:
         blob = read_safetensors(path, fd, size, base)
@@ -1051,7 +1029,5 @@ def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
                 ".metadata beside it the items' names are unknown and shapes are the chunks' own")
     ckpt = build_checkpoint(path, Format.TORCH_ZIP, root, [], notes=(note,),
                             extra_bytes=sum(len(i.main_pickle or b"") for i in survey.items))
-    from .._record import replace
-
     return replace(ckpt, distributed=DistributedShard("torch.distributed.checkpoint", str(folder)))
 

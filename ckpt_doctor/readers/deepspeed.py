@@ -32,7 +32,8 @@ from ..errors import ReadError
 from ..records import Assembly, Checkpoint, DeepSpeedFolder, DistributedShard, Format, Piece
 from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..safepickle.unpickler import Opaque, RawTensor
-from ._pickled import assembled_tensor
+from ._pickled import assembled_tensor, build_checkpoint
+from .files import read_file
 
 MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
@@ -148,8 +149,6 @@ def _shape(value: Any, name: str, where: Path) -> tuple[int, ...]:
 
 
 def read_deepspeed(folder: Path, tag_dir: Path, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
-    from .files import read_file
-
     names = sorted(os.listdir(tag_dir), key=_natural)
     model_files = [tag_dir / n for n in names if MODEL_STATES.fullmatch(n)]
     optim_files = [tag_dir / n for n in names if OPTIM_STATES.fullmatch(n)]
@@ -297,8 +296,6 @@ def read_deepspeed(folder: Path, tag_dir: Path, *, policy: Policy = DEFAULT_POLI
             root.setdefault(k, v)
     if stage is not None:
         root["zero_stage"] = stage
-    from ._pickled import build_checkpoint
-
     what = f"ZeRO-{stage}" if stage is not None else "without ZeRO optimizer states"
     notes = (f"DeepSpeed checkpoint {what} (tag {tag_dir.name}, {world} ranks, {len(ckpts)} files); "
              + "; ".join(offered),)

@@ -23,9 +23,9 @@ from ..records import Hazard
 from ..safepickle import limits
 from ..safepickle.policy import DEFAULT_POLICY, GlobalRef, Policy, Verdict
 from ..safepickle.walker import Walk, new_budget, starts_pickle, walk
-from ..sniff import Container
+from ..sniff import HEAD, Container
 from .mapping import READ_UP_TO, find_all, read_all, walk_window
-from .source import RemotePath, is_remote, open_source, pread
+from .source import RemotePath, is_remote, open_source, pread, source_file
 from .table import sniff_file, sniff_head, walk_pickles
 from .zipindex import ZipIndex, ZipMember, ZipTooBig, local_members, member_head, read_member, read_zip_index
 
@@ -120,8 +120,6 @@ def survey_file(path: Path, thorough: bool = True, *, policy: Policy = DEFAULT_P
 
 def _survey_remote(path: RemotePath, thorough: bool, policy: Policy) -> Survey:
     """An object behind a URL: the same walks, through a source that fetches by range what they read."""
-    from ..sniff import HEAD
-
     src = open_source(path)
     head = pread(src, HEAD, 0)
     container = sniff_head(head, src.size)
@@ -203,8 +201,9 @@ def _is_magic(data: Any, end: int) -> bool:
         return True
     import io
 
+    # The unpickler's modules, which surveying a safetensors file or a zip never needs: imported only for a pickle
+    # whose first bytes may spell torch's magic number (only then).
     from ..safepickle.unpickler import SafeUnpickler
-
     from ._pickled import PICKLE_ERRORS
 
     try:
@@ -360,7 +359,7 @@ def _split_from_end(fd: Any, size: int) -> list[tuple[int, int]]:
 def _safetensors_tail(fd: int, start: int, size: int) -> bool:
     """Whether the bytes from `start` to the end are one safetensors blob with DCP's sharding information (its
     header parsed and its tensors tiling its data to the last byte, as the safetensors reader checks)."""
-    from .safetensors_reader import read_safetensors
+    from .safetensors_reader import read_safetensors  # only when a DCP shard may end in a safetensors blob
 
     if size - start < 10 or pread(fd, 1, start + 8) != b"{":
         return False
@@ -533,8 +532,6 @@ def _survey_zipfile_view(survey: Survey, fd: int) -> None:
 
     budget = [limits.MAX_INFLATED_TOTAL]
     try:
-        from .source import source_file
-
         with source_file(fd) as f:
             f.seek(0)
             with zipfile.ZipFile(f) as archive:
