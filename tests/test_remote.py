@@ -504,6 +504,7 @@ def test_an_http_folder_cannot_be_listed_and_says_what_to_give(served):
         assert result.returncode == 2
         assert result.stderr.strip().splitlines() == [result.stderr.strip()]
         assert "cannot be listed over HTTP" in result.stderr and "model.safetensors.index.json" in result.stderr
+        assert "a DeepSpeed folder's latest" in result.stderr
 
 
 def test_an_s3_folder_is_read_as_the_local_folder(s3, tmp_path):

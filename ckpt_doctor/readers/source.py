@@ -146,8 +146,8 @@ def list_folder(url: str) -> list[str]:
     if not url.startswith("s3://"):
         raise RemoteError(f"{shown}: a folder cannot be listed over HTTP: give the URL of its shard index "
                           f"({shown.rstrip('/')}/model.safetensors.index.json or pytorch_model.bin.index.json), of "
-                          f"a torch.distributed.checkpoint folder's metadata ({shown.rstrip('/')}/.metadata) or of "
-                          "one checkpoint file")
+                          f"a torch.distributed.checkpoint folder's metadata ({shown.rstrip('/')}/.metadata), of "
+                          f"a DeepSpeed folder's latest ({shown.rstrip('/')}/latest) or of one checkpoint file")
     prefix = url[len("s3://"):].split("?", 1)[0].strip("/")
     if not prefix:
         raise RemoteError("s3:// names no bucket: give s3://BUCKET/KEY")
