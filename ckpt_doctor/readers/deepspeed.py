@@ -450,28 +450,50 @@ def read_remote_deepspeed(url: str, names: list[str] | None = None, *, policy: P
     """A DeepSpeed folder behind URLs, read as a local one is (the same reader, walker and limits), by range
     requests: each rank file's pickles, never its tensor data. `names`: the objects of an s3:// prefix, listed once
     (the save folder: its tag's prefix listed too). None for the URL of the save folder's `latest` or of the tag
-    folder's rank-0 model states (names_folder): the other files' names are derived from it (remote_names), and
-    that URL is the checkpoint's path, so that the commands printed for it run as printed."""
-    plain = url.split("#", 1)[0].split("?", 1)[0]
+    folder's rank-0 model states (names_folder): its folder listed on S3, the other files' names derived from it
+    over HTTP (remote_names); that URL is the checkpoint's path, so that the commands printed for it run as
+    printed."""
     if names is not None:
-        folder = remote_path(plain.rstrip("/"))
-        tag_dir = folder if any(MODEL_STATES.fullmatch(n) for n in names) else _remote_tag(folder, folder / "latest")
-        return read_deepspeed(folder, tag_dir, names if tag_dir is folder else _tag_names(folder, tag_dir),
-                              policy=policy)
-    shown, tag_dir, first = _named_by(url)
-    return read_deepspeed(tag_dir, tag_dir, remote_names(tag_dir, first, policy), shown, policy=policy)
+        folder = remote_path(url.split("#", 1)[0].split("?", 1)[0].rstrip("/"))
+        tag_dir, names = _listed_tag(folder, names)
+        return read_deepspeed(folder, tag_dir, names, policy=policy)
+    shown, tag_dir, names = _named_files(url, policy)
+    return read_deepspeed(tag_dir, tag_dir, names, shown, policy=policy)
 
 
 def remote_deepspeed_members(url: str, *, policy: Policy = DEFAULT_POLICY) -> list[Path]:
     """What `scan` of the URL of a DeepSpeed folder's `latest` or rank-0 model states reads: that object and every
-    rank file of its tag folder (remote_names). Files that cannot be named give the URL alone: it is scanned."""
+    file of its tag folder. Files that cannot be named give the URL alone: it is scanned."""
     shown = remote_path(url)
     try:
-        _, tag_dir, first = _named_by(url)
-        files = [tag_dir / n for n in remote_names(tag_dir, first, policy)]
+        _, tag_dir, names = _named_files(url, policy)
     except ReadError:
         return [shown]
-    return [shown, *sorted((f for f in files if str(f) != str(shown)), key=str)]
+    return [shown, *sorted((tag_dir / n for n in names if str(tag_dir / n) != str(shown)), key=str)]
+
+
+def _named_files(url: str, policy: Policy) -> tuple[Path, Path, list[str]]:
+    """(the URL as the checkpoint's path, its tag folder, the tag folder's files) for the URL of a `latest` or of
+    rank 0's model states: on S3 its folder listed (and the tag's, for a `latest`); over HTTP, which lists no
+    folder, the names derived from rank 0's model states (remote_names)."""
+    if url.startswith("s3://"):
+        shown = remote_path(url)  # (its query kept: a presigned URL of that object)
+        folder = remote_path(url.split("#", 1)[0].split("?", 1)[0].rsplit("/", 1)[0])
+        listed = list_folder(real_url(folder) + "/")
+        if shown.name not in listed:
+            raise ReadError(f"{shown}: not found (404): not a DeepSpeed folder, or an incomplete one")
+        return (shown, *_listed_tag(folder, listed))
+    shown, tag_dir, first = _named_by(url)
+    return shown, tag_dir, remote_names(tag_dir, first, policy)
+
+
+def _listed_tag(folder: Path, names: list[str]) -> tuple[Path, list[str]]:
+    """The tag folder of an s3:// folder listed as `names`, and its objects: the folder itself when it holds model
+    states, else the tag its `latest` names (whose prefix is listed: S3 lists one level)."""
+    if any(MODEL_STATES.fullmatch(n) for n in names):
+        return folder, names
+    tag_dir = _remote_tag(folder, folder / "latest")
+    return tag_dir, _tag_names(folder, tag_dir)
 
 
 def remote_tag_names(folder: Path, names: list[str]) -> list[str]:
@@ -480,10 +502,10 @@ def remote_tag_names(folder: Path, names: list[str]) -> list[str]:
     if "latest" not in names or any(MODEL_STATES.fullmatch(n) for n in names):
         return []
     try:
-        tag_dir = _remote_tag(folder, folder / "latest")
-        return [f"{tag_dir.name}/{n}" for n in _tag_names(folder, tag_dir)]
+        tag_dir, tag_names = _listed_tag(folder, names)
     except ReadError:
         return []
+    return [f"{tag_dir.name}/{n}" for n in tag_names]
 
 
 def _named_by(url: str) -> tuple[Path, Path, str]:
