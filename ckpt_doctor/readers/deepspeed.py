@@ -442,7 +442,7 @@ def names_folder(url: str) -> bool:
     `zero_pp_rank_0_mp_rank_00_model_states.pt`)."""
     name = url.split("#", 1)[0].split("?", 1)[0].rsplit("/", 1)[-1]
     found = MODEL_STATES.fullmatch(name)
-    return name == "latest" or bool(found) and found.group(1) in (None, "0")
+    return name == "latest" or bool(found) and found.group(1) in (None, "0") and found.group(2) == "00"
 
 
 def read_remote_deepspeed(url: str, names: list[str] | None = None, *, policy: Policy = DEFAULT_POLICY
