@@ -93,6 +93,10 @@ CHECKPOINT_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".ckpt", ".tar", ".pkl",
                                  ".model", ".weights", ".pth.tar", ".distcp"})
 
 
+# The files a DeepSpeed folder is named by over HTTP (readers/deepspeed.names_folder), tensor-parallel ranks aside.
+_RANK0_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
 def output_beside(source: str | os.PathLike[str], tag: str = "fixed", suffix: str = ".pt",
                   taken: set[str] | None = None) -> str:
     """A suggested output: beside the input (a folder's sibling), its checkpoint suffixes replaced by `_TAG.pt`,
@@ -104,8 +108,8 @@ def output_beside(source: str | os.PathLike[str], tag: str = "fixed", suffix: st
     text = _shown(text) if _SHOWN_AS else text
     if text.startswith(("https://", "http://", "s3://", "hf://")):  # hf://org/name@rev: `name`, never in the cache
         parts = text.split("://", 1)[1].split("?", 1)[0].rsplit("/", 2)
-        if len(parts) == 3 and parts[-1] == ".metadata":  # a DCP folder by its metadata: named as the folder
-            parts.pop()
+        if len(parts) == 3 and (parts[-1] in (".metadata", "latest") or parts[-1] in _RANK0_MODEL_STATES):
+            parts.pop()  # a DCP folder by its metadata, a DeepSpeed folder by its latest or model states: the folder
         folder, name = "", parts[-1].split("@", 1)[0] or "checkpoint"
     else:
         text = os.fspath(source).rstrip("/") or "."

@@ -22,15 +22,15 @@ class TiedNet(torch.nn.Module):
     """An embedding tied to the output layer, a frozen projection, a LayerNorm, a floating buffer and an integer
     one; odd sizes everywhere."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 11, width: int = 6) -> None:
         super().__init__()
-        self.embed = torch.nn.Embedding(11, 6)
-        self.frozen = torch.nn.Linear(6, 6)
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.frozen = torch.nn.Linear(width, width)
         self.frozen.requires_grad_(False)
-        self.norm = torch.nn.LayerNorm(6)
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, 6))
+        self.norm = torch.nn.LayerNorm(width)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, width))
         self.register_buffer("steps", torch.tensor(5))
-        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -40,15 +40,15 @@ class TiedNet(torch.nn.Module):
         return self.head(x.to(self.head.weight.dtype))
 
 
-def _rank(rank: int, out: str, port: int) -> None:
+def _rank(rank: int, out: str, port: int, variants: tuple = VARIANTS, size: tuple[int, int] = (11, 6)) -> None:
     import deepspeed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")
     deepspeed.init_distributed(dist_backend="gloo")
-    for name, stage, bf16 in VARIANTS:
+    for name, stage, bf16 in variants:
         torch.manual_seed(0)
-        model = TiedNet()
+        model = TiedNet(*size)
         decay = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith("weight")]
         rest = [p for n, p in model.named_parameters() if p.requires_grad and not n.endswith("weight")]
         groups = [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
@@ -56,7 +56,7 @@ def _rank(rank: int, out: str, port: int) -> None:
                   "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
                   "bf16": {"enabled": bf16}}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
-        tokens = torch.randint(0, 11, (2, 3))
+        tokens = torch.randint(0, size[0], (2, 3))
         loss = engine(tokens.view(-1)).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
@@ -73,6 +73,22 @@ def _rank(rank: int, out: str, port: int) -> None:
 
 def write_samples(out: Path) -> Path:
     spawn_two(_rank, str(out))
+    return out
+
+
+# What the remote tests serve: ZeRO-2 in fp32, ZeRO-3 in bf16 (its `bf16_` optimizer files, a model-states file per
+# rank), of a TiedNet of 1 M parameters, so that the rank files (about 18 MB per folder) are much bigger than the
+# pickles and headers read to list them.
+REMOTE_VARIANTS = (("z2", 2, False), ("z3_bf16", 3, True))
+
+
+def _remote_rank(rank: int, out: str, port: int) -> None:
+    _rank(rank, out, port, REMOTE_VARIANTS, (4096, 256))
+
+
+def write_remote_sample(out: Path) -> Path:
+    """`out`/z2 and `out`/z3_bf16: DeepSpeed save folders (`latest`, `global_step1/`) of TiedNet(4096, 256)."""
+    spawn_two(_remote_rank, str(out))
     return out
 
 

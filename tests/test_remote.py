@@ -504,6 +504,7 @@ def test_an_http_folder_cannot_be_listed_and_says_what_to_give(served):
         assert result.returncode == 2
         assert result.stderr.strip().splitlines() == [result.stderr.strip()]
         assert "cannot be listed over HTTP" in result.stderr and "model.safetensors.index.json" in result.stderr
+        assert "a DeepSpeed folder's latest" in result.stderr
 
 
 def test_an_s3_folder_is_read_as_the_local_folder(s3, tmp_path):
@@ -686,3 +687,168 @@ def test_an_s3_dcp_folder_reads_scans_and_fixes_as_the_local_folder(s3, dcp_fold
     assert fixed.returncode == 0, fixed.stderr
     assert _cli("fix", str(folder), "-o", str(theirs)).returncode == 0
     _fixed_equal(ours, theirs)
+
+
+# --- remote DeepSpeed folders: by the URL of their `latest` or rank 0's model states (https://), an s3:// prefix ----
+
+@pytest.fixture(scope="module")
+def ds_folders(served):
+    """DeepSpeed save folders written by DeepSpeed on the CPU (ZeRO-2 fp32 and ZeRO-3 bf16 of a 1 M-parameter TiedNet,
+    about 17 and 13 MB) in the served folder."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed writes the samples (it is in the test extra)")
+    from tests.deepspeed_samples import write_remote_sample
+
+    folder, base, log = served
+    write_remote_sample(folder / "ds")
+    return folder / "ds", f"{base}/ds", log
+
+
+def _rank_bytes(save: Path) -> int:
+    """What a remote read of a DeepSpeed folder can fetch: its `latest` and its tag folder's files."""
+    return (save / "latest").stat().st_size + _folder_bytes(save / "global_step1")
+
+
+def _same_ds(remote: str, local: str, url: str, folder: Path, named_by: str = "") -> dict:
+    """inspect --json of a remote DeepSpeed folder equals the local folder's, but for the path (over HTTP, the URL of
+    the file it was named by) and the network's cost."""
+    a = json.loads(remote.replace(url, str(folder)))
+    b = json.loads(local)
+    used = a.pop("remote")
+    assert a["path"] == str(folder) + named_by
+    a["path"] = str(folder)
+    assert a == b
+    return used
+
+
+MODEL0 = {"z2": "mp_rank_00_model_states.pt", "z3_bf16": "zero_pp_rank_0_mp_rank_00_model_states.pt"}
+
+
+@pytest.mark.parametrize("name", ["z2", "z3_bf16"])
+def test_a_deepspeed_folder_over_http_by_its_latest_reads_as_the_local_folder(ds_folders, tmp_path, name):
+    import torch
+
+    folder, url, log = ds_folders
+    save, base = folder / name, f"{url}/{name}"
+    local = _cli("inspect", str(save), "--json")
+    assert local.returncode == 0, local.stderr
+    before = len(_requests(log))
+    remote = _cli("inspect", f"{base}/latest", "--json")
+    assert remote.returncode == 0, remote.stderr
+    sent = _requests(log)[before:]
+    used = _same_ds(remote.stdout, local.stdout, base, save, "/latest")
+    # each answer the server sent is counted; ZeRO-3's rank 0 model states are found after a 404 for ZeRO-1/2's name
+    assert used["bytes"] == sum(sent) and used["requests"] == len(sent) + (name == "z3_bf16")
+    assert used["size"] == _rank_bytes(save)
+    assert used["bytes"] < used["size"] / 4  # each rank file's pickles and directory: not its tensor data
+    human = _cli("inspect", f"{base}/latest")
+    assert human.returncode == 0 and "over the network" in human.stdout + human.stderr
+    # fix streams each parameter's slices from the rank files: the same file as the local folder's fix
+    ours, theirs = tmp_path / "remote.pt", tmp_path / "local.pt"
+    fixed = _cli("fix", f"{base}/latest", "-o", str(ours))
+    assert fixed.returncode == 0, fixed.stderr
+    assert _cli("fix", str(save), "-o", str(theirs)).returncode == 0
+    _fixed_equal(ours, theirs)
+    from tests.deepspeed_samples import TiedNet
+
+    TiedNet(4096, 256).load_state_dict({k: v.float() for k, v in torch.load(ours, weights_only=True).items()})
+
+
+def test_a_deepspeed_tag_folder_over_http_by_rank_0s_model_states(ds_folders, tmp_path):
+    folder, url, _ = ds_folders
+    for name, model0 in MODEL0.items():
+        tag, base = folder / name / "global_step1", f"{url}/{name}/global_step1"
+        local = _cli("inspect", str(tag), "--json")
+        remote = _cli("inspect", f"{base}/{model0}", "--json")
+        assert remote.returncode == local.returncode == 0, remote.stderr
+        _same_ds(remote.stdout, local.stdout, base, tag, f"/{model0}")
+    # a lone rank file names its folder by rank 0's model states, and the command runs as printed
+    lone = _cli("inspect", f"{url}/z3_bf16/global_step1/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    printed = [c for c in _printed(lone.stdout + lone.stderr) if c[0] == "fix"]
+    assert printed == [["fix", f"{url}/z3_bf16/global_step1/{MODEL0['z3_bf16']}", "-o",
+                        "global_step1_consolidated.safetensors"]], lone.stdout + lone.stderr
+    run = subprocess.run([sys.executable, "-m", "ckpt_doctor", *printed[0]], capture_output=True, text=True,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr
+    from safetensors.torch import load_file
+
+    assert "embed.weight" in load_file(tmp_path / "global_step1_consolidated.safetensors")
+
+
+def test_a_deepspeed_folder_over_http_is_scanned_by_its_latest(ds_folders):
+    folder, url, log = ds_folders
+    for name in ("z2", "z3_bf16"):
+        before = len(_requests(log))
+        remote = _cli("scan", f"{url}/{name}/latest", "--json")
+        local = _cli("scan", str(folder / name / "global_step1"), "--json")
+        assert remote.returncode == local.returncode == 0, remote.stderr
+        sent = _requests(log)[before:]
+        a, b = json.loads(remote.stdout), json.loads(local.stdout)
+        assert a.pop("remote")["bytes"] == sum(sent) < _rank_bytes(folder / name) / 4
+        assert [(f["path"].rsplit("/", 1)[-1], f["verdict"], sorted(g["global"] for g in f["globals"]))
+                for f in a["files"]] == \
+            [(f["path"].rsplit("/", 1)[-1], f["verdict"], sorted(g["global"] for g in f["globals"]))
+             for f in b["files"]]
+        assert [s["path"] for s in a["skipped"]] == [f"{url}/{name}/latest"]  # text, not a checkpoint
+
+
+def test_a_missing_rank_file_of_a_remote_deepspeed_folder_ends_in_one_line(ds_folders, served):
+    folder, _, _ = ds_folders
+    root, base, _ = served
+    for gone in ("zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        broken = root / "ds-broken"
+        shutil.rmtree(broken, ignore_errors=True)
+        shutil.copytree(folder / "z2", broken)
+        (broken / "global_step1" / gone).unlink()  # the server answers 404 for it
+        for command in ("inspect", "fix"):
+            args = [command, f"{base}/ds-broken/latest"] + (["-o", str(root.parent / "x.pt")] if command == "fix"
+                                                            else [])
+            result = _cli(*args)
+            assert result.returncode == 2, result.stderr
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+            assert f"{gone} is missing" in lines[0] and "404" in lines[0] and "incomplete" in lines[0]
+            assert result.stdout == ""
+            assert not (root.parent / "x.pt").exists()
+
+
+def test_an_s3_deepspeed_folder_reads_scans_and_fixes_as_the_local_folder(s3, ds_folders, tmp_path):
+    import s3fs
+
+    folder, _, _ = ds_folders
+    _, env, log = s3
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=env["AWS_ENDPOINT_URL"])
+    for name in ("z2", "z3_bf16"):
+        for p in (folder / name).rglob("*"):
+            if p.is_file():
+                fs.put_file(str(p), f"ckpts/ds-{name}/{p.relative_to(folder / name)}")
+    for name in ("z2", "z3_bf16"):
+        save, prefix = folder / name, f"s3://ckpts/ds-{name}"
+        local = _cli("inspect", str(save), "--json")
+        for url, named_by in ((f"{prefix}/", ""), (prefix, ""), (f"{prefix}/latest", "/latest")):
+            before = _s3_gets(log)
+            remote = _cli("inspect", url, "--json", env=env)
+            assert remote.returncode == 0, (url, remote.stderr)
+            used = _same_ds(remote.stdout, local.stdout, prefix, save, named_by)
+            assert used["bytes"] < _rank_bytes(save) / 4
+            assert used["requests"] >= _s3_gets(log) - before  # (and the listings, for a prefix)
+        tag = _cli("inspect", f"{prefix}/global_step1/", "--json", env=env)  # the tag folder itself
+        _same_ds(tag.stdout, _cli("inspect", str(save / "global_step1"), "--json").stdout, f"{prefix}/global_step1",
+                 save / "global_step1")
+    scanned = _cli("scan", "s3://ckpts/ds-z2/", "--json", env=env)
+    assert scanned.returncode == 0, scanned.stderr
+    data = json.loads(scanned.stdout)
+    assert sorted(f["path"] for f in data["files"]) == \
+        sorted(f"s3://ckpts/ds-z2/global_step1/{p.name}" for p in (folder / "z2" / "global_step1").iterdir())
+    ours, theirs = tmp_path / "remote.pt", tmp_path / "local.pt"
+    fixed = _cli("fix", "s3://ckpts/ds-z2/", "-o", str(ours), env=env)
+    assert fixed.returncode == 0, fixed.stderr
+    assert _cli("fix", str(folder / "z2"), "-o", str(theirs)).returncode == 0
+    _fixed_equal(ours, theirs)
+    # a lone rank file names its tag folder's prefix, and the command runs as printed
+    lone = _cli("inspect", "s3://ckpts/ds-z3_bf16/global_step1/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                env=env)
+    printed = [c for c in _printed(lone.stdout + lone.stderr) if c[0] == "fix"]
+    assert printed == [["fix", "s3://ckpts/ds-z3_bf16/global_step1", "-o", "global_step1_consolidated.safetensors"]]
+    run = subprocess.run([sys.executable, "-m", "ckpt_doctor", *printed[0]], capture_output=True, text=True,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+    assert run.returncode == 0, run.stderr

@@ -206,7 +206,7 @@ def read_folder(folder: Path, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
 
     tag_dir = find_tag_folder(folder, names)
     if tag_dir is not None:
-        return read_deepspeed(folder, tag_dir, policy=policy)
+        return read_deepspeed(folder, tag_dir, names if tag_dir == folder else None, policy=policy)
     chosen, candidates = find_in_folder(folder)
     if chosen is None:
         if not candidates:
@@ -239,8 +239,9 @@ _MODEL_FILES = ("model.safetensors", "pytorch_model.bin", "diffusion_pytorch_mod
 
 
 def read_url(url: str, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
-    """A checkpoint behind a URL: a file, a shard index with its shards beside it (https:// or s3://), or an s3://
-    folder holding one (listed once). Only headers and directories are fetched, by range requests."""
+    """A checkpoint behind a URL: a file, a shard index with its shards beside it (https:// or s3://), a DCP folder
+    by its `.metadata`, a DeepSpeed folder by its `latest` or rank 0's model states, or an s3:// folder holding one
+    (listed once). Only headers and directories are fetched, by range requests."""
     shown = redact(url)
     if shown.endswith(".index.json"):
         return read_sharded(remote_path(url), policy=policy)
@@ -248,6 +249,11 @@ def read_url(url: str, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
         from .dcp import read_remote_dcp  # the DCP reader, a big module: only for a DCP folder
 
         return read_remote_dcp(url, policy=policy)
+    if shown.endswith(("/latest", "_model_states.pt")):  # maybe a DeepSpeed folder by one of its files
+        from .deepspeed import names_folder, read_remote_deepspeed  # the DeepSpeed reader: only for such a name
+
+        if names_folder(shown):  # by its `latest` or rank 0's model states (https:// lists no folder)
+            return read_remote_deepspeed(url, policy=policy)
     if not _remote_folder(shown):
         try:
             return read_file(remote_path(url), policy=policy)
@@ -263,9 +269,10 @@ def read_url(url: str, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
 
     if is_dcp_folder(names):  # its metadata and pickled items, by range requests
         return read_remote_dcp(url, names, policy=policy)
-    if "latest" in names or any(n.endswith("_states.pt") for n in names):
-        raise ReadError(f"{shown}: a DeepSpeed folder, which is not read over the network yet: download it and "
-                        "inspect the copy")
+    if "latest" in names or any(n.endswith("_states.pt") for n in names):  # a save folder or a tag folder
+        from .deepspeed import read_remote_deepspeed  # the DeepSpeed reader: only for a DeepSpeed folder
+
+        return read_remote_deepspeed(url, names, policy=policy)
     indexes = [n for n in names if n.endswith(".index.json")]
     chosen = next((n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json") if n in indexes),
                   indexes[0] if len(indexes) == 1 else None)
@@ -290,8 +297,9 @@ def _remote_folder(shown: str) -> bool:
 
 
 def remote_members(url: str, *, policy: Policy = DEFAULT_POLICY) -> list[RemotePath] | None:
-    """The objects a URL stands for when scanned as a folder: a shard index's shards, an s3:// folder's objects (one
-    level); None for a URL of one file."""
+    """The objects a URL stands for when scanned as a folder: a shard index's shards, a DCP or DeepSpeed folder's
+    files (named by its `.metadata`, `latest` or rank 0's model states), an s3:// folder's objects (one level, and
+    a DeepSpeed save folder's tag); None for a URL of one file."""
     shown = redact(url)
     if shown.endswith(".index.json"):
         index_path = remote_path(url)
@@ -300,11 +308,20 @@ def remote_members(url: str, *, policy: Policy = DEFAULT_POLICY) -> list[RemoteP
         from .dcp import remote_dcp_members  # the DCP reader: only for a DCP folder
 
         return remote_dcp_members(url, policy=policy)
+    if shown.endswith(("/latest", "_model_states.pt")):  # maybe a DeepSpeed folder by one of its files
+        from .deepspeed import names_folder, remote_deepspeed_members  # the DeepSpeed reader: only for such a name
+
+        if names_folder(shown):  # its rank files, named from rank 0's model states
+            return remote_deepspeed_members(url, policy=policy)
     if _remote_folder(shown):
         base = url.split("?", 1)[0].rstrip("/") + "/"
         names = list_folder(base)
         if not names:
             raise RemoteError(f"{shown}: not found (404): no object under this prefix")
+        if "latest" in names:  # a DeepSpeed save folder: its tag's objects too (S3 lists one level)
+            from .deepspeed import remote_tag_names  # the DeepSpeed reader: only for a DeepSpeed folder
+
+            names = names + remote_tag_names(remote_path(base.rstrip("/")), names)
         return [remote_path(base + name) for name in names]
     return None
 

@@ -34,6 +34,8 @@ from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..safepickle.unpickler import Opaque, RawTensor
 from ._pickled import assembled_tensor, build_checkpoint
 from .files import read_file
+from .source import (RemoteError, RemotePath, close_source, exists, list_folder, open_source, pread, real_url,
+                     remote_path)
 
 MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
@@ -45,19 +47,31 @@ def find_tag_folder(folder: Path, names: list[str]) -> Path | None:
     if any(MODEL_STATES.fullmatch(n) for n in names):
         return folder
     if "latest" in names and (folder / "latest").is_file():
-        with open(folder / "latest", "rb") as f:
-            raw = f.read(257)  # a tag is a short name; nothing longer is read
-        try:
-            tag = raw.decode("utf-8").strip()
-        except UnicodeDecodeError:
+        tag = read_tag(folder / "latest")
+        if tag is None:
             return None
-        if not tag or len(raw) > 256 or not tag.isprintable() or "/" in tag or "\\" in tag or tag in (".", ".."):
-            raise ReadError(f"{folder}/latest names {tag[:60]!r}, not a tag folder beside it")
         if (folder / tag).is_dir():
             return folder / tag
         raise ReadError(f"{folder}/latest names the tag {tag!r}, but there is no folder {folder / tag}: the "
                         "checkpoint is incomplete")
     return None
+
+
+def read_tag(latest: Path) -> str | None:
+    """The tag a `latest` file names (a local file or a URL's object: its first 257 bytes, no more); None when its
+    bytes are no text (not DeepSpeed's `latest`)."""
+    src = open_source(latest)
+    try:
+        raw = pread(src, 257, 0)  # a tag is a short name; nothing longer is read
+    finally:
+        close_source(src)
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None
+    if not tag or len(raw) > 256 or not tag.isprintable() or "/" in tag or "\\" in tag or tag in (".", ".."):
+        raise ReadError(f"{latest.parent}/latest names {tag[:60]!r}, not a tag folder beside it")
+    return tag
 
 
 def _natural(name: str) -> list:
@@ -148,20 +162,26 @@ def _shape(value: Any, name: str, where: Path) -> tuple[int, ...]:
     return tuple(value)
 
 
-def read_deepspeed(folder: Path, tag_dir: Path, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
-    names = sorted(os.listdir(tag_dir), key=_natural)
+def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, shown: Path | None = None, *,
+                   policy: Policy = DEFAULT_POLICY) -> Checkpoint:
+    """The DeepSpeed checkpoint in `tag_dir` (`folder`: the save folder as named, or the tag folder itself). `names`:
+    the tag folder's files (listed here when None); behind a URL, the objects of its s3:// prefix, or the names
+    derived from rank 0's model states (remote_names). `shown`: how commands name it, when not by `folder` (an
+    https:// folder by the URL of its `latest` or rank 0's model states: HTTP lists no folder)."""
+    remote = isinstance(tag_dir, RemotePath)
+    names = sorted(os.listdir(tag_dir) if names is None else names, key=_natural)
     model_files = [tag_dir / n for n in names if MODEL_STATES.fullmatch(n)]
     optim_files = [tag_dir / n for n in names if OPTIM_STATES.fullmatch(n)]
     if not model_files:
         raise ReadError(f"{tag_dir}: no *_model_states.pt: not a DeepSpeed checkpoint folder, or an incomplete one")
-    for p in [*model_files, *optim_files]:  # a pipe would block the open
+    for p in [*model_files, *optim_files] if not remote else ():  # a pipe would block the open
         try:
             mode = os.stat(p).st_mode
         except OSError as exc:
             raise ReadError(f"{p}: cannot be read ({exc.strerror})") from None
         if not stat.S_ISREG(mode):
             raise ReadError(f"{p}: not a regular file (a device, a pipe or a folder)")
-    ckpts = {p: read_file(p, policy=policy) for p in [*model_files, *optim_files]}
+    ckpts = {p: _read_rank_file(p, tag_dir, policy) for p in [*model_files, *optim_files]}
     models = [ckpts[p].root for p in model_files]
     m0, first = models[0], model_files[0]
     if not isinstance(m0, dict) or "buffer_names" not in m0:
@@ -306,13 +326,24 @@ def read_deepspeed(folder: Path, tag_dir: Path, *, policy: Policy = DEFAULT_POLI
     ckpt = build_checkpoint(folder, Format.DEEPSPEED, root, [], notes=notes,
                             extra_bytes=sum(len(c.tensors) * 64 for c in ckpts.values()) + (1 << 16))
     globals_ = tuple({(g.module, g.name): g for c in ckpts.values() for g in c.globals}.values())
-    return replace(ckpt, globals=globals_, hazards=tuple(h for c in ckpts.values() for h in c.hazards),
+    return replace(ckpt, path=shown or ckpt.path, globals=globals_,
+                   hazards=tuple(h for c in ckpts.values() for h in c.hazards),
                    state_dict_root=FP32 if stage is not None else ckpt.state_dict_root,
                    other_state_dicts=tuple(o for o in (*ckpt.other_state_dicts, ckpt.state_dict_root)
                                            if o and (stage is None or o != FP32)),
                    files=tuple(ckpts), layouts=layouts,
                    distributed=DeepSpeedFolder(stage, world, tag_dir.name, len(ckpts),
                                                tuple(o.split(":")[0] for o in offered), tuple(notes[1:])))
+
+
+def _read_rank_file(path: Path, tag_dir: Path, policy: Policy) -> Checkpoint:
+    """One rank's file, read by the file readers; one the server does not have is the folder's missing file."""
+    try:
+        return read_file(path, policy=policy)
+    except RemoteError as exc:
+        if "not found (404)" not in str(exc):
+            raise
+        raise ReadError(f"{tag_dir}: {path.name} is missing (not found (404)): the checkpoint is incomplete") from None
 
 
 def _subgroup_at(offset: int, per_key: dict[str, Any], groups: list[int]) -> int:
@@ -402,6 +433,148 @@ class _Concat:
         return out
 
 
+MAX_RANKS = 1 << 16  # files named from a model-states file's dp_world_size over HTTP: no more than this many
+
+
+def names_folder(url: str) -> bool:
+    """Whether a URL names a DeepSpeed folder by one of its files (HTTP lists no folder): its save folder's
+    `latest`, or its tag folder's rank-0 model states (`mp_rank_00_model_states.pt`, ZeRO-3's
+    `zero_pp_rank_0_mp_rank_00_model_states.pt`)."""
+    name = url.split("#", 1)[0].split("?", 1)[0].rsplit("/", 1)[-1]
+    found = MODEL_STATES.fullmatch(name)
+    return name == "latest" or bool(found) and found.group(1) in (None, "0") and found.group(2) == "00"
+
+
+def read_remote_deepspeed(url: str, names: list[str] | None = None, *, policy: Policy = DEFAULT_POLICY
+                          ) -> Checkpoint:
+    """A DeepSpeed folder behind URLs, read as a local one is (the same reader, walker and limits), by range
+    requests: each rank file's pickles, never its tensor data. `names`: the objects of an s3:// prefix, listed once
+    (the save folder: its tag's prefix listed too). None for the URL of the save folder's `latest` or of the tag
+    folder's rank-0 model states (names_folder): its folder listed on S3, the other files' names derived from it
+    over HTTP (remote_names); that URL is the checkpoint's path, so that the commands printed for it run as
+    printed."""
+    if names is not None:
+        folder = remote_path(url.split("#", 1)[0].split("?", 1)[0].rstrip("/"))
+        tag_dir, names = _listed_tag(folder, names)
+        return read_deepspeed(folder, tag_dir, names, policy=policy)
+    shown, tag_dir, names = _named_files(url, policy)
+    return read_deepspeed(tag_dir, tag_dir, names, shown, policy=policy)
+
+
+def remote_deepspeed_members(url: str, *, policy: Policy = DEFAULT_POLICY) -> list[Path]:
+    """What `scan` of the URL of a DeepSpeed folder's `latest` or rank-0 model states reads: that object and every
+    file of its tag folder. Files that cannot be named give the URL alone: it is scanned."""
+    shown = remote_path(url)
+    try:
+        _, tag_dir, names = _named_files(url, policy)
+    except ReadError:
+        return [shown]
+    return [shown, *sorted((tag_dir / n for n in names if str(tag_dir / n) != str(shown)), key=str)]
+
+
+def _named_files(url: str, policy: Policy) -> tuple[Path, Path, list[str]]:
+    """(the URL as the checkpoint's path, its tag folder, the tag folder's files) for the URL of a `latest` or of
+    rank 0's model states: on S3 its folder listed (and the tag's, for a `latest`); over HTTP, which lists no
+    folder, the names derived from rank 0's model states (remote_names)."""
+    if url.startswith("s3://"):
+        shown = remote_path(url)  # (its query kept: a presigned URL of that object)
+        folder = remote_path(url.split("#", 1)[0].split("?", 1)[0].rsplit("/", 1)[0])
+        listed = list_folder(real_url(folder) + "/")
+        if shown.name not in listed:
+            raise ReadError(f"{shown}: not found (404): not a DeepSpeed folder, or an incomplete one")
+        return (shown, *_listed_tag(folder, listed))
+    shown, tag_dir, first = _named_by(url)
+    return shown, tag_dir, remote_names(tag_dir, first, policy)
+
+
+def _listed_tag(folder: Path, names: list[str]) -> tuple[Path, list[str]]:
+    """The tag folder of an s3:// folder listed as `names`, and its objects: the folder itself when it holds model
+    states, else the tag its `latest` names (whose prefix is listed: S3 lists one level)."""
+    if any(MODEL_STATES.fullmatch(n) for n in names):
+        return folder, names
+    tag_dir = _remote_tag(folder, folder / "latest")
+    return tag_dir, _tag_names(folder, tag_dir)
+
+
+def remote_tag_names(folder: Path, names: list[str]) -> list[str]:
+    """The objects of an s3:// save folder's tag (`latest` names it; S3 lists one level), as `tag/name`; [] where
+    the folder is none, or its `latest` names no tag that holds objects."""
+    if "latest" not in names or any(MODEL_STATES.fullmatch(n) for n in names):
+        return []
+    try:
+        tag_dir, tag_names = _listed_tag(folder, names)
+    except ReadError:
+        return []
+    return [f"{tag_dir.name}/{n}" for n in tag_names]
+
+
+def _named_by(url: str) -> tuple[Path, Path, str]:
+    """(the URL as the checkpoint's path, its tag folder, the name of rank 0's model states there) for the URL of a
+    `latest` or of rank 0's model states; a `latest` costs a request, and a ZeRO-3 folder's a 404 too (which of two
+    names rank 0's model states have)."""
+    shown = remote_path(url)  # (its query kept: a presigned URL of that object)
+    parent = remote_path(url.split("#", 1)[0].split("?", 1)[0].rsplit("/", 1)[0])
+    if shown.name != "latest":
+        return shown, parent, shown.name
+    tag_dir = _remote_tag(parent, shown)
+    for first in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if exists(tag_dir / first):
+            return shown, tag_dir, first
+    raise ReadError(f"{shown} names the tag {tag_dir.name!r}, but {tag_dir} holds neither mp_rank_00_model_states.pt "
+                    "nor zero_pp_rank_0_mp_rank_00_model_states.pt (not found (404)): the checkpoint is incomplete")
+
+
+def _remote_tag(folder: Path, latest: Path) -> Path:
+    try:
+        tag = read_tag(latest)
+    except RemoteError as exc:
+        if "not found (404)" not in str(exc):
+            raise
+        raise ReadError(f"{latest}: not found (404): not a DeepSpeed folder, or an incomplete one") from None
+    if tag is None:
+        raise ReadError(f"{latest}: its bytes are no tag name: not DeepSpeed's `latest`")
+    return folder / tag
+
+
+def _tag_names(folder: Path, tag_dir: Path) -> list[str]:
+    """The objects of an s3:// tag folder, listed once."""
+    names = list_folder(real_url(tag_dir) + "/")
+    if not names:
+        raise ReadError(f"{folder}/latest names the tag {tag_dir.name!r}, but there is no folder {tag_dir}: the "
+                        "checkpoint is incomplete")
+    return names
+
+
+def remote_names(tag_dir: Path, first: str, policy: Policy = DEFAULT_POLICY) -> list[str]:
+    """The files of a DeepSpeed tag folder behind a URL that lists no folder (https://), named as DeepSpeed names
+    them from what rank 0's model states `first` say: `dp_world_size` ranks; ZeRO-3 (a `zero_pp_rank_0_…` name) has
+    a model-states file per rank; each rank's optimizer states are `bf16_zero_pp_rank_R_…` when `ds_config` enables
+    bf16, else `zero_pp_rank_R_…` (the other name is asked for when the first is not found: a config may say
+    neither). Rank 0's model states are read here (the reader finds their blocks kept). A folder whose
+    config says ZeRO but holds no rank-0 optimizer states is incomplete; otherwise it holds none (no ZeRO)."""
+    mp = MODEL_STATES.fullmatch(first).group(2)
+    m0 = _read_rank_file(tag_dir / first, tag_dir, policy).root
+    if not isinstance(m0, dict) or "buffer_names" not in m0:
+        raise ReadError(f"{tag_dir / first}: not a DeepSpeed model-states file (no buffer_names)")
+    world = m0.get("dp_world_size")
+    if type(world) is not int or not 1 <= world <= MAX_RANKS:
+        raise ReadError(f"{tag_dir / first}: no dp_world_size from 1 to {MAX_RANKS:,}, so the ranks' files cannot be "
+                        "named (a URL lists no folder): download the folder and inspect the copy")
+    config = m0.get("ds_config") if isinstance(m0.get("ds_config"), dict) else {}
+    bf16 = isinstance(config.get("bf16"), dict) and config["bf16"].get("enabled") is True
+    zero = config.get("zero_optimization")
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    zero3 = MODEL_STATES.fullmatch(first).group(1) is not None
+    models = [f"zero_pp_rank_{r}_mp_rank_{mp}_model_states.pt" for r in range(world)] if zero3 else [first]
+    optim = f"zero_pp_rank_0_mp_rank_{mp}_optim_states.pt"
+    prefix = next((p for p in (("bf16_", "") if bf16 else ("", "bf16_")) if exists(tag_dir / (p + optim))), None)
+    if prefix is None:
+        if zero3 or type(stage) is int and stage > 0:
+            raise ReadError(f"{tag_dir}: {optim} is missing (not found (404)): the checkpoint is incomplete")
+        return models
+    return models + [f"{prefix}zero_pp_rank_{r}_mp_rank_{mp}_optim_states.pt" for r in range(world)]
+
+
 def rank_file_note(ckpt: Checkpoint) -> Checkpoint:
     """One file of a DeepSpeed folder opened alone: say what it is, and refuse to `fix` the ones that hold only one
     rank's part (ZeRO-3 model states, any optimizer states)."""
@@ -412,11 +585,24 @@ def rank_file_note(ckpt: Checkpoint) -> Checkpoint:
     if not (optim or model):
         return ckpt
     folder = ckpt.path.parent
-    save_dir = folder.parent if (folder.parent / "latest").is_file() else folder
+    save_dir = where = folder.parent if (folder.parent / "latest").is_file() else folder
+    if isinstance(folder, RemotePath):  # a URL: the tag folder as an s3:// prefix, over HTTP by rank 0's model states
+        where = folder
+        save_dir = folder if str(folder).startswith("s3://") else folder / _rank0_model_states(name, root)
     if model and not MODEL_STATES.fullmatch(name).group(1):
         note = (f"DeepSpeed model states (ZeRO-1/2 or none): `module` holds the weights the engine held; the fp32 "
                 f"master weights are in the optimizer partitions: `{command_line(('inspect', shell_path(save_dir)))}`")
         return replace(ckpt, notes=(*ckpt.notes, note))
-    note = (f"one rank's part of the DeepSpeed checkpoint in {save_dir}: its tensors are partitions, not whole "
+    note = (f"one rank's part of the DeepSpeed checkpoint in {where}: its tensors are partitions, not whole "
             f"weights; consolidate the folder: `{consolidate(save_dir)}`")
     return replace(ckpt, notes=(*ckpt.notes, note), distributed=DistributedShard("deepspeed", str(save_dir)))
+
+
+def _rank0_model_states(name: str, root: dict) -> str:
+    """The name of rank 0's model states beside a rank's file: ZeRO-3's `zero_pp_rank_0_…` (a model-states file of
+    a rank, or optimizer states whose zero_stage is 3), else `mp_rank_NN_model_states.pt`."""
+    found = MODEL_STATES.fullmatch(name) or OPTIM_STATES.fullmatch(name)
+    osd = root.get("optimizer_state_dict")
+    zero3 = found.group(1) is not None if MODEL_STATES.fullmatch(name) else \
+        isinstance(osd, dict) and _stage(osd.get("zero_stage")) == 3
+    return f"{'zero_pp_rank_0_' if zero3 else ''}mp_rank_{found.group(2)}_model_states.pt"

@@ -135,7 +135,7 @@ def sibling(path: RemotePath, name: str) -> RemotePath:
     return remote_path(f"{real.rsplit('/', 1)[0]}/{name}")
 
 
-_LISTED: list[int] = []  # one entry per listing request (s3:// folders), counted with the reads
+_LISTED: list[int] = []  # one entry per listing request (s3:// folders) or 404 probe, counted with the reads
 
 
 def list_folder(url: str) -> list[str]:
@@ -146,8 +146,8 @@ def list_folder(url: str) -> list[str]:
     if not url.startswith("s3://"):
         raise RemoteError(f"{shown}: a folder cannot be listed over HTTP: give the URL of its shard index "
                           f"({shown.rstrip('/')}/model.safetensors.index.json or pytorch_model.bin.index.json), of "
-                          f"a torch.distributed.checkpoint folder's metadata ({shown.rstrip('/')}/.metadata) or of "
-                          "one checkpoint file")
+                          f"a torch.distributed.checkpoint folder's metadata ({shown.rstrip('/')}/.metadata), of "
+                          f"a DeepSpeed folder's latest ({shown.rstrip('/')}/latest) or of one checkpoint file")
     prefix = url[len("s3://"):].split("?", 1)[0].strip("/")
     if not prefix:
         raise RemoteError("s3:// names no bucket: give s3://BUCKET/KEY")
@@ -188,6 +188,19 @@ def open_source(path: Any) -> Any:
             src = _OPEN[shown] = RemoteSource(real_url(path), shown)
         return src
     return os.open(path, os.O_RDONLY)
+
+
+def exists(path: RemotePath) -> bool:
+    """Whether the object at a URL exists, asked by its first request (kept: its source is open_source's); a 404
+    is False, and counts as a request (a DeepSpeed folder over HTTP: which of two names its files have)."""
+    try:
+        open_source(path)
+    except RemoteError as exc:
+        if "not found (404)" not in str(exc):
+            raise
+        _LISTED.append(1)
+        return False
+    return True
 
 
 def close_source(src: Any) -> None:
