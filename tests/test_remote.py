@@ -381,8 +381,8 @@ def test_a_server_failing_while_fix_streams_ends_in_one_line(wide, tmp_path, mod
     out = tmp_path / "out" / "wide.safetensors"
     out.parent.mkdir()
     try:
-        result = _cli("fix", f"http://127.0.0.1:{port}/wide.pt", "-o", str(out), env={"CKPT_DOCTOR_REMOTE_TIMEOUT": "2"},
-                      timeout=60)
+        result = _cli("fix", f"http://127.0.0.1:{port}/wide.pt", "-o", str(out),
+                      env={"CKPT_DOCTOR_REMOTE_TIMEOUT": "2"}, timeout=60)
     finally:
         _stop(proc)
     assert result.returncode == 2, result.stderr

@@ -416,7 +416,7 @@ class _Stream:
         self.src, self.spans = src, spans
         self.queue: queue.Queue = queue.Queue(STREAM_AHEAD)
         self.stopped = False
-        self.block: tuple[int, int, bytearray] | None = None  # (span index, offset, bytes) the reader is at
+        self.block: tuple[int, int, bytes] | None = None  # (span index, offset, bytes) the reader is at
         self.error: BaseException | None = None
         threading.Thread(target=self._run, daemon=True, name="ckpt-doctor-stream").start()
 
@@ -608,8 +608,8 @@ class _Client:
             at, stop = start, start + answer.want
             while at < stop:
                 n = min(STREAM_BLOCK, stop - at)
-                yield self._call(self._body(answer.read, n, at, last=at + n == stop), _timeout() + n / (4 << 20),
-                                 at, at + n)
+                body = self._body(answer.read, n, at, last=at + n == stop, joined=True)
+                yield self._call(body, _timeout() + n / (4 << 20), at, at + n)
                 at += n
             complete = True
         finally:
@@ -653,10 +653,14 @@ class _Client:
                               f"{self.shown}: the server answered a range request without a valid Content-Range")
         return got[1] - got[0] + 1
 
-    async def _body(self, read: Any, want: int, start: int, last: bool = True) -> bytearray:
-        """Exactly `want` bytes from `read(n)`, into one buffer: fewer is truncation. `last`: the answer must end
-        there, and more is an error (never read past want + 1); else its next bytes are left for the next call."""
-        out, have = bytearray(want), 0
+    async def _body(self, read: Any, want: int, start: int, last: bool = True, joined: bool = False) -> Any:
+        """Exactly `want` bytes from `read(n)`, in one buffer: fewer is truncation. `last`: the answer must end
+        there, and more is an error (never read past want + 1); else its next bytes are left for the next call.
+        `joined`: the pieces kept as they come and joined at the end (a block of a stream: no buffer zeroed first,
+        about a tenth of a second less per GB, for a moment twice the block's size); else written into a buffer of
+        `want` bytes (a window: never more than its size)."""
+        out = None if joined else bytearray(want)
+        pieces, have = [], 0
         extra = 1 if last else 0
         while have < want + extra:
             chunk = await read(min(1 << 20, want + extra - have))
@@ -664,12 +668,15 @@ class _Client:
                 break
             if have + len(chunk) > want:
                 raise RemoteError(f"{self.shown}: the server sent more than the {want:,} bytes asked at byte {start}")
-            out[have:have + len(chunk)] = chunk
+            if out is None:
+                pieces.append(chunk)
+            else:
+                out[have:have + len(chunk)] = chunk
             have += len(chunk)
         if have < want:
             raise RemoteError(f"{self.shown}: the answer for bytes {start}-{start + want - 1} ends after {have:,} of "
                               f"{want:,} bytes (truncated)")
-        return out
+        return out if out is not None else pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 class _HTTP(_Client):
