@@ -532,6 +532,35 @@ def test_a_shard_index_url_reads_its_shards_by_range_as_the_local_folder(served,
         sorted(p.name for p in (folder / name).iterdir() if not p.name.endswith(".json"))
 
 
+def test_fix_streams_the_shards_of_an_index_url_in_few_requests(served, tmp_path):
+    """Shards bigger than what the structure's requests fetch: a request or two of data each (never one per tensor),
+    every byte counted as the server sent it, the output torch's tensors."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder, base, log = served
+    torch.manual_seed(3)
+    shards = [{f"layer{i}.{j}.weight": torch.randn(128, 512) for j in range(12)} for i in range(2)]  # 3 MB each
+    (folder / "big-shards").mkdir()
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        save_file(shard, folder / "big-shards" / f"model-{i:05d}-of-00002.safetensors")
+        weight_map.update(dict.fromkeys(shard, f"model-{i:05d}-of-00002.safetensors"))
+    (folder / "big-shards" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    before = len(_requests(log))
+    out = tmp_path / "whole.safetensors"
+    fixed = _cli("fix", f"{base}/big-shards/model.safetensors.index.json", "-o", str(out), "--json")
+    assert fixed.returncode == 0, fixed.stderr
+    sent = _requests(log)[before:]
+    assert json.loads(fixed.stdout)["remote"]["bytes"] == sum(sent)
+    # the index; per shard its head and tail, and its data: written in the plan's key order (layer0.2 before
+    # layer0.10), stored in the header's (layer0.10 before layer0.2), so one request and one more for the jump back
+    assert len(sent) <= 1 + 2 * 4 < 24, str(sent)
+    loaded = load_file(out)
+    want = {k: v for shard in shards for k, v in shard.items()}
+    assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], v) for k, v in want.items())
+
+
 def test_a_shard_that_runs_code_is_found_through_its_index_url(served, tmp_path):
     from tests.payloads import call
 

@@ -434,13 +434,19 @@ class _Stream:
 
     def __init__(self, src: RemoteSource, spans: list[tuple[int, int]]) -> None:
         import queue
-        import threading
 
         self.src, self.spans = src, spans
         self.queue: queue.Queue = queue.Queue(STREAM_AHEAD)
-        self.stopped = False
+        self.started = self.stopped = False
         self.block: _Block | None = None  # the block the reader is at
         self.error: BaseException | None = None
+
+    def _start(self) -> None:
+        """The helper thread, started by the first read of the plan: the shards of a checkpoint, each planned at
+        once, are then streamed one after another, as the writer reaches each, not all at the same time."""
+        import threading
+
+        self.started = True
         threading.Thread(target=self._run, daemon=True, name="ckpt-doctor-stream").start()
 
     def _run(self) -> None:
@@ -492,6 +498,8 @@ class _Stream:
             j = self._span_of(at)
             if j is None:
                 return None
+            if not self.started:
+                self._start()
             self.block = None  # the last block let go before the next one is taken
             while True:
                 item = self.queue.get()
@@ -501,7 +509,10 @@ class _Stream:
                 if item.span == j and at < item.end:
                     break
             self.block = block = item
-        return block.view(n, at)
+        view = block.view(n, at)
+        if at + len(view) == block.end == self.spans[-1][1] and block.span == len(self.spans) - 1:
+            self.block = None  # the plan's last byte: nothing of it kept while other sources are read
+        return view
 
     def stop(self) -> None:
         import queue
