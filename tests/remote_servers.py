@@ -11,6 +11,7 @@ count appended to LOG as `bytes\\n` (what the server sent: counted on the server
   notfound  404 for everything
   forbidden 403 for everything
   etag      a new ETag on every answer (the object changes between requests)
+MODE:big misbehaves so only for requests of 1 MB or more (tensor data streamed by fix), answering the others well.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 def _range_server(port: int, folder: str, log: str) -> None:
-    from RangeHTTPServer import RangeRequestHandler
+    import shutil
+
+    from RangeHTTPServer import RangeRequestHandler, copy_byte_range
 
     class Counting(RangeRequestHandler):
         def copyfile(self, source, outputfile):  # what RangeHTTPServer sends, counted as it is sent
@@ -35,7 +38,11 @@ def _range_server(port: int, folder: str, log: str) -> None:
                     return outputfile.write(data)
 
             try:
-                return super().copyfile(source, Counter())
+                if not self.range:
+                    return super().copyfile(source, Counter())
+                # a range copied in blocks as large as a whole object's (shutil's; RangeHTTPServer's own are 16 KB, 4x
+                # the server's work per byte), so a range costs the server what a download of the same bytes does
+                return copy_byte_range(source, Counter(), *self.range, bufsize=shutil.COPY_BUFSIZE)
             finally:
                 with open(log, "a") as f:
                     f.write(f"{Counter.sent}\n")
@@ -47,7 +54,7 @@ def _range_server(port: int, folder: str, log: str) -> None:
     ThreadingHTTPServer(("127.0.0.1", port), Counting).serve_forever()
 
 
-def _hostile(port: int, mode: str, path: str) -> None:
+def _hostile(port: int, how: str, path: str) -> None:
     data = open(path, "rb").read()
 
     class Handler(BaseHTTPRequestHandler):
@@ -59,15 +66,16 @@ def _hostile(port: int, mode: str, path: str) -> None:
 
         def do_GET(self):
             Handler.count += 1
+            first, last = self.headers.get("Range", "bytes=0-").removeprefix("bytes=").split("-")
+            first = int(first)
+            last = min(int(last) if last else len(data) - 1, len(data) - 1)
+            body = data[first:last + 1]
+            mode = how.removesuffix(":big") if not how.endswith(":big") or len(body) >= 1 << 20 else "well"
             if mode in ("notfound", "forbidden"):
                 self.send_response(404 if mode == "notfound" else 403)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
-            first, last = self.headers.get("Range", "bytes=0-").removeprefix("bytes=").split("-")
-            first = int(first)
-            last = min(int(last) if last else len(data) - 1, len(data) - 1)
-            body = data[first:last + 1]
             if mode == "norange":
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(data)))

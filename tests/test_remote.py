@@ -342,6 +342,55 @@ def test_fix_from_a_url_streams_in_few_requests(wide, tmp_path):
     assert all(torch.equal(got[k[len("module."):]], v) for k, v in want.items())
 
 
+def test_fix_from_a_url_reads_views_in_the_order_it_writes_them(served, tmp_path):
+    """Views of one storage written in another order than they lie in the file (forward, then back, then a strided
+    view): the streamed bytes land where the local run puts them, byte for byte, and each is torch's tensor."""
+    import torch
+    from safetensors.torch import load_file
+
+    folder, base, log = served
+    torch.manual_seed(2)
+    x, y = torch.randn(2, 512, 1024), torch.randn(256, 1024)
+    state = {"late": x[1], "other": y, "early": x[0], "strided": x[0, :, ::2]}
+    torch.save(state, folder / "views.pt")
+    before = len(_requests(log))
+    remote = _cli("fix", f"{base}/views.pt", "-o", str(tmp_path / "remote.safetensors"), "--json")
+    assert remote.returncode == 0, remote.stderr
+    sent = _requests(log)[before:]
+    assert json.loads(remote.stdout)["remote"]["bytes"] == sum(sent)
+    local = _cli("fix", str(folder / "views.pt"), "-o", str(tmp_path / "local.safetensors"))
+    assert local.returncode == 0, local.stderr
+    assert (tmp_path / "remote.safetensors").read_bytes() == (tmp_path / "local.safetensors").read_bytes()
+    got = load_file(tmp_path / "remote.safetensors")
+    assert set(got) == set(state) and all(torch.equal(got[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("mode, words", [
+    ("short:big", "truncated"),
+    ("endless:big", "more than the"),
+    ("wrongrange:big", "with another range"),
+    ("etag:big", "changed while it was read"),
+    ("trickle:big", "no complete answer within"),
+])
+def test_a_server_failing_while_fix_streams_ends_in_one_line(wide, tmp_path, mode, words):
+    """A server that answers the structure's requests well and misbehaves only on the streamed tensor data: one line,
+    exit 2, no output and no temporary file left."""
+    path, _, _ = wide
+    port = _port()
+    proc = _start([sys.executable, str(SERVERS), "hostile", str(port), mode, str(path)], port)
+    out = tmp_path / "out" / "wide.safetensors"
+    out.parent.mkdir()
+    try:
+        result = _cli("fix", f"http://127.0.0.1:{port}/wide.pt", "-o", str(out),
+                      env={"CKPT_DOCTOR_REMOTE_TIMEOUT": "2"}, timeout=60)
+    finally:
+        _stop(proc)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and words in lines[0], result.stderr
+    assert list(out.parent.iterdir()) == []
+
+
 def test_diff_and_stats_of_a_url_equal_the_local_run(wide, served):
     path, url, _ = wide
     folder, base, _ = served
@@ -481,6 +530,35 @@ def test_a_shard_index_url_reads_its_shards_by_range_as_the_local_folder(served,
     assert scan.returncode == 0, scan.stderr
     assert sorted(f["path"].rsplit("/", 1)[-1] for f in json.loads(scan.stdout)["files"]) == \
         sorted(p.name for p in (folder / name).iterdir() if not p.name.endswith(".json"))
+
+
+def test_fix_streams_the_shards_of_an_index_url_in_few_requests(served, tmp_path):
+    """Shards bigger than what the structure's requests fetch: a request or two of data each (never one per tensor),
+    every byte counted as the server sent it, the output torch's tensors."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder, base, log = served
+    torch.manual_seed(3)
+    shards = [{f"layer{i}.{j}.weight": torch.randn(128, 512) for j in range(12)} for i in range(2)]  # 3 MB each
+    (folder / "big-shards").mkdir()
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        save_file(shard, folder / "big-shards" / f"model-{i:05d}-of-00002.safetensors")
+        weight_map.update(dict.fromkeys(shard, f"model-{i:05d}-of-00002.safetensors"))
+    (folder / "big-shards" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    before = len(_requests(log))
+    out = tmp_path / "whole.safetensors"
+    fixed = _cli("fix", f"{base}/big-shards/model.safetensors.index.json", "-o", str(out), "--json")
+    assert fixed.returncode == 0, fixed.stderr
+    sent = _requests(log)[before:]
+    assert json.loads(fixed.stdout)["remote"]["bytes"] == sum(sent)
+    # the index; per shard its head and tail, and its data: written in the plan's key order (layer0.2 before
+    # layer0.10), stored in the header's (layer0.10 before layer0.2), so one request and one more for the jump back
+    assert len(sent) <= 1 + 2 * 4 < 24, str(sent)
+    loaded = load_file(out)
+    want = {k: v for shard in shards for k, v in shard.items()}
+    assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], v) for k, v in want.items())
 
 
 def test_a_shard_that_runs_code_is_found_through_its_index_url(served, tmp_path):

@@ -113,6 +113,53 @@ def test_read_back_reports_each_range_that_differs(tmp_path):
     assert len(failures) == 1 and failures[0].startswith("second (crc ")
 
 
+@settings(max_examples=30, **SAME_PATCH)
+@given(cuts=st.lists(st.integers(1, len(SOURCE) - 1), max_size=4), bad=st.sampled_from([None, "piece", "rest"]))
+def test_read_back_in_pieces_checks_the_whole_range(tmp_path_factory, cuts, bad):
+    """A range read back piece by piece as it is written (partial()) is checked as a whole: equal to the source, no
+    failure; a byte changed in a piece already read back, or in the rest, is the range's failure."""
+    data = bytearray(SOURCE)
+    cuts = sorted(set(cuts))
+    if bad == "piece" and cuts:
+        data[cuts[0] - 1] ^= 1
+    elif bad == "rest":
+        data[-1] ^= 1
+    path = tmp_path_factory.mktemp("pieces") / "out.bin"
+    path.write_bytes(b"head" + data)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        written = WrittenRanges(fd, str(path), verify=True)
+        written.done(0, 4, zlib.crc32(b"head"), "head")
+        for cut in cuts:
+            written.partial(4, cut)
+        written.done(4, len(SOURCE), zlib.crc32(SOURCE), "range")
+        failures = written.failures()
+    finally:
+        os.close(fd)
+    wrong = bad == "rest" or bad == "piece" and bool(cuts)
+    assert [f.split(" ")[0] for f in failures] == (["range"] if wrong else [])
+
+
+def test_a_buffered_copy_is_read_back_as_it_goes(source, tmp_path, monkeypatch):
+    """copy_range tells the read-back how far a range copied through its buffer is written; the checks then agree
+    with the source's crc."""
+    monkeypatch.setattr(stream, "COPY_BUFFER", 3000)
+    monkeypatch.setattr(stream, "WINDOW", 10000)
+    monkeypatch.delattr(os, "copy_file_range", raising=False)
+    told = []
+    fd = os.open(tmp_path / "out.bin", os.O_RDWR | os.O_CREAT)
+    try:
+        written = WrittenRanges(fd, str(tmp_path / "out.bin"), verify=True)
+        real = written.partial
+        monkeypatch.setattr(written, "partial", lambda offset, n: (told.append(n), real(offset, n)))
+        crc = copy_range(source, 5, len(SOURCE) - 5, fd, 7, written=written)
+        written.done(7, len(SOURCE) - 5, crc, "copied")
+        assert written.failures() == []
+    finally:
+        os.close(fd)
+    assert crc == zlib.crc32(SOURCE[5:]) and len(told) >= 10 and told == sorted(told)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux's")
 def test_preallocate_sets_the_size_the_writer_then_trims(tmp_path):
     path = tmp_path / "out.bin"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..dtypes import element_size
 from ..errors import WriteError
+from ..readers.source import is_remote
 from ..records import OutTensor
 from ..safepickle.unpickler import SizeValue
 from ..tree import run_nested
@@ -40,18 +41,21 @@ def execute(plan: FixPlan, progress_callback: Callable[[int, int], None] | None 
     sources = Sources()
     progress = Progress(plan.nbytes * (2 if verify else 1), progress_callback)
     unknown: list[str] = []
+    reads: list[tuple[Any, int, int]] = []  # (source, offset, nbytes) of tensor data, in the order it is read
     try:
         with atomic_output(plan.output, plan.nbytes) as (fd, tmp):
             written = WrittenRanges(fd, str(tmp), verify, progress)
             try:
                 if plan.format is OutputFormat.TORCH:
                     archive = _source_names(plan)
-                    storages, expected = _torch_layout(plan, sources, archive)
+                    storages, expected = _torch_layout(plan, sources, archive, reads)
                     pickle_bytes, unknown = dumps(_to_pickle_tree(plan.tree, expected), plan.policy)
+                    _announce(reads)
                     write_torch_zip(fd, archive or _archive_name(plan.output), pickle_bytes, storages, progress,
                                     written)
                 else:
-                    entries = _safetensors_layout(plan, sources)
+                    entries = _safetensors_layout(plan, sources, reads)
+                    _announce(reads)
                     write_safetensors(fd, entries, plan.metadata, progress, written)
                 if verify:
                     failed = written.failures()
@@ -67,8 +71,22 @@ def execute(plan: FixPlan, progress_callback: Callable[[int, int], None] | None 
                 written.close()
             size = os.fstat(fd).st_size
     finally:
+        for src in {id(src): src for src, _, _ in reads if is_remote(src)}.values():
+            src.end_stream()
         sources.close()
     return FixResult(plan, size, verify, tuple(unknown))
+
+
+def _announce(reads: list[tuple[Any, int, int]]) -> None:
+    """Tell each remote source which tensor data the writer will read, in order: it streams them in as few requests
+    as their layout allows (one for a file copied front to back) instead of fetching as each read comes
+    (readers/source.py, RemoteSource.expect). A local file is read as it is."""
+    planned: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
+    for src, at, n in reads:
+        if is_remote(src):
+            planned.setdefault(id(src), (src, []))[1].append((at, n))
+    for src, ranges in planned.values():
+        src.expect(ranges)
 
 
 def _archive_name(output: Path) -> str:
@@ -97,8 +115,8 @@ def _source_names(plan: FixPlan) -> str | None:
     return prefixes.pop() if len(prefixes) == 1 and len(files) == 1 else None
 
 
-def _torch_layout(plan: FixPlan, sources: Sources,
-                  archive: str | None) -> tuple[list[StorageOut], dict[str, TensorOut]]:
+def _torch_layout(plan: FixPlan, sources: Sources, archive: str | None,
+                  reads: list[tuple[Any, int, int]]) -> tuple[list[StorageOut], dict[str, TensorOut]]:
     storages: dict[tuple[str, str], StorageOut] = {}
     expected: dict[str, TensorOut] = {}
     for t in plan.tensors:
@@ -116,6 +134,7 @@ def _torch_layout(plan: FixPlan, sources: Sources,
                 expected[t.key] = TensorOut(rec, out.key, t.device, t.dtype, out.nbytes // element_size(t.dtype))
                 continue
             fd = sources.fd(st.file)
+            reads.append((fd, st.offset, st.deflated or st.nbytes))  # (a deflated member: its compressed bytes)
             if st.deflated:  # a deflated member (a re-zipped file): inflated into the output as it is written
                 convert = (rec.dtype, t.dtype) if t.dtype != rec.dtype else None
                 out = StorageOut(key, nbytes, produce=deflated_producer(fd, st, 0, st.nbytes, rec.key, convert))
@@ -153,7 +172,7 @@ def _to_pickle_tree(tree: Any, expected: dict[str, TensorOut]) -> Any:
     return run_nested(converted(tree))
 
 
-def _safetensors_layout(plan: FixPlan, sources: Sources) -> list[TensorBytes]:
+def _safetensors_layout(plan: FixPlan, sources: Sources, reads: list[tuple[Any, int, int]]) -> list[TensorBytes]:
     entries = []
     for t in plan.tensors:
         if t.key in plan.tied:
@@ -162,6 +181,9 @@ def _safetensors_layout(plan: FixPlan, sources: Sources) -> list[TensorBytes]:
         st = rec.storage
         assert st is not None
         nbytes = rec.numel * element_size(t.dtype)
+        if st.assembly is None:  # the bytes read (a deflated member: its compressed bytes; a view: its span)
+            reads.append((sources.fd(st.file), st.offset, st.deflated) if st.deflated else
+                         (sources.fd(st.file), rec.file_offset or 0, rec.span_bytes))
         if st.assembly is not None:
             entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes,
                                        produce=assembly_producer(st.assembly, rec.key, t.dtype, sources)))

@@ -60,7 +60,7 @@ def write_safetensors(fd: int, tensors: list[TensorBytes], metadata: dict[str, s
         if t.produce is not None:
             t.crc = t.produce(fd, pos, progress)
         else:
-            t.crc = copy_range(t.source_fd, t.source_offset, t.nbytes, fd, pos, progress, t.known_crc)
+            t.crc = copy_range(t.source_fd, t.source_offset, t.nbytes, fd, pos, progress, t.known_crc, written)
         if written is not None:
             written.done(pos, t.nbytes, t.crc, t.key)
         pos += t.nbytes

@@ -42,7 +42,7 @@ class Progress:
 
 
 def copy_bytes(src_fd: Any, src_offset: int, nbytes: int, dst_fd: int, dst_offset: int,
-               progress: Progress | None = None) -> None:
+               progress: Progress | None = None, written: WrittenRanges | None = None) -> None:
     """Copy `nbytes`: in the kernel (copy_file_range) when both ends have the same phase on the FOLIO grid, else
     (or where the kernel cannot) through a buffer."""
     copied = 0
@@ -62,23 +62,27 @@ def copy_bytes(src_fd: Any, src_offset: int, nbytes: int, dst_fd: int, dst_offse
         except OSError as exc:
             if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # else read/write
                 raise
-    _buffered_copy(src_fd, src_offset + copied, nbytes - copied, dst_fd, dst_offset + copied, progress, False)
+    _buffered_copy(src_fd, src_offset + copied, nbytes - copied, dst_fd, dst_offset + copied, progress, False,
+                   written if not copied else None)
 
 
 def copy_range(src_fd: Any, src_offset: int, nbytes: int, dst_fd: int, dst_offset: int,
-               progress: Progress | None = None, known_crc: int | None = None) -> int:
-    """Copy `nbytes`; returns their crc32. With `known_crc` nothing is summed and the kernel may copy."""
+               progress: Progress | None = None, known_crc: int | None = None,
+               written: WrittenRanges | None = None) -> int:
+    """Copy `nbytes`; returns their crc32. With `known_crc` nothing is summed and the kernel may copy. `written`: told
+    of the range's first bytes as they are in (WrittenRanges.partial) when it is copied through a buffer."""
     if known_crc is not None:
-        copy_bytes(src_fd, src_offset, nbytes, dst_fd, dst_offset, progress)
+        copy_bytes(src_fd, src_offset, nbytes, dst_fd, dst_offset, progress, written)
         return known_crc
-    return _buffered_copy(src_fd, src_offset, nbytes, dst_fd, dst_offset, progress, True)
+    return _buffered_copy(src_fd, src_offset, nbytes, dst_fd, dst_offset, progress, True, written)
 
 
 def _buffered_copy(src_fd: int, src_offset: int, nbytes: int, dst_fd: int, dst_offset: int,
-                   progress: Progress | None, with_crc: bool) -> int:
-    """Read and write through one reused buffer (see FOLIO); the crc32 of the bytes when asked, else 0."""
+                   progress: Progress | None, with_crc: bool, written: WrittenRanges | None = None) -> int:
+    """Read and write through one reused buffer (see FOLIO); the crc32 of the bytes when asked, else 0. `written` is
+    told every WINDOW bytes how far the range at `dst_offset` is written."""
     crc = 0
-    copied = 0
+    copied = told = 0
     for chunk in _chunks(src_fd, src_offset, nbytes, "source"):
         if with_crc:
             crc = crc32(chunk, crc)
@@ -86,6 +90,9 @@ def _buffered_copy(src_fd: int, src_offset: int, nbytes: int, dst_fd: int, dst_o
         copied += len(chunk)
         if progress:
             progress.advance(len(chunk))
+        if written is not None and copied - told >= WINDOW and copied < nbytes:
+            written.partial(dst_offset, copied)
+            told = copied
     return crc
 
 
@@ -157,11 +164,11 @@ def deflated_producer(src_fd: int, storage: Any, skip: int, nbytes: int, what: s
     return produce
 
 
-def crc_range(fd: int, offset: int, nbytes: int, progress: Progress | None = None) -> int:
-    """crc32 of a range of a file, read by pread into one reused 1 MB buffer (it stays in the CPU's cache from the
-    read to the crc). Never through a map: a file cut short under a map faults (SIGBUS) and ends the process, and
-    no lease can hold still a file this process is writing. A range cut short is an EOFError."""
-    crc = 0
+def crc_range(fd: int, offset: int, nbytes: int, progress: Progress | None = None, crc: int = 0) -> int:
+    """crc32 of a range of a file (continuing `crc`, that of the bytes before it), read by pread into one reused 1 MB
+    buffer (it stays in the CPU's cache from the read to the crc). Never through a map: a file cut short under a
+    map faults (SIGBUS) and ends the process, and no lease can hold still a file this process is writing. A range
+    cut short is an EOFError."""
     pending = 0
     for chunk in _chunks(fd, offset, nbytes, "the output"):
         crc = crc32(chunk, crc)
@@ -257,7 +264,9 @@ class WrittenRanges:
     almost nothing left to do: after a 1.5 GB copy that fsync takes 0.26 s here, with this 0.01 s (issued from the
     copying thread instead, the calls themselves blocked for 0.15 s). With `verify`, each range is also re-read
     in a second thread and its crc32 compared with the source's; crc32 releases the GIL, so the check
-    runs beside the copy. `failures()` waits for the last check.
+    runs beside the copy. A range copied through a buffer (a remote source's stream) is read back, and flushed, as
+    its pieces are written (partial()), so a storage of a gigabyte does not leave all of its check to after its
+    copy. `failures()` waits for the last check.
     """
 
     FLUSH_EVERY = 16 << 20  # 4, 64 and 256 MB were slower here
@@ -269,22 +278,42 @@ class WrittenRanges:
         self._flusher = _Helper("ckpt-doctor-flush") if self._flush is not None else None
         self.read_fd = os.open(path, os.O_RDONLY) if verify else -1
         self._checker = _Helper("ckpt-doctor-verify") if verify else None
+        self._part: tuple[int, int, int] | None = None  # (range offset, read back up to, crc so far): checker's own
 
     def done(self, offset: int, nbytes: int, expected_crc: int, what: str) -> None:
         if self._checker is not None:
             self._checker.submit(self._check, offset, nbytes, expected_crc, what)
-        end = offset + nbytes
+        self._flush_to(offset + nbytes)
+
+    def partial(self, offset: int, nbytes: int) -> None:
+        """The first `nbytes` of the range at `offset` are written (done() follows once all of it is)."""
+        if self._checker is not None:
+            self._checker.submit(self._check_part, offset, nbytes)
+        self._flush_to(offset + nbytes)
+
+    def _flush_to(self, end: int) -> None:
         if self._flusher is not None and end - self._flushed_to >= self.FLUSH_EVERY:
             # headers between ranges included
             self._flusher.submit(self._flush, self.fd, self._flushed_to, end - self._flushed_to)
             self._flushed_to = end
 
-    def _check(self, offset: int, nbytes: int, expected: int, what: str) -> str | None:
+    def _read_back(self, offset: int, nbytes: int, what: str) -> int:
+        """crc32 of the range's first `nbytes`, continuing what partial() had read of it."""
+        done, crc = (self._part[1], self._part[2]) if self._part and self._part[0] == offset else (offset, 0)
         try:
-            crc = crc_range(self.read_fd, offset, nbytes, self.progress)
+            crc = crc_range(self.read_fd, done, offset + nbytes - done, self.progress, crc)
         except EOFError:
             raise WriteError(f"{what}: the output was cut short while it was read back (another process truncated "
                              "it?); nothing written") from None
+        self._part = (offset, offset + nbytes, crc)
+        return crc
+
+    def _check_part(self, offset: int, nbytes: int) -> None:
+        self._read_back(offset, nbytes, f"bytes {offset:,}-{offset + nbytes - 1:,} of the output")
+
+    def _check(self, offset: int, nbytes: int, expected: int, what: str) -> str | None:
+        crc = self._read_back(offset, nbytes, what)
+        self._part = None
         return None if crc == expected else f"{what} (crc {crc:08x}, source {expected:08x})"
 
     def failures(self) -> list[str]:

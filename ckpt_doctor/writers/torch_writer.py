@@ -99,7 +99,7 @@ class ZipOut:
             crc = storage.produce(self.fd, base + data_at, progress)
         else:
             crc = copy_range(storage.source_fd, storage.source_offset, storage.nbytes, self.fd, base + data_at,
-                             progress, storage.known_crc)
+                             progress, storage.known_crc, written)
         if crc != storage.known_crc:
             write_bytes(self.fd, base + header_at, _local_header(name, storage.nbytes, crc, base + header_at, *layout))
         storage.crc, storage.offset = crc, base + data_at
