@@ -200,6 +200,27 @@ def test_an_object_array_inside_a_checkpoint_or_an_npz_is_walked(tmp_path, cli):
     assert flagged(cli, path) == (1, 1)
 
 
+def test_an_object_npy_whose_header_is_also_a_tar_header_is_flagged(tmp_path, cli):
+    """An .npy of object dtype whose first 512 bytes also pass as a tar header (a field name of blanks holds the tar
+    checksum): np.load runs its pickle, whether or not tarfile opens the block, so the .npy's pickle is walked."""
+    canary = tmp_path / "CANARY"
+    for variant in ("tarfile opens it", "tarfile refuses it"):
+        text = "{'descr': [('" + " " * 400 + "', '|O')], 'fortran_order': False, 'shape': (1,), }"
+        text = text.ljust(556) + "\n"
+        head = bytearray(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(text)) + text.encode())
+        if variant == "tarfile refuses it":
+            head[100:108] = b"  xyz   "  # the tar mode field, inside the blank name: no octal number
+        head[148:156] = b" " * 8
+        checksum = sum(head[:148]) + 256 + sum(head[156:512])
+        head[148:156] = b"%06o  " % checksum
+        path = tmp_path / "polyglot.npy"
+        path.write_bytes(bytes(head) + b"\x80\x02" + payload(canary) + b".")
+        assert tarfile.is_tarfile(path) == (variant == "tarfile opens it")
+        assert live(path, canary, "np"), variant
+        assert flagged(cli, path) == (1, 1), variant
+        assert "posix.system" in cli("scan", path).stdout, variant
+
+
 def test_a_refused_pickle_still_names_its_payload(tmp_path, cli):
     """A memo bomb or a huge integer before the payload: the file is refused, and the payload named (exit 1)."""
     canary = tmp_path / "CANARY"

@@ -134,6 +134,10 @@ def _survey_source(path: Path, fd: Any, size: int, container: Container, head: b
     if True:
         survey = Survey(path, size, container, head, thorough=thorough, policy=policy)
         walk_pickles(survey, fd)  # what the container's row of readers/table.py walks
+        if head[:6] == b"\x93NUMPY" and container is not Container.NUMPY:
+            # np.load reads a file that starts with NumPy's magic as an array, whatever else its first block is (a
+            # header whose bytes are also a valid tar header): the pickle an object array holds is walked too.
+            survey_npy(survey, fd)
         if container is not Container.ZIP and (head[:4] == b"PK\x05\x06" or _ends_like_a_zip(fd, size)):
             # np.load and Python's zipfile open this as an archive (an empty-zip magic first, or an end record
             # last) although torch does not: what they would read is walked too.
