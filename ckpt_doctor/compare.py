@@ -16,6 +16,7 @@ from collections import Counter
 from typing import Any
 
 from ._record import field, record, replace
+from .advice import user_allowed
 from .analyze import find_prefixes
 from .devices import missing_devices
 from .dtypes import FLOATING
@@ -314,8 +315,6 @@ def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, *, select: str | None
         if flags and "--map-location" not in flags:  # a file rewritten anyway: one that also loads here
             flags += ["--map-location", "cpu"]
         comparison = _replace(comparison, missing_devices=devices, suggested_fix=tuple(flags))
-    from .advice import user_allowed
-
     return _replace(comparison, model_flags=model.flags, allowed_globals=user_allowed(ckpt.globals))
 
 
