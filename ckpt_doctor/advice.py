@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # names for annotations only: importing typing costs every st
 class Promise(str, enum.Enum):
     """What running a suggested command promises, and so what the test suite checks after running it."""
 
+    # Where a Suggestion's `safe_globals` names globals (the user's --allow-global), "torch.load(weights_only=True)"
+    # below is within torch.serialization.safe_globals([...]) of them.
     LOADS = "loads"  # exits 0; its output loads with torch.load(weights_only=True) and strictly into its --model
     WRITES = "writes"  # exits 0 and writes its output, which torch.load(weights_only=True) loads
     SHOWS = "shows"  # exits 0 and shows what it says (a dry run, a listing); writes nothing
@@ -27,6 +29,9 @@ class Suggestion:
     promise: Promise
     why: str = ""  # the sentence around it, for a person
     model: tuple[str, ...] = ()  # for LOADS: the --model SPEC [--model-arg …] its output must load into
+    # Globals the output may name that only --allow-global allows: torch.load(weights_only=True) loads it within
+    # torch.serialization.safe_globals([...]) of them (their classes imported by the user's own code).
+    safe_globals: tuple[str, ...] = ()
 
     @property
     def command(self) -> str:
@@ -34,7 +39,33 @@ class Suggestion:
 
     def json(self) -> dict[str, object]:
         return {"command": self.command, "argv": ["ckpt-doctor", *self.argv], "promise": self.promise.value,
-                "why": self.why, **({"model": list(self.model)} if self.model else {})}
+                "why": self.why, **({"model": list(self.model)} if self.model else {}),
+                **({"safe_globals": list(self.safe_globals)} if self.safe_globals else {})}
+
+
+def user_allowed(globals_: Sequence[object]) -> tuple[str, ...]:
+    """The globals of a file (its GlobalRefs, read under the user's policy) that only --allow-global allows: safe, yet
+    neither on torch's weights_only list nor among the curated records. A command that reads the file again names
+    each with --allow-global (allow_flags), so that it reads it as this one did."""
+    from .safepickle.policy import ALLOWED, Verdict, resolve
+
+    found: dict[str, None] = {}
+    for g in globals_:
+        full = ".".join(resolve(g.module, g.name))  # type: ignore[attr-defined]
+        if g.verdict is Verdict.SAFE and full not in ALLOWED:  # type: ignore[attr-defined]
+            found[full] = None
+    return tuple(found)
+
+
+def allow_flags(names: Sequence[str]) -> tuple[str, ...]:
+    """`--allow-global NAME` for each name."""
+    return tuple(a for n in names for a in ("--allow-global", n))
+
+
+def under_safe_globals(names: Sequence[str]) -> str:
+    """How torch.load loads a file that names `names` (allowed with --allow-global)."""
+    return (f"within torch.serialization.safe_globals([{', '.join(names)}]) (allowed with --allow-global, which "
+            "torch's defaults refuse)")
 
 
 def command_line(argv: Sequence[str]) -> str:
@@ -179,13 +210,17 @@ def fix_suggestions(path: str, comparison: object, dangerous: bool = False) -> l
     flags = list(c.suggested_fix)  # type: ignore[attr-defined]
     if dangerous:
         flags.insert(0, "--allow-unsafe")
+    allowed = tuple(getattr(c, "allowed_globals", ()))  # the file read again as here: what it may keep of them
     if kind == "partial":  # the closest fix: written as asked, but a strict load still fails, so no --model check
-        return [("fix", fix_line(path, flags, Promise.WRITES, "the closest fix found; a strict load still fails"))]
+        return [("fix", replace(fix_line(path, [*flags, *allow_flags(allowed)], Promise.WRITES,
+                                         "the closest fix found; a strict load still fails"), safe_globals=allowed))]
     if "--model" not in flags:
         flags += c.model_flags  # type: ignore[attr-defined]
     if c.missing_devices and "--map-location" not in flags:  # type: ignore[attr-defined]
         flags += ["--map-location", "cpu"]
-    line = fix_line(path, flags, Promise.LOADS, model=c.model_flags)  # type: ignore[attr-defined]
+    flags += allow_flags(allowed)
+    line = replace(fix_line(path, flags, Promise.LOADS, model=c.model_flags),  # type: ignore[attr-defined]
+                   safe_globals=allowed)
     out: list[tuple[str, Suggestion]] = []
     if c.ambiguous and (c.fix_kind == "map-by-order" or c.paired):  # type: ignore[attr-defined]
         out.append(("dry run", Suggestion((*line.argv, "--dry-run"), Promise.SHOWS,

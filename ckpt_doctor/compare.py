@@ -16,6 +16,7 @@ from collections import Counter
 from typing import Any
 
 from ._record import field, record, replace
+from .advice import user_allowed
 from .analyze import find_prefixes
 from .devices import missing_devices
 from .dtypes import FLOATING
@@ -98,6 +99,8 @@ class Comparison:
     required_fraction: float | None = None
     required_reason: str = ""
     model_flags: tuple[str, ...] = ()  # how `fix` is told of the model: --model SPEC [--model-arg k=v …]
+    # Globals of the file only --allow-global allows (advice.user_allowed): the fix line reads it with them, as here.
+    allowed_globals: tuple[str, ...] = ()
 
     @property
     def strict_ok(self) -> bool:
@@ -312,7 +315,7 @@ def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, *, select: str | None
         if flags and "--map-location" not in flags:  # a file rewritten anyway: one that also loads here
             flags += ["--map-location", "cpu"]
         comparison = _replace(comparison, missing_devices=devices, suggested_fix=tuple(flags))
-    return _replace(comparison, model_flags=model.flags)
+    return _replace(comparison, model_flags=model.flags, allowed_globals=user_allowed(ckpt.globals))
 
 
 def _replace(c: Comparison, **changes: Any) -> Comparison:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..advice import Promise, Suggestion, output_beside, shell_path
+from ..advice import Promise, Suggestion, allow_flags, output_beside, shell_path, under_safe_globals, user_allowed
 from ..errors import CkptDoctorError
 from ..records import Checkpoint
 from ..safepickle.policy import DEFAULT_POLICY, Policy
@@ -19,27 +19,54 @@ if TYPE_CHECKING:  # names for annotations only
 
 
 def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None = None,
-           source: str | None = None, *, policy: Policy = DEFAULT_POLICY) -> Suggestion | None:
+           source: str | None = None, *, policy: Policy = DEFAULT_POLICY, keep_allowed: bool = False
+           ) -> Suggestion | None:
     """The `fix` command that writes a file's tensors and plain data as a file torch.load(weights_only=True) loads
     (a whole pickled model as its state_dict; what only code can rebuild left out with --drop), checked by planning
     it — nothing is written — so the command printed is one that runs. None when no plain command does. `policy`:
-    the allow-list the file was read under, which the plan writes by."""
+    the allow-list the file was read under; the command carries --allow-global for each of its names the file uses,
+    so that it reads the file as this did.
+
+    What only --allow-global allows is left out too (a file torch.load loads with its defaults: the input itself
+    loads within safe_globals), unless `keep_allowed` (fix's own advice: the user asked to keep it) or nothing but
+    keeping it gives a command that runs; then the Suggestion's safe_globals names it, and its sentence says so."""
     path = source or str(ckpt.path)  # as the user named it (a model's folder)
-    out = output_beside(path, taken=taken)
+    allowed = user_allowed(ckpt.globals)
     flags: list[str] = ["--allow-unsafe"] if ckpt.dangerous_globals else []
-    flags += extra
+    flags += [*extra, *allow_flags(allowed)]
+    tries = (True,) if not allowed or keep_allowed else (False, True)
+    for keep in tries:
+        found = _planned(ckpt, path, list(flags), taken, policy if keep else DEFAULT_POLICY)
+        if found is not None:
+            argv, out = found
+            if keep and allowed:
+                return Suggestion(argv, Promise.WRITES,
+                                  f"writes its tensors and plain data as a file torch.load loads "
+                                  f"{under_safe_globals(allowed)}; nothing it names is run", safe_globals=allowed)
+            left = f", without what names {', '.join(allowed)} (torch's defaults refuse it, --allow-global or " \
+                   "not)" if allowed else ""
+            return Suggestion(argv, Promise.WRITES,
+                              f"writes its tensors and plain data as a file torch.load loads with its defaults{left}; "
+                              "nothing it names is run or written")
+    return None
+
+
+def _planned(ckpt: Checkpoint, path: str, flags: list[str], taken: set[str] | None,
+             writes: Policy) -> tuple[tuple[str, ...], str] | None:
+    """The argv of the fix that plans (with one --drop of what `writes` does not allow), and its output; None."""
+    out = output_beside(path, taken=set(taken or ()))
     for _ in range(2):
         try:
-            plan_fix(ckpt, Path(out), FixOptions(transforms=tuple(_drops(flags)), policy=policy))
+            plan_fix(ckpt, Path(out), FixOptions(transforms=tuple(_drops(flags)), policy=writes))
         except CkptDoctorError as exc:
             pattern = getattr(exc, "drop", None)
             if not pattern or "--drop" in flags:
                 return None
             flags += ["--drop", pattern]
             continue
-        return Suggestion(("fix", shell_path(path), "-o", out, *flags), Promise.WRITES,
-                          "writes its tensors and plain data as a file torch.load loads with its defaults; nothing "
-                          "it names is run or written")
+        if taken is not None:
+            taken.add(out)
+        return ("fix", shell_path(path), "-o", out, *flags), out
     return None
 
 

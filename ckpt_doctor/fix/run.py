@@ -30,8 +30,12 @@ def prepare_fix(source: str | os.PathLike[str] | Checkpoint, output: str | os.Pa
         # A whole pickled model (code: its classes) is what fix rescues; what is known to be dangerous needs consent.
         from .rescue import rescue  # the rescue planner: only for a file that needs consent
 
-        found = rescue(checkpoint, policy=options.policy)
-        extra = tuple(found.argv[4:]) if found is not None else ("--allow-unsafe",)
+        found = rescue(checkpoint, policy=options.policy, keep_allowed=True)  # what the user allows, kept
+        added = list(found.argv[4:]) if found is not None else ["--allow-unsafe"]
+        for i in reversed(range(len(added) - 1)):  # the user's command names its --allow-global already
+            if added[i] == "--allow-global":
+                del added[i:i + 2]
+        extra = tuple(added)
         checkpoint.refuse_if_unsafe("rewrite it", "To keep only its tensors and plain data (nothing it names is ever "
                                     "run or written): {0}", code_too=False, reruns=(Rerun(add=extra),))
     # The whole fix is planned (every option checked) before the destination is: `--force` is offered only when it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..advice import fix_suggestions
+from ..advice import fix_suggestions, under_safe_globals
 from ..analyze import collapse_labels
 from ..compare import Comparison
 from ..errors import one_line, percent
@@ -219,8 +219,12 @@ def comparison_lines(c: Comparison, path: str, suggestions: dict[str, Any] | Non
         suggestions = dict(fix_suggestions(path, c))
     suggestions = suggestions or {}
     if "fix" in suggestions:
-        how = _fix_reason(c) if c.suggested_fix else "writes its state_dict as a file torch.load loads with its " \
-            "defaults; nothing the file names is run or written"
+        trusted = suggestions["fix"].safe_globals
+        loads = f"loads {under_safe_globals(trusted)} where it keeps them" if trusted else "loads with its defaults"
+        how = _fix_reason(c) if c.suggested_fix else f"writes its state_dict as a file torch.load {loads}; " \
+            "nothing the file names is run" + ("" if trusted else " or written")
+        if trusted and c.suggested_fix:
+            how += f"; torch.load loads its output {under_safe_globals(trusted)} where it keeps them"
         if c.fix_loaded_fraction is not None:
             how += f"; it would fill {percent(c.fix_loaded_fraction)} of the parameters"
         lines.append(("fix", f"`{suggestions['fix'].command}`   ({how})"))

@@ -188,7 +188,9 @@ def default_load_lines(report: InspectReport) -> list[tuple[str, str]]:
     if "torch.load" in suggestions:
         ways.append(f"a file that loads everywhere: `{suggestions['torch.load'].command}`")
     elif "fix" in suggestions:
-        ways.append("the fix line below writes one that does")
+        trusted = suggestions["fix"].safe_globals
+        ways.append(f"the fix line below writes one that loads within torch.serialization.safe_globals("
+                    f"[{', '.join(trusted)}])" if trusted else "the fix line below writes one that does")
     text = f"{what} FAILS with torch's defaults here: " + "; ".join(loads.reasons())
     if ways:
         text += ". Ways out: " + "; or ".join(ways)
