@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import re
 from collections import OrderedDict
+from math import prod
 from pathlib import Path
 
 from ..dtypes import element_size
 from ..errors import WriteError
 from ..readers.source import is_remote
-from ..records import OutTensor
+from ..records import Assembly, OutTensor
 from ..safepickle.unpickler import SizeValue
 from ..tree import run_nested
 from ..writers.atomic import atomic_output, check_destination
@@ -89,6 +90,16 @@ def _announce(reads: list[tuple[Any, int, int]]) -> None:
         src.expect(ranges)
 
 
+def _assembly_reads(assembly: Assembly, sources: Sources, reads: list[tuple[Any, int, int]]) -> None:
+    """The bytes of a tensor's pieces (DCP chunks, ZeRO slices), each piece's whole span, in the order the output
+    takes them (row-major by where each sits in the tensor): a remote rank file streams the pieces it holds
+    instead of fetching a window around each."""
+    elsize = element_size(assembly.dtype)
+    for piece in sorted(assembly.pieces, key=lambda p: p.offsets):
+        span = sum((size - 1) * step for size, step in zip(piece.sizes, piece.stride)) + 1 if prod(piece.sizes) else 0
+        reads.append((sources.fd(piece.file), piece.offset, span * elsize))
+
+
 def _archive_name(output: Path) -> str:
     stem = output.name.split(".")[0] or "archive"
     return re.sub(r"[^A-Za-z0-9_-]", "_", stem)
@@ -129,6 +140,7 @@ def _torch_layout(plan: FixPlan, sources: Sources, archive: str | None,
             nbytes = converted_nbytes(st.nbytes, rec.dtype, t.dtype)
             key = st.entry.rsplit("/", 1)[1] if archive is not None else str(len(storages))
             if st.assembly is not None:
+                _assembly_reads(st.assembly, sources, reads)
                 produce = assembly_producer(st.assembly, rec.key, t.dtype, sources)
                 storages[ident] = out = StorageOut(key, nbytes, produce=produce)
                 expected[t.key] = TensorOut(rec, out.key, t.device, t.dtype, out.nbytes // element_size(t.dtype))
@@ -181,7 +193,9 @@ def _safetensors_layout(plan: FixPlan, sources: Sources, reads: list[tuple[Any, 
         st = rec.storage
         assert st is not None
         nbytes = rec.numel * element_size(t.dtype)
-        if st.assembly is None:  # the bytes read (a deflated member: its compressed bytes; a view: its span)
+        if st.assembly is not None:
+            _assembly_reads(st.assembly, sources, reads)
+        else:  # the bytes read (a deflated member: its compressed bytes; a view: its span)
             reads.append((sources.fd(st.file), st.offset, st.deflated) if st.deflated else
                          (sources.fd(st.file), rec.file_offset or 0, rec.span_bytes))
         if st.assembly is not None:
