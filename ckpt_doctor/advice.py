@@ -212,15 +212,17 @@ def fix_suggestions(path: str, comparison: object, dangerous: bool = False) -> l
         flags.insert(0, "--allow-unsafe")
     allowed = tuple(getattr(c, "allowed_globals", ()))  # the file read again as here: what it may keep of them
     if kind == "partial":  # the closest fix: written as asked, but a strict load still fails, so no --model check
+        kept = () if getattr(c, "globals_left_out", False) else allowed
         return [("fix", replace(fix_line(path, [*flags, *allow_flags(allowed)], Promise.WRITES,
-                                         "the closest fix found; a strict load still fails"), safe_globals=allowed))]
+                                         "the closest fix found; a strict load still fails"), safe_globals=kept))]
     if "--model" not in flags:
         flags += c.model_flags  # type: ignore[attr-defined]
     if c.missing_devices and "--map-location" not in flags:  # type: ignore[attr-defined]
         flags += ["--map-location", "cpu"]
     flags += allow_flags(allowed)
+    kept = () if getattr(c, "globals_left_out", False) else allowed  # the entries naming them --drop'ped
     line = replace(fix_line(path, flags, Promise.LOADS, model=c.model_flags),  # type: ignore[attr-defined]
-                   safe_globals=allowed)
+                   safe_globals=kept)
     out: list[tuple[str, Suggestion]] = []
     if c.ambiguous and (c.fix_kind == "map-by-order" or c.paired):  # type: ignore[attr-defined]
         out.append(("dry run", Suggestion((*line.argv, "--dry-run"), Promise.SHOWS,

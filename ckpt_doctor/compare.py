@@ -25,7 +25,7 @@ from .modelspec import ModelKeys, tied_names  # noqa: F401  (tied_names: re-expo
 from .records import Checkpoint, TensorRecord, relative_to_root
 from .safepickle.unpickler import RawTensor
 from .transforms import Op, Transform, add_prefix, flags_for, plan_keys, rename, strip_prefix
-from .tree import node_at, state_dict_metadata
+from .tree import join, node_at, state_dict_metadata
 
 BN_STATS = ("running_mean", "running_var")  # without them a BatchNorm normalizes with its initial statistics
 
@@ -101,6 +101,11 @@ class Comparison:
     model_flags: tuple[str, ...] = ()  # how `fix` is told of the model: --model SPEC [--model-arg k=v …]
     # Globals of the file only --allow-global allows (advice.user_allowed): the fix line reads it with them, as here.
     allowed_globals: tuple[str, ...] = ()
+    # Entries of the state_dict beside its tensors that hold none (a config, a version; no `_extra_state`): a strict
+    # load counts their keys as unexpected, so the fix leaves them out (--drop); and whether that leaves out all that
+    # only --allow-global allows (the output then loads with torch's defaults).
+    dropped_entries: tuple[str, ...] = ()
+    globals_left_out: bool = False
 
     @property
     def strict_ok(self) -> bool:
@@ -315,7 +320,23 @@ def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, *, select: str | None
         if flags and "--map-location" not in flags:  # a file rewritten anyway: one that also loads here
             flags += ["--map-location", "cpu"]
         comparison = _replace(comparison, missing_devices=devices, suggested_fix=tuple(flags))
-    return _replace(comparison, model_flags=model.flags, allowed_globals=user_allowed(ckpt.globals))
+    allowed = user_allowed(ckpt.globals)
+    beside = _beside(ckpt, comparison.fix_root if comparison.fix_root is not None else root)
+    if beside:
+        comparison = _replace(comparison, suggested_fix=(*comparison.suggested_fix, "--drop", exact_keys_regex(beside)),
+                              dropped_entries=beside, globals_left_out=bool(allowed)
+                              and not _extra_states(ckpt, root))
+    return _replace(comparison, model_flags=model.flags, allowed_globals=allowed)
+
+
+def _beside(ckpt: Checkpoint, root: str | None) -> tuple[str, ...]:
+    """The entries a fix of the state_dict at the file's root writes beside its tensors (fix keeps a flat
+    state_dict's plain entries) that hold no tensor and are no `_extra_state`: load_state_dict(strict=True) counts
+    each key, and the model takes none of them."""
+    if root != "" or not isinstance(ckpt.root, dict):
+        return ()
+    return tuple(join("", k) for k, v in ckpt.root.items() if not isinstance(v, RawTensor)
+                 and not (isinstance(k, str) and k.rsplit(".", 1)[-1] == "_extra_state"))
 
 
 def _replace(c: Comparison, **changes: Any) -> Comparison:

@@ -131,17 +131,49 @@ def test_fix_under_allow_global_keeps_the_object_and_says_how_torch_loads_it(use
     assert _loads(user_files, user_files / "two.pt")["cfg"] == "a"
 
 
-def test_the_model_fix_under_allow_global_carries_it_and_says_safe_globals(user_files):
-    path, spec = user_files / "dp.pt", f"{user_files / 'nets.py'}:Net"
-    table = run_cli("inspect", path, "--model", spec, *ALLOW)
-    data = run_cli("inspect", path, "--model", spec, *ALLOW, "--json")
-    assert table.exit_code == data.exit_code == 1
-    suggested = json_commands(data.json())
-    assert sorted(printed_commands(table.stderr)) == sorted(s["command"] for s in suggested), table.stderr
+def _strict(tmp: Path, path: Path) -> dict:
+    """torch's verdict on `path`: loaded with its defaults, then load_state_dict(strict=True) into nets.Net."""
+    return _user_torch(tmp, f'''
+        import sys
+        sys.path.insert(0, {str(tmp)!r})
+        from nets import Net
+        data = torch.load({str(path)!r})
+        Net().load_state_dict(data, strict=True)
+        print(json.dumps({{"keys": sorted(data)}}))
+    ''')
+
+
+@pytest.mark.parametrize("allow", [(), ALLOW], ids=["code", "allowed"])
+@pytest.mark.parametrize("name", ["dp.pt", "cfg.pt"])
+def test_the_model_fix_leaves_the_object_out_and_loads_strictly(user_files, allow, name):
+    """A config beside the state_dict's tensors is a key the model does not take: the model-fix line leaves it out
+    (a code object fix would refuse; an allowed one a strict load would), so that, run as printed, its output loads
+    with torch's defaults and strictly into the model, as its sentence says."""
+    path, spec = user_files / name, f"{user_files / 'nets.py'}:Net"
+    table = run_cli("inspect", path, "--model", spec, *allow)
+    data = run_cli("inspect", path, "--model", spec, *allow, "--json")
+    suggested = [s for s in json_commands(data.json()) if "--model" in s["command"]]
+    assert sorted(c for c in printed_commands(table.stderr) if "--model" in c) == \
+        sorted(s["command"] for s in suggested), table.stderr
     (fix,) = suggested
-    assert fix["safe_globals"] == ["usercfg.Config"]
-    assert "safe_globals([usercfg.Config])" in table.stderr and "one that does" not in table.stderr
+    assert "safe_globals" not in fix and "safe_globals" not in table.stderr, table.stderr
+    assert "then a strict load succeeds" in table.stderr
     argv = shlex.split(fix["command"])
-    assert " ".join(ALLOW) in fix["command"] and run_cli(*argv[1:]).exit_code == 0, fix["command"]
-    loads = _loads(user_files, Path(argv[argv.index("-o") + 1]))
-    assert not loads["defaults"] and loads["keys"] == ["cfg", "w"] and loads["cfg"] == "a", loads
+    assert " ".join(allow) in fix["command"]
+    result = run_cli(*argv[1:])
+    assert result.exit_code == 0, (fix["command"], result.stderr)
+    assert _strict(user_files, Path(argv[argv.index("-o") + 1])) == {"keys": ["w"]}
+
+
+def test_fix_s_model_check_counts_an_entry_that_holds_no_tensor(user_files):
+    """fix --model keeping the allowed config beside the tensors would write a file a strict load refuses
+    (Unexpected key(s) "cfg"): it says so and writes nothing; --allow-unexpected accepts it, as torch's
+    strict=False would."""
+    spec = f"{user_files / 'nets.py'}:Net"
+    out = user_files / "kept.pt"
+    refused = run_cli("fix", user_files / "cfg.pt", "-o", out, "--model", spec, *ALLOW)
+    assert refused.exit_code == 1 and "1 unexpected (cfg)" in refused.stderr, refused.stderr
+    assert not out.exists()
+    accepted = run_cli("fix", user_files / "cfg.pt", "-o", out, "--model", spec, *ALLOW, "--allow-unexpected", "^cfg$")
+    assert accepted.exit_code == 0, accepted.stderr
+    assert _loads(user_files, out)["keys"] == ["cfg", "w"]

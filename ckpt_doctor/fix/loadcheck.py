@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 
+from .._record import replace
 from ..advice import command_line, shell_path
 from ..compare import allowances, check_entries, short_of_required, with_extras
 from ..errors import CheckFailed, one_line
@@ -14,15 +15,23 @@ from .options import FixOptions
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
     from collections import OrderedDict
+    from typing import Sequence
 
 
 def check_loads(state: "OrderedDict[str, OutTensor]", opts: FixOptions, notes: list[str],
-                 path: str = "", extras: set[str] | None = None) -> None:
+                 path: str = "", extras: set[str] | None = None, others: Sequence[str] = ()) -> None:
     """With a model: what the output's state_dict would get from load_state_dict(strict=True), asked of torch's
-    own loading code; refuse (exit 1, nothing written) when it would fail beyond --allow-missing/--allow-unexpected."""
+    own loading code; refuse (exit 1, nothing written) when it would fail beyond --allow-missing/--allow-unexpected.
+    `others`: the keys of the written state_dict that hold no tensor (nor an `_extra_state`): the model's loading
+    code counts each as it counts a tensor's key, unexpected where the model has no such name."""
     assert opts.model is not None
     entries = [(k, tuple(o.source.shape), o.dtype) for k, o in state.items() if isinstance(o, OutTensor)]
     check = with_extras(check_entries(opts.model, entries, None), extras or set())
+    if others:
+        names = {e.key for e in opts.model.entries}
+        check = replace(check, unexpected=(*check.unexpected, *(k for k in others if k not in names)),
+                        errors=(*check.errors, *(f"{k!r} holds no tensor, where the model has a tensor of that name"
+                                                 for k in others if k in names)))
     np_set = set(opts.model.non_persistent)
     unexpected = [k for k in check.unexpected if k not in np_set]
     allowed_m, allowed_u = allowances(opts.allow_missing, opts.allow_unexpected, check, unexpected)

@@ -381,9 +381,13 @@ def check_against_model(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, 
     """With --model: the output must load strictly into it (torch's own loading code decides)."""
     from .loadcheck import check_loads  # compare and the model check: ~40 ms of imports, only with --model
 
-    extras = {k for k, v in tree.items() if isinstance(k, str) and k.endswith("_extra_state")
-              and not isinstance(v, OutTensor)} if scope.flat_output and isinstance(tree, dict) else set()
-    check_loads(state, opts, draft.notes, str(ckpt.path), extras)
+    beside = [k for k, v in tree.items() if not isinstance(v, OutTensor)] \
+        if scope.flat_output and isinstance(tree, dict) else []
+    extras = {k for k in beside if isinstance(k, str) and k.endswith("_extra_state")}
+    # load_state_dict(strict=True) counts every key of the state_dict it is given: a plain entry written beside the
+    # tensors (a config, a version) is a key the model does not take, as a tensor of no place is.
+    others = [k if isinstance(k, str) else join("", k) for k in beside if k not in extras]
+    check_loads(state, opts, draft.notes, str(ckpt.path), extras, others)
 
 
 def list_left_out(ckpt: Checkpoint, scope: Scope, drops: list[Transform], draft: Draft) -> None:

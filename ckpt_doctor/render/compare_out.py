@@ -255,6 +255,12 @@ def _fix_reason(c: Comparison) -> str:
     if c.replaced:
         parts.append(f"drops {len(c.replaced)} whose shape differs from the model's ({', '.join(c.replaced[:3])}"
                      f"{'…' if len(c.replaced) > 3 else ''}: a new head?)")
+    if c.dropped_entries:
+        many = len(c.dropped_entries) > 1
+        parts.append(f"leaves out {len(c.dropped_entries)} entr{'ies' if many else 'y'} beside the tensors that "
+                     f"hold{'' if many else 's'} no tensor ({', '.join(c.dropped_entries[:3])}"
+                     f"{'…' if len(c.dropped_entries) > 3 else ''}): key{'s' if many else ''} the model does not "
+                     "take")
     if c.fix_kind == "allowed":
         parts.append(f"the model keeps its own {len(c.left_missing)} there, accepted by the --allow-missing in the "
                      "line")
