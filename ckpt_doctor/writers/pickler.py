@@ -204,7 +204,7 @@ class Emitter:
             raise WriteError("the checkpoint holds an object of unknown origin that cannot be written back")
         module, name = resolve(ref.module, ref.name)
         full = f"{module}.{name}"
-        if not self.policy.writable(full):
+        if not self.policy.writable(module, name):
             raise WriteError(f"the output would name {full} ({ref.verdict.value}), which is not allowed; leave "
                              "that entry out with --drop")
         if full not in TORCH_WEIGHTS_ONLY:
