@@ -200,7 +200,7 @@ def test_the_allow_list_is_a_value_passed_in(tmp_path):
     assert DEFAULT_POLICY.classify("mypkg.config", "TrainConfig")[0] is Verdict.CODE
     assert classify("mypkg.config", "TrainConfig", mine)[0] is Verdict.SAFE
     assert classify("mypkg.config", "TrainConfig")[0] is Verdict.CODE
-    assert mine.writable("mypkg.config.TrainConfig") and not DEFAULT_POLICY.writable("mypkg.config.TrainConfig")
+    assert mine.writable("mypkg.config", "TrainConfig") and not DEFAULT_POLICY.writable("mypkg.config", "TrainConfig")
     with pytest.raises(FrozenInstanceError):
         mine.extra = frozenset()  # type: ignore[misc]
     with pytest.raises(UsageError, match="refused"):

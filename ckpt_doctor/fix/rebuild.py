@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 
-from ..errors import PlanError, Rerun
+from ..errors import PlanError, Rerun, UsageError
 from ..records import Checkpoint, GlobalRef, OutTensor, TensorRecord, Verdict, ancestors
-from ..safepickle.policy import Policy, resolve
+from ..safepickle.policy import Policy, check_user_allowance, resolve
 from ..safepickle.unpickler import Device, DType, Opaque, RawTensor, SizeValue
 from ..transforms import Transform
 from ..tree import has_tensor, join, run_nested
@@ -137,7 +137,7 @@ def rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]"
             inside.discard(id(obj))
             return OrderedDict(pairs) if isinstance(obj, OrderedDict) else dict(pairs)
         if isinstance(obj, frozenset):  # written as builtins.frozenset, which torch.load(weights_only=True) refuses
-            if not policy.writable("builtins.frozenset"):
+            if not policy.writable("builtins", "frozenset"):
                 problems.append((path, GlobalRef("builtins", "frozenset", Verdict.SAFE, "a frozenset value")))
             return obj
         if isinstance(obj, (list, tuple)):
@@ -187,12 +187,21 @@ def check_leaf(obj: Any, path: str, problems: list) -> None:
 def check_writable(obj: Any, path: str, problems: list, policy: Policy) -> None:
     """Note (in `problems`) an object the output would have to name a global for, unless torch.load(weights_only=
     True) accepts that global or the user allowed it: fix never writes what the allow-list does not hold."""
-    refs = [ref for ref in _refs_in(obj) if not policy.writable(".".join(resolve(ref.module, ref.name)))]
+    refs = [ref for ref in _refs_in(obj) if not policy.writable(ref.module, ref.name)]
     if refs and _holds_cycle(obj):  # --allow-global cannot keep it: the writer cannot write a cycle back
         article = "an" if refs[0].qualname[:1].lower() in "aeiou" else "a"
         problems.append((path, refs[0], False, f"{article} {refs[0].qualname} that holds itself (a cycle)"))
     else:
         problems.extend((path, ref) for ref in refs)
+
+
+def _allowable(name: str) -> bool:
+    """Whether --allow-global takes `name` (advice never offers one it would refuse)."""
+    try:
+        check_user_allowance(name)
+    except UsageError:
+        return False
+    return True
 
 
 def refuse_unwritable(problems: list) -> None:
@@ -219,7 +228,7 @@ def refuse_unwritable(problems: list) -> None:
             reruns.append(Rerun(add=("--drop", f"^{re.escape(tops[0])}$")))
             drop += " (or the whole entry: {1})"
     keep = ""
-    if not dangerous and keepable:
+    if not dangerous and keepable and all(_allowable(n) for n in names):
         at = len(reruns)
         reruns.append(Rerun(add=tuple(a for n in names for a in ("--allow-global", n))))
         keep = (f", or keep {'it' if len(paths) == 1 else 'them'} with {{{at}}} (then torch.load needs "

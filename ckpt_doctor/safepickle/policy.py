@@ -285,14 +285,20 @@ SAFE_BUILTINS = frozenset({
     "bytes", "bool", "object", "NoneType", "Ellipsis", "NotImplemented",
 })
 
-# Attribute names that, anywhere in a dotted path after its module, reach code: `torch.serialization.os.system`
-# walks from a harmless module to os.system one attribute at a time (protocol 4 resolves dotted names).
+# Attribute names that, anywhere in a dotted name after its module, reach code: `mypkg.__builtins__` is a module's
+# builtins, `x.modules` may be sys.modules (a dict whose `update` rewrites the process's modules).
 _REACHING = frozenset({
     "eval", "exec", "system", "popen", "spawnv", "spawnl", "execv", "execl", "__import__", "getattr", "setattr",
     "delattr", "compile", "open", "__builtins__", "__globals__", "__subclasses__", "__code__", "__reduce__",
     "__reduce_ex__", "__getattribute__", "__loader__", "__spec__", "modules", "builtins", "load", "loads",
 })
-_REACHING_MODULES = frozenset(m for m in DANGEROUS_MODULES if "." not in m)
+_BUILTIN_MODULES = ("builtins", "__builtin__", "__builtins__")
+# The names modules commonly import others as (`import numpy as np`): `mypkg.np.save` is numpy.save.
+_ALIASES = {"np": "numpy", "pd": "pandas", "pkl": "pickle", "mp": "multiprocessing", "tf": "tensorflow"}
+# A package's own modules whose last part is also the name of a dangerous module: in `numpy.random._pickle.X` the
+# `_pickle` is numpy's (numpy.random imports it by that name), not the standard library's. Runs that start after
+# it are judged as any other.
+_OWN_SUBMODULES = frozenset({"numpy.random._pickle"})
 
 
 def resolve(module: str, name: str) -> tuple[str, str]:
@@ -303,21 +309,45 @@ def resolve(module: str, name: str) -> tuple[str, str]:
     return IMPORT_MAPPING.get(module, module), name
 
 
+def path_danger(parts: list[str]) -> str | None:
+    """Why some reading of the dotted path `parts` is known to run code, or None. A path is judged by its worst
+    reading, whatever the module/name split a pickle gives it: protocol 4 resolves a dotted name one attribute at a
+    time, and an attribute of a module is whatever that module imported (`torch.serialization.os` is os, so
+    `torch.serialization.os.system` is os.system; `torch.functional.torch.hub` is torch.hub). So every run of parts
+    pk..pj, from any k, is read as a module path, and one that names a dangerous module or function (or a builtin
+    that is not plain data) makes the whole path dangerous."""
+    full = ".".join(parts)
+    for k in range(len(parts)):
+        if k and ".".join(parts[:k + 1]) in _OWN_SUBMODULES:
+            continue  # a package's own module, not the standard library's one of that name (the next k is judged)
+        run = _ALIASES.get(parts[k], parts[k]) if k else parts[k]
+        via = f" (reached through {full})" if k else ""
+        if run in _BUILTIN_MODULES:
+            if k + 1 == len(parts):
+                return f"reaches the builtins module through {full}"
+            if parts[k + 1] not in SAFE_BUILTINS:
+                return f"builtins.{parts[k + 1]} runs code or reaches it{via}"
+        for j in range(k, len(parts)):
+            if j > k:
+                run += "." + parts[j]
+            if run in DANGEROUS_MODULES:
+                return f"{run} can run commands or code, touch files or the network{via}"
+            if run in DANGEROUS_NAMES:
+                return f"{run} loads another pickle, a file or code{via}"
+    return None
+
+
 def dangerous_reason(module: str, name: str) -> str | None:
-    """Why `module.name` is known to run code, or None."""
+    """Why the global `module.name` (as a pickle splits it) is known to run code, or None: the worst reading of its
+    full path (path_danger), and any attribute step of `name` that reaches code (_REACHING; the module part is
+    imported by its full name, so only the steps after it are attribute lookups)."""
     module, name = resolve(module, name)
     full = f"{module}.{name}"
-    parts = full.split(".")
-    if module in ("builtins", "__builtin__", "__builtins__"):
-        if name.split(".")[0] not in SAFE_BUILTINS:
-            return f"builtins.{name} runs code or reaches it"
-    if full in DANGEROUS_NAMES:
-        return "loads another pickle, a file or code"
-    for i in range(1, len(parts) + 1):
-        if ".".join(parts[:i]) in DANGEROUS_MODULES:
-            return f"{'.'.join(parts[:i])} can run commands or code, touch files or the network"
-    for part in name.split("."):  # the attribute hops (the module part is imported, and checked above)
-        if part in _REACHING_MODULES or part in _REACHING:
+    danger = path_danger(full.split("."))
+    if danger is not None:
+        return danger
+    for part in name.split("."):
+        if part in _REACHING:
             return f"reaches {part} through {full}"
     return None
 
@@ -344,11 +374,11 @@ class Policy:
             return Verdict.SAFE, "allowed by torch.load(weights_only=True)" + alias
         if full in CURATED:
             return Verdict.SAFE, CURATED[full] + alias
+        danger = dangerous_reason(module, name)  # before the user's names: an allowed name, split otherwise, may
+        if danger is not None:                    # reach code (`mypkg` + `modules.update` for mypkg.modules.update)
+            return Verdict.DANGEROUS, danger + alias
         if full in self.extra:
             return Verdict.SAFE, "allowed with --allow-global" + alias
-        danger = dangerous_reason(module, name)
-        if danger is not None:
-            return Verdict.DANGEROUS, danger + alias
         if resolved_module.startswith("__torch__"):
             return Verdict.CODE, "a TorchScript class: loading the archive runs its TorchScript code"
         if not all(part.isidentifier() for part in full.split(".")):
@@ -357,10 +387,12 @@ class Policy:
             return Verdict.CODE, "a module class: a whole pickled model, which needs its code to load"
         return Verdict.CODE, "not on the allow-list: torch.load(weights_only=False) would import and call it" + alias
 
-    def writable(self, full: str) -> bool:
-        """Whether an output may name the global `full` (resolved): torch.load(weights_only=True) accepts it, or the
-        user allowed it (fix never writes anything else)."""
-        return full in TORCH_WEIGHTS_ONLY or full in self.extra
+    def writable(self, module: str, name: str) -> bool:
+        """Whether an output may name the global `module` + `name`: torch.load(weights_only=True) accepts it, or the
+        user allowed it and no reading of it reaches code (fix never writes anything else)."""
+        module, name = resolve(module, name)
+        full = f"{module}.{name}"
+        return full in TORCH_WEIGHTS_ONLY or full in self.extra and dangerous_reason(module, name) is None
 
 
 DEFAULT_POLICY = Policy()  # the defaults alone: torch's list and the curated records (immutable, as every Policy)
@@ -372,14 +404,24 @@ def classify(module: str, name: str, policy: Policy = DEFAULT_POLICY) -> tuple[V
 
 
 def check_user_allowance(name: str) -> str:
-    """A name the user wants to allow, checked: dotted `module.attr`, and nothing known to run code (torch refuses
-    to allow os/sys/posix/nt the same way)."""
+    """A name the user wants to allow, checked: dotted `module.attr`, and no reading of it known to run code (torch
+    refuses to allow os/sys/posix/nt the same way). The name says no module/name split, so it is refused when any
+    reading of its parts is dangerous (path_danger: `torch.serialization.os.remove` is os.remove), when its last
+    part reaches code, or when an attribute step that cannot be a module (a dunder such as __globals__) does. A
+    part such as `modules` inside it is no reason (torch.nn.modules.linear.Linear): a pickle that splits the name to
+    make it an attribute step is judged dangerous by Policy.classify before the allowance is looked at."""
     name = name.strip()
-    module, _, attr = name.rpartition(".")
-    if not module or not all(p.isidentifier() for p in name.split(".")):
+    parts = name.split(".")
+    if len(parts) < 2 or not all(p.isidentifier() for p in parts):
         raise UsageError(f"--allow-global {name!r}: expected a dotted name such as mypkg.config.TrainConfig")
-    danger = dangerous_reason(module, attr)
+    module, name_ = resolve(".".join(parts[:-1]), parts[-1])
+    danger = path_danger(f"{module}.{name_}".split("."))
+    if danger is None and parts[-1] in _REACHING:
+        danger = f"reaches {parts[-1]} through {name}"
+    if danger is None:
+        step = next((p for p in parts[1:] if p in _REACHING and p.startswith("__")), None)
+        if step is not None:
+            danger = f"reaches {step} through {name}"
     if danger is not None:
         raise UsageError(f"--allow-global {name}: refused, {danger}")
     return name
-

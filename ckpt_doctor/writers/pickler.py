@@ -35,7 +35,12 @@ class TensorOut:
 
 
 class Emitter:
-    """Protocol-2 opcodes for plain containers, TensorOut and the inert Opaque stand-ins of the reader."""
+    """Protocol-2 opcodes for plain containers, TensorOut and the inert Opaque stand-ins of the reader.
+
+    A global whose name is dotted (a nested class, `mypkg.Outer.Inner`, allowed with --allow-global) is still named
+    by GLOBAL, the one opcode torch's weights_only unpickler reads (it matches "module.name" against
+    `__module__.__qualname__` of what safe_globals holds), but the pickle then declares protocol 4: CPython's
+    unpickler walks a dotted name attribute by attribute only from protocol 4 on, and below it fails on one."""
 
     def __init__(self, policy: Policy = DEFAULT_POLICY) -> None:
         self.policy = policy  # what the output may name
@@ -44,6 +49,8 @@ class Emitter:
         self._memo: dict[tuple[str, str], int] = {}
 
     def getvalue(self) -> bytes:
+        if any("." in name for _, name in self._memo):
+            self.out[0] = b"\x80\x04"  # every opcode written is valid in protocol 4 (no FRAME needed)
         return b"".join(self.out) + b"."
 
     def global_(self, module: str, name: str) -> None:
@@ -204,7 +211,7 @@ class Emitter:
             raise WriteError("the checkpoint holds an object of unknown origin that cannot be written back")
         module, name = resolve(ref.module, ref.name)
         full = f"{module}.{name}"
-        if not self.policy.writable(full):
+        if not self.policy.writable(module, name):
             raise WriteError(f"the output would name {full} ({ref.verdict.value}), which is not allowed; leave "
                              "that entry out with --drop")
         if full not in TORCH_WEIGHTS_ONLY:
