@@ -251,8 +251,8 @@ def is_mutable(module: str, name: str) -> bool:
 DANGEROUS_MODULES = frozenset({
     "os", "posix", "nt", "posixpath", "ntpath", "subprocess", "_posixsubprocess", "_winapi", "sys", "importlib",
     "runpy", "pickle", "_pickle", "cPickle", "pickletools", "marshal", "shutil", "socket", "_socket", "ctypes",
-    "pty", "code", "codeop", "commands", "webbrowser", "asyncio", "multiprocessing", "signal", "pdb", "bdb",
-    "timeit", "types", "pkgutil", "pydoc", "operator", "_operator", "functools", "_functools", "io", "_io",
+    "pty", "code", "codeop", "commands", "webbrowser", "antigravity", "asyncio", "multiprocessing", "signal", "pdb",
+    "bdb", "timeit", "types", "pkgutil", "pydoc", "operator", "_operator", "functools", "_functools", "io", "_io",
     "tempfile", "urllib", "urllib2", "requests", "http", "httplib", "ftplib", "smtplib", "telnetlib",
     "xmlrpc", "dill", "cloudpickle", "joblib", "shelve", "dbm", "platform", "ssl", "select", "selectors",
     "threading", "_thread", "gc", "inspect", "ast", "zipimport", "site", "sysconfig", "venv", "ensurepip",
