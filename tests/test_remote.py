@@ -689,6 +689,34 @@ def test_an_s3_dcp_folder_reads_scans_and_fixes_as_the_local_folder(s3, dcp_fold
     _fixed_equal(ours, theirs)
 
 
+
+def test_an_s3_prefix_without_its_slash_is_scanned_as_its_folder(s3, served):
+    """`scan s3://bucket/folder` (no object of that name) scans the folder, as `inspect` reads it: its payload is
+    found (exit 1), not a 404; a name that is neither an object nor a prefix still ends in one not-found line."""
+    import functools
+
+    import s3fs
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    root, _, _ = served
+    _, env, _ = s3
+    dcp.save({"w": torch.ones(3), "hook": functools.partial(print, "payload ran")},
+             checkpoint_id=str(root / "dcp-s3-payload"), no_dist=True)
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=env["AWS_ENDPOINT_URL"])
+    for p in (root / "dcp-s3-payload").iterdir():
+        fs.put_file(str(p), f"ckpts/evil/{p.name}")
+    runs = {url: _cli("scan", url, "--json", env=env) for url in ("s3://ckpts/evil", "s3://ckpts/evil/")}
+    for url, result in runs.items():
+        assert result.returncode == 1, (url, result.stderr)
+        files = json.loads(result.stdout)["files"]
+        assert sorted(f["path"] for f in files) == sorted(f"s3://ckpts/evil/{p.name}"
+                                                          for p in (root / "dcp-s3-payload").iterdir())
+        assert any("functools.partial" in (g["global"] for g in f["globals"]) for f in files)
+    missing = _cli("scan", "s3://ckpts/no-such-prefix", env=env)
+    assert missing.returncode == 2 and "not found" in missing.stderr, missing.stderr
+
+
 # --- remote DeepSpeed folders: by the URL of their `latest` or rank 0's model states (https://), an s3:// prefix ----
 
 @pytest.fixture(scope="module")
