@@ -257,8 +257,9 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped], unread: lis
             try:
                 size = file_size(fd)
                 for at, length, transforms in sorted(set(spans)):
-                    if at + length > size:
+                    if at >= size:
                         continue
+                    length = min(length, size - at)  # torch's reader reads an item up to the end of its file
                     if transforms:  # a zstd-compressed item: walked inflated (to at most what one may hold)
                         try:
                             inflated, _, full = inflate_zstd(result.path, at, length, limits.MAX_INFLATED_TOTAL,
