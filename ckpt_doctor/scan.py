@@ -316,7 +316,18 @@ def scan(paths: list[str], *, require_default_load: bool = False, policy: Policy
     # A file under several names (links to one file, in a folder or named twice) is walked once: each name gets its
     # verdict, so a folder of a thousand links to one shard costs one shard's scan, not a thousand.
     done: dict[tuple[int, ...], FileScan | Skipped] = {}
+    stopped: set = set()  # remote DCP folders whose files cost more than their items (readers/dcp.fetch_overrun)
     for path, in_folder in files:
+        if type(path).__name__ == "RemotePath" and in_folder:
+            from .readers.dcp import fetch_overrun  # (only for a remote folder's files)
+
+            if path.parent in stopped:
+                continue
+            why = fetch_overrun(path.parent)
+            if why is not None:
+                problems.append(why)
+                stopped.add(path.parent)
+                continue
         same = _identity(path)
         first = done.get(same) if same is not None else None
         if first is not None:

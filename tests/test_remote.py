@@ -832,6 +832,38 @@ def test_a_tensor_item_past_the_end_of_its_file_is_truncated_and_its_payload_sti
     assert not (tmp_path / "CANARY").exists() and not (tmp_path / "o.pt").exists()
 
 
+
+def test_a_metadata_naming_one_shard_under_many_names_is_bounded(served, tmp_path):
+    """A metadata whose items name 300 files, each a link to the one rank file (2,000 items): the server answers
+    every name with the whole shard. Reading it remotely stops in one line (exit 2) once the files have cost more
+    than their items, in far fewer requests than a walk of every name; a local scan walks the shard once and gives
+    every name its verdict."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    root, base, log = served
+    folder = root / "dcp-aliases"
+    dcp.save({f"t{i}": torch.ones(64) for i in range(2000)}, checkpoint_id=str(folder), no_dist=True)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    for i, (index, info) in enumerate(sorted(meta.storage_data.items(), key=lambda kv: kv[1].offset)[:300]):
+        meta.storage_data[index] = _StorageInfo(f"alias_{i}.distcp", info.offset, info.length)
+        (folder / f"alias_{i}.distcp").symlink_to("__0_0.distcp")
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    for command in ("inspect", "scan"):
+        before = len(_requests(log))
+        result = _cli(command, f"{base}/dcp-aliases/.metadata")
+        assert result.returncode == 2, result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+        assert len(errors) == 1 and "far more than their items" in errors[0], result.stderr
+        assert len(_requests(log)) - before < 150  # each of 300 names walked whole costs ~900 requests
+    local = _cli("scan", str(folder), "--json", timeout=300)
+    assert local.returncode == 0, local.stderr
+    assert len(json.loads(local.stdout)["files"]) == 302  # .metadata, the shard and every link, each with a verdict
+
+
 # --- remote DeepSpeed folders: by the URL of their `latest` or rank 0's model states (https://), an s3:// prefix ----
 
 @pytest.fixture(scope="module")

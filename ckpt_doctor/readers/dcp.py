@@ -35,6 +35,7 @@ from .files import read_file
 from .jsonfile import parse_json
 from .mapping import read_all
 from .safetensors_reader import read_safetensors
+from . import source
 from .source import RemoteError, RemotePath, close_source, open_source, pread, read_data, remote_path
 from .survey import ItemCache, survey_file, survey_item
 from .torch_zip import read_torch_zip
@@ -321,6 +322,7 @@ def _whole_file_views(folder: Path, files: set[str], items: dict[str, list[tuple
     seen there): globals and hazards. Their disagreement is what a shard is when its items tile it exactly."""
     globals_, hazards = [], []
     for rel in sorted(files):
+        _within_budget(folder)  # (a remote folder: within what its items cost)
         survey = survey_file(folder / rel, thorough=False, policy=policy)
         globals_ += survey.globals
         spans = sorted(items.get(rel, []))
@@ -352,6 +354,7 @@ class _Items:
     def open(self, rel: str, fqn: str) -> tuple[Path, int]:
         path = self.folder / rel
         if rel not in self.sizes and isinstance(path, RemotePath):  # a URL: its size from its first request
+            _within_budget(self.folder)
             try:
                 self.sizes[rel] = open_source(path).size
             except RemoteError as exc:
@@ -472,6 +475,44 @@ class _Items:
         return ckpt
 
 
+_NAMED: dict[str, dict[str, int]] = {}  # a remote folder -> the bytes its metadata names in each file
+
+
+def _name_bytes(folder: Path, meta: _Meta) -> None:
+    """Keep what a remote folder's metadata names in each file: the measure fetch_overrun holds its reads to."""
+    if isinstance(folder, RemotePath):
+        named: dict[str, int] = {}
+        for _key, (rel, _at, length, _t) in meta.entries():
+            named[rel] = named.get(rel, 0) + length
+        _NAMED[str(folder)] = named
+
+
+def fetch_overrun(folder: Path) -> str | None:
+    """Why reading a remote DCP folder stops, when its files have cost more than the items its metadata names in them
+    (each counted up to the file's size) plus limits.MAX_DCP_UNNAMED_FETCH: one object under many names, or files
+    that hold far more than their items. None while within (and for a folder not read by its metadata)."""
+    named = _NAMED.get(str(folder))
+    if not named:
+        return None
+    fetched = allowed = 0
+    for rel, n in named.items():
+        src = source._OPEN.get(str(folder / rel))  # (opened ones only: none is fetched here)
+        if src is not None:
+            fetched += src.bytes
+            allowed += min(n, src.size)
+    if fetched <= allowed + limits.MAX_DCP_UNNAMED_FETCH:
+        return None
+    return (f"{folder}: reading its files fetched {source.human(fetched)}, past the {source.human(allowed)} of items "
+            f"its metadata names in them (and {limits.MAX_DCP_UNNAMED_FETCH >> 20} MB more): its {len(named):,} files "
+            "hold far more than their items (one object under many names?); stopped")
+
+
+def _within_budget(folder: Path) -> None:
+    why = fetch_overrun(folder)
+    if why is not None:
+        raise ReadError(why)
+
+
 _INFLATED: list[str] = []  # temporary folders of inflated zstd items, removed when the process ends
 
 
@@ -569,6 +610,7 @@ def remote_dcp_members(url: str, *, policy: Policy = DEFAULT_POLICY) -> list[Pat
         files = metadata_items(folder, [METADATA], policy=policy)
     except ReadError:
         return [shown]
+    _NAMED[str(folder)] = {p.name: sum(n for _at, n, _t in spans) for p, spans in files.items()}
     return [shown, *sorted(files, key=str)]
 
 
@@ -599,6 +641,8 @@ def _remote_findings(folder: RemotePath, names: list[str], policy: Policy) -> li
         return []
     found = []
     for path in files:
+        if fetch_overrun(folder) is not None:
+            break  # (what was found is said; the error already says the folder did not read)
         try:
             survey = survey_file(path, policy=policy)
         except CkptDoctorError:
@@ -640,6 +684,7 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
             if findings:
                 raise ReadError(f"{exc} — and it would run code: {', '.join(findings[:4])}", findings) from None
             raise
+    _name_bytes(folder, meta)
     items = _Items(folder, meta, policy)
     root: dict = {}
     layouts: dict[str, str] = {}
