@@ -257,8 +257,9 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped], unread: lis
             try:
                 size = file_size(fd)
                 for at, length, transforms in sorted(set(spans)):
-                    if at + length > size:
+                    if at >= size:
                         continue
+                    length = min(length, size - at)  # torch's reader reads an item up to the end of its file
                     if transforms:  # a zstd-compressed item: walked inflated (to at most what one may hold)
                         try:
                             inflated, _, full = inflate_zstd(result.path, at, length, limits.MAX_INFLATED_TOTAL,
@@ -287,6 +288,24 @@ def _with_dcp_items(results: list[FileScan], skipped: list[Skipped], unread: lis
     return out, skipped
 
 
+def _identity(path: Path) -> tuple[int, ...] | None:
+    """Which file a local path is (device, inode, size, modification time; links followed); None for a URL."""
+    if type(path).__name__ == "RemotePath":
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _alias(first: FileScan, path: Path) -> FileScan:
+    """The scan of `first`'s file under another name: its verdict; the rescue it suggests is `first`'s (one output
+    for the one file), said in a note."""
+    note = f"the same file as {first.path} (scanned once)"
+    return replace(first, path=path, link=link_target(path), rescue=None, notes=(*first.notes, note))
+
+
 def scan(paths: list[str], *, require_default_load: bool = False, policy: Policy = DEFAULT_POLICY) -> ScanReport:
     """What `scan PATHS` reports: every file named or found under a folder, its globals judged by `policy` (the
     defaults unless one is passed: `Policy.allowing([...])` adds names, as --allow-global does)."""
@@ -294,8 +313,30 @@ def scan(paths: list[str], *, require_default_load: bool = False, policy: Policy
     results: list[FileScan] = []
     skipped: list[Skipped] = []
     taken: set[str] = set()  # the outputs the rescues suggest: a.pt and a.pth are not both rescued to a_fixed.pt
+    # A file under several names (links to one file, in a folder or named twice) is walked once: each name gets its
+    # verdict, so a folder of a thousand links to one shard costs one shard's scan, not a thousand.
+    done: dict[tuple[int, ...], FileScan | Skipped] = {}
+    stopped: set = set()  # remote DCP folders whose files cost more than their items (readers/dcp.fetch_overrun)
     for path, in_folder in files:
+        if type(path).__name__ == "RemotePath" and in_folder:
+            from .readers.dcp import fetch_overrun  # (only for a remote folder's files)
+
+            if path.parent in stopped:
+                continue
+            why = fetch_overrun(path.parent)
+            if why is not None:
+                problems.append(why)
+                stopped.add(path.parent)
+                continue
+        same = _identity(path)
+        first = done.get(same) if same is not None else None
+        if first is not None:
+            results.append(_alias(first, path)) if isinstance(first, FileScan) else \
+                skipped.append(Skipped(path, first.reason))
+            continue
         result = scan_one(path, in_folder=in_folder, taken=taken, policy=policy)
+        if same is not None:
+            done[same] = result
         if isinstance(result, Skipped):
             skipped.append(result)
         else:

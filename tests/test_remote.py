@@ -767,6 +767,181 @@ def test_an_s3_dcp_folder_reads_scans_and_fixes_as_the_local_folder(s3, dcp_fold
     _fixed_equal(ours, theirs)
 
 
+
+def test_an_s3_prefix_without_its_slash_is_scanned_as_its_folder(s3, served):
+    """`scan s3://bucket/folder` (no object of that name) scans the folder, as `inspect` reads it: its payload is
+    found (exit 1), not a 404; a name that is neither an object nor a prefix still ends in one not-found line."""
+    import functools
+
+    import s3fs
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    root, _, _ = served
+    _, env, _ = s3
+    dcp.save({"w": torch.ones(3), "hook": functools.partial(print, "payload ran")},
+             checkpoint_id=str(root / "dcp-s3-payload"), no_dist=True)
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=env["AWS_ENDPOINT_URL"])
+    for p in (root / "dcp-s3-payload").iterdir():
+        fs.put_file(str(p), f"ckpts/evil/{p.name}")
+    runs = {url: _cli("scan", url, "--json", env=env) for url in ("s3://ckpts/evil", "s3://ckpts/evil/")}
+    for url, result in runs.items():
+        assert result.returncode == 1, (url, result.stderr)
+        files = json.loads(result.stdout)["files"]
+        assert sorted(f["path"] for f in files) == sorted(f"s3://ckpts/evil/{p.name}"
+                                                          for p in (root / "dcp-s3-payload").iterdir())
+        assert any("functools.partial" in (g["global"] for g in f["globals"]) for f in files)
+    missing = _cli("scan", "s3://ckpts/no-such-prefix", env=env)
+    assert missing.returncode == 2 and "not found" in missing.stderr, missing.stderr
+
+
+
+class _Touch:
+    """A value whose unpickling runs `touch CANARY` (what torch's dcp.load would do with it)."""
+
+    def __init__(self, canary: Path):
+        self.canary = canary
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.canary}",))
+
+
+def _past_the_end(folder: Path, value, key: str = "extra") -> None:
+    """A DCP folder of {"w": ones(4)} to which an item `key` is added: `value`'s torch.save archive appended to the
+    end of the rank file, its storage entry saying a length (1 GB) that runs past the end of the file."""
+    import io
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(folder), no_dist=True)
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    shard = folder / "__0_0.distcp"
+    at = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(buf.getvalue())
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    meta.state_dict_metadata[key] = BytesStorageMetadata()
+    meta.storage_data[MetadataIndex(key)] = _StorageInfo("__0_0.distcp", at, 1 << 30)
+    if isinstance(meta.planner_data, dict):
+        meta.planner_data[key] = (key,)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+def _dcp_load(folder: Path, keys: dict) -> subprocess.CompletedProcess:
+    """torch's dcp.load of the folder in a child process of its own (the oracle: it may run what the folder holds)."""
+    script = ("import sys, torch, torch.distributed.checkpoint as dcp\n"
+              f"sd = {{'w': torch.zeros(4), **{keys!r}}}\n"
+              "dcp.load(sd, checkpoint_id=sys.argv[1], no_dist=True)\n"
+              "print(repr({k: v for k, v in sd.items() if k != 'w'}))\n")
+    return subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True, timeout=120)
+
+
+def test_an_item_said_to_run_past_the_end_of_its_file_is_read_as_torch_reads_it(served, tmp_path):
+    """The metadata gives a value's item a length past the end of its file: torch's dcp.load reads it up to the end
+    and unpickles it. Local and remote inspect and scan walk those bytes: a payload there is found (exit 1, named),
+    and fix refuses for it; a plain value reads as torch reads it (exit 0, with a note)."""
+    root, base, _ = served
+    canary = tmp_path / "CANARY"
+    _past_the_end(root / "dcp-tail", _Touch(canary))
+    oracle = _dcp_load(root / "dcp-tail", {"extra": None})
+    assert oracle.returncode == 0 and canary.exists(), oracle.stderr  # torch's dcp.load ran it
+    canary.unlink()
+    for where in (str(root / "dcp-tail"), f"{base}/dcp-tail/.metadata"):
+        for command in ("inspect", "scan"):
+            result = _cli(command, where)
+            assert result.returncode == 1, (where, command, result.stderr)
+            assert "posix.system" in result.stdout + result.stderr and "truncated" not in result.stderr
+        fixed = _cli("fix", where, "-o", str(tmp_path / "out.pt"))
+        assert fixed.returncode == 1 and "posix.system" in fixed.stderr, fixed.stderr
+        assert not (tmp_path / "out.pt").exists()
+    assert not canary.exists()
+    _past_the_end(root / "dcp-tail-plain", {"step": 7, "lr": 0.5})
+    oracle = _dcp_load(root / "dcp-tail-plain", {"extra": None})
+    assert oracle.returncode == 0 and "{'step': 7, 'lr': 0.5}" in oracle.stdout, oracle.stderr
+    for where in (str(root / "dcp-tail-plain"), f"{base}/dcp-tail-plain/.metadata"):
+        result = _cli("inspect", where, "--json")
+        assert result.returncode == 0, result.stderr
+        assert "past the end of __0_0.distcp" in result.stdout
+        out = tmp_path / "plain.pt"
+        assert _cli("fix", where, "-o", str(out)).returncode == 0
+        import torch
+
+        assert torch.load(out, weights_only=True)["extra"] == {"step": 7, "lr": 0.5}
+        out.unlink()
+
+
+def test_a_tensor_item_past_the_end_of_its_file_is_truncated_and_its_payload_still_named(served, tmp_path):
+    """A tensor's item torch hands torch.load as a view of the claimed length: past the end of the file, torch's
+    dcp.load fails, and so does the reading (exit 2, truncated); a payload elsewhere in the file is still named
+    (exit 1), over HTTP as locally."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    root, base, _ = served
+    for name, state in (("dcp-cut", {"w": torch.ones(4), "v": 3}),
+                        ("dcp-cut-evil", {"w": torch.ones(4), "v": _Touch(tmp_path / "CANARY")})):
+        folder = root / name
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+        meta = pickle.loads((folder / ".metadata").read_bytes())
+        for index, info in list(meta.storage_data.items()):
+            if index.fqn == "w":
+                meta.storage_data[index] = _StorageInfo(info.relative_path, info.offset, 1 << 30,
+                                                        info.transform_descriptors)
+        (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    oracle = _dcp_load(root / "dcp-cut", {"v": None})
+    assert oracle.returncode != 0  # torch's dcp.load fails on the tensor's item
+    for where in (str(root / "dcp-cut"), f"{base}/dcp-cut/.metadata"):
+        for command in ("inspect", "fix"):
+            result = _cli(command, where, *(["-o", str(tmp_path / "o.pt")] if command == "fix" else []))
+            assert result.returncode == 2, result.stderr
+            assert result.stderr.count("\n") == 1 and "truncated" in result.stderr, result.stderr
+    for where in (str(root / "dcp-cut-evil"), f"{base}/dcp-cut-evil/.metadata"):
+        result = _cli("inspect", where)
+        assert result.returncode == 1, result.stderr
+        assert "truncated" in result.stderr and "posix.system" in result.stderr, result.stderr
+    assert not (tmp_path / "CANARY").exists() and not (tmp_path / "o.pt").exists()
+
+
+
+def test_a_metadata_naming_one_shard_under_many_names_is_bounded(served, tmp_path):
+    """A metadata whose items name 300 files, each a link to the one rank file (2,000 items): the server answers
+    every name with the whole shard. Reading it remotely stops in one line (exit 2) once the files have cost more
+    than their items, in far fewer requests than a walk of every name; a local scan walks the shard once and gives
+    every name its verdict."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    root, base, log = served
+    folder = root / "dcp-aliases"
+    dcp.save({f"t{i}": torch.ones(64) for i in range(2000)}, checkpoint_id=str(folder), no_dist=True)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    for i, (index, info) in enumerate(sorted(meta.storage_data.items(), key=lambda kv: kv[1].offset)[:300]):
+        meta.storage_data[index] = _StorageInfo(f"alias_{i}.distcp", info.offset, info.length)
+        (folder / f"alias_{i}.distcp").symlink_to("__0_0.distcp")
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    for command in ("inspect", "scan"):
+        before = len(_requests(log))
+        result = _cli(command, f"{base}/dcp-aliases/.metadata")
+        assert result.returncode == 2, result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+        assert len(errors) == 1 and "far more than their items" in errors[0], result.stderr
+        assert len(_requests(log)) - before < 150  # each of 300 names walked whole costs ~900 requests
+    local = _cli("scan", str(folder), "--json", timeout=300)
+    assert local.returncode == 0, local.stderr
+    assert len(json.loads(local.stdout)["files"]) == 302  # .metadata, the shard and every link, each with a verdict
+
+
 # --- remote DeepSpeed folders: by the URL of their `latest` or rank 0's model states (https://), an s3:// prefix ----
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from .files import CHECKPOINT_SUFFIXES, read_container, read_surveyed
 from .hfcache import is_hf_ref
 from .hfcache import resolve as resolve_hf
 from .jsonfile import parse_json, read_json  # noqa: F401  (re-exported: the folder readers' JSON)
-from .source import (RemoteError, RemotePath, is_url, list_folder, open_source, pread, real_url, redact, remote_path,
-                     sibling)
+from .source import (RemoteError, RemotePath, exists, is_url, list_folder, open_source, pread, real_url, redact,
+                     remote_path, sibling)
 from .survey import Survey, survey_file
 from .table import is_checkpoint_in_folder, sniff_file
 
@@ -323,7 +323,19 @@ def remote_members(url: str, *, policy: Policy = DEFAULT_POLICY) -> list[RemoteP
 
             names = names + remote_tag_names(remote_path(base.rstrip("/")), names)
         return [remote_path(base + name) for name in names]
-    return None
+    if shown.startswith("s3://") and not _object_there(url):  # s3://bucket/prefix: no object of that name, but
+        base = url.split("?", 1)[0] + "/"  # maybe a folder, as read_url reads it
+        if list_folder(base):
+            return remote_members(base, policy=policy)
+    return None  # one object (a missing one: its scan says so, in its words)
+
+
+def _object_there(url: str) -> bool:
+    """Whether the URL's object answers (its first request, kept for the scan); False only for a 404."""
+    try:
+        return exists(remote_path(url))
+    except RemoteError:
+        return True  # a 403, a refused connection: the scan of the object says which
 
 
 def index_members(index_path: Path) -> list[Path]:

@@ -23,7 +23,7 @@ from typing import Any
 from ..advice import consolidate
 from ..assemble import coverage_problem
 from ..dtypes import element_size
-from ..errors import ReadError
+from ..errors import CkptDoctorError, ReadError
 from .._record import replace
 from ..records import Assembly, Checkpoint, DcpFolder, DistributedShard, Format, GlobalRef, Piece
 from ..safepickle import limits
@@ -35,6 +35,7 @@ from .files import read_file
 from .jsonfile import parse_json
 from .mapping import read_all
 from .safetensors_reader import read_safetensors
+from . import source
 from .source import RemoteError, RemotePath, close_source, open_source, pread, read_data, remote_path
 from .survey import ItemCache, survey_file, survey_item
 from .torch_zip import read_torch_zip
@@ -321,6 +322,7 @@ def _whole_file_views(folder: Path, files: set[str], items: dict[str, list[tuple
     seen there): globals and hazards. Their disagreement is what a shard is when its items tile it exactly."""
     globals_, hazards = [], []
     for rel in sorted(files):
+        _within_budget(folder)  # (a remote folder: within what its items cost)
         survey = survey_file(folder / rel, thorough=False, policy=policy)
         globals_ += survey.globals
         spans = sorted(items.get(rel, []))
@@ -347,10 +349,12 @@ class _Items:
         self.cache = ItemCache()  # items alike (a chunk's archive, by its data.pkl's bytes) are walked and read once
         self.big_endian = False  # a chunk item saved on a big-endian machine (its bytes are not swapped here)
         self.value_ends: dict[str, int] | None = None
+        self.past_end: list[str] = []  # items the metadata says run past the end of their file (read to its end)
 
     def open(self, rel: str, fqn: str) -> tuple[Path, int]:
         path = self.folder / rel
         if rel not in self.sizes and isinstance(path, RemotePath):  # a URL: its size from its first request
+            _within_budget(self.folder)
             try:
                 self.sizes[rel] = open_source(path).size
             except RemoteError as exc:
@@ -413,8 +417,27 @@ class _Items:
         path, size = self.open(rel, fqn)
         label = f"{rel} item at byte {at}"
         if at + length > size:
-            raise ReadError(f"{self.folder}: {rel} ends at byte {size:,}, but {fqn} is stored at bytes {at:,} to "
-                            f"{at + length:,}: the file is truncated")
+            # torch's reader reads a value (and a compressed item) up to the end of the file, a slice shorter than
+            # the metadata says, and torch.load takes it: those bytes are the item. A tensor's item it hands
+            # torch.load as a view that claims the length: its end records are not there, and torch fails.
+            cut = (f"{self.folder}: {rel} ends at byte {size:,}, but {fqn} is stored at bytes {at:,} to "
+                   f"{at + length:,}: the file is truncated")
+            if at >= size or (expect is not None and not transforms):
+                raise ReadError(cut)
+            try:
+                ckpt = self._read(path, at, size - at, transforms, fqn, label, expect)
+            except ReadError as exc:  # what torch would read fails there too: the file is cut short
+                if getattr(exc, "findings", ()):
+                    raise
+                raise ReadError(f"{cut} ({str(exc).removeprefix(f'{self.folder}: ')})") from None
+            self.past_end.append(f"{fqn}: the metadata says its item runs to byte {at + length:,}, past the end of "
+                                 f"{rel} ({size:,} bytes); torch's DCP reader reads it to the end of the file, as "
+                                 "this reading does")
+            return ckpt
+        return self._read(path, at, length, transforms, fqn, label, expect)
+
+    def _read(self, path: Path, at: int, length: int, transforms: tuple[str, ...], fqn: str, label: str,
+              expect: int | None) -> Checkpoint:
         if transforms:
             if transforms != ("stream.zstd/1",) and not (len(transforms) == 1 and
                                                          transforms[0].startswith("stream.zstd/1.")):
@@ -450,6 +473,44 @@ class _Items:
             raise ReadError(f"{self.folder}: {fqn} ({label}): {str(exc).removeprefix(f'{path}: ')}") from None
         self.walked_bytes += len(item.main_pickle or b"")
         return ckpt
+
+
+_NAMED: dict[str, dict[str, int]] = {}  # a remote folder -> the bytes its metadata names in each file
+
+
+def _name_bytes(folder: Path, meta: _Meta) -> None:
+    """Keep what a remote folder's metadata names in each file: the measure fetch_overrun holds its reads to."""
+    if isinstance(folder, RemotePath):
+        named: dict[str, int] = {}
+        for _key, (rel, _at, length, _t) in meta.entries():
+            named[rel] = named.get(rel, 0) + length
+        _NAMED[str(folder)] = named
+
+
+def fetch_overrun(folder: Path) -> str | None:
+    """Why reading a remote DCP folder stops, when its files have cost more than the items its metadata names in them
+    (each counted up to the file's size) plus limits.MAX_DCP_UNNAMED_FETCH: one object under many names, or files
+    that hold far more than their items. None while within (and for a folder not read by its metadata)."""
+    named = _NAMED.get(str(folder))
+    if not named:
+        return None
+    fetched = allowed = 0
+    for rel, n in named.items():
+        src = source._OPEN.get(str(folder / rel))  # (opened ones only: none is fetched here)
+        if src is not None:
+            fetched += src.bytes
+            allowed += min(n, src.size)
+    if fetched <= allowed + limits.MAX_DCP_UNNAMED_FETCH:
+        return None
+    return (f"{folder}: reading its files fetched {source.human(fetched)}, past the {source.human(allowed)} of items "
+            f"its metadata names in them (and {limits.MAX_DCP_UNNAMED_FETCH >> 20} MB more): its {len(named):,} files "
+            "hold far more than their items (one object under many names?); stopped")
+
+
+def _within_budget(folder: Path) -> None:
+    why = fetch_overrun(folder)
+    if why is not None:
+        raise ReadError(why)
 
 
 _INFLATED: list[str] = []  # temporary folders of inflated zstd items, removed when the process ends
@@ -549,11 +610,51 @@ def remote_dcp_members(url: str, *, policy: Policy = DEFAULT_POLICY) -> list[Pat
         files = metadata_items(folder, [METADATA], policy=policy)
     except ReadError:
         return [shown]
+    _NAMED[str(folder)] = {p.name: sum(n for _at, n, _t in spans) for p, spans in files.items()}
     return [shown, *sorted(files, key=str)]
 
 
 def read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
              policy: Policy = DEFAULT_POLICY) -> Checkpoint:
+    try:
+        return _read_dcp(folder, names, shown, policy=policy)
+    except ReadError as exc:
+        if not isinstance(folder, RemotePath) or exc.findings:
+            raise
+        # What the folder's files would run is said even when the folder does not read (exit 1), as `inspect` of a
+        # local folder says it of the files beside (report.sibling_hazards): each file torch's loader would open.
+        found = _remote_findings(folder, names, policy)
+        if found:
+            raise ReadError(f"{exc} — and files in it would run code: {'; '.join(found[:3])}", tuple(found)) from None
+        raise
+
+
+def _remote_findings(folder: RemotePath, names: list[str], policy: Policy) -> list[str]:
+    """What each file of a remote DCP folder would run when loaded, walked as `scan` walks it (the objects listed,
+    or the files the metadata names, read as leniently as scan reads it); [] when none can be known."""
+    try:
+        if names != [METADATA]:  # an s3:// prefix: its objects
+            files = [folder / n for n in names if n != METADATA and not RANK_METADATA.fullmatch(n)]
+        else:  # https://: the item files the metadata names, when it names them
+            files = sorted(metadata_items(folder, names, policy=policy), key=str)
+    except CkptDoctorError:
+        return []
+    found = []
+    for path in files:
+        if fetch_overrun(folder) is not None:
+            break  # (what was found is said; the error already says the folder did not read)
+        try:
+            survey = survey_file(path, policy=policy)
+        except CkptDoctorError:
+            continue  # (missing, or the server failed: nothing more to say of it than the error already says)
+        runs = [n.rsplit(" (", 1)[0] for n in survey.finding_names()]
+        if runs:
+            found.append(f"{path.name} would run code when loaded: {', '.join(runs[:3])}")
+    return found
+
+
+def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
+              policy: Policy = DEFAULT_POLICY) -> Checkpoint:
     metas = metadata_files(folder, names)
     if not metas:
         shards = [n for n in names if n.endswith(".distcp")]
@@ -583,6 +684,7 @@ def read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
             if findings:
                 raise ReadError(f"{exc} — and it would run code: {', '.join(findings[:4])}", findings) from None
             raise
+    _name_bytes(folder, meta)
     items = _Items(folder, meta, policy)
     root: dict = {}
     layouts: dict[str, str] = {}
@@ -654,7 +756,8 @@ def read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
     spans: dict[str, list[tuple[int, int]]] = {}
     for (_fqn, offsets), (rel, at, length, _t) in meta.entries():
         if offsets is None or items.blobs.get(rel) is None:  # a blob's tensors: their offsets are no positions
-            spans.setdefault(rel, []).append((at, length))
+            end = items.sizes.get(rel)  # an item read to the end of its file: what it spans (torch reads that)
+            spans.setdefault(rel, []).append((at, length if end is None else max(0, min(length, end - at))))
     for rel, base in items.blob_base.items():
         spans.setdefault(rel, []).append((base, items.sizes[rel] - base))  # the blob runs to the end of the file
     view_globals, view_hazards = _whole_file_views(folder, files, spans, policy)
@@ -678,6 +781,7 @@ def read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
     notes = (f"torch.distributed.checkpoint folder: {_count(len(meta.tensors), 'tensor')} ({sharded} sharded) and "
              f"{_count(len(meta.values), 'other value')} in {_count(len(files), 'file')} from "
              f"{_count(len(ranks), 'rank')}; shapes are the global (unsharded) ones",)
+    notes += tuple(items.past_end[:3])
     if items.big_endian:  # what refuse_values reads: fix and diff would take big-endian bytes as little-endian ones
         notes += ("saved on a big-endian machine: tensor bytes are big-endian (in some chunk items)",)
     if restored:

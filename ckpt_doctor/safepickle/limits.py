@@ -141,5 +141,11 @@ MAX_JSON_DEPTH = 128
 # A shard index (`*.index.json`) is at most this big.
 MAX_INDEX_BYTES = 64 << 20
 
+# Bytes a remote DCP folder's files may cost past the items its metadata names in them (each file counted up to its
+# size). An honest folder's files are its items end to end (and a blob of them), so reading never fetches more than
+# the items; a metadata naming one object under thousands of names (a server aliasing them) fetched 1.6 GB in 8,752
+# requests for one 5.5 MB object, and each name is walked whole by `scan`.
+MAX_DCP_UNNAMED_FETCH = 16 << 20
+
 # Files looked at when a folder is scanned.
 MAX_FOLDER_FILES = 100_000
