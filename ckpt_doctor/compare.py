@@ -245,7 +245,7 @@ class _NoTensor:
 
 
 _NO_TENSOR = _NoTensor()
-_NOT_A_TENSOR = re.compile(r'^While copying the parameter named "(.+?)", expected torch\.Tensor', re.S)
+_NOT_A_TENSOR = re.compile(r'^While copying the parameter named "(.+?)", expected torch\.Tensor')
 
 
 def no_tensor_there(key: str) -> str:

@@ -301,8 +301,9 @@ class NoneBuffer(Net):
 def test_entries_beside_the_tensors_count_as_torch_counts_them(cli, tmp_path, model, extra):
     """The verdict is torch's strict load of what torch.load returns: every key counts, tensor or not."""
     spec = write_module(tmp_path, ENTRY_NETS, "entry_nets.py")
-    namespace: dict = {}
-    exec("import torch\nfrom torch import nn\n" + ENTRY_NETS, namespace)
+    import runpy
+
+    namespace = runpy.run_path(str(spec))
     net = namespace[model]()
     sd = {**net.state_dict(), **extra}
     torch.save(sd, tmp_path / "sd.pt")
