@@ -205,8 +205,8 @@ def fix_suggestions(path: str, comparison: object, dangerous: bool = False) -> l
 
     c = comparison
     kind = c.fix_kind  # type: ignore[attr-defined]
-    if kind == "none" and not c.strict_ok:  # type: ignore[attr-defined]
-        return []  # nothing found that makes it load: no line to promise it
+    if kind == "none" and not c.strict_ok and not getattr(c, "only_beside", False):  # type: ignore[attr-defined]
+        return []  # nothing found that makes it load: no line to promise it (leaving out the entries of no tensor does)
     flags = list(c.suggested_fix)  # type: ignore[attr-defined]
     if dangerous:
         flags.insert(0, "--allow-unsafe")

@@ -131,6 +131,13 @@ class Comparison:
         return self.required_fraction is not None and self.loaded_fraction < self.required_fraction - 1e-9
 
     @property
+    def only_beside(self) -> bool:
+        """What fails a strict load is only the entries beside the tensors that hold none, which the fix line
+        leaves out (`dropped_entries`)."""
+        return bool(self.dropped_entries) and not (self.missing or self.mismatched or self.errors) \
+            and set(self.unexpected) <= set(self.dropped_entries)
+
+    @property
     def accepted(self) -> bool:
         """Whether what fails is all accepted by --allow-missing/--allow-unexpected."""
         return bool(self.allowed_missing or self.allowed_unexpected)
@@ -148,11 +155,13 @@ CPU_RECHECK_BYTES = 2 << 30
 
 
 def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], metadata: Any = None,
-               device: str = "meta") -> LoadCheck:
+               device: str = "meta", others: tuple[str, ...] = ()) -> LoadCheck:
     """Run `model.load_state_dict(state_dict, strict=False)` on meta tensors of these keys, shapes and dtypes, and
     collect what torch reports: the missing and unexpected keys (from a post hook, so they are torch's own lists),
     shape mismatches and any other message the model's loading code raises. `model` is on the meta device. When
-    that code fails only because meta tensors hold no values, the load is run again on the CPU (zeros)."""
+    that code fails only because meta tensors hold no values, the load is run again on the CPU (zeros).
+    `others`: keys of the state_dict that hold no tensor (a version, a config): torch counts them as it counts a
+    tensor's key, so they are loaded too, as a placeholder that is no tensor."""
     import warnings
     from collections import OrderedDict
 
@@ -161,6 +170,8 @@ def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], meta
     sd: "OrderedDict[str, Any]" = OrderedDict()
     for key, shape, dtype in entries:
         sd[key] = torch.zeros(shape, dtype=_torch_dtype(torch, dtype), device=device)
+    for key in others:
+        sd[key] = _NO_TENSOR
     if metadata is not None:
         sd._metadata = metadata  # type: ignore[attr-defined]
     captured: dict[str, list[str]] = {}
@@ -191,12 +202,15 @@ def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], meta
         size = sum(int(torch.Size(shape).numel()) * 8 for _, shape, _ in entries)
         size += sum(t.numel() * 8 for t in model.state_dict().values() if hasattr(t, "numel"))
         if size <= CPU_RECHECK_BYTES:
-            return load_check(model, entries, metadata, "cpu")
+            return load_check(model, entries, metadata, "cpu", others)
     mismatched, errors = [], []
     for message in messages:
         m = _SIZE_MISMATCH.match(message.strip())
+        n = _NOT_A_TENSOR.match(message.strip())
         if m:
             mismatched.append(Mismatch(m.group(1), _dims(m.group(2)), _dims(m.group(3))))
+        elif n and n.group(1) in others:
+            errors.append(no_tensor_there(n.group(1)))
         elif message.strip():
             errors.append(message.strip())
     if "missing" not in captured:  # the model's code failed before torch finished: names alone
@@ -206,7 +220,7 @@ def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], meta
     bad = {m.key for m in mismatched}
     missing, tied = _tied(model, captured["missing"], sd, bad)
     unexpected = captured["unexpected"]
-    matched = tuple(k for k in sd if k not in bad and k not in set(unexpected))
+    matched = tuple(k for k in sd if k not in bad and k not in set(unexpected) and k not in set(others))
     filled = frozenset(name for name, t in [*model.named_parameters(remove_duplicate=False),
                                             *model.named_buffers(remove_duplicate=False)] if id(t) in copied.ids)
     key_of = {id(t): k for k, t in sd.items()}
@@ -221,6 +235,21 @@ def load_check(model: Any, entries: list[tuple[str, tuple[int, ...], str]], meta
         last[target] = key
     return LoadCheck(tuple(missing), tuple(unexpected), tuple(mismatched), tuple(tied), tuple(errors), matched,
                      filled, tuple(overwritten))
+
+
+class _NoTensor:
+    """What a state_dict entry that holds no tensor is loaded as: torch sees its key, and no value of the file."""
+
+    def __repr__(self) -> str:
+        return "<no tensor>"
+
+
+_NO_TENSOR = _NoTensor()
+_NOT_A_TENSOR = re.compile(r'^While copying the parameter named "(.+?)", expected torch\.Tensor')
+
+
+def no_tensor_there(key: str) -> str:
+    return f"{key!r} holds no tensor, where the model has a tensor of that name"
 
 
 class _CopyTargets:
@@ -311,9 +340,14 @@ def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, *, select: str | None
     root = select if select is not None else ckpt.state_dict_root
     tensors = _under(ckpt, root)
     metadata = state_dict_metadata(ckpt.root, root)
+    extras, others = _no_tensors(ckpt, root, model)
+    # The tensors inside an entry that holds no tensor itself (a dict beside the tensors) are no keys of the
+    # state_dict: torch sees that entry's key alone.
+    direct = {join("", k) for k, v in ckpt.root.items() if isinstance(v, RawTensor)} if others else set()
     comparison = compare_tensors(tensors, model, root=root, metadata=metadata, allow_missing=allow_missing,
                                  allow_unexpected=allow_unexpected, min_loaded=min_loaded, ckpt=ckpt,
-                                 selected=select is not None, extras=_extra_states(ckpt, root))
+                                 selected=select is not None, extras=extras, others=others,
+                                 nested=frozenset(t.key for t in tensors if t.key not in direct) if others else None)
     devices = tuple(missing_devices(sorted({t.device for t in tensors})))
     if devices:
         flags = list(comparison.suggested_fix)
@@ -321,22 +355,53 @@ def compare_checkpoint(ckpt: Checkpoint, model: ModelKeys, *, select: str | None
             flags += ["--map-location", "cpu"]
         comparison = _replace(comparison, missing_devices=devices, suggested_fix=tuple(flags))
     allowed = user_allowed(ckpt.globals)
-    beside = _beside(ckpt, comparison.fix_root if comparison.fix_root is not None else root)
+    beside = _beside(ckpt, comparison.fix_root if comparison.fix_root is not None else root, model)
     if beside:
         comparison = _replace(comparison, suggested_fix=(*comparison.suggested_fix, "--drop", exact_keys_regex(beside)),
-                              dropped_entries=beside, globals_left_out=bool(allowed)
-                              and not _extra_states(ckpt, root))
+                              dropped_entries=beside, globals_left_out=bool(allowed) and not extras)
     return _replace(comparison, model_flags=model.flags, allowed_globals=allowed)
 
 
-def _beside(ckpt: Checkpoint, root: str | None) -> tuple[str, ...]:
+def _beside(ckpt: Checkpoint, root: str | None, model: ModelKeys) -> tuple[str, ...]:
     """The entries a fix of the state_dict at the file's root writes beside its tensors (fix keeps a flat
-    state_dict's plain entries) that hold no tensor and are no `_extra_state`: load_state_dict(strict=True) counts
-    each key, and the model takes none of them."""
+    state_dict's plain entries) that hold no tensor and are no `_extra_state` the model takes:
+    load_state_dict(strict=True) counts each key, and the model takes none of them."""
+    return _no_tensors(ckpt, root, model)[1] if root == "" else ()
+
+
+def _no_tensors(ckpt: Checkpoint, root: str | None, model: ModelKeys) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The keys of the state_dict (at the file's root: what `torch.load` returns is what is loaded) that hold no
+    tensor, as torch's strict load sees them: (the `_extra_state` entries a module of the model takes through its
+    own set_extra_state, the rest). Each of the rest is a key torch counts: unexpected where the model has no such
+    name (a version, a config, a dict of tensors, an `_extra_state` of a module without set_extra_state)."""
     if root != "" or not isinstance(ckpt.root, dict):
-        return ()
-    return tuple(join("", k) for k, v in ckpt.root.items() if not isinstance(v, RawTensor)
-                 and not (isinstance(k, str) and k.rsplit(".", 1)[-1] == "_extra_state"))
+        return _extra_states(ckpt, root), ()
+    extras, others = [], []
+    for k, v in ckpt.root.items():
+        if isinstance(v, RawTensor):
+            continue
+        key = join("", k)
+        if key.rsplit(".", 1)[-1] == "_extra_state" and takes_extra_state(model.model, key):
+            extras.append(key)
+        else:
+            others.append(key)
+    return tuple(extras), tuple(others)
+
+
+def takes_extra_state(model: Any, key: str) -> bool:
+    """Whether torch's loading code hands the entry `key` (`…._extra_state`) to a module's set_extra_state: the
+    module of that name defines one (else a strict load counts the key as unexpected). True without a model."""
+    if model is None:
+        return True
+    import torch
+
+    owner = key[:-len("_extra_state")].rstrip(".")
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        return False
+    return getattr(type(module), "set_extra_state", torch.nn.Module.set_extra_state) \
+        is not torch.nn.Module.set_extra_state
 
 
 def _replace(c: Comparison, **changes: Any) -> Comparison:
@@ -371,9 +436,16 @@ def _replace_check(check: LoadCheck, **changes: Any) -> LoadCheck:
 def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str | None = "", metadata: Any = None,
                     allow_missing: str | None = None, allow_unexpected: str | None = None,
                     min_loaded: float | None = None, ckpt: Checkpoint | None = None,
-                    selected: bool = False, extras: tuple[str, ...] = ()) -> Comparison:
+                    selected: bool = False, extras: tuple[str, ...] = (),
+                    others: tuple[str, ...] = (), nested: frozenset[str] | None = None) -> Comparison:
+    """The verdict is torch's on the state_dict's keys: its tensors and `others`, the keys that hold no tensor
+    (`nested`: the tensors inside those, no keys of it); the fix is inferred from the tensors (fix leaves out the
+    others with a --drop of its own, `_beside`)."""
     entries = [(t.key, tuple(t.shape), t.dtype) for t in tensors]
-    check = with_extras(check_entries(model, entries, metadata), extras)
+    tensor_check = check = with_extras(check_entries(model, entries, metadata), extras)
+    if others:
+        check = with_extras(check_entries(model, [e for e in entries if e[0] not in (nested or ())], metadata,
+                                          others), extras)
     by_key = model.by_key()
     np_set = set(model.non_persistent)
     non_persistent = tuple(k for k in check.unexpected if k in np_set)  # of the unexpected keys: named as such
@@ -382,8 +454,8 @@ def compare_tensors(tensors: list[TensorRecord], model: ModelKeys, *, root: str 
     dtypes = tuple((t.key, t.dtype, by_key[t.key].dtype) for t in tensors
                    if t.key in by_key and t.key in check.matched and t.dtype != by_key[t.key].dtype)
     fix = Fix()
-    if not check.ok or non_persistent:
-        fix = infer_fix(tensors, model, check, ckpt=ckpt, root=root, selected=selected, extras=extras)
+    if not tensor_check.ok or non_persistent:
+        fix = infer_fix(tensors, model, tensor_check, ckpt=ckpt, root=root, selected=selected, extras=extras)
     allowed_m, allowed_u = allowances(allow_missing, allow_unexpected, check, unexpected)
     select = fix.root if fix.root is not None else root
     flags = (["--select", select] if select else []) + fix.flags
@@ -433,10 +505,17 @@ def _different_tensors(pairs: tuple[tuple[str, str], ...],
     return tuple((kept, lost) for kept, lost in pairs if ident(kept) != ident(lost))
 
 
-def check_entries(model: ModelKeys, entries: list[tuple[str, tuple[int, ...], str]], metadata: Any) -> LoadCheck:
-    """torch's verdict when the model is there; names and shapes against a reference checkpoint."""
+def check_entries(model: ModelKeys, entries: list[tuple[str, tuple[int, ...], str]], metadata: Any,
+                  others: tuple[str, ...] = ()) -> LoadCheck:
+    """torch's verdict when the model is there; names and shapes against a reference checkpoint. `others`: the
+    state_dict's keys that hold no tensor (counted by a strict load as any key is)."""
     if model.model is not None:
-        return load_check(model.model, entries, metadata)
+        return load_check(model.model, entries, metadata, others=others)
+    if others:
+        names = model.by_key()
+        check = check_entries(model, entries, metadata)
+        return replace(check, unexpected=(*check.unexpected, *(k for k in others if k not in names)),
+                       errors=(*check.errors, *(no_tensor_there(k) for k in others if k in names)))
     by_key = model.by_key()
     present = {k for k, _, _ in entries}
     mismatched = tuple(Mismatch(k, s, by_key[k].shape) for k, s, _ in entries

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -257,3 +258,76 @@ def test_load_into_renames_whole_modules_but_does_not_guess_by_order(fixtures, t
 
     with pytest.raises(ckpt_doctor.ReadError):
         ckpt_doctor.load_into(Two(), tmp_path / "seq.pt")
+
+
+ENTRY_NETS = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+
+class WithExtra(Net):
+    def __init__(self):
+        super().__init__()
+        self.x = 0
+
+    def get_extra_state(self):
+        return {"x": self.x}
+
+    def set_extra_state(self, state):
+        self.x = state["x"]
+
+
+class NoneBuffer(Net):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", None)
+"""
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("Net", {"version": 3}),
+    ("Net", {"name": "resnet"}),
+    ("Net", {"extra": {"a": torch.zeros(2)}}),
+    ("Net", {"fc": 3}),  # a module's name: torch still counts the key
+    ("WithExtra", {"_extra_state": {"x": 1}}),  # set_extra_state takes it
+    ("Net", {"_extra_state": {"x": 1}}),  # no set_extra_state: unexpected
+    ("Net", {"fc._extra_state": 5}),
+    ("NoneBuffer", {"b": None}),
+    ("NoneBuffer", {"b": torch.zeros(2)}),
+    ("Net", {}),
+])
+def test_entries_beside_the_tensors_count_as_torch_counts_them(cli, tmp_path, model, extra):
+    """The verdict is torch's strict load of what torch.load returns: every key counts, tensor or not."""
+    spec = write_module(tmp_path, ENTRY_NETS, "entry_nets.py")
+    import runpy
+
+    namespace = runpy.run_path(str(spec))
+    net = namespace[model]()
+    sd = {**net.state_dict(), **extra}
+    torch.save(sd, tmp_path / "sd.pt")
+    theirs = torch_verdict(namespace[model](), sd)
+    try:
+        namespace[model]().load_state_dict(sd, strict=True)
+        loads = True
+    except RuntimeError:
+        loads = False
+    code, comp = comparison(cli, tmp_path / "sd.pt", f"{spec}:{model}")
+    assert comp["ok"] is loads and code == (0 if loads else 1)
+    assert comp["unexpected"] == theirs["unexpected"] and comp["missing"] == theirs["missing"]
+    if not loads:  # the fix line leaves the entry out, and its output loads strictly
+        drops = [comp["suggested_fix"][i + 1] for i, f in enumerate(comp["suggested_fix"]) if f == "--drop"]
+        assert any(re.search(d, k) for d in drops for k in extra)
+        out = tmp_path / "fixed.pt"
+        fixed = cli("fix", tmp_path / "sd.pt", "-o", out, *comp["suggested_fix"], "--model", f"{spec}:{model}")
+        assert fixed.exit_code == 0
+        namespace[model]().load_state_dict(torch.load(out, weights_only=True), strict=True)
+
+
+def test_a_non_tensor_where_the_model_has_a_parameter_fails_as_torch_does(cli, tmp_path):
+    spec = write_module(tmp_path, ENTRY_NETS, "entry_nets.py")
+    torch.save({"fc.weight": 1, "fc.bias": torch.zeros(2)}, tmp_path / "sd.pt")
+    code, comp = comparison(cli, tmp_path / "sd.pt", f"{spec}:Net")
+    assert code == 1 and comp["ok"] is False
+    assert comp["errors"] == ["'fc.weight' holds no tensor, where the model has a tensor of that name"]
