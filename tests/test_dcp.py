@@ -211,6 +211,31 @@ def test_a_lone_shard_names_its_folder_and_fix_refuses_it(samples, tmp_path):
     assert scan.exit_code == 0, scan.stdout + scan.stderr
 
 
+def test_scan_reads_a_folders_metadata_once_for_all_its_shards(samples, tmp_path, monkeypatch):
+    """A folder of many ranks: each shard's items are named from the folder's metadata, read once (it was read again
+    for every shard, and all its entries gone over each time: quadratic in the ranks), with the same names."""
+    from ckpt_doctor.readers import dcp
+    from ckpt_doctor.scan import scan
+
+    folder = tmp_path / "ranks"
+    shutil.copytree(samples / "fsdp2", folder)
+    shards = sorted(p.name for p in folder.glob("*.distcp"))
+    assert len(shards) >= 2
+    reads: list[str] = []
+    real = dcp._read_metadata
+
+    def counted(path, *args, **kwargs):
+        reads.append(Path(path).name)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(dcp, "_read_metadata", counted)
+    report = scan([str(folder)])
+    named = {Path(f.path).name: " ".join(f.notes) for f in report.files}
+    for shard in shards:
+        assert "parts of" in named[shard], named[shard]  # its items were named from the metadata
+    assert reads.count(".metadata") <= 2  # the folder's metadata items (scan) and the shards' names: not per shard
+
+
 def test_a_folder_without_metadata_says_so(samples, tmp_path):
     bare = tmp_path / "no_metadata"
     shutil.copytree(samples / "fsdp2", bare)

@@ -11,6 +11,7 @@ path makes a list: optimizer `param_groups` stay lists, integer state keys stay 
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import re
@@ -1093,25 +1094,45 @@ def _named(folder: Path, metas: list[Path]) -> Path:
     return metas[0] if isinstance(folder, RemotePath) and not str(folder).startswith("s3://") and metas else folder
 
 
+def _stamp(path: Path) -> tuple:
+    """What tells a local metadata file's versions apart (a URL's is read once per process)."""
+    if isinstance(path, RemotePath):
+        return ()
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=4)
+def _shard_names(metas: tuple[Path, ...], stamps: tuple, policy: Policy) -> tuple[_Meta, dict[str, dict[int, str]]]:
+    """A folder's metadata read once for all its shards (scan reads every shard of a folder; each re-reading the
+    folder's metadata and going over all its entries made a folder of many ranks quadratic): each file's items by
+    where they start, named by fqn (and the chunk's offsets where the tensor has several). Empty when the metadata
+    does not read: the items are then unnamed."""
+    meta = _Meta()
+    by_file: dict[str, dict[int, str]] = {}
+    for m in metas:
+        try:
+            _read_metadata(m, meta, [], policy=policy)
+        except (ReadError, OSError):
+            return meta, {}
+    for (fqn, offsets), (rel, at, _length, _t) in meta.entries():
+        whole = offsets is None or fqn not in meta.tensors or len(meta.tensors[fqn][2]) == 1
+        by_file.setdefault(rel, {})[at] = fqn if whole else f"{fqn}@{list(offsets)}"
+    return meta, by_file
+
+
 def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
     """One `__R_N.distcp` file on its own: its items, named by the folder's metadata when it is beside it. Shapes are
     the chunks' (local); the folder is what holds whole tensors, and `fix` refuses a lone shard."""
     from .torch_zip import read_torch_zip
 
     folder = path.parent
-    names: dict[int, str] = {}
-    meta = _Meta()
     metas = metadata_files(folder, [METADATA] if isinstance(folder, RemotePath) else os.listdir(folder))
-    for m in metas:
-        try:
-            _read_metadata(m, meta, [], policy=survey.policy)
-        except (ReadError, OSError):
-            names.clear()
-            break
-        for (fqn, offsets), (rel, at, _length, _t) in meta.entries():
-            if rel == path.name:
-                whole = offsets is None or fqn not in meta.tensors or len(meta.tensors[fqn][2]) == 1
-                names[at] = fqn if whole else f"{fqn}@{list(offsets)}"
+    meta, by_file = _shard_names(tuple(metas), tuple(_stamp(m) for m in metas), survey.policy)
+    names = by_file.get(path.name, {})
     root: dict = {}
     for item in survey.items:
         if item.refused:
