@@ -69,6 +69,19 @@ def _cli(*args: str, env: dict | None = None, timeout: float = 120) -> subproces
                           timeout=timeout)
 
 
+def _inspect_and_fix_end_in_one_line(url: str, out: Path, *words: str) -> None:
+    """`inspect URL` and `fix URL -o OUT` of a remote checkpoint with a part missing: each one `Error:` line holding
+    `words`, exit 2, nothing on stdout, no output written."""
+    for args in (["inspect", url], ["fix", url, "-o", str(out)]):
+        result = _cli(*args)
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+        assert all(word in lines[0] for word in words), lines[0]
+        assert result.stdout == ""
+        assert not out.exists()
+
+
 def _sparse_torch_zip(path: Path, nbytes: int) -> None:
     """torch.save of a model whose one big tensor is zeros, the zeros left as a hole (no disk written for them)."""
     import numpy as np
@@ -729,15 +742,8 @@ def test_a_missing_item_file_of_a_remote_dcp_folder_ends_in_one_line(dcp_folder,
     broken = root / "dcp-broken"
     shutil.copytree(folder, broken)
     (broken / "__1_0.distcp").unlink()  # the server answers 404 for it
-    for command in ("inspect", "fix"):
-        args = [command, f"{base}/dcp-broken/.metadata"] + (["-o", str(root.parent / "x.pt")] if command == "fix"
-                                                               else [])
-        result = _cli(*args)
-        assert result.returncode == 2, result.stderr
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-        assert "__1_0.distcp is missing" in lines[0] and "404" in lines[0]
-        assert result.stdout == ""
+    _inspect_and_fix_end_in_one_line(f"{base}/dcp-broken/.metadata", root.parent / "x.pt", "__1_0.distcp is missing",
+                                     "404")
 
 
 def test_an_s3_dcp_folder_reads_scans_and_fixes_as_the_local_folder(s3, dcp_folder, tmp_path):
@@ -1052,16 +1058,8 @@ def test_a_missing_rank_file_of_a_remote_deepspeed_folder_ends_in_one_line(ds_fo
         shutil.rmtree(broken, ignore_errors=True)
         shutil.copytree(folder / "z2", broken)
         (broken / "global_step1" / gone).unlink()  # the server answers 404 for it
-        for command in ("inspect", "fix"):
-            args = [command, f"{base}/ds-broken/latest"] + (["-o", str(root.parent / "x.pt")] if command == "fix"
-                                                            else [])
-            result = _cli(*args)
-            assert result.returncode == 2, result.stderr
-            lines = result.stderr.strip().splitlines()
-            assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-            assert f"{gone} is missing" in lines[0] and "404" in lines[0] and "incomplete" in lines[0]
-            assert result.stdout == ""
-            assert not (root.parent / "x.pt").exists()
+        _inspect_and_fix_end_in_one_line(f"{base}/ds-broken/latest", root.parent / "x.pt", f"{gone} is missing", "404",
+                                         "incomplete")
 
 
 def test_an_s3_deepspeed_folder_reads_scans_and_fixes_as_the_local_folder(s3, ds_folders, tmp_path):
