@@ -69,6 +69,17 @@ def _cli(*args: str, env: dict | None = None, timeout: float = 120) -> subproces
                           timeout=timeout)
 
 
+def _inspected_here_and_there(local_path: Path, url: str, log: Path) -> tuple:
+    """`inspect --json` of a local checkpoint and of the same served at `url` (both exit 0), and the byte counts of
+    the requests the remote run made (the server's log)."""
+    local = _cli("inspect", str(local_path), "--json")
+    assert local.returncode == 0, local.stderr
+    before = len(_requests(log))
+    remote = _cli("inspect", url, "--json")
+    assert remote.returncode == 0, remote.stderr
+    return local, remote, _requests(log)[before:]
+
+
 def _inspect_and_fix_end_in_one_line(url: str, out: Path, *words: str) -> None:
     """`inspect URL` and `fix URL -o OUT` of a remote checkpoint with a part missing: each one `Error:` line holding
     `words`, exit 2, nothing on stdout, no output written."""
@@ -681,12 +692,7 @@ def test_a_dcp_folder_over_http_by_its_metadata_reads_as_the_local_folder(dcp_fo
     import torch
 
     folder, url, log = dcp_folder
-    local = _cli("inspect", str(folder), "--json")
-    assert local.returncode == 0, local.stderr
-    before = len(_requests(log))
-    remote = _cli("inspect", f"{url}/.metadata", "--json")
-    assert remote.returncode == 0, remote.stderr
-    sent = _requests(log)[before:]
+    local, remote, sent = _inspected_here_and_there(folder, f"{url}/.metadata", log)
     used = _same_dcp(remote.stdout, local.stdout, url, folder)
     assert used == {"bytes": sum(sent), "requests": len(sent), "size": _folder_bytes(folder)}
     assert used["bytes"] < used["size"] / 4  # metadata and pickled items: not the tensor data
@@ -988,12 +994,7 @@ def test_a_deepspeed_folder_over_http_by_its_latest_reads_as_the_local_folder(ds
 
     folder, url, log = ds_folders
     save, base = folder / name, f"{url}/{name}"
-    local = _cli("inspect", str(save), "--json")
-    assert local.returncode == 0, local.stderr
-    before = len(_requests(log))
-    remote = _cli("inspect", f"{base}/latest", "--json")
-    assert remote.returncode == 0, remote.stderr
-    sent = _requests(log)[before:]
+    local, remote, sent = _inspected_here_and_there(save, f"{base}/latest", log)
     used = _same_ds(remote.stdout, local.stdout, base, save, "/latest")
     # each answer the server sent is counted; ZeRO-3's rank 0 model states are found after a 404 for ZeRO-1/2's name
     assert used["bytes"] == sum(sent) and used["requests"] == len(sent) + (name == "z3_bf16")
