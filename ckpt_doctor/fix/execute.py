@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import re
 from collections import OrderedDict
-from math import prod
 from pathlib import Path
 
 from ..dtypes import element_size
 from ..errors import WriteError
 from ..readers.source import is_remote
-from ..records import Assembly, OutTensor
+from ..records import Assembly, OutTensor, span_elements
 from ..safepickle.unpickler import SizeValue
 from ..tree import run_nested
 from ..writers.atomic import atomic_output, check_destination
@@ -96,8 +95,7 @@ def _assembly_reads(assembly: Assembly, sources: Sources, reads: list[tuple[Any,
     instead of fetching a window around each."""
     elsize = element_size(assembly.dtype)
     for piece in sorted(assembly.pieces, key=lambda p: p.offsets):
-        span = sum((size - 1) * step for size, step in zip(piece.sizes, piece.stride)) + 1 if prod(piece.sizes) else 0
-        reads.append((sources.fd(piece.file), piece.offset, span * elsize))
+        reads.append((sources.fd(piece.file), piece.offset, (span_elements(piece.sizes, piece.stride) or 0) * elsize))
 
 
 def _archive_name(output: Path) -> str:
