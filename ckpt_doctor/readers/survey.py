@@ -33,6 +33,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
     from typing import Any
 
+    from ..safepickle.statedict import StateDictRead
+
 LEGACY_PICKLES = 5  # magic number, protocol version, system info, the object, the storage keys
 _TEXT_RECORDS = frozenset({"version", ".data/version", "byteorder", ".format_version", ".storage_alignment",
                            ".data/serialization_id", "extra/producer_info.json"})
@@ -54,6 +56,7 @@ class Survey:
     zip_error: ReadError | None = None
     main_pickle: bytes | None = None  # the data.pkl torch would unpickle
     main_walk: Walk | None = None
+    main_read: StateDictRead | None = None  # main_pickle walked and unpickled in one pass (safepickle.statedict)
     tar: Any = None  # torch_tar.TarLayout
     items: list[Survey] = field(default_factory=list)  # each archive of a DCP shard, walked (its offset: .base)
     base: int = 0  # where this archive starts in its file (an item of a DCP shard)
@@ -474,7 +477,16 @@ def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, bu
             survey.notes.append(str(exc))
             return
         cache = survey.cache
-        if cache is not None and len(data) <= cache.MAX_BYTES:
+        fast = None
+        if is_main and len(data) <= limits.MAX_UNPICKLE_BYTES:
+            # The one-pass reader, which imports the unpickler's records: only for a data.pkl torch would unpickle.
+            from ..safepickle.statedict import read_state_dict
+
+            fast = read_state_dict(data, name, survey.policy)
+        if fast is not None:  # torch.save's state_dict grammar: walked and unpickled in one pass
+            result = fast.walk
+            survey.main_read = fast
+        elif cache is not None and len(data) <= cache.MAX_BYTES:
             result = cache.walk(data, name, survey.budget, survey.policy)
         else:
             result = walk(data, name, budget=survey.budget, policy=survey.policy)

@@ -92,10 +92,15 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
         raw = survey.main_pickle if survey.main_pickle is not None else read_member(fd, pkl, str(path))
         if zlib.crc32(raw) != pkl.crc:
             raise ReadError(f"{path}: zip member {pkl.name} fails its CRC check (the file is corrupt)")
-        cache = survey.cache if not is_script and len(raw) <= ItemCache.MAX_BYTES else None
+        fast = survey.main_read if raw is survey.main_pickle and not is_script else None
+        cache = survey.cache if fast is None and not is_script and len(raw) <= ItemCache.MAX_BYTES else None
         tree_key = (survey.policy, raw)  # a tree is unpickled under a policy: never served under another
         known = cache.trees.get(tree_key) if cache is not None else None
-        if known is not None:  # an item alike an earlier one (a DCP chunk): its tensor again, on this item's storage
+        if fast is not None:  # walked and unpickled in one pass by the survey: its storages placed in the archive
+            for ref in fast.storages.values():
+                resolve(ref)
+            unpickler, root = fast, fast.root
+        elif known is not None:  # an item alike an earlier one (a DCP chunk): its tensor again, on this item's storage
             unpickler, tensor, built = known
             first = tensor.storage
             ref = StorageRef(first.key, first.dtype, first.numel, first.location)

@@ -1,0 +1,439 @@
+"""The pickle `torch.save` writes for a state_dict, read in one pass: the walk and the unpickling of it together.
+
+A checkpoint's data.pkl is almost always one shape: protocol 2, a dict (or an OrderedDict, with the `_metadata`
+of module versions set on it by BUILD) of str keys to tensors, each `_rebuild_tensor_v2(storage, offset, size,
+stride, requires_grad, OrderedDict())` on a persistent id `("storage", torch.XStorage, key, location, numel)`.
+read_state_dict reads exactly that grammar and nothing else: the opcodes below, the four kinds of global the
+grammar names (each judged by the policy and required SAFE), and values of the kinds each opcode's place allows.
+Whatever does not fit — another opcode, global, protocol or value, a memo entry that was never stored, bytes after
+STOP — returns None, and the caller walks and unpickles the pickle as before (safepickle.walker, then
+SafeUnpickler), with all their bounds. So this reader only ever speeds up what those two would have accepted.
+
+Why nothing it accepts needs their bounds: it calls nothing (a global is a marker; the only "calls" are the two
+REDUCEs the grammar has, building an OrderedDict() or a RawTensor record); dict keys are str only (no hash the file
+chooses); a tuple is never hashed or nested in a kept value (tuples are only persistent ids and the rebuild's
+arguments, consumed where they are made, and shapes of ints); the memo is numbered 0, 1, 2, … as every pickler
+numbers it (no index sized to bomb an array, no entry overwritten), one entry per PUT; MARKs nest at most
+_MAX_MARKS and dicts at most _MAX_HEIGHT; every opcode is O(1) but the ones that pop a MARK's items, each item
+popped once. A dict is never fetched from the memo, so dicts are filled bottom up and their nesting is known where
+it is made. Time and memory are linear in the pickle's bytes.
+
+What it returns is what the two passes would have: the Walk (the globals named, where first named; the one pickle
+and its end) and, as SafeUnpickler would have made it, the root with a RawTensor per tensor on StorageRefs, one per
+storage key, in the order the unpickler's persistent_load would have met them (tests/test_statedict.py checks both
+against the walker and the unpickler on generated checkpoints, and that every mutation falls back).
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import struct
+from collections import OrderedDict
+
+from ..dtypes import STORAGE_CLASS_DTYPE
+from .policy import GlobalRef, Policy, Verdict
+from .unpickler import RawTensor, StorageRef
+from .walker import Walk
+
+_INT64 = 1 << 63
+_MAX_MARKS = 4  # torch.save nests 2: the dict's SETITEMS batch, the rebuild's arguments (and a persistent id: 3)
+_MAX_HEIGHT = 3  # a value dict holding dicts holding dicts at most (the root's _metadata: {"": {"version": 1}})
+_MAX_SHAPE = 64  # SafeUnpickler's _ints: at most 64 dimensions
+
+
+class _Marker:
+    """A global of the grammar on the stack: what a GLOBAL opcode names (never the object itself)."""
+
+    __slots__ = ("dtype", "what")
+
+    def __init__(self, what: str, dtype: str = "") -> None:
+        self.what, self.dtype = what, dtype
+
+
+_REBUILD = _Marker("rebuild")
+_ORDERED = _Marker("OrderedDict")
+_GLOBALS: dict[bytes, _Marker] = {b"torch._utils\n_rebuild_tensor_v2\n": _REBUILD,
+                                  b"collections\nOrderedDict\n": _ORDERED}
+_GLOBALS.update({f"torch\n{name}\n".encode(): _Marker("storage", dtype) for name, dtype in STORAGE_CLASS_DTYPE.items()})
+_GLOBAL_TEXT = re.compile(rb"([\w.]{1,64})\n(\w{1,64})\n")
+_GONE = object()  # a memo entry no state_dict pickle fetches again (a persistent id, the rebuild's arguments)
+
+# One tensor of the dict once its globals and strings are in the memo, as torch.save writes every tensor after the
+# first 31 (every PUT a LONG_BINPUT, indices from 256 on; those before go opcode by opcode). _HEAD, after the key:
+# PUT; GET rebuild; MARK MARK GET "storage" GET storage class; the storage key's length. _TAIL, after the storage
+# key: PUT; GET location; numel; TUPLE PUT BINPERSID; offset; shape; stride; requires_grad; GET OrderedDict,
+# EMPTY_TUPLE REDUCE PUT (the hooks); TUPLE PUT REDUCE PUT. A shape or stride: (), or 1 to 3 ints, TUPLEn and PUT
+# (more dimensions go opcode by opcode). The PUTs' indices are captured and checked in bulk (_Reader.check_puts).
+_GET, _NUM, _PUT = rb"(?:h.|j....)", rb"(K.|M..|J....)", rb"r(....)"
+_INTS = rb"(\)|(?:K.|M..|J....){1,3}[\x85-\x87])(?:r(....))?"
+_HEAD = re.compile(_PUT + b"(" + _GET + rb"\(\(" + _GET + _GET + rb")X(....)", re.DOTALL)
+_TAIL = re.compile(_PUT + b"(" + _GET + b")" + _NUM + rb"t" + _PUT + rb"Q" + _NUM + _INTS + _INTS + rb"([\x88\x89])("
+                   + _GET + rb")\)R" + _PUT + rb"t" + _PUT + rb"R" + _PUT, re.DOTALL)
+
+
+class StateDictRead:
+    """What reading a state_dict pickle in one pass gives: the walk's result, and what the unpickler would have
+    made (its root, the storages its persistent ids named, the globals it looked up); `notes` and `length` as the
+    unpickler keeps them, for build_checkpoint."""
+
+    __slots__ = ("globals", "length", "notes", "root", "source", "storages", "walk")
+
+    def __init__(self, walk: Walk, root: object, storages: dict[str, StorageRef], globals_: list[GlobalRef],
+                 length: int, source: str) -> None:
+        self.walk, self.root, self.storages, self.globals = walk, root, storages, globals_
+        self.notes: list[str] = []
+        self.length, self.source = length, source
+
+
+class _Misfit(Exception):
+    """The pickle is not of the grammar: the caller walks and unpickles it as before."""
+
+
+def read_state_dict(data: bytes, source: str, policy: Policy) -> StateDictRead | None:
+    """The one-pass reading of `data` (a whole data.pkl), or None when it is not torch.save's state_dict grammar."""
+    if data[:2] != b"\x80\x02":
+        return None
+    collecting = gc.isenabled()
+    gc.disable()  # what it builds holds no cycle (no dict is fetched again): the collector would only walk it
+    try:
+        return _Reader(data, source, policy).run()
+    except (_Misfit, IndexError, KeyError, UnicodeDecodeError):  # IndexError: the bytes end mid-opcode
+        return None
+    finally:
+        if collecting:
+            gc.enable()
+
+
+class _Reader:
+    def __init__(self, data: bytes, source: str, policy: Policy) -> None:
+        self.data, self.source, self.policy = data, source, policy
+        self.walk = Walk()
+        self.globals: list[GlobalRef] = []
+        self.named: dict[bytes, _Marker] = {}
+        self.storages: dict[str, StorageRef] = {}
+        self.heights: dict[int, tuple[object, int]] = {}
+        self.gets: dict[tuple[bytes, ...], tuple | None] = {}  # _template_gets, by the GETs' bytes
+        self.runs: list[tuple[int, list[bytes]]] = []  # the PUTs _item took, as (first index, their index bytes)
+        self.run_end = -1
+        self.tuples: dict[bytes, tuple[int, ...]] = {}  # shapes and strides, by their bytes (few distinct)  # id(dict) -> (the dict, its height), for dicts in dicts
+
+    def _global(self, at: int) -> tuple[_Marker, int]:
+        match = _GLOBAL_TEXT.match(self.data, at + 1)
+        if match is None:
+            raise _Misfit
+        text = match.group(0)
+        marker = _GLOBALS.get(text)
+        if marker is None:
+            raise _Misfit
+        if text not in self.named:
+            module, name = match.group(1).decode(), match.group(2).decode()
+            verdict, reason = self.policy.classify(module, name)
+            if verdict is not Verdict.SAFE:
+                raise _Misfit
+            self.named[text] = marker
+            self.walk.globals.append(GlobalRef(module, name, verdict, reason, f"{self.source} at byte {at}"))
+            self.globals.append(GlobalRef(module, name, verdict, reason, self.source))
+        return marker, match.end()
+
+    def _storage(self, pid: object) -> StorageRef:
+        """persistent_load of torch's storage id, as SafeUnpickler does it (one StorageRef per key)."""
+        if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage":
+            raise _Misfit
+        _, kind, key, location, numel = pid
+        if kind.__class__ is not _Marker or kind.what != "storage" or type(key) is not str \
+                or type(location) is not str or type(numel) is not int or not 0 <= numel < _INT64:
+            raise _Misfit
+        ref = self.storages.get(key)
+        if ref is None:
+            ref = self.storages[key] = StorageRef(key, kind.dtype, numel, location)
+        return ref
+
+    def _height(self, value: object) -> int:
+        known = self.heights.get(id(value))
+        return known[1] if known is not None and known[0] is value else 1
+
+    def _set(self, target: object, key: object, value: object) -> None:
+        kind = value.__class__
+        if target.__class__ not in (dict, OrderedDict) or key.__class__ is not str:
+            raise _Misfit
+        if kind is dict or kind is OrderedDict:
+            height = self._height(value) + 1
+            if height > _MAX_HEIGHT:
+                raise _Misfit
+            if height > self._height(target):
+                self.heights[id(target)] = (target, height)
+        elif kind is not RawTensor and kind is not int and kind is not bool and kind is not str:
+            raise _Misfit  # a tuple, a marker, a storage: nothing torch.save's state_dict holds as a value
+        target[key] = value  # type: ignore[index]
+
+    def run(self) -> StateDictRead:
+        data = self.data
+        end = len(data)
+        stack: list = []
+        marks: list[list] = []
+        memo: list = []  # PUTs append: an index is stored at len(memo), or the pickle is not of the grammar
+        pos = 2
+        while True:
+            op = data[pos]
+            if op == 0x71:  # BINPUT: the next index, as every pickler numbers them
+                if data[pos + 1] != len(memo):
+                    raise _Misfit
+                memo.append(stack[-1])
+                pos += 2
+            elif op == 0x72:  # LONG_BINPUT
+                if int.from_bytes(data[pos + 1:pos + 5], "little") != len(memo):
+                    raise _Misfit
+                memo.append(stack[-1])
+                pos += 5
+            elif op == 0x68:  # BINGET
+                stack.append(_fetched(memo[data[pos + 1]]))
+                pos += 2
+            elif op == 0x6A:  # LONG_BINGET
+                stack.append(_fetched(memo[int.from_bytes(data[pos + 1:pos + 5], "little")]))
+                pos += 5
+            elif op == 0x4B:  # BININT1
+                stack.append(data[pos + 1])
+                pos += 2
+            elif op == 0x4D:  # BININT2
+                stack.append(int.from_bytes(data[pos + 1:pos + 3], "little"))
+                pos += 3
+            elif op == 0x4A:  # BININT
+                stack.append(int.from_bytes(data[pos + 1:pos + 5], "little", signed=True))
+                pos += 5
+            elif op == 0x8A:  # LONG1
+                size = data[pos + 1]
+                if size > 8 or pos + 2 + size > end:
+                    raise _Misfit
+                stack.append(int.from_bytes(data[pos + 2:pos + 2 + size], "little", signed=True))
+                pos += 2 + size
+            elif op == 0x58:  # BINUNICODE
+                if marks and len(memo) >= 256:  # keys of a SETITEMS batch: at once, while of the template
+                    at = self._items(pos, memo, stack)
+                    if at != pos:
+                        pos = at
+                        continue
+                size = int.from_bytes(data[pos + 1:pos + 5], "little")
+                if pos + 5 + size > end:
+                    raise _Misfit
+                stack.append(data[pos + 5:pos + 5 + size].decode("utf-8", "surrogatepass"))
+                pos += 5 + size
+            elif op == 0x28:  # MARK
+                if len(marks) >= _MAX_MARKS:
+                    raise _Misfit
+                marks.append(stack)
+                stack = []
+                pos += 1
+            elif op == 0x74:  # TUPLE
+                items = tuple(stack)
+                stack = marks.pop()
+                stack.append(items)
+                pos += 1
+            elif op == 0x29:  # EMPTY_TUPLE
+                stack.append(())
+                pos += 1
+            elif op == 0x85:  # TUPLE1
+                stack[-1] = (stack[-1],)
+                pos += 1
+            elif op == 0x86:  # TUPLE2
+                stack[-2:] = [tuple(stack[-2:])] if len(stack) >= 2 else _misfit()
+                pos += 1
+            elif op == 0x87:  # TUPLE3
+                stack[-3:] = [tuple(stack[-3:])] if len(stack) >= 3 else _misfit()
+                pos += 1
+            elif op == 0x51:  # BINPERSID
+                stack[-1] = self._storage(stack[-1])
+                pos += 1
+            elif op == 0x88 or op == 0x89:  # NEWTRUE, NEWFALSE
+                stack.append(op == 0x88)
+                pos += 1
+            elif op == 0x52:  # REDUCE
+                args = stack.pop()
+                stack[-1] = self._reduce(stack[-1], args)
+                pos += 1
+            elif op == 0x75:  # SETITEMS
+                items = stack
+                stack = marks.pop()
+                if len(items) % 2 or not stack:
+                    raise _Misfit
+                target = stack[-1]
+                for i in range(0, len(items), 2):
+                    self._set(target, items[i], items[i + 1])
+                pos += 1
+            elif op == 0x73:  # SETITEM
+                value = stack.pop()
+                key = stack.pop()
+                self._set(stack[-1], key, value)
+                pos += 1
+            elif op == 0x7D:  # EMPTY_DICT
+                stack.append({})
+                pos += 1
+            elif op == 0x63:  # GLOBAL
+                marker, pos = self._global(pos)
+                stack.append(marker)
+            elif op == 0x62:  # BUILD: the state torch sets on a state_dict (its _metadata)
+                state = stack.pop()
+                target = stack[-1]
+                if target.__class__ is not OrderedDict or state.__class__ is not dict \
+                        or any(k.__class__ is not str for k in state) or self._height(state) > _MAX_HEIGHT:
+                    raise _Misfit
+                vars(target).update(state)
+                pos += 1
+            elif op == 0x2E:  # STOP
+                pos += 1
+                if marks or len(stack) != 1 or pos != end or not self.check_puts():
+                    raise _Misfit  # bytes after STOP, or a stack left over: the walker says what they are
+                root = stack[0]
+                if root.__class__ is not dict and root.__class__ is not OrderedDict:
+                    raise _Misfit
+                self.walk.pickles.append((0, end))
+                self.walk.end = end
+                return StateDictRead(self.walk, root, self.storages, self.globals, end, self.source)
+            else:
+                raise _Misfit
+
+    def _items(self, pos: int, memo: list, stack: list) -> int:
+        """The keys and tensors from `pos` on, read as the opcodes one by one would read them, while they are of
+        the template torch.save repeats for every tensor (_HEAD, _TAIL): each key and tensor pushed, their memo
+        entries stored, their PUTs' indices kept for check_puts; where the first that is not of it starts."""
+        data, storages, tuples, gets = self.data, self.storages, self.tuples, self.gets
+        head_match, tail_match = _HEAD.match, _TAIL.match
+        runs = self.runs
+        if len(memo) != self.run_end:  # PUTs by opcode came between: a new run of indices
+            runs.append((len(memo), []))
+        puts = runs[-1][1]
+        while True:
+            if data[pos] != 0x58:
+                break
+            at = pos + 5 + int.from_bytes(data[pos + 1:pos + 5], "little")
+            head = head_match(data, at)
+            if head is None:
+                break
+            put_key, head_gets, key_size = head.groups()
+            start = head.end()
+            end = start + int.from_bytes(key_size, "little")
+            tail = tail_match(data, end)
+            if tail is None:
+                break
+            (put_skey, get_location, numel, put_pid, offset, shape, put_shape, stride, put_stride, grad, get_ordered,
+             put_hooks, put_args, put_tensor) = tail.groups()
+            known = gets.get((head_gets, get_location, get_ordered), _GONE)
+            if known is _GONE:
+                known = gets[(head_gets, get_location, get_ordered)] = _template_gets(head_gets, get_location,
+                                                                                      get_ordered, memo)
+            shape_value = tuples.get(shape) or _tuple(shape, tuples)
+            stride_value = tuples.get(stride) or _tuple(stride, tuples)
+            offset_value = _int(offset)
+            if known is None or shape_value is None or stride_value is None or offset_value < 0 \
+                    or (put_shape is None) is not (shape == b")") or (put_stride is None) is not (stride == b")"):
+                break  # a negative offset: SafeUnpickler's _tensor refuses it
+            skey = data[start:end].decode("utf-8", "surrogatepass")
+            ref = storages.get(skey)
+            if ref is None:
+                numel_value = _int(numel)
+                if numel_value < 0:
+                    break  # persistent_load's note, then no tensor
+                ref = storages[skey] = StorageRef(skey, known[0], numel_value, known[1])
+            key = data[pos + 5:at].decode("utf-8", "surrogatepass")
+            tensor = RawTensor(ref, ref.dtype, offset_value, shape_value, stride_value, grad == b"\x88")
+            puts += put_key, put_skey, put_pid
+            memo += key, skey, _GONE
+            if put_shape is not None:
+                puts.append(put_shape)
+                memo.append(shape_value)
+            if put_stride is not None:
+                puts.append(put_stride)
+                memo.append(stride_value)
+            puts += put_hooks, put_args, put_tensor
+            memo += _GONE, _GONE, tensor
+            stack += key, tensor
+            pos = tail.end()
+        self.run_end = len(memo)
+        return pos
+
+    def check_puts(self) -> bool:
+        """Whether the PUTs of the template's items numbered their entries in turn, as _item took them to."""
+        for first, puts in self.runs:
+            if b"".join(puts) != struct.pack(f"<{len(puts)}I", *range(first, first + len(puts))):
+                return False
+        return True
+
+    def _reduce(self, func: object, args: object) -> object:
+        if func is _ORDERED and args == ():
+            return OrderedDict()
+        if func is not _REBUILD or args.__class__ is not tuple or len(args) != 6:  # type: ignore[arg-type]
+            raise _Misfit
+        storage, offset, shape, stride, requires_grad, hooks = args  # type: ignore[misc]
+        if storage.__class__ is not StorageRef or offset.__class__ is not int or not 0 <= offset < _INT64 \
+                or requires_grad.__class__ is not bool or hooks.__class__ is not OrderedDict or hooks \
+                or not _ints(shape) or not _ints(stride):
+            raise _Misfit
+        return RawTensor(storage, storage.dtype, offset, shape, stride, requires_grad)
+
+
+def _ints(value: object) -> bool:
+    """A shape or stride as SafeUnpickler accepts one: a tuple of at most 64 ints of 64 bits."""
+    if value.__class__ is not tuple or len(value) > _MAX_SHAPE:  # type: ignore[arg-type]
+        return False
+    for item in value:  # type: ignore[attr-defined]
+        if item.__class__ is not int or not -_INT64 <= item < _INT64:
+            return False
+    return True
+
+
+def _index(put: bytes) -> int:
+    """The memo index of a BINPUT/LONG_BINPUT or BINGET/LONG_BINGET, opcode included."""
+    return put[1] if len(put) == 2 else int.from_bytes(put[1:], "little")
+
+
+def _int(raw: bytes) -> int:
+    """The value of a BININT1, BININT2 or BININT, opcode included."""
+    return raw[1] if len(raw) == 2 else int.from_bytes(raw[1:], "little", signed=len(raw) == 5)
+
+
+def _tuple(body: bytes, known: dict[bytes, tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The tuple of 1 to 3 ints `body` spells (BININTs, then TUPLEn); `known`: those met, by their bytes."""
+    value = known.get(body)
+    if value is None:
+        if body == b")":
+            return ()
+        items, at = [], 0
+        while at < len(body) - 1:
+            width = _WIDTH[body[at]]
+            items.append(_int(body[at:at + width]))
+            at += width
+        if len(items) != body[-1] - 0x84:
+            return None
+        value = known[body] = tuple(items)
+    return value
+
+
+_WIDTH = {0x4B: 2, 0x4D: 3, 0x4A: 5}
+
+
+def _template_gets(head: bytes, location: bytes, ordered: bytes, memo: list) -> tuple[str, str] | None:
+    """(dtype, location) when the template's GETs fetch what it needs — in `head` the rebuild, "storage" and a
+    storage class, then a location and OrderedDict — and None otherwise. The memo never changes an entry (PUTs
+    number in turn), so the answer holds for the same bytes later."""
+    gets = [m.group(0) for m in re.finditer(rb"h.|j....", head.replace(b"((", b""), re.DOTALL)] + [location, ordered]
+    indices = [_index(g) for g in gets]
+    if len(indices) != 5 or max(indices) >= len(memo):
+        return None
+    rebuild, storage, kind, location_value, ordered_value = (memo[i] for i in indices)
+    if rebuild is not _REBUILD or storage != "storage" or ordered_value is not _ORDERED \
+            or location_value.__class__ is not str or kind.__class__ is not _Marker or kind.what != "storage":
+        return None
+    return kind.dtype, location_value  # type: ignore[attr-defined,return-value]
+
+
+def _fetched(value: object) -> object:
+    """A memo entry GET puts on the stack: anything but a dict, so that every dict is filled while it is on the
+    stack and put in its parent once, bottom up, and its height (_Reader.heights) is known when it is put there.
+    (torch.save never writes a dict twice in a state_dict.)"""
+    if value.__class__ is dict or value.__class__ is OrderedDict:
+        raise _Misfit
+    return value
+
+
+def _misfit() -> list:
+    raise _Misfit

@@ -1,0 +1,184 @@
+"""The one-pass reading of torch.save's state_dict pickles (safepickle.statedict) against the two passes it stands
+for — the walker and SafeUnpickler — on checkpoints torch writes, and on those bytes mutated: whatever the one-pass
+reader accepts, the two passes read the same way; whatever they would refuse or judge otherwise, it declines."""
+
+from __future__ import annotations
+
+import io
+import random
+import zipfile
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from ckpt_doctor.readers import read_checkpoint
+from ckpt_doctor.safepickle.policy import DEFAULT_POLICY
+from ckpt_doctor.safepickle.statedict import read_state_dict
+from ckpt_doctor.safepickle.unpickler import RawTensor, SafeUnpickler, StorageRef
+from ckpt_doctor.safepickle.walker import walk
+
+
+class Net(nn.Module):
+    def __init__(self, blocks: int = 3) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)  # a 4-dimensional weight: its shape goes opcode by opcode
+        self.norm = nn.BatchNorm2d(4)  # num_batches_tracked: a 0-dimensional int64 tensor
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(blocks))
+        self.head = nn.Linear(4, 4, bias=False)
+        self.head.weight = self.blocks[0].weight  # tied: one storage, fetched again from the memo
+
+
+def _views(base: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {f"view{i}": base[i:i + 2] for i in range(300)}  # one storage key, fetched again for every view
+
+
+def _pickle_of(obj: object, tmp_path, name: str = "ckpt.pt") -> bytes:
+    path = tmp_path / name
+    torch.save(obj, path)
+    with zipfile.ZipFile(path) as archive:
+        member = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+        return archive.read(member)
+
+
+def _norm(value: object) -> object:
+    """A comparable form of what the unpickler hands back."""
+    kind = value.__class__
+    if kind is RawTensor:
+        return ("tensor", _norm(value.storage), value.dtype, value.offset, value.shape, value.stride,
+                value.requires_grad, value.is_parameter, value.device, value.note)
+    if kind is StorageRef:
+        return ("storage", value.key, value.dtype, value.numel, value.location, value.view_of, value.view_offset)
+    if kind is dict or kind is OrderedDict:
+        return (kind.__name__, [(k, _norm(v)) for k, v in value.items()],
+                sorted((k, _norm(v)) for k, v in vars(value).items()) if kind is OrderedDict else None)
+    if kind is tuple:
+        return tuple(_norm(v) for v in value)
+    return (kind.__name__, value)
+
+
+def _two_passes(data: bytes, name: str = "archive/data.pkl"):
+    """What the walker and SafeUnpickler make of `data`: (walk, root, unpickler), root None when it fails."""
+    walked = walk(data, name)
+    unpickler = SafeUnpickler(io.BytesIO(data), name)
+    try:
+        root = unpickler.load()
+    except Exception:  # noqa: BLE001 - any failure: the one-pass reader must have declined
+        root = None
+    return walked, root, unpickler
+
+
+def _same_as_two_passes(data: bytes, name: str = "archive/data.pkl") -> bool:
+    """Whether the one-pass reading of `data` matches the two passes; False when it declined."""
+    fast = read_state_dict(data, name, DEFAULT_POLICY)
+    if fast is None:
+        return False
+    walked, root, unpickler = _two_passes(data, name)
+    assert walked.refused is None and walked.broken is None and not walked.findings, "accepted what the walk refuses"
+    assert not (walked.notes or walked.anomalies or walked.effects or walked.unresolved)
+    assert walked.pickles == fast.walk.pickles and walked.end == fast.walk.end
+    assert walked.globals == fast.walk.globals
+    assert root is not None, "accepted what SafeUnpickler cannot read"
+    assert _norm(root) == _norm(fast.root)
+    assert unpickler.globals == fast.globals and unpickler.notes == fast.notes == []
+    assert [_norm(r) for r in unpickler.storages.values()] == [_norm(r) for r in fast.storages.values()]
+    return True
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: Net().state_dict(), id="model-state-dict"),
+    pytest.param(lambda: Net(blocks=120).state_dict(), id="past-256-memo-entries"),
+    pytest.param(lambda: dict(Net(blocks=80).half().state_dict()), id="plain-dict-float16"),
+    pytest.param(lambda: {"model": Net(blocks=70).state_dict(), "epoch": 7, "name": "run-3", "best": True},
+                 id="nested-training-checkpoint"),
+    pytest.param(lambda: {f"t{i}": torch.zeros(3, dtype=d) for i, d in
+                          enumerate([torch.bfloat16, torch.int8, torch.bool, torch.int64, torch.complex64] * 70)},
+                 id="dtypes"),
+    pytest.param(lambda: _views(torch.arange(400.0)), id="views-of-one-storage"),
+    pytest.param(lambda: {f"big{i}": torch.zeros(1, 1).expand(70_000, 1) for i in range(300)},
+                 id="wide-ints-and-zero-strides"),
+])
+def test_torch_save_pickles_read_in_one_pass_as_two_passes_read_them(make, tmp_path) -> None:
+    torch.manual_seed(0)
+    assert _same_as_two_passes(_pickle_of(make(), tmp_path))
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: {"w": nn.Parameter(torch.zeros(2))}, id="parameter"),
+    pytest.param(lambda: {"opt": torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1).state_dict()},
+                 id="optimizer-lists-and-floats"),
+    pytest.param(lambda: {"shape": torch.Size([2, 3])}, id="torch-size"),
+    pytest.param(lambda: [torch.zeros(2)], id="list-root"),
+])
+def test_other_pickles_are_left_to_the_two_passes(make, tmp_path) -> None:
+    data = _pickle_of(make(), tmp_path)
+    assert read_state_dict(data, "archive/data.pkl", DEFAULT_POLICY) is None
+    assert _two_passes(data)[1] is not None  # the two passes read it
+
+
+def _mutate(data: bytes, what: str) -> bytes:
+    if what == "global":  # the rebuild named as a function that runs a command, the same length
+        return data.replace(b"torch._utils\n_rebuild_tensor_v2\n", b"os\nsystem\n" + b"_" * 22, 1)
+    if what == "trailing":
+        return data + b"\x80\x02cos\nsystem\nq\x00."
+    if what == "truncated":
+        return data[:-1]
+    index = data.rindex(b"r", 0, len(data) // 2)
+    while data[index + 1:index + 3] != data[index - 9:index - 7]:  # a LONG_BINPUT: its index shares high bytes
+        index = data.rindex(b"r", 0, index)
+    if what == "put-index":  # one memo index, past the first 256, off by one
+        value = int.from_bytes(data[index + 1:index + 5], "little") + 1
+        return data[:index + 1] + value.to_bytes(4, "little") + data[index + 5:]
+    raise AssertionError(what)
+
+
+@pytest.mark.parametrize("what", ["global", "trailing", "truncated", "put-index"])
+def test_a_pickle_off_the_grammar_is_declined(what, tmp_path) -> None:
+    data = _mutate(_pickle_of(Net(blocks=100).state_dict(), tmp_path), what)
+    assert read_state_dict(data, "archive/data.pkl", DEFAULT_POLICY) is None
+
+
+def test_a_dict_fetched_from_the_memo_is_declined() -> None:
+    shared = {"version": 1}
+    data = io.BytesIO()
+    import pickle
+
+    pickle.dump({"a": shared, "b": shared}, data, protocol=2)
+    assert read_state_dict(data.getvalue(), "data.pkl", DEFAULT_POLICY) is None
+
+
+def test_every_mutation_it_accepts_reads_as_the_two_passes_read_it(tmp_path) -> None:
+    """Bytes of a real state_dict pickle changed at random (a byte set, dropped, or repeated): each mutant the
+    one-pass reader accepts is read the same by the walker and SafeUnpickler, or the test fails."""
+    data = _pickle_of(Net(blocks=90).state_dict(), tmp_path)
+    rng = random.Random(27)
+    accepted = 0
+    for _ in range(400):
+        at = rng.randrange(2, len(data))
+        how = rng.randrange(3)
+        if how == 0:
+            mutant = data[:at] + bytes([rng.randrange(256)]) + data[at + 1:]
+        elif how == 1:
+            mutant = data[:at] + data[at + 1:]
+        else:
+            mutant = data[:at] + data[at:at + 1] + data[at:]
+        accepted += _same_as_two_passes(mutant)
+    assert 0 < accepted < 400  # some changes keep to the grammar (a digit of a key, a shape); most do not
+
+
+def test_inspect_reads_a_state_dict_the_same_either_way(tmp_path, monkeypatch) -> None:
+    """The reader's Checkpoint of a torch.save file is the same with the one-pass reader as without it."""
+    from ckpt_doctor.safepickle import statedict
+
+    path = tmp_path / "model.pt"
+    torch.save(Net(blocks=100).state_dict(), path)
+    reads = []
+    monkeypatch.setattr(statedict, "read_state_dict", lambda *args: reads.append(read_state_dict(*args)) or reads[-1])
+    fast = read_checkpoint(path)
+    assert len(reads) == 1 and reads[0] is not None  # read in one pass
+    monkeypatch.setattr(statedict, "read_state_dict", lambda *args: None)
+    slow = read_checkpoint(path)
+    assert len(fast.tensors) == 208  # 2 + 5 + 100 * 2 + 1 (the head's weight is the first block's)
+    assert [fast.tensors[i] for i in range(len(fast.tensors))] == [slow.tensors[i] for i in range(len(slow.tensors))]
+    assert fast.globals == slow.globals and fast.notes == slow.notes and fast.hazards == slow.hazards
