@@ -11,9 +11,9 @@ import sys
 from collections import OrderedDict
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-import torch  # noqa: E402
-from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
-from deepspeed.utils.tensor_fragment import fragment_address  # noqa: E402
+import torch
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 
 
 def write(out: str, stage: int, world: int, layers: int, width: int) -> None:

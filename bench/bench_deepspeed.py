@@ -77,7 +77,7 @@ def by_ranks(args, exe: str) -> None:
                     "inspect FOLDER --json": [exe, "inspect", str(ckpt), "--json"],
                     "fix -o fp32.safetensors": [exe, "fix", str(ckpt), "-o", str(out)]}
             best = {k: (min(t), rss) for k, (t, rss) in
-                    measure_rounds(cmds, args.rounds, before=lambda: out.unlink(missing_ok=True)).items()}
+                    measure_rounds(cmds, args.rounds, before=lambda out=out: out.unlink(missing_ok=True)).items()}
             out.unlink(missing_ok=True)
             t_off, t_load = best["zero_to_fp32 (state_dict in memory)"][0], best["torch.load of every rank file"][0]
             print(f"ZeRO-{stage}, {ranks} ranks ({folder_mb(ckpt / 'global_step1'):.1f} MB), best of {args.rounds}:")
