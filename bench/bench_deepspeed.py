@@ -1,6 +1,12 @@
 """Benchmark: consolidating DeepSpeed ZeRO-2 and ZeRO-3 checkpoints, against DeepSpeed's own zero_to_fp32 and `cp -r`.
 
     python bench/bench_deepspeed.py [--dir /tmp/ckpt-bench] [--rounds 3]
+    python bench/bench_deepspeed.py --ranks 8,16,64 [--rounds 1]
+
+--ranks: folders of that many ranks (ZeRO-2 and ZeRO-3, 800 parameters of a 400-layer model, written as DeepSpeed
+writes them by _zero_folders.py: 64 gloo ranks do not fit this machine); `inspect` and `fix` of each beside
+zero_to_fp32 and a torch.load of every rank file, with the ratios. Both peers read every rank file whole, as fix does:
+the figures should grow with the ranks as theirs do (linearly), not faster.
 
 The checkpoints are written by DeepSpeed itself (DS_ACCELERATOR=cpu, two gloo ranks, Adam): a model of 16
 Linear(2048, 2048) layers, 268 MB of fp32 weights. Targets: `fix` ≤ 0.5× the time of `zero_to_fp32` and ≤ 1.5×
@@ -49,8 +55,51 @@ def folder_mb(folder: Path) -> float:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20
 
 
+def by_ranks(args, exe: str) -> None:
+    """inspect and fix of ZeRO-2/-3 folders of each rank count in --ranks, beside their peers."""
+    from _measure import measure_rounds, row
+
+    work = Path(args.dir)
+    load_all = ("import sys, glob, torch; [torch.load(f, weights_only=False) for f in "
+                "sorted(glob.glob(sys.argv[1] + '/global_step1/*.pt'))]")
+    for stage in (2, 3):
+        for ranks in (int(r) for r in args.ranks.split(",")):
+            ckpt = work / f"zero{stage}_r{ranks}"
+            if not (ckpt / "latest").exists():
+                subprocess.run([sys.executable, str(Path(__file__).parent / "_zero_folders.py"), str(ckpt), str(stage),
+                                str(ranks), "400", "32"], check=True, stderr=subprocess.DEVNULL)
+            out = work / f"zero{stage}_r{ranks}.safetensors"
+            official = ("import os, sys; os.environ['DS_ACCELERATOR'] = 'cpu'; "
+                        "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as g; "
+                        "g(sys.argv[1])")
+            cmds = {"zero_to_fp32 (state_dict in memory)": [sys.executable, "-c", official, str(ckpt)],
+                    "torch.load of every rank file": [sys.executable, "-c", load_all, str(ckpt)],
+                    "inspect FOLDER --json": [exe, "inspect", str(ckpt), "--json"],
+                    "fix -o fp32.safetensors": [exe, "fix", str(ckpt), "-o", str(out)]}
+            best = {k: (min(t), rss) for k, (t, rss) in
+                    measure_rounds(cmds, args.rounds, before=lambda out=out: out.unlink(missing_ok=True)).items()}
+            out.unlink(missing_ok=True)
+            t_off, t_load = best["zero_to_fp32 (state_dict in memory)"][0], best["torch.load of every rank file"][0]
+            print(f"ZeRO-{stage}, {ranks} ranks ({folder_mb(ckpt / 'global_step1'):.1f} MB), best of {args.rounds}:")
+            for label, (seconds, rss) in best.items():
+                extra = f"  {seconds / t_off:.2f}x zero_to_fp32, {seconds / t_load:.2f}x torch.load all" \
+                    if not label.startswith(("zero", "torch")) else ""
+                print("  " + row(label, seconds, rss) + extra)
+
+
 def main() -> None:
+    import argparse
+
+    ranks = argparse.ArgumentParser(add_help=False)
+    ranks.add_argument("--ranks", default=None)
+    known, rest = ranks.parse_known_args()
+    sys.argv[1:] = rest
     args = bench_args(__doc__)
+    args.ranks = known.ranks
+    if args.ranks:
+        compile_bytecode()
+        by_ranks(args, shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(sys.executable), "ckpt-doctor"))
+        return
     work = Path(args.dir)
     exe = shutil.which("ckpt-doctor") or os.path.join(os.path.dirname(sys.executable), "ckpt-doctor")
     compile_bytecode()
