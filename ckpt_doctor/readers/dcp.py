@@ -123,50 +123,45 @@ def _ints(value: Any, what: str, where: Path) -> tuple[int, ...]:
 
 
 def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = True,
-                   policy: Policy = DEFAULT_POLICY) -> None:
-    src, size = _open(path)
-    try:
-        if size > limits.MAX_UNPICKLE_BYTES:
-            raise ReadError(f"{path}: {size:,} bytes of DCP metadata, over the {limits.MAX_UNPICKLE_BYTES >> 20} MB "
-                            "ckpt-doctor unpickles")
-        raw = read_all(src, size)
-    finally:
-        close_source(src)
+                   policy: Policy = DEFAULT_POLICY, parsed: Any = None) -> None:
+    """Merge one metadata file into `meta`. `parsed`: the file as dcp_meta_fast.recognize read it (the same values
+    its unpickled tree gives); None: it is unpickled here by the safe unpickler."""
     rank_file = RANK_METADATA.fullmatch(path.name)
     rank = int(rank_file.group(1)) if rank_file else None
-    up = SafeUnpickler(io.BytesIO(raw), path.name, None, policy=policy)
-    unpicklers.append(up)
-    state = _state(run_unpickler(up, path), "Metadata", path)
-    meta.version = str(_field(state, "version", path)) if isinstance(state, dict) and "version" in state else ""
-    sdm = _field(state, "state_dict_metadata", path)
-    planner = _field(state, "planner_data", path) if isinstance(state, dict) and "planner_data" in state else {}
-    storage = _field(state, "storage_data", path)
-    if not isinstance(sdm, dict) or not isinstance(storage, dict):
-        raise ReadError(f"{path}: DCP metadata whose state_dict_metadata or storage_data is not a dict")
+    if parsed is not None:
+        unpicklers.append(parsed)  # (its globals are the survey's; build_checkpoint reads .length, .notes, .globals)
+        meta.version = parsed.version
+        sdm: Any = parsed.sdm
+        planner: Any = parsed.planner
+        storage: Any = parsed.storage
+    else:
+        src, size = _open(path)
+        try:
+            if size > limits.MAX_UNPICKLE_BYTES:
+                raise ReadError(f"{path}: {size:,} bytes of DCP metadata, over the {limits.MAX_UNPICKLE_BYTES >> 20} "
+                                "MB ckpt-doctor unpickles")
+            raw = read_all(src, size)
+        finally:
+            close_source(src)
+        up = SafeUnpickler(io.BytesIO(raw), path.name, None, policy=policy)
+        unpicklers.append(up)
+        state = _state(run_unpickler(up, path), "Metadata", path)
+        meta.version = str(_field(state, "version", path)) if isinstance(state, dict) and "version" in state else ""
+        sdm = _field(state, "state_dict_metadata", path)
+        planner = _field(state, "planner_data", path) if isinstance(state, dict) and "planner_data" in state else {}
+        storage = _field(state, "storage_data", path)
+        if not isinstance(sdm, dict) or not isinstance(storage, dict):
+            raise ReadError(f"{path}: DCP metadata whose state_dict_metadata or storage_data is not a dict")
+        sdm = _tensor_entries(sdm, path)
+        storage = _storage_entries(storage, path)
     own: dict[str, set[tuple[int, ...]]] = {}  # the chunk offsets of each tensor this file describes
-    for fqn, md in sdm.items():
-        if not isinstance(fqn, str):
-            raise ReadError(f"{path}: DCP metadata names an item by a {type(fqn).__name__}, not a string")
-        ref = md.ckd.ref.qualname if isinstance(md, Opaque) and md.ckd.ref is not None else ""
-        if ref.endswith("BytesStorageMetadata"):
+    for entry in sdm:
+        fqn = entry[0]
+        if entry[1] is None:
             if fqn not in meta.values:
                 meta.values.append(fqn)
             continue
-        tsm = _state(md, "TensorStorageMetadata", path)
-        size = _ints(_field(tsm, "size", path), f"the size of {fqn}", path)
-        props = _state(_field(tsm, "properties", path), "TensorProperties", path)
-        dtype = props[0] if isinstance(props, tuple) and props else _field(props, "dtype", path)
-        name = getattr(dtype, "name", None)
-        if not isinstance(name, str):
-            raise ReadError(f"{path}: {fqn} has no torch dtype in its metadata")
-        chunks = []
-        listed = _field(tsm, "chunks", path) or []
-        if not isinstance(listed, list):
-            raise ReadError(f"{path}: the chunks of {fqn} are not a list")
-        for chunk in listed:
-            cs = _state(chunk, "ChunkStorageMetadata", path)
-            chunks.append((_ints(_field(cs, "offsets", path), f"a chunk offset of {fqn}", path),
-                           _ints(_field(cs, "sizes", path), f"a chunk size of {fqn}", path)))
+        _fqn, size, name, chunks = entry
         own[fqn] = {c[0] for c in chunks}
         known = meta.tensors.get(fqn)
         if known is not None:
@@ -192,11 +187,66 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = Tru
             if meta.paths.setdefault(fqn, p) != p:
                 raise ReadError(f"{path}: planner_data puts {fqn} at {list(p)[:6]}, another rank's metadata at "
                                 f"{list(meta.paths[fqn])[:6]}: the metadata files disagree")
-    # One entry per chunk: a million in a large run's metadata. Each class is checked once (every entry of a class is
-    # an instance of the same stand-in class), each file name once, and a plain dict state is read directly.
+    good_files: set[str] = set()
+    for fqn, offset, rel, at, length, transforms in storage:
+        if not (type(at) is int and type(length) is int and at >= 0 and length >= 0):
+            raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} is malformed")
+        if not isinstance(rel, str) or rel not in good_files:
+            if not isinstance(rel, str):
+                raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} is malformed")
+            if "/" in rel or "\\" in rel or rel in ("", ".", ".."):
+                raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} names {rel[:80]!r}, not a file in "
+                                "the folder")
+            good_files.add(rel)
+        key = (fqn, offset)
+        entry = (rel, at, length, transforms)
+        if strict and offset is not None and fqn in own and offset not in own[fqn]:
+            raise ReadError(f"{path}: stores a chunk of {fqn} at {list(offset)} ({rel} at byte {at}) that its own "
+                            "state_dict_metadata does not list: the metadata is inconsistent")
+        first = meta.storage.setdefault(key, entry)
+        if first == entry:
+            meta.holder.setdefault(key, rank)
+        elif rank is not None and meta.holder.get(key) != rank or not strict:  # another rank's copy (compared
+            meta.copies.setdefault(key, []).append((rank, entry))  # when read; scan walks every place)
+        else:
+            raise ReadError(f"{path}: {fqn} at {list(offset or [])} is stored in {rel} at byte {at} and in "
+                            f"{first[0]} at byte {first[1]}: the metadata names two places for one item")
+
+
+def _tensor_entries(sdm: dict, path: Path) -> Any:
+    """state_dict_metadata's entries, unpickled: (fqn, None) for a value, (fqn, size, dtype name, chunks) for a
+    tensor."""
+    for fqn, md in sdm.items():
+        if not isinstance(fqn, str):
+            raise ReadError(f"{path}: DCP metadata names an item by a {type(fqn).__name__}, not a string")
+        ref = md.ckd.ref.qualname if isinstance(md, Opaque) and md.ckd.ref is not None else ""
+        if ref.endswith("BytesStorageMetadata"):
+            yield (fqn, None)
+            continue
+        tsm = _state(md, "TensorStorageMetadata", path)
+        size = _ints(_field(tsm, "size", path), f"the size of {fqn}", path)
+        props = _state(_field(tsm, "properties", path), "TensorProperties", path)
+        dtype = props[0] if isinstance(props, tuple) and props else _field(props, "dtype", path)
+        name = getattr(dtype, "name", None)
+        if not isinstance(name, str):
+            raise ReadError(f"{path}: {fqn} has no torch dtype in its metadata")
+        chunks = []
+        listed = _field(tsm, "chunks", path) or []
+        if not isinstance(listed, list):
+            raise ReadError(f"{path}: the chunks of {fqn} are not a list")
+        for chunk in listed:
+            cs = _state(chunk, "ChunkStorageMetadata", path)
+            chunks.append((_ints(_field(cs, "offsets", path), f"a chunk offset of {fqn}", path),
+                           _ints(_field(cs, "sizes", path), f"a chunk size of {fqn}", path)))
+        yield (fqn, size, name, chunks)
+
+
+def _storage_entries(storage: dict, path: Path):
+    """storage_data's entries, unpickled: (fqn, chunk offsets or None, relative_path, offset, length, transforms).
+    One entry per chunk: a million in a large run's metadata. Each class is checked once (every entry of a class is
+    an instance of the same stand-in class), and a plain dict state is read directly."""
     index_classes: set[type] = set()
     info_classes: set[type] = set()
-    good_files: set[str] = set()
     for index, info in storage.items():
         if type(index) in index_classes:
             mi = index._ckd.state
@@ -221,28 +271,31 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = Tru
         if transforms is not None and not (isinstance(transforms, (list, tuple))
                                            and all(isinstance(t, str) for t in transforms)):
             raise ReadError(f"{path}: the storage entry of {fqn[:80]} has malformed transform descriptors")
-        if not (type(at) is int and type(length) is int and at >= 0 and length >= 0):
-            raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} is malformed")
-        if not isinstance(rel, str) or rel not in good_files:
-            if not isinstance(rel, str):
-                raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} is malformed")
-            if "/" in rel or "\\" in rel or rel in ("", ".", ".."):
-                raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} names {rel[:80]!r}, not a file in "
-                                "the folder")
-            good_files.add(rel)
-        key = (fqn, None if offset is None else _ints(offset, f"a storage offset of {fqn}", path))
-        entry = (rel, at, length, tuple(transforms or ()))
-        if strict and key[1] is not None and fqn in own and key[1] not in own[fqn]:
-            raise ReadError(f"{path}: stores a chunk of {fqn} at {list(key[1])} ({rel} at byte {at}) that its own "
-                            "state_dict_metadata does not list: the metadata is inconsistent")
-        first = meta.storage.setdefault(key, entry)
-        if first == entry:
-            meta.holder.setdefault(key, rank)
-        elif rank is not None and meta.holder.get(key) != rank or not strict:  # another rank's copy (compared
-            meta.copies.setdefault(key, []).append((rank, entry))  # when read; scan walks every place)
-        else:
-            raise ReadError(f"{path}: {fqn} at {list(key[1] or [])} is stored in {rel} at byte {at} and in "
-                            f"{first[0]} at byte {first[1]}: the metadata names two places for one item")
+        yield (fqn, None if offset is None else _ints(offset, f"a storage offset of {fqn}", path), rel, at, length,
+               tuple(transforms or ()))
+
+
+def _recognized(path: Path, policy: Policy) -> Any:
+    """A local metadata file read by dcp_meta_fast's recognizer (what torch's pickler writes, and nothing else), or
+    None: the file is then surveyed (every pickle walked, with the walk's bounds) and unpickled as any other. The
+    file must be what survey_file would take for a bare pickle alone: no tar header first, no zip end record in its
+    last 64 KB (each a second reading a loader could make of it)."""
+    if isinstance(path, RemotePath):
+        return None
+    from ..sniff import Container
+    from .dcp_meta_fast import recognize
+    from .table import sniff_head
+
+    src, size = _open(path)
+    try:
+        if size > limits.MAX_UNPICKLE_BYTES or size < 64:
+            return None
+        raw = read_all(src, size)
+    finally:
+        close_source(src)
+    if len(raw) != size or sniff_head(raw[:512], size) is not Container.PICKLE or b"PK\x05\x06" in raw[-65558:]:
+        return None
+    return recognize(raw, policy)
 
 
 def _layout(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
@@ -673,6 +726,11 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
                 raise ReadError(f"{path}: cannot be read ({exc.strerror})") from None
             if not stat.S_ISREG(mode):  # a pipe would block the open below
                 raise ReadError(f"{path}: not a regular file (a device, a pipe or a folder)")
+        parsed = _recognized(path, policy)
+        if parsed is not None:  # torch's own metadata, byte for byte: its globals are known, nothing to walk
+            survey_globals.extend(parsed.globals)
+            _read_metadata(path, meta, unpicklers, policy=policy, parsed=parsed)
+            continue
         survey = survey_file(path, policy=policy)
         survey_globals.extend(survey.globals)
         hazards.extend(survey.hazards)

@@ -1,0 +1,572 @@
+"""A strict recognizer of the `.metadata` pickle torch.distributed.checkpoint writes: read in one pass, at C speed
+over its repeated parts, or not at all (None: the safety walk and the safe unpickler then read it, with their
+bounds, as before).
+
+Why: a `.metadata` of 1,000,000 chunk entries is ~68 million opcodes, past what the opcode-by-opcode walk
+(safepickle/walker.py) is allowed to visit; yet its bytes are a handful of templates torch's pickler repeats.
+
+What is admitted (anything else returns None):
+- framing: PROTO 4 or 5 first; FRAMEs exactly back to back (each where the previous one ends, no opcode across a
+  frame's end, the last one ending at the last byte). So Python's framed reader and the C unpickler (which ignores
+  frame ends) read the same opcodes; no frame can be "read two ways" (the walk's anomaly).
+- opcodes: the ones torch's pickler writes for the Metadata dataclass tree: MEMOIZE (never PUT: a memo index is
+  always the next one, so the memo is at most one entry per byte), BINGET/LONG_BINGET only of an index this
+  recognizer recorded itself, SHORT_BINUNICODE/BINUNICODE, STACK_GLOBAL, EMPTY_TUPLE/TUPLE1-3/TUPLE,
+  EMPTY_DICT/SETITEM(S), EMPTY_LIST/APPEND(S), MARK, NEWOBJ, BUILD, REDUCE, BININT1/2/BININT/LONG1 (8 bytes at
+  most), NONE/NEWTRUE/NEWFALSE, STOP at the last byte with one value on the stack and no MARK open.
+- globals: only DCP's metadata dataclasses, torch.Size, torch's dtypes, torch.serialization._get_layout,
+  _MEM_FORMAT_ENCODING and pathlib's path classes, each only where torch puts it (NEWOBJ of a dataclass with no
+  arguments; REDUCE of torch.Size on a tuple of non-negative ints, of _get_layout / _MEM_FORMAT_ENCODING / a path on
+  a tuple of strs or ints); and each judged SAFE by the policy in force (else the walk reports it).
+- values: BUILD only on a dataclass made here, once, with a dict (a tuple for TensorProperties); dict keys are strs
+  or objects made here (hashed by identity: no hash a file can choose, no tuple to recurse into); SETITEMS on
+  dicts, APPENDS on lists only; the tree is then read by its schema (fixed depth), never walked generically.
+
+Why no bomb passes: every opcode admitted costs O(1) work and memory except those that pop a MARK's items (each
+item popped once) and string reads (bounded by the bytes they consume), so time and memory are linear in the
+file's length, itself at most limits.MAX_UNPICKLE_BYTES. Nothing is looked up or called: globals are inert markers
+compared by name, REDUCE/NEWOBJ build markers. The fast templates (compiled `re` patterns over one chunk entry or
+one storage entry, with the memo indices of their class, keys and torch.Size spelled in as literal bytes) only
+shortcut what the opcode loop would do with the same bytes: a template's variable parts are bounded (a string of
+at most 255 bytes, whose length byte is checked; ints of fixed widths), so one match costs O(1), and a unit that
+does not fit a template is read by the opcode loop instead.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+from ..safepickle.policy import DEFAULT_POLICY, GlobalRef, Policy, Verdict
+
+_DC = "torch.distributed.checkpoint.metadata"
+_CLASSES = frozenset({(_DC, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                         "ChunkStorageMetadata", "TensorProperties", "MetadataIndex", "StorageMeta")}
+                     | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")})
+_PATHS = frozenset((m, n) for m in ("pathlib", "pathlib._local")
+                   for n in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"))
+_CALLS = frozenset({("torch", "Size"), ("torch.serialization", "_get_layout"), (_DC, "_MEM_FORMAT_ENCODING")}) | _PATHS
+_LE4 = struct.Struct("<I")
+_LE8 = struct.Struct("<Q")
+
+
+class NoFit(Exception):
+    """The bytes leave the grammar: the ordinary path reads the file."""
+
+
+class _G:
+    """An allow-listed global: a marker, never the object it names."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+
+class _Obj:
+    """An instance of a DCP dataclass (NEWOBJ), its state set once by BUILD."""
+
+    __slots__ = ("cls", "state")
+
+    def __init__(self, cls: str) -> None:
+        self.cls, self.state = cls, None
+
+
+class _Size(tuple):
+    __slots__ = ()
+
+
+class _Chunk(tuple):  # (offsets, sizes) of a ChunkStorageMetadata read by the chunk template
+    __slots__ = ()
+
+
+class _Info(tuple):  # (relative_path, offset, length) of a _StorageInfo read by the storage template
+    __slots__ = ()
+
+
+class _Key:
+    """A MetadataIndex read by the storage template (hashed by identity, as every key object here)."""
+
+    __slots__ = ("fqn", "offset")
+
+    def __init__(self, fqn: str, offset: tuple) -> None:
+        self.fqn, self.offset = fqn, offset
+
+
+class _Token:  # what _get_layout, _MEM_FORMAT_ENCODING and a path constructor give back: inert, unread
+    __slots__ = ()
+
+
+_TOKEN = _Token()
+_MARK = object()
+
+
+def _get(idx: int) -> bytes:
+    return b"h" + bytes([idx]) if idx < 256 else b"j" + _LE4.pack(idx)
+
+
+_INT = rb"(?:K.|M..|J...[\x00-\x7f])"
+_TUP = rb"(\)|" + _INT + rb"\x85\x94|" + _INT + rb"{2}\x86\x94|" + _INT + rb"{3}\x87\x94|\(" + _INT + rb"{4,64}t\x94)"
+_BIG = rb"(K.|M..|J...[\x00-\x7f]|\x8a(?:\x05.{4}|\x06.{5}|\x07.{6}|\x08.{7})[\x00-\x7f])"
+_STR = rb"(?:\x8c(.)(.{0,255}?)\x94|h(.)|j(....))"
+
+
+def _ints(g: bytes) -> tuple:
+    """The ints of a _TUP group (the regex has checked its shape)."""
+    if g == b")":
+        return ()
+    body = g[1:-2] if g[0] == 0x28 else g[:-2]
+    n = len(body)
+    if body[::2] == b"K" * ((n + 1) // 2):  # all BININT1: every even byte is the opcode
+        return tuple(body[1::2])
+    out = []
+    i = 0
+    while i < n:
+        op = body[i]
+        if op == 0x4B:
+            out.append(body[i + 1])
+            i += 2
+        elif op == 0x4D:
+            out.append(body[i + 1] | body[i + 2] << 8)
+            i += 3
+        else:
+            out.append(int.from_bytes(body[i + 1:i + 5], "little"))
+            i += 5
+    return tuple(out)
+
+
+def _big(g: bytes) -> int:
+    op = g[0]
+    if op == 0x4B:
+        return g[1]
+    if op == 0x4D:
+        return g[1] | g[2] << 8
+    if op == 0x4A:
+        return int.from_bytes(g[1:5], "little")
+    return int.from_bytes(g[2:], "little")
+
+
+class _Machine:
+    def __init__(self, data: bytes, policy: Policy) -> None:
+        self.data = data
+        self.policy = policy
+        self.memo: dict[int, object] = {}
+        self.count = 0  # the next memo index
+        self.globals: list[GlobalRef] = []
+        self.seen: dict[tuple[str, str], _G] = {}
+        self.roles: dict[object, int] = {}  # (kind, name) -> the memo index holding it, for the templates
+        self.chunk_re = self.storage_re = None
+        self.strings: dict[str, str] = {}  # equal strings kept once (a million relative paths are a few files)
+        self.sizes: dict[tuple, tuple] = {}
+
+    # --- the templates ---------------------------------------------------------------------------------------
+    def _role(self, idx: int, value: object) -> None:
+        if type(value) is _G:
+            role = ("g", value.name)
+        elif type(value) is str and value in ("offsets", "sizes", "fqn", "index", "offset", "relative_path",
+                                              "length"):
+            role = ("s", value)
+        else:
+            return
+        if role in self.roles:
+            return
+        self.roles[role] = idx
+        r = self.roles
+        if self.chunk_re is None and all(k in r for k in (("g", "ChunkStorageMetadata"), ("s", "offsets"),
+                                                          ("s", "sizes"), ("g", "Size"))):
+            size = re.escape(_get(r["g", "Size"]))
+            self.chunk_head = _get(r["g", "ChunkStorageMetadata"])
+            self.chunk_re = re.compile(
+                re.escape(self.chunk_head) + rb"\)\x81\x94\}\x94\(" + re.escape(_get(r["s", "offsets"])) + size + _TUP
+                + rb"\x85\x94R\x94" + re.escape(_get(r["s", "sizes"])) + size + _TUP + rb"\x85\x94R\x94ub", re.S).match
+        if self.storage_re is None and all(k in r for k in (
+                ("g", "MetadataIndex"), ("g", "_StorageInfo"), ("g", "Size"), ("s", "fqn"), ("s", "index"),
+                ("s", "offset"), ("s", "relative_path"), ("s", "length"))):
+            e = lambda role: re.escape(_get(r[role]))  # noqa: E731
+            self.storage_head = _get(r["g", "MetadataIndex"])
+            self.storage_re = re.compile(
+                re.escape(self.storage_head) + rb"\)\x81\x94\}\x94\(" + e(("s", "fqn")) + _STR + e(("s", "index"))
+                + _BIG + e(("s", "offset")) + e(("g", "Size")) + _TUP + rb"\x85\x94R\x94ub"
+                + e(("g", "_StorageInfo")) + rb"\)\x81\x94\}\x94\(" + e(("s", "relative_path")) + _STR
+                + e(("s", "offset")) + _BIG + e(("s", "length")) + _BIG + rb"ub", re.S).match
+
+    def _str_of(self, m, i: int, at: int) -> tuple[str, int]:
+        """A template's string: (value, memo entries it adds)."""
+        raw = m.group(i + 1)
+        if raw is not None:
+            if len(raw) != m.group(i)[0]:
+                raise _Retry
+            value = raw.decode("utf-8", "surrogatepass")
+            value = self.strings.setdefault(value, value)
+            self.memo[at] = value
+            return value, 1
+        idx = m.group(i + 2)[0] if m.group(i + 2) is not None else _LE4.unpack(m.group(i + 3))[0]
+        value = self.memo.get(idx)
+        if type(value) is not str:
+            raise NoFit
+        return value, 0
+
+    def _chunks(self, pos: int, end: int, stack: list) -> int:
+        match = self.chunk_re
+        sizes = self.sizes
+        while True:
+            m = match(self.data, pos)
+            if m is None or m.end() > end:
+                return pos
+            a, b = m.group(1), m.group(2)
+            offsets, size = _ints(a), _ints(b)
+            size = sizes.setdefault(size, size)
+            stack.append(_Chunk((offsets, size)))
+            self.count += 8 - (a == b")") - (b == b")")
+            pos = m.end()
+
+    def _storage(self, pos: int, end: int, stack: list) -> int:
+        match = self.storage_re
+        while True:
+            m = match(self.data, pos)
+            if m is None or m.end() > end:
+                return pos
+            try:
+                base = self.count + 2
+                fqn, new = self._str_of(m, 1, base)
+                base += new
+                offs = m.group(6)
+                offset = _ints(offs)
+                base += 5 - (offs == b")")
+                rel, new = self._str_of(m, 7, base)
+            except _Retry:
+                return pos
+            stack.append(_Key(fqn, offset))
+            stack.append(_Info((rel, _big(m.group(11)), _big(m.group(12)))))
+            self.count = base + new
+            pos = m.end()
+
+    # --- the opcode loop -------------------------------------------------------------------------------------
+    def run(self) -> object:
+        data = self.data
+        n = len(data)
+        if n < 12 or data[0] != 0x80 or data[1] not in (4, 5) or data[2] != 0x95:
+            raise NoFit
+        pos = 2
+        frame_end = 2  # the end of the frame being read; a FRAME opcode must stand exactly there
+        stack: list = []
+        marks: list[int] = []
+        memo = self.memo
+        while True:
+            if pos >= frame_end:
+                if pos != frame_end or pos >= n or data[pos] != 0x95 or pos + 9 > n:
+                    raise NoFit
+                length = _LE8.unpack_from(data, pos + 1)[0]
+                pos += 9
+                frame_end = pos + length
+                if length == 0 or frame_end > n:
+                    raise NoFit
+                continue
+            op = data[pos]
+            if op == 0x94:  # MEMOIZE
+                if not stack or stack[-1] is _MARK:
+                    raise NoFit
+                memo[self.count] = stack[-1]
+                self._role(self.count, stack[-1])
+                self.count += 1
+                pos += 1
+            elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
+                if self.chunk_re is not None and data.startswith(self.chunk_head, pos):
+                    new = self._chunks(pos, frame_end, stack)
+                    if new != pos:
+                        pos = new
+                        continue
+                if self.storage_re is not None and data.startswith(self.storage_head, pos):
+                    new = self._storage(pos, frame_end, stack)
+                    if new != pos:
+                        pos = new
+                        continue
+                if op == 0x68:
+                    idx, pos = data[pos + 1], pos + 2
+                else:
+                    idx, pos = _LE4.unpack_from(data, pos + 1)[0], pos + 5
+                if idx not in memo:
+                    raise NoFit
+                stack.append(memo[idx])
+            elif op == 0x8C or op == 0x58:  # SHORT_BINUNICODE, BINUNICODE
+                if op == 0x8C:
+                    length, pos = data[pos + 1], pos + 2
+                else:
+                    length, pos = _LE4.unpack_from(data, pos + 1)[0], pos + 5
+                if pos + length > frame_end:
+                    raise NoFit
+                try:
+                    value = data[pos:pos + length].decode("utf-8", "surrogatepass")
+                except UnicodeDecodeError:
+                    raise NoFit from None
+                stack.append(self.strings.setdefault(value, value))
+                pos += length
+            elif op == 0x4B:
+                stack.append(data[pos + 1])
+                pos += 2
+            elif op == 0x4D:
+                stack.append(data[pos + 1] | data[pos + 2] << 8)
+                pos += 3
+            elif op == 0x4A:
+                stack.append(int.from_bytes(data[pos + 1:pos + 5], "little", signed=True))
+                pos += 5
+            elif op == 0x8A:  # LONG1
+                length = data[pos + 1]
+                if length > 8:
+                    raise NoFit
+                stack.append(int.from_bytes(data[pos + 2:pos + 2 + length], "little", signed=True))
+                pos += 2 + length
+            elif op == 0x28:  # MARK
+                marks.append(len(stack))
+                stack.append(_MARK)
+                pos += 1
+            elif op in (0x75, 0x65, 0x74):  # SETITEMS, APPENDS, TUPLE
+                if not marks:
+                    raise NoFit
+                at = marks.pop()
+                items = stack[at + 1:]
+                del stack[at:]
+                if op == 0x74:
+                    stack.append(tuple(items))
+                else:
+                    if not stack:
+                        raise NoFit
+                    self._add(stack[-1], items, op == 0x75)
+                pos += 1
+            elif op == 0x73 or op == 0x61:  # SETITEM, APPEND
+                k = 2 if op == 0x73 else 1
+                if len(stack) < k + 1 or _MARK in stack[-k - 1:]:
+                    raise NoFit
+                items = stack[-k:]
+                del stack[-k:]
+                self._add(stack[-1], items, op == 0x73)
+                pos += 1
+            elif op == 0x29:
+                stack.append(())
+                pos += 1
+            elif op in (0x85, 0x86, 0x87):  # TUPLE1-3
+                k = op - 0x84
+                if len(stack) < k or _MARK in stack[-k:]:
+                    raise NoFit
+                value = tuple(stack[-k:])
+                del stack[-k:]
+                stack.append(value)
+                pos += 1
+            elif op == 0x7D:
+                stack.append({})
+                pos += 1
+            elif op == 0x5D:
+                stack.append([])
+                pos += 1
+            elif op == 0x93:  # STACK_GLOBAL
+                if len(stack) < 2 or type(stack[-1]) is not str or type(stack[-2]) is not str:
+                    raise NoFit
+                key = (stack[-2], stack[-1])
+                del stack[-2:]
+                stack.append(self._global(key, pos))
+                pos += 1
+            elif op == 0x81:  # NEWOBJ
+                if len(stack) < 2 or type(stack[-1]) is not tuple or stack[-1] != () or type(stack[-2]) is not _G \
+                        or (stack[-2].module, stack[-2].name) not in _CLASSES:
+                    raise NoFit
+                cls = stack[-2].name
+                del stack[-2:]
+                stack.append(_Obj(cls))
+                pos += 1
+            elif op == 0x62:  # BUILD
+                if len(stack) < 2:
+                    raise NoFit
+                state, obj = stack[-1], stack[-2]
+                if type(obj) is not _Obj or obj.state is not None or not (
+                        type(state) is dict or type(state) is tuple and obj.cls == "TensorProperties"):
+                    raise NoFit
+                obj.state = state
+                del stack[-1]
+                pos += 1
+            elif op == 0x52:  # REDUCE
+                if len(stack) < 2:
+                    raise NoFit
+                args, fn = stack[-1], stack[-2]
+                if type(fn) is not _G or type(args) is not tuple:
+                    raise NoFit
+                if fn.name == "Size" and fn.module == "torch":
+                    if len(args) != 1 or type(args[0]) is not tuple or not all(
+                            type(v) is int and v >= 0 for v in args[0]):
+                        raise NoFit
+                    value = _Size(args[0])
+                elif (fn.module, fn.name) in _CALLS and all(type(a) in (str, int) for a in args):
+                    value = _TOKEN
+                else:
+                    raise NoFit
+                del stack[-2:]
+                stack.append(value)
+                pos += 1
+            elif op == 0x4E:
+                stack.append(None)
+                pos += 1
+            elif op == 0x88 or op == 0x89:
+                stack.append(op == 0x88)
+                pos += 1
+            elif op == 0x2E:  # STOP
+                pos += 1
+                if pos != n or frame_end != n or len(stack) != 1 or marks:
+                    raise NoFit
+                return stack[0]
+            else:
+                raise NoFit
+            if pos > frame_end:  # an opcode ran past its frame's end
+                raise NoFit
+
+    def _global(self, key: tuple[str, str], at: int) -> _G:
+        g = self.seen.get(key)
+        if g is not None:
+            return g
+        module, name = key
+        if key not in _CLASSES and key not in _CALLS and not (module == "torch" and name in _DTYPE_NAMES):
+            raise NoFit
+        verdict, reason = self.policy.classify(module, name)
+        if verdict is not Verdict.SAFE:
+            raise NoFit
+        self.globals.append(GlobalRef(module, name, verdict, reason, f"pickle at byte {at}"))
+        g = self.seen[key] = _G(module, name)
+        return g
+
+    @staticmethod
+    def _add(target: object, items: list, pairs: bool) -> None:
+        if pairs:
+            if type(target) is not dict or len(items) % 2:
+                raise NoFit
+            keys = items[::2]
+            if not {type(k) for k in keys} <= {str, _Obj, _Key}:
+                raise NoFit
+            target.update(zip(keys, items[1::2]))
+        else:
+            if type(target) is not list:
+                raise NoFit
+            target.extend(items)
+
+
+class _Retry(Exception):
+    pass
+
+
+_DTYPE_NAMES: frozenset[str] = frozenset()
+
+
+def _dtype_names() -> frozenset[str]:
+    global _DTYPE_NAMES
+    if not _DTYPE_NAMES:
+        from ..safepickle.policy import _DTYPES
+
+        _DTYPE_NAMES = frozenset(_DTYPES)
+    return _DTYPE_NAMES
+
+
+class Parsed:
+    """What the reader takes from a `.metadata`: the same values its unpickled tree gives."""
+
+    __slots__ = ("version", "has_version", "sdm", "planner", "storage", "globals", "length", "notes")
+
+    def __init__(self) -> None:
+        self.version, self.has_version = "", False
+        self.sdm: list = []  # (fqn, None) for a value; (fqn, size, dtype name, [(offsets, sizes), ...])
+        self.planner: dict = {}
+        self.storage: list = []  # (fqn, offsets | None, relative_path, offset, length, transforms)
+        self.globals: list[GlobalRef] = []
+        self.length = 0
+        self.notes: tuple = ()
+
+
+def recognize(data: bytes, policy: Policy = DEFAULT_POLICY) -> Parsed | None:
+    """The metadata in `data`, when every byte fits the grammar torch writes; None otherwise."""
+    _dtype_names()
+    machine = _Machine(data, policy)
+    try:
+        root = machine.run()
+        out = _read_tree(root)
+    except (NoFit, _Retry, IndexError, struct.error, UnicodeDecodeError):
+        return None
+    out.globals = machine.globals
+    out.length = len(data)
+    return out
+
+
+def _state(obj: object, cls: str) -> object:
+    if type(obj) is not _Obj or obj.cls != cls:
+        raise NoFit
+    return obj.state
+
+
+def _read_tree(root: object) -> Parsed:
+    out = Parsed()
+    state = _state(root, "Metadata")
+    if type(state) is not dict or not {"state_dict_metadata", "storage_data"} <= state.keys():
+        raise NoFit
+    if "version" in state:
+        if type(state["version"]) is not str:
+            raise NoFit
+        out.version, out.has_version = state["version"], True
+    sdm, storage = state["state_dict_metadata"], state["storage_data"]
+    planner = state.get("planner_data", {})
+    if type(sdm) is not dict or type(storage) is not dict or type(planner) is not dict:
+        raise NoFit
+    for fqn, md in sdm.items():
+        if type(fqn) is not str or type(md) is not _Obj:
+            raise NoFit
+        if md.cls == "BytesStorageMetadata":
+            if md.state not in (None, {}):
+                raise NoFit
+            out.sdm.append((fqn, None))
+            continue
+        tsm = _state(md, "TensorStorageMetadata")
+        if type(tsm) is not dict or not {"properties", "size", "chunks"} <= tsm.keys():
+            raise NoFit
+        props = _state(tsm["properties"], "TensorProperties")
+        dtype = props[0] if type(props) is tuple and props else None
+        size, listed = tsm["size"], tsm["chunks"]
+        if type(dtype) is not _G or dtype.module != "torch" or type(size) is not _Size or type(listed) is not list:
+            raise NoFit
+        chunks = []
+        for chunk in listed:
+            if type(chunk) is _Chunk:
+                chunks.append((chunk[0], chunk[1]))
+                continue
+            cs = _state(chunk, "ChunkStorageMetadata")
+            if type(cs) is not dict or type(cs.get("offsets")) is not _Size or type(cs.get("sizes")) is not _Size:
+                raise NoFit
+            chunks.append((tuple(cs["offsets"]), tuple(cs["sizes"])))
+        out.sdm.append((fqn, tuple(size), dtype.name, chunks))
+    for fqn, p in planner.items():
+        if type(fqn) is not str or type(p) is not tuple or not all(type(k) is str or type(k) is int for k in p):
+            raise NoFit
+    out.planner = planner
+    for index, info in storage.items():
+        if type(index) is _Key:
+            fqn, offset = index.fqn, index.offset
+        else:
+            mi = _state(index, "MetadataIndex")
+            if type(mi) is not dict or type(mi.get("fqn")) is not str:
+                raise NoFit
+            fqn, offset = mi["fqn"], mi.get("offset")
+            if offset is not None:
+                if type(offset) is not _Size:
+                    raise NoFit
+                offset = tuple(offset)
+        if type(info) is _Info:
+            rel, at, length = info
+            transforms = ()
+        else:
+            si = _state(info, "_StorageInfo")
+            if type(si) is not dict or not {"relative_path", "offset", "length"} <= si.keys():
+                raise NoFit
+            rel, at, length = si["relative_path"], si["offset"], si["length"]
+            transforms = si.get("transform_descriptors")
+            if transforms is None:
+                transforms = ()
+            elif type(transforms) is not list or not all(type(t) is str for t in transforms):
+                raise NoFit
+            transforms = tuple(transforms)
+            if type(rel) is not str or type(at) is not int or type(length) is not int:
+                raise NoFit
+        out.storage.append((fqn, offset, rel, at, length, transforms))
+    return out

@@ -1,0 +1,149 @@
+"""The strict recognizer of DCP `.metadata` (readers/dcp_meta_fast.py): on what torch writes, inspect says exactly
+what the safety walk + safe unpickler path says; on anything else (a global, a memo index, an opcode, a frame, a
+length changed; bytes cut or added) it declines and that path's verdict stands."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt_doctor.readers import dcp
+from ckpt_doctor.readers.dcp_meta_fast import recognize
+from tests.conftest import run_cli
+from tests.dcp_samples import write_samples
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory) -> Path:
+    return write_samples(tmp_path_factory.mktemp("dcp_fast"))
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> Path:
+    """bench_dcp.py's folder of torch's own metadata classes: 12 tensors of 100 chunks (1,200 storage entries, more
+    than one SETITEMS batch, several frames)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_dcp import MAKE_CHUNKS
+
+    folder = tmp_path_factory.mktemp("dcp_gen") / "folder"
+    subprocess.run([sys.executable, "-c", MAKE_CHUNKS, str(folder), "12"], check=True)
+    return folder
+
+
+def both_ways(monkeypatch, folder: Path) -> tuple[list, object, object]:
+    """inspect --json of the folder with the recognizer, and with it forced to decline: (what it returned, ...)."""
+    real = dcp._recognized
+    seen: list = []
+
+    def spy(path, policy):
+        parsed = real(path, policy)
+        seen.append(parsed)
+        return parsed
+
+    monkeypatch.setattr(dcp, "_recognized", spy)
+    fast = run_cli("inspect", folder, "--json")
+    monkeypatch.setattr(dcp, "_recognized", lambda path, policy: None)
+    slow = run_cli("inspect", folder, "--json")
+    monkeypatch.setattr(dcp, "_recognized", real)
+    return seen, fast, slow
+
+
+def same(a, b) -> bool:
+    return (a.exit_code, a.stdout, a.stderr) == (b.exit_code, b.stdout, b.stderr)
+
+
+@pytest.mark.parametrize("name", ["dtensors", "fsdp2", "ddp", "nocoll", "nocoll_fsdp2", "nocoll_ranks", "zstd",
+                                  "multifile", "sharded_tensor", "stformat", "payload"])
+def test_torch_written_metadata_reads_the_same_both_ways(samples, monkeypatch, name):
+    seen, fast, slow = both_ways(monkeypatch, samples / name)
+    assert seen and all(p is not None for p in seen)  # the recognizer read every metadata file
+    assert same(fast, slow)
+    assert fast.exit_code == (1 if name == "payload" else 0)  # (payload: a finding in an item, not the metadata)
+
+
+def test_generated_metadata_reads_the_same_both_ways(generated, monkeypatch):
+    seen, fast, slow = both_ways(monkeypatch, generated)
+    assert len(seen) == 1 and seen[0] is not None
+    assert len(seen[0].storage) == 1200 and sum(len(e[3]) for e in seen[0].sdm) == 1200
+    assert same(fast, slow) and fast.exit_code == 0
+
+
+def frames(raw: bytes) -> bytes:
+    """The opcodes of a protocol-4 pickle, its frames removed."""
+    assert raw[:2] == b"\x80\x04"
+    body, pos = [], 2
+    while pos < len(raw):
+        assert raw[pos] == 0x95
+        n = struct.unpack_from("<Q", raw, pos + 1)[0]
+        body.append(raw[pos + 9:pos + 9 + n])
+        pos += 9 + n
+    return b"".join(body)
+
+
+def one_frame(body: bytes) -> bytes:
+    return b"\x80\x04\x95" + struct.pack("<Q", len(body)) + body
+
+
+def mutations(raw: bytes) -> dict[str, bytes]:
+    body = frames(raw)
+    module = b"\x8c\x25torch.distributed.checkpoint.metadata\x94\x8c\x08Metadata\x94"
+    assert body.startswith(module)
+    size_get = body.index(b"h\x21K")  # a BINGET of torch.Size (memo 33) before its ints
+    newobj = body.index(b")\x81")
+    return {
+        "reframed": one_frame(body),  # (the control: one frame is what the recognizer reads)
+        "os.system": one_frame(b"\x8c\x02os\x94\x8c\x06system\x94" + body[len(module):]),
+        "memo index": one_frame(body[:size_get] + b"h\x22" + body[size_get + 2:]),
+        "unrecorded memo": one_frame(body[:size_get] + b"h\xf0" + body[size_get + 2:]),
+        "long binget": one_frame(body[:size_get] + b"j\x21\x00\x00\x00" + body[size_get + 2:]),
+        "opcode": one_frame(body[:newobj + 1] + b"R" + body[newobj + 2:]),
+        "truncated": raw[:-1],
+        "half": raw[:len(raw) // 2],
+        "appended": raw + b"N.",
+        "frame length": raw[:3] + struct.pack("<Q", struct.unpack_from("<Q", raw, 3)[0] + 1) + raw[11:],
+        # a frame ending inside a string: the C unpickler would read the next frame's header as its characters
+        "frame inside an opcode": one_frame(body[:5]) + b"\x95" + struct.pack("<Q", len(body) - 5) + body[5:],
+    }
+
+
+def test_mutated_metadata_is_declined(samples):
+    raw = (samples / "dtensors" / ".metadata").read_bytes()
+    assert recognize(raw) is not None
+    for what, data in mutations(raw).items():
+        if what in ("reframed", "long binget"):  # the same opcodes as CPython reads them: still torch's metadata
+            parsed = recognize(data)
+            assert parsed is not None and parsed.storage == recognize(raw).storage
+        else:
+            assert recognize(data) is None, what
+
+
+@pytest.mark.parametrize("what", ["os.system", "memo index", "opcode", "truncated", "appended", "frame length"])
+def test_mutated_metadata_keeps_the_walks_verdict(samples, tmp_path, monkeypatch, what):
+    folder = tmp_path / "copy"
+    shutil.copytree(samples / "dtensors", folder)
+    data = mutations((folder / ".metadata").read_bytes())[what]
+    (folder / ".metadata").write_bytes(data)
+    seen, fast, slow = both_ways(monkeypatch, folder)
+    assert seen == [None]
+    assert same(fast, slow)
+    if what in ("os.system", "truncated"):  # (the others the unpickler reads: a REDUCE of a dataclass with no
+        assert fast.exit_code in (1, 2)       # arguments, a pickle after STOP, a frame length it does not check)
+    if what == "os.system":
+        assert "os.system" in fast.stderr + fast.stdout
+
+
+def test_dangerous_global_allowed_by_no_policy_is_never_read_fast(samples):
+    """A global off the recognizer's list is declined even where the policy would allow it (the walk judges it)."""
+    from ckpt_doctor.safepickle.policy import DEFAULT_POLICY
+
+    raw = (samples / "dtensors" / ".metadata").read_bytes()
+    body = frames(raw)
+    swapped = body.replace(b"\x8c\x0b_get_layout\x94", b"\x8c\x0b_get_layouu\x94", 1)
+    assert swapped != body and recognize(one_frame(swapped), DEFAULT_POLICY) is None
