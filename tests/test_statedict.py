@@ -96,6 +96,7 @@ def _same_as_two_passes(data: bytes, name: str = "archive/data.pkl") -> bool:
                           enumerate([torch.bfloat16, torch.int8, torch.bool, torch.int64, torch.complex64] * 70)},
                  id="dtypes"),
     pytest.param(lambda: _views(torch.arange(400.0)), id="views-of-one-storage"),
+    pytest.param(lambda: torch.arange(6.0).reshape(2, 3)[:, 1:], id="one-tensor-saved-alone"),
     pytest.param(lambda: {f"big{i}": torch.zeros(1, 1).expand(70_000, 1) for i in range(300)},
                  id="wide-ints-and-zero-strides"),
 ])

@@ -478,7 +478,7 @@ def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, bu
             return
         cache = survey.cache
         fast = None
-        if is_main and len(data) <= limits.MAX_UNPICKLE_BYTES:
+        if is_main and len(data) <= limits.MAX_UNPICKLE_BYTES and cache is None:  # (a DCP item: cached by bytes)
             # The one-pass reader, which imports the unpickler's records: only for a data.pkl torch would unpickle.
             from ..safepickle.statedict import read_state_dict
 

@@ -1,8 +1,9 @@
-"""The pickle `torch.save` writes for a state_dict, read in one pass: the walk and the unpickling of it together.
+"""The pickle `torch.save` writes for a state_dict or a tensor, read in one pass: walked and unpickled together.
 
-A checkpoint's data.pkl is almost always one shape: protocol 2, a dict (or an OrderedDict, with the `_metadata`
-of module versions set on it by BUILD) of str keys to tensors, each `_rebuild_tensor_v2(storage, offset, size,
-stride, requires_grad, OrderedDict())` on a persistent id `("storage", torch.XStorage, key, location, numel)`.
+A checkpoint's data.pkl is almost always one shape: protocol 2, a tensor (a DCP item) or a dict (or an
+OrderedDict, with the `_metadata` of module versions set on it by BUILD) of str keys to tensors, each
+`_rebuild_tensor_v2(storage, offset, size, stride, requires_grad, OrderedDict())` on a persistent id
+`("storage", torch.XStorage, key, location, numel)`.
 read_state_dict reads exactly that grammar and nothing else: the opcodes below, the four kinds of global the
 grammar names (each judged by the policy and required SAFE), and values of the kinds each opcode's place allows.
 Whatever does not fit — another opcode, global, protocol or value, a memo entry that was never stored, bytes after
@@ -26,6 +27,7 @@ against the walker and the unpickler on generated checkpoints, and that every mu
 
 from __future__ import annotations
 
+import functools
 import gc
 import re
 import struct
@@ -112,11 +114,11 @@ class _Reader:
         self.globals: list[GlobalRef] = []
         self.named: dict[bytes, _Marker] = {}
         self.storages: dict[str, StorageRef] = {}
-        self.heights: dict[int, tuple[object, int]] = {}
+        self.heights: dict[int, tuple[object, int]] = {}  # id(dict) -> (the dict, its height), for dicts in dicts
         self.gets: dict[tuple[bytes, ...], tuple | None] = {}  # _template_gets, by the GETs' bytes
-        self.runs: list[tuple[int, list[bytes]]] = []  # the PUTs _item took, as (first index, their index bytes)
+        self.runs: list[tuple[int, list[bytes]]] = []  # the PUTs _items took, as (first index, their index bytes)
         self.run_end = -1
-        self.tuples: dict[bytes, tuple[int, ...]] = {}  # shapes and strides, by their bytes (few distinct)  # id(dict) -> (the dict, its height), for dicts in dicts
+        self.tuples: dict[bytes, tuple[int, ...]] = {}  # shapes and strides, by their bytes (few distinct)
 
     def _global(self, at: int) -> tuple[_Marker, int]:
         match = _GLOBAL_TEXT.match(self.data, at + 1)
@@ -128,7 +130,7 @@ class _Reader:
             raise _Misfit
         if text not in self.named:
             module, name = match.group(1).decode(), match.group(2).decode()
-            verdict, reason = self.policy.classify(module, name)
+            verdict, reason = _classify(self.policy, module, name)
             if verdict is not Verdict.SAFE:
                 raise _Misfit
             self.named[text] = marker
@@ -284,8 +286,8 @@ class _Reader:
                 if marks or len(stack) != 1 or pos != end or not self.check_puts():
                     raise _Misfit  # bytes after STOP, or a stack left over: the walker says what they are
                 root = stack[0]
-                if root.__class__ is not dict and root.__class__ is not OrderedDict:
-                    raise _Misfit
+                if root.__class__ is not dict and root.__class__ is not OrderedDict and root.__class__ is not RawTensor:
+                    raise _Misfit  # a state_dict, or one tensor saved alone
                 self.walk.pickles.append((0, end))
                 self.walk.end = end
                 return StateDictRead(self.walk, root, self.storages, self.globals, end, self.source)
@@ -352,7 +354,7 @@ class _Reader:
         return pos
 
     def check_puts(self) -> bool:
-        """Whether the PUTs of the template's items numbered their entries in turn, as _item took them to."""
+        """Whether the PUTs of the template's items numbered their entries in turn, as _items took them to."""
         for first, puts in self.runs:
             if b"".join(puts) != struct.pack(f"<{len(puts)}I", *range(first, first + len(puts))):
                 return False
@@ -379,6 +381,12 @@ def _ints(value: object) -> bool:
         if item.__class__ is not int or not -_INT64 <= item < _INT64:
             return False
     return True
+
+
+@functools.lru_cache(maxsize=256)
+def _classify(policy: Policy, module: str, name: str) -> tuple[Verdict, str]:
+    """policy.classify, once per policy for each of the grammar's few globals (a folder's items name them anew)."""
+    return policy.classify(module, name)
 
 
 def _index(put: bytes) -> int:
