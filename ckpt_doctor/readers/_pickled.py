@@ -70,6 +70,9 @@ def tensor_table(path: Path, raws: list[tuple[str, RawTensor]]) -> TensorTable:
     """The tensors as columns (tensor_record's checks, without a record per tensor)."""
     keys, dtypes, shapes, strides, offsets, storages, devices, grads, params = ([] for _ in range(9))
     sizes = ELEMENT_SIZE
+    # span_elements by the ids of shape and stride: the one-pass reader hands out one tuple for each distinct
+    # shape (a checkpoint repeats a few). By id, not value: a file chooses the hashes of its tuples of ints.
+    spans: dict[tuple[int, int], int | None] = {}
     for key, raw in raws:
         ref = raw.storage
         if ref is None:
@@ -84,7 +87,12 @@ def tensor_table(path: Path, raws: list[tuple[str, RawTensor]]) -> TensorTable:
             if len(shape) == 1 and len(stride) == 1 and shape[0] > 0 and stride[0] >= 0:  # the common case, inline
                 span = (shape[0] - 1) * stride[0] + 1
             else:
-                span = span_elements(shape, stride)  # None: shape and stride are malformed; 0: no elements
+                layout = (id(shape), id(stride))
+                span = spans.get(layout, -1)
+                if span == -1:
+                    span = span_elements(shape, stride)  # None: shape and stride are malformed; 0: no elements
+                    if len(spans) < 4096:
+                        spans[layout] = span
             if span is None or span and (raw.offset + span) * sizes[raw.dtype] > storage.nbytes:
                 raise ReadError(f"{path}: tensor {key or '(the root object)'} ({list(raw.shape)}, {raw.dtype}) reads "
                                 f"past the end of its storage {storage.key} ({storage.nbytes} bytes): the file is "
