@@ -15,6 +15,8 @@ import os
 import struct
 import zlib
 from collections import namedtuple
+from itertools import repeat
+from operator import add, itemgetter, methodcaller
 
 from ..errors import ReadError
 from ..safepickle import limits
@@ -51,41 +53,77 @@ HEAD_BYTES = 16  # of each member's data, kept from reading its local header (wh
 
 
 class ZipIndex:
-    """The members of an archive, in central-directory order, and torch's way of finding them."""
+    """The members of an archive, in central-directory order, and torch's way of finding them.
 
-    def __init__(self, members: list[ZipMember], path: str, whole: bytes | None = None, base: int = 0,
-                 heads: dict[int, bytes] | None = None) -> None:
-        self.members = members
+    Kept as columns (one list a field of ZipMember, `names` first): a member object is made when one is asked for
+    (`member(i)`, `find`), and the list of them, `members`, when it is first asked for."""
+
+    def __init__(self, members: list[ZipMember] | None, path: str, whole: bytes | None = None, base: int = 0,
+                 heads: dict[int, bytes] | None = None, columns: tuple | None = None) -> None:
+        self._members = members
+        self._columns = columns if columns is not None else tuple(map(list, zip(*members))) if members else \
+            tuple([] for _ in ZipMember._fields)
+        self.names: list[str] = self._columns[0]
         self.path = path
         self.whole = whole  # the archive's bytes, when a small one was read whole to find its members
         self.base = base  # where the archive starts in its file
         self.heads = heads or {}  # data offset -> the first HEAD_BYTES there, read with its local header
+        # positions of the members whose first bytes may be NumPy's magic (np.load would read them as arrays):
+        # those seen to be, and those not seen (deflated, or past what was read); None when not worked out (every
+        # member's first bytes are then asked for)
+        self.npy_heads: list[int] | None = None
         # folded name -> its member's position; names several members share -> all their positions
         self._by_name: dict[str, int] = {}
         self._shared: dict[str, list[int]] = {}
-        by_name = self._by_name
-        for i, m in enumerate(members):
-            folded = _fold(m.name)
-            if by_name.setdefault(folded, i) != i:
-                self._shared.setdefault(folded, [by_name[folded]]).append(i)
-        self.duplicates = sorted(members[ix[0]].name for ix in self._shared.values())
-        first = members[0].name if members else ""
+        names = self.names
+        # The names as one string, when none holds a line break: folded, and searched, in one call each instead of
+        # one a member (20,000 of them cost 15 ms one by one).
+        joined: str | None = "\n".join(names)
+        if joined.count("\n") != len(names) - 1:
+            joined = None
+        self.joined = joined
+        folded = (joined.lower().split("\n") if joined is not None and joined.isascii() and names else
+                  [_fold(n) for n in names])
+        by_name = dict(zip(folded, range(len(folded))))
+        if len(by_name) != len(folded):  # duplicates: the first position of each name, and all of those shared
+            by_name = {}
+            for i, f in enumerate(folded):
+                if by_name.setdefault(f, i) != i:
+                    self._shared.setdefault(f, [by_name[f]]).append(i)
+        self._by_name = by_name
+        self.duplicates = sorted(names[ix[0]] for ix in self._shared.values())
+        first = names[0] if names else ""
         self.prefix = first.split("/", 1)[0] if "/" in first else None
         self.torch_problem: str | None = None
         self.other_readers: str | None = None  # why Python's zipfile could see other members than torch
         self.guessed = 0  # storages whose local header was not fetched (a remote archive in torch's layout)
-        if not members:
+        if not names:
             self.torch_problem = "the archive is empty"
         elif self.prefix is None:
             self.torch_problem = f"its first member {first!r} is not in a folder, which torch's reader requires"
         else:
-            outside = [m.name for m in members if not m.name.startswith(self.prefix + "/")]
-            if outside:
-                self.torch_problem = (f"member {outside[0]!r} is outside the archive's folder {self.prefix!r}, "
-                                      "which torch's reader refuses")
+            inside = self.prefix + "/"
+            # each line break of `joined` starts a name: a name in the folder is a line break and the folder's name
+            if joined is None or ("\n" + joined).count("\n" + inside) != len(names):
+                outside = [n for n in names if not n.startswith(inside)]
+                if outside:
+                    self.torch_problem = (f"member {outside[0]!r} is outside the archive's folder {self.prefix!r}, "
+                                          "which torch's reader refuses")
+
+    @property
+    def members(self) -> list[ZipMember]:
+        if self._members is None:
+            self._members = list(map(tuple.__new__, repeat(ZipMember), zip(*self._columns)))
+        return self._members
+
+    def member(self, i: int) -> ZipMember:
+        """The member at position `i` (made alone, while the list of them is not made)."""
+        if self._members is not None:
+            return self._members[i]
+        return tuple.__new__(ZipMember, [column[i] for column in self._columns])
 
     def __len__(self) -> int:
-        return len(self.members)
+        return len(self.names)
 
     def find(self, name: str) -> ZipMember | None:
         """The member torch's reader returns for `name`: ASCII case ignored, duplicates settled as miniz does."""
@@ -94,19 +132,24 @@ class ZipIndex:
         if hit is None:
             return None
         if folded not in self._shared:
-            return self.members[hit]
-        return self.members[_miniz_pick([m.name for m in self.members], name)]
+            return self.member(hit)
+        return self.member(_miniz_pick(self.names, name))
 
     def all_named(self, name: str) -> list[ZipMember]:
         """Every member torch could mean by `name` (several when the archive has duplicates)."""
         folded = _fold(name)
         hits = self._shared.get(folded) or ([self._by_name[folded]] if folded in self._by_name else [])
-        return [self.members[i] for i in hits]
+        return [self.member(i) for i in hits]
 
     def records(self) -> list[str]:
         """Member names relative to the archive's folder, as torch's `get_all_records` lists them."""
         cut = len(self.prefix) + 1 if self.prefix is not None else 0
-        return [m.name[cut:] for m in self.members]
+        return [n[cut:] for n in self.names]
+
+    def has_record(self, record: str) -> bool:
+        """Whether `record` is in records() (compared exactly, not as find() does), without listing them."""
+        cut = len(self.prefix) + 1 if self.prefix is not None else 0
+        return record in map(itemgetter(slice(cut, None)), self.names)
 
 
 def _fold(name: str) -> str:
@@ -158,12 +201,31 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
                         f"{limits.MAX_ZIP_DIRECTORY >> 20} MB ckpt-doctor reads (a bomb, or no checkpoint)")
     cd = pread(fd, cd_size, base + cd_offset)
     # Local headers sit between the payloads. A small archive is read whole (one syscall for 20,000 headers); a big
-    # one gets one pread per header (a memory map would fault in, and count in RSS, 64 KB around each), which also
-    # takes the first HEAD_BYTES of the member's data (torch pads the extra field to 64-byte alignment): what the
-    # survey checks of every member (member_head) then costs no second call. (Only when there are many headers: a
-    # DCP item of 8 MB has five, and 100 items read whole cost 0.1 s.)
+    # one in blocks of neighbouring headers (a memory map would fault in, and count in RSS, 64 KB around each), which
+    # also take the first bytes of each member's data (torch pads the extra field to 64-byte alignment): whether they
+    # are NumPy's magic, which the survey asks of every member, then costs no second call. (Read whole only when
+    # there are many headers: a DCP item of 8 MB has five, and 100 items read whole cost 0.1 s.)
     whole = pread(fd, file_size, base) if file_size <= limits.ZIP_WHOLE_READ and (
         count > 64 or file_size <= 1 << 20) else None
+    made = None if is_remote(fd) and whole is None else _by_columns(fd, cd, count, disk, file_size, path, base, whole)
+    index, p = made if made is not None else _one_by_one(fd, cd, count, disk, file_size, path, base, whole)
+    # Python's zipfile (np.load, most tools) reads the same archive differently: it shifts every offset by the
+    # bytes between where the directory ends and where the end record is, and reads entries until the directory's
+    # size is used up. When that could give it other members, say so: the survey then walks its view too.
+    concat = eocd_at - cd_size - cd_offset - (56 + 20 if zip64 else 0)
+    if concat:
+        index.other_readers = f"Python's zipfile shifts its offsets by {concat} bytes"
+    elif p < cd_size:
+        index.other_readers = (f"the directory holds {cd_size - p} bytes past the {count} entries its end record "
+                               "counts, which Python's zipfile reads")
+    return index
+
+
+def _one_by_one(fd: int, cd: bytes, count: int, disk: int, file_size: int, path: str, base: int,
+                whole: bytes | None) -> tuple[ZipIndex, int]:
+    """The members, each checked in turn (raising ReadError at the first that is broken), and where the directory's
+    last entry ends. Where the column reader declines: an archive over the network, or one that something is wrong
+    with (which this reader names)."""
     heads: dict[int, bytes] = {}
     members = []
     # Over the network a local header is a request: a storage's (a member data/N, raw tensor bytes) is not fetched
@@ -235,16 +297,164 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
         guessed = []
     index = ZipIndex(members, path, whole, base, heads)
     index.guessed = len(guessed)
-    # Python's zipfile (np.load, most tools) reads the same archive differently: it shifts every offset by the
-    # bytes between where the directory ends and where the end record is, and reads entries until the directory's
-    # size is used up. When that could give it other members, say so: the survey then walks its view too.
-    concat = eocd_at - cd_size - cd_offset - (56 + 20 if zip64 else 0)
-    if concat:
-        index.other_readers = f"Python's zipfile shifts its offsets by {concat} bytes"
-    elif p < cd_size:
-        index.other_readers = (f"the directory holds {cd_size - p} bytes past the {count} entries its end record "
-                               "counts, which Python's zipfile reads")
-    return index
+    return index, p
+
+
+_NPY = b"\x93NUMPY"
+_BLOCK = 1 << 20  # local headers are read in blocks of up to this many bytes ...
+_GAP = 32 << 10  # ... that skip no more than this between two headers (reading it costs less than a call)
+
+
+def _by_columns(fd: int, cd: bytes, count: int, disk: int, file_size: int, path: str, base: int,
+                whole: bytes | None) -> tuple[ZipIndex, int] | None:
+    """What _one_by_one makes of a local archive, column by column: the directory's entries cut by struct in runs
+    of equal length, each check made of a whole column, the local headers read in a few large reads, and which
+    members' data may start with NumPy's magic worked out here. None where anything is unusual (a check fails, zip64
+    sizes that do not parse): _one_by_one then reads the archive and says what is wrong as before."""
+    rows = _entries(cd, count)
+    if rows is None:
+        return None
+    p, rows = rows
+    _sigs, flags, methods, crcs, csizes, usizes, nlens, xlens, clens, disks, attrs, local_ats, tails = \
+        map(list, zip(*rows))
+    del rows, _sigs  # (every signature is the central directory's: _entries checked)
+    plain = xlens.count(0) == count and clens.count(0) == count  # the tail of each entry is its name
+    raw = b"\n".join(tails if plain else [t[:n] for t, n in zip(tails, nlens)])
+    if raw.isascii() and raw.count(b"\n") == count - 1:
+        names = raw.decode("ascii").split("\n")
+    else:
+        names = [t[:n].decode("utf-8", "surrogateescape") for t, n in zip(tails, nlens)]
+    del raw
+    big = 0xFFFFFFFF
+    wide = [i for i, (u, c, a) in enumerate(zip(usizes, csizes, local_ats)) if u == big or c == big or a == big] \
+        if big in usizes or big in csizes or big in local_ats else []
+    if wide or methods.count(0) != count or csizes != usizes:
+        skip = set(wide)
+        for i, (m, c, u) in enumerate(zip(methods, csizes, usizes)):
+            if (m == 0 and c != u or u and not c) and i not in skip:
+                return None
+        for i in wide:
+            try:
+                usizes[i], csizes[i], local_ats[i] = _zip64_extra(tails[i][nlens[i]:nlens[i] + xlens[i]], usizes[i],
+                                                                  csizes[i], local_ats[i], path)
+            except ReadError:
+                return None
+    del tails, xlens, clens
+    if any(f & 0x2000 for f in set(flags)) or any(d == 0xFFFF or d != disk and d != 1 for d in set(disks)):
+        return None
+    if max(map(add, local_ats, csizes)) + 30 > file_size:
+        return None
+    if whole is not None:
+        try:
+            lsigs, lnlens, lxlens = zip(*map(_LOCAL_HEADER.unpack_from, repeat(whole), local_ats))
+        except struct.error:
+            return None
+        # where each member's data starts in `whole` (-1: no local header where the directory says)
+        data = list(map(add, map(add, local_ats, lnlens), map(add, lxlens, repeat(30))))
+        if lsigs.count(_LOCAL) != count or max(map(add, data, csizes)) > file_size:
+            data = [d if s == _LOCAL and d + c <= file_size else -1 for d, s, c in zip(data, lsigs, csizes)]
+        del lsigs, lnlens, lxlens
+        seen = list(map(whole.startswith, repeat(_NPY), data))  # (-1: the last byte, never the magic)
+        maybe = [i for i, hit in enumerate(seen) if hit] if True in seen else []
+        del seen
+        offsets = data if not base else [d + base if d >= 0 else -1 for d in data]
+    else:
+        offsets, maybe = _local_headers(fd, local_ats, nlens, csizes, file_size, base)
+    if methods.count(0) != count:  # a deflated member's first bytes are known only once inflated
+        maybe = sorted(set(maybe).union(i for i, m in enumerate(methods) if m))
+    if any(a & 0x10 for a in set(attrs)) or any(map(methodcaller("endswith", "/"), names)):
+        is_dir = [bool(a & 0x10) or n.endswith("/") for a, n in zip(attrs, names)]
+    else:
+        is_dir = [False] * count
+    at = list(map(add, local_ats, repeat(base))) if base else local_ats
+    index = ZipIndex(None, path, whole, base, columns=(names, offsets, usizes, csizes, methods, crcs, at, flags,
+                                                       is_dir))
+    index.npy_heads = [i for i in maybe if _may_be_npy(index.member(i))]
+    return index, p
+
+
+_ENTRY_KEY = itemgetter(0, 6, 7, 8)  # of a central directory entry: its signature and the lengths after it
+
+
+def _entries(cd: bytes, count: int) -> tuple[int, list[tuple]] | None:
+    """The `count` entries of a central directory, each the fields of _CENTRAL_HEADER then its name, extra field
+    and comment as one bytes, and where the last ends; None where an entry is not one or runs past the end. Cut by
+    struct in runs of entries of one length (torch names its storages data/0, data/1, ...: a run is all those of as
+    many digits), each run tried in chunks that double while it goes on."""
+    rows: list[tuple] = []
+    end = len(cd)
+    p = 0
+    chunk = 1
+    with memoryview(cd) as view:
+        while len(rows) < count:
+            if p + 46 > end:
+                return None
+            lengths = _LENGTHS.unpack_from(cd, p + 28)
+            size = 46 + sum(lengths)
+            chunk = min(chunk, count - len(rows), (end - p) // size)
+            if chunk < 1:
+                return None
+            got = list(struct.iter_unpack(f"<4s4xHHxxxxLLLHHHHxxLL{size - 46}s", view[p:p + chunk * size]))
+            want = (_CENTRAL, *lengths)
+            keys = list(map(_ENTRY_KEY, got))
+            if keys.count(want) == chunk:
+                took = chunk
+            else:
+                took = next(i for i, key in enumerate(keys) if key != want)
+                if not took:
+                    return None
+                del got[took:]
+            rows += got
+            p += took * size
+            chunk = chunk * 2 if took == chunk else 1
+    return p, rows
+
+
+_LENGTHS = struct.Struct("<HHH")
+
+
+def _may_be_npy(m: ZipMember) -> bool:
+    """Whether member_head could give NumPy's magic for `m` (it gives nothing of a member it cannot read)."""
+    return not (m.offset < 0 or m.is_dir or m.flags & 1) and (m.method != 0 or m.compressed_size >= len(_NPY))
+
+
+def _local_headers(fd: int, local_ats: list[int], nlens: list[int], csizes: list[int], file_size: int,
+                   base: int) -> tuple[list[int], list[int]]:
+    """Each member's data offset (-1 where no local header is where the directory says) from its local header,
+    read in blocks of neighbouring headers (a checkpoint of small tensors: the whole file, 1 MB at a time; one of
+    big tensors: a read a header, as before), and the positions of the members whose data was seen to start with
+    NumPy's magic, or was not seen (a header whose extra field runs on)."""
+    count = len(local_ats)
+    order = range(count) if local_ats == sorted(local_ats) else sorted(range(count), key=local_ats.__getitem__)
+    offsets = [-1] * count
+    maybe = []
+    unpack_local = _LOCAL_HEADER.unpack_from
+    want = 30 + 128 + HEAD_BYTES  # of each header, past its name: what _one_by_one reads of it
+    i = 0
+    while i < count:
+        start = local_ats[order[i]]
+        end = start + want + nlens[order[i]]
+        j = i + 1
+        while j < count:
+            a = local_ats[order[j]]
+            stop = a + want + nlens[order[j]]
+            if a > end + _GAP or stop - start > _BLOCK:
+                break
+            end = max(end, stop)
+            j += 1
+        block = pread(fd, min(end, file_size) - start, base + start)
+        for k in order[i:j]:
+            a = local_ats[k]
+            at = a - start
+            if len(block) < at + 30:
+                continue
+            sig, n, x = unpack_local(block, at)
+            if sig == _LOCAL and a + 30 + n + x + csizes[k] <= file_size:
+                offsets[k] = base + a + 30 + n + x
+                if at + 30 + n + x + len(_NPY) > len(block) or block.startswith(_NPY, at + 30 + n + x):
+                    maybe.append(k)
+        i = j
+    return offsets, sorted(maybe)
 
 
 def _torch_data_at(local_at: int, nlen: int, size: int, alignment: int = 64) -> int:
