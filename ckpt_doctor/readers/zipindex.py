@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 import zlib
 from collections import namedtuple
 from itertools import repeat
-from operator import add, itemgetter, methodcaller
+from operator import add, and_, itemgetter, rshift
 
 from ..errors import ReadError
 from ..safepickle import limits
@@ -59,7 +60,8 @@ class ZipIndex:
     (`member(i)`, `find`), and the list of them, `members`, when it is first asked for."""
 
     def __init__(self, members: list[ZipMember] | None, path: str, whole: bytes | None = None, base: int = 0,
-                 heads: dict[int, bytes] | None = None, columns: tuple | None = None) -> None:
+                 heads: dict[int, bytes] | None = None, columns: tuple | None = None,
+                 joined: str | None = None) -> None:
         self._members = members
         self._columns = columns if columns is not None else tuple(map(list, zip(*members))) if members else \
             tuple([] for _ in ZipMember._fields)
@@ -78,12 +80,16 @@ class ZipIndex:
         names = self.names
         # The names as one string, when none holds a line break: folded, and searched, in one call each instead of
         # one a member (20,000 of them cost 15 ms one by one).
-        joined: str | None = "\n".join(names)
-        if joined.count("\n") != len(names) - 1:
-            joined = None
+        if joined is None:
+            joined = "\n".join(names)
+            if joined.count("\n") != len(names) - 1:
+                joined = None
         self.joined = joined
-        folded = (joined.lower().split("\n") if joined is not None and joined.isascii() and names else
-                  [_fold(n) for n in names])
+        if joined is not None and joined.isascii() and names:
+            lowered = joined.lower()
+            folded = names if lowered == joined else lowered.split("\n")
+        else:
+            folded = [_fold(n) for n in names]
         by_name = dict(zip(folded, range(len(folded))))
         if len(by_name) != len(folded):  # duplicates: the first position of each name, and all of those shared
             by_name = {}
@@ -127,13 +133,13 @@ class ZipIndex:
 
     def find(self, name: str) -> ZipMember | None:
         """The member torch's reader returns for `name`: ASCII case ignored, duplicates settled as miniz does."""
-        folded = _fold(name)
-        hit = self._by_name.get(folded)
+        folded = name.lower() if name.isascii() else name.translate(_ASCII_LOWER)  # (_fold, without its call:
+        hit = self._by_name.get(folded)  # torch_zip asks once a storage)
         if hit is None:
             return None
-        if folded not in self._shared:
-            return self.member(hit)
-        return self.member(_miniz_pick(self.names, name))
+        if self._shared and folded in self._shared:
+            hit = _miniz_pick(self.names, name)
+        return self._members[hit] if self._members is not None else self.member(hit)
 
     def all_named(self, name: str) -> list[ZipMember]:
         """Every member torch could mean by `name` (several when the archive has duplicates)."""
@@ -307,24 +313,27 @@ _GAP = 32 << 10  # ... that skip no more than this between two headers (reading 
 
 def _by_columns(fd: int, cd: bytes, count: int, disk: int, file_size: int, path: str, base: int,
                 whole: bytes | None) -> tuple[ZipIndex, int] | None:
-    """What _one_by_one makes of a local archive, column by column: the directory's entries cut by struct in runs
-    of equal length, each check made of a whole column, the local headers read in a few large reads, and which
-    members' data may start with NumPy's magic worked out here. None where anything is unusual (a check fails, zip64
-    sizes that do not parse): _one_by_one then reads the archive and says what is wrong as before."""
-    rows = _entries(cd, count)
-    if rows is None:
+    """What _one_by_one makes of a local archive, column by column: the directory's fields taken a column at a
+    time from runs of entries of one length, each check made of a whole column, the local headers read in a few
+    large reads, and which members' data may start with NumPy's magic worked out here. None where anything is
+    unusual (a check fails, zip64 sizes that do not parse): _one_by_one then reads the archive and says what is
+    wrong as before."""
+    if sys.byteorder != "little":  # (the columns are cast from little-endian bytes)
         return None
-    p, rows = rows
-    _sigs, flags, methods, crcs, csizes, usizes, nlens, xlens, clens, disks, attrs, local_ats, tails = \
-        map(list, zip(*rows))
-    del rows, _sigs  # (every signature is the central directory's: _entries checked)
-    plain = xlens.count(0) == count and clens.count(0) == count  # the tail of each entry is its name
-    raw = b"\n".join(tails if plain else [t[:n] for t, n in zip(tails, nlens)])
-    if raw.isascii() and raw.count(b"\n") == count - 1:
-        names = raw.decode("ascii").split("\n")
+    entries = _entries(cd, count)
+    if entries is None:
+        return None
+    p, runs, names_raw, (flags, methods, crcs, csizes, usizes, nlens, xlens, disks, attrs, local_ats) = entries
+    joined = None
+    if names_raw.isascii() and names_raw.count(b"\n") == count - 1:
+        joined = names_raw.decode("ascii")
+        names = joined.split("\n")
     else:
-        names = [t[:n].decode("utf-8", "surrogateescape") for t, n in zip(tails, nlens)]
-    del raw
+        names = [cd[at + 46:at + 46 + n].decode("utf-8", "surrogateescape") for at, n in zip(_starts(runs), nlens)]
+    # (a name ends in "/" where the names' bytes hold "/" before a line break or at their end: 0x2F is no part of a
+    # longer UTF-8 sequence)
+    folders = b"/\n" in names_raw or names_raw.endswith(b"/")
+    del names_raw
     big = 0xFFFFFFFF
     wide = [i for i, (u, c, a) in enumerate(zip(usizes, csizes, local_ats)) if u == big or c == big or a == big] \
         if big in usizes or big in csizes or big in local_ats else []
@@ -333,27 +342,32 @@ def _by_columns(fd: int, cd: bytes, count: int, disk: int, file_size: int, path:
         for i, (m, c, u) in enumerate(zip(methods, csizes, usizes)):
             if (m == 0 and c != u or u and not c) and i not in skip:
                 return None
+        starts = _starts(runs)
         for i in wide:
+            at = starts[i] + 46 + nlens[i]
             try:
-                usizes[i], csizes[i], local_ats[i] = _zip64_extra(tails[i][nlens[i]:nlens[i] + xlens[i]], usizes[i],
-                                                                  csizes[i], local_ats[i], path)
+                usizes[i], csizes[i], local_ats[i] = _zip64_extra(cd[at:at + xlens[i]], usizes[i], csizes[i],
+                                                                  local_ats[i], path)
             except ReadError:
                 return None
-    del tails, xlens, clens
+    del xlens
     if any(f & 0x2000 for f in set(flags)) or any(d == 0xFFFF or d != disk and d != 1 for d in set(disks)):
         return None
     if max(map(add, local_ats, csizes)) + 30 > file_size:
         return None
     if whole is not None:
+        # each local header's signature, and its name and extra lengths taken a byte column at a time
+        signed = list(map(whole.startswith, repeat(_LOCAL), local_ats))
         try:
-            lsigs, lnlens, lxlens = zip(*map(_LOCAL_HEADER.unpack_from, repeat(whole), local_ats))
-        except struct.error:
+            lengths = _ints(whole, local_ats, 26, 4)  # the two lengths as one int: name + (extra << 16)
+        except IndexError:  # (the file was cut short meanwhile)
             return None
         # where each member's data starts in `whole` (-1: no local header where the directory says)
-        data = list(map(add, map(add, local_ats, lnlens), map(add, lxlens, repeat(30))))
-        if lsigs.count(_LOCAL) != count or max(map(add, data, csizes)) > file_size:
-            data = [d if s == _LOCAL and d + c <= file_size else -1 for d, s, c in zip(data, lsigs, csizes)]
-        del lsigs, lnlens, lxlens
+        data = list(map(add, local_ats, map(add, map(and_, lengths, repeat(0xFFFF)),
+                                            map(add, map(rshift, lengths, repeat(16)), repeat(30)))))
+        if False in signed or max(map(add, data, csizes)) > file_size:
+            data = [d if s and d + c <= file_size else -1 for d, s, c in zip(data, signed, csizes)]
+        del signed, lengths
         seen = list(map(whole.startswith, repeat(_NPY), data))  # (-1: the last byte, never the magic)
         maybe = [i for i, hit in enumerate(seen) if hit] if True in seen else []
         del seen
@@ -362,52 +376,122 @@ def _by_columns(fd: int, cd: bytes, count: int, disk: int, file_size: int, path:
         offsets, maybe = _local_headers(fd, local_ats, nlens, csizes, file_size, base)
     if methods.count(0) != count:  # a deflated member's first bytes are known only once inflated
         maybe = sorted(set(maybe).union(i for i, m in enumerate(methods) if m))
-    if any(a & 0x10 for a in set(attrs)) or any(map(methodcaller("endswith", "/"), names)):
+    if any(a & 0x10 for a in set(attrs)) or folders:
         is_dir = [bool(a & 0x10) or n.endswith("/") for a, n in zip(attrs, names)]
     else:
         is_dir = [False] * count
     at = list(map(add, local_ats, repeat(base))) if base else local_ats
     index = ZipIndex(None, path, whole, base, columns=(names, offsets, usizes, csizes, methods, crcs, at, flags,
-                                                       is_dir))
+                                                       is_dir), joined=joined)
     index.npy_heads = [i for i in maybe if _may_be_npy(index.member(i))]
     return index, p
 
 
-_ENTRY_KEY = itemgetter(0, 6, 7, 8)  # of a central directory entry: its signature and the lengths after it
+def _ints(buf: bytes, positions: list[int], k: int, width: int) -> list[int]:
+    """The little-endian unsigned int of `width` (2 or 4) bytes at each of `positions`, plus `k`, of `buf`
+    (IndexError past its end): a byte of each at a time, from views of `buf` that start where that byte is."""
+    out = bytearray(width * len(positions))
+    take = itemgetter(*positions)
+    with memoryview(buf) as view:
+        for j in range(width):
+            got = take(view[k + j:])
+            out[j::width] = bytes(got) if len(positions) != 1 else bytes([got])
+    return memoryview(out).cast("H" if width == 2 else "I").tolist()
 
 
-def _entries(cd: bytes, count: int) -> tuple[int, list[tuple]] | None:
-    """The `count` entries of a central directory, each the fields of _CENTRAL_HEADER then its name, extra field
-    and comment as one bytes, and where the last ends; None where an entry is not one or runs past the end. Cut by
-    struct in runs of entries of one length (torch names its storages data/0, data/1, ...: a run is all those of as
-    many digits), each run tried in chunks that double while it goes on."""
-    rows: list[tuple] = []
+# the central directory entry's fields kept: (offset, width) of flags, method, crc32, compressed size, size, disk,
+# external attributes (the low byte: 0x10 marks a folder), local header offset
+_FIELDS = ((8, 2), (10, 2), (16, 4), (20, 4), (24, 4), (34, 2), (38, 1), (42, 4))
+_RUN_BYTES = (0, 1, 2, 3, 28, 29, 30, 31, 32, 33)  # alike in a run: the signature and the three lengths
+_RUN = 16  # entries alike from where a run is taken column-wise; fewer are cut one by one ...
+_ALONE = 64  # ... and so are this many after them, before the next run is looked for
+
+
+def _entries(cd: bytes, count: int) -> tuple[int, list[int], bytes, tuple[list[int], ...]] | None:
+    """The `count` entries of a central directory: where the last ends, where each starts (as runs of equal
+    entries: where, size, how many), their names joined by
+    line breaks, and the columns flags, method, crc32, compressed size, size, name length, extra length, disk,
+    external attributes (low byte) and local header offset; None where an entry is not one or runs past the end.
+    Entries of one length and signature in a run (torch names its storages data/0, data/1, ...: a run is all those
+    of as many digits) are taken a field at a time, by slicing every entry's bytes of it at once."""
     end = len(cd)
-    p = 0
-    chunk = 1
-    with memoryview(cd) as view:
-        while len(rows) < count:
-            if p + 46 > end:
-                return None
-            lengths = _LENGTHS.unpack_from(cd, p + 28)
-            size = 46 + sum(lengths)
-            chunk = min(chunk, count - len(rows), (end - p) // size)
-            if chunk < 1:
-                return None
-            got = list(struct.iter_unpack(f"<4s4xHHxxxxLLLHHHHxxLL{size - 46}s", view[p:p + chunk * size]))
-            want = (_CENTRAL, *lengths)
-            keys = list(map(_ENTRY_KEY, got))
-            if keys.count(want) == chunk:
-                took = chunk
-            else:
-                took = next(i for i, key in enumerate(keys) if key != want)
-                if not took:
-                    return None
-                del got[took:]
-            rows += got
-            p += took * size
-            chunk = chunk * 2 if took == chunk else 1
-    return p, rows
+    flags, methods, crcs, csizes, usizes, disks, attrs, local_ats = columns = tuple([] for _ in _FIELDS)
+    nlens: list[int] = []
+    xlens: list[int] = []
+    runs: list[tuple[int, int, int]] = []  # (where, entry size, entries): where each entry starts, compressed
+    names: list[bytes] = []
+    unpack_central = _CENTRAL_HEADER.unpack_from
+    p = i = alone = 0
+    while i < count:
+        if p + 46 > end or cd[p:p + 4] != _CENTRAL:
+            return None
+        nlen, xlen, clen = _LENGTHS.unpack_from(cd, p + 28)
+        size = 46 + nlen + xlen + clen
+        limit = min(count - i, (end - p) // size)
+        if limit < 1:
+            return None
+        run = _run_length(cd, p, size, limit) if not alone else 1
+        if run < _RUN:
+            alone = alone - 1 if alone else _ALONE
+            for _ in range(run):
+                _sig, f, m, crc, c, u, nlen, xlen, clen, d, a, at = unpack_central(cd, p)
+                for column, value in zip(columns, (f, m, crc, c, u, d, a & 0xFF, at)):
+                    column.append(value)
+                runs.append((p, size, 1))
+                names.append(cd[p + 46:p + 46 + nlen] + b"\n")
+                nlens.append(nlen)
+                xlens.append(xlen)
+                p += size
+            i += run
+            continue
+        stop = p + size * run
+        for column, (at, width) in zip(columns, _FIELDS):
+            if width == 1:
+                column += cd[p + at:stop:size]
+                continue
+            out = bytearray(width * run)
+            for j in range(width):
+                out[j::width] = cd[p + at + j:stop:size]
+            column += memoryview(out).cast("H" if width == 2 else "I").tolist()
+        joined = bytearray((nlen + 1) * run)
+        for j in range(nlen):
+            joined[j::nlen + 1] = cd[p + 46 + j:stop:size]
+        joined[nlen::nlen + 1] = b"\n" * run
+        names.append(bytes(joined))
+        runs.append((p, size, run))
+        nlens += [nlen] * run
+        xlens += [xlen] * run
+        p = stop
+        i += run
+    return p, runs, b"".join(names)[:-1], (flags, methods, crcs, csizes, usizes, nlens, xlens, disks, attrs,
+                                           local_ats)
+
+
+def _starts(runs: list[tuple[int, int, int]]) -> list[int]:
+    """Where each entry starts, from _entries' runs."""
+    starts: list[int] = []
+    for p, size, n in runs:
+        starts += range(p, p + size * n, size)
+    return starts
+
+
+def _run_length(cd: bytes, p: int, size: int, limit: int) -> int:
+    """How many entries of `size` bytes from `p` on (at most `limit`) share the first's signature and lengths:
+    looked for in chunks that double while they all do."""
+    n = 0
+    chunk = 64
+    while n < limit:
+        k = min(chunk, limit - n)
+        q = p + n * size
+        lead = k
+        for b in _RUN_BYTES:
+            column = cd[q + b:q + b + size * k:size]
+            lead = min(lead, len(column) - len(column.lstrip(cd[p + b:p + b + 1])))
+        n += lead
+        if lead < k:
+            break
+        chunk *= 2
+    return n
 
 
 _LENGTHS = struct.Struct("<HHH")
