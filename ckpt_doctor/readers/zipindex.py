@@ -15,9 +15,10 @@ import os
 import struct
 import sys
 import zlib
+from bisect import bisect_right
 from collections import namedtuple
 from itertools import repeat
-from operator import add, and_, itemgetter, rshift
+from operator import add, and_, itemgetter, rshift, sub
 
 from ..errors import ReadError
 from ..safepickle import limits
@@ -373,7 +374,10 @@ def _by_columns(fd: int, cd: bytes, count: int, disk: int, file_size: int, path:
         del seen
         offsets = data if not base else [d + base if d >= 0 else -1 for d in data]
     else:
-        offsets, maybe = _local_headers(fd, local_ats, nlens, csizes, file_size, base)
+        headers = _local_headers(fd, local_ats, nlens, csizes, file_size, base)
+        if headers is None:
+            return None
+        offsets, maybe = headers
     if methods.count(0) != count:  # a deflated member's first bytes are known only once inflated
         maybe = sorted(set(maybe).union(i for i, m in enumerate(methods) if m))
     if any(a & 0x10 for a in set(attrs)) or folders:
@@ -503,42 +507,55 @@ def _may_be_npy(m: ZipMember) -> bool:
 
 
 def _local_headers(fd: int, local_ats: list[int], nlens: list[int], csizes: list[int], file_size: int,
-                   base: int) -> tuple[list[int], list[int]]:
+                   base: int) -> tuple[list[int], list[int]] | None:
     """Each member's data offset (-1 where no local header is where the directory says) from its local header,
     read in blocks of neighbouring headers (a checkpoint of small tensors: the whole file, 1 MB at a time; one of
-    big tensors: a read a header, as before), and the positions of the members whose data was seen to start with
-    NumPy's magic, or was not seen (a header whose extra field runs on)."""
+    big tensors: a read a header, as before) and taken from each a column at a time, and the positions of the
+    members whose data was seen to start with NumPy's magic, or was not seen (a header whose extra field runs on).
+    None when a block comes back short (the file was cut meanwhile)."""
     count = len(local_ats)
-    order = range(count) if local_ats == sorted(local_ats) else sorted(range(count), key=local_ats.__getitem__)
-    offsets = [-1] * count
-    maybe = []
-    unpack_local = _LOCAL_HEADER.unpack_from
+    ordered = local_ats == sorted(local_ats)
+    order = list(range(count)) if ordered else sorted(range(count), key=local_ats.__getitem__)
+    ats = local_ats if ordered else [local_ats[k] for k in order]
     want = 30 + 128 + HEAD_BYTES  # of each header, past its name: what _one_by_one reads of it
+    # where what is read of each header ends, and the gaps too wide to read through, between one and the next
+    stops = list(map(add, ats, map(add, nlens if ordered else [nlens[k] for k in order], repeat(want))))
+    gaps = list(map(sub, ats[1:], stops))
+    cuts = ([i + 1 for i, gap in enumerate(gaps) if gap > _GAP] if gaps and max(gaps) > _GAP else []) + [count]
+    del gaps
+    sizes = csizes if ordered else [csizes[k] for k in order]
+    found: list[int] = []  # data offsets, in the order of `ats`
+    maybe = []
     i = 0
+    cut = 0
     while i < count:
-        start = local_ats[order[i]]
-        end = start + want + nlens[order[i]]
-        j = i + 1
-        while j < count:
-            a = local_ats[order[j]]
-            stop = a + want + nlens[order[j]]
-            if a > end + _GAP or stop - start > _BLOCK:
-                break
-            end = max(end, stop)
-            j += 1
-        block = pread(fd, min(end, file_size) - start, base + start)
-        for k in order[i:j]:
-            a = local_ats[k]
-            at = a - start
-            if len(block) < at + 30:
-                continue
-            sig, n, x = unpack_local(block, at)
-            if sig == _LOCAL and a + 30 + n + x + csizes[k] <= file_size:
-                offsets[k] = base + a + 30 + n + x
-                if at + 30 + n + x + len(_NPY) > len(block) or block.startswith(_NPY, at + 30 + n + x):
-                    maybe.append(k)
+        while cuts[cut] <= i:
+            cut += 1
+        j = max(min(bisect_right(ats, ats[i] + _BLOCK, i + 1), cuts[cut]), i + 1)
+        start = ats[i]
+        block = pread(fd, min(max(stops[i:j]), file_size) - start, base + start)
+        at = list(map(sub, ats[i:j], repeat(start)))
+        signed = list(map(block.startswith, repeat(_LOCAL), at))
+        try:
+            lengths = _ints(block, at, 26, 4)  # the name and extra lengths as one int: name + (extra << 16)
+        except IndexError:
+            return None
+        data = list(map(add, at, map(add, map(and_, lengths, repeat(0xFFFF)),
+                                     map(add, map(rshift, lengths, repeat(16)), repeat(30)))))
+        if False in signed or max(map(add, data, sizes[i:j])) + start > file_size:
+            data = [d if s and d + start + c <= file_size else -1 - start - base
+                    for d, s, c in zip(data, signed, sizes[i:j])]
+        seen = list(map(block.startswith, repeat(_NPY), data))
+        if True in seen or max(data) + len(_NPY) > len(block):  # seen to be, or not seen
+            maybe += [i + n for n, (d, hit) in enumerate(zip(data, seen)) if hit or d + len(_NPY) > len(block)]
+        found += map(add, data, repeat(start + base))
         i = j
-    return offsets, sorted(maybe)
+    if ordered:
+        return found, maybe
+    offsets = [-1] * count
+    for k, offset in zip(order, found):
+        offsets[k] = offset
+    return offsets, sorted(order[n] for n in maybe)
 
 
 def _torch_data_at(local_at: int, nlen: int, size: int, alignment: int = 64) -> int:
