@@ -333,6 +333,29 @@ def test_an_object_array_is_found_by_its_magic_whatever_its_name(tmp_path, cli, 
     assert flagged(cli, path) == (1, 1)
 
 
+@pytest.mark.parametrize("big", [False, True], ids=["read-whole", "read-in-blocks"])
+def test_an_object_array_among_many_storages_is_found(tmp_path, cli, big):
+    """One storage of hundreds (named data/N, as torch names them all) is an object array np.load would unpickle:
+    it is found in an archive small enough to be read whole, and in one over 16 MB, whose local headers are read
+    in blocks."""
+    canary = tmp_path / "CANARY"
+    state = {f"layers.{i}.weight": torch.zeros(256) for i in range(300)}
+    if big:
+        state = {"embed.weight": torch.zeros(17 << 18), **state}  # 17 MB first, the small storages after it
+    torch.save(state, tmp_path / "base.pt")
+    with zipfile.ZipFile(tmp_path / "base.pt") as z:
+        members = {i.filename: z.read(i) for i in z.infolist()}
+    prefix = next(iter(members)).split("/")[0]
+    name = f"{prefix}/data/{len(state) - 150}"
+    npy = object_npy(b"\x80\x02" + payload(canary) + b".")
+    members[name] = npy + b"\0" * (len(members[name]) - len(npy))  # as many bytes as the tensor needs
+    path = tmp_path / "many.pt"
+    path.write_bytes(_stored_zip(members))
+    assert (path.stat().st_size > 16 << 20) == big
+    assert live(path, canary, "np")
+    assert flagged(cli, path) == (1, 1)
+
+
 def test_a_member_only_pythons_zipfile_sees_is_walked(tmp_path, cli):
     """The end record counts one member fewer than its directory holds: torch's reader stops at the count,
     Python's zipfile (np.load) reads the directory to its end and finds the object array."""

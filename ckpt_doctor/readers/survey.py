@@ -255,7 +255,14 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True)
     chosen = index.find(prefix + "data.pkl")
     remote = is_remote(fd)
     unfetched = 0
-    for member in index.members:
+    if index.npy_heads is None:
+        looked_at: Any = range(len(index))
+    else:
+        # What the loop below does nothing with, passed over column-wise: storages torch's writer names (data/N),
+        # whose first bytes the index found not to be NumPy's magic. Every other member goes through it.
+        looked_at = sorted(set(_not_storages(index, prefix)).union(index.npy_heads))
+    for i in looked_at:
+        member = index.member(i)
         name = member.name
         rel = name[len(prefix):] if name.startswith(prefix) else name
         if member.is_dir:
@@ -284,13 +291,32 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True)
                                      "Python tools another (both were walked)"))
         if not base:
             _survey_zipfile_view(survey, fd)
-    code = [m.name for m in index.members if m.name[len(prefix):].startswith("code/") and not m.is_dir]
-    if "constants.pkl" in index.records():
+    # (none of them a storage data/N: those of looked_at)
+    code = [index.names[i] for i in looked_at if index.names[i][len(prefix):].startswith("code/")
+            and not index.member(i).is_dir]
+    if index.has_record("constants.pkl"):
         survey.hazards.append(Hazard(Verdict.CODE, "a TorchScript archive: torch.load hands it to torch.jit.load, "
                                      f"which runs its code ({len(code)} files under code/)"))
     elif code:
         survey.hazards.append(Hazard(Verdict.CODE, f"{len(code)} TorchScript code files under code/ "
                                      "(executable by torch.jit.load)"))
+
+
+def _not_storages(index: ZipIndex, prefix: str) -> list[int]:
+    """The positions of the members not named as torch names a storage, `prefix`data/N (N in ASCII digits)."""
+    storage = re.escape(prefix + "data/")
+    if index.joined is None:
+        return [i for i, n in enumerate(index.names) if not re.match(storage + "[0-9]+\\Z", n)]
+    # the names a line each, after a line break: where a line break is not followed by a storage's name, a name
+    # starts that is not one; its position is the count of line breaks before it
+    text = "\n" + index.joined
+    found = []
+    line = at = 0
+    for match in re.finditer(f"\n(?!{storage}[0-9]+(?:\n|\\Z))", text):
+        line += text.count("\n", at, match.start())
+        at = match.start()
+        found.append(line)
+    return found
 
 
 def split_archives(fd: int, size: int) -> list[tuple[int, int]]:

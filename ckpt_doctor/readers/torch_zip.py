@@ -8,7 +8,7 @@ import zlib
 from pathlib import Path
 
 from .._record import replace
-from ..dtypes import element_size
+from ..dtypes import ELEMENT_SIZE
 from ..errors import ReadError
 from ..records import Checkpoint, Format, StorageRecord, fast_new
 from ..safepickle import limits
@@ -32,7 +32,6 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
     if index.torch_problem:
         raise ReadError(f"{path}: a zip archive torch.load cannot read: {index.torch_problem}")
     prefix = index.prefix + "/"
-    records = index.records()
     pkl = index.find(prefix + "data.pkl")
     if pkl is None:
         raise ReadError(f"{path}: zip archive with no {prefix}data.pkl; not a torch.save checkpoint")
@@ -40,7 +39,7 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
         raise ReadError(f"{path}: {pkl.name} is {pkl.size:,} bytes, over the {limits.MAX_UNPICKLE_BYTES >> 20} MB "
                         "ckpt-doctor unpickles (it was walked: what it would run is reported)")
     version = index.find(prefix + ".data/version") or index.find(prefix + "version")
-    is_script = "constants.pkl" in records
+    is_script = index.has_record("constants.pkl")
     fd = open_source(path)  # a descriptor, or the remote object the survey read (its blocks kept)
     try:
         if version is None and not is_script:
@@ -60,12 +59,15 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
         if byteorder is not None and read_member(fd, byteorder, str(path)).strip() == b"big":
             notes.append("saved on a big-endian machine: tensor bytes are big-endian")
 
+        index.members  # noqa: B018  (made now, all at once, for the finds of every storage below)
+        find = index.find
+
         def resolve(ref: StorageRef) -> None:
             name = f"{prefix}data/{ref.key}"
-            member = index.find(name)
+            member = find(name)
             if member is None:
                 raise ReadError(f"{path}: data.pkl names storage {ref.key} but the archive has no {name}")
-            nbytes = ref.numel * element_size(ref.dtype)
+            nbytes = ref.numel * ELEMENT_SIZE[ref.dtype]
             if member.offset < 0 or member.is_dir or member.flags & 1 or member.method not in (0, 8):
                 raise ReadError(f"{path}: storage {name} cannot be read as torch's reader reads it: "
                                 + ("it has no local header where the directory says" if member.offset < 0 else

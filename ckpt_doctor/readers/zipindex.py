@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 import zlib
+from bisect import bisect_right
 from collections import namedtuple
+from itertools import repeat
+from operator import add, and_, itemgetter, rshift, sub
 
 from ..errors import ReadError
 from ..safepickle import limits
@@ -51,62 +55,108 @@ HEAD_BYTES = 16  # of each member's data, kept from reading its local header (wh
 
 
 class ZipIndex:
-    """The members of an archive, in central-directory order, and torch's way of finding them."""
+    """The members of an archive, in central-directory order, and torch's way of finding them.
 
-    def __init__(self, members: list[ZipMember], path: str, whole: bytes | None = None, base: int = 0,
-                 heads: dict[int, bytes] | None = None) -> None:
-        self.members = members
+    Kept as columns (one list a field of ZipMember, `names` first): a member object is made when one is asked for
+    (`member(i)`, `find`), and the list of them, `members`, when it is first asked for."""
+
+    def __init__(self, members: list[ZipMember] | None, path: str, whole: bytes | None = None, base: int = 0,
+                 heads: dict[int, bytes] | None = None, columns: tuple | None = None,
+                 joined: str | None = None) -> None:
+        self._members = members
+        self._columns = columns if columns is not None else tuple(map(list, zip(*members))) if members else \
+            tuple([] for _ in ZipMember._fields)
+        self.names: list[str] = self._columns[0]
         self.path = path
         self.whole = whole  # the archive's bytes, when a small one was read whole to find its members
         self.base = base  # where the archive starts in its file
         self.heads = heads or {}  # data offset -> the first HEAD_BYTES there, read with its local header
+        # positions of the members whose first bytes may be NumPy's magic (np.load would read them as arrays):
+        # those seen to be, and those not seen (deflated, or past what was read); None when not worked out (every
+        # member's first bytes are then asked for)
+        self.npy_heads: list[int] | None = None
         # folded name -> its member's position; names several members share -> all their positions
         self._by_name: dict[str, int] = {}
         self._shared: dict[str, list[int]] = {}
-        by_name = self._by_name
-        for i, m in enumerate(members):
-            folded = _fold(m.name)
-            if by_name.setdefault(folded, i) != i:
-                self._shared.setdefault(folded, [by_name[folded]]).append(i)
-        self.duplicates = sorted(members[ix[0]].name for ix in self._shared.values())
-        first = members[0].name if members else ""
+        names = self.names
+        # The names as one string, when none holds a line break: folded, and searched, in one call each instead of
+        # one a member (20,000 of them cost 15 ms one by one).
+        if joined is None:
+            joined = "\n".join(names)
+            if joined.count("\n") != len(names) - 1:
+                joined = None
+        self.joined = joined
+        if joined is not None and joined.isascii() and names:
+            lowered = joined.lower()
+            folded = names if lowered == joined else lowered.split("\n")
+        else:
+            folded = [_fold(n) for n in names]
+        by_name = dict(zip(folded, range(len(folded))))
+        if len(by_name) != len(folded):  # duplicates: the first position of each name, and all of those shared
+            by_name = {}
+            for i, f in enumerate(folded):
+                if by_name.setdefault(f, i) != i:
+                    self._shared.setdefault(f, [by_name[f]]).append(i)
+        self._by_name = by_name
+        self.duplicates = sorted(names[ix[0]] for ix in self._shared.values())
+        first = names[0] if names else ""
         self.prefix = first.split("/", 1)[0] if "/" in first else None
         self.torch_problem: str | None = None
         self.other_readers: str | None = None  # why Python's zipfile could see other members than torch
         self.guessed = 0  # storages whose local header was not fetched (a remote archive in torch's layout)
-        if not members:
+        if not names:
             self.torch_problem = "the archive is empty"
         elif self.prefix is None:
             self.torch_problem = f"its first member {first!r} is not in a folder, which torch's reader requires"
         else:
-            outside = [m.name for m in members if not m.name.startswith(self.prefix + "/")]
-            if outside:
-                self.torch_problem = (f"member {outside[0]!r} is outside the archive's folder {self.prefix!r}, "
-                                      "which torch's reader refuses")
+            inside = self.prefix + "/"
+            # each line break of `joined` starts a name: a name in the folder is a line break and the folder's name
+            if joined is None or ("\n" + joined).count("\n" + inside) != len(names):
+                outside = [n for n in names if not n.startswith(inside)]
+                if outside:
+                    self.torch_problem = (f"member {outside[0]!r} is outside the archive's folder {self.prefix!r}, "
+                                          "which torch's reader refuses")
+
+    @property
+    def members(self) -> list[ZipMember]:
+        if self._members is None:
+            self._members = list(map(tuple.__new__, repeat(ZipMember), zip(*self._columns)))
+        return self._members
+
+    def member(self, i: int) -> ZipMember:
+        """The member at position `i` (made alone, while the list of them is not made)."""
+        if self._members is not None:
+            return self._members[i]
+        return tuple.__new__(ZipMember, [column[i] for column in self._columns])
 
     def __len__(self) -> int:
-        return len(self.members)
+        return len(self.names)
 
     def find(self, name: str) -> ZipMember | None:
         """The member torch's reader returns for `name`: ASCII case ignored, duplicates settled as miniz does."""
-        folded = _fold(name)
-        hit = self._by_name.get(folded)
+        folded = name.lower() if name.isascii() else name.translate(_ASCII_LOWER)  # (_fold, without its call:
+        hit = self._by_name.get(folded)  # torch_zip asks once a storage)
         if hit is None:
             return None
-        if folded not in self._shared:
-            return self.members[hit]
-        return self.members[_miniz_pick([m.name for m in self.members], name)]
+        if self._shared and folded in self._shared:
+            hit = _miniz_pick(self.names, name)
+        return self._members[hit] if self._members is not None else self.member(hit)
 
     def all_named(self, name: str) -> list[ZipMember]:
         """Every member torch could mean by `name` (several when the archive has duplicates)."""
         folded = _fold(name)
         hits = self._shared.get(folded) or ([self._by_name[folded]] if folded in self._by_name else [])
-        return [self.members[i] for i in hits]
+        return [self.member(i) for i in hits]
 
     def records(self) -> list[str]:
         """Member names relative to the archive's folder, as torch's `get_all_records` lists them."""
         cut = len(self.prefix) + 1 if self.prefix is not None else 0
-        return [m.name[cut:] for m in self.members]
+        return [n[cut:] for n in self.names]
+
+    def has_record(self, record: str) -> bool:
+        """Whether `record` is in records() (compared exactly, not as find() does), without listing them."""
+        cut = len(self.prefix) + 1 if self.prefix is not None else 0
+        return record in map(itemgetter(slice(cut, None)), self.names)
 
 
 def _fold(name: str) -> str:
@@ -158,12 +208,31 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
                         f"{limits.MAX_ZIP_DIRECTORY >> 20} MB ckpt-doctor reads (a bomb, or no checkpoint)")
     cd = pread(fd, cd_size, base + cd_offset)
     # Local headers sit between the payloads. A small archive is read whole (one syscall for 20,000 headers); a big
-    # one gets one pread per header (a memory map would fault in, and count in RSS, 64 KB around each), which also
-    # takes the first HEAD_BYTES of the member's data (torch pads the extra field to 64-byte alignment): what the
-    # survey checks of every member (member_head) then costs no second call. (Only when there are many headers: a
-    # DCP item of 8 MB has five, and 100 items read whole cost 0.1 s.)
+    # one in blocks of neighbouring headers (a memory map would fault in, and count in RSS, 64 KB around each), which
+    # also take the first bytes of each member's data (torch pads the extra field to 64-byte alignment): whether they
+    # are NumPy's magic, which the survey asks of every member, then costs no second call. (Read whole only when
+    # there are many headers: a DCP item of 8 MB has five, and 100 items read whole cost 0.1 s.)
     whole = pread(fd, file_size, base) if file_size <= limits.ZIP_WHOLE_READ and (
         count > 64 or file_size <= 1 << 20) else None
+    made = None if is_remote(fd) and whole is None else _by_columns(fd, cd, count, disk, file_size, path, base, whole)
+    index, p = made if made is not None else _one_by_one(fd, cd, count, disk, file_size, path, base, whole)
+    # Python's zipfile (np.load, most tools) reads the same archive differently: it shifts every offset by the
+    # bytes between where the directory ends and where the end record is, and reads entries until the directory's
+    # size is used up. When that could give it other members, say so: the survey then walks its view too.
+    concat = eocd_at - cd_size - cd_offset - (56 + 20 if zip64 else 0)
+    if concat:
+        index.other_readers = f"Python's zipfile shifts its offsets by {concat} bytes"
+    elif p < cd_size:
+        index.other_readers = (f"the directory holds {cd_size - p} bytes past the {count} entries its end record "
+                               "counts, which Python's zipfile reads")
+    return index
+
+
+def _one_by_one(fd: int, cd: bytes, count: int, disk: int, file_size: int, path: str, base: int,
+                whole: bytes | None) -> tuple[ZipIndex, int]:
+    """The members, each checked in turn (raising ReadError at the first that is broken), and where the directory's
+    last entry ends. Where the column reader declines: an archive over the network, or one that something is wrong
+    with (which this reader names)."""
     heads: dict[int, bytes] = {}
     members = []
     # Over the network a local header is a request: a storage's (a member data/N, raw tensor bytes) is not fetched
@@ -235,16 +304,258 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
         guessed = []
     index = ZipIndex(members, path, whole, base, heads)
     index.guessed = len(guessed)
-    # Python's zipfile (np.load, most tools) reads the same archive differently: it shifts every offset by the
-    # bytes between where the directory ends and where the end record is, and reads entries until the directory's
-    # size is used up. When that could give it other members, say so: the survey then walks its view too.
-    concat = eocd_at - cd_size - cd_offset - (56 + 20 if zip64 else 0)
-    if concat:
-        index.other_readers = f"Python's zipfile shifts its offsets by {concat} bytes"
-    elif p < cd_size:
-        index.other_readers = (f"the directory holds {cd_size - p} bytes past the {count} entries its end record "
-                               "counts, which Python's zipfile reads")
-    return index
+    return index, p
+
+
+_NPY = b"\x93NUMPY"
+_BLOCK = 1 << 20  # local headers are read in blocks of up to this many bytes ...
+_GAP = 32 << 10  # ... that skip no more than this between two headers (reading it costs less than a call)
+
+
+def _by_columns(fd: int, cd: bytes, count: int, disk: int, file_size: int, path: str, base: int,
+                whole: bytes | None) -> tuple[ZipIndex, int] | None:
+    """What _one_by_one makes of a local archive, column by column: the directory's fields taken a column at a
+    time from runs of entries of one length, each check made of a whole column, the local headers read in a few
+    large reads, and which members' data may start with NumPy's magic worked out here. None where anything is
+    unusual (a check fails, zip64 sizes that do not parse): _one_by_one then reads the archive and says what is
+    wrong as before."""
+    if sys.byteorder != "little":  # (the columns are cast from little-endian bytes)
+        return None
+    entries = _entries(cd, count)
+    if entries is None:
+        return None
+    p, runs, names_raw, (flags, methods, crcs, csizes, usizes, nlens, xlens, disks, attrs, local_ats) = entries
+    joined = None
+    if names_raw.isascii() and names_raw.count(b"\n") == count - 1:
+        joined = names_raw.decode("ascii")
+        names = joined.split("\n")
+    else:
+        names = [cd[at + 46:at + 46 + n].decode("utf-8", "surrogateescape") for at, n in zip(_starts(runs), nlens)]
+    # (a name ends in "/" where the names' bytes hold "/" before a line break or at their end: 0x2F is no part of a
+    # longer UTF-8 sequence)
+    folders = b"/\n" in names_raw or names_raw.endswith(b"/")
+    del names_raw
+    big = 0xFFFFFFFF
+    wide = [i for i, (u, c, a) in enumerate(zip(usizes, csizes, local_ats)) if u == big or c == big or a == big] \
+        if big in usizes or big in csizes or big in local_ats else []
+    if wide or methods.count(0) != count or csizes != usizes:
+        skip = set(wide)
+        for i, (m, c, u) in enumerate(zip(methods, csizes, usizes)):
+            if (m == 0 and c != u or u and not c) and i not in skip:
+                return None
+        starts = _starts(runs)
+        for i in wide:
+            at = starts[i] + 46 + nlens[i]
+            try:
+                usizes[i], csizes[i], local_ats[i] = _zip64_extra(cd[at:at + xlens[i]], usizes[i], csizes[i],
+                                                                  local_ats[i], path)
+            except ReadError:
+                return None
+    del xlens
+    if any(f & 0x2000 for f in set(flags)) or any(d == 0xFFFF or d != disk and d != 1 for d in set(disks)):
+        return None
+    if max(map(add, local_ats, csizes)) + 30 > file_size:
+        return None
+    if whole is not None:
+        # each local header's signature, and its name and extra lengths taken a byte column at a time
+        signed = list(map(whole.startswith, repeat(_LOCAL), local_ats))
+        try:
+            lengths = _ints(whole, local_ats, 26, 4)  # the two lengths as one int: name + (extra << 16)
+        except IndexError:  # (the file was cut short meanwhile)
+            return None
+        # where each member's data starts in `whole` (-1: no local header where the directory says)
+        data = list(map(add, local_ats, map(add, map(and_, lengths, repeat(0xFFFF)),
+                                            map(add, map(rshift, lengths, repeat(16)), repeat(30)))))
+        if False in signed or max(map(add, data, csizes)) > file_size:
+            data = [d if s and d + c <= file_size else -1 for d, s, c in zip(data, signed, csizes)]
+        del signed, lengths
+        seen = list(map(whole.startswith, repeat(_NPY), data))  # (-1: the last byte, never the magic)
+        maybe = [i for i, hit in enumerate(seen) if hit] if True in seen else []
+        del seen
+        offsets = data if not base else [d + base if d >= 0 else -1 for d in data]
+    else:
+        headers = _local_headers(fd, local_ats, nlens, csizes, file_size, base)
+        if headers is None:
+            return None
+        offsets, maybe = headers
+    if methods.count(0) != count:  # a deflated member's first bytes are known only once inflated
+        maybe = sorted(set(maybe).union(i for i, m in enumerate(methods) if m))
+    if any(a & 0x10 for a in set(attrs)) or folders:
+        is_dir = [bool(a & 0x10) or n.endswith("/") for a, n in zip(attrs, names)]
+    else:
+        is_dir = [False] * count
+    at = list(map(add, local_ats, repeat(base))) if base else local_ats
+    index = ZipIndex(None, path, whole, base, columns=(names, offsets, usizes, csizes, methods, crcs, at, flags,
+                                                       is_dir), joined=joined)
+    index.npy_heads = [i for i in maybe if _may_be_npy(index.member(i))]
+    return index, p
+
+
+def _ints(buf: bytes, positions: list[int], k: int, width: int) -> list[int]:
+    """The little-endian unsigned int of `width` (2 or 4) bytes at each of `positions`, plus `k`, of `buf`
+    (IndexError past its end): a byte of each at a time, from views of `buf` that start where that byte is."""
+    out = bytearray(width * len(positions))
+    take = itemgetter(*positions)
+    with memoryview(buf) as view:
+        for j in range(width):
+            got = take(view[k + j:])
+            out[j::width] = bytes(got) if len(positions) != 1 else bytes([got])
+    return memoryview(out).cast("H" if width == 2 else "I").tolist()
+
+
+# the central directory entry's fields kept: (offset, width) of flags, method, crc32, compressed size, size, disk,
+# external attributes (the low byte: 0x10 marks a folder), local header offset
+_FIELDS = ((8, 2), (10, 2), (16, 4), (20, 4), (24, 4), (34, 2), (38, 1), (42, 4))
+_RUN_BYTES = (0, 1, 2, 3, 28, 29, 30, 31, 32, 33)  # alike in a run: the signature and the three lengths
+_RUN = 16  # entries alike from where a run is taken column-wise; fewer are cut one by one ...
+_ALONE = 64  # ... and so are this many after them, before the next run is looked for
+
+
+def _entries(cd: bytes, count: int) -> tuple[int, list[int], bytes, tuple[list[int], ...]] | None:
+    """The `count` entries of a central directory: where the last ends, where each starts (as runs of equal
+    entries: where, size, how many), their names joined by
+    line breaks, and the columns flags, method, crc32, compressed size, size, name length, extra length, disk,
+    external attributes (low byte) and local header offset; None where an entry is not one or runs past the end.
+    Entries of one length and signature in a run (torch names its storages data/0, data/1, ...: a run is all those
+    of as many digits) are taken a field at a time, by slicing every entry's bytes of it at once."""
+    end = len(cd)
+    flags, methods, crcs, csizes, usizes, disks, attrs, local_ats = columns = tuple([] for _ in _FIELDS)
+    nlens: list[int] = []
+    xlens: list[int] = []
+    runs: list[tuple[int, int, int]] = []  # (where, entry size, entries): where each entry starts, compressed
+    names: list[bytes] = []
+    unpack_central = _CENTRAL_HEADER.unpack_from
+    p = i = alone = 0
+    while i < count:
+        if p + 46 > end or cd[p:p + 4] != _CENTRAL:
+            return None
+        nlen, xlen, clen = _LENGTHS.unpack_from(cd, p + 28)
+        size = 46 + nlen + xlen + clen
+        limit = min(count - i, (end - p) // size)
+        if limit < 1:
+            return None
+        run = _run_length(cd, p, size, limit) if not alone else 1
+        if run < _RUN:
+            alone = alone - 1 if alone else _ALONE
+            for _ in range(run):
+                _sig, f, m, crc, c, u, nlen, xlen, clen, d, a, at = unpack_central(cd, p)
+                for column, value in zip(columns, (f, m, crc, c, u, d, a & 0xFF, at)):
+                    column.append(value)
+                runs.append((p, size, 1))
+                names.append(cd[p + 46:p + 46 + nlen] + b"\n")
+                nlens.append(nlen)
+                xlens.append(xlen)
+                p += size
+            i += run
+            continue
+        stop = p + size * run
+        for column, (at, width) in zip(columns, _FIELDS):
+            if width == 1:
+                column += cd[p + at:stop:size]
+                continue
+            out = bytearray(width * run)
+            for j in range(width):
+                out[j::width] = cd[p + at + j:stop:size]
+            column += memoryview(out).cast("H" if width == 2 else "I").tolist()
+        joined = bytearray((nlen + 1) * run)
+        for j in range(nlen):
+            joined[j::nlen + 1] = cd[p + 46 + j:stop:size]
+        joined[nlen::nlen + 1] = b"\n" * run
+        names.append(bytes(joined))
+        runs.append((p, size, run))
+        nlens += [nlen] * run
+        xlens += [xlen] * run
+        p = stop
+        i += run
+    return p, runs, b"".join(names)[:-1], (flags, methods, crcs, csizes, usizes, nlens, xlens, disks, attrs,
+                                           local_ats)
+
+
+def _starts(runs: list[tuple[int, int, int]]) -> list[int]:
+    """Where each entry starts, from _entries' runs."""
+    starts: list[int] = []
+    for p, size, n in runs:
+        starts += range(p, p + size * n, size)
+    return starts
+
+
+def _run_length(cd: bytes, p: int, size: int, limit: int) -> int:
+    """How many entries of `size` bytes from `p` on (at most `limit`) share the first's signature and lengths:
+    looked for in chunks that double while they all do."""
+    n = 0
+    chunk = 64
+    while n < limit:
+        k = min(chunk, limit - n)
+        q = p + n * size
+        lead = k
+        for b in _RUN_BYTES:
+            column = cd[q + b:q + b + size * k:size]
+            lead = min(lead, len(column) - len(column.lstrip(cd[p + b:p + b + 1])))
+        n += lead
+        if lead < k:
+            break
+        chunk *= 2
+    return n
+
+
+_LENGTHS = struct.Struct("<HHH")
+
+
+def _may_be_npy(m: ZipMember) -> bool:
+    """Whether member_head could give NumPy's magic for `m` (it gives nothing of a member it cannot read)."""
+    return not (m.offset < 0 or m.is_dir or m.flags & 1) and (m.method != 0 or m.compressed_size >= len(_NPY))
+
+
+def _local_headers(fd: int, local_ats: list[int], nlens: list[int], csizes: list[int], file_size: int,
+                   base: int) -> tuple[list[int], list[int]] | None:
+    """Each member's data offset (-1 where no local header is where the directory says) from its local header,
+    read in blocks of neighbouring headers (a checkpoint of small tensors: the whole file, 1 MB at a time; one of
+    big tensors: a read a header, as before) and taken from each a column at a time, and the positions of the
+    members whose data was seen to start with NumPy's magic, or was not seen (a header whose extra field runs on).
+    None when a block comes back short (the file was cut meanwhile)."""
+    count = len(local_ats)
+    ordered = local_ats == sorted(local_ats)
+    order = list(range(count)) if ordered else sorted(range(count), key=local_ats.__getitem__)
+    ats = local_ats if ordered else [local_ats[k] for k in order]
+    want = 30 + 128 + HEAD_BYTES  # of each header, past its name: what _one_by_one reads of it
+    # where what is read of each header ends, and the gaps too wide to read through, between one and the next
+    stops = list(map(add, ats, map(add, nlens if ordered else [nlens[k] for k in order], repeat(want))))
+    gaps = list(map(sub, ats[1:], stops))
+    cuts = ([i + 1 for i, gap in enumerate(gaps) if gap > _GAP] if gaps and max(gaps) > _GAP else []) + [count]
+    del gaps
+    sizes = csizes if ordered else [csizes[k] for k in order]
+    found: list[int] = []  # data offsets, in the order of `ats`
+    maybe = []
+    i = 0
+    cut = 0
+    while i < count:
+        while cuts[cut] <= i:
+            cut += 1
+        j = max(min(bisect_right(ats, ats[i] + _BLOCK, i + 1), cuts[cut]), i + 1)
+        start = ats[i]
+        block = pread(fd, min(max(stops[i:j]), file_size) - start, base + start)
+        at = list(map(sub, ats[i:j], repeat(start)))
+        signed = list(map(block.startswith, repeat(_LOCAL), at))
+        try:
+            lengths = _ints(block, at, 26, 4)  # the name and extra lengths as one int: name + (extra << 16)
+        except IndexError:
+            return None
+        data = list(map(add, at, map(add, map(and_, lengths, repeat(0xFFFF)),
+                                     map(add, map(rshift, lengths, repeat(16)), repeat(30)))))
+        if False in signed or max(map(add, data, sizes[i:j])) + start > file_size:
+            data = [d if s and d + start + c <= file_size else -1 - start - base
+                    for d, s, c in zip(data, signed, sizes[i:j])]
+        seen = list(map(block.startswith, repeat(_NPY), data))
+        if True in seen or max(data) + len(_NPY) > len(block):  # seen to be, or not seen
+            maybe += [i + n for n, (d, hit) in enumerate(zip(data, seen)) if hit or d + len(_NPY) > len(block)]
+        found += map(add, data, repeat(start + base))
+        i = j
+    if ordered:
+        return found, maybe
+    offsets = [-1] * count
+    for k, offset in zip(order, found):
+        offsets[k] = offset
+    return offsets, sorted(order[n] for n in maybe)
 
 
 def _torch_data_at(local_at: int, nlen: int, size: int, alignment: int = 64) -> int:
