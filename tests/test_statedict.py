@@ -183,3 +183,24 @@ def test_inspect_reads_a_state_dict_the_same_either_way(tmp_path, monkeypatch) -
     assert len(fast.tensors) == 208  # 2 + 5 + 100 * 2 + 1 (the head's weight is the first block's)
     assert [fast.tensors[i] for i in range(len(fast.tensors))] == [slow.tensors[i] for i in range(len(slow.tensors))]
     assert fast.globals == slow.globals and fast.notes == slow.notes and fast.hazards == slow.hazards
+
+
+def test_the_survey_reads_data_pkl_as_the_main_pickle(tmp_path) -> None:
+    """The data.pkl torch unpickles is the survey's main pickle — read in one pass, its walk the one the readers
+    consult — and bytes after its STOP are noted as torch ignores them."""
+    from ckpt_doctor.readers.survey import survey_file
+
+    path = tmp_path / "model.pt"
+    torch.save(Net().state_dict(), path)
+    survey = survey_file(path)
+    assert survey.main_read is not None and survey.main_walk is survey.main_read.walk
+
+    padded = tmp_path / "padded.pt"
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(padded, "w", zipfile.ZIP_STORED) as target:
+        for info in source.infolist():
+            data = source.read(info)
+            target.writestr(info, data + b"\x00\x01" if info.filename.endswith("/data.pkl") else data)
+    assert set(torch.load(padded, weights_only=True)) == set(Net().state_dict())  # torch ignores them
+    survey = survey_file(padded)
+    assert survey.main_walk is not None and survey.main_read is None  # bytes after STOP: the two passes read it
+    assert any("holds 2 bytes after its end" in note for note in read_checkpoint(padded).notes)

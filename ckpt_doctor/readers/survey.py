@@ -277,7 +277,7 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True)
         if rel in _TEXT_RECORDS or rel.startswith("data/") and not _is_pickle_name(rel) \
                 or rel.startswith("code/") and rel.endswith(".py"):
             continue  # text records, storages (raw tensor bytes) and TorchScript source: never unpickled
-        is_main = member is chosen
+        is_main = member == chosen  # by value: the index makes a member anew each time it is asked for one
         if not is_main and not starts_pickle(head):
             continue  # no opcode at its start: nothing any loader would unpickle (and nothing inflated)
         _survey_member(survey, fd, member, is_main, budget)
