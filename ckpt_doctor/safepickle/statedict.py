@@ -62,16 +62,17 @@ _GLOBAL_TEXT = re.compile(rb"([\w.]{1,64})\n(\w{1,64})\n")
 _GONE = object()  # a memo entry no state_dict pickle fetches again (a persistent id, the rebuild's arguments)
 
 # One tensor of the dict once its globals and strings are in the memo, as torch.save writes every tensor after the
-# first 31 (every PUT a LONG_BINPUT, indices from 256 on; those before go opcode by opcode). _HEAD, after the key:
-# PUT; GET rebuild; MARK MARK GET "storage" GET storage class; the storage key's length. _TAIL, after the storage
-# key: PUT; GET location; numel; TUPLE PUT BINPERSID; offset; shape; stride; requires_grad; GET OrderedDict,
-# EMPTY_TUPLE REDUCE PUT (the hooks); TUPLE PUT REDUCE PUT. A shape or stride: (), or 1 to 3 ints, TUPLEn and PUT
-# (more dimensions go opcode by opcode). The PUTs' indices are captured and checked in bulk (_Reader.check_puts).
+# first 31 (every PUT a LONG_BINPUT, indices from 256 on; those before go opcode by opcode). After the key: PUT; GET
+# rebuild; MARK MARK GET "storage" GET storage class; the storage key (BINUNICODE of 1 to 9 digits: its length is
+# checked against theirs); PUT; GET location; numel; TUPLE PUT BINPERSID; offset; shape; stride; requires_grad; GET
+# OrderedDict, EMPTY_TUPLE REDUCE PUT (the hooks); TUPLE PUT REDUCE PUT. A shape or stride: (), or 1 to 3 ints,
+# TUPLEn and PUT (more dimensions go opcode by opcode). The PUTs' indices are captured and checked in bulk
+# (_Reader.check_puts).
 _GET, _NUM, _PUT = rb"(?:h.|j....)", rb"(K.|M..|J....)", rb"r(....)"
 _INTS = rb"(\)|(?:K.|M..|J....){1,3}[\x85-\x87])(?:r(....))?"
-_HEAD = re.compile(_PUT + b"(" + _GET + rb"\(\(" + _GET + _GET + rb")X(....)", re.DOTALL)
-_TAIL = re.compile(_PUT + b"(" + _GET + b")" + _NUM + rb"t" + _PUT + rb"Q" + _NUM + _INTS + _INTS + rb"([\x88\x89])("
-                   + _GET + rb")\)R" + _PUT + rb"t" + _PUT + rb"R" + _PUT, re.DOTALL)
+_ITEM = re.compile(_PUT + b"(" + _GET + rb"\(\(" + _GET + _GET + rb")X(.)\x00\x00\x00([0-9]{1,9})" + _PUT + b"("
+                   + _GET + b")" + _NUM + rb"t" + _PUT + rb"Q" + _NUM + _INTS + _INTS + rb"([\x88\x89])(" + _GET
+                   + rb")\)R" + _PUT + rb"t" + _PUT + rb"R" + _PUT, re.DOTALL)
 
 
 class StateDictRead:
@@ -296,40 +297,33 @@ class _Reader:
 
     def _items(self, pos: int, memo: list, stack: list) -> int:
         """The keys and tensors from `pos` on, read as the opcodes one by one would read them, while they are of
-        the template torch.save repeats for every tensor (_HEAD, _TAIL): each key and tensor pushed, their memo
-        entries stored, their PUTs' indices kept for check_puts; where the first that is not of it starts."""
+        the template torch.save repeats for every tensor (_ITEM): each key and tensor pushed, their memo entries
+        stored, their PUTs' indices kept for check_puts; where the first that is not of it starts."""
         data, storages, tuples, gets = self.data, self.storages, self.tuples, self.gets
-        head_match, tail_match = _HEAD.match, _TAIL.match
+        item_match = _ITEM.match
         runs = self.runs
         if len(memo) != self.run_end:  # PUTs by opcode came between: a new run of indices
             runs.append((len(memo), []))
         puts = runs[-1][1]
-        while True:
-            if data[pos] != 0x58:
-                break
+        while data[pos] == 0x58:
             at = pos + 5 + int.from_bytes(data[pos + 1:pos + 5], "little")
-            head = head_match(data, at)
-            if head is None:
+            item = item_match(data, at)
+            if item is None:
                 break
-            put_key, head_gets, key_size = head.groups()
-            start = head.end()
-            end = start + int.from_bytes(key_size, "little")
-            tail = tail_match(data, end)
-            if tail is None:
-                break
-            (put_skey, get_location, numel, put_pid, offset, shape, put_shape, stride, put_stride, grad, get_ordered,
-             put_hooks, put_args, put_tensor) = tail.groups()
+            (put_key, head_gets, skey_size, skey, put_skey, get_location, numel, put_pid, offset, shape, put_shape,
+             stride, put_stride, grad, get_ordered, put_hooks, put_args, put_tensor) = item.groups()
             known = gets.get((head_gets, get_location, get_ordered), _GONE)
             if known is _GONE:
                 known = gets[(head_gets, get_location, get_ordered)] = _template_gets(head_gets, get_location,
                                                                                       get_ordered, memo)
             shape_value = tuples.get(shape) or _tuple(shape, tuples)
             stride_value = tuples.get(stride) or _tuple(stride, tuples)
-            offset_value = _int(offset)
+            offset_value = 0 if offset == b"K\x00" else _int(offset)
             if known is None or shape_value is None or stride_value is None or offset_value < 0 \
+                    or skey_size[0] != len(skey) \
                     or (put_shape is None) is not (shape == b")") or (put_stride is None) is not (stride == b")"):
                 break  # a negative offset: SafeUnpickler's _tensor refuses it
-            skey = data[start:end].decode("utf-8", "surrogatepass")
+            skey = skey.decode()
             ref = storages.get(skey)
             if ref is None:
                 numel_value = _int(numel)
@@ -338,18 +332,22 @@ class _Reader:
                 ref = storages[skey] = StorageRef(skey, known[0], numel_value, known[1])
             key = data[pos + 5:at].decode("utf-8", "surrogatepass")
             tensor = RawTensor(ref, ref.dtype, offset_value, shape_value, stride_value, grad == b"\x88")
-            puts += put_key, put_skey, put_pid
-            memo += key, skey, _GONE
-            if put_shape is not None:
-                puts.append(put_shape)
-                memo.append(shape_value)
-            if put_stride is not None:
-                puts.append(put_stride)
-                memo.append(stride_value)
-            puts += put_hooks, put_args, put_tensor
-            memo += _GONE, _GONE, tensor
+            if put_shape is not None and put_stride is not None:  # the common case, in one step
+                puts += put_key, put_skey, put_pid, put_shape, put_stride, put_hooks, put_args, put_tensor
+                memo += key, skey, _GONE, shape_value, stride_value, _GONE, _GONE, tensor
+            else:
+                puts += put_key, put_skey, put_pid
+                memo += key, skey, _GONE
+                if put_shape is not None:
+                    puts.append(put_shape)
+                    memo.append(shape_value)
+                if put_stride is not None:
+                    puts.append(put_stride)
+                    memo.append(stride_value)
+                puts += put_hooks, put_args, put_tensor
+                memo += _GONE, _GONE, tensor
             stack += key, tensor
-            pos = tail.end()
+            pos = item.end()
         self.run_end = len(memo)
         return pos
 
