@@ -39,6 +39,9 @@ from .safetensors_reader import read_safetensors
 from . import source
 from .source import RemoteError, RemotePath, close_source, open_source, pread, read_data, remote_path
 from .survey import ItemCache, survey_file, survey_item
+from .table import sniff_head
+from ..sniff import Container
+from .dcp_meta_fast import recognize
 from .torch_zip import read_torch_zip
 
 METADATA = ".metadata"
@@ -282,10 +285,6 @@ def _recognized(path: Path, policy: Policy) -> Any:
     last 64 KB (each a second reading a loader could make of it)."""
     if isinstance(path, RemotePath):
         return None
-    from ..sniff import Container
-    from .dcp_meta_fast import recognize
-    from .table import sniff_head
-
     src, size = _open(path)
     try:
         if size > limits.MAX_UNPICKLE_BYTES or size < 64:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 import struct
 
-from ..safepickle.policy import DEFAULT_POLICY, GlobalRef, Policy, Verdict
+from ..safepickle.policy import DEFAULT_POLICY, TORCH_DTYPES, GlobalRef, Policy, Verdict
 
 _DC = "torch.distributed.checkpoint.metadata"
 _CLASSES = frozenset({(_DC, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
@@ -422,7 +422,7 @@ class _Machine:
         if g is not None:
             return g
         module, name = key
-        if key not in _CLASSES and key not in _CALLS and not (module == "torch" and name in _DTYPE_NAMES):
+        if key not in _CLASSES and key not in _CALLS and not (module == "torch" and name in TORCH_DTYPES):
             raise NoFit
         verdict, reason = self.policy.classify(module, name)
         if verdict is not Verdict.SAFE:
@@ -450,18 +450,6 @@ class _Retry(Exception):
     pass
 
 
-_DTYPE_NAMES: frozenset[str] = frozenset()
-
-
-def _dtype_names() -> frozenset[str]:
-    global _DTYPE_NAMES
-    if not _DTYPE_NAMES:
-        from ..safepickle.policy import _DTYPES
-
-        _DTYPE_NAMES = frozenset(_DTYPES)
-    return _DTYPE_NAMES
-
-
 class Parsed:
     """What the reader takes from a `.metadata`: the same values its unpickled tree gives."""
 
@@ -479,7 +467,6 @@ class Parsed:
 
 def recognize(data: bytes, policy: Policy = DEFAULT_POLICY) -> Parsed | None:
     """The metadata in `data`, when every byte fits the grammar torch writes; None otherwise."""
-    _dtype_names()
     machine = _Machine(data, policy)
     try:
         root = machine.run()

@@ -62,6 +62,7 @@ _DTYPES = (
     "float4_e2m1fn_x2 float64 float8_e4m3fn float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz float8_e8m0fnu "
     "int1 int16 int2 int3 int32 int4 int5 int6 int64 int7 int8 qint32 qint8 quint2x4 quint4x2 quint8 "
     "uint1 uint16 uint2 uint3 uint32 uint4 uint5 uint6 uint64 uint7 uint8").split()
+TORCH_DTYPES = frozenset(_DTYPES)  # torch's dtypes, as the pickles of its objects name them (torch.float32)
 _STORAGES = ("BFloat16 Bool Byte Char ComplexDouble ComplexFloat Double Float Half Int Long Short").split()
 _QSTORAGES = ("QInt32 QInt8 QUInt2x4 QUInt4x2 QUInt8").split()
 _TENSORS = ("BFloat16 Bool Byte Char Double Float Half Int Long Short").split()
