@@ -174,10 +174,24 @@ class Walker:
         if not items and path:
             self._meta(path, obj if isinstance(obj, (list, tuple)) else {})
         if direct == len(items):  # a state_dict: tensors only, listed now, as they would be next
-            for key, value in items:
-                self._visit(value, join(path, key))
+            self._tensors(items, path)
         else:
             later.extend((value, path, key) for key, value in items)
+
+    def _tensors(self, items: list[tuple[Any, RawTensor]], path: str) -> None:
+        """A container's tensors, listed as _visit lists each (its limits checked for them all at once)."""
+        paths = [join(path, key) for key, _ in items]
+        self.nodes += len(items)
+        if self.nodes > self.max_nodes:
+            raise ReadError(f"the pickle holds more than {self.max_nodes:,} objects, counting a shared one each "
+                            "place it appears; ckpt-doctor does not walk that many")
+        if len(self.flat.tensors) + len(items) > limits.MAX_TENSORS:
+            raise ReadError(f"more than {limits.MAX_TENSORS:,} tensors; refusing to list them")
+        self.key_bytes += sum(map(len, paths))
+        if self.key_bytes > limits.MAX_KEY_BYTES:
+            raise ReadError(f"the tensors' key paths add up to more than {limits.MAX_KEY_BYTES >> 20} MB "
+                            "(keys nested hundreds of levels deep?); refusing to list them")
+        self.flat.tensors += zip(paths, (value for _, value in items))
 
     def _object(self, obj: Opaque, path: str, later: list[tuple]) -> None:
         data = obj.ckd
