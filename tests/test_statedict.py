@@ -17,7 +17,8 @@ from ckpt_doctor.readers import read_checkpoint
 from ckpt_doctor.safepickle.policy import DEFAULT_POLICY
 from ckpt_doctor.safepickle.statedict import read_state_dict
 from ckpt_doctor.safepickle.unpickler import RawTensor, SafeUnpickler, StorageRef
-from ckpt_doctor.safepickle.walker import walk
+from ckpt_doctor.safepickle import limits
+from ckpt_doctor.safepickle.walker import new_budget, walk
 
 
 class Net(nn.Module):
@@ -70,10 +71,15 @@ def _two_passes(data: bytes, name: str = "archive/data.pkl"):
 
 
 def _same_as_two_passes(data: bytes, name: str = "archive/data.pkl") -> bool:
-    """Whether the one-pass reading of `data` matches the two passes; False when it declined."""
-    fast = read_state_dict(data, name, DEFAULT_POLICY)
+    """Whether the one-pass reading of `data` matches the two passes (the walk's budget debited alike); False when
+    it declined."""
+    budget = new_budget()
+    fast = read_state_dict(data, name, DEFAULT_POLICY, budget)
     if fast is None:
         return False
+    walked_budget = new_budget()
+    walk(data, name, budget=walked_budget)
+    assert budget == walked_budget, "the walk's opcodes counted otherwise"
     walked, root, unpickler = _two_passes(data, name)
     assert walked.refused is None and walked.broken is None and not walked.findings, "accepted what the walk refuses"
     assert not (walked.notes or walked.anomalies or walked.effects or walked.unresolved)
@@ -204,3 +210,64 @@ def test_the_survey_reads_data_pkl_as_the_main_pickle(tmp_path) -> None:
     survey = survey_file(padded)
     assert survey.main_walk is not None and survey.main_read is None  # bytes after STOP: the two passes read it
     assert any("holds 2 bytes after its end" in note for note in read_checkpoint(padded).notes)
+
+
+def _latin1_pickle_naming(module: str, name: str) -> str:
+    """A pickle as protocol 2 writes bytes inside a str (latin-1 text): the walker walks such text as a pickle."""
+    return (b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"X\x02\x00\x00\x00idR.").decode("latin-1")
+
+
+@pytest.mark.parametrize("where", ["value", "key"])
+def test_text_that_is_a_pickle_is_left_to_the_walk(where, tmp_path) -> None:
+    """A str holding a pickle (a payload for pickle.loads) is walked by the walker, which names os.system; the
+    one-pass reader declines the file rather than read past it."""
+    payload = _latin1_pickle_naming("os", "system")
+    state = {f"w{i}": torch.zeros(2) for i in range(300)}
+    state.update({"note": payload} if where == "value" else {payload: torch.zeros(2)})
+    data = _pickle_of(state, tmp_path)
+    assert read_state_dict(data, "archive/data.pkl", DEFAULT_POLICY) is None
+    assert [g.qualname for g in walk(data, "archive/data.pkl").findings] == ["os.system"]
+
+
+def test_the_walks_bounds_hold_for_the_one_pass_reader(tmp_path, monkeypatch) -> None:
+    """A pickle past the walk's opcode budget or memo bound is declined, and the walk refuses it."""
+    data = _pickle_of({f"w{i}": torch.zeros(2) for i in range(400)}, tmp_path)
+    used = new_budget()
+    assert read_state_dict(data, "archive/data.pkl", DEFAULT_POLICY, used) is not None
+    opcodes = new_budget()[1] - used[1]
+    short = new_budget()
+    short[1] = opcodes - 1
+    assert read_state_dict(data, "archive/data.pkl", DEFAULT_POLICY, short) is None
+    short = new_budget()
+    short[1] = opcodes - 1
+    assert "opcodes" in walk(data, "archive/data.pkl", budget=short).refused
+    monkeypatch.setattr(limits, "MAX_MEMO_ENTRIES", 1000)
+    monkeypatch.setattr(limits, "MEMO_BYTES_PER_ENTRY", 1 << 30)
+    assert read_state_dict(data, "archive/data.pkl", DEFAULT_POLICY) is None
+    assert "memo entries" in walk(data, "archive/data.pkl").refused
+
+
+def test_a_negative_numel_on_a_storage_named_again_is_declined(tmp_path) -> None:
+    """SafeUnpickler refuses every persistent id of a negative size, also for a storage it has met: so does the
+    one-pass reader, on the template's path too (past the first 256 memo entries)."""
+    base = torch.zeros(8)
+    data = _pickle_of({**{f"w{i}": torch.zeros(2) for i in range(100)}, "a": base[:4], "b": base[4:]}, tmp_path)
+    second = data.rindex(b"X\x01\x00\x00\x00b")  # the key "b": its storage is named again, with its numel
+    at = data.index(b"K\x08t", second)
+    mutant = data[:at] + b"J\xff\xff\xff\xff" + data[at + 2:]
+    assert read_state_dict(data, "archive/data.pkl", DEFAULT_POLICY) is not None
+    assert read_state_dict(mutant, "archive/data.pkl", DEFAULT_POLICY) is None
+    assert _two_passes(mutant)[1] is None  # SafeUnpickler cannot read it
+
+
+def test_a_long_get_whose_index_holds_mark_bytes_is_read_as_the_unpickler_reads_it(tmp_path) -> None:
+    """The half-precision storage class first stored at memo index 10280 (bytes 28 28 00 00, two MARK opcodes'
+    bytes) and fetched by LONG_BINGET for the next tensor: its dtype is read as the unpickler reads it."""
+    state = {f"a{i}": torch.zeros(2, 2) for i in range(1281)}
+    state["v0"] = state["a0"][1]  # a view: its storage key fetched again, one memo entry fewer
+    state.update({f"c{i}": torch.zeros(()) for i in range(3)})
+    state.update(h0=torch.zeros(2, 2, dtype=torch.float16), h1=torch.zeros(2, 2, dtype=torch.float16))
+    data = _pickle_of(state, tmp_path)
+    assert b"j((\x00\x00" in data  # the fetch this test is about (torch's layout of memo indices)
+    assert _same_as_two_passes(data)
+    assert read_state_dict(data, "archive/data.pkl", DEFAULT_POLICY).root["h1"].dtype == "float16"

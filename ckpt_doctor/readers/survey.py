@@ -508,7 +508,7 @@ def _survey_member(survey: Survey, fd: int, member: ZipMember, is_main: bool, bu
             # The one-pass reader, which imports the unpickler's records: only for a data.pkl torch would unpickle.
             from ..safepickle.statedict import read_state_dict
 
-            fast = read_state_dict(data, name, survey.policy)
+            fast = read_state_dict(data, name, survey.policy, survey.budget)
         if fast is not None:  # torch.save's state_dict grammar: walked and unpickled in one pass
             result = fast.walk
             survey.main_read = fast

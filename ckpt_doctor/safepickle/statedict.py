@@ -17,7 +17,10 @@ arguments, consumed where they are made, and shapes of ints); the memo is number
 numbers it (no index sized to bomb an array, no entry overwritten), one entry per PUT; MARKs nest at most
 _MAX_MARKS and dicts at most _MAX_HEIGHT; every opcode is O(1) but the ones that pop a MARK's items, each item
 popped once. A dict is never fetched from the memo, so dicts are filled bottom up and their nesting is known where
-it is made. Time and memory are linear in the pickle's bytes.
+it is made. Time and memory are linear in the pickle's bytes. And the walk's own bounds hold as if it had walked:
+opcodes are counted as it counts them, against the file's budget (debited alike), memo entries against its bound,
+strings against its length bound; a str that starts as a pickle would (latin-1 text of one, which the walker walks
+as a nested pickle) makes the reader decline.
 
 What it returns is what the two passes would have: the Walk (the globals named, where first named; the one pickle
 and its end) and, as SafeUnpickler would have made it, the root with a RawTensor per tensor on StorageRefs, one per
@@ -34,14 +37,21 @@ import struct
 from collections import OrderedDict
 
 from ..dtypes import STORAGE_CLASS_DTYPE
+from . import limits
 from .policy import GlobalRef, Policy, Verdict
 from .unpickler import RawTensor, StorageRef
-from .walker import Walk
+from .walker import Walk, new_budget
 
 _INT64 = 1 << 63
 _MAX_MARKS = 4  # torch.save nests 2: the dict's SETITEMS batch, the rebuild's arguments (and a persistent id: 3)
-_MAX_HEIGHT = 3  # a value dict holding dicts holding dicts at most (the root's _metadata: {"": {"version": 1}})
+# Dicts in dicts (BUILD's state counted as a dict under its target): a state_dict with its _metadata is 4 high
+# (root, the state, _metadata, {"version": 1}); a training checkpoint holds it a level or two down.
+_MAX_HEIGHT = 8
 _MAX_SHAPE = 64  # SafeUnpickler's _ints: at most 64 dimensions
+# Opcodes read one at a time (not by the template): a state_dict's first tensors, its _metadata (~8 a module) and
+# tensors of 4 or more dimensions (~30 each). Past this the pickle is left to the walker, which reads opcodes
+# faster than this reader does one at a time: a file of nothing but odd opcodes costs this reader ~1 s at most.
+_MAX_BY_OPCODE = 2_000_000
 
 
 class _Marker:
@@ -93,24 +103,32 @@ class _Misfit(Exception):
     """The pickle is not of the grammar: the caller walks and unpickles it as before."""
 
 
-def read_state_dict(data: bytes, source: str, policy: Policy) -> StateDictRead | None:
-    """The one-pass reading of `data` (a whole data.pkl), or None when it is not torch.save's state_dict grammar."""
+def read_state_dict(data: bytes, source: str, policy: Policy, budget: list | None = None) -> StateDictRead | None:
+    """The one-pass reading of `data` (a whole data.pkl), or None when it is not torch.save's state_dict grammar.
+    `budget`: the file's walk budget (walker.new_budget), debited by the opcodes read as the walk debits it; a pickle
+    of more opcodes than it has left, or more memo entries than the walk tracks, is left to the walk to refuse."""
     if data[:2] != b"\x80\x02":
         return None
+    budget = budget or new_budget()
+    reader = _Reader(data, source, policy, budget[1])
     collecting = gc.isenabled()
     gc.disable()  # what it builds holds no cycle (no dict is fetched again): the collector would only walk it
     try:
-        return _Reader(data, source, policy).run()
+        read = reader.run()
     except (_Misfit, IndexError, KeyError, UnicodeDecodeError):  # IndexError: the bytes end mid-opcode
         return None
     finally:
         if collecting:
             gc.enable()
+    budget[1] -= reader.ops
+    return read
 
 
 class _Reader:
-    def __init__(self, data: bytes, source: str, policy: Policy) -> None:
+    def __init__(self, data: bytes, source: str, policy: Policy, max_ops: int) -> None:
         self.data, self.source, self.policy = data, source, policy
+        self.ops, self.max_ops = 1, max_ops  # opcodes read (PROTO first), as the walk counts them against its budget
+        self.max_memo = limits.max_memo_entries(len(data))
         self.walk = Walk()
         self.globals: list[GlobalRef] = []
         self.named: dict[bytes, _Marker] = {}
@@ -156,16 +174,20 @@ class _Reader:
         known = self.heights.get(id(value))
         return known[1] if known is not None and known[0] is value else 1
 
+    def _under(self, target: object, value: object) -> None:
+        """`value`, a dict, is put under `target` (as an item, or as BUILD's state): the target's height grows."""
+        height = self._height(value) + 1
+        if height > _MAX_HEIGHT:
+            raise _Misfit
+        if height > self._height(target):
+            self.heights[id(target)] = (target, height)
+
     def _set(self, target: object, key: object, value: object) -> None:
         kind = value.__class__
         if target.__class__ not in (dict, OrderedDict) or key.__class__ is not str:
             raise _Misfit
         if kind is dict or kind is OrderedDict:
-            height = self._height(value) + 1
-            if height > _MAX_HEIGHT:
-                raise _Misfit
-            if height > self._height(target):
-                self.heights[id(target)] = (target, height)
+            self._under(target, value)
         elif kind is not RawTensor and kind is not int and kind is not bool and kind is not str:
             raise _Misfit  # a tuple, a marker, a storage: nothing torch.save's state_dict holds as a value
         target[key] = value  # type: ignore[index]
@@ -177,8 +199,13 @@ class _Reader:
         marks: list[list] = []
         memo: list = []  # PUTs append: an index is stored at len(memo), or the pickle is not of the grammar
         pos = 2
+        by_opcode = 0
         while True:
             op = data[pos]
+            self.ops += 1
+            by_opcode += 1
+            if self.ops > self.max_ops or len(memo) > self.max_memo or by_opcode > _MAX_BY_OPCODE:
+                raise _Misfit  # the walk refuses it (limits.MAX_PICKLE_OPCODES, max_memo_entries), or reads it
             if op == 0x71:  # BINPUT: the next index, as every pickler numbers them
                 if data[pos + 1] != len(memo):
                     raise _Misfit
@@ -217,8 +244,9 @@ class _Reader:
                         pos = at
                         continue
                 size = int.from_bytes(data[pos + 1:pos + 5], "little")
-                if pos + 5 + size > end:
-                    raise _Misfit
+                if pos + 5 + size > end or size > limits.MAX_PICKLE_VALUE \
+                        or size > 2 and data[pos + 5] == 0xC2 and data[pos + 6] == 0x80:
+                    raise _Misfit  # too long for the walker, or text the walker reads as a pickle inside (_nested)
                 stack.append(data[pos + 5:pos + 5 + size].decode("utf-8", "surrogatepass"))
                 pos += 5 + size
             elif op == 0x28:  # MARK
@@ -278,8 +306,9 @@ class _Reader:
                 state = stack.pop()
                 target = stack[-1]
                 if target.__class__ is not OrderedDict or state.__class__ is not dict \
-                        or any(k.__class__ is not str for k in state) or self._height(state) > _MAX_HEIGHT:
+                        or any(k.__class__ is not str for k in state):
                     raise _Misfit
+                self._under(target, state)
                 vars(target).update(state)
                 pos += 1
             elif op == 0x2E:  # STOP
@@ -301,12 +330,14 @@ class _Reader:
         stored, their PUTs' indices kept for check_puts; where the first that is not of it starts."""
         data, storages, tuples, gets = self.data, self.storages, self.tuples, self.gets
         item_match = _ITEM.match
-        runs = self.runs
-        if len(memo) != self.run_end:  # PUTs by opcode came between: a new run of indices
-            runs.append((len(memo), []))
-        puts = runs[-1][1]
+        max_ops, max_memo = self.max_ops, self.max_memo
+        ops = self.ops - 1  # the first key's BINUNICODE, which run() counted, is counted with its item
+        puts = None
         while data[pos] == 0x58:
-            at = pos + 5 + int.from_bytes(data[pos + 1:pos + 5], "little")
+            size = int.from_bytes(data[pos + 1:pos + 5], "little")
+            if size > limits.MAX_PICKLE_VALUE or size > 2 and data[pos + 5] == 0xC2 and data[pos + 6] == 0x80:
+                break  # what the walker refuses, or walks as a pickle inside the text: run() declines it
+            at = pos + 5 + size
             item = item_match(data, at)
             if item is None:
                 break
@@ -323,12 +354,19 @@ class _Reader:
                     or skey_size[0] != len(skey) \
                     or (put_shape is None) is not (shape == b")") or (put_stride is None) is not (stride == b")"):
                 break  # a negative offset: SafeUnpickler's _tensor refuses it
+            numel_value = _int(numel)
+            # The opcodes the walk counts: 24, and a shape's and a stride's (EMPTY_TUPLE, or ints, TUPLEn, PUT).
+            ops += 24 + (1 if put_shape is None else len(shape_value) + 2) \
+                + (1 if put_stride is None else len(stride_value) + 2)
+            if numel_value < 0 or ops > max_ops or len(memo) + 8 > max_memo:
+                break  # persistent_load's note, then no tensor; or past the walk's bounds: run() declines it
+            if puts is None:
+                if len(memo) != self.run_end:  # PUTs by opcode came between: a new run of indices
+                    self.runs.append((len(memo), []))
+                puts = self.runs[-1][1]
             skey = skey.decode()
             ref = storages.get(skey)
             if ref is None:
-                numel_value = _int(numel)
-                if numel_value < 0:
-                    break  # persistent_load's note, then no tensor
                 ref = storages[skey] = StorageRef(skey, known[0], numel_value, known[1])
             key = data[pos + 5:at].decode("utf-8", "surrogatepass")
             tensor = RawTensor(ref, ref.dtype, offset_value, shape_value, stride_value, grad == b"\x88")
@@ -348,7 +386,8 @@ class _Reader:
                 memo += _GONE, _GONE, tensor
             stack += key, tensor
             pos = item.end()
-        self.run_end = len(memo)
+        if puts is not None:
+            self.run_end, self.ops = len(memo), ops
         return pos
 
     def check_puts(self) -> bool:
@@ -421,8 +460,15 @@ def _template_gets(head: bytes, location: bytes, ordered: bytes, memo: list) -> 
     """(dtype, location) when the template's GETs fetch what it needs — in `head` the rebuild, "storage" and a
     storage class, then a location and OrderedDict — and None otherwise. The memo never changes an entry (PUTs
     number in turn), so the answer holds for the same bytes later."""
-    gets = [m.group(0) for m in re.finditer(rb"h.|j....", head.replace(b"((", b""), re.DOTALL)] + [location, ordered]
-    indices = [_index(g) for g in gets]
+    gets, at = [], 0
+    while at < len(head):  # GET rebuild, MARK MARK, GET "storage", GET storage class
+        if head[at] == 0x28:
+            at += 1
+            continue
+        width = 2 if head[at] == 0x68 else 5
+        gets.append(head[at:at + width])
+        at += width
+    indices = [_index(g) for g in (*gets, location, ordered)]
     if len(indices) != 5 or max(indices) >= len(memo):
         return None
     rebuild, storage, kind, location_value, ordered_value = (memo[i] for i in indices)
