@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from ckpt_doctor.readers import read_checkpoint
+from ckpt_doctor.safepickle import limits
 from ckpt_doctor.safepickle.policy import DEFAULT_POLICY
 from ckpt_doctor.safepickle.statedict import read_state_dict
 from ckpt_doctor.safepickle.unpickler import RawTensor, SafeUnpickler, StorageRef
-from ckpt_doctor.safepickle import limits
 from ckpt_doctor.safepickle.walker import new_budget, walk
 
 

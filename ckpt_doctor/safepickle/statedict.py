@@ -25,7 +25,7 @@ as a nested pickle) makes the reader decline.
 What it returns is what the two passes would have: the Walk (the globals named, where first named; the one pickle
 and its end) and, as SafeUnpickler would have made it, the root with a RawTensor per tensor on StorageRefs, one per
 storage key, in the order the unpickler's persistent_load would have met them (tests/test_statedict.py checks both
-against the walker and the unpickler on generated checkpoints, and that every mutation falls back).
+against the walker and the unpickler on generated checkpoints, and that a mutation is declined or read alike).
 """
 
 from __future__ import annotations
