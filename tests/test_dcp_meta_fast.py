@@ -147,3 +147,78 @@ def test_dangerous_global_allowed_by_no_policy_is_never_read_fast(samples):
     body = frames(raw)
     swapped = body.replace(b"\x8c\x0b_get_layout\x94", b"\x8c\x0b_get_layouu\x94", 1)
     assert swapped != body and recognize(one_frame(swapped), DEFAULT_POLICY) is None
+
+
+def folder_with(samples: Path, tmp_path: Path, data: bytes) -> Path:
+    folder = tmp_path / "copy"
+    shutil.copytree(samples / "dtensors", folder)
+    (folder / ".metadata").write_bytes(data)
+    return folder
+
+
+def test_key_that_is_a_latin1_pickle_is_walked_not_read_fast(tmp_path, monkeypatch):
+    """A state_dict key the walk walks as a nested pickle (a str of a latin-1 decoded pickle): its os.system is
+    reported, as the walk reports it."""
+    import torch
+    import torch.distributed.checkpoint as dcp_api
+
+    payload = b"\x80\x02cos\nsystem\nX\x02\x00\x00\x00idq\x00\x85R.".decode("latin-1")
+    folder = tmp_path / "ckpt"
+    dcp_api.save({"w": torch.zeros(2), payload: torch.ones(3)}, checkpoint_id=str(folder))
+    assert recognize((folder / ".metadata").read_bytes()) is None
+    seen, fast, slow = both_ways(monkeypatch, folder)
+    assert seen == [None] and same(fast, slow)
+    assert fast.exit_code == 1 and "os.system" in fast.stdout + fast.stderr
+
+
+def test_str_read_by_the_storage_template_that_is_a_latin1_pickle_is_declined(generated):
+    raw = (generated / ".metadata").read_bytes()
+    at = raw.rindex(b"\x8c\x0c__5_0.distcp")  # one late entry: read by the template, not the opcode loop
+    data = raw[:at] + b"\x8c\x0c\xc2\x805_0.distcp" + raw[at + 14:]
+    assert recognize(raw) is not None and recognize(data) is None
+
+
+def test_non_dtype_torch_global_as_dtype_is_declined(samples, tmp_path, monkeypatch):
+    """torch.Size (a global the recognizer admits) where TensorProperties has its dtype: the old path's error."""
+    body = frames((samples / "dtensors" / ".metadata").read_bytes())
+    swapped = body.replace(b"\x8c\x07float32", b"\x8c\x04Size", 1)
+    assert swapped != body and recognize(one_frame(swapped)) is None
+    seen, fast, slow = both_ways(monkeypatch, folder_with(samples, tmp_path, one_frame(swapped)))
+    assert seen == [None] and same(fast, slow)
+    assert fast.exit_code == 2 and "has no torch dtype" in fast.stderr
+
+
+def test_deep_tuple_in_a_key_the_recognizer_does_not_read_is_declined(samples, tmp_path, monkeypatch):
+    """An extra key of the Metadata state holding a tuple nested 20,000 deep: the walk refuses it."""
+    body = frames((samples / "dtensors" / ".metadata").read_bytes())
+    at = body.index(b"\x8c\x13state_dict_metadata")
+    deep = one_frame(body[:at] + b"\x8c\x05extra)" + b"\x85" * 20000 + body[at:])
+    assert recognize(deep) is None
+    seen, fast, slow = both_ways(monkeypatch, folder_with(samples, tmp_path, deep))
+    assert seen == [None] and same(fast, slow)
+    assert fast.exit_code == 2 and "nested" in fast.stderr
+
+
+def test_memoizing_one_object_twice_is_declined(samples):
+    body = frames((samples / "dtensors" / ".metadata").read_bytes())
+    assert body.endswith(b"b.")
+    assert recognize(one_frame(body[:-1] + b"\x94.")) is not None  # (the control: memoizing the root once)
+    assert recognize(one_frame(body[:-1] + b"\x94\x94.")) is None
+    # the second MEMOIZE in a frame of its own
+    split = one_frame(body[:-1] + b"\x94") + b"\x95" + struct.pack("<Q", 2) + b"\x94."
+    assert recognize(split) is None
+
+
+def test_memo_past_the_walks_bound_is_declined(samples, monkeypatch):
+    """A memo entry per 4 bytes (more than limits.max_memo_entries allows): the walk refuses, the recognizer too."""
+    from ckpt_doctor.safepickle import limits
+    from ckpt_doctor.safepickle.walker import walk
+
+    body = frames((samples / "dtensors" / ".metadata").read_bytes())
+    assert body.endswith(b"ub.")  # the Metadata state's last SETITEMS, BUILD, STOP: no memo index after it shifts
+    many = one_frame(body[:-3] + b"\x8c\x05extra]" + b"h\x00\x94a" * len(body) + b"ub.")
+    assert recognize(many) is not None  # under the floor of MAX_MEMO_ENTRIES
+    monkeypatch.setattr(limits, "MAX_MEMO_ENTRIES", 0)  # the bound: one entry per MEMO_BYTES_PER_ENTRY bytes
+    assert walk(many, ".metadata").refused
+    assert recognize(many) is None
+    assert recognize((samples / "dtensors" / ".metadata").read_bytes()) is not None  # torch's own stays under it

@@ -10,7 +10,8 @@ What is admitted (anything else returns None):
   frame's end, the last one ending at the last byte). So Python's framed reader and the C unpickler (which ignores
   frame ends) read the same opcodes; no frame can be "read two ways" (the walk's anomaly).
 - opcodes: the ones torch's pickler writes for the Metadata dataclass tree: MEMOIZE (never PUT: a memo index is
-  always the next one, so the memo is at most one entry per byte), BINGET/LONG_BINGET only of an index this
+  always the next one; never right after another MEMOIZE, as no pickler memoizes one object twice; and no more
+  entries than limits.max_memo_entries, the walk's own bound), BINGET/LONG_BINGET only of an index this
   recognizer recorded itself, SHORT_BINUNICODE/BINUNICODE, STACK_GLOBAL, EMPTY_TUPLE/TUPLE1-3/TUPLE,
   EMPTY_DICT/SETITEM(S), EMPTY_LIST/APPEND(S), MARK, NEWOBJ, BUILD, REDUCE, BININT1/2/BININT/LONG1 (8 bytes at
   most), NONE/NEWTRUE/NEWFALSE, STOP at the last byte with one value on the stack and no MARK open.
@@ -18,7 +19,10 @@ What is admitted (anything else returns None):
   _MEM_FORMAT_ENCODING and pathlib's path classes, each only where torch puts it (NEWOBJ of a dataclass with no
   arguments; REDUCE of torch.Size on a tuple of non-negative ints, of _get_layout / _MEM_FORMAT_ENCODING / a path on
   a tuple of strs or ints); and each judged SAFE by the policy in force (else the walk reports it).
-- values: BUILD only on a dataclass made here, once, with a dict (a tuple for TensorProperties); dict keys are strs
+- strings: none the walk would walk as a nested pickle (walker.text_pickle: a latin-1 decoded pickle).
+- values: tuples nested 2 deep at most (a Size's argument; the walk refuses tuples past limits.MAX_TUPLE_DEPTH,
+  and a key this recognizer does not read could hold one); a dtype is a torch dtype; BUILD only on a dataclass
+  made here, once, with a dict (a tuple for TensorProperties); dict keys are strs
   or objects made here (hashed by identity: no hash a file can choose, no tuple to recurse into); SETITEMS on
   dicts, APPENDS on lists only; the tree is then read by its schema (fixed depth), never walked generically.
 
@@ -37,7 +41,9 @@ from __future__ import annotations
 import re
 import struct
 
+from ..safepickle import limits
 from ..safepickle.policy import DEFAULT_POLICY, TORCH_DTYPES, GlobalRef, Policy, Verdict
+from ..safepickle.walker import text_pickle
 
 _DC = "torch.distributed.checkpoint.metadata"
 _CLASSES = frozenset({(_DC, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
@@ -74,6 +80,21 @@ class _Obj:
 
 class _Size(tuple):
     __slots__ = ()
+
+
+class _Nest(tuple):  # a tuple holding a tuple; one holding a _Nest (tuples nested 3 deep: torch writes 2) is declined
+    __slots__ = ()
+
+
+def _tuple(items) -> tuple:
+    nested = False
+    for v in items:
+        t = type(v)
+        if t is tuple:
+            nested = True
+        elif t is _Nest:
+            raise NoFit
+    return _Nest(items) if nested else tuple(items)
 
 
 class _Chunk(tuple):  # (offsets, sizes) of a ChunkStorageMetadata read by the chunk template
@@ -196,6 +217,8 @@ class _Machine:
         if raw is not None:
             if len(raw) != m.group(i)[0]:
                 raise _Retry
+            if text_pickle(raw, 0, len(raw)) is not None:
+                raise NoFit
             value = raw.decode("utf-8", "surrogatepass")
             value = self.strings.setdefault(value, value)
             self.memo[at] = value
@@ -252,11 +275,15 @@ class _Machine:
         stack: list = []
         marks: list[int] = []
         memo = self.memo
+        memo_cap = limits.max_memo_entries(n)  # the walk refuses past it
+        after_memo = -1  # where the last MEMOIZE ended: no pickler memoizes one object twice
         while True:
             if pos >= frame_end:
                 if pos != frame_end or pos >= n or data[pos] != 0x95 or pos + 9 > n:
                     raise NoFit
                 length = _LE8.unpack_from(data, pos + 1)[0]
+                if after_memo == pos:
+                    after_memo = pos + 9
                 pos += 9
                 frame_end = pos + length
                 if length == 0 or frame_end > n:
@@ -264,12 +291,13 @@ class _Machine:
                 continue
             op = data[pos]
             if op == 0x94:  # MEMOIZE
-                if not stack or stack[-1] is _MARK:
+                if not stack or stack[-1] is _MARK or pos == after_memo or self.count >= memo_cap:
                     raise NoFit
                 memo[self.count] = stack[-1]
                 self._role(self.count, stack[-1])
                 self.count += 1
                 pos += 1
+                after_memo = pos
             elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
                 if self.chunk_re is not None and data.startswith(self.chunk_head, pos):
                     new = self._chunks(pos, frame_end, stack)
@@ -299,6 +327,8 @@ class _Machine:
                     value = data[pos:pos + length].decode("utf-8", "surrogatepass")
                 except UnicodeDecodeError:
                     raise NoFit from None
+                if text_pickle(data, pos, pos + length) is not None:  # the walk walks it as a nested pickle
+                    raise NoFit
                 stack.append(self.strings.setdefault(value, value))
                 pos += length
             elif op == 0x4B:
@@ -327,7 +357,7 @@ class _Machine:
                 items = stack[at + 1:]
                 del stack[at:]
                 if op == 0x74:
-                    stack.append(tuple(items))
+                    stack.append(_tuple(items))
                 else:
                     if not stack:
                         raise NoFit
@@ -348,7 +378,7 @@ class _Machine:
                 k = op - 0x84
                 if len(stack) < k or _MARK in stack[-k:]:
                     raise NoFit
-                value = tuple(stack[-k:])
+                value = _tuple(stack[-k:])
                 del stack[-k:]
                 stack.append(value)
                 pos += 1
@@ -387,7 +417,7 @@ class _Machine:
                 if len(stack) < 2:
                     raise NoFit
                 args, fn = stack[-1], stack[-2]
-                if type(fn) is not _G or type(args) is not tuple:
+                if type(fn) is not _G or type(args) is not tuple and type(args) is not _Nest:
                     raise NoFit
                 if fn.name == "Size" and fn.module == "torch":
                     if len(args) != 1 or type(args[0]) is not tuple or not all(
@@ -409,7 +439,7 @@ class _Machine:
                 pos += 1
             elif op == 0x2E:  # STOP
                 pos += 1
-                if pos != n or frame_end != n or len(stack) != 1 or marks:
+                if pos != n or frame_end != n or len(stack) != 1 or marks or self.count > memo_cap:
                     raise NoFit
                 return stack[0]
             else:
@@ -511,7 +541,8 @@ def _read_tree(root: object) -> Parsed:
         props = _state(tsm["properties"], "TensorProperties")
         dtype = props[0] if type(props) is tuple and props else None
         size, listed = tsm["size"], tsm["chunks"]
-        if type(dtype) is not _G or dtype.module != "torch" or type(size) is not _Size or type(listed) is not list:
+        if type(dtype) is not _G or dtype.module != "torch" or dtype.name not in TORCH_DTYPES or type(size) is not _Size \
+                or type(listed) is not list:
             raise NoFit
         chunks = []
         for chunk in listed:

@@ -250,6 +250,17 @@ def starts_pickle(data: bytes, at: int = 0) -> bool:
     return at < len(data) and data[at] in _VALID
 
 
+def text_pickle(data: bytes | memoryview, start: int, end: int) -> bytes | None:
+    """The pickle a UTF-8 str at data[start:end] carries, which the walk walks as a nested pickle: a latin-1 decoded
+    pickle (how protocols 0-2 write bytes), UTF-8 of "\\x80" first; None for any other str."""
+    if end - start < 3 or data[start] != 0xC2 or data[start + 1] != 0x80:
+        return None
+    try:
+        return bytes(data[start:end]).decode("utf-8", "surrogatepass").encode("latin-1")
+    except UnicodeError:
+        return None
+
+
 def walk(data: bytes | memoryview, source: str, start: int = 0, *, max_pickles: int | None = None,
          depth: int = 0, budget: list | None = None, following: bool = False, policy: Policy = DEFAULT_POLICY) -> Walk:
     """Walk pickles from `start`: the first, then each that follows its STOP, until one breaks off, the data ends,
@@ -404,12 +415,8 @@ class _Machine:
         data = self.data
         first = data[start]
         if is_text:
-            # A str made of a latin-1 decoded pickle (how protocols 0-2 write bytes): UTF-8 of "\x80" first.
-            if not (first == 0xC2 and data[start + 1] == 0x80):
-                return
-            try:
-                raw = bytes(data[start:end]).decode("utf-8", "surrogatepass").encode("latin-1")
-            except UnicodeError:
+            raw = text_pickle(data, start, end)
+            if raw is None:
                 return
         else:
             if not (first == 0x80 and data[start + 1] <= 5
