@@ -40,7 +40,7 @@ from ..dtypes import STORAGE_CLASS_DTYPE
 from . import limits
 from .policy import GlobalRef, Policy, Verdict
 from .unpickler import RawTensor, StorageRef
-from .walker import Walk, new_budget
+from .walker import Walk, new_budget, text_pickle
 
 _INT64 = 1 << 63
 _MAX_MARKS = 4  # torch.save nests 2: the dict's SETITEMS batch, the rebuild's arguments (and a persistent id: 3)
@@ -245,8 +245,8 @@ class _Reader:
                         continue
                 size = int.from_bytes(data[pos + 1:pos + 5], "little")
                 if pos + 5 + size > end or size > limits.MAX_PICKLE_VALUE \
-                        or size > 2 and data[pos + 5] == 0xC2 and data[pos + 6] == 0x80:
-                    raise _Misfit  # too long for the walker, or text the walker reads as a pickle inside (_nested)
+                        or text_pickle(data, pos + 5, pos + 5 + size) is not None:
+                    raise _Misfit  # too long for the walker, or text the walker walks as a pickle inside
                 stack.append(data[pos + 5:pos + 5 + size].decode("utf-8", "surrogatepass"))
                 pos += 5 + size
             elif op == 0x28:  # MARK
@@ -335,7 +335,7 @@ class _Reader:
         puts = None
         while data[pos] == 0x58:
             size = int.from_bytes(data[pos + 1:pos + 5], "little")
-            if size > limits.MAX_PICKLE_VALUE or size > 2 and data[pos + 5] == 0xC2 and data[pos + 6] == 0x80:
+            if size > limits.MAX_PICKLE_VALUE or text_pickle(data, pos + 5, pos + 5 + size) is not None:
                 break  # what the walker refuses, or walks as a pickle inside the text: run() declines it
             at = pos + 5 + size
             item = item_match(data, at)
