@@ -330,12 +330,12 @@ class _Reader:
         stored, their PUTs' indices kept for check_puts; where the first that is not of it starts."""
         data, storages, tuples, gets = self.data, self.storages, self.tuples, self.gets
         item_match = _ITEM.match
-        max_ops, max_memo = self.max_ops, self.max_memo
+        max_ops, max_memo, max_value = self.max_ops, self.max_memo, limits.MAX_PICKLE_VALUE
         ops = self.ops - 1  # the first key's BINUNICODE, which run() counted, is counted with its item
         puts = None
         while data[pos] == 0x58:
             size = int.from_bytes(data[pos + 1:pos + 5], "little")
-            if size > limits.MAX_PICKLE_VALUE or text_pickle(data, pos + 5, pos + 5 + size) is not None:
+            if size > max_value or data[pos + 5] == 0xC2 and text_pickle(data, pos + 5, pos + 5 + size) is not None:
                 break  # what the walker refuses, or walks as a pickle inside the text: run() declines it
             at = pos + 5 + size
             item = item_match(data, at)
@@ -354,9 +354,10 @@ class _Reader:
                     or skey_size[0] != len(skey) \
                     or (put_shape is None) is not (shape == b")") or (put_stride is None) is not (stride == b")"):
                 break  # a negative offset: SafeUnpickler's _tensor refuses it
-            numel_value = _int(numel)
+            numel_value = numel[1] if len(numel) == 2 else _int(numel)
             # The opcodes the walk counts: 24, and a shape's and a stride's (EMPTY_TUPLE, or ints, TUPLEn, PUT).
-            ops += 24 + (1 if put_shape is None else len(shape_value) + 2) \
+            ops += 28 + len(shape_value) + len(stride_value) if put_shape is not None and put_stride is not None \
+                else 24 + (1 if put_shape is None else len(shape_value) + 2) \
                 + (1 if put_stride is None else len(stride_value) + 2)
             if numel_value < 0 or ops > max_ops or len(memo) + 8 > max_memo:
                 break  # persistent_load's note, then no tensor; or past the walk's bounds: run() declines it
