@@ -43,6 +43,7 @@ import struct
 
 from ..safepickle import limits
 from ..safepickle.policy import DEFAULT_POLICY, TORCH_DTYPES, GlobalRef, Policy, Verdict
+from ..safepickle.statedict import binints
 from ..safepickle.walker import text_pickle
 
 _DC = "torch.distributed.checkpoint.metadata"
@@ -136,24 +137,7 @@ def _ints(g: bytes) -> tuple:
     """The ints of a _TUP group (the regex has checked its shape)."""
     if g == b")":
         return ()
-    body = g[1:-2] if g[0] == 0x28 else g[:-2]
-    n = len(body)
-    if body[::2] == b"K" * ((n + 1) // 2):  # all BININT1: every even byte is the opcode
-        return tuple(body[1::2])
-    out = []
-    i = 0
-    while i < n:
-        op = body[i]
-        if op == 0x4B:
-            out.append(body[i + 1])
-            i += 2
-        elif op == 0x4D:
-            out.append(body[i + 1] | body[i + 2] << 8)
-            i += 3
-        else:
-            out.append(int.from_bytes(body[i + 1:i + 5], "little"))
-            i += 5
-    return tuple(out)
+    return binints(g[1:-2] if g[0] == 0x28 else g[:-2])
 
 
 def _big(g: bytes) -> int:

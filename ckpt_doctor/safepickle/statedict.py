@@ -443,15 +443,24 @@ def _tuple(body: bytes, known: dict[bytes, tuple[int, ...]]) -> tuple[int, ...] 
     if value is None:
         if body == b")":
             return ()
-        items, at = [], 0
-        while at < len(body) - 1:
-            width = _WIDTH[body[at]]
-            items.append(_int(body[at:at + width]))
-            at += width
-        if len(items) != body[-1] - 0x84:
+        value = binints(body[:-1])
+        if len(value) != body[-1] - 0x84:
             return None
-        value = known[body] = tuple(items)
+        known[body] = value
     return value
+
+
+def binints(body: bytes) -> tuple[int, ...]:
+    """The ints of a run of BININT1, BININT2 and BININT opcodes (a tuple's items as a pickler writes them), which a
+    regex has matched as such."""
+    if body[::2] == b"K" * ((len(body) + 1) // 2):  # all BININT1: every even byte is the opcode
+        return tuple(body[1::2])
+    items, at = [], 0
+    while at < len(body):
+        width = _WIDTH[body[at]]
+        items.append(_int(body[at:at + width]))
+        at += width
+    return tuple(items)
 
 
 _WIDTH = {0x4B: 2, 0x4D: 3, 0x4A: 5}
