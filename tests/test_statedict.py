@@ -271,3 +271,31 @@ def test_a_long_get_whose_index_holds_mark_bytes_is_read_as_the_unpickler_reads_
     assert b"j((\x00\x00" in data  # the fetch this test is about (torch's layout of memo indices)
     assert _same_as_two_passes(data)
     assert read_state_dict(data, "archive/data.pkl", DEFAULT_POLICY).root["h1"].dtype == "float16"
+
+
+def test_build_that_sets_a_dunder_is_left_to_the_unpickler(tmp_path) -> None:
+    """A BUILD whose state sets __setstate__ on the state_dict makes CPython's next BUILD call it (SafeUnpickler
+    fails on the file): the one-pass reader declines such a state rather than read past it."""
+    data = _pickle_of(nn.Sequential(nn.Linear(2, 2)).state_dict(), tmp_path)
+    assert data.endswith(b"b.")
+    builds = b"}(X\x0c\x00\x00\x00__setstate__K\x01ub}(X\x01\x00\x00\x00yK\x01ub"
+    mutant = data[:-1] + builds + b"."
+    assert read_state_dict(mutant, "archive/data.pkl", DEFAULT_POLICY) is None
+    assert _two_passes(mutant)[1] is None
+
+
+def test_an_item_past_the_memo_bound_is_counted_once(tmp_path, monkeypatch) -> None:
+    """The template stops before an item that would pass the walk's memo bound, and the item is then read opcode
+    by opcode: its opcodes are debited from the walk's budget once, as the walk debits them."""
+    data = _pickle_of({**{f"w{i}": torch.zeros(2) for i in range(60)}, **{f"s{i}": torch.zeros(()) for i in range(5)}},
+                      tmp_path)
+    entries = 8 * 60 + 6 * 5 + 16  # what torch's layout stores, about
+    for cap in range(entries - 40, entries + 8):
+        monkeypatch.setattr(limits, "MAX_MEMO_ENTRIES", cap)
+        monkeypatch.setattr(limits, "MEMO_BYTES_PER_ENTRY", 1 << 30)
+        fast_budget, walked_budget = new_budget(), new_budget()
+        fast = read_state_dict(data, "archive/data.pkl", DEFAULT_POLICY, fast_budget)
+        walked = walk(data, "archive/data.pkl", budget=walked_budget)
+        assert (fast is None) == (walked.refused is not None)
+        if fast is not None:
+            assert fast_budget == walked_budget

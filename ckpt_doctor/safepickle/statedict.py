@@ -306,8 +306,8 @@ class _Reader:
                 state = stack.pop()
                 target = stack[-1]
                 if target.__class__ is not OrderedDict or state.__class__ is not dict \
-                        or any(k.__class__ is not str for k in state):
-                    raise _Misfit
+                        or any(k.__class__ is not str or k[:2] == "__" for k in state):
+                    raise _Misfit  # (a __setstate__ set so would be what CPython's next BUILD calls)
                 self._under(target, state)
                 vars(target).update(state)
                 pos += 1
@@ -356,11 +356,12 @@ class _Reader:
                 break  # a negative offset: SafeUnpickler's _tensor refuses it
             numel_value = numel[1] if len(numel) == 2 else _int(numel)
             # The opcodes the walk counts: 24, and a shape's and a stride's (EMPTY_TUPLE, or ints, TUPLEn, PUT).
-            ops += 28 + len(shape_value) + len(stride_value) if put_shape is not None and put_stride is not None \
+            item_ops = 28 + len(shape_value) + len(stride_value) if put_shape is not None and put_stride is not None \
                 else 24 + (1 if put_shape is None else len(shape_value) + 2) \
                 + (1 if put_stride is None else len(stride_value) + 2)
-            if numel_value < 0 or ops > max_ops or len(memo) + 8 > max_memo:
+            if numel_value < 0 or ops + item_ops > max_ops or len(memo) + 8 > max_memo:
                 break  # persistent_load's note, then no tensor; or past the walk's bounds: run() declines it
+            ops += item_ops
             if puts is None:
                 if len(memo) != self.run_end:  # PUTs by opcode came between: a new run of indices
                     self.runs.append((len(memo), []))
