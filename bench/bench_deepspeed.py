@@ -60,8 +60,13 @@ def by_ranks(args, exe: str) -> None:
     from _measure import measure_rounds, row
 
     work = Path(args.dir)
-    load_all = ("import sys, glob, torch; [torch.load(f, weights_only=False) for f in "
-                "sorted(glob.glob(sys.argv[1] + '/global_step1/*.pt'))]")
+    # torch's default load of every rank file, the DeepSpeed records they name allowed as torch asks for them
+    load_all = ("import os, sys, glob, torch; os.environ['DS_ACCELERATOR'] = 'cpu'; "
+                "from deepspeed.runtime.zero.config import ZeroStageEnum; "
+                "from deepspeed.utils.tensor_fragment import fragment_address; "
+                "from deepspeed.runtime.fp16.loss_scaler import LossScaler; "
+                "torch.serialization.add_safe_globals([ZeroStageEnum, fragment_address, LossScaler]); "
+                "[torch.load(f, weights_only=True) for f in sorted(glob.glob(sys.argv[1] + '/global_step1/*.pt'))]")
     for stage in (2, 3):
         for ranks in (int(r) for r in args.ranks.split(",")):
             ckpt = work / f"zero{stage}_r{ranks}"
