@@ -111,18 +111,9 @@ class Walker:
 
     def _visit(self, obj: Any, path: str) -> list[tuple] | None:
         """One object of the tree; for a container, what is under it, in order, as (value, parent path, name)."""
-        self.nodes += 1
-        if self.nodes > self.max_nodes:
-            raise ReadError(f"the pickle holds more than {self.max_nodes:,} objects, counting a shared one each "
-                            "place it appears; ckpt-doctor does not walk that many")
+        self._count(1)
         if isinstance(obj, RawTensor):
-            if len(self.flat.tensors) >= limits.MAX_TENSORS:
-                raise ReadError(f"more than {limits.MAX_TENSORS:,} tensors; refusing to list them")
-            self.key_bytes += len(path)
-            if self.key_bytes > limits.MAX_KEY_BYTES:
-                raise ReadError(f"the tensors' key paths add up to more than {limits.MAX_KEY_BYTES >> 20} MB "
-                                "(keys nested hundreds of levels deep?); refusing to list them")
-            self.flat.tensors.append((path, obj))
+            self._list([path], [obj])
             return None
         if isinstance(obj, (dict, list, tuple, Opaque)):
             key = id(obj)
@@ -180,18 +171,25 @@ class Walker:
 
     def _tensors(self, items: list[tuple[Any, RawTensor]], path: str) -> None:
         """A container's tensors, listed as _visit lists each (its limits checked for them all at once)."""
-        paths = [join(path, key) for key, _ in items]
-        self.nodes += len(items)
+        self._count(len(items))
+        self._list([join(path, key) for key, _ in items], [value for _, value in items])
+
+    def _count(self, nodes: int) -> None:
+        """`nodes` more objects walked, within the bound of the pickle's length."""
+        self.nodes += nodes
         if self.nodes > self.max_nodes:
             raise ReadError(f"the pickle holds more than {self.max_nodes:,} objects, counting a shared one each "
                             "place it appears; ckpt-doctor does not walk that many")
-        if len(self.flat.tensors) + len(items) > limits.MAX_TENSORS:
+
+    def _list(self, paths: list[str], tensors: list[RawTensor]) -> None:
+        """Tensors at these key paths, listed within the bounds on their number and their paths' bytes."""
+        if len(self.flat.tensors) + len(tensors) > limits.MAX_TENSORS:
             raise ReadError(f"more than {limits.MAX_TENSORS:,} tensors; refusing to list them")
         self.key_bytes += sum(map(len, paths))
         if self.key_bytes > limits.MAX_KEY_BYTES:
             raise ReadError(f"the tensors' key paths add up to more than {limits.MAX_KEY_BYTES >> 20} MB "
                             "(keys nested hundreds of levels deep?); refusing to list them")
-        self.flat.tensors += zip(paths, (value for _, value in items))
+        self.flat.tensors += zip(paths, tensors)
 
     def _object(self, obj: Opaque, path: str, later: list[tuple]) -> None:
         data = obj.ckd

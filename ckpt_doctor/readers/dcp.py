@@ -38,7 +38,7 @@ from .mapping import read_all
 from .safetensors_reader import read_safetensors
 from . import source
 from .source import RemoteError, RemotePath, close_source, open_source, pread, read_data, remote_path
-from .survey import ItemCache, survey_file, survey_item
+from .survey import ZIP_END_SEARCH, ItemCache, ends_like_a_zip, survey_file, survey_item
 from .table import sniff_head
 from ..sniff import Container
 from .dcp_meta_fast import recognize
@@ -292,7 +292,8 @@ def _recognized(path: Path, policy: Policy) -> Any:
         raw = read_all(src, size)
     finally:
         close_source(src)
-    if len(raw) != size or sniff_head(raw[:512], size) is not Container.PICKLE or b"PK\x05\x06" in raw[-65558:]:
+    if len(raw) != size or sniff_head(raw[:512], size) is not Container.PICKLE \
+            or ends_like_a_zip(raw[-ZIP_END_SEARCH:]):
         return None
     return recognize(raw, policy)
 

@@ -141,14 +141,8 @@ def _ints(g: bytes) -> tuple:
 
 
 def _big(g: bytes) -> int:
-    op = g[0]
-    if op == 0x4B:
-        return g[1]
-    if op == 0x4D:
-        return g[1] | g[2] << 8
-    if op == 0x4A:
-        return int.from_bytes(g[1:5], "little")
-    return int.from_bytes(g[2:], "little")
+    """The int of a _BIG group: a LONG1's bytes, or one BININT's (the regex has kept both non-negative)."""
+    return int.from_bytes(g[2:], "little") if g[0] == 0x8A else binints(g)[0]
 
 
 class _Machine:

@@ -561,10 +561,17 @@ def _survey_remote_broken_zip(survey: Survey, fd: Any) -> None:
                         "local copy for that")
 
 
-def _ends_like_a_zip(fd: int, size: int) -> bool:
-    """Whether an end-of-central-directory record sits where Python's zipfile looks for one (the last 64 KB)."""
-    tail = pread(fd, min(size, 65536 + 22), max(size - 65536 - 22, 0))
+ZIP_END_SEARCH = 65536 + 22  # Python's zipfile looks for its end record in the last 64 KB and the record's 22 bytes
+
+
+def ends_like_a_zip(tail: bytes) -> bool:
+    """Whether an end-of-central-directory record sits where Python's zipfile looks for one: `tail` is a file's last
+    ZIP_END_SEARCH bytes (all of a smaller one)."""
     return b"PK\x05\x06" in tail
+
+
+def _ends_like_a_zip(fd: int, size: int) -> bool:
+    return ends_like_a_zip(pread(fd, min(size, ZIP_END_SEARCH), max(size - ZIP_END_SEARCH, 0)))
 
 
 def _survey_zipfile_view(survey: Survey, fd: int) -> None:

@@ -359,21 +359,10 @@ def _by_columns(fd: int, cd: bytes, count: int, disk: int, file_size: int, path:
     if max(map(add, local_ats, csizes)) + 30 > file_size:
         return None
     if whole is not None:
-        # each local header's signature, and its name and extra lengths taken a byte column at a time
-        signed = list(map(whole.startswith, repeat(_LOCAL), local_ats))
         try:
-            lengths = _ints(whole, local_ats, 26, 4)  # the two lengths as one int: name + (extra << 16)
+            data, maybe = _data_starts(whole, local_ats, csizes, file_size, -1)
         except IndexError:  # (the file was cut short meanwhile)
             return None
-        # where each member's data starts in `whole` (-1: no local header where the directory says)
-        data = list(map(add, local_ats, map(add, map(and_, lengths, repeat(0xFFFF)),
-                                            map(add, map(rshift, lengths, repeat(16)), repeat(30)))))
-        if False in signed or max(map(add, data, csizes)) > file_size:
-            data = [d if s and d + c <= file_size else -1 for d, s, c in zip(data, signed, csizes)]
-        del signed, lengths
-        seen = list(map(whole.startswith, repeat(_NPY), data))  # (-1: the last byte, never the magic)
-        maybe = [i for i, hit in enumerate(seen) if hit] if True in seen else []
-        del seen
         offsets = data if not base else [d + base if d >= 0 else -1 for d in data]
     else:
         headers = _local_headers(fd, local_ats, nlens, csizes, file_size, base)
@@ -391,6 +380,25 @@ def _by_columns(fd: int, cd: bytes, count: int, disk: int, file_size: int, path:
                                                        is_dir), joined=joined)
     index.npy_heads = [i for i in maybe if _may_be_npy(index.member(i))]
     return index, p
+
+
+def _data_starts(block: bytes, at: list[int], sizes: list[int], room: int,
+                 missing: int) -> tuple[list[int], list[int]]:
+    """From the local headers at positions `at` of `block`, each header's signature and its name and extra lengths
+    taken a byte column at a time: where each member's data starts in `block` (`missing` where no local header is
+    where the directory says, or where its data, of `sizes` bytes, would run past `room`), and the positions in `at`
+    of those whose data starts with NumPy's magic or runs past `block` (not seen). IndexError when `block` ends inside
+    a header."""
+    signed = list(map(block.startswith, repeat(_LOCAL), at))
+    lengths = _ints(block, at, 26, 4)  # the two lengths as one int: name + (extra << 16)
+    data = list(map(add, at, map(add, map(and_, lengths, repeat(0xFFFF)),
+                                 map(add, map(rshift, lengths, repeat(16)), repeat(30)))))
+    if False in signed or max(map(add, data, sizes)) > room:
+        data = [d if s and d + c <= room else missing for d, s, c in zip(data, signed, sizes)]
+    seen = list(map(block.startswith, repeat(_NPY), data))  # (a missing one's offset is -1: _may_be_npy drops it)
+    if True not in seen and max(data) + len(_NPY) <= len(block):
+        return data, []
+    return data, [n for n, (d, hit) in enumerate(zip(data, seen)) if hit or d + len(_NPY) > len(block)]
 
 
 def _ints(buf: bytes, positions: list[int], k: int, width: int) -> list[int]:
@@ -536,20 +544,12 @@ def _local_headers(fd: int, local_ats: list[int], nlens: list[int], csizes: list
         j = max(min(bisect_right(ats, ats[i] + _BLOCK, i + 1), cuts[cut]), i + 1)
         start = ats[i]
         block = pread(fd, min(max(stops[i:j]), file_size) - start, base + start)
-        at = list(map(sub, ats[i:j], repeat(start)))
-        signed = list(map(block.startswith, repeat(_LOCAL), at))
         try:
-            lengths = _ints(block, at, 26, 4)  # the name and extra lengths as one int: name + (extra << 16)
+            data, seen = _data_starts(block, list(map(sub, ats[i:j], repeat(start))), sizes[i:j], file_size - start,
+                                      -1 - start - base)
         except IndexError:
             return None
-        data = list(map(add, at, map(add, map(and_, lengths, repeat(0xFFFF)),
-                                     map(add, map(rshift, lengths, repeat(16)), repeat(30)))))
-        if False in signed or max(map(add, data, sizes[i:j])) + start > file_size:
-            data = [d if s and d + start + c <= file_size else -1 - start - base
-                    for d, s, c in zip(data, signed, sizes[i:j])]
-        seen = list(map(block.startswith, repeat(_NPY), data))
-        if True in seen or max(data) + len(_NPY) > len(block):  # seen to be, or not seen
-            maybe += [i + n for n, (d, hit) in enumerate(zip(data, seen)) if hit or d + len(_NPY) > len(block)]
+        maybe += (i + n for n in seen)
         found += map(add, data, repeat(start + base))
         i = j
     if ordered:

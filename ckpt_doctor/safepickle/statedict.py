@@ -39,7 +39,7 @@ from collections import OrderedDict
 from ..dtypes import STORAGE_CLASS_DTYPE
 from . import limits
 from .policy import GlobalRef, Policy, Verdict
-from .unpickler import RawTensor, StorageRef
+from .unpickler import RawTensor, StorageRef, rebuilt_tensor
 from .walker import Walk, new_budget, text_pickle
 
 _INT64 = 1 << 63
@@ -47,7 +47,6 @@ _MAX_MARKS = 4  # torch.save nests 2: the dict's SETITEMS batch, the rebuild's a
 # Dicts in dicts (BUILD's state counted as a dict under its target): a state_dict with its _metadata is 4 high
 # (root, the state, _metadata, {"version": 1}); a training checkpoint holds it a level or two down.
 _MAX_HEIGHT = 8
-_MAX_SHAPE = 64  # SafeUnpickler's _ints: at most 64 dimensions
 # Opcodes read one at a time (not by the template): a state_dict's first tensors, its _metadata (~8 a module) and
 # tensors of 4 or more dimensions (~30 each). Past this the pickle is left to the walker, which reads opcodes
 # faster than this reader does one at a time: a file of nothing but odd opcodes costs this reader ~1 s at most.
@@ -405,21 +404,12 @@ class _Reader:
         if func is not _REBUILD or args.__class__ is not tuple or len(args) != 6:  # type: ignore[arg-type]
             raise _Misfit
         storage, offset, shape, stride, requires_grad, hooks = args  # type: ignore[misc]
-        if storage.__class__ is not StorageRef or offset.__class__ is not int or not 0 <= offset < _INT64 \
-                or requires_grad.__class__ is not bool or hooks.__class__ is not OrderedDict or hooks \
-                or not _ints(shape) or not _ints(stride):
+        if requires_grad.__class__ is not bool or hooks.__class__ is not OrderedDict or hooks:
             raise _Misfit
-        return RawTensor(storage, storage.dtype, offset, shape, stride, requires_grad)
-
-
-def _ints(value: object) -> bool:
-    """A shape or stride as SafeUnpickler accepts one: a tuple of at most 64 ints of 64 bits."""
-    if value.__class__ is not tuple or len(value) > _MAX_SHAPE:  # type: ignore[arg-type]
-        return False
-    for item in value:  # type: ignore[attr-defined]
-        if item.__class__ is not int or not -_INT64 <= item < _INT64:
-            return False
-    return True
+        try:  # SafeUnpickler's _rebuild_tensor_v2 (its checks of the storage, the offset, the shape and stride)
+            return rebuilt_tensor(storage, offset, shape, stride, requires_grad)
+        except TypeError:
+            raise _Misfit from None
 
 
 @functools.lru_cache(maxsize=256)

@@ -231,25 +231,26 @@ def _short_repr(value: Any) -> str:
     return short.repr(value)[:80]
 
 
-def _tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
-            dtype: str | None = None) -> RawTensor:
+def rebuilt_tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = False,
+                   dtype: str | None = None) -> RawTensor:
+    """What torch's tensor rebuilders make of their arguments, as a record; TypeError where torch's would fail."""
     if not isinstance(storage, StorageRef) or type(offset) is not int or not 0 <= offset < _INT64:
         raise TypeError("tensor storage is not a storage record")
     return RawTensor(storage, dtype or storage.dtype, offset, _ints(size), _ints(stride), bool(requires_grad))
 
 
 def _rebuild_tensor(storage, offset, size, stride, *rest):
-    return _tensor(storage, offset, size, stride)
+    return rebuilt_tensor(storage, offset, size, stride)
 
 
 def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
-    return _tensor(storage, offset, size, stride, requires_grad)
+    return rebuilt_tensor(storage, offset, size, stride, requires_grad)
 
 
 def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
     if not isinstance(dtype, DType):
         raise TypeError("dtype is not a torch dtype")
-    return _tensor(storage, offset, size, stride, requires_grad, dtype.name)
+    return rebuilt_tensor(storage, offset, size, stride, requires_grad, dtype.name)
 
 
 def _rebuild_parameter(data, requires_grad=True, hooks=None, state=None):
@@ -261,7 +262,7 @@ def _rebuild_parameter(data, requires_grad=True, hooks=None, state=None):
 
 
 def _rebuild_qtensor(storage, offset, size, stride, quantizer_params, requires_grad, hooks):
-    return _tensor(storage, offset, size, stride, requires_grad)
+    return rebuilt_tensor(storage, offset, size, stride, requires_grad)
 
 
 def _rebuild_meta_tensor_no_storage(dtype, size, stride, requires_grad=False):
