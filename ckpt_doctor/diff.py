@@ -102,6 +102,12 @@ BATCH_PIECES = 256  # and at most this many pieces: answers stay far below a pip
 # blocks writing one while this process blocks writing it the next batch
 IN_FLIGHT = 2  # batches queued at the worker: one in hand and one waiting, so it never idles on a round trip
 WORKER_TIMEOUT = 60.0  # seconds of silence before the worker is given up on and its batches computed here
+# Comparing the bytes costs about as much as reading both structures and importing NumPy, which come first; so for
+# two files of one size (a fine-tune saved by the same code: its tensors at the same offsets) a forked child compares
+# them at equal offsets, CHUNK by CHUNK, meanwhile, on the second core (_Ahead). A pair at one offset in both is then
+# equal when every chunk inside it is, and its two ends (part-chunks) are: those few bytes are compared here.
+AHEAD_AFTER = 1 << 26  # bytes a file: smaller ones are compared here faster than a fork and a pipe would take
+CHUNK = 1 << 16  # bytes a flag: a pair's ends, compared here, are at most two chunks of it
 
 
 def _mappable(t: TensorRecord) -> bool:
@@ -141,6 +147,10 @@ class _Mapped:
         self.read_since_drop: dict[str, int] = {}
         self.buffers: list[Any] = [None, None]  # side A's and side B's pread buffer
         self.memcmp = _memcmp()
+        self.memcmp_at = _libc_memcmp()  # (address, address, bytes) -> 0 when equal; None without libc
+        self.addresses: dict[str, int] = {}
+        self.views: list[Any] = []
+        self.ahead: _Ahead | None = None  # the chunks a child has compared, where there is one
 
     def held_paths(self) -> frozenset[str]:
         return frozenset(path for path, m in self.maps.items() if not isinstance(m, int))
@@ -215,13 +225,43 @@ class _Mapped:
     def same_bytes(self, ta: TensorRecord, tb: TensorRecord) -> bool:
         if ta.dtype != tb.dtype:
             return False
-        if ta.nbytes <= SMALL:
-            ma, mb = self._file(str(ta.storage.file), ta.nbytes), self._file(str(tb.storage.file), tb.nbytes)
-            oa, ob = ta.file_offset or 0, tb.file_offset or 0
-            if isinstance(ma, int) or isinstance(mb, int):
-                return bytes(self._bytes(ma, oa, ta.nbytes, 0)) == bytes(self._bytes(mb, ob, tb.nbytes, 1))
-            return ma[oa:oa + ta.nbytes] == mb[ob:ob + tb.nbytes]
-        return all(self.memcmp(*self.piece(p)) for p in _pieces(ta, tb))
+        fa, fb = str(ta.storage.file), str(tb.storage.file)
+        oa, ob, nbytes = ta.file_offset or 0, tb.file_offset or 0, ta.nbytes
+        ma, mb = self._file(fa, 0), self._file(fb, 0)
+        if isinstance(ma, int) or isinstance(mb, int) or self.memcmp_at is None:  # pread, or no libc: by pieces
+            if nbytes <= SMALL:
+                return bytes(self._bytes(ma, oa, nbytes, 0)) == bytes(self._bytes(mb, ob, nbytes, 1))
+            return all(self.memcmp(*self.piece(p)) for p in _pieces(ta, tb))
+        # Both mapped: libc's memcmp straight on the maps' addresses, a WINDOW at a time (no array views to set up)
+        at_a, at_b = self.address(fa) + oa, self.address(fb) + ob
+        inner = self.ahead.inner(fa, oa, fb, ob, nbytes) if self.ahead is not None else None
+        if inner is not None:  # the chunks inside compared by the child: only the two ends are left to compare
+            first, last = inner
+            if first is False:
+                return False
+            head, tail = first - oa, oa + nbytes - last
+            self._file(fa, nbytes)  # counted whole: a fault maps a whole folio of the page cache (up to 2 MB)
+            self._file(fb, nbytes)
+            return not (self.memcmp_at(at_a, at_b, head) or
+                        self.memcmp_at(at_a + nbytes - tail, at_b + nbytes - tail, tail))
+        for done in range(0, nbytes, WINDOW):
+            n = min(WINDOW, nbytes - done)
+            self._file(fa, n)  # counts the window read, and drops what earlier windows faulted in
+            self._file(fb, n)
+            if self.memcmp_at(at_a + done, at_b + done, n):
+                return False
+        return True
+
+    def address(self, path: str) -> int:
+        """Where the map of `path` starts in this process's memory."""
+        base = self.addresses.get(path)
+        if base is None:
+            import numpy as np
+
+            view = np.frombuffer(self.maps[path], np.uint8)  # a read-only map: ctypes alone cannot take its address
+            base = self.addresses[path] = view.ctypes.data
+            self.views.append(view)  # held until close(): the map cannot be closed under it, nor moved
+        return base
 
     def _bytes(self, source: Any, offset: int, nbytes: int, side: int) -> Any:
         return self._read(source, offset, nbytes, side) if isinstance(source, int) else \
@@ -230,6 +270,8 @@ class _Mapped:
     def close(self) -> None:
         import os
 
+        self.views.clear()
+        self.addresses.clear()
         for mm in self.maps.values():
             try:
                 os.close(mm) if isinstance(mm, int) else mm.close()
@@ -238,10 +280,8 @@ class _Mapped:
         self.maps.clear()
 
 
-def _memcmp():
-    """Equal bytes, at memory speed: libc's memcmp on the two arrays (NumPy's compare where there is no libc)."""
-    import numpy as np
-
+def _libc_memcmp():
+    """libc's memcmp(address, address, bytes), or None where there is no libc to call."""
     try:
         import ctypes
 
@@ -249,6 +289,16 @@ def _memcmp():
         libc_memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         libc_memcmp.restype = ctypes.c_int
     except (OSError, AttributeError):
+        return None
+    return libc_memcmp
+
+
+def _memcmp():
+    """Equal bytes, at memory speed: libc's memcmp on the two arrays (NumPy's compare where there is no libc)."""
+    import numpy as np
+
+    libc_memcmp = _libc_memcmp()
+    if libc_memcmp is None:
         return lambda x, y: x.nbytes == y.nbytes and np.array_equal(x.view(np.uint8), y.view(np.uint8))
     return lambda x, y: x.nbytes == y.nbytes and libc_memcmp(x.ctypes.data, y.ctypes.data, x.nbytes) == 0
 
@@ -457,6 +507,142 @@ class _Figures:
             self.sums[number] = _piece_sums(self.mapped, piece, self.atol, self.rtol, self.scratch)
 
 
+class _Ahead:
+    """A forked child that compares two files of one size at equal offsets, CHUNK by CHUNK, and writes one flag a
+    chunk (1: equal) down a pipe, from the start on, while this process imports NumPy and reads both structures.
+    It maps both files itself (held still by this process's leases: it is killed before they are let go of), drops
+    each WINDOW once compared, ignores Ctrl-C, and never returns into the caller's code. Anything wrong with it (it
+    died, went silent) only means the pairs are compared here after all."""
+
+    def __init__(self, path_a: str, path_b: str, size: int) -> None:
+        import os
+
+        read_r, write_w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(read_r)
+            os.close(write_w)
+            raise
+        if pid == 0:
+            code = 1
+            try:
+                import signal
+
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                os.close(read_r)
+                _compare_chunks(path_a, path_b, size, write_w)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write_w)
+        self.pid, self.fd, self.size = pid, read_r, size
+        self.paths = (os.path.realpath(path_a), os.path.realpath(path_b))
+        self.pairs: dict[tuple[str, str], bool] = {}  # (a file, b file) as records name them -> the two compared
+        self.flags = bytearray()
+        self.failed = False
+
+    @classmethod
+    def start(cls, a_path: Any, b_path: Any, holder: Any) -> _Ahead | None:
+        """The child, for two local files of one size past AHEAD_AFTER, held still, with a second core to run on."""
+        import os
+
+        path_a, path_b = str(a_path), str(b_path)
+        try:
+            if not (os.path.isfile(path_a) and os.path.isfile(path_b)):
+                return None
+            size = os.path.getsize(path_a)
+            if size != os.path.getsize(path_b) or size < AHEAD_AFTER or not _can_fork():
+                return None
+            if _libc_memcmp() is None or not (holder.hold(path_a) and holder.hold(path_b)):
+                return None
+            return cls(path_a, path_b, size)
+        except OSError:  # no processes or pipes left, or the files went away: read and compared here
+            return None
+
+    def inner(self, fa: str, oa: int, fb: str, ob: int, nbytes: int) -> tuple | None:
+        """For a pair at one offset of the two files compared: (False, None) when a chunk inside it differs, else
+        (where its first whole chunk starts, where its last ends), once the child has got that far; None when
+        the child cannot tell (another pair of files, other offsets, no whole chunk inside, the child failed)."""
+        if self.failed or oa != ob or not self._compared(fa, fb):
+            return None
+        first, last = -(-oa // CHUNK), (oa + nbytes) // CHUNK
+        if first >= last or last * CHUNK > self.size:
+            return None
+        if not self._read_up_to(last):
+            return None
+        if 0 in self.flags[first:last]:
+            return False, None
+        return first * CHUNK, last * CHUNK
+
+    def _compared(self, fa: str, fb: str) -> bool:
+        known = self.pairs.get((fa, fb))
+        if known is None:
+            import os
+
+            known = self.pairs[fa, fb] = (os.path.realpath(fa), os.path.realpath(fb)) == self.paths
+        return known
+
+    def _read_up_to(self, count: int) -> bool:
+        """Whether the flags of the first `count` chunks are in, waiting for them (WORKER_TIMEOUT at most)."""
+        import os
+        import select
+
+        while len(self.flags) < count:
+            try:
+                if not select.select([self.fd], [], [], WORKER_TIMEOUT)[0]:
+                    raise OSError("no answer")
+                got = os.read(self.fd, 1 << 16)
+            except OSError:
+                got = b""
+            if not got:  # it died, or went silent: the rest is compared here
+                self.failed = True
+                self.close()
+                return False
+            self.flags += got
+        return True
+
+    def close(self) -> None:
+        """Stopped for good (killed, not waited for: it may still be comparing), its pipe closed."""
+        import os
+        import signal
+
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            if os.waitpid(self.pid, os.WNOHANG)[0] == 0:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _compare_chunks(path_a: str, path_b: str, size: int, out: int) -> None:
+    """The child's work: one flag a CHUNK of the two files (1: the same bytes), a WINDOW's flags a write."""
+    import ctypes
+    import mmap
+    import os
+
+    maps = []
+    for path in (path_a, path_b):
+        fd = os.open(path, os.O_RDONLY)
+        try:  # a private map: ctypes takes the address of a writable buffer only (nothing is ever written)
+            maps.append(mmap.mmap(fd, size, access=mmap.ACCESS_COPY))
+        finally:
+            os.close(fd)
+    at_a, at_b = (ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps)
+    memcmp = _libc_memcmp()
+    for start in range(0, size, WINDOW):
+        end = min(start + WINDOW, size)
+        flags = bytes(memcmp(at_a + i, at_b + i, min(CHUNK, end - i)) == 0 for i in range(start, end, CHUNK))
+        data = memoryview(flags)
+        while data:
+            data = data[os.write(out, data):]
+        for m in maps:
+            m.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
 def _can_fork() -> bool:
     """A second CPU for the worker to run on, and a process that may fork (pool.can_fork)."""
 
@@ -615,6 +801,17 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
     Both files are read under `policy` (the defaults unless passed)."""
     from .tensordata import load_tensor  # torch: ~1 s, imported when values are compared
 
+    with Holder() as holder:  # the files are let go of once every child is dead and the maps are closed
+        ahead = _Ahead.start(a_path, b_path, holder)  # first: a fork is cheapest before NumPy is loaded
+        try:
+            return _diff(a_path, b_path, atol, rtol, transforms, progress, policy, load_tensor, holder, ahead)
+        finally:
+            if ahead is not None:
+                ahead.close()
+
+
+def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, transforms: tuple, progress,
+          policy: Policy, load_tensor, holder: Holder, ahead: _Ahead | None) -> DiffReport:
     import numpy  # noqa: F401  (loaded now, when values are compared, so that one_blas_thread finds its OpenBLAS)
 
     a, b = read_checkpoint(a_path, policy=policy), read_checkpoint(b_path, policy=policy)
@@ -631,8 +828,9 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
     b_tensors = {t.key: t for t in b.state_dict_tensors()}
     rows: list[TensorDiff] = []
     done: set[str] = set()
-    with Holder() as holder, one_blas_thread():  # the files are let go of once the worker is dead, maps closed
+    with one_blas_thread():
         mapped = _Mapped(holder)
+        mapped.ahead = ahead
         figures = _Figures(mapped, atol, rtol)
         pending: dict[int, range] = {}  # row → its pieces, for pairs whose figures are still being computed
         try:
@@ -657,6 +855,8 @@ def diff_checkpoints(a_path: str | Path, b_path: str | Path, *, atol: float = 0.
                                       r.dtype_a, r.dtype_b, stats)
         finally:
             figures.close()
+            if ahead is not None:
+                ahead.close()
             mapped.close()
     rows += [TensorDiff(k, None, "only-b", None, t.shape, None, t.dtype) for k, t in b_tensors.items() if k not in done]
     return DiffReport(a, b, tuple(rows), flags, a_root, b.state_dict_root, atol, rtol, tuple(_bn_drift(rows)))

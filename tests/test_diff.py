@@ -310,3 +310,108 @@ def test_blas_runs_one_thread_a_process_during_a_diff_then_gets_its_threads_back
     with one_blas_thread() as held:
         assert getters[0]() == 1 and held.restore
     assert getters[0]() == before
+
+
+def _one_size_pair(tmp_path):
+    """Two files of one size, every tensor at the same offset in both: one changed in its first element, one in its
+    last, one in its middle, one in bfloat16, the rest the same bytes."""
+    torch.manual_seed(3)
+    a = {f"w{i}": torch.randn(700 + 130 * i) for i in range(6)}
+    a["bf16"] = torch.randn(900).bfloat16()
+    b = {k: v.clone() for k, v in a.items()}
+    b["w1"][0] += 1
+    b["w2"][-1] *= 2
+    b["w3"][400] = float("nan")
+    b["bf16"][450] += 1
+    pa, pb = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save(a, pa)
+    torch.save(b, pb)
+    assert pa.stat().st_size == pb.stat().st_size
+    return pa, pb
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Shrink the thresholds so a few KB files are compared ahead by the child, in chunks smaller than a tensor
+    (on one CPU too, where diff itself would not fork); count what the child told."""
+    import os
+
+    import ckpt_doctor.diff as D
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform: diff stays in one process")
+    monkeypatch.setattr(D, "_can_fork", lambda: True)
+    monkeypatch.setattr(D, "AHEAD_AFTER", 0)
+    monkeypatch.setattr(D, "CHUNK", 256)
+    monkeypatch.setattr(D, "WINDOW", 4096)
+    told = {"differ": 0, "ends": 0, "none": 0, "pids": []}
+    inner, start = D._Ahead.inner, D._Ahead.__init__
+
+    def count(self, *args):
+        answer = inner(self, *args)
+        told["none" if answer is None else "differ" if answer[0] is False else "ends"] += 1
+        return answer
+
+    def note_pid(self, *args):
+        start(self, *args)
+        told["pids"].append(self.pid)
+
+    monkeypatch.setattr(D._Ahead, "inner", count)
+    monkeypatch.setattr(D._Ahead, "__init__", note_pid)
+    return told
+
+
+def test_two_files_of_one_size_are_compared_ahead_by_a_child_with_the_same_results(tmp_path, monkeypatch,
+                                                                                    small_chunks):
+    """A child compares two files of one size chunk by chunk while diff reads their structures; a pair is then
+    settled by the chunks inside it and its two ends, compared here: the same verdicts and figures as without it,
+    whether the change lies in a pair's first element, its last, or inside."""
+    import os
+
+    import ckpt_doctor.diff as D
+
+    pa, pb = _one_size_pair(tmp_path)
+    ahead = D.diff_checkpoints(pa, pb)
+    told = small_chunks
+    assert told["ends"] >= 3 and told["differ"] >= 1 and told["ends"] + told["differ"] == 7  # every pair, by the child
+    assert len(told["pids"]) == 1
+    with pytest.raises(ChildProcessError):  # the child was reaped, not left behind
+        os.waitpid(small_chunks["pids"][0], os.WNOHANG)
+    monkeypatch.setattr(D, "AHEAD_AFTER", 1 << 62)
+    alone = D.diff_checkpoints(pa, pb)
+    assert len(small_chunks["pids"]) == 1  # no child for this one
+    assert _figures(ahead) == _figures(alone)
+    assert {r.key: r.status for r in ahead.rows} == {"w0": "identical", "w1": "changed", "w2": "changed",
+                                                      "w3": "changed", "w4": "identical", "w5": "identical",
+                                                      "bf16": "changed"}
+
+
+def _flags_wrong_then_dies(path_a, path_b, size, out):
+    import os
+
+    os.write(out, b"\x01" * 3)
+    os._exit(3)
+
+
+def _stays_silent(path_a, path_b, size, out):
+    import time
+
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("child", [_flags_wrong_then_dies, _stays_silent])
+def test_a_child_that_dies_or_goes_silent_costs_time_never_the_results(tmp_path, monkeypatch, small_chunks, child):
+    import os
+
+    import ckpt_doctor.diff as D
+
+    pa, pb = _one_size_pair(tmp_path)
+    monkeypatch.setattr(D, "AHEAD_AFTER", 1 << 62)
+    expected = _figures(D.diff_checkpoints(pa, pb))
+    monkeypatch.setattr(D, "AHEAD_AFTER", 0)
+    monkeypatch.setattr(D, "_compare_chunks", child)
+    monkeypatch.setattr(D, "WORKER_TIMEOUT", 0.5)
+    assert _figures(D.diff_checkpoints(pa, pb)) == expected
+    assert small_chunks["ends"] == 0 and small_chunks["none"] >= 1
+    with pytest.raises(ChildProcessError):
+        os.waitpid(small_chunks["pids"][0], os.WNOHANG)
