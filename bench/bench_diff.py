@@ -51,13 +51,20 @@ def main() -> None:
         "diff, 20,000 tensors": [exe, "diff", str(many), str(many), "--json"],
         "diff, 20,000 tensors, --html": [exe, "diff", str(many), str(many), "--json", "--html", str(page)],
     }
+    load_before = os.getloadavg()[0]
     results = measure_rounds(cmds, args.rounds)
     best = {label: (min(times), rss) for label, (times, rss) in results.items()}
     print(f"A {a} and B {b} ({a.stat().st_size / 2**30:.2f} GB each, 1,000 tensors, 125 changed); "
-          f"C every tensor changed; best of {args.rounds} interleaved rounds")
+          f"C every tensor changed; best of {args.rounds} interleaved rounds; load average {load_before:.2f} before, "
+          f"{os.getloadavg()[0]:.2f} after")
+    cat_times = results["cat A B > /dev/null"][0]
     t_cat = best["cat A B > /dev/null"][0]
     for label, (seconds, rss) in best.items():
-        extra = f"  {seconds / t_cat:.2f}x cat" if label.startswith("ckpt-doctor diff") else ""
+        extra = ""
+        if label.startswith("ckpt-doctor diff"):  # each round's ratio to the cat of that round: a slow spell hits both
+            ratios = sorted(t / c for t, c in zip(results[label][0], cat_times))
+            extra = (f"  {seconds / t_cat:.2f}x cat (same-round ratio: median {ratios[len(ratios) // 2]:.2f}x, "
+                     f"best {ratios[0]:.2f}x)")
         print(row(label, seconds, rss) + extra)
     t_diff, rss_diff = best["ckpt-doctor diff A B --json"]
     html_cost = best["diff, 20,000 tensors, --html"][0] - best["diff, 20,000 tensors"][0]
