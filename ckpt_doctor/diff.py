@@ -108,6 +108,7 @@ WORKER_TIMEOUT = 60.0  # seconds of silence before the worker is given up on and
 # equal when every chunk inside it is, and its two ends (part-chunks) are: those few bytes are compared here.
 AHEAD_AFTER = 1 << 26  # bytes a file: smaller ones are compared here faster than a fork and a pipe would take
 CHUNK = 1 << 16  # bytes a flag: a pair's ends, compared here, are at most two chunks of it
+AHEAD_PROBE = 1 << 26  # bytes the child compares before it stops if under one chunk in 16 in them was equal
 
 
 def _mappable(t: TensorRecord) -> bool:
@@ -619,7 +620,8 @@ class _Ahead:
 
 
 def _compare_chunks(path_a: str, path_b: str, size: int, out: int) -> None:
-    """The child's work: one flag a CHUNK of the two files (1: the same bytes), a WINDOW's flags a write."""
+    """The child's work: one flag a CHUNK of the two files (1: the same bytes), a WINDOW's flags a write; it stops
+    early where under one chunk in 16 of the first AHEAD_PROBE bytes was equal (its flags would save little)."""
     import ctypes
     import mmap
     import os
@@ -633,9 +635,16 @@ def _compare_chunks(path_a: str, path_b: str, size: int, out: int) -> None:
             os.close(fd)
     at_a, at_b = (ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps)
     memcmp = _libc_memcmp()
+    equal = seen = 0
+    probing = True
     for start in range(0, size, WINDOW):
+        if probing and start >= AHEAD_PROBE:
+            probing = False
+            if equal * 16 < seen:  # next to nothing equal: a full fine-tune, whose pairs that process finds
+                return  # different in their first bytes; the pipe closes, and it compares them itself
         end = min(start + WINDOW, size)
         flags = bytes(memcmp(at_a + i, at_b + i, min(CHUNK, end - i)) == 0 for i in range(start, end, CHUNK))
+        equal, seen = equal + flags.count(1), seen + len(flags)
         data = memoryview(flags)
         while data:
             data = data[os.write(out, data):]

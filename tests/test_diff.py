@@ -415,3 +415,21 @@ def test_a_child_that_dies_or_goes_silent_costs_time_never_the_results(tmp_path,
     assert small_chunks["ends"] == 0 and small_chunks["none"] >= 1
     with pytest.raises(ChildProcessError):
         os.waitpid(small_chunks["pids"][0], os.WNOHANG)
+
+
+def test_the_child_stops_early_where_next_to_nothing_is_equal(tmp_path, monkeypatch, small_chunks):
+    """A full fine-tune (every pair changed) gains nothing from the child's flags: past AHEAD_PROBE bytes with under
+    one chunk in 16 equal it stops, and the pairs are compared here (a changed pair in its first bytes)."""
+    import ckpt_doctor.diff as D
+
+    torch.manual_seed(4)
+    a = {f"w{i}": torch.randn(3000) for i in range(8)}
+    pa, pb = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save(a, pa)
+    torch.save({k: v * 1.01 for k, v in a.items()}, pb)
+    monkeypatch.setattr(D, "AHEAD_PROBE", 32768)  # of files of about 100 KB
+    stopped = D.diff_checkpoints(pa, pb)
+    assert small_chunks["differ"] >= 1 and small_chunks["none"] >= 1 and small_chunks["ends"] == 0
+    monkeypatch.setattr(D, "AHEAD_AFTER", 1 << 62)
+    assert _figures(stopped) == _figures(D.diff_checkpoints(pa, pb))
+    assert all(r.status == "changed" for r in stopped.rows)
