@@ -340,11 +340,13 @@ def small_chunks(monkeypatch):
 
     if not hasattr(os, "fork"):
         pytest.skip("no fork on this platform: diff stays in one process")
+    idle_core = D._idle_core
     monkeypatch.setattr(D, "_can_fork", lambda: True)
+    monkeypatch.setattr(D, "_idle_core", lambda: True)
     monkeypatch.setattr(D, "AHEAD_AFTER", 0)
     monkeypatch.setattr(D, "CHUNK", 256)
     monkeypatch.setattr(D, "WINDOW", 4096)
-    told = {"differ": 0, "ends": 0, "none": 0, "pids": []}
+    told = {"differ": 0, "ends": 0, "none": 0, "pids": [], "idle_core": idle_core}
     inner, start = D._Ahead.inner, D._Ahead.__init__
 
     def count(self, *args):
@@ -433,3 +435,21 @@ def test_the_child_stops_early_where_next_to_nothing_is_equal(tmp_path, monkeypa
     monkeypatch.setattr(D, "AHEAD_AFTER", 1 << 62)
     assert _figures(stopped) == _figures(D.diff_checkpoints(pa, pb))
     assert all(r.status == "changed" for r in stopped.rows)
+
+
+def test_no_child_compares_ahead_on_a_busy_machine(tmp_path, monkeypatch, small_chunks):
+    """With the load average at the cores or above, the child would only take turns with diff and cost more CPU
+    than it saves: none is forked, and the pairs are compared here."""
+    import os
+
+    import ckpt_doctor.diff as D
+
+    pa, pb = _one_size_pair(tmp_path)
+    monkeypatch.setattr(D, "_idle_core", small_chunks["idle_core"])
+    monkeypatch.setattr(D, "workers", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.0, 2.0, 2.0))
+    busy = D.diff_checkpoints(pa, pb)
+    assert small_chunks["pids"] == []
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.3, 0.3, 0.3))
+    assert _figures(D.diff_checkpoints(pa, pb)) == _figures(busy)
+    assert len(small_chunks["pids"]) == 1
