@@ -5,7 +5,8 @@ state_dict), so a DataParallel file and its clean copy compare as the same weigh
 changes, max |B − A|, the relative change ‖B − A‖ / ‖A‖ and the cosine similarity, computed in float64 over blocks
 of the flattened tensors (never both files in memory). A pair is identical when its bytes are; within --atol/--rtol
 it is close (torch.isclose's rule: |B − A| <= atol + rtol·|A|, NaN equal to NaN). When many pairs changed, a forked
-worker takes half of that arithmetic to the second core (_Figures).
+worker takes half of that arithmetic to the second core (_Figures); for two files of one size, a forked child
+compares their bytes at equal offsets while this process reads their structures (_Ahead).
 """
 
 from __future__ import annotations
