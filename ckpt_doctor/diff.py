@@ -621,15 +621,21 @@ class _Ahead:
 
 
 def _idle_core() -> bool:
-    """Whether a core looks free for the child: a load average (over the last minute) under the cores less one half.
-    On a busy machine the child only takes turns with this process, and it costs more than the compare it saves
-    here (its faults, its loop over chunks, the ends compared twice): about 0.1 s of CPU for a 1 GB pair."""
-    import os
+    """Whether a core is free for the child now: fewer threads runnable on the machine (this one among them) than
+    cores. On a busy machine the child only takes turns with this process, and it costs about 0.1 s more CPU for a
+    1 GB pair than the compare it saves here (its faults, its loop over chunks, the ends compared twice)."""
+    runnable = _runnable()
+    return runnable is None or runnable < workers()
 
+
+def _runnable() -> int | None:
+    """Threads runnable on the machine at this moment (Linux's /proc/loadavg), None where that cannot be read. Not
+    the load average: over a minute it counts a benchmark's own back-to-back runs as load."""
     try:
-        return os.getloadavg()[0] < workers() - 0.5
-    except (AttributeError, OSError):  # no load average here
-        return True
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _compare_chunks(path_a: str, path_b: str, size: int, out: int) -> None:

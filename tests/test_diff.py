@@ -438,18 +438,17 @@ def test_the_child_stops_early_where_next_to_nothing_is_equal(tmp_path, monkeypa
 
 
 def test_no_child_compares_ahead_on_a_busy_machine(tmp_path, monkeypatch, small_chunks):
-    """With the load average at the cores or above, the child would only take turns with diff and cost more CPU
-    than it saves: none is forked, and the pairs are compared here."""
-    import os
-
+    """With as many threads runnable as there are cores (diff among them), the child would only take turns with
+    diff and cost more CPU than it saves: none is forked, and the pairs are compared here."""
     import ckpt_doctor.diff as D
 
     pa, pb = _one_size_pair(tmp_path)
+    assert D._runnable() is None or D._runnable() >= 1  # this process itself is running
     monkeypatch.setattr(D, "_idle_core", small_chunks["idle_core"])
     monkeypatch.setattr(D, "workers", lambda: 2)
-    monkeypatch.setattr(os, "getloadavg", lambda: (2.0, 2.0, 2.0))
+    monkeypatch.setattr(D, "_runnable", lambda: 2)
     busy = D.diff_checkpoints(pa, pb)
     assert small_chunks["pids"] == []
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.3, 0.3, 0.3))
+    monkeypatch.setattr(D, "_runnable", lambda: 1)
     assert _figures(D.diff_checkpoints(pa, pb)) == _figures(busy)
     assert len(small_chunks["pids"]) == 1
