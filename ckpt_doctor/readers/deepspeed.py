@@ -152,10 +152,38 @@ class _Partitions:
 _UNIT = (1,)
 
 
-def _tensor(key: str, shape: tuple[int, ...], dtype: str, pieces: list[Piece], source: Path) -> RawTensor:
-    """A parameter of `shape` assembled from flat pieces of `dtype` (the partitions' own)."""
-    assembly = fast_new(Assembly, grid=(prod(shape),), pieces=tuple(pieces), dtype=dtype)
+def _tensor(key: str, shape: tuple[int, ...], dtype: str, pieces: list[Piece] | tuple, source: Path) -> RawTensor:
+    """A parameter of `shape` assembled from flat pieces of `dtype` (the partitions' own); `pieces` a list, or the
+    (ranks, offset, numel, world) of a ZeRO-3 parameter, its pieces cut when first asked for (_ZeRO3Assembly)."""
+    if isinstance(pieces, tuple):
+        assembly = fast_new(_ZeRO3Assembly, grid=(prod(shape),), dtype=dtype, cut=pieces)
+    else:
+        assembly = fast_new(Assembly, grid=(prod(shape),), pieces=tuple(pieces), dtype=dtype)
     return assembled_tensor(key, dtype, shape, assembly, source)
+
+
+class _ZeRO3Assembly(Assembly):
+    """A ZeRO-3 parameter's Assembly, a piece per rank (_zero3_pieces), cut when first asked for (by fix, --values)
+    rather than when the folder is read: R ranks × P parameters × 3 (the weights, exp_avg, exp_avg_sq) are held as
+    the parameter's offset and numel, and the pieces of those a command does not read (all, for inspect; the
+    optimizer's, for a fix of the weights) are never made. Cutting them cannot fail (nothing is read)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "pieces":
+            raise AttributeError(name)
+        pieces = self.__dict__["pieces"] = tuple(_zero3_pieces(*self.__dict__["cut"]))
+        return pieces
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Assembly):
+            return NotImplemented
+        return (self.grid, self.pieces, self.dtype) == (other.grid, other.pieces, other.dtype)
+
+    def __hash__(self) -> int:
+        return hash((self.grid, self.pieces, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"Assembly(grid={self.grid!r}, pieces={self.pieces!r}, dtype={self.dtype!r})"
 
 
 def _as_float32(key: str, raw: RawTensor, source: Path) -> RawTensor:
@@ -301,7 +329,7 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
             shape = _shape(shape, name, first)
             numel = prod(shape)
             chunk = ceil(numel / world)
-            state[name] = _tensor(f"{FP32}.{name}", shape, dtype, _zero3_pieces(ranks, offset, numel, world), first)
+            state[name] = _tensor(f"{FP32}.{name}", shape, dtype, (ranks, offset, numel, world), first)
             slots.append((0, name, shape, offset, numel))
             pad = chunk * world - numel
             layouts[f"{FP32}.{name}"] = f"ZeRO-3 partitions, {world} ranks × {chunk:,}" + (f" ({pad} padding)"
@@ -447,7 +475,7 @@ def _optimizer_state(stage: int | None, world: int, optims: list, files: list[Pa
         entry: OrderedDict[str, Any] = OrderedDict()
         for key, ranks in per_key.items():
             if stage == 3:
-                pieces = _zero3_pieces(ranks, offset, numel, world)
+                pieces = (ranks, offset, numel, world)
             else:
                 group = concats.get((key, g))
                 if group is None:
