@@ -229,21 +229,20 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
     if not isinstance(m0, dict) or "buffer_names" not in m0:
         raise ReadError(f"{first}: not a DeepSpeed model-states file (no buffer_names)")
     # Only rank 0's model states are unpickled unless frozen parameters are saved (ZeRO-3 keeps a fragment of each
-    # in every rank's file): the others (ZeRO-3 writes one per rank, each listing every parameter) are walked, in
-    # forked processes (pool.py) when the files are local, and read whole only when the walk finds anything.
+    # in every rank's file): the others (ZeRO-3 writes one per rank, each listing every parameter) are walked, or
+    # read for their fragments, in forked processes (pool.py) when the files are local; one whose walk or read finds
+    # anything is read again here, as every file was, and fails or is reported as it was.
     whole = bool(m0.get("frozen_param_shapes"))
+    frozen = m0.get("frozen_param_shapes") or {}
     rest = model_files[1:]
-    if whole or not rest:
-        walked: list[_Walked | None] = [None] * len(rest)
-    else:
-        walk = functools.partial(_walk_rank_file, policy=policy)
-        walked = [walk(p) for p in rest] if remote else map_paths(walk, rest)
+    work = functools.partial(_walk_rank_file, policy=policy,
+                             frozen=(tuple(frozen) if isinstance(frozen, dict) else ()) if whole else None)
+    walked = [work(p) for p in rest] if remote else map_paths(work, rest)
     ckpts: dict[Path, Checkpoint | _Walked] = {first: read0}
     for p, w in zip(rest, walked):
         ckpts[p] = w if w is not None else _read_rank_file(p, tag_dir, policy)
     for p in optim_files:
         ckpts[p] = _read_rank_file(p, tag_dir, policy)
-    models = [ckpts[p].root for p in model_files] if whole else [m0]
     module = _get(m0, "module", what="module", where=first)
     buffer_names = _get(m0, "buffer_names", what="buffer_names", where=first)
     param_shapes = _get(m0, "param_shapes", what="param_shapes", where=first)
@@ -275,12 +274,14 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
         raw = module.get(name) if isinstance(module, dict) else None
         if isinstance(raw, RawTensor):
             state[name] = _as_float32(name, raw, first)
-    frozen = m0.get("frozen_param_shapes") or {}
-    fragments = [m.get("frozen_param_fragments") or {} for m in models]
+    # each rank's frozen_param_fragments, or the fragments a worker read of it (_Walked.fragments)
+    fragments = [c.fragments if isinstance(c, _Walked) else c.root.get("frozen_param_fragments") or {}
+                 for c in (ckpts[p] for p in model_files)] if whole else [m0.get("frozen_param_fragments") or {}]
     for name, shape in frozen.items() if isinstance(frozen, dict) else []:
         shape = _shape(shape, name, first)
         if stage == 3:
-            parts = [_Partitions([_flat(_get(f, name, what=f"frozen fragment {name}", where=p), name, p)], p.name)
+            parts = [_Partitions([f[name] if isinstance(f, _Fragments) else
+                                  _flat(_get(f, name, what=f"frozen fragment {name}", where=p), name, p)], p.name)
                      for f, p in zip(fragments, model_files)]
             numel, chunk = prod(shape), ceil(prod(shape) / world)
             pieces = _zero3_pieces(parts, 0, numel, world)
@@ -402,20 +403,35 @@ def _read_rank_file(path: Path, tag_dir: Path, policy: Policy) -> Checkpoint:
         raise ReadError(f"{tag_dir}: {path.name} is missing (not found (404)): the checkpoint is incomplete") from None
 
 
+class _Fragments(dict):
+    """A rank's frozen fragments as a worker read them: name -> _flat's (file, offset, numel, dtype)."""
+
+
 class _Walked:
-    """A rank's file walked, not unpickled (_walk_rank_file): what the folder's report takes of it."""
+    """A rank's model states as a worker read them (_walk_rank_file): what the folder takes of the file."""
 
-    __slots__ = ("globals", "hazards", "length")
+    __slots__ = ("globals", "hazards", "length", "fragments")
 
-    def __init__(self, globals_: tuple, length: int) -> None:
-        self.globals, self.hazards, self.length = globals_, (), length
+    def __init__(self, globals_: tuple, hazards: tuple, length: int, fragments: _Fragments | None = None) -> None:
+        self.globals, self.hazards, self.length, self.fragments = globals_, hazards, length, fragments
 
 
-def _walk_rank_file(path: Path, *, policy: Policy) -> _Walked | None:
-    """A rank's model states whose values nothing reads (rank 0's say all the folder needs), its pickles walked as
-    any file's are (their globals the folder's). None — the file is then read whole, as every file was, and fails
-    or is reported as it was — when the walk finds anything: a global off the allow-list, a hazard, a note, a
-    pickle that breaks off or is refused, an archive torch cannot read, or the file cannot be read at all."""
+def _walk_rank_file(path: Path, *, policy: Policy, frozen: tuple[str, ...] | None) -> _Walked | None:
+    """A rank's model states beside rank 0's, which say all the folder needs but its frozen parameters (`frozen`:
+    their names, when any are saved). Without: its pickles walked as any file's are (their globals the folder's),
+    not unpickled. With: the file read whole and each frozen parameter's fragment taken as a flat partition. None
+    — the file is then read again by the caller, as every file was, and fails or is reported as it was — when the
+    walk finds anything (a global off the allow-list, a hazard, a note, a pickle that breaks off or is refused, an
+    archive torch cannot read), a fragment is not a flat partition, or the file cannot be read."""
+    if frozen is not None:
+        try:
+            ckpt = read_file(path, policy=policy)
+            fragments = ckpt.root.get("frozen_param_fragments") or {}
+            flats = _Fragments((name, _flat(_get(fragments, name, what=f"frozen fragment {name}", where=path),
+                                            name, path)) for name in frozen)
+        except (CkptDoctorError, AttributeError):  # (a root that is no dict: read again, it fails as it did)
+            return None
+        return _Walked(ckpt.globals, ckpt.hazards, len(ckpt.tensors) * 64, flats)
     try:
         survey = survey_file(path, policy=policy)
     except CkptDoctorError:
@@ -425,7 +441,7 @@ def _walk_rank_file(path: Path, *, policy: Policy) -> _Walked | None:
             or survey.zip_error is not None or index is None or index.torch_problem or survey.main_pickle is None:
         return None
     # every global it names is allowed; each named as a read names it (by its pickle: read_surveyed)
-    return _Walked(tuple(replace(g, source=g.source.rsplit(" at byte ", 1)[0]) for g in survey.globals),
+    return _Walked(tuple(replace(g, source=g.source.rsplit(" at byte ", 1)[0]) for g in survey.globals), (),
                    len(survey.main_pickle))
 
 
