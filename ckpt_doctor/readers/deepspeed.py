@@ -2,7 +2,10 @@
 
 A save folder holds `latest` (the tag) and `<tag>/`: `mp_rank_00_model_states.pt` (ZeRO-1/2) or one
 `zero_pp_rank_R_mp_rank_00_model_states.pt` per rank (ZeRO-3), and one `*_optim_states.pt` per rank. Every file is
-read by this tool's own readers (nothing deepspeed pickled is imported; its enum and loss-scaler records are inert).
+read by this tool's own readers (nothing deepspeed pickled is imported; its enum and loss-scaler records are inert):
+every pickle walked for what it would import; unpickled, the optimizer states and rank 0's model states (ZeRO-3's
+other ranks' list the same parameters again: they are unpickled, in forked processes, only for their fragments of
+frozen parameters).
 
 The fp32 master weights are rebuilt as zero_to_fp32 does, each parameter an Assembly of slices of the ranks' flat
 partitions (streamed by `fix`, never concatenated in memory):
