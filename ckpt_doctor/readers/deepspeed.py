@@ -39,9 +39,9 @@ from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..safepickle.unpickler import Opaque, RawTensor
 from ._pickled import assembled_tensor, build_checkpoint
 from .files import read_file
-from .survey import survey_file
 from .source import (RemoteError, RemotePath, close_source, exists, list_folder, open_source, pread, real_url,
                      remote_path)
+from .survey import survey_file
 
 MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
@@ -413,7 +413,7 @@ class _Fragments(dict):
 class _Walked:
     """A rank's model states as a worker read them (_walk_rank_file): what the folder takes of the file."""
 
-    __slots__ = ("globals", "hazards", "length", "fragments")
+    __slots__ = ("fragments", "globals", "hazards", "length")
 
     def __init__(self, globals_: tuple, hazards: tuple, length: int, fragments: _Fragments | None = None) -> None:
         self.globals, self.hazards, self.length, self.fragments = globals_, hazards, length, fragments
