@@ -2,7 +2,10 @@
 DeepSpeed 0.19's save_checkpoint writes (one param group, Adam, fp32), partitioned by its rules. Used by
 bench_deepspeed.py --ranks: 64 real gloo ranks do not fit this machine. Run as a script in a child process.
 
-    python bench/_zero_folders.py OUT STAGE RANKS LAYERS WIDTH
+    python bench/_zero_folders.py OUT STAGE RANKS LAYERS WIDTH [FROZEN]
+
+FROZEN (ZeRO-3 only): that many more layers saved as frozen parameters (a LoRA run's base model), each rank's
+fragment of each in its model states, as DeepSpeed saves them (frozen_param_shapes, frozen_param_fragments).
 """
 
 import math
@@ -16,7 +19,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 
-def write(out: str, stage: int, world: int, layers: int, width: int) -> None:
+def write(out: str, stage: int, world: int, layers: int, width: int, frozen: int = 0) -> None:
     torch.manual_seed(0)
     params = OrderedDict()
     for i in range(layers):
@@ -59,15 +62,23 @@ def write(out: str, stage: int, world: int, layers: int, width: int) -> None:
             torch.save({"optimizer_state_dict": optim, "ds_config": model["ds_config"], "ds_version": "0.19.8"},
                        os.path.join(tag, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
     else:
-        empty = OrderedDict((k, torch.empty(0)) for k in params)
+        still = OrderedDict((f"frozen.{i}.weight", torch.randn(width, width + 1)) for i in range(frozen))
+        empty = OrderedDict((k, torch.empty(0)) for k in [*params, *still])
+        if still:
+            model["frozen_param_shapes"] = OrderedDict((k, v.shape) for k, v in still.items())
         for r in range(world):
+            fragments = {}
+            for k, p in still.items():
+                chunk = math.ceil(p.numel() / world)
+                v = p.reshape(-1)[r * chunk:(r + 1) * chunk]
+                fragments[k] = torch.cat([v, v.new_zeros(chunk - v.numel())])
             pieces = []
             for p in params.values():
                 chunk = math.ceil(p.numel() / world)
                 v = p.reshape(-1)[r * chunk:(r + 1) * chunk]
                 pieces.append(torch.cat([v, v.new_zeros(chunk - v.numel())]))
             mine = torch.cat(pieces)
-            torch.save({**model, "module": empty},
+            torch.save({**model, "module": empty, "frozen_param_fragments": fragments},
                        os.path.join(tag, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
             optim = {"zero_stage": ZeroStageEnum.weights, "loss_scaler": None, "dynamic_loss_scale": False,
                      "overflow": False, "partition_count": world,
@@ -82,4 +93,5 @@ def write(out: str, stage: int, world: int, layers: int, width: int) -> None:
 
 
 if __name__ == "__main__":
-    write(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    write(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
+          int(sys.argv[6]) if len(sys.argv) > 6 else 0)

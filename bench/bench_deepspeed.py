@@ -5,8 +5,11 @@
 
 --ranks: folders of that many ranks (ZeRO-2 and ZeRO-3, 800 parameters of a 400-layer model, written as DeepSpeed
 writes them by _zero_folders.py: 64 gloo ranks do not fit this machine); `inspect` and `fix` of each beside
-zero_to_fp32 and a torch.load of every rank file, with the ratios. Both peers read every rank file whole, as fix does:
-the figures should grow with the ranks as theirs do (linearly), not faster.
+zero_to_fp32 and a torch.load of every rank file, with the ratios. Both peers unpickle every rank file; fix walks every
+one (what it would import) and unpickles the optimizer states and rank 0's model states (a ZeRO-3 folder has one per
+rank, each listing every parameter: the others are walked only, in forked processes, unless frozen parameters are
+saved): the figures should grow with the ranks as theirs do (linearly), not faster. Targets at 64 ranks: `fix` ≤ 0.5×
+zero_to_fp32 and ≤ 150 MB.
 
 The checkpoints are written by DeepSpeed itself (DS_ACCELERATOR=cpu, two gloo ranks, Adam): a model of 16
 Linear(2048, 2048) layers, 268 MB of fp32 weights. Targets: `fix` ≤ 0.5× the time of `zero_to_fp32` and ≤ 1.5×

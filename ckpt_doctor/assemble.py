@@ -67,7 +67,11 @@ def coverage_problem(assembly: Assembly) -> str | None:
 
 def ordered_runs(assembly: Assembly, what: str) -> Iterator[Run]:
     """Every run of every piece by output position, adjacent runs of one piece merged; raises on a gap or overlap."""
-    merged = heapq.merge(*(_runs(assembly.grid, p) for p in assembly.pieces), key=lambda r: r[0])
+    if len(assembly.grid) == 1:  # a flat grid (ZeRO's partitions, 1-D shards): each piece is one run, sorted alike
+        merged: Iterator[Run] = iter(sorted(((p.offsets[0], 0, p, p.sizes[0]) for p in assembly.pieces
+                                             if 0 not in p.sizes), key=lambda r: r[0]))
+    else:
+        merged = heapq.merge(*(_runs(assembly.grid, p) for p in assembly.pieces), key=lambda r: r[0])
     expected = 0
     pending: Run | None = None
     for run in merged:

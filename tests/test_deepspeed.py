@@ -203,3 +203,35 @@ def test_zero3_steps_come_from_each_parameters_own_group(samples, tmp_path):
     assert run_cli("fix", folder, "-o", out, "--select", "").exit_code == 0
     state = torch.load(out, weights_only=True)["optimizer"]["state"]
     assert float(state["norm.bias"]["step"]) == 7.0 and float(state["embed.weight"]["step"]) == 1.0
+
+
+class Evil:
+    """An object of a class no allow-list names: a checkpoint holding one would make torch.load import this module."""
+
+
+def _zero3_without_frozen(samples: Path, tmp_path: Path) -> Path:
+    """The ZeRO-3 sample with no frozen parameters saved (as a model that freezes none saves it): only rank 0's model
+    states are then needed, and every rank's lists every parameter."""
+    folder = tmp_path / "z3"
+    shutil.copytree(samples / "z3", folder)
+    for path in (folder / "global_step1").glob("*_model_states.pt"):
+        _retouch(path, lambda s: (s["frozen_param_shapes"].clear(), s["frozen_param_fragments"].clear()))
+    return folder
+
+
+def test_zero3_rank_model_states_are_checked_though_only_rank_0s_are_needed(samples, tmp_path):
+    folder = _zero3_without_frozen(samples, tmp_path)
+    out = tmp_path / "fp32.pt"
+    assert run_cli("fix", folder, "-o", out).exit_code == 0
+    mine, theirs = torch.load(out, weights_only=True), official(folder)
+    assert list(mine) == list(theirs) and "frozen.weight" not in mine
+    assert all(same_bits(mine[key], value) for key, value in theirs.items())
+    rank1 = folder / "global_step1" / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    clean = rank1.read_bytes()
+    _retouch(rank1, lambda s: s.__setitem__("extra", Evil()))
+    result = run_cli("inspect", folder, "--json")
+    assert result.exit_code == 1 and f"{Evil.__module__}.Evil" in result.json()["unsafe_globals"], result.stderr
+    rank1.write_bytes(clean[:-200])  # its zip directory cut off
+    result = run_cli("fix", folder, "-o", tmp_path / "cut.pt")
+    assert result.exit_code == 2 and rank1.name in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "cut.pt").exists()

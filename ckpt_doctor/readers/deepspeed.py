@@ -2,7 +2,10 @@
 
 A save folder holds `latest` (the tag) and `<tag>/`: `mp_rank_00_model_states.pt` (ZeRO-1/2) or one
 `zero_pp_rank_R_mp_rank_00_model_states.pt` per rank (ZeRO-3), and one `*_optim_states.pt` per rank. Every file is
-read by this tool's own readers (nothing deepspeed pickled is imported; its enum and loss-scaler records are inert).
+read by this tool's own readers (nothing deepspeed pickled is imported; its enum and loss-scaler records are inert):
+every pickle walked for what it would import; unpickled, the optimizer states and rank 0's model states (ZeRO-3's
+other ranks' list the same parameters again: they are unpickled, in forked processes, only for their fragments of
+frozen parameters).
 
 The fp32 master weights are rebuilt as zero_to_fp32 does, each parameter an Assembly of slices of the ranks' flat
 partitions (streamed by `fix`, never concatenated in memory):
@@ -17,6 +20,7 @@ Then buffers (from rank 0's `module`, floating ones as float32 as zero_to_fp32 d
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import stat
@@ -28,14 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from ..dtypes import element_size
-from ..errors import ReadError
-from ..records import Assembly, Checkpoint, DeepSpeedFolder, DistributedShard, Format, Piece
+from ..errors import CkptDoctorError, ReadError
+from ..pool import map_paths
+from ..records import Assembly, Checkpoint, DeepSpeedFolder, DistributedShard, Format, Piece, fast_new
 from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..safepickle.unpickler import Opaque, RawTensor
 from ._pickled import assembled_tensor, build_checkpoint
 from .files import read_file
 from .source import (RemoteError, RemotePath, close_source, exists, list_folder, open_source, pread, real_url,
                      remote_path)
+from .survey import survey_file
 
 MODEL_STATES = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")
 OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
@@ -125,23 +131,62 @@ class _Partitions:
         self.parts, self.label = parts, label
         self.length = sum(p[2] for p in parts)
         self.dtype = _one_dtype([p[3] for p in parts], label)
+        self.size = element_size(self.dtype)
 
     def pieces(self, start: int, count: int, at: int) -> list[Piece]:
-        """Pieces covering [start, start + count) of the vector, placed from `at` in the output's flat grid."""
+        """Pieces covering [start, start + count) of the vector, placed from `at` in the output's flat grid. (Made
+        without binding arguments, fast_new: a ZeRO-3 folder of R ranks makes R pieces per parameter, per weight
+        and per optimizer state.)"""
         out = []
-        base = 0
-        for file, offset, numel, dtype in self.parts:
-            lo, hi = max(start, base), min(start + count, base + numel)
+        base, end, size, label = 0, start + count, self.size, self.label
+        for file, offset, numel, _ in self.parts:
+            top = base + numel
+            if base >= end:
+                break
+            lo, hi = max(start, base), min(end, top)
             if lo < hi:
-                out.append(Piece(file, offset + (lo - base) * element_size(dtype), (at + lo - start,), (hi - lo,),
-                                 (1,), f"{self.label} elements {lo:,}-{hi:,}"))
-            base += numel
+                out.append(fast_new(Piece, file=file, offset=offset + (lo - base) * size, offsets=(at + lo - start,),
+                                    sizes=(hi - lo,), stride=_UNIT, label=f"{label} elements {lo:,}-{hi:,}",
+                                    crc=None))
+            base = top
         return out
 
 
-def _tensor(key: str, shape: tuple[int, ...], dtype: str, pieces: list[Piece], source: Path) -> RawTensor:
-    """A parameter of `shape` assembled from flat pieces of `dtype` (the partitions' own)."""
-    return assembled_tensor(key, dtype, shape, Assembly((prod(shape),), tuple(pieces), dtype), source)
+_UNIT = (1,)
+
+
+def _tensor(key: str, shape: tuple[int, ...], dtype: str, pieces: list[Piece] | tuple, source: Path) -> RawTensor:
+    """A parameter of `shape` assembled from flat pieces of `dtype` (the partitions' own); `pieces` a list, or the
+    (ranks, offset, numel, world) of a ZeRO-3 parameter, its pieces cut when first asked for (_ZeRO3Assembly)."""
+    if isinstance(pieces, tuple):
+        assembly = fast_new(_ZeRO3Assembly, grid=(prod(shape),), dtype=dtype, cut=pieces)
+    else:
+        assembly = fast_new(Assembly, grid=(prod(shape),), pieces=tuple(pieces), dtype=dtype)
+    return assembled_tensor(key, dtype, shape, assembly, source)
+
+
+class _ZeRO3Assembly(Assembly):
+    """A ZeRO-3 parameter's Assembly, a piece per rank (_zero3_pieces), cut when first asked for (by fix, --values)
+    rather than when the folder is read: R ranks × P parameters × 3 (the weights, exp_avg, exp_avg_sq) are held as
+    the parameter's offset and numel, and the pieces of those a command does not read (all, for inspect; the
+    optimizer's, for a fix of the weights) are never made. Cutting them cannot fail (nothing is read)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "pieces":
+            raise AttributeError(name)
+        pieces = self.__dict__["pieces"] = tuple(_zero3_pieces(*self.__dict__["cut"]))
+        return pieces
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Assembly):
+            return NotImplemented
+        return (self.grid, self.pieces, self.dtype) == (other.grid, other.pieces, other.dtype)
+
+    def __hash__(self) -> int:
+        return hash((self.grid, self.pieces, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"Assembly(grid={self.grid!r}, pieces={self.pieces!r}, dtype={self.dtype!r})"
 
 
 def _as_float32(key: str, raw: RawTensor, source: Path) -> RawTensor:
@@ -181,11 +226,26 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
             raise ReadError(f"{p}: cannot be read ({exc.strerror})") from None
         if not stat.S_ISREG(mode):
             raise ReadError(f"{p}: not a regular file (a device, a pipe or a folder)")
-    ckpts = {p: _read_rank_file(p, tag_dir, policy) for p in [*model_files, *optim_files]}
-    models = [ckpts[p].root for p in model_files]
-    m0, first = models[0], model_files[0]
+    first = model_files[0]
+    read0 = _read_rank_file(first, tag_dir, policy)
+    m0 = read0.root
     if not isinstance(m0, dict) or "buffer_names" not in m0:
         raise ReadError(f"{first}: not a DeepSpeed model-states file (no buffer_names)")
+    # Only rank 0's model states are unpickled unless frozen parameters are saved (ZeRO-3 keeps a fragment of each
+    # in every rank's file): the others (ZeRO-3 writes one per rank, each listing every parameter) are walked, or
+    # read for their fragments, in forked processes (pool.py) when the files are local; one whose walk or read finds
+    # anything is read again here, as every file was, and fails or is reported as it was.
+    whole = bool(m0.get("frozen_param_shapes"))
+    frozen = m0.get("frozen_param_shapes") or {}
+    rest = model_files[1:]
+    work = functools.partial(_walk_rank_file, policy=policy,
+                             frozen=(tuple(frozen) if isinstance(frozen, dict) else ()) if whole else None)
+    walked = [work(p) for p in rest] if remote else map_paths(work, rest)
+    ckpts: dict[Path, Checkpoint | _Walked] = {first: read0}
+    for p, w in zip(rest, walked):
+        ckpts[p] = w if w is not None else _read_rank_file(p, tag_dir, policy)
+    for p in optim_files:
+        ckpts[p] = _read_rank_file(p, tag_dir, policy)
     module = _get(m0, "module", what="module", where=first)
     buffer_names = _get(m0, "buffer_names", what="buffer_names", where=first)
     param_shapes = _get(m0, "param_shapes", what="param_shapes", where=first)
@@ -217,16 +277,17 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
         raw = module.get(name) if isinstance(module, dict) else None
         if isinstance(raw, RawTensor):
             state[name] = _as_float32(name, raw, first)
-    frozen = m0.get("frozen_param_shapes") or {}
-    fragments = [m.get("frozen_param_fragments") or {} for m in models]
+    # each rank's frozen_param_fragments, or the fragments a worker read of it (_Walked.fragments)
+    fragments = [c.fragments if isinstance(c, _Walked) else c.root.get("frozen_param_fragments") or {}
+                 for c in (ckpts[p] for p in model_files)] if whole else [m0.get("frozen_param_fragments") or {}]
     for name, shape in frozen.items() if isinstance(frozen, dict) else []:
         shape = _shape(shape, name, first)
         if stage == 3:
-            parts = [_Partitions([_flat(_get(f, name, what=f"frozen fragment {name}", where=p), name, p)], p.name)
+            parts = [_Partitions([f[name] if isinstance(f, _Fragments) else
+                                  _flat(_get(f, name, what=f"frozen fragment {name}", where=p), name, p)], p.name)
                      for f, p in zip(fragments, model_files)]
             numel, chunk = prod(shape), ceil(prod(shape) / world)
-            pieces = [pc for r, part in enumerate(parts)
-                      for pc in part.pieces(0, max(0, min(chunk, numel - r * chunk)), r * chunk)]
+            pieces = _zero3_pieces(parts, 0, numel, world)
             state[name] = _tensor(f"{FP32}.{name}", shape, _one_dtype([p.dtype for p in parts], name), pieces, first)
             layouts[f"{FP32}.{name}"] = f"ZeRO-3 frozen, {world} ranks × {chunk:,}"
         else:
@@ -272,9 +333,7 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
             shape = _shape(shape, name, first)
             numel = prod(shape)
             chunk = ceil(numel / world)
-            pieces = [pc for r, part in enumerate(ranks)
-                      for pc in part.pieces(offset, max(0, min(chunk, numel - r * chunk)), r * chunk)]
-            state[name] = _tensor(f"{FP32}.{name}", shape, dtype, pieces, first)
+            state[name] = _tensor(f"{FP32}.{name}", shape, dtype, (ranks, offset, numel, world), first)
             slots.append((0, name, shape, offset, numel))
             pad = chunk * world - numel
             layouts[f"{FP32}.{name}"] = f"ZeRO-3 partitions, {world} ranks × {chunk:,}" + (f" ({pad} padding)"
@@ -324,7 +383,8 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
                   f"{', …' if len(recovered) > 4 else ''}: frozen ones) are taken from module as saved; "
                   "zero_to_fp32 leaves them out and a strict load of its output fails",)
     ckpt = build_checkpoint(folder, Format.DEEPSPEED, root, [], notes=notes,
-                            extra_bytes=sum(len(c.tensors) * 64 for c in ckpts.values()) + (1 << 16))
+                            extra_bytes=sum(c.length if isinstance(c, _Walked) else len(c.tensors) * 64
+                                            for c in ckpts.values()) + (1 << 16))
     globals_ = tuple({(g.module, g.name): g for c in ckpts.values() for g in c.globals}.values())
     return replace(ckpt, path=shown or ckpt.path, globals=globals_,
                    hazards=tuple(h for c in ckpts.values() for h in c.hazards),
@@ -344,6 +404,48 @@ def _read_rank_file(path: Path, tag_dir: Path, policy: Policy) -> Checkpoint:
         if "not found (404)" not in str(exc):
             raise
         raise ReadError(f"{tag_dir}: {path.name} is missing (not found (404)): the checkpoint is incomplete") from None
+
+
+class _Fragments(dict):
+    """A rank's frozen fragments as a worker read them: name -> _flat's (file, offset, numel, dtype)."""
+
+
+class _Walked:
+    """A rank's model states as a worker read them (_walk_rank_file): what the folder takes of the file."""
+
+    __slots__ = ("fragments", "globals", "hazards", "length")
+
+    def __init__(self, globals_: tuple, hazards: tuple, length: int, fragments: _Fragments | None = None) -> None:
+        self.globals, self.hazards, self.length, self.fragments = globals_, hazards, length, fragments
+
+
+def _walk_rank_file(path: Path, *, policy: Policy, frozen: tuple[str, ...] | None) -> _Walked | None:
+    """A rank's model states beside rank 0's, which say all the folder needs but its frozen parameters (`frozen`:
+    their names, when any are saved). Without: its pickles walked as any file's are (their globals the folder's),
+    not unpickled. With: the file read whole and each frozen parameter's fragment taken as a flat partition. None
+    — the file is then read again by the caller, as every file was, and fails or is reported as it was — when the
+    walk finds anything (a global off the allow-list, a hazard, a note, a pickle that breaks off or is refused, an
+    archive torch cannot read), a fragment is not a flat partition, or the file cannot be read."""
+    if frozen is not None:
+        try:
+            ckpt = read_file(path, policy=policy)
+            fragments = ckpt.root.get("frozen_param_fragments") or {}
+            flats = _Fragments((name, _flat(_get(fragments, name, what=f"frozen fragment {name}", where=path),
+                                            name, path)) for name in frozen)
+        except (CkptDoctorError, AttributeError):  # (a root that is no dict: read again, it fails as it did)
+            return None
+        return _Walked(ckpt.globals, ckpt.hazards, len(ckpt.tensors) * 64, flats)
+    try:
+        survey = survey_file(path, policy=policy)
+    except CkptDoctorError:
+        return None
+    index = survey.zip
+    if survey.findings or survey.hazards or survey.notes or survey.refused or survey.broken or survey.items \
+            or survey.zip_error is not None or index is None or index.torch_problem or survey.main_pickle is None:
+        return None
+    # every global it names is allowed; each named as a read names it (by its pickle: read_surveyed)
+    return _Walked(tuple(replace(g, source=g.source.rsplit(" at byte ", 1)[0]) for g in survey.globals), (),
+                   len(survey.main_pickle))
 
 
 def _subgroup_at(offset: int, per_key: dict[str, Any], groups: list[int]) -> int:
@@ -385,18 +487,20 @@ def _optimizer_state(stage: int | None, world: int, optims: list, files: list[Pa
                               for g in groups], f"{p.name} state.{key}") for st, p in zip(states, files)]
         per_key[key] = ranks
     out: OrderedDict[str, Any] = OrderedDict()
+    dtypes = {key: _one_dtype([r.dtype for r in ranks], f"{files[0].parent}: optimizer state {key}")
+              for key, ranks in per_key.items()} if slots else {}
+    concats: dict[tuple[str, int], _Concat] = {}  # ZeRO-1/2: (key, group) -> the ranks' partitions end to end
     for g, name, shape, offset, numel in slots:
         entry: OrderedDict[str, Any] = OrderedDict()
         for key, ranks in per_key.items():
-            dtype = _one_dtype([r.dtype for r in ranks], f"{files[0].parent}: optimizer state {key}")
             if stage == 3:
-                chunk = ceil(numel / world)
-                pieces = [pc for r, part in enumerate(ranks)
-                          for pc in part.pieces(offset, max(0, min(chunk, numel - r * chunk)), r * chunk)]
+                pieces = (ranks, offset, numel, world)
             else:
-                by_group = [_Partitions([part.parts[g]], part.label) for part in ranks]
-                pieces = _Concat(by_group).pieces(offset, numel)
-            entry[key] = _tensor(f"optimizer.state.{name}.{key}", shape, dtype, pieces, source)
+                group = concats.get((key, g))
+                if group is None:
+                    group = concats[(key, g)] = _Concat([_Partitions([part.parts[g]], part.label) for part in ranks])
+                pieces = group.pieces(offset, numel)
+            entry[key] = _tensor(f"optimizer.state.{name}.{key}", shape, dtypes[key], pieces, source)
         own = g if stage != 3 else _subgroup_at(offset, per_key, groups)
         for (sg, key), value in scalars.items():
             if sg == own:
@@ -411,6 +515,14 @@ def _optimizer_state(stage: int | None, world: int, optims: list, files: list[Pa
             copy["params"] = names_by_group[i] if i < len(names_by_group) else []
             param_groups.append(copy)
     return {"state": out, "param_groups": param_groups}
+
+
+def _zero3_pieces(ranks: list[_Partitions], offset: int, numel: int, world: int) -> list[Piece]:
+    """A ZeRO-3 parameter of `numel` elements from `offset` of every rank's partitions: rank r holds its elements
+    r × chunk to (r + 1) × chunk, chunk = ceil(numel / world), the last ones padding."""
+    chunk = ceil(numel / world)
+    return [pc for r, part in enumerate(ranks)
+            for pc in part.pieces(offset, max(0, min(chunk, numel - r * chunk)), r * chunk)]
 
 
 class _Concat:
