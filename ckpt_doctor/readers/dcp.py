@@ -17,6 +17,7 @@ import os
 import re
 import stat
 import sys
+import weakref
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ from .survey import ZIP_END_SEARCH, ItemCache, ends_like_a_zip, survey_file, sur
 from .table import sniff_head
 from ..sniff import Container
 from .dcp_meta_fast import recognize
+from . import dcp_items
+from .dcp_items import ChunkItems
 from .torch_zip import read_torch_zip
 
 METADATA = ".metadata"
@@ -404,6 +407,10 @@ class _Items:
         self.big_endian = False  # a chunk item saved on a big-endian machine (its bytes are not swapped here)
         self.value_ends: dict[str, int] | None = None
         self.past_end: list[str] = []  # items the metadata says run past the end of their file (read to its end)
+        # chunk items exactly as torch's writer writes them, read from their bytes (dcp_items.py); each shard file
+        # opened once for them, and closed with this reading
+        self.chunks = ChunkItems()
+        weakref.finalize(self, self.chunks.close)
 
     def open(self, rel: str, fqn: str) -> tuple[Path, int]:
         path = self.folder / rel
@@ -880,6 +887,16 @@ def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple
             raise ReadError(f"{folder}: {fqn}: {rel} holds {rec.dtype}{list(rec.shape)}, the metadata says "
                             f"{dtype}{list(sizes)}")
         return Piece(rec.storage.file, rec.storage.offset, offsets, sizes, rec.stride, f"{rel} safetensors entry {fqn}")
+    fast = None
+    if dcp_items.ENABLED and not transforms and not isinstance(folder, RemotePath):
+        path, size = items.open(rel, fqn)
+        if at + length <= size:
+            if items.budget is None:
+                items.budget = new_budget()
+            fast = items.chunks.piece(items, rel, path, at, fqn, offsets, sizes, dtype, length)
+            if type(fast) is Piece:
+                return fast
+    hazards, globals_ = len(items.hazards), len(items.globals)
     chunk = items.read(rel, at, length, transforms, fqn, prod(sizes) * element_size(dtype))
     rec = chunk.tensors[0] if len(chunk.tensors) == 1 and chunk.tensors[0].key == "" else None
     if rec is None or rec.storage is None:
@@ -893,8 +910,13 @@ def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple
                         "member, which torch's DCP writer never writes; ckpt-doctor assembles chunks from stored bytes "
                         "only")
     whole = rec.storage_offset == 0 and rec.nbytes == rec.storage.nbytes and rec.is_contiguous
-    return Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride, f"{rel} item at byte {at}",
-                 rec.storage.crc if whole else None)
+    piece = Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride, f"{rel} item at byte {at}",
+                  rec.storage.crc if whole else None)
+    if fast is not None and len(items.hazards) == hazards:  # on the template: what its data.pkl means, kept
+        walked = items.cache.walks.get((items.policy, dcp_items.PICKLE_NAME, fast.pkl))
+        if walked is not None and items.globals[globals_:] == walked[0].globals:
+            items.chunks.learn(fast, walked, rec, chunk, piece, path, rel, at)
+    return piece
 
 
 def _same_range(folder: Path, a: tuple, b: tuple) -> bool:
