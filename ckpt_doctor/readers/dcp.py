@@ -399,6 +399,7 @@ class _Items:
         self.blobs: dict[str, dict[str, tuple[Any, tuple[int, ...]]] | None] = {}
         self.blob_base: dict[str, int] = {}  # where each shard's safetensors blob starts
         self.sizes: dict[str, int] = {}
+        self.paths: dict[str, Path] = {}  # each file's path, made once
         self.globals: list[GlobalRef] = []
         self.hazards: list = []
         self.walked_bytes = 0
@@ -413,6 +414,8 @@ class _Items:
         weakref.finalize(self, self.chunks.close)
 
     def open(self, rel: str, fqn: str) -> tuple[Path, int]:
+        if rel in self.paths:
+            return self.paths[rel], self.sizes[rel]
         path = self.folder / rel
         if rel not in self.sizes and isinstance(path, RemotePath):  # a URL: its size from its first request
             _within_budget(self.folder)
@@ -434,6 +437,7 @@ class _Items:
             if not stat.S_ISREG(st.st_mode):
                 raise ReadError(f"{self.folder}: {rel} is not a regular file (a device, a pipe or a folder)")
             self.sizes[rel] = st.st_size
+        self.paths[rel] = path
         return path, self.sizes[rel]
 
     def blob(self, rel: str, fqn: str) -> dict[str, tuple[Any, tuple[int, ...]]] | None:
@@ -876,6 +880,9 @@ def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple
                  where: tuple) -> Piece:
     """The saved chunk of `fqn` at `offsets`, as a piece of its tensor: from the shard's safetensors blob (torch's
     safetensors format) or from the torch.save archive of its item (walked, and checked against the metadata)."""
+    fast = items.chunks.piece(items, fqn, offsets, sizes, dtype, where) if dcp_items.ENABLED else None
+    if fast is not None and type(fast) is not tuple:  # (a tuple: on the template, its data.pkl learnt below)
+        return fast
     folder = items.folder
     rel, at, length, transforms = where
     blob = items.blob(rel, fqn)
@@ -887,15 +894,6 @@ def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple
             raise ReadError(f"{folder}: {fqn}: {rel} holds {rec.dtype}{list(rec.shape)}, the metadata says "
                             f"{dtype}{list(sizes)}")
         return Piece(rec.storage.file, rec.storage.offset, offsets, sizes, rec.stride, f"{rel} safetensors entry {fqn}")
-    fast = None
-    if dcp_items.ENABLED and not transforms and not isinstance(folder, RemotePath):
-        path, size = items.open(rel, fqn)
-        if at + length <= size:
-            if items.budget is None:
-                items.budget = new_budget()
-            fast = items.chunks.piece(items, rel, path, at, fqn, offsets, sizes, dtype, length)
-            if type(fast) is Piece:
-                return fast
     hazards, globals_ = len(items.hazards), len(items.globals)
     chunk = items.read(rel, at, length, transforms, fqn, prod(sizes) * element_size(dtype))
     rec = chunk.tensors[0] if len(chunk.tensors) == 1 and chunk.tensors[0].key == "" else None
@@ -913,9 +911,9 @@ def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple
     piece = Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride, f"{rel} item at byte {at}",
                   rec.storage.crc if whole else None)
     if fast is not None and len(items.hazards) == hazards:  # on the template: what its data.pkl means, kept
-        walked = items.cache.walks.get((items.policy, dcp_items.PICKLE_NAME, fast.pkl))
+        walked = items.cache.walks.get((items.policy, dcp_items.PICKLE_NAME, fast[0]))
         if walked is not None and items.globals[globals_:] == walked[0].globals:
-            items.chunks.learn(fast, walked, rec, chunk, piece, path, rel, at)
+            items.chunks.learn(fast, walked, rec, chunk, piece, at)
     return piece
 
 

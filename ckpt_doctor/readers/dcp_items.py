@@ -20,13 +20,14 @@ the general way, which says what is wrong with it.
 from __future__ import annotations
 
 import os
-import re
 import stat
 import struct
 import zlib
 
 from .._record import fast_new
 from ..records import Piece
+from ..safepickle.walker import new_budget
+from .source import RemotePath
 
 ENABLED = True  # False: every item is read the general way (what the differential test compares with)
 
@@ -43,7 +44,8 @@ WHOLE = 64 << 10  # an item up to this size is read in one call; a bigger one as
 _TAIL_READ = 4096  # what is read of a big item's end (the records after data/0, the directory, the end records)
 _MAX_MEANINGS = 16_384  # distinct data.pkl byte strings kept (each a few hundred bytes) ...
 _MAX_PICKLE = 64 << 10  # ... of at most this size (ItemCache's bound: a bigger one is walked anew every time)
-_MAX_FDS = 128  # shard files held open at once
+_MAX_FDS = 128  # shard files held open at once ...
+_BLOCK = 128 << 10  # ... and the block of each last read (small items are read a block of them at a time)
 PICKLE_NAME = _NAMES[_PKL].decode()
 
 
@@ -71,9 +73,10 @@ def _layout(pkl: int, data: int) -> tuple[list[int], list[int], int]:
 
 
 def _spans(pkl: int, data: int) -> list[tuple[int, str, bytes | int]]:
-    """The item as (position, kind, literal bytes or a length): "lit" bytes every such item has there; "any" bytes
-    that vary (crc, sizes and offsets, checked apart; the pickle; the tensor's bytes); "digits" the serialization
-    id. A directory field that varies is "any" here and checked by the struct of _Template."""
+    """The item as (position, kind, literal bytes or a length): "lit" bytes every such item of these sizes has
+    there; "any" bytes that vary and that no reader of it looks at (the data descriptors after data.pkl, data/0 and
+    the serialization id, which torch's reader and the general one skip; the id's crc) or that are checked apart
+    (data.pkl's bytes and crc; data/0's bytes, which must not start with NumPy's magic); "digits" the id."""
     headers, starts, cd = _layout(pkl, data)
     out: list[tuple[int, str, bytes | int]] = []
     sizes = _sizes(pkl, data)
@@ -90,115 +93,59 @@ def _spans(pkl: int, data: int) -> list[tuple[int, str, bytes | int]]:
             continue
         if size:
             out.append((start, "digits" if i == _ID else "any", size))
-            out.append((start + size, "lit", b"PK\x07\x08"))  # its crc and sizes: the directory's are read
+            out.append((start + size, "lit", b"PK\x07\x08"))
             out.append((start + size + 4, "any", 12))
     p = cd
-    for i, (name, at) in enumerate(zip(_NAMES, headers)):
-        out.append((p, "lit", b"PK\x01\x02" + b"\0" * 4))
-        out.append((p + 8, "any", 2))  # flags (0x0800 for an empty data/0): the struct's
-        out.append((p + 10, "lit", b"\0" * 6))  # stored; no time, no date
-        out.append((p + 16, "any", 12))  # crc, sizes: the struct's
-        out.append((p + 28, "lit", struct.pack("<HHHHHI", len(name), 0, 0, 0, 0, 0)))
-        out.append((p + 42, "any", 4))  # the local header's offset
-        out.append((p + 46, "lit", name))
+    for i, (name, size, at) in enumerate(zip(_NAMES, sizes, headers)):
+        flags = 0x0808 if size else 0x0800
+        out.append((p, "lit", b"PK\x01\x02" + struct.pack("<HHHHHH", 0, 0, flags, 0, 0, 0)))
+        if i in _CONTENT:
+            out.append((p + 16, "lit", struct.pack("<I", zlib.crc32(_CONTENT[i]))))
+        else:
+            out.append((p + 16, "any", 4))  # data.pkl's and data/0's: read apart; the id's: read by nobody
+        out.append((p + 20, "lit", struct.pack("<IIHHHHHII", size, size, len(name), 0, 0, 0, 0, 0, at) + name))
         p += 46 + len(name)
     count = len(_NAMES)
-    out.append((p, "lit", b"PK\x06\x06" + struct.pack("<QHHIIQQQ", 44, 0x031E, 45, 0, 0, count, count, _CD_SIZE)))
-    out.append((p + 48, "any", 8))
-    out.append((p + 56, "lit", b"PK\x06\x07" + struct.pack("<I", 0)))
-    out.append((p + 64, "any", 8))
-    out.append((p + 72, "lit", struct.pack("<I", 1) + b"PK\x05\x06" + struct.pack("<HHHHI", 0, 0, count, count,
-                                                                                  _CD_SIZE)))
-    out.append((p + 92, "any", 4))
-    out.append((p + 96, "lit", b"\0\0"))
+    out.append((p, "lit", b"PK\x06\x06" + struct.pack("<QHHIIQQQQ", 44, 0x031E, 45, 0, 0, count, count, _CD_SIZE, cd)
+                + b"PK\x06\x07" + struct.pack("<IQI", 0, cd + _CD_SIZE, 1)
+                + b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, count, count, _CD_SIZE, cd, 0)))
     return out
 
 
-def _regex(spans: list[tuple[int, str, bytes | int]], lo: int, hi: int, tail: str = "") -> re.Pattern:
-    """A pattern of the item's bytes [lo, hi) (span boundaries), `tail` appended."""
-    parts = []
+def _segments(spans: list[tuple[int, str, bytes | int]], lo: int, hi: int) -> tuple[tuple[bytes, ...], tuple[int, ...]]:
+    """The literal bytes of [lo, hi), neighbours joined: (bytes, position) pairs as two tuples."""
+    segs: list[bytes] = []
+    where: list[int] = []
     for at, kind, value in spans:
-        if lo <= at < hi:
-            if kind == "lit":
-                parts.append(re.escape(value))
-            else:
-                parts.append((b"[0-9]" if kind == "digits" else b".") + b"{%d}" % value)
-    return re.compile(b"".join(parts) + tail.encode(), re.DOTALL)
+        if kind != "lit" or not lo <= at < hi:
+            continue
+        if where and where[-1] + len(segs[-1]) == at:
+            segs[-1] += value
+        else:
+            segs.append(value)
+            where.append(at)
+    return tuple(segs), tuple(where)
 
 
-# The directory's fields that vary, read with one struct from its start: (offset in the directory, format).
-def _fields() -> tuple[struct.Struct, struct.Struct, list[tuple[int, str]]]:
-    varying, crcs = [], []
-    p = 0
-    for i, name in enumerate(_NAMES):
-        varying += [(p + 8, "H")]  # flags (0x0800 for an empty data/0)
-        (crcs if i in (_PKL, _DATA) else varying if i in _CONTENT else []).append((p + 16, "I"))
-        varying += [(p + 20, "I"), (p + 24, "I"), (p + 42, "I")]  # compressed size, size, local header offset
-        p += 46 + len(name)
-    varying += [(p + 48, "Q"), (p + 64, "Q"), (p + 92, "I")]  # the zip64 record's and the end record's directory
-    # offset, and where the zip64 record is
-
-    def make(fields: list[tuple[int, str]]) -> struct.Struct:
-        fmt, at = "<", 0
-        for where, kind in sorted(fields):
-            fmt += f"{where - at}x{kind}" if where > at else kind
-            at = where + struct.calcsize("<" + kind)
-        return struct.Struct(fmt)
-
-    return make(varying), make(crcs), sorted(varying)
-
-
-_VARYING, _CRCS, _VARYING_AT = _fields()
-# where data.pkl's and data/0's sizes are in _VARYING's tuple
-_PKL_SIZE = _VARYING_AT.index((24, "I"))
-_DATA_SIZE = _VARYING_AT.index((sum(46 + len(n) for n in _NAMES[:_DATA]) + 24, "I"))
-
-
-def _expected(pkl: int, data: int) -> tuple[int, ...]:
-    """_VARYING's tuple for an item of torch's writer with these sizes."""
-    headers, _starts, cd = _layout(pkl, data)
-    out = []
-    for i, (size, at) in enumerate(zip(_sizes(pkl, data), headers)):
-        out.append(0x0808 if size else 0x0800)
-        if i in _CONTENT:
-            out.append(zlib.crc32(_CONTENT[i]))
-        out += [size, size, at]
-    return tuple(out + [cd, cd + _CD_SIZE, cd])
+_SIZES = struct.Struct(f"<24xI{sum(46 + len(n) for n in _NAMES[:_DATA]) - 4}xI")  # data.pkl's and data/0's
+_CRCS = struct.Struct(f"<16xI{sum(46 + len(n) for n in _NAMES[:_DATA]) - 4}xI")  # sizes and crcs, in the directory
 
 
 class _Template:
-    """What one pair of sizes (data.pkl's, data/0's) gives: the expected directory fields, where data/0 starts and
-    ends, the item's length."""
+    """An item of torch's writer with these sizes of data.pkl and data/0: the literal bytes of its head (up to
+    data/0's bytes) and of its end (from their end), where data/0 starts and ends, where the id is, its length."""
 
-    __slots__ = ("expected", "data_start", "data_end", "length", "mid", "end")
+    __slots__ = ("head", "head_at", "end", "end_at", "data_start", "data_end", "id_at", "length")
 
-    def __init__(self, pkl: int, data: int, mid: re.Pattern, end: re.Pattern) -> None:
-        self.expected = _expected(pkl, data)
+    def __init__(self, pkl: int, data: int) -> None:
+        spans = _spans(pkl, data)
         _headers, starts, cd = _layout(pkl, data)
         self.data_start = starts[_DATA]
         self.data_end = starts[_DATA] + data
+        self.id_at = starts[_ID]
         self.length = cd + _TAIL
-        self.mid, self.end = mid, end
-
-
-_MID: dict[tuple[int, bool], re.Pattern] = {}  # data.pkl's end to data/0's start, by data.pkl's size mod 64
-_END: dict[tuple[int, bool], re.Pattern] = {}  # data/0's end to the item's end, by data/0's size mod 64
-_HEADER = b"".join(v for at, kind, v in _spans(1, 1) if at < _HEAD and kind == "lit")  # data.pkl's local header
-
-
-def _template(pkl: int, data: int) -> _Template:
-    mid_key, end_key = (pkl % _ALIGN, data == 0), (data % _ALIGN, data == 0)
-    mid, end = _MID.get(mid_key), _END.get(end_key)
-    if mid is None or end is None:
-        spans = _spans(pkl, data)
-        _h, starts, _cd = _layout(pkl, data)
-        # data/0 must not start with NumPy's magic (np.load, and the survey, would read it as an array)
-        mid = _MID.setdefault(mid_key, _regex(spans, _HEAD + pkl, starts[_DATA], r"(?!\x93NUMPY)"))
-        end = _END.setdefault(end_key, _regex(spans, starts[_DATA] + data, 1 << 62, r"\Z"))
-    return _Template(pkl, data, mid, end)
-
-
-assert len(_HEADER) == _HEAD
+        self.head, self.head_at = _segments(spans, 0, self.data_start)
+        self.end, self.end_at = _segments(spans, self.data_end, self.length)
 
 
 class Meaning:
@@ -214,33 +161,35 @@ class Meaning:
         self.skip, self.nbytes, self.whole, self.length = skip, nbytes, whole, length
 
 
-class Pending:
-    """An item on the template whose data.pkl is not known yet: read the general way, then learnt (ChunkItems.learn)."""
-
-    __slots__ = ("pkl", "pkl_crc", "data", "data_crc", "data_start")
-
-    def __init__(self, pkl: bytes, pkl_crc: int, data: int, data_crc: int, data_start: int) -> None:
-        self.pkl, self.pkl_crc, self.data, self.data_crc, self.data_start = pkl, pkl_crc, data, data_crc, data_start
-
-
 class ChunkItems:
     """The shard files, each opened once; the items read on the template; what each data.pkl's bytes mean."""
 
     def __init__(self) -> None:
-        self.fds: dict[str, int] = {}
+        self.files: dict[str, list] = {}  # rel -> [path, size, descriptor], opened once (_file)
+        self.other: set[str] = set()  # files that are not (URLs, torch's safetensors format)
+        self.blocks: dict[int, tuple[int, bytes]] = {}  # fd -> (where its last block starts, its bytes)
         self.meanings: dict[bytes, Meaning] = {}
         self.templates: dict[tuple[int, int], _Template] = {}
         self.used = 0  # items read here (the rest: the general way)
 
     def close(self) -> None:
-        fds, self.fds = self.fds, {}
-        for fd in fds.values():
+        files, self.files = self.files, {}
+        self.blocks = {}
+        for _path, _size, fd in files.values():
             os.close(fd)
 
-    def _fd(self, rel: str, path) -> int | None:
-        fd = self.fds.get(rel)
-        if fd is not None:
-            return fd
+    def _file(self, items, rel: str, fqn: str) -> list | None:
+        """[path, size, descriptor] of a shard file of torch.save items; None for one that is not (a URL, a shard in
+        torch's safetensors format). Raises what the general reading raises for it (missing, not a file)."""
+        if rel in self.other:
+            return None
+        if items.blob(rel, fqn) is not None:  # (which opens it as the general reading does, and says what is wrong)
+            self.other.add(rel)
+            return None
+        path, size = items.open(rel, fqn)
+        if isinstance(path, RemotePath):
+            self.other.add(rel)
+            return None
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except OSError:
@@ -252,70 +201,86 @@ class ChunkItems:
         except OSError:
             os.close(fd)
             return None
-        if len(self.fds) >= _MAX_FDS:
-            os.close(self.fds.pop(next(iter(self.fds))))
-        self.fds[rel] = fd
-        return fd
+        if len(self.files) >= _MAX_FDS:
+            old = self.files.pop(next(iter(self.files)))
+            self.blocks.pop(old[2], None)
+            os.close(old[2])
+        if items.budget is None:
+            items.budget = new_budget()
+        self.files[rel] = f = [path, size, fd]
+        return f
 
-    def parse(self, fd: int, at: int, length: int) -> Pending | None:
-        """The item's variable fields when its bytes are torch's writer's, byte for byte; None otherwise."""
-        if length < _HEAD + _TAIL:
-            return None
+    def parse(self, fd: int, at: int, length: int) -> tuple | None:
+        """The item's variable parts when its bytes are torch's writer's: (data.pkl's bytes, its crc in the
+        directory, data/0's size, its crc, where its data starts); None otherwise."""
         try:
             if length <= WHOLE:
-                head = tail = os.pread(fd, length, at)
-                if len(head) != length:
-                    return None
+                block = self.blocks.get(fd)
+                if block is not None and block[0] <= at and at + length <= block[0] + len(block[1]):
+                    head = tail = block[1][at - block[0]:at - block[0] + length]
+                else:
+                    # items of a file are read in the order they lie: a block of them at a time
+                    data = os.pread(fd, max(length, _BLOCK), at)
+                    self.blocks[fd] = (at, data)
+                    head = tail = data[:length]
                 base = 0
             else:
                 base = length - _TAIL_READ
                 tail = os.pread(fd, _TAIL_READ, at + base)
                 head = b""
-                if len(tail) != _TAIL_READ:
-                    return None
         except OSError:
             return None
+        if len(tail) != length - base or length < _HEAD + _TAIL:
+            return None
         p = length - _TAIL - base
-        fields = _VARYING.unpack_from(tail, p)
-        pkl, data = fields[_PKL_SIZE], fields[_DATA_SIZE]
-        key = (pkl, data)
+        key = _SIZES.unpack_from(tail, p)
         t = self.templates.get(key)
         if t is None:
+            pkl, data = key
             if pkl > _MAX_PICKLE or data >= 0xFFFFFFFF - (1 << 20):  # (zip64 extras past 4 GB: not the template)
                 return None
-            t = _template(pkl, data)
+            t = _Template(pkl, data)
             if len(self.templates) < 4096:
                 self.templates[key] = t
-        if fields != t.expected or t.length != length or t.data_end < base:
-            return None
-        if t.end.match(tail, t.data_end - base) is None:
+        if t.length != length or t.data_end < base:
             return None
         if base:
+            if not all(map(tail.startswith, t.end, [a - base for a in t.end_at])):
+                return None
             try:
                 head = os.pread(fd, t.data_start + 6, at)
             except OSError:
                 return None
             if len(head) != t.data_start + 6:
                 return None
-        if not head.startswith(_HEADER) or t.mid.match(head, _HEAD + pkl) is None:
+        elif not all(map(tail.startswith, t.end, t.end_at)):
             return None
+        if not all(map(head.startswith, t.head, t.head_at)) or head.startswith(b"\x93NUMPY", t.data_start) \
+                or not tail[t.id_at - base:t.id_at - base + _ID_LEN].isdigit():
+            return None  # (data/0 starting with NumPy's magic: np.load, and the survey, read it as an array)
         pkl_crc, data_crc = _CRCS.unpack_from(tail, p)
-        return Pending(head[_HEAD:_HEAD + pkl], pkl_crc, data, data_crc, t.data_start)
+        return head[_HEAD:_HEAD + key[0]], pkl_crc, key[1], data_crc, t.data_start
 
-    def piece(self, items, rel: str, path, at: int, fqn: str, offsets: tuple, sizes: tuple,
-              dtype: str, length: int) -> Piece | Pending | None:
-        """The chunk's piece read on the template; a Pending when its data.pkl is not known yet; None when the item
-        is off the template, or anything about it is not what the general reading accepted before."""
-        fd = self._fd(rel, path)
-        if fd is None:
+    def piece(self, items, fqn: str, offsets: tuple, sizes: tuple, dtype: str, where: tuple) -> Piece | tuple | None:
+        """The chunk's piece read on the template; parse's tuple when its data.pkl is not known yet (the caller
+        reads it the general way, then calls learn); None when the item is off the template (or in a file it is
+        not for), or anything about it is not what the general reading accepted before."""
+        rel, at, length, transforms = where
+        f = self.files.get(rel)
+        if f is None:
+            f = self._file(items, rel, fqn)
+            if f is None:
+                return None
+        if transforms or at + length > f[1]:
             return None
-        item = self.parse(fd, at, length)
+        item = self.parse(f[2], at, length)
         if item is None:
             return None
-        m = self.meanings.get(item.pkl)
+        pkl, pkl_crc, data, data_crc, data_start = item
+        m = self.meanings.get(pkl)
         if m is None:
             return item
-        if m.crc != item.pkl_crc or m.shape != sizes or m.dtype != dtype or item.data < m.nbytes:
+        if m.crc != pkl_crc or m.shape != sizes or m.dtype != dtype or data < m.nbytes:
             return None
         budget = items.budget
         c0, c1, c2 = m.cost
@@ -326,29 +291,28 @@ class ChunkItems:
         budget[2] -= c2
         items.walked_bytes += m.length
         self.used += 1
-        return _piece(m, item, path, rel, at, offsets, sizes)
+        return fast_new(Piece, file=f[0], offset=at + data_start + m.skip, offsets=offsets, sizes=sizes,
+                        stride=m.stride, label=f"{rel} item at byte {at}",
+                        crc=data_crc if m.whole and data == m.nbytes else None)
 
-    def learn(self, item: Pending, walk_and_cost, rec, chunk, piece: Piece, path, rel: str, at: int) -> None:
+    def learn(self, item: tuple, walk_and_cost, rec, chunk, piece: Piece, at: int) -> None:
         """Keep what the general reading made of `item`'s data.pkl (`rec`: its tensor; `walk_and_cost`: what
-        ItemCache holds for its bytes), when the item is one the template's reading would give the same piece of."""
-        if walk_and_cost is None or len(self.meanings) >= _MAX_MEANINGS or len(item.pkl) > _MAX_PICKLE \
-                or item.pkl[:2] != b"\x80\x02" or zlib.crc32(item.pkl) != item.pkl_crc:
+        ItemCache holds for its bytes), when the item is one the template's reading gives the same piece of."""
+        pkl, pkl_crc, data, data_crc, data_start = item
+        if walk_and_cost is None or len(self.meanings) >= _MAX_MEANINGS or len(pkl) > _MAX_PICKLE \
+                or pkl[:2] != b"\x80\x02" or zlib.crc32(pkl) != pkl_crc:
             return
         walk, cost = walk_and_cost
         storage = rec.storage
         if walk.refused or walk.anomalies or walk.effects or chunk.big_endian or storage.deflated \
-                or storage.entry != _NAMES[_DATA].decode() or storage.nbytes > item.data or len(cost) != 3:
+                or storage.entry != _NAMES[_DATA].decode() or storage.nbytes > data or len(cost) != 3 \
+                or storage.offset != at + data_start:
             return
         whole = rec.storage_offset == 0 and rec.nbytes == storage.nbytes and rec.is_contiguous
-        m = Meaning(item.pkl_crc, tuple(cost), rec.dtype, tuple(rec.shape), tuple(rec.stride),
-                    rec.file_offset - storage.offset, storage.nbytes, whole, len(item.pkl))
-        if storage.offset != at + item.data_start or _piece(m, item, path, rel, at, piece.offsets,
-                                                            piece.sizes) != piece:
-            return
-        self.meanings[item.pkl] = m
-
-
-def _piece(m: Meaning, item: Pending, path, rel: str, at: int, offsets: tuple, sizes: tuple) -> Piece:
-    return fast_new(Piece, file=path, offset=at + item.data_start + m.skip, offsets=offsets, sizes=sizes,
-                    stride=m.stride, label=f"{rel} item at byte {at}",
-                    crc=item.data_crc if m.whole and item.data == m.nbytes else None)
+        m = Meaning(pkl_crc, tuple(cost), rec.dtype, tuple(rec.shape), tuple(rec.stride),
+                    rec.file_offset - storage.offset, storage.nbytes, whole, len(pkl))
+        mine = fast_new(Piece, file=piece.file, offset=at + data_start + m.skip, offsets=piece.offsets,
+                        sizes=piece.sizes, stride=m.stride, label=piece.label,
+                        crc=data_crc if m.whole and data == m.nbytes else None)
+        if mine == piece:  # (the same piece, field by field, as the general reading's)
+            self.meanings[pkl] = m
