@@ -43,8 +43,9 @@ def _outcome(folder: Path) -> tuple:
     tensors = []
     for t in ckpt.tensors:
         assembly = t.storage.assembly if t.storage is not None else None
-        pieces = tuple((p.file, p.offset, p.offsets, p.sizes, p.stride, p.label, p.crc)
-                       for p in (assembly.pieces if assembly is not None else ()))
+        # (a zstd item is inflated into a temporary file of its own name each time it is read)
+        pieces = tuple((p.file if p.file.parent == folder else "inflated", p.offset, p.offsets, p.sizes, p.stride,
+                        p.label, p.crc) for p in (assembly.pieces if assembly is not None else ()))
         tensors.append((t.key, t.dtype, t.shape, t.stride, pieces))
     return ("ok", tuple(tensors), tuple(ckpt.globals), tuple(ckpt.hazards), ckpt.notes, ckpt.layouts,
             ckpt.distributed)
@@ -101,11 +102,14 @@ def test_a_folder_dcp_save_wrote_reads_the_same_on_the_template(real, monkeypatc
     assert run_cli("fix", real, "-o", out_fast).exit_code == 0
     monkeypatch.setattr(dcp_items, "ENABLED", False)
     assert run_cli("fix", real, "-o", out_slow).exit_code == 0
-    got = torch.load(out_fast, weights_only=True)
-    want = _real_state()
-    for key in ("layer3.weight", "bf16", "scalar", "empty", "transposed", "view", "big"):
-        assert got[key].dtype == want[key].dtype and got[key].shape == want[key].shape
-    assert got.keys() == torch.load(out_slow, weights_only=True).keys()
+    got, want = torch.load(out_fast, weights_only=True), torch.load(out_slow, weights_only=True)
+    assert got.keys() == want.keys() and "big2" in got and "transposed" in got
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+    assert torch.equal(got["transposed"], torch.arange(24, dtype=torch.float32).reshape(4, 6).t())
 
 
 @pytest.fixture(scope="module")
