@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import random
 import struct
+import typing
 import zipfile
 import zlib
 from pathlib import Path
@@ -24,7 +25,7 @@ from tests.dcp_samples import write_samples
 
 
 class _Counted(dcp_reader._Items):
-    made: list = []
+    made: typing.ClassVar[list] = []
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -144,8 +145,13 @@ def _folder(root: Path, archives: list[bytes], cols: int = 8) -> Path:
     import pickle
 
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     root.mkdir()
     storage, at = {}, 0
@@ -197,7 +203,7 @@ def _mutations(item: bytes) -> list[tuple[str, bytes]]:
     out: list[tuple[str, bytes]] = []
     # every byte of the structure flipped (local headers, padding, data descriptors, directory, end records), and
     # bytes of the pickle and the records
-    structural = set(range(0, 64))
+    structural = set(range(64))
     for name, (header, data, size) in m.items():
         structural.update(range(header, header + 34))
         structural.update(range(data + size, data + size + 16))

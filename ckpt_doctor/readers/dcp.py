@@ -390,7 +390,8 @@ def _whole_file_views(folder: Path, files: set[str], items: dict[str, list[tuple
 
 
 class _Items:
-    """Each item's file opened and checked once; each item walked and read as the torch.save archive it is."""
+    """Each item's file opened and checked once; each item walked and read as the torch.save archive it is, or, a
+    chunk's item exactly as torch's writer writes it, read on its template (dcp_items.py) with the same result."""
 
     def __init__(self, folder: Path, meta: _Meta | None = None, policy: Policy = DEFAULT_POLICY) -> None:
         self.folder = folder

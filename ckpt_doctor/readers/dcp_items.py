@@ -5,9 +5,12 @@ members `archive/data.pkl`, `.format_version` ("1"), `.storage_alignment` ("64")
 `data/0`, `version` ("3\\n") and `.data/serialization_id` (40 digits), in that order, stored, each local header
 padded (an "FB" extra field of "Z"s) so that its data starts on a 64-byte boundary, each followed by a data
 descriptor when it is not empty; then the central directory, a zip64 end record, its locator and the end record.
-Given the sizes of data.pkl and data/0, every other byte of the structure is known: the item is matched against
-that template (its end by one regex, the bytes between data.pkl and data/0 by another, the directory's variable
-fields by one struct and a tuple comparison) instead of being surveyed and read as a general zip.
+Given the sizes of data.pkl and data/0 (read from the directory), every other byte the general reading looks at
+is known: the item's bytes are compared with that template's literal runs (a few `startswith` calls) instead of
+being surveyed and read as a general zip. Only bytes no reader looks at may differ from it: the data descriptors
+after data.pkl, data/0 and the id (miniz, and zipindex, read sizes and crcs from the directory), the id's digits
+and its crc in the directory (read by nobody). data.pkl's bytes and crc, and data/0's crc, are the item's own.
+Small items are read a block of them at a time, from each shard file opened once.
 
 What the bytes of a data.pkl mean is learnt from the general reading (dcp._Items): the first item with those
 bytes is surveyed, walked and read as before, and what came of it (the tensor's dtype, shape, stride, storage
@@ -135,7 +138,7 @@ class _Template:
     """An item of torch's writer with these sizes of data.pkl and data/0: the literal bytes of its head (up to
     data/0's bytes) and of its end (from their end), where data/0 starts and ends, where the id is, its length."""
 
-    __slots__ = ("head", "head_at", "end", "end_at", "data_start", "data_end", "id_at", "length")
+    __slots__ = ("data_end", "data_start", "end", "end_at", "head", "head_at", "id_at", "length")
 
     def __init__(self, pkl: int, data: int) -> None:
         spans = _spans(pkl, data)
@@ -153,7 +156,7 @@ class Meaning:
     (dtype, shape, stride, byte offset in its storage, the storage's bytes), and whether the chunk is its whole
     storage read contiguously (its piece then carries data/0's crc when data/0 is exactly that storage)."""
 
-    __slots__ = ("crc", "cost", "dtype", "shape", "stride", "skip", "nbytes", "whole", "length")
+    __slots__ = ("cost", "crc", "dtype", "length", "nbytes", "shape", "skip", "stride", "whole")
 
     def __init__(self, crc: int, cost: tuple[int, ...], dtype: str, shape: tuple, stride: tuple, skip: int,
                  nbytes: int, whole: bool, length: int) -> None:
