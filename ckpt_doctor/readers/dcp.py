@@ -17,6 +17,7 @@ import os
 import re
 import stat
 import sys
+import weakref
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ from .survey import ZIP_END_SEARCH, ItemCache, ends_like_a_zip, survey_file, sur
 from .table import sniff_head
 from ..sniff import Container
 from .dcp_meta_fast import recognize
+from . import dcp_items
+from .dcp_items import ChunkItems
 from .torch_zip import read_torch_zip
 
 METADATA = ".metadata"
@@ -387,7 +390,8 @@ def _whole_file_views(folder: Path, files: set[str], items: dict[str, list[tuple
 
 
 class _Items:
-    """Each item's file opened and checked once; each item walked and read as the torch.save archive it is."""
+    """Each item's file opened and checked once; each item walked and read as the torch.save archive it is, or, a
+    chunk's item exactly as torch's writer writes it, read on its template (dcp_items.py) with the same result."""
 
     def __init__(self, folder: Path, meta: _Meta | None = None, policy: Policy = DEFAULT_POLICY) -> None:
         self.folder = folder
@@ -396,6 +400,7 @@ class _Items:
         self.blobs: dict[str, dict[str, tuple[Any, tuple[int, ...]]] | None] = {}
         self.blob_base: dict[str, int] = {}  # where each shard's safetensors blob starts
         self.sizes: dict[str, int] = {}
+        self.paths: dict[str, Path] = {}  # each file's path, made once
         self.globals: list[GlobalRef] = []
         self.hazards: list = []
         self.walked_bytes = 0
@@ -404,8 +409,14 @@ class _Items:
         self.big_endian = False  # a chunk item saved on a big-endian machine (its bytes are not swapped here)
         self.value_ends: dict[str, int] | None = None
         self.past_end: list[str] = []  # items the metadata says run past the end of their file (read to its end)
+        # chunk items exactly as torch's writer writes them, read from their bytes (dcp_items.py); each shard file
+        # opened once for them, and closed with this reading
+        self.chunks = ChunkItems()
+        weakref.finalize(self, self.chunks.close)
 
     def open(self, rel: str, fqn: str) -> tuple[Path, int]:
+        if rel in self.paths:
+            return self.paths[rel], self.sizes[rel]
         path = self.folder / rel
         if rel not in self.sizes and isinstance(path, RemotePath):  # a URL: its size from its first request
             _within_budget(self.folder)
@@ -427,6 +438,7 @@ class _Items:
             if not stat.S_ISREG(st.st_mode):
                 raise ReadError(f"{self.folder}: {rel} is not a regular file (a device, a pipe or a folder)")
             self.sizes[rel] = st.st_size
+        self.paths[rel] = path
         return path, self.sizes[rel]
 
     def blob(self, rel: str, fqn: str) -> dict[str, tuple[Any, tuple[int, ...]]] | None:
@@ -869,6 +881,9 @@ def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple
                  where: tuple) -> Piece:
     """The saved chunk of `fqn` at `offsets`, as a piece of its tensor: from the shard's safetensors blob (torch's
     safetensors format) or from the torch.save archive of its item (walked, and checked against the metadata)."""
+    fast = items.chunks.piece(items, fqn, offsets, sizes, dtype, where) if dcp_items.ENABLED else None
+    if fast is not None and type(fast) is not tuple:  # (a tuple: on the template, its data.pkl learnt below)
+        return fast
     folder = items.folder
     rel, at, length, transforms = where
     blob = items.blob(rel, fqn)
@@ -880,6 +895,7 @@ def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple
             raise ReadError(f"{folder}: {fqn}: {rel} holds {rec.dtype}{list(rec.shape)}, the metadata says "
                             f"{dtype}{list(sizes)}")
         return Piece(rec.storage.file, rec.storage.offset, offsets, sizes, rec.stride, f"{rel} safetensors entry {fqn}")
+    hazards, globals_ = len(items.hazards), len(items.globals)
     chunk = items.read(rel, at, length, transforms, fqn, prod(sizes) * element_size(dtype))
     rec = chunk.tensors[0] if len(chunk.tensors) == 1 and chunk.tensors[0].key == "" else None
     if rec is None or rec.storage is None:
@@ -893,8 +909,13 @@ def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple
                         "member, which torch's DCP writer never writes; ckpt-doctor assembles chunks from stored bytes "
                         "only")
     whole = rec.storage_offset == 0 and rec.nbytes == rec.storage.nbytes and rec.is_contiguous
-    return Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride, f"{rel} item at byte {at}",
-                 rec.storage.crc if whole else None)
+    piece = Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride, f"{rel} item at byte {at}",
+                  rec.storage.crc if whole else None)
+    if fast is not None and len(items.hazards) == hazards:  # on the template: what its data.pkl means, kept
+        walked = items.cache.walks.get((items.policy, dcp_items.PICKLE_NAME, fast[0]))
+        if walked is not None and items.globals[globals_:] == walked[0].globals:
+            items.chunks.learn(fast, walked, rec, chunk, piece, at)
+    return piece
 
 
 def _same_range(folder: Path, a: tuple, b: tuple) -> bool:

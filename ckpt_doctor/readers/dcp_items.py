@@ -1,0 +1,321 @@
+"""DCP chunk items exactly as torch's FileSystemWriter writes them, read from their bytes in a few microseconds.
+
+A chunk's item is a `torch.save` archive of one tensor. torch's writer lays it out the same way every time: the
+members `archive/data.pkl`, `.format_version` ("1"), `.storage_alignment` ("64"), `byteorder` ("little"),
+`data/0`, `version` ("3\\n") and `.data/serialization_id` (40 digits), in that order, stored, each local header
+padded (an "FB" extra field of "Z"s) so that its data starts on a 64-byte boundary, each followed by a data
+descriptor when it is not empty; then the central directory, a zip64 end record, its locator and the end record.
+Given the sizes of data.pkl and data/0 (read from the directory), every other byte the general reading looks at
+is known: the item's bytes are compared with that template's literal runs (a few `startswith` calls) instead of
+being surveyed and read as a general zip. Only bytes no reader looks at may differ from it: the data descriptors
+after data.pkl, data/0 and the id (miniz, and zipindex, read sizes and crcs from the directory), the id's digits
+and its crc in the directory (read by nobody). data.pkl's bytes and crc, and data/0's crc, are the item's own.
+Small items are read a block of them at a time, from each shard file opened once.
+
+What the bytes of a data.pkl mean is learnt from the general reading (dcp._Items): the first item with those
+bytes is surveyed, walked and read as before, and what came of it (the tensor's dtype, shape, stride, storage
+offset and size, the walk's cost and globals) is kept; later items with the same bytes reuse it, checked against
+their own sizes and crc. The walk budget is debited by the walk's cost as ItemCache debits it, and an item whose
+debit the budget cannot pay is declined. Anything off the template is declined too (None): the caller reads it
+the general way, which says what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import zlib
+
+from .._record import fast_new
+from ..records import Piece
+from ..safepickle.walker import new_budget
+from .source import RemotePath
+
+ENABLED = True  # False: every item is read the general way (what the differential test compares with)
+
+_NAMES = tuple(b"archive/" + n for n in (b"data.pkl", b".format_version", b".storage_alignment", b"byteorder",
+                                         b"data/0", b"version", b".data/serialization_id"))
+_PKL, _DATA, _ID = 0, 4, 6
+_CONTENT = {1: b"1", 2: b"64", 3: b"little", 5: b"3\n"}  # the fixed records' bytes
+_ID_LEN = 40
+_ALIGN = 64
+_CD_SIZE = sum(46 + len(n) for n in _NAMES)
+_TAIL = _CD_SIZE + 56 + 20 + 22  # the directory and the three end records
+_HEAD = 64  # data.pkl's local header: its data starts at byte 64
+WHOLE = 64 << 10  # an item up to this size is read in one call; a bigger one as its head and its tail
+_TAIL_READ = 4096  # what is read of a big item's end (the records after data/0, the directory, the end records)
+_MAX_MEANINGS = 16_384  # distinct data.pkl byte strings kept (each a few hundred bytes) ...
+_MAX_PICKLE = 64 << 10  # ... of at most this size (ItemCache's bound: a bigger one is walked anew every time)
+_MAX_FDS = 128  # shard files held open at once ...
+_BLOCK = 128 << 10  # ... and the block of each last read (small items are read a block of them at a time)
+PICKLE_NAME = _NAMES[_PKL].decode()
+
+
+def _sizes(pkl: int, data: int) -> list[int]:
+    return [pkl, 1, 2, 6, data, 2, _ID_LEN]
+
+
+def _data_start(header_at: int, name: bytes) -> int:
+    """torch's getPadding: past the 30-byte header, the name and the 4 bytes of the "FB" field, to a 64-byte
+    boundary (records and offsets under 4 GB: no zip64 extra)."""
+    start = header_at + 30 + len(name) + 4
+    return start + (-start % _ALIGN)
+
+
+def _layout(pkl: int, data: int) -> tuple[list[int], list[int], int]:
+    """Where each member's local header and data start, and where the directory starts."""
+    headers, starts = [], []
+    at = 0
+    for name, size in zip(_NAMES, _sizes(pkl, data)):
+        headers.append(at)
+        start = _data_start(at, name)
+        starts.append(start)
+        at = start + size + (16 if size else 0)  # a data descriptor after a member that is not empty
+    return headers, starts, at
+
+
+def _spans(pkl: int, data: int) -> list[tuple[int, str, bytes | int]]:
+    """The item as (position, kind, literal bytes or a length): "lit" bytes every such item of these sizes has
+    there; "any" bytes that vary and that no reader of it looks at (the data descriptors after data.pkl, data/0 and
+    the serialization id, which torch's reader and the general one skip; the id's crc) or that are checked apart
+    (data.pkl's bytes and crc; data/0's bytes, which must not start with NumPy's magic); "digits" the id."""
+    headers, starts, cd = _layout(pkl, data)
+    out: list[tuple[int, str, bytes | int]] = []
+    sizes = _sizes(pkl, data)
+    for i, (name, size, at, start) in enumerate(zip(_NAMES, sizes, headers, starts)):
+        flags = 0x0808 if size else 0x0800  # bit 3: sizes in a descriptor after the data; bit 11: UTF-8 names
+        pad = start - (at + 30 + len(name) + 4)
+        out.append((at, "lit", b"PK\x03\x04" + struct.pack("<HHHHHIIIHH", 0, flags, 0, 0, 0, 0, 0, 0, len(name),
+                                                            pad + 4) + name + b"FB" + struct.pack("<H", pad)
+                    + b"Z" * pad))
+        if i in _CONTENT:
+            content = _CONTENT[i]
+            out.append((start, "lit", content))
+            out.append((start + size, "lit", b"PK\x07\x08" + struct.pack("<III", zlib.crc32(content), size, size)))
+            continue
+        if size:
+            out.append((start, "digits" if i == _ID else "any", size))
+            out.append((start + size, "lit", b"PK\x07\x08"))
+            out.append((start + size + 4, "any", 12))
+    p = cd
+    for i, (name, size, at) in enumerate(zip(_NAMES, sizes, headers)):
+        flags = 0x0808 if size else 0x0800
+        out.append((p, "lit", b"PK\x01\x02" + struct.pack("<HHHHHH", 0, 0, flags, 0, 0, 0)))
+        if i in _CONTENT:
+            out.append((p + 16, "lit", struct.pack("<I", zlib.crc32(_CONTENT[i]))))
+        else:
+            out.append((p + 16, "any", 4))  # data.pkl's and data/0's: read apart; the id's: read by nobody
+        out.append((p + 20, "lit", struct.pack("<IIHHHHHII", size, size, len(name), 0, 0, 0, 0, 0, at) + name))
+        p += 46 + len(name)
+    count = len(_NAMES)
+    out.append((p, "lit", b"PK\x06\x06" + struct.pack("<QHHIIQQQQ", 44, 0x031E, 45, 0, 0, count, count, _CD_SIZE, cd)
+                + b"PK\x06\x07" + struct.pack("<IQI", 0, cd + _CD_SIZE, 1)
+                + b"PK\x05\x06" + struct.pack("<HHHHIIH", 0, 0, count, count, _CD_SIZE, cd, 0)))
+    return out
+
+
+def _segments(spans: list[tuple[int, str, bytes | int]], lo: int, hi: int) -> tuple[tuple[bytes, ...], tuple[int, ...]]:
+    """The literal bytes of [lo, hi), neighbours joined: (bytes, position) pairs as two tuples."""
+    segs: list[bytes] = []
+    where: list[int] = []
+    for at, kind, value in spans:
+        if kind != "lit" or not lo <= at < hi:
+            continue
+        if where and where[-1] + len(segs[-1]) == at:
+            segs[-1] += value
+        else:
+            segs.append(value)
+            where.append(at)
+    return tuple(segs), tuple(where)
+
+
+_SIZES = struct.Struct(f"<24xI{sum(46 + len(n) for n in _NAMES[:_DATA]) - 4}xI")  # data.pkl's and data/0's
+_CRCS = struct.Struct(f"<16xI{sum(46 + len(n) for n in _NAMES[:_DATA]) - 4}xI")  # sizes and crcs, in the directory
+
+
+class _Template:
+    """An item of torch's writer with these sizes of data.pkl and data/0: the literal bytes of its head (up to
+    data/0's bytes) and of its end (from their end), where data/0 starts and ends, where the id is, its length."""
+
+    __slots__ = ("data_end", "data_start", "end", "end_at", "head", "head_at", "id_at", "length")
+
+    def __init__(self, pkl: int, data: int) -> None:
+        spans = _spans(pkl, data)
+        _headers, starts, cd = _layout(pkl, data)
+        self.data_start = starts[_DATA]
+        self.data_end = starts[_DATA] + data
+        self.id_at = starts[_ID]
+        self.length = cd + _TAIL
+        self.head, self.head_at = _segments(spans, 0, self.data_start)
+        self.end, self.end_at = _segments(spans, self.data_end, self.length)
+
+
+class Meaning:
+    """What the general reading made of an item with these data.pkl bytes: its crc32, the walk's cost, the tensor
+    (dtype, shape, stride, byte offset in its storage, the storage's bytes), and whether the chunk is its whole
+    storage read contiguously (its piece then carries data/0's crc when data/0 is exactly that storage)."""
+
+    __slots__ = ("cost", "crc", "dtype", "length", "nbytes", "shape", "skip", "stride", "whole")
+
+    def __init__(self, crc: int, cost: tuple[int, ...], dtype: str, shape: tuple, stride: tuple, skip: int,
+                 nbytes: int, whole: bool, length: int) -> None:
+        self.crc, self.cost, self.dtype, self.shape, self.stride = crc, cost, dtype, shape, stride
+        self.skip, self.nbytes, self.whole, self.length = skip, nbytes, whole, length
+
+
+class ChunkItems:
+    """The shard files, each opened once; the items read on the template; what each data.pkl's bytes mean."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, list] = {}  # rel -> [path, size, descriptor], opened once (_file)
+        self.other: set[str] = set()  # files that are not (URLs, torch's safetensors format)
+        self.blocks: dict[int, tuple[int, bytes]] = {}  # fd -> (where its last block starts, its bytes)
+        self.meanings: dict[bytes, Meaning] = {}
+        self.templates: dict[tuple[int, int], _Template] = {}
+        self.used = 0  # items read here (the rest: the general way)
+
+    def close(self) -> None:
+        files, self.files = self.files, {}
+        self.blocks = {}
+        for _path, _size, fd in files.values():
+            os.close(fd)
+
+    def _file(self, items, rel: str, fqn: str) -> list | None:
+        """[path, size, descriptor] of a shard file of torch.save items; None for one that is not (a URL, a shard in
+        torch's safetensors format). Raises what the general reading raises for it (missing, not a file)."""
+        if rel in self.other:
+            return None
+        if items.blob(rel, fqn) is not None:  # (which opens it as the general reading does, and says what is wrong)
+            self.other.add(rel)
+            return None
+        path, size = items.open(rel, fqn)
+        if isinstance(path, RemotePath):
+            self.other.add(rel)
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except OSError:
+            return None  # (the general reading says why)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                return None
+        except OSError:
+            os.close(fd)
+            return None
+        if len(self.files) >= _MAX_FDS:
+            old = self.files.pop(next(iter(self.files)))
+            self.blocks.pop(old[2], None)
+            os.close(old[2])
+        if items.budget is None:
+            items.budget = new_budget()
+        self.files[rel] = f = [path, size, fd]
+        return f
+
+    def parse(self, fd: int, at: int, length: int) -> tuple | None:
+        """The item's variable parts when its bytes are torch's writer's: (data.pkl's bytes, its crc in the
+        directory, data/0's size, its crc, where its data starts); None otherwise."""
+        try:
+            if length <= WHOLE:
+                block = self.blocks.get(fd)
+                if block is not None and block[0] <= at and at + length <= block[0] + len(block[1]):
+                    head = tail = block[1][at - block[0]:at - block[0] + length]
+                else:
+                    # items of a file are read in the order they lie: a block of them at a time
+                    data = os.pread(fd, max(length, _BLOCK), at)
+                    self.blocks[fd] = (at, data)
+                    head = tail = data[:length]
+                base = 0
+            else:
+                base = length - _TAIL_READ
+                tail = os.pread(fd, _TAIL_READ, at + base)
+                head = b""
+        except OSError:
+            return None
+        if len(tail) != length - base or length < _HEAD + _TAIL:
+            return None
+        p = length - _TAIL - base
+        key = _SIZES.unpack_from(tail, p)
+        t = self.templates.get(key)
+        if t is None:
+            pkl, data = key
+            if pkl > _MAX_PICKLE or data >= 0xFFFFFFFF - (1 << 20):  # (zip64 extras past 4 GB: not the template)
+                return None
+            t = _Template(pkl, data)
+            if len(self.templates) < 4096:
+                self.templates[key] = t
+        if t.length != length or t.data_end < base:
+            return None
+        if base:
+            if not all(map(tail.startswith, t.end, [a - base for a in t.end_at])):
+                return None
+            try:
+                head = os.pread(fd, t.data_start + 6, at)
+            except OSError:
+                return None
+            if len(head) != t.data_start + 6:
+                return None
+        elif not all(map(tail.startswith, t.end, t.end_at)):
+            return None
+        if not all(map(head.startswith, t.head, t.head_at)) or head.startswith(b"\x93NUMPY", t.data_start) \
+                or not tail[t.id_at - base:t.id_at - base + _ID_LEN].isdigit():
+            return None  # (data/0 starting with NumPy's magic: np.load, and the survey, read it as an array)
+        pkl_crc, data_crc = _CRCS.unpack_from(tail, p)
+        return head[_HEAD:_HEAD + key[0]], pkl_crc, key[1], data_crc, t.data_start
+
+    def piece(self, items, fqn: str, offsets: tuple, sizes: tuple, dtype: str, where: tuple) -> Piece | tuple | None:
+        """The chunk's piece read on the template; parse's tuple when its data.pkl is not known yet (the caller
+        reads it the general way, then calls learn); None when the item is off the template (or in a file it is
+        not for), or anything about it is not what the general reading accepted before."""
+        rel, at, length, transforms = where
+        f = self.files.get(rel)
+        if f is None:
+            f = self._file(items, rel, fqn)
+            if f is None:
+                return None
+        if transforms or at + length > f[1]:
+            return None
+        item = self.parse(f[2], at, length)
+        if item is None:
+            return None
+        pkl, pkl_crc, data, data_crc, data_start = item
+        m = self.meanings.get(pkl)
+        if m is None:
+            return item
+        if m.crc != pkl_crc or m.shape != sizes or m.dtype != dtype or data < m.nbytes:
+            return None
+        budget = items.budget
+        c0, c1, c2 = m.cost
+        if budget[0] < c0 or budget[1] < c1 or budget[2] < c2:
+            return None  # what ItemCache.walk would not pay: a walk of its own meets the limit
+        budget[0] -= c0
+        budget[1] -= c1
+        budget[2] -= c2
+        items.walked_bytes += m.length
+        self.used += 1
+        return fast_new(Piece, file=f[0], offset=at + data_start + m.skip, offsets=offsets, sizes=sizes,
+                        stride=m.stride, label=f"{rel} item at byte {at}",
+                        crc=data_crc if m.whole and data == m.nbytes else None)
+
+    def learn(self, item: tuple, walk_and_cost, rec, chunk, piece: Piece, at: int) -> None:
+        """Keep what the general reading made of `item`'s data.pkl (`rec`: its tensor; `walk_and_cost`: what
+        ItemCache holds for its bytes), when the item is one the template's reading gives the same piece of."""
+        pkl, pkl_crc, data, data_crc, data_start = item
+        if walk_and_cost is None or len(self.meanings) >= _MAX_MEANINGS or len(pkl) > _MAX_PICKLE \
+                or pkl[:2] != b"\x80\x02" or zlib.crc32(pkl) != pkl_crc:
+            return
+        walk, cost = walk_and_cost
+        storage = rec.storage
+        if walk.refused or walk.anomalies or walk.effects or chunk.big_endian or storage.deflated \
+                or storage.entry != _NAMES[_DATA].decode() or storage.nbytes > data or len(cost) != 3 \
+                or storage.offset != at + data_start:
+            return
+        whole = rec.storage_offset == 0 and rec.nbytes == storage.nbytes and rec.is_contiguous
+        m = Meaning(pkl_crc, tuple(cost), rec.dtype, tuple(rec.shape), tuple(rec.stride),
+                    rec.file_offset - storage.offset, storage.nbytes, whole, len(pkl))
+        mine = fast_new(Piece, file=piece.file, offset=at + data_start + m.skip, offsets=piece.offsets,
+                        sizes=piece.sizes, stride=m.stride, label=piece.label,
+                        crc=data_crc if m.whole and data == m.nbytes else None)
+        if mine == piece:  # (the same piece, field by field, as the general reading's)
+            self.meanings[pkl] = m
