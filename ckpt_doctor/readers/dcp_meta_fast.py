@@ -173,6 +173,13 @@ def _big(g: bytes) -> int:
     return int.from_bytes(g[2:], "little") if g[0] == 0x8A else binints(g)[0]
 
 
+def _shifted(bases, shift: int):
+    """bases[i] + shift for every i: a range stays a range."""
+    if type(bases) is range:
+        return range(bases.start + shift, bases.stop + shift, bases.step)
+    return list(map(add, bases, repeat(shift)))
+
+
 class _Machine:
     def __init__(self, data: bytes, policy: Policy) -> None:
         self.data = data
@@ -273,7 +280,7 @@ class _Machine:
         new = len(b"".join(lens))
         at = None
         if new:
-            at = list(map(add, bases, repeat(shift)))
+            at = _shifted(bases, shift)
             raw = list(compress(raws, lens))
             distinct = set(raw)  # (a million relative paths are a few files' names)
             if any(map(bytes.startswith, distinct, repeat(b"\xc2\x80"))):  # text_pickle's first test, at C speed
@@ -284,17 +291,22 @@ class _Machine:
             decoded = {r: keep(v, v) for r, v in zip(distinct, map(bytes.decode, distinct, repeat("utf-8"),
                                                                     repeat("surrogatepass")))}
             memo.update(zip(compress(at, lens), map(decoded.__getitem__, raw)))
-        if not new and long.count(b"") == n:  # BINGETs only: their indices are their bytes
-            index: object = b"".join(short)
+        if new == n:  # all new: each at its place
+            index: object = at
         else:
-            got = struct.unpack(f"<{n}I", b"".join(map(bytes.ljust, map(add, short, long), repeat(4),
-                                                       repeat(b"\0"))))
-            index = list(map(add, got, map(mul, map(len, lens), at))) if new else got
-        if max(index) >= bases[0] + shift:  # (all below the first place: memoized before the run)
-            if at is None:
-                at = list(map(add, bases, repeat(shift)))
-            if not all(map(le, index, at)):
-                raise NoFit
+            if not new and long.count(b"") == n:  # BINGETs only: their indices are their bytes
+                index = b"".join(short)
+            elif not new and short.count(b"") == n:  # LONG_BINGETs only
+                index = struct.unpack(f"<{n}I", b"".join(long))
+            else:
+                got = struct.unpack(f"<{n}I", b"".join(map(bytes.ljust, map(add, short, long), repeat(4),
+                                                           repeat(b"\0"))))
+                index = list(map(add, got, map(mul, map(len, lens), at))) if new else got
+            if max(index) >= bases[0] + shift:  # (all below the first place: memoized before the run)
+                if at is None:
+                    at = _shifted(bases, shift)
+                if not all(map(le, index, at)):
+                    raise NoFit
         values = list(map(memo.get, index))
         if set(map(type, values)) != {str}:
             raise NoFit
@@ -314,12 +326,14 @@ class _Machine:
         # memo entries of an entry: MetadataIndex, its dict, [fqn], offsets (not when empty), args, Size,
         # _StorageInfo, its dict, [relative_path]
         start = self.count
-        if offs.count(b")") or f_len.count(b"") != n or r_len.count(b"") != n:
+        empty, old_f, old_r = offs.count(b")"), f_len.count(b""), r_len.count(b"")
+        if {empty, old_f, old_r} <= {0, n}:  # every entry alike: as many memo entries each
+            step = 7 - (empty == n) + (old_f == 0) + (old_r == 0)
+            bases: object = range(start, start + step * n + 1, step)
+        else:
             incs = map(add, map(add, map(len, f_len), map(len, r_len)), map(int.__sub__, repeat(7),
                                                                                map(bytes.__eq__, offs, repeat(b")"))))
-            bases: object = list(accumulate(incs, initial=start))
-        else:
-            bases = range(start, start + 7 * n + 1, 7)
+            bases = list(accumulate(incs, initial=start))
         fqns = self._strs(f_len, f_raw, f_short, f_long, bases[:n], 2)  # after the MetadataIndex and its dict
         rels = self._strs(r_len, r_raw, r_short, r_long, bases[1:], -1)  # the entry's last
         if max(map(len, at)) > 5 or max(map(len, length)) > 5:  # a LONG1
