@@ -256,10 +256,14 @@ class _Machine:
         return found[-1].end(), list(zip(*map(_GROUPS, found, repeat(b""))))
 
     def _ints_of(self, col: tuple) -> list:
+        """The ints of each _TUP group of a column, each distinct group decoded once."""
         known = self.tuples
-        for g in set(col).difference(known):
-            known[g] = _ints(g)
-        return list(map(known.__getitem__, col))
+        values = list(map(known.get, col))
+        if None in values:
+            for g in set(col).difference(known):
+                known[g] = _ints(g)
+            values = list(map(known.__getitem__, col))
+        return values
 
     def _chunk_run(self, pos: int, end: int, stack: list) -> int:
         """A run of chunk entries, read column-wise (one _Chunks item on the stack)."""
