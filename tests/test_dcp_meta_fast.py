@@ -325,3 +325,17 @@ def test_offsets_past_4_gib_read_at_once(tmp_path):
     fast, slow = metas_both_ways(path)
     assert same_meta(fast, slow)
     assert fast.storage["w3", (49, 0)] == ("__0_0.distcp", (1 << 40) + 3 * 4096 + 49, (1 << 33) + 49, ())
+
+
+def test_runs_cut_into_blocks_read_the_same(generated, monkeypatch):
+    """A run is read a block of entries at a time (one frame can hold the whole file): several runs then stand
+    between one MARK and its APPENDS or SETITEMS, and give the same entries as one."""
+    from ckpt_doctor.readers import dcp_meta_fast
+
+    raw = (generated / ".metadata").read_bytes()
+    whole = recognize(one_frame(frames(raw)))
+    assert whole is not None and len(whole.storage) == 1200
+    monkeypatch.setattr(dcp_meta_fast, "_BLOCK", 7)
+    for data in (raw, one_frame(frames(raw))):
+        cut = recognize(data)
+        assert cut is not None and cut.sdm == whole.sdm and cut.storage == whole.storage

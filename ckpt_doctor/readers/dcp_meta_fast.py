@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import re
 import struct
-from itertools import accumulate, compress, repeat
+from itertools import accumulate, compress, islice, repeat
 from operator import add, le, mul
 
 from ..safepickle import limits
@@ -58,6 +58,7 @@ _CALLS = frozenset({("torch", "Size"), ("torch.serialization", "_get_layout"), (
 _LE4 = struct.Struct("<I")
 _LE8 = struct.Struct("<Q")
 _GROUPS = type(re.match(b"", b"")).groups
+_BLOCK = 4096  # entries read at once, at most
 
 
 class NoFit(Exception):
@@ -249,8 +250,8 @@ class _Machine:
         """The entries of the run of back-to-back template matches at `pos` within the frame (to `end`): (where it
         stops, the template's groups column by column, b"" for a branch not taken). Each match starts where the
         previous one ended (a scanner's match is anchored there) and the run stops at the first place the template
-        does not fit."""
-        found = list(iter(scanner(self.data, pos, end).match, None))
+        does not fit, or after _BLOCK entries (a frame can be the whole file: what is held at once stays small)."""
+        found = list(islice(iter(scanner(self.data, pos, end).match, None), _BLOCK))
         if not found:
             return pos, []
         return found[-1].end(), list(zip(*map(_GROUPS, found, repeat(b""))))
