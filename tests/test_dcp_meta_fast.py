@@ -321,7 +321,7 @@ def test_offsets_past_4_gib_read_at_once(tmp_path):
             at = (1 << 40) + t * 4096 + c if c % 3 else t * 4096 + c  # LONG1 and BININT, mixed in one run
             storage[MetadataIndex(fqn, [c, 0], c)] = _StorageInfo("__0_0.distcp", at, (1 << 33) + c)
     path = tmp_path / ".metadata"
-    path.write_bytes(pickle.dumps(Metadata(sdm, {}, storage), protocol=4))
+    path.write_bytes(pickle.dumps(Metadata(sdm, {}, storage, version="1.0.0"), protocol=4))  # (FileSystemWriter's)
     fast, slow = metas_both_ways(path)
     assert same_meta(fast, slow)
     assert fast.storage["w3", (49, 0)] == ("__0_0.distcp", (1 << 40) + 3 * 4096 + 49, (1 << 33) + 49, ())
