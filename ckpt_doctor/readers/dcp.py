@@ -796,14 +796,15 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
             size, dtype, chunks = meta.tensors[fqn]
             pieces, wheres = [], []  # (the storage entry of each piece)
             for offsets, sizes in chunks:
-                where = meta.storage.get((fqn, offsets))
+                key = (fqn, offsets)
+                where = meta.storage.get(key)
                 if where is None:
                     problems.append(f"{fqn}: no file holds its chunk at {list(offsets)} of size {list(sizes)}")
                     continue
                 files.add(where[0])
                 piece = _chunk_piece(items, fqn, offsets, sizes, dtype, where)
                 others = []
-                for rank, copy in meta.copies.get((fqn, offsets), ()):  # other ranks' copies
+                for rank, copy in meta.copies.get(key, ()):  # other ranks' copies
                     files.add(copy[0])
                     if items.blob(where[0], fqn) is None and items.blob(copy[0], fqn) is None \
                             and _same_range(folder, where, copy):
@@ -811,7 +812,7 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
                     if not _same_piece(piece, _chunk_piece(items, fqn, offsets, sizes, dtype, copy), dtype):
                         others.append((rank, copy, None))  # (its archive walked and read, as rank 1 would)
                 if others:
-                    differ.append(_differs(meta, (fqn, offsets), where, others, len(chunks) > 1))
+                    differ.append(_differs(meta, key, where, others, len(chunks) > 1))
                 pieces.append(piece)
                 wheres.append(where)
             assembly = Assembly(size, tuple(pieces), dtype)
