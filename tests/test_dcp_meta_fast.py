@@ -283,7 +283,7 @@ def test_a_run_fetches_no_string_memoized_after_its_place(generated):
 
     raw = one_frame(frames((generated / ".metadata").read_bytes()))
     strings = storage_strings(raw)
-    (earlier, earlier_memo, earlier_value), (at, _memo, _value), (_later, later_memo, _v) = strings[-30:-27]
+    (_earlier, earlier_memo, earlier_value), (at, _memo, _value), (_later, later_memo, _v) = strings[-30:-27]
     length = 2 + len(raw[at + 1:at + 2]) + raw[at + 1]  # SHORT_BINUNICODE, its length, its bytes, MEMOIZE
     assert raw[at + length - 1] == 0x94
 
@@ -298,7 +298,7 @@ def test_a_run_fetches_no_string_memoized_after_its_place(generated):
     assert parsed.storage.rel == [info.relative_path for info in loaded.storage_data.values()]
     assert parsed.storage.rel.count(earlier_value) == recognize(raw).storage.rel.count(earlier_value) + 1
     forward = fetching(later_memo - 1)  # (the path no longer memoized here: every later index one less)
-    with pytest.raises(Exception):
+    with pytest.raises(pickle.UnpicklingError, match="[Mm]emo"):
         pickle.loads(forward)
     assert recognize(forward) is None
 

@@ -34,6 +34,13 @@ one storage entry, with the memo indices of their class, keys and torch.Size spe
 shortcut what the opcode loop would do with the same bytes: a template's variable parts are bounded (a string of
 at most 255 bytes, whose length byte is checked; ints of fixed widths), so one match costs O(1), and a unit that
 does not fit a template is read by the opcode loop instead.
+
+Runs: back-to-back units that fit a template are matched one after the other by a scanner (each match anchored where
+the previous ended, at most _BLOCK at once) and read column by column: the groups transposed, each column's ints,
+tuples, memo indices and strings decoded by C loops (map, join, struct, dict lookups; equal tuples and strings once).
+The run stands on the stack as one item (_Chunks, _Entries) that only the op popping exactly its units may take
+(APPENDS/SETITEMS with it at a pair boundary, APPEND/SETITEM of a run of one); anything else declines. A memo index a
+run fetches must be below its entry's place (only a string memoized before it, or its own new one, can be there).
 """
 
 from __future__ import annotations
@@ -212,8 +219,8 @@ class _Machine:
                                                           ("s", "sizes"), ("g", "Size"))):
             size = re.escape(_get(r["g", "Size"]))
             self.chunk_head = _get(r["g", "ChunkStorageMetadata"])
-            one = (re.escape(self.chunk_head) + rb"\)\x81\x94\}\x94\(" + re.escape(_get(r["s", "offsets"])) + size + _TUP
-                   + rb"\x85\x94R\x94" + re.escape(_get(r["s", "sizes"])) + size + _TUP + rb"\x85\x94R\x94ub")
+            one = (re.escape(self.chunk_head) + rb"\)\x81\x94\}\x94\(" + re.escape(_get(r["s", "offsets"])) + size
+                   + _TUP + rb"\x85\x94R\x94" + re.escape(_get(r["s", "sizes"])) + size + _TUP + rb"\x85\x94R\x94ub")
             self.chunk_re = re.compile(one, re.S).match
             self.chunk_scan = re.compile(one, re.S).scanner
         if self.storage_re is None and all(k in r for k in (
