@@ -244,13 +244,16 @@ def _merged(storage: Storage, meta: _Meta, own: dict[str, set], rank: int | None
     # A chunk's entry must be one its own state_dict_metadata lists (an item it does not list: any offset does)
     if strict and not all(map(contains, map(own.get, storage.fqn, repeat(_ANYTHING)), storage.offset)):
         return False  # (a value's entry, offset None, of a tensor's fqn: the loop lets it by)
-    keys = list(zip(storage.fqn, storage.offset))
-    entries = dict(zip(keys, zip(storage.rel, storage.at, storage.length, storage.transforms)))
-    if len(entries) != len(keys) or not meta.storage.keys().isdisjoint(entries):
+    entries = dict(zip(zip(storage.fqn, storage.offset),
+                       zip(storage.rel, storage.at, storage.length, storage.transforms)))
+    if len(entries) != len(storage) or not meta.storage.keys().isdisjoint(entries):
         return False
-    meta.storage.update(entries)
+    if meta.storage:
+        meta.storage.update(entries)
+    else:
+        meta.storage = entries  # (the first file's: no copy of a million entries)
     if rank is not None:  # (holder.get of a key absent is None: the rank of `.metadata`, which need not be kept)
-        meta.holder.update(dict.fromkeys(keys, rank))
+        meta.holder.update(dict.fromkeys(entries, rank))
     return True
 
 
