@@ -222,3 +222,120 @@ def test_memo_past_the_walks_bound_is_declined(samples, monkeypatch):
     assert walk(many, ".metadata").refused
     assert recognize(many) is None
     assert recognize((samples / "dtensors" / ".metadata").read_bytes()) is not None  # torch's own stays under it
+
+
+def metas_both_ways(path: Path) -> tuple[object, object]:
+    """The metadata `_read_metadata` merges from `path`: from what the recognizer read (its column-wise runs) and
+    from the safe unpickler's tree (each entry one by one)."""
+    parsed = recognize(path.read_bytes())
+    assert parsed is not None
+    fast, slow = dcp._Meta(), dcp._Meta()
+    dcp._read_metadata(path, fast, [], parsed=parsed)
+    dcp._read_metadata(path, slow, [])
+    return fast, slow
+
+
+def same_meta(a, b) -> bool:
+    keys = list(b.storage)
+    return (list(a.storage.items()) == list(b.storage.items()) and a.tensors == b.tensors
+            and list(a.values) == list(b.values) and a.paths == b.paths and a.version == b.version
+            and a.copies == b.copies and [a.holder.get(k) for k in keys] == [b.holder.get(k) for k in keys])
+
+
+def test_runs_read_column_wise_merge_as_the_unpickled_tree(samples, generated):
+    """Every torch-written metadata file: what the runs of entries read at once give is what the unpickler gives."""
+    paths = [generated / ".metadata", *sorted(samples.glob("*/.metadata")), *sorted(samples.glob("*/__*.metadata"))]
+    for path in paths:
+        fast, slow = metas_both_ways(path)
+        assert same_meta(fast, slow), path
+    assert len(metas_both_ways(generated / ".metadata")[0].storage) == 1200
+
+
+def test_ranks_merge_column_wise_as_entry_by_entry(samples):
+    """Per-rank metadata files merged one after the other: the second file's entries meet the first's."""
+    for name in ("nocoll", "nocoll_ranks", "nocoll_fsdp2"):
+        paths = sorted((samples / name).glob("__*.metadata"))
+        fast, slow = dcp._Meta(), dcp._Meta()
+        for path in paths:
+            dcp._read_metadata(path, fast, [], parsed=recognize(path.read_bytes()))
+            dcp._read_metadata(path, slow, [])
+        assert same_meta(fast, slow), name
+
+
+def storage_strings(raw: bytes) -> list[tuple[int, int, str]]:
+    """(byte in the one-frame pickle, memo index, value) of each relative path the generated metadata spells."""
+    import pickletools
+
+    found, memo, last = [], 0, None
+    for op, arg, pos in pickletools.genops(raw):
+        if op.name == "MEMOIZE":
+            if last is not None:
+                found.append((last[0], memo, last[1]))
+            memo += 1
+        last = (pos, arg) if op.name == "SHORT_BINUNICODE" and str(arg).endswith(".distcp") else None
+    return found
+
+
+def test_a_run_fetches_no_string_memoized_after_its_place(generated):
+    """In a run read at once, an entry's relative path fetched from the memo index a later entry's new path gets:
+    the unpickler has no such entry yet (declined), while one fetched from an earlier entry's is read."""
+    import pickle
+
+    raw = one_frame(frames((generated / ".metadata").read_bytes()))
+    strings = storage_strings(raw)
+    (_earlier, earlier_memo, earlier_value), (at, _memo, _value), (_later, later_memo, _v) = strings[-30:-27]
+    length = 2 + len(raw[at + 1:at + 2]) + raw[at + 1]  # SHORT_BINUNICODE, its length, its bytes, MEMOIZE
+    assert raw[at + length - 1] == 0x94
+
+    def fetching(index: int) -> bytes:
+        body = frames(raw)
+        at_body = at - 11
+        return one_frame(body[:at_body] + b"j" + struct.pack("<I", index) + body[at_body + length:])
+
+    control = fetching(earlier_memo)
+    parsed, loaded = recognize(control), pickle.loads(control)  # (torch's classes, as dcp.load reads them)
+    assert parsed is not None
+    assert parsed.storage.rel == [info.relative_path for info in loaded.storage_data.values()]
+    assert parsed.storage.rel.count(earlier_value) == recognize(raw).storage.rel.count(earlier_value) + 1
+    forward = fetching(later_memo - 1)  # (the path no longer memoized here: every later index one less)
+    with pytest.raises(pickle.UnpicklingError, match="[Mm]emo"):
+        pickle.loads(forward)
+    assert recognize(forward) is None
+
+
+def test_offsets_past_4_gib_read_at_once(tmp_path):
+    """Storage offsets and lengths past 2**32 (LONG1, a shard file over 4 GiB) in a run: the unpickler's ints."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    sdm, storage = {}, {}
+    for t in range(4):
+        fqn = f"w{t}"
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([50, 8]), [
+            ChunkStorageMetadata(torch.Size([c, 0]), torch.Size([1, 8])) for c in range(50)])
+        for c in range(50):
+            at = (1 << 40) + t * 4096 + c if c % 3 else t * 4096 + c  # LONG1 and BININT, mixed in one run
+            storage[MetadataIndex(fqn, [c, 0], c)] = _StorageInfo("__0_0.distcp", at, (1 << 33) + c)
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(Metadata(sdm, {}, storage, version="1.0.0"), protocol=4))  # (FileSystemWriter's)
+    fast, slow = metas_both_ways(path)
+    assert same_meta(fast, slow)
+    assert fast.storage["w3", (49, 0)] == ("__0_0.distcp", (1 << 40) + 3 * 4096 + 49, (1 << 33) + 49, ())
+
+
+def test_runs_cut_into_blocks_read_the_same(generated, monkeypatch):
+    """A run is read a block of entries at a time (one frame can hold the whole file): several runs then stand
+    between one MARK and its APPENDS or SETITEMS, and give the same entries as one."""
+    from ckpt_doctor.readers import dcp_meta_fast
+
+    raw = (generated / ".metadata").read_bytes()
+    whole = recognize(one_frame(frames(raw)))
+    assert whole is not None and len(whole.storage) == 1200
+    monkeypatch.setattr(dcp_meta_fast, "_BLOCK", 7)
+    for data in (raw, one_frame(frames(raw))):
+        cut = recognize(data)
+        assert cut is not None and cut.sdm == whole.sdm and cut.storage == whole.storage

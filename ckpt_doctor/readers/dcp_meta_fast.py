@@ -34,12 +34,21 @@ one storage entry, with the memo indices of their class, keys and torch.Size spe
 shortcut what the opcode loop would do with the same bytes: a template's variable parts are bounded (a string of
 at most 255 bytes, whose length byte is checked; ints of fixed widths), so one match costs O(1), and a unit that
 does not fit a template is read by the opcode loop instead.
+
+Runs: back-to-back units that fit a template are matched one after the other by a scanner (each match anchored where
+the previous ended, at most _BLOCK at once) and read column by column: the groups transposed, each column's ints,
+tuples, memo indices and strings decoded by C loops (map, join, struct, dict lookups; equal tuples and strings once).
+The run stands on the stack as one item (_Chunks, _Entries) that only the op popping exactly its units may take
+(APPENDS/SETITEMS with it at a pair boundary, APPEND/SETITEM of a run of one); anything else declines. A memo index a
+run fetches must be below its entry's place (only a string memoized before it, or its own new one, can be there).
 """
 
 from __future__ import annotations
 
 import re
 import struct
+from itertools import accumulate, compress, islice, repeat
+from operator import add, le, mul
 
 from ..safepickle import limits
 from ..safepickle.policy import DEFAULT_POLICY, TORCH_DTYPES, GlobalRef, Policy, Verdict
@@ -55,6 +64,8 @@ _PATHS = frozenset((m, n) for m in ("pathlib", "pathlib._local")
 _CALLS = frozenset({("torch", "Size"), ("torch.serialization", "_get_layout"), (_DC, "_MEM_FORMAT_ENCODING")}) | _PATHS
 _LE4 = struct.Struct("<I")
 _LE8 = struct.Struct("<Q")
+_GROUPS = type(re.match(b"", b"")).groups
+_BLOCK = 4096  # entries read at once, at most
 
 
 class NoFit(Exception):
@@ -93,7 +104,7 @@ def _tuple(items) -> tuple:
         t = type(v)
         if t is tuple:
             nested = True
-        elif t is _Nest:
+        elif t is _Nest or t in _RUNS:
             raise NoFit
     return _Nest(items) if nested else tuple(items)
 
@@ -115,6 +126,30 @@ class _Key:
         self.fqn, self.offset = fqn, offset
 
 
+class _Chunks:
+    """A run of chunk entries the chunk template read at once, column-wise: what the opcode loop would push as that
+    many _Chunk items. On the stack it is one item that only APPENDS may pop (as its items, in order)."""
+
+    __slots__ = ("offsets", "sizes")
+
+    def __init__(self, offsets: list, sizes: list) -> None:
+        self.offsets, self.sizes = offsets, sizes
+
+
+class _Entries:
+    """A run of storage entries the storage template read at once, column-wise: what the opcode loop would push as
+    that many (_Key, _Info) pairs. Only SETITEMS may pop it; it then stands in its dict as one key (hashed by
+    identity, as every _Key, so it stands for the same distinct keys, in the same order)."""
+
+    __slots__ = ("fqn", "offset", "rel", "at", "length")
+
+    def __init__(self, fqn: list, offset: list, rel: list, at: list, length: list) -> None:
+        self.fqn, self.offset, self.rel, self.at, self.length = fqn, offset, rel, at, length
+
+
+_RUNS = (_Chunks, _Entries)
+
+
 class _Token:  # what _get_layout, _MEM_FORMAT_ENCODING and a path constructor give back: inert, unread
     __slots__ = ()
 
@@ -130,6 +165,7 @@ def _get(idx: int) -> bytes:
 _INT = rb"(?:K.|M..|J...[\x00-\x7f])"
 _TUP = rb"(\)|" + _INT + rb"\x85\x94|" + _INT + rb"{2}\x86\x94|" + _INT + rb"{3}\x87\x94|\(" + _INT + rb"{4,64}t\x94)"
 _BIG = rb"(K.|M..|J...[\x00-\x7f]|\x8a(?:\x05.{4}|\x06.{5}|\x07.{6}|\x08.{7})[\x00-\x7f])"
+_BIG_UNREAD = b"(?:" + _BIG[1:]  # (the same, not captured)
 _STR = rb"(?:\x8c(.)(.{0,255}?)\x94|h(.)|j(....))"
 
 
@@ -145,6 +181,13 @@ def _big(g: bytes) -> int:
     return int.from_bytes(g[2:], "little") if g[0] == 0x8A else binints(g)[0]
 
 
+def _shifted(bases, shift: int):
+    """bases[i] + shift for every i: a range stays a range."""
+    if type(bases) is range:
+        return range(bases.start + shift, bases.stop + shift, bases.step)
+    return list(map(add, bases, repeat(shift)))
+
+
 class _Machine:
     def __init__(self, data: bytes, policy: Policy) -> None:
         self.data = data
@@ -157,6 +200,7 @@ class _Machine:
         self.chunk_re = self.storage_re = None
         self.strings: dict[str, str] = {}  # equal strings kept once (a million relative paths are a few files)
         self.sizes: dict[tuple, tuple] = {}
+        self.tuples: dict[bytes, tuple] = {}  # a _TUP group's bytes -> its ints (a million chunks have few distinct)
 
     # --- the templates ---------------------------------------------------------------------------------------
     def _role(self, idx: int, value: object) -> None:
@@ -175,19 +219,21 @@ class _Machine:
                                                           ("s", "sizes"), ("g", "Size"))):
             size = re.escape(_get(r["g", "Size"]))
             self.chunk_head = _get(r["g", "ChunkStorageMetadata"])
-            self.chunk_re = re.compile(
-                re.escape(self.chunk_head) + rb"\)\x81\x94\}\x94\(" + re.escape(_get(r["s", "offsets"])) + size + _TUP
-                + rb"\x85\x94R\x94" + re.escape(_get(r["s", "sizes"])) + size + _TUP + rb"\x85\x94R\x94ub", re.S).match
+            one = (re.escape(self.chunk_head) + rb"\)\x81\x94\}\x94\(" + re.escape(_get(r["s", "offsets"])) + size
+                   + _TUP + rb"\x85\x94R\x94" + re.escape(_get(r["s", "sizes"])) + size + _TUP + rb"\x85\x94R\x94ub")
+            self.chunk_re = re.compile(one, re.S).match
+            self.chunk_scan = re.compile(one, re.S).scanner
         if self.storage_re is None and all(k in r for k in (
                 ("g", "MetadataIndex"), ("g", "_StorageInfo"), ("g", "Size"), ("s", "fqn"), ("s", "index"),
                 ("s", "offset"), ("s", "relative_path"), ("s", "length"))):
             e = lambda role: re.escape(_get(r[role]))  # noqa: E731
             self.storage_head = _get(r["g", "MetadataIndex"])
-            self.storage_re = re.compile(
-                re.escape(self.storage_head) + rb"\)\x81\x94\}\x94\(" + e(("s", "fqn")) + _STR + e(("s", "index"))
-                + _BIG + e(("s", "offset")) + e(("g", "Size")) + _TUP + rb"\x85\x94R\x94ub"
-                + e(("g", "_StorageInfo")) + rb"\)\x81\x94\}\x94\(" + e(("s", "relative_path")) + _STR
-                + e(("s", "offset")) + _BIG + e(("s", "length")) + _BIG + rb"ub", re.S).match
+            one = (re.escape(self.storage_head) + rb"\)\x81\x94\}\x94\(" + e(("s", "fqn")) + _STR + e(("s", "index"))
+                   + _BIG_UNREAD + e(("s", "offset")) + e(("g", "Size")) + _TUP + rb"\x85\x94R\x94ub"
+                   + e(("g", "_StorageInfo")) + rb"\)\x81\x94\}\x94\(" + e(("s", "relative_path")) + _STR
+                   + e(("s", "offset")) + _BIG + e(("s", "length")) + _BIG + rb"ub")
+            self.storage_re = re.compile(one, re.S).match
+            self.storage_scan = re.compile(one, re.S).scanner
 
     def _str_of(self, m, i: int, at: int) -> tuple[str, int]:
         """A template's string: (value, memo entries it adds)."""
@@ -206,6 +252,110 @@ class _Machine:
         if type(value) is not str:
             raise NoFit
         return value, 0
+
+    def _run(self, scanner, pos: int, end: int) -> tuple[int, list]:
+        """The entries of the run of back-to-back template matches at `pos` within the frame (to `end`): (where it
+        stops, the template's groups column by column, b"" for a branch not taken). Each match starts where the
+        previous one ended (a scanner's match is anchored there) and the run stops at the first place the template
+        does not fit, or after _BLOCK entries (a frame can be the whole file: what is held at once stays small)."""
+        found = list(islice(iter(scanner(self.data, pos, end).match, None), _BLOCK))
+        if not found:
+            return pos, []
+        return found[-1].end(), list(zip(*map(_GROUPS, found, repeat(b""))))
+
+    def _ints_of(self, col: tuple) -> list:
+        """The ints of each _TUP group of a column, each distinct group decoded once."""
+        known = self.tuples
+        values = list(map(known.get, col))
+        if None in values:
+            for g in set(col).difference(known):
+                known[g] = _ints(g)
+            values = list(map(known.__getitem__, col))
+        return values
+
+    def _chunk_run(self, pos: int, end: int, stack: list) -> int:
+        """A run of chunk entries, read column-wise (one _Chunks item on the stack)."""
+        stop, cols = self._run(self.chunk_scan, pos, end)
+        if not cols:
+            return pos
+        a, b = cols
+        stack.append(_Chunks(self._ints_of(a), self._ints_of(b)))
+        self.count += 8 * len(a) - a.count(b")") - b.count(b")")
+        return stop
+
+    def _strs(self, lens: tuple, raws: tuple, short: tuple, long: tuple, bases, shift: int) -> list:
+        """A template string of each entry of a run. Its place: memo index bases[i] + shift, what a new one (`lens`
+        non-empty, its length byte checked already) is memoized at; a fetched one must be a str memoized before it
+        (at the place itself only the entry's own new string can stand, and only a new one is there)."""
+        memo = self.memo
+        n = len(lens)
+        new = len(b"".join(lens))
+        at = None
+        if new:
+            at = _shifted(bases, shift)
+            raw = list(compress(raws, lens))
+            distinct = set(raw)  # (a million relative paths are a few files' names)
+            if any(map(bytes.startswith, distinct, repeat(b"\xc2\x80"))):  # text_pickle's first test, at C speed
+                for r in distinct:
+                    if text_pickle(r, 0, len(r)) is not None:
+                        raise NoFit
+            keep = self.strings.setdefault
+            decoded = {r: keep(v, v) for r, v in zip(distinct, map(bytes.decode, distinct, repeat("utf-8"),
+                                                                    repeat("surrogatepass")))}
+            memo.update(zip(compress(at, lens), map(decoded.__getitem__, raw)))
+        if new == n:  # all new: each at its place
+            index: object = at
+        else:
+            if not new and long.count(b"") == n:  # BINGETs only: their indices are their bytes
+                index = b"".join(short)
+            elif not new and short.count(b"") == n:  # LONG_BINGETs only
+                index = struct.unpack(f"<{n}I", b"".join(long))
+            else:
+                got = struct.unpack(f"<{n}I", b"".join(map(bytes.ljust, map(add, short, long), repeat(4),
+                                                           repeat(b"\0"))))
+                index = list(map(add, got, map(mul, map(len, lens), at))) if new else got
+            if max(index) >= bases[0] + shift:  # (all below the first place: memoized before the run)
+                if at is None:
+                    at = _shifted(bases, shift)
+                if not all(map(le, index, at)):
+                    raise NoFit
+        values = list(map(memo.get, index))
+        if set(map(type, values)) != {str}:
+            raise NoFit
+        return values
+
+    def _entry_run(self, pos: int, end: int, stack: list) -> int:
+        """A run of storage entries, read column-wise (one _Entries item on the stack); a string whose length byte
+        does not fit sends the run to the entry-by-entry template."""
+        stop, cols = self._run(self.storage_scan, pos, end)
+        if not cols:
+            return pos
+        f_len, f_raw, f_short, f_long, offs, r_len, r_raw, r_short, r_long, at, length = cols
+        n = len(offs)
+        for lens, raws in ((f_len, f_raw), (r_len, r_raw)):  # (checked before any is memoized)
+            if len(b"".join(lens)) and bytes(map(len, compress(raws, lens))) != b"".join(lens):
+                return self._storage(pos, end, stack)
+        # memo entries of an entry: MetadataIndex, its dict, [fqn], offsets (not when empty), args, Size,
+        # _StorageInfo, its dict, [relative_path]
+        start = self.count
+        empty, old_f, old_r = offs.count(b")"), f_len.count(b""), r_len.count(b"")
+        if {empty, old_f, old_r} <= {0, n}:  # every entry alike: as many memo entries each
+            step = 7 - (empty == n) + (old_f == 0) + (old_r == 0)
+            bases: object = range(start, start + step * n + 1, step)
+        else:
+            incs = map(add, map(add, map(len, f_len), map(len, r_len)), map(int.__sub__, repeat(7),
+                                                                               map(bytes.__eq__, offs, repeat(b")"))))
+            bases = list(accumulate(incs, initial=start))
+        fqns = self._strs(f_len, f_raw, f_short, f_long, bases[:n], 2)  # after the MetadataIndex and its dict
+        rels = self._strs(r_len, r_raw, r_short, r_long, bases[1:], -1)  # the entry's last
+        if max(map(len, at)) > 5 or max(map(len, length)) > 5:  # a LONG1
+            ats, lengths = list(map(_big, at)), list(map(_big, length))
+        else:  # BININT1/2/BININT, non-negative (the regex checked their last byte): the opcode is the low byte
+            ats = list(map(int.__rshift__, map(int.from_bytes, at, repeat("little")), repeat(8)))
+            lengths = list(map(int.__rshift__, map(int.from_bytes, length, repeat("little")), repeat(8)))
+        stack.append(_Entries(fqns, self._ints_of(offs), rels, ats, lengths))
+        self.count = bases[-1]
+        return stop
 
     def _chunks(self, pos: int, end: int, stack: list) -> int:
         match = self.chunk_re
@@ -231,14 +381,14 @@ class _Machine:
                 base = self.count + 2
                 fqn, new = self._str_of(m, 1, base)
                 base += new
-                offs = m.group(6)
+                offs = m.group(5)
                 offset = _ints(offs)
                 base += 5 - (offs == b")")
-                rel, new = self._str_of(m, 7, base)
+                rel, new = self._str_of(m, 6, base)
             except _Retry:
                 return pos
             stack.append(_Key(fqn, offset))
-            stack.append(_Info((rel, _big(m.group(11)), _big(m.group(12)))))
+            stack.append(_Info((rel, _big(m.group(10)), _big(m.group(11)))))
             self.count = base + new
             pos = m.end()
 
@@ -269,7 +419,8 @@ class _Machine:
                 continue
             op = data[pos]
             if op == 0x94:  # MEMOIZE
-                if not stack or stack[-1] is _MARK or pos == after_memo or self.count >= memo_cap:
+                if not stack or stack[-1] is _MARK or type(stack[-1]) in _RUNS or pos == after_memo \
+                        or self.count >= memo_cap:
                     raise NoFit
                 memo[self.count] = stack[-1]
                 self._role(self.count, stack[-1])
@@ -278,12 +429,12 @@ class _Machine:
                 after_memo = pos
             elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
                 if self.chunk_re is not None and data.startswith(self.chunk_head, pos):
-                    new = self._chunks(pos, frame_end, stack)
+                    new = self._chunk_run(pos, frame_end, stack)
                     if new != pos:
                         pos = new
                         continue
                 if self.storage_re is not None and data.startswith(self.storage_head, pos):
-                    new = self._storage(pos, frame_end, stack)
+                    new = self._entry_run(pos, frame_end, stack)
                     if new != pos:
                         pos = new
                         continue
@@ -343,7 +494,13 @@ class _Machine:
                 pos += 1
             elif op == 0x73 or op == 0x61:  # SETITEM, APPEND
                 k = 2 if op == 0x73 else 1
-                if len(stack) < k + 1 or _MARK in stack[-k - 1:]:
+                if stack and type(stack[-1]) in _RUNS:  # a run of one entry: the item or the pair the op pops
+                    run = stack[-1]
+                    if len(stack) < 2 or (len(run.offsets) if type(run) is _Chunks else len(run.fqn) * 2) != k:
+                        raise NoFit
+                    k = 1
+                elif len(stack) < k + 1 or _MARK in stack[-k - 1:] or not {type(v) for v in stack[-k - 1:]}.isdisjoint(
+                        _RUNS):
                     raise NoFit
                 items = stack[-k:]
                 del stack[-k:]
@@ -441,21 +598,76 @@ class _Machine:
 
     @staticmethod
     def _add(target: object, items: list, pairs: bool) -> None:
+        types = set(map(type, items))
         if pairs:
-            if type(target) is not dict or len(items) % 2:
+            if type(target) is not dict or _Chunks in types:
+                raise NoFit
+            if _Entries in types:  # a run stands for its pairs: it must start a pair
+                at = 0
+                for i, v in enumerate(items):
+                    if type(v) is _Entries:
+                        if (i - at) % 2:
+                            raise NoFit
+                        _Machine._add(target, items[at:i], True)
+                        target[v] = v
+                        at = i + 1
+                _Machine._add(target, items[at:], True)
+                return
+            if len(items) % 2:
                 raise NoFit
             keys = items[::2]
             if not {type(k) for k in keys} <= {str, _Obj, _Key}:
                 raise NoFit
             target.update(zip(keys, items[1::2]))
         else:
-            if type(target) is not list:
+            if type(target) is not list or _Entries in types:
                 raise NoFit
             target.extend(items)
 
 
 class _Retry(Exception):
     pass
+
+
+class Storage:
+    """storage_data's entries, column-wise (a million entries are six lists, not a million tuples): iterated, each
+    entry is (fqn, chunk offsets | None, relative_path, offset, length, transforms)."""
+
+    __slots__ = ("fqn", "offset", "rel", "at", "length", "transforms")
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self) -> None:
+        self.fqn: list[str] = []
+        self.offset: list = []
+        self.rel: list = []
+        self.at: list = []
+        self.length: list = []
+        self.transforms: list[tuple[str, ...]] = []
+
+    def __len__(self) -> int:
+        return len(self.fqn)
+
+    def __iter__(self):
+        return zip(self.fqn, self.offset, self.rel, self.at, self.length, self.transforms)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Storage and all(getattr(self, k) == getattr(other, k) for k in self.__slots__)
+
+    def append(self, fqn: str, offset: tuple | None, rel: str, at: int, length: int, transforms: tuple) -> None:
+        self.fqn.append(fqn)
+        self.offset.append(offset)
+        self.rel.append(rel)
+        self.at.append(at)
+        self.length.append(length)
+        self.transforms.append(transforms)
+
+    def extend(self, run: _Entries) -> None:
+        self.fqn += run.fqn
+        self.offset += run.offset
+        self.rel += run.rel
+        self.at += run.at
+        self.length += run.length
+        self.transforms += repeat((), len(run.fqn))
 
 
 class Parsed:
@@ -467,7 +679,7 @@ class Parsed:
         self.version, self.has_version = "", False
         self.sdm: list = []  # (fqn, None) for a value; (fqn, size, dtype name, [(offsets, sizes), ...])
         self.planner: dict = {}
-        self.storage: list = []  # (fqn, offsets | None, relative_path, offset, length, transforms)
+        self.storage = Storage()
         self.globals: list[GlobalRef] = []
         self.length = 0
         self.notes: tuple = ()
@@ -527,6 +739,9 @@ def _read_tree(root: object) -> Parsed:
             if type(chunk) is _Chunk:
                 chunks.append((chunk[0], chunk[1]))
                 continue
+            if type(chunk) is _Chunks:
+                chunks += zip(chunk.offsets, chunk.sizes)
+                continue
             cs = _state(chunk, "ChunkStorageMetadata")
             if type(cs) is not dict or type(cs.get("offsets")) is not _Size or type(cs.get("sizes")) is not _Size:
                 raise NoFit
@@ -537,6 +752,9 @@ def _read_tree(root: object) -> Parsed:
             raise NoFit
     out.planner = planner
     for index, info in storage.items():
+        if type(index) is _Entries:  # (standing for its entries, as their value too)
+            out.storage.extend(index)
+            continue
         if type(index) is _Key:
             fqn, offset = index.fqn, index.offset
         else:
@@ -564,5 +782,5 @@ def _read_tree(root: object) -> Parsed:
             transforms = tuple(transforms)
             if type(rel) is not str or type(at) is not int or type(length) is not int:
                 raise NoFit
-        out.storage.append((fqn, offset, rel, at, length, transforms))
+        out.storage.append(fqn, offset, rel, at, length, transforms)
     return out
