@@ -284,6 +284,23 @@ def test_an_item_past_the_budget_is_left_to_the_general_reading(tmp_path, monkey
     from ckpt_doctor.safepickle import limits
 
     monkeypatch.setattr(limits, "MAX_PICKLE_OPCODES", 37 * 3 + 5)  # three walks' worth of torch.save's pickle
+    monkeypatch.setattr(limits, "ITEM_OPCODES", 0)  # (and nothing more for the items the metadata names)
     fast, slow, used = _both(folder, monkeypatch)
     assert fast == slow and fast[0] == "error" and "opcodes" in fast[1], fast
     assert used == 2
+
+
+def test_the_walk_budget_grows_with_the_items_the_metadata_names(tmp_path, monkeypatch):
+    """A folder of many chunks honestly costs its walk more than one file may (about 40 opcodes an item: a million
+    chunks need 40 million): it is allowed MAX_PICKLE_OPCODES plus ITEM_OPCODES for each item its metadata names,
+    on the template and the general reading alike; past that it is refused, naming what it was allowed."""
+    rows = [torch.arange(8, dtype=torch.float32) + 8 * r for r in range(5)]
+    folder = _folder(tmp_path / "ckpt", [_archive(r.reshape(1, 8).clone()) for r in rows])
+    from ckpt_doctor.safepickle import limits
+
+    monkeypatch.setattr(limits, "MAX_PICKLE_OPCODES", 100)  # under the five items' 5 x 37 opcodes
+    fast, slow, _used = _both(folder, monkeypatch)
+    assert fast == slow and fast[0] != "error", fast
+    monkeypatch.setattr(limits, "ITEM_OPCODES", 10)  # 100 + 5 x 10: short of what the five walks cost
+    fast, slow, _used = _both(folder, monkeypatch)
+    assert fast == slow and fast[0] == "error" and "more than 150 opcodes" in fast[1], fast

@@ -559,9 +559,15 @@ class _Items:
                     os.unlink(path)
         return self._read_archive(path, at, length, fqn, label)
 
-    def _read_archive(self, path: Path, at: int, length: int, fqn: str, label: str) -> Checkpoint:
+    def walk_budget(self) -> list:
+        """The walk's budget, shared by every item of the folder: it grows with the items the metadata names."""
         if self.budget is None:
-            self.budget = new_budget()
+            named = len(self.meta.storage) + len(self.meta.copies) if self.meta is not None else 0
+            self.budget = new_budget(limits.folder_opcodes(named))
+        return self.budget
+
+    def _read_archive(self, path: Path, at: int, length: int, fqn: str, label: str) -> Checkpoint:
+        self.walk_budget()
         fd = open_source(path)
         try:
             if pread(fd, 4, at) != b"PK\x03\x04":

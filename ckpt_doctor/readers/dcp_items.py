@@ -29,7 +29,6 @@ import zlib
 
 from .._record import fast_new
 from ..records import Piece
-from ..safepickle.walker import new_budget
 from .source import RemotePath
 
 ENABLED = True  # False: every item is read the general way (what the differential test compares with)
@@ -208,8 +207,7 @@ class ChunkItems:
             old = self.files.pop(next(iter(self.files)))
             self.blocks.pop(old[2], None)
             os.close(old[2])
-        if items.budget is None:
-            items.budget = new_budget()
+        items.walk_budget()
         self.files[rel] = f = [path, size, fd]
         return f
 

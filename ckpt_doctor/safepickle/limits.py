@@ -42,6 +42,17 @@ MAX_DISTINCT_GLOBALS = 10_000
 # is not walked: a named error.
 MAX_PICKLE_OPCODES = 15_000_000
 
+# A torch.distributed.checkpoint folder is walked as one file, every item of it debiting one budget: a chunk's item
+# (a torch.save archive of one tensor) costs its walk about 40 opcodes, so a folder of 1,000,000 chunk entries honestly
+# needs 40 million. The folder is allowed MAX_PICKLE_OPCODES plus ITEM_OPCODES for each item its metadata names: the
+# walk stays linear in what the metadata lists (itself bounded by its own length and memo bound), and a folder of a
+# few items is bounded as one file is.
+ITEM_OPCODES = 64
+
+
+def folder_opcodes(items: int) -> int:
+    return MAX_PICKLE_OPCODES + ITEM_OPCODES * items
+
 # MARKs open at once (each a list on the walker's stack of stacks, an entry in CPython's): an honest pickle opens
 # one per container being built inside another, as deep as its pickler recursed (1,000 by default). 120 million
 # MARKs (a 117 KB deflated data.pkl) cost the walk 1.2 GB.

@@ -184,10 +184,13 @@ class Walk:
         return [g for g in self.globals if g.verdict is not Verdict.SAFE]
 
 
-def new_budget() -> list:
+def new_budget(opcodes: int | None = None) -> list:
     """What one file may cost the walker, shared by every walk of it: [nested bytes left, opcodes left, tuples
-    left to hash, the dict keys and set members of chosen hashes seen (a HashBuckets, made when the first is)]."""
-    return [limits.MAX_NESTED_BYTES, limits.MAX_PICKLE_OPCODES, limits.MAX_HASHED_TUPLES, None]
+    left to hash, the dict keys and set members of chosen hashes seen (a HashBuckets, made when the first is),
+    the opcodes it was allowed (for the message when they run out)]. `opcodes`: more than MAX_PICKLE_OPCODES for
+    a folder whose metadata names many items (limits.folder_opcodes)."""
+    opcodes = limits.MAX_PICKLE_OPCODES if opcodes is None else opcodes
+    return [limits.MAX_NESTED_BYTES, opcodes, limits.MAX_HASHED_TUPLES, None, opcodes]
 
 
 class HashBuckets:
@@ -764,7 +767,7 @@ class _Machine:
                 left -= 1
                 if left < 0:
                     self.pos = cur
-                    raise _OutOfTime(f"more than {limits.MAX_PICKLE_OPCODES:,} opcodes; the rest was not walked")
+                    raise _OutOfTime(f"more than {self.budget[4]:,} opcodes; the rest was not walked")
                 if fe and cur >= fe:
                     if cur > fe:
                         self._frame_anomaly(f"an opcode runs across the end of a frame at byte {fe}")
