@@ -36,7 +36,6 @@ import re
 import struct
 from collections import OrderedDict
 from itertools import chain, repeat
-from operator import itemgetter
 
 from ..dtypes import STORAGE_CLASS_DTYPE
 from . import limits
@@ -409,9 +408,9 @@ class _Reader:
 
     def _run(self, pos: int, memo: list, stack: list, ops: int) -> tuple[int, int] | None:
         """What _items' loop would make of the items from `pos` on, made a column at a time: the items of the
-        template end to end there, when every one of them passes every check the loop makes (else None, and the loop reads
-        them: where one fails, it stops before it as it always has). Returns where they end, and the opcodes counted
-        so far."""
+        template end to end there (up to _MAX_RUN), when every one passes every check the loop makes (else None, and
+        the loop reads them: where one fails, it stops before it as it always has). Returns where they end, and the
+        opcodes counted so far."""
         data = self.data
         if pos < self.slow_until:
             return None  # a run read here had an item the loop must read: the loop reads them all
