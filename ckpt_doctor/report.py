@@ -140,8 +140,9 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         table_stats = {t.key: tensor_stats(t) for t in tensors}
         bn = batchnorm_at_init(list(tensors), table_stats)
     table = TensorTable.of(ckpt.tensors)
-    storages = {ident: nbytes for ident, nbytes in zip(table.storage_idents(), table.storage_nbytes())
-                if ident is not None}
+    idents = table.storage_idents()
+    storages = dict(zip(idents, table.storage_nbytes())) if None not in idents else \
+        {ident: nbytes for ident, nbytes in zip(idents, table.storage_nbytes()) if ident is not None}
     loads = default_load(ckpt)
     counts = parameter_counts(ckpt, keys if comparison is not None and comparison.oracle else None)
     return InspectReport(
@@ -198,12 +199,24 @@ def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
             keys = [k[cut:] if k.startswith(prefix) else k for k in keys]
     named = {e.key: e.is_parameter for e in model.entries} if model is not None else None
     marks = table.is_parameter
-    marked = marks is not None and any(marks[i] for i in chosen)
+    marked = marks is not None and (any(marks) if type(chosen) is range else any(marks[i] for i in chosen))
     shapes, dtypes = table.shapes, table.dtypes
     shares = table.shares_storages()  # else every tensor is counted: no two read the same bytes
     if shares:
         idents, offsets, strides = table.storage_idents(), table.offsets, table.strides
     floating: dict[str, bool] = {}
+    if not shares and named is None and not marked:  # told by dtype and name alone, each tensor once: at once
+        from itertools import compress
+        from operator import gt, itemgetter, methodcaller
+
+        if type(chosen) is list:
+            keys, dtypes, shapes = [keys[i] for i in chosen], [dtypes[i] for i in chosen], [shapes[i] for i in chosen]
+        floating = {dtype: dtype in FLOATING or dtype.startswith("complex") for dtype in set(dtypes)}
+        last = map(itemgetter(2), map(methodcaller("rpartition", "."), keys))  # key.rsplit(".", 1)[-1]
+        is_param = map(gt, map(floating.__getitem__, dtypes), map(BUFFER_NAMES.__contains__, last))
+        numels = list(map(prod, shapes))
+        params = sum(compress(numels, is_param))
+        return params, sum(numels) - params
     seen: set[tuple] = set()
     params = buffers = 0
     for i in chosen:

@@ -172,6 +172,12 @@ class Walker:
     def _tensors(self, items: list[tuple[Any, RawTensor]], path: str) -> None:
         """A container's tensors, listed as _visit lists each (its limits checked for them all at once)."""
         self._count(len(items))
+        names = [key for key, _ in items]
+        if set(map(type, names)) <= {str}:  # join() of each, at once
+            paths = list(map(f"{path}.".__add__, names)) if path else names
+            if max(map(len, paths), default=0) <= limits.MAX_KEY_LENGTH:
+                self._list(paths, [value for _, value in items])
+                return
         self._list([join(path, key) for key, _ in items], [value for _, value in items])
 
     def _count(self, nodes: int) -> None:

@@ -299,3 +299,84 @@ def test_an_item_past_the_memo_bound_is_counted_once(tmp_path, monkeypatch) -> N
         assert (fast is None) == (walked.refused is not None)
         if fast is not None:
             assert fast_budget == walked_budget
+
+
+def _read_both_ways(data: bytes, monkeypatch) -> tuple[object, object]:
+    """The one-pass reading of `data` with its runs of items read a column at a time, and with every item read one
+    by one (the loop alone): (budget used, comparable result) for each."""
+    from ckpt_doctor.safepickle import statedict
+
+    results = []
+    for at_once in (True, False):
+        with monkeypatch.context() as patch:
+            if not at_once:
+                patch.setattr(statedict._Reader, "_run", lambda *args: None)
+            budget = new_budget()
+            read = read_state_dict(data, "archive/data.pkl", DEFAULT_POLICY, budget)
+            results.append((budget, None if read is None else (
+                _norm(read.root), [_norm(r) for r in read.storages.values()], read.walk.pickles, read.walk.globals,
+                read.globals)))
+    return results[0], results[1]
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: {f"w{i}": torch.zeros(2) for i in range(700)}, id="one-dimensional"),
+    pytest.param(lambda: Net(blocks=150).state_dict(), id="scalars-and-4d-between"),
+    pytest.param(lambda: {f"s{i}": torch.zeros(()) if i % 3 else torch.zeros(2, 3) for i in range(600)},
+                 id="scalars-in-the-run"),
+    pytest.param(lambda: {f"v{i}": t for i, t in enumerate(torch.arange(3000.0).split(4))}, id="views-in-the-run"),
+    pytest.param(lambda: {**{f"w{i}": torch.zeros(2) for i in range(300)}, "\u00a9 key": torch.zeros(2),
+                          "w-after": torch.zeros(2)}, id="key-starting-c2"),
+    pytest.param(lambda: {f"{'k' * (i % 300)}{i}": torch.zeros(3, dtype=torch.float16) for i in range(500)},
+                 id="long-keys"),
+])
+@pytest.mark.parametrize("most", [4096, 7])
+def test_a_run_read_at_once_is_read_as_item_by_item(make, most, tmp_path, monkeypatch) -> None:
+    """The template's items read a column at a time (statedict._Reader._run, up to `most` at once) give what reading
+    them one by one gives, and what the two passes give: the same tree, storages, globals and opcodes counted."""
+    from ckpt_doctor.safepickle import statedict
+
+    monkeypatch.setattr(statedict, "_MAX_RUN", most)
+    data = _pickle_of(make(), tmp_path)
+    at_once, one_by_one = _read_both_ways(data, monkeypatch)
+    assert at_once[1] is not None and at_once == one_by_one
+    assert _same_as_two_passes(data)
+
+
+def test_a_run_with_a_bad_item_is_read_as_item_by_item(tmp_path, monkeypatch) -> None:
+    """Bytes changed inside the run of items (a digit, a length, an int, a PUT's index): the reading a column at a
+    time accepts or declines each mutant as the loop does, with the same result; what it accepts the two passes
+    read alike."""
+    data = _pickle_of({**{f"w{i}": torch.zeros(2, 2) for i in range(300)},
+                       **{f"s{i}": torch.zeros(()) if i % 2 else torch.zeros(3) for i in range(60)}}, tmp_path)
+    start = data.index(b"X\x04\x00\x00\x00w100")
+    rng = random.Random(3)
+    accepted = 0
+    for _ in range(300):
+        at = rng.randrange(start, len(data) - 200)
+        mutant = data[:at] + bytes([rng.choice([0x00, 0x01, 0x2D, 0x4A, 0x58, 0x72, 0xC2, 0xFF,
+                                                data[at] ^ 1])]) + data[at + 1:]
+        at_once, one_by_one = _read_both_ways(mutant, monkeypatch)
+        assert at_once == one_by_one
+        if at_once[1] is not None:
+            accepted += 1
+            assert _same_as_two_passes(mutant)
+    assert 0 < accepted < 300
+
+
+@pytest.mark.parametrize("old, new, accepted", [
+    (b"K\x04t", b"J\xfc\xff\xff\xfft", False),  # a negative numel: persistent_load's note, no tensor
+    (b"QK\x00", b"QJ\xff\xff\xff\xff", False),  # a negative storage offset, which _rebuild refuses
+    (b"K\x02K\x02\x86", b")", True),  # an empty shape with a PUT after it (torch writes none): read by opcode
+    (b"K\x02K\x02\x86", b"K\x02K\x03\x86", True),  # a shape of another size: read as any other
+])
+def test_an_item_off_the_template_in_a_run_is_read_as_item_by_item(old, new, accepted, tmp_path, monkeypatch) -> None:
+    """One item in the middle of a run changed: the reading a column at a time leaves it to the loop, which reads
+    the items before it and stops at it, as it always has."""
+    data = _pickle_of({f"w{i}": torch.zeros(2, 2) for i in range(300)}, tmp_path)
+    at = data.index(old, data.index(b"X\x04\x00\x00\x00w150"))
+    mutant = data[:at] + new + data[at + len(old):]
+    at_once, one_by_one = _read_both_ways(mutant, monkeypatch)
+    assert at_once == one_by_one and (at_once[1] is not None) is accepted
+    if accepted:
+        assert _same_as_two_passes(mutant)

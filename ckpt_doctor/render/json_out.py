@@ -130,9 +130,19 @@ class _EncodedRows:
         dtypes = {d: text(d) for d in set(table.dtypes)}
         devices = {d: text(d) for d in set(table.devices)}
         out = []
+        # A pickle's reader hands out one tuple a distinct shape (a checkpoint repeats a few): each written once, by
+        # the tuple's id (not its value: a file chooses the hashes of its tuples of ints). A safetensors file's
+        # shapes are a tuple each: written as met.
+        written: dict[int, str] | None = None if table.owns_storages else {}
         for key, shape, dtype, device, nbytes, storage in zip(table.keys, table.shapes, table.dtypes, table.devices,
                                                               table.nbytes(), table.storage_keys()):
-            line = (f'{{"key": {text(key)}, "shape": [{", ".join(map(str, shape))}], "dtype": {dtypes[dtype]}, '
+            if written is None:
+                dims = ", ".join(map(str, shape))
+            else:
+                dims = written.get(id(shape))
+                if dims is None:
+                    dims = written[id(shape)] = ", ".join(map(str, shape))
+            line = (f'{{"key": {text(key)}, "shape": [{dims}], "dtype": {dtypes[dtype]}, '
                     f'"device": {devices[device]}, "nbytes": {nbytes}')
             if storage is not None:
                 line += f', "storage": {text(storage)}'

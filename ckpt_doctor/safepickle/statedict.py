@@ -35,6 +35,7 @@ import gc
 import re
 import struct
 from collections import OrderedDict
+from itertools import chain, repeat
 
 from ..dtypes import STORAGE_CLASS_DTYPE
 from . import limits
@@ -68,6 +69,7 @@ _GLOBALS: dict[bytes, _Marker] = {b"torch._utils\n_rebuild_tensor_v2\n": _REBUIL
                                   b"collections\nOrderedDict\n": _ORDERED}
 _GLOBALS.update({f"torch\n{name}\n".encode(): _Marker("storage", dtype) for name, dtype in STORAGE_CLASS_DTYPE.items()})
 _GLOBAL_TEXT = re.compile(rb"([\w.]{1,64})\n(\w{1,64})\n")
+_STR, _PLAIN = {str}, {RawTensor, int, bool, str}  # the types of a dict's keys; of its values that hold no dict
 _GONE = object()  # a memo entry no state_dict pickle fetches again (a persistent id, the rebuild's arguments)
 
 # One tensor of the dict once its globals and strings are in the memo, as torch.save writes every tensor after the
@@ -82,6 +84,7 @@ _INTS = rb"(\)|(?:K.|M..|J....){1,3}[\x85-\x87])(?:r(....))?"
 _ITEM = re.compile(_PUT + b"(" + _GET + rb"\(\(" + _GET + _GET + rb")X(.)\x00\x00\x00([0-9]{1,9})" + _PUT + b"("
                    + _GET + b")" + _NUM + rb"t" + _PUT + rb"Q" + _NUM + _INTS + _INTS + rb"([\x88\x89])(" + _GET
                    + rb")\)R" + _PUT + rb"t" + _PUT + rb"R" + _PUT, re.DOTALL)
+_MAX_RUN = 4096  # the most items _Reader._run reads at once
 
 
 class StateDictRead:
@@ -134,8 +137,9 @@ class _Reader:
         self.storages: dict[str, StorageRef] = {}
         self.heights: dict[int, tuple[object, int]] = {}  # id(dict) -> (the dict, its height), for dicts in dicts
         self.gets: dict[tuple[bytes, ...], tuple | None] = {}  # _template_gets, by the GETs' bytes
-        self.runs: list[tuple[int, list[bytes]]] = []  # the PUTs _items took, as (first index, their index bytes)
+        self.runs: list[tuple[int, list[bytes]]] = []  # the PUTs _items took: (first index, their index bytes)
         self.run_end = -1
+        self.slow_until = 0  # _run read items up to here and found one the loop must read: it leaves them to it
         self.tuples: dict[bytes, tuple[int, ...]] = {}  # shapes and strides, by their bytes (few distinct)
 
     def _global(self, at: int) -> tuple[_Marker, int]:
@@ -287,8 +291,13 @@ class _Reader:
                 if len(items) % 2 or not stack:
                     raise _Misfit
                 target = stack[-1]
-                for i in range(0, len(items), 2):
-                    self._set(target, items[i], items[i + 1])
+                keys, values = items[0::2], items[1::2]
+                if (target.__class__ is dict or target.__class__ is OrderedDict) and set(map(type, keys)) <= _STR \
+                        and set(map(type, values)) <= _PLAIN:  # what _set would do for each, at once
+                    target.update(zip(keys, values))
+                else:
+                    for key, value in zip(keys, values):
+                        self._set(target, key, value)
                 pos += 1
             elif op == 0x73:  # SETITEM
                 value = stack.pop()
@@ -331,7 +340,13 @@ class _Reader:
         item_match = _ITEM.match
         max_ops, max_memo, max_value = self.max_ops, self.max_memo, limits.MAX_PICKLE_VALUE
         ops = self.ops - 1  # the first key's BINUNICODE, which run() counted, is counted with its item
-        puts = None
+        start = pos
+        while True:  # as many items as _run reads at once; then one by one from where it stopped
+            done = self._run(pos, memo, stack, ops)
+            if done is None:
+                break
+            pos, ops = done
+        puts = self.runs[-1][1] if pos != start else None
         while data[pos] == 0x58:
             size = int.from_bytes(data[pos + 1:pos + 5], "little")
             if size > max_value or data[pos + 5] == 0xC2 and text_pickle(data, pos + 5, pos + 5 + size) is not None:
@@ -391,10 +406,110 @@ class _Reader:
             self.run_end, self.ops = len(memo), ops
         return pos
 
+    def _run(self, pos: int, memo: list, stack: list, ops: int) -> tuple[int, int] | None:
+        """What _items' loop would make of the items from `pos` on, made a column at a time: the items of the
+        template end to end there (up to _MAX_RUN), when every one passes every check the loop makes (else None, and
+        the loop reads them: where one fails, it stops before it as it always has). Returns where they end, and the
+        opcodes counted so far."""
+        data = self.data
+        if pos < self.slow_until:
+            return None  # a run read here had an item the loop must read: the loop reads them all
+        item_match = _ITEM.match
+        keys, found = [], []
+        end = pos
+        while data[end] == 0x58 and len(found) < _MAX_RUN:  # the items end to end, each key as long as it says
+            at = end + 5 + int.from_bytes(data[end + 1:end + 5], "little")
+            item = item_match(data, at)
+            if item is None:
+                break
+            keys.append(data[end + 5:at])
+            found.append(item)
+            end = item.end()
+        n = len(found)
+        if not n:
+            return None
+        (put_key, head_gets, skey_size, skey, put_skey, get_location, numel, put_pid, offset, shape, put_shape, stride,
+         put_stride, grad, get_ordered, put_hooks, put_args, put_tensor) = zip(*map(_groups, found, repeat(b"")))
+        self.slow_until = end  # unless all is well below: then the loop reads these items (and _run none of them)
+        # Keys within the walker's bound, none starting as a pickle's text would (the loop asks the walker about those)
+        if max(map(len, keys)) > limits.MAX_PICKLE_VALUE or any(map(bytes.startswith, keys, repeat(b"\xc2"))) \
+                or b"".join(skey_size) != bytes(map(len, skey)):
+            return None
+        gets = self.gets
+        same = len(set(head_gets)) == len(set(get_location)) == len(set(get_ordered)) == 1  # (as torch writes them)
+        heads = [(head_gets[0], get_location[0], get_ordered[0])] if same else \
+            list(zip(head_gets, get_location, get_ordered))
+        for head in set(heads):
+            if gets.get(head, _GONE) is _GONE:
+                gets[head] = _template_gets(*head, memo)
+            if gets[head] is None:
+                return None
+        tuples = self.tuples
+        values = {body: _tuple(body, tuples) for body in {*shape, *stride}}
+        if None in values.values():
+            return None
+        for puts, bodies in ((put_shape, shape), (put_stride, stride)):  # a PUT after each tuple but the empty one
+            if (b")" in values or not all(puts)) and any(put is (body == b")")
+                                                        for put, body in set(zip(map(bool, puts), bodies))):
+                return None
+        ints = {raw: _int(raw) for raw in {*offset, *numel}}
+        if min(map(ints.__getitem__, offset)) < 0 or min(map(ints.__getitem__, numel)) < 0:
+            return None  # a negative offset: SafeUnpickler's _tensor refuses it; a negative numel, its note
+        shapes, strides = list(map(values.__getitem__, shape)), list(map(values.__getitem__, stride))
+        # the opcodes the walk counts, as the loop counts them for each item
+        ops += 28 * n + sum(map(len, shapes)) + sum(map(len, strides)) - shapes.count(()) - strides.count(())
+        blob = b"".join(chain.from_iterable(zip(put_key, put_skey, put_pid, put_shape, put_stride, put_hooks,
+                                                put_args, put_tensor)))
+        if ops > self.max_ops or len(memo) + len(blob) // 4 > self.max_memo - 8:
+            return None  # past the walk's bounds somewhere in the run: the loop finds the item
+        try:
+            names = list(map(bytes.decode, keys, repeat("utf-8"), repeat("surrogatepass")))
+        except UnicodeDecodeError:
+            return None
+        skeys = list(map(bytes.decode, skey))
+        numels = list(map(ints.__getitem__, numel))
+        storages = self.storages
+        known = gets[heads[0]] if same else None  # (dtype, location) of every item, else of each
+        if known is not None and len(set(skeys)) == n and storages.keys().isdisjoint(skeys):
+            # a storage each, none named before: all of the one dtype and location
+            dtypes = [known[0]] * n
+            refs = list(map(StorageRef, skeys, dtypes, numels, repeat(known[1])))
+            storages.update(zip(skeys, refs))
+        else:
+            knowns = [known] * n if known is not None else list(map(gets.__getitem__, heads))
+            for i, name in enumerate(skeys):
+                if name not in storages:
+                    storages[name] = StorageRef(name, knowns[i][0], numels[i], knowns[i][1])
+            refs = list(map(storages.__getitem__, skeys))
+            dtypes = [ref.dtype for ref in refs]
+        tensors = list(map(RawTensor, refs, dtypes, map(ints.__getitem__, offset), shapes, strides,
+                           map(b"\x88".__eq__, grad)))
+        if len(memo) != self.run_end:  # PUTs by opcode came between: a new run of indices
+            self.runs.append((len(memo), []))
+        self.runs[-1][1].append(blob)
+        if all(put_shape) and all(put_stride):  # the common case: every item's eight entries
+            memo += chain.from_iterable(zip(names, skeys, repeat(_GONE), shapes, strides, repeat(_GONE),
+                                            repeat(_GONE), tensors))
+        else:
+            for name, key, put_sh, sh, put_st, st, tensor in zip(names, skeys, put_shape, shapes, put_stride,
+                                                                 strides, tensors):
+                memo += name, key, _GONE
+                if put_sh:
+                    memo.append(sh)
+                if put_st:
+                    memo.append(st)
+                memo += _GONE, _GONE, tensor
+        stack += chain.from_iterable(zip(names, tensors))
+        self.run_end = len(memo)
+        self.slow_until = 0
+        return end, ops
+
     def check_puts(self) -> bool:
         """Whether the PUTs of the template's items numbered their entries in turn, as _items took them to."""
         for first, puts in self.runs:
-            if b"".join(puts) != struct.pack(f"<{len(puts)}I", *range(first, first + len(puts))):
+            joined = b"".join(puts)  # each a PUT's 4 bytes, or a run's at once
+            count = len(joined) // 4
+            if joined != struct.pack(f"<{count}I", *range(first, first + count)):
                 return False
         return True
 
@@ -477,6 +592,9 @@ def _template_gets(head: bytes, location: bytes, ordered: bytes, memo: list) -> 
             or location_value.__class__ is not str or kind.__class__ is not _Marker or kind.what != "storage":
         return None
     return kind.dtype, location_value  # type: ignore[attr-defined,return-value]
+
+
+_groups = re.Match.groups
 
 
 def _fetched(value: object) -> object:
