@@ -1,0 +1,131 @@
+"""Hostile review rev6: DCP folders ckpt-doctor reads differently from torch.distributed.checkpoint.load.
+
+A `.metadata` may change a _StorageInfo's state dict AFTER the BUILD that used it (a BINGET of the memoized dict, a
+SETITEM, the dict then kept under a key of the Metadata's state no reader uses). pickle.load's BUILD copied the dict
+into the instance's __dict__ when it ran, so torch keeps the place written BEFORE; a reader that keeps a reference to
+the state dict (dcp_meta_fast's recognizer, and the SafeUnpickler before it) reads the place written AFTER. These
+tests fail until both readings take the state as it was at BUILD time.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckpt_doctor.readers import dcp as dcp_reader
+from tests.conftest import run_cli
+
+
+def _unframed(raw: bytes) -> bytes:
+    ops = list(pickletools.genops(raw))
+    out = bytearray()
+    for i, (op, _arg, pos) in enumerate(ops):
+        end = ops[i + 1][2] if i + 1 < len(ops) else len(raw)
+        if op.name not in ("PROTO", "FRAME"):
+            out += raw[pos:end]
+    return bytes(out)
+
+
+def _changed_after_build(raw: bytes, fqn: str, changes: dict[str, int]) -> bytes:
+    """The metadata pickle with the state dict of `fqn`'s _StorageInfo changed after its BUILD."""
+    body = _unframed(raw)
+    count, state, memo = 0, None, None
+    for op, arg, _pos in pickletools.genops(b"\x80\x04" + body):
+        if op.name == "MEMOIZE":
+            count += 1
+        if op.name in ("SHORT_BINUNICODE", "BINUNICODE") and arg == fqn and state is None:
+            state = "fqn"
+        if state == "fqn" and op.name == "SHORT_BINUNICODE" and arg == "_StorageInfo":
+            state = "info"
+        if state == "info" and op.name == "EMPTY_DICT":
+            memo = count  # (memoized by the MEMOIZE after it)
+            break
+    assert memo is not None and body.endswith(b"ub.")
+    tail = b"\x8c\x03zzz" + (b"h" + bytes([memo]) if memo < 256 else b"j" + struct.pack("<I", memo))
+    for key, value in changes.items():
+        tail += b"\x8c" + bytes([len(key)]) + key.encode() + b"J" + struct.pack("<i", value) + b"s"
+    body = body[:-3] + tail + b"ub."
+    return b"\x80\x04\x95" + struct.pack("<Q", len(body)) + body
+
+
+def _retarget(folder: Path, fqn: str, torch_place: tuple[int, int], other_place: tuple[int, int],
+              shift: int = 0) -> None:
+    """Rewrite the folder's metadata: torch reads `fqn` at torch_place, a reader keeping the dict at other_place
+    (every other item `shift` bytes further than dcp.save wrote it)."""
+    md = pickle.loads((folder / ".metadata").read_bytes())  # (the metadata dcp.save just wrote)
+    storage = {}
+    for key, info in md.storage_data.items():
+        at, length = torch_place if key.fqn == fqn else (info.offset + shift, info.length)
+        storage[key] = type(info)(info.relative_path, at, length)
+    md.storage_data = storage
+    raw = pickle.dumps(md, protocol=4)
+    (folder / ".metadata").write_bytes(_changed_after_build(raw, fqn, {"offset": other_place[0],
+                                                                        "length": other_place[1]}))
+
+
+def _place(folder: Path, fqn: str) -> tuple[int, int]:
+    md = pickle.loads((folder / ".metadata").read_bytes())
+    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
+    return info.offset, info.length
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["recognizer", "safe-unpickler"])
+def test_a_storage_info_changed_after_its_build_is_read_where_torch_reads_it(tmp_path, monkeypatch, fast):
+    folder = tmp_path / "ckpt"
+    dcp.save({"a": torch.full((4, 8), 1.0), "b": torch.full((4, 8), 2.0)}, checkpoint_id=str(folder))
+    _retarget(folder, "a", _place(folder, "a"), _place(folder, "b"))
+    if not fast:
+        monkeypatch.setattr(dcp_reader, "_recognized", lambda path, policy: None)
+    else:
+        assert dcp_reader._recognized(folder / ".metadata", dcp_reader.DEFAULT_POLICY) is not None
+
+    loaded = {"a": torch.zeros(4, 8), "b": torch.zeros(4, 8)}
+    dcp.load(loaded, checkpoint_id=str(folder))  # (tensor items: torch.load(weights_only=True))
+    assert loaded["a"][0, 0].item() == 1.0  # torch reads a where the metadata put it before the BUILD
+
+    out = tmp_path / "out.safetensors"
+    result = run_cli("fix", folder, "-o", out)
+    assert result.exit_code == 0, result.stderr
+    from safetensors.torch import load_file
+
+    fixed = load_file(str(out))
+    assert torch.equal(fixed["a"], loaded["a"]), "ckpt-doctor's a is not the tensor dcp.load gives"
+
+
+class _Opens:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["recognizer", "safe-unpickler"])
+def test_a_value_dcp_load_unpickles_elsewhere_is_not_called_safe(tmp_path, monkeypatch, fast):
+    """The value `v` is, for torch, a torch.save archive whose pickle calls open() (DefaultLoadPlanner.load_bytes:
+    torch.load(weights_only=False)); a reader keeping the dict sees the innocent int dcp.save wrote. Nothing here
+    loads it."""
+    folder = tmp_path / "ckpt"
+    dcp.save({"v": 5, "w": torch.ones(4, 8)}, checkpoint_id=str(folder))
+    buf = io.BytesIO()
+    torch.save(_Opens(str(tmp_path / "canary")), buf)
+    payload = buf.getvalue()
+    shard = folder / "__0_0.distcp"
+    items = shard.read_bytes()
+    shard.write_bytes(payload + b"\0" + items)  # the payload, a byte, then the items as dcp.save wrote them
+    shift = len(payload) + 1
+    at, length = _place(folder, "v")
+    _retarget(folder, "v", (0, len(payload)), (at + shift, length), shift)
+    if not fast:
+        monkeypatch.setattr(dcp_reader, "_recognized", lambda path, policy: None)
+
+    result = run_cli("inspect", folder)
+    assert result.exit_code != 0, (result.stdout, result.stderr)
+    assert not (tmp_path / "canary").exists()
