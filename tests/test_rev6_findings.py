@@ -129,3 +129,63 @@ def test_a_value_dcp_load_unpickles_elsewhere_is_not_called_safe(tmp_path, monke
     result = run_cli("inspect", folder)
     assert result.exit_code != 0, (result.stdout, result.stderr)
     assert not (tmp_path / "canary").exists()
+
+
+def _get(index: int) -> bytes:
+    return b"h" + bytes([index]) if index < 256 else b"j" + struct.pack("<I", index)
+
+
+def _slotstate_changed_after_build(raw: bytes, fqn: str, before: dict[str, int], after: dict[str, int]) -> bytes:
+    """The metadata pickle with `fqn`'s _StorageInfo BUILT from (its dict, a slotstate dict `before`), that slotstate
+    dict then changed to `after` (later memo indices renumbered for the one it takes)."""
+    body = _unframed(raw)
+    ops = list(pickletools.genops(b"\x80\x04" + body))
+    out, count, state, slot = [], 0, None, None
+    for i, (op, arg, pos) in enumerate(ops):
+        end = ops[i + 1][2] if i + 1 < len(ops) else len(body) + 2
+        code = (b"\x80\x04" + body)[pos:end]
+        if op.name == "PROTO":
+            continue
+        if op.name == "MEMOIZE":
+            count += 1
+        if op.name in ("SHORT_BINUNICODE", "BINUNICODE") and arg == fqn and state is None:
+            state = "fqn"
+        if state == "fqn" and op.name == "SHORT_BINUNICODE" and arg == "_StorageInfo":
+            state = "info"
+        if slot is not None and op.name in ("BINGET", "LONG_BINGET") and arg >= slot:
+            code = _get(arg + 1)
+        if state == "info" and op.name == "BUILD":
+            slot, state = count, "done"
+            count += 1
+            code = b"}\x94(" + b"".join(b"\x8c" + bytes([len(k)]) + k.encode() + b"J" + struct.pack("<i", v)
+                                        for k, v in before.items()) + b"u\x86b"
+        out.append(code)
+    body = b"".join(out)
+    assert slot is not None and body.endswith(b"ub.")
+    tail = b"\x8c\x03zzz" + _get(slot) + b"".join(
+        b"\x8c" + bytes([len(k)]) + k.encode() + b"J" + struct.pack("<i", v) + b"s" for k, v in after.items())
+    body = body[:-3] + tail + b"ub."
+    return b"\x80\x04\x95" + struct.pack("<Q", len(body)) + body
+
+
+def test_a_storage_info_slotstate_changed_after_its_build_is_read_where_torch_reads_it(tmp_path):
+    """The same through BUILD's (state, slotstate) form: pickle.load sets the slotstate's attributes when BUILD
+    runs; a copy of the state dict alone at BUILD does not cover it (the recognizer declines such a BUILD: this is
+    the SafeUnpickler's reading)."""
+    folder = tmp_path / "ckpt"
+    dcp.save({"a": torch.full((4, 8), 1.0), "b": torch.full((4, 8), 2.0)}, checkpoint_id=str(folder))
+    (a_at, a_len), (b_at, b_len) = _place(folder, "a"), _place(folder, "b")
+    raw = (folder / ".metadata").read_bytes()
+    (folder / ".metadata").write_bytes(_slotstate_changed_after_build(
+        raw, "a", {"offset": a_at, "length": a_len}, {"offset": b_at, "length": b_len}))
+
+    loaded = {"a": torch.zeros(4, 8), "b": torch.zeros(4, 8)}
+    dcp.load(loaded, checkpoint_id=str(folder))
+    assert loaded["a"][0, 0].item() == 1.0
+
+    out = tmp_path / "out.safetensors"
+    result = run_cli("fix", folder, "-o", out)
+    assert result.exit_code == 0, result.stderr
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(out))["a"], loaded["a"]), "ckpt-doctor's a is not the tensor dcp.load gives"
