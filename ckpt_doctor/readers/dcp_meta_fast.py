@@ -545,7 +545,7 @@ class _Machine:
                 if type(obj) is not _Obj or obj.state is not None or not (
                         type(state) is dict or type(state) is tuple and obj.cls == "TensorProperties"):
                     raise NoFit
-                obj.state = state
+                obj.state = dict(state) if type(state) is dict else state
                 del stack[-1]
                 pos += 1
             elif op == 0x52:  # REDUCE

@@ -54,6 +54,11 @@ class Opaque(metaclass=_SealedClass):
         return _opaque_class(self._ckd.ref)(*args, **kwargs)
 
     def __setstate__(self, state: Any) -> None:
+        # pickle's BUILD takes the state as it is now (copied into __dict__, slotstate set by setattr)
+        if type(state) is dict:
+            state = dict(state)
+        elif type(state) is tuple and len(state) == 2 and all(s is None or type(s) is dict for s in state):
+            state = tuple(None if s is None else dict(s) for s in state)
         self._ckd.state = state
 
     def append(self, item: Any) -> None:

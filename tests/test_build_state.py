@@ -1,10 +1,10 @@
-"""Hostile review rev6: DCP folders ckpt-doctor reads differently from torch.distributed.checkpoint.load.
+"""A BUILD's state is taken as it is when BUILD runs, as pickle.load takes it (found by a hostile review).
 
 A `.metadata` may change a _StorageInfo's state dict AFTER the BUILD that used it (a BINGET of the memoized dict, a
 SETITEM, the dict then kept under a key of the Metadata's state no reader uses). pickle.load's BUILD copied the dict
 into the instance's __dict__ when it ran, so torch keeps the place written BEFORE; a reader that keeps a reference to
-the state dict (dcp_meta_fast's recognizer, and the SafeUnpickler before it) reads the place written AFTER. These
-tests fail until both readings take the state as it was at BUILD time.
+the state dict (dcp_meta_fast's recognizer, and the SafeUnpickler before it) reads the place written AFTER: another
+tensor than dcp.load's, or a value "safe" that dcp.load unpickles, running its code, from other bytes.
 """
 
 from __future__ import annotations
