@@ -113,6 +113,10 @@ def _rerun_command(rerun: Any) -> str:
     return f"`{command_line(argv)}`" if argv is not None else rerun.describe()
 
 
+def _quiet(*_args: Any) -> None:
+    """Nothing: what failed in a destructor ends in the command's own `Error:` line or result."""
+
+
 def handle_errors(func: Callable[..., int]) -> Callable[..., None]:
     """One `Error: …` line and exit 2 for every failure; tracebacks only with CKPT_DOCTOR_DEBUG=1."""
 
@@ -125,6 +129,10 @@ def handle_errors(func: Callable[..., int]) -> Callable[..., None]:
         for stream in (sys.stdout, sys.stderr):  # a key that is no valid UTF-8 is shown escaped, never a crash
             if hasattr(stream, "reconfigure"):
                 stream.reconfigure(errors="backslashreplace")
+        if not debug:  # what CPython meets in a destructor it prints itself, a traceback (a hostile pickle's
+            # bytearray freed while a view of it is held: PyErr_Print, through sys.excepthook): the command's own
+            # line says what went wrong, and everything the command raises is caught below
+            sys.excepthook = sys.unraisablehook = _quiet
         try:
             code = func(*args, **kwargs)
         except CkptDoctorError as exc:

@@ -189,3 +189,25 @@ def test_a_storage_info_slotstate_changed_after_its_build_is_read_where_torch_re
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(str(out))["a"], loaded["a"]), "ckpt-doctor's a is not the tensor dcp.load gives"
+
+
+def test_a_destructor_error_prints_no_traceback(tmp_path):
+    """A .metadata whose MEMOIZE before `Metadata` is turned into BYTEARRAY8: the unpickler's bytearray is freed while
+    a view of it is held, and CPython prints that SystemError itself (PyErr_Print). The command says one line."""
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path / "ckpt"
+    dcp.save({"w": torch.randn(4, 8), "opt": {"step": 3}}, checkpoint_id=str(folder))
+    raw = bytearray((folder / ".metadata").read_bytes())
+    at = raw.index(b"\x8c\x08Metadata") - 1
+    assert raw[at] == 0x94
+    raw[at] = 0x96
+    (folder / ".metadata").write_bytes(raw)
+    env = {k: v for k, v in os.environ.items() if k != "CKPT_DOCTOR_DEBUG"}
+    done = subprocess.run([sys.executable, "-m", "ckpt_doctor", "inspect", str(folder)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("Error: "), done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
