@@ -809,7 +809,7 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
     files: set[str] = set()
     problems: list[str] = []
     order = list(meta.paths) + [f for f in [*meta.tensors, *meta.values] if f not in meta.paths]
-    shared: dict[tuple, RawTensor] = {}  # the chunks of a tensor -> its tensor: names of the same chunks are tied
+    shared: dict[tuple, list] = {}  # the chunks of a tensor -> (its pieces, its tensor): names of the same chunks
     differ: list[tuple[str, dict]] = []  # items ranks saved with different bytes: (note, JSON record)
     for fqn in order:
         path = meta.paths.get(fqn, (fqn,))
@@ -839,9 +839,10 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
             assembly = Assembly(size, tuple(pieces), dtype)
             # Names are one tensor only when every chunk is the same storage entry read the same way (a writer that
             # records a tie names the same entries twice); shared bytes read through other strides are not a tie.
-            tie_key = (size, dtype, tuple((where, p.file, p.offset, p.stride, p.offsets, p.sizes)
-                                          for where, p in zip(wheres, pieces)))
-            tied = shared.get(tie_key) if pieces else None
+            # (keyed by the storage entries, tuples the metadata holds anyway; each piece's reading is compared on
+            # a hit only: a 6-tuple per piece in the key cost ~95 MB for a million pieces)
+            tie_key = (size, dtype, tuple(wheres))
+            tied = next((t for ps, t in shared.get(tie_key, ()) if _read_alike(ps, pieces)), None) if pieces else None
             if tied is not None:  # a second name of the same chunks (a tie a writer recorded): one tensor
                 _place(folder, root, path, RawTensor(tied.storage, dtype, 0, size, tied.stride), len(order))
                 layouts[".".join(str(p) for p in path)] = _layout(size, chunks) + " (tied)"
@@ -849,7 +850,8 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
             problem = coverage_problem(assembly) if len(pieces) == len(chunks) else None
             if problem:
                 problems.append(f"{fqn}: {problem}")
-            shared[tie_key] = tensor = assembled_tensor(fqn, dtype, size, assembly, metas[0])
+            tensor = assembled_tensor(fqn, dtype, size, assembly, metas[0])
+            shared.setdefault(tie_key, []).append((assembly.pieces, tensor))
             _place(folder, root, path, tensor, len(order))
             layouts[".".join(str(p) for p in path)] = _layout(size, chunks)
         else:
@@ -924,6 +926,12 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
     return replace(ckpt, path=shown or ckpt.path, files=(*metas, *(folder / f for f in sorted(files)), *extra_files),
                    hazards=tuple(hazards + items.hazards + view_hazards),
                    layouts=layouts, distributed=distributed)
+
+
+def _read_alike(a: tuple[Piece, ...], b: list[Piece]) -> bool:
+    """Whether two tensors' pieces (of the same storage entries) are read the same way: the same bytes, laid alike."""
+    return all(p.file == q.file and p.offset == q.offset and p.stride == q.stride and p.offsets == q.offsets
+               and p.sizes == q.sizes for p, q in zip(a, b))
 
 
 def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: str,
