@@ -130,6 +130,15 @@ def _ints(value: Any, what: str, where: Path) -> tuple[int, ...]:
     return tuple(value)
 
 
+class _Read:
+    """What build_checkpoint reads of a metadata file the recognizer read."""
+
+    __slots__ = ("length", "notes", "globals")
+
+    def __init__(self, length: int, notes: Any, globals_: Any) -> None:
+        self.length, self.notes, self.globals = length, notes, globals_
+
+
 def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = True,
                    policy: Policy = DEFAULT_POLICY, parsed: Any = None) -> None:
     """Merge one metadata file into `meta`. `parsed`: the file as dcp_meta_fast.recognize read it (the same values
@@ -137,7 +146,9 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = Tru
     rank_file = RANK_METADATA.fullmatch(path.name)
     rank = int(rank_file.group(1)) if rank_file else None
     if parsed is not None:
-        unpicklers.append(parsed)  # (its globals are the survey's; build_checkpoint reads .length, .notes, .globals)
+        # (its globals are the survey's; build_checkpoint reads .length, .notes, .globals: what is kept of it, not its
+        # columns of a million storage entries, ~48 MB, which `meta` holds as its own from here on)
+        unpicklers.append(_Read(parsed.length, parsed.notes, parsed.globals))
         meta.version = parsed.version
         sdm: Any = parsed.sdm
         planner: Any = parsed.planner
@@ -414,7 +425,7 @@ def _place(folder: Path, root: dict, path: tuple, value: Any, limit: int) -> Non
         raise ReadError(f"{folder}: {exc}") from None
 
 
-def _whole_file_views(folder: Path, files: set[str], items: dict[str, list[tuple[int, int]]],
+def _whole_file_views(folder: Path, files: set[str], items: dict[str, tuple[list[int], list[int]]],
                       policy: Policy) -> tuple[list, list]:
     """What torch.load and Python's zipfile would read of each shard taken whole (a payload after the items is
     seen there): globals and hazards. Their disagreement is what a shard is when its items tile it exactly."""
@@ -423,7 +434,7 @@ def _whole_file_views(folder: Path, files: set[str], items: dict[str, list[tuple
         _within_budget(folder)  # (a remote folder: within what its items cost)
         survey = survey_file(folder / rel, thorough=False, policy=policy)
         globals_ += survey.globals
-        spans = sorted(items.get(rel, []))
+        spans = sorted(zip(*items[rel])) if rel in items else []  # (start, length) pairs
         tiled = spans and spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])) \
             and spans[-1][0] + spans[-1][1] == survey.size
         hazards += [h for h in survey.hazards if not (tiled and h.what.startswith("zip readers disagree"))]
@@ -789,6 +800,7 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
         if parsed is not None:  # torch's own metadata, byte for byte: its globals are known, nothing to walk
             survey_globals.extend(parsed.globals)
             _read_metadata(path, meta, unpicklers, policy=policy, parsed=parsed)
+            parsed = None  # (its columns: `meta` holds the entries now)
             continue
         survey = survey_file(path, policy=policy)
         survey_globals.extend(survey.globals)
@@ -875,13 +887,18 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
         survey_globals.extend(lightning.globals)
         hazards.extend(lightning.hazards)
     restored = _integer_state_keys(root)
-    spans: dict[str, list[tuple[int, int]]] = {}
+    # each file's items as (where they start, their lengths): two columns, not a tuple an item (~50 MB for a million)
+    spans: dict[str, tuple[list[int], list[int]]] = {}
     for (_fqn, offsets), (rel, at, length, _t) in meta.entries():
         if offsets is None or items.blobs.get(rel) is None:  # a blob's tensors: their offsets are no positions
             end = items.sizes.get(rel)  # an item read to the end of its file: what it spans (torch reads that)
-            spans.setdefault(rel, []).append((at, length if end is None else max(0, min(length, end - at))))
+            starts, lengths = spans.get(rel) or spans.setdefault(rel, ([], []))
+            starts.append(at)
+            lengths.append(length if end is None else max(0, min(length, end - at)))
     for rel, base in items.blob_base.items():
-        spans.setdefault(rel, []).append((base, items.sizes[rel] - base))  # the blob runs to the end of the file
+        starts, lengths = spans.get(rel) or spans.setdefault(rel, ([], []))
+        starts.append(base)  # the blob runs to the end of the file
+        lengths.append(items.sizes[rel] - base)
     view_globals, view_hazards = _whole_file_views(folder, files, spans, policy)
     if problems:
         shown = "; ".join(problems[:3]) + (f"; … {len(problems) - 3} more" if len(problems) > 3 else "")
