@@ -20,7 +20,7 @@ import sys
 import weakref
 from itertools import repeat
 from math import prod
-from operator import contains, itemgetter
+from operator import add, contains, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -357,6 +357,27 @@ def _layout(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int
     """How the chunks split the tensor, in words: `whole`, `Shard(0) 2 ways [4, 3]`, `2-D split 4 ways`."""
     if len(chunks) <= 1:
         return "whole (one chunk)"
+    offsets, sizes = zip(*chunks)
+    if {len(size)} != set(map(len, offsets)) or {len(size)} != set(map(len, sizes)):
+        return _layout_by_chunk(size, chunks)
+    # column by column (a tensor of 100 chunks is described in a few C loops, not a generator a chunk)
+    at, of = list(zip(*offsets)), list(zip(*sizes))
+    dims = [d for d in range(len(size)) if len(set(at[d])) > 1]
+    empty = sum(map(contains, sizes, repeat(0)))
+    tail = f", {empty} empty" if empty else ""
+    if len(dims) == 1:
+        d = dims[0]
+        order = sorted(range(len(chunks)), key=at[d].__getitem__)  # (stable: the chunks sorted by that offset)
+        parts = list(map(of[d].__getitem__, order))
+        uneven = " uneven" if len(set(parts) - {0}) > 1 or empty else ""
+        return f"Shard({d}) {len(chunks)} ways{uneven} {parts}{tail}"
+    if not dims:
+        return f"{len(chunks)} chunks{tail}"
+    return f"{len(dims)}-D split on dims {dims}, {len(chunks)} chunks{tail}"
+
+
+def _layout_by_chunk(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
+    """_layout chunk by chunk (chunks of another rank than the tensor's)."""
     dims = [d for d in range(len(size)) if len({c[0][d] for c in chunks}) > 1]
     empty = sum(1 for c in chunks if 0 in c[1])
     tail = f", {empty} empty" if empty else ""
@@ -434,9 +455,11 @@ def _whole_file_views(folder: Path, files: set[str], items: dict[str, tuple[list
         _within_budget(folder)  # (a remote folder: within what its items cost)
         survey = survey_file(folder / rel, thorough=False, policy=policy)
         globals_ += survey.globals
-        spans = sorted(zip(*items[rel])) if rel in items else []  # (start, length) pairs
-        tiled = spans and spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])) \
-            and spans[-1][0] + spans[-1][1] == survey.size
+        tiled = False
+        if items.get(rel):
+            starts, lengths = zip(*sorted(zip(*items[rel])))  # each item's start and length, in the file's order
+            ends = list(map(add, starts, lengths))
+            tiled = starts[0] == 0 and ends[:-1] == list(starts[1:]) and ends[-1] == survey.size
         hazards += [h for h in survey.hazards if not (tiled and h.what.startswith("zip readers disagree"))]
     return globals_, hazards
 
@@ -823,21 +846,25 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
     order = list(meta.paths) + [f for f in [*meta.tensors, *meta.values] if f not in meta.paths]
     shared: dict[tuple, list] = {}  # the chunks of a tensor -> (its pieces, its tensor): names of the same chunks
     differ: list[tuple[str, dict]] = []  # items ranks saved with different bytes: (note, JSON record)
+    stored, copies = meta.storage.get, meta.copies
     for fqn in order:
         path = meta.paths.get(fqn, (fqn,))
         if fqn in meta.tensors:
             size, dtype, chunks = meta.tensors[fqn]
             pieces, wheres = [], []  # (the storage entry of each piece)
-            for offsets, sizes in chunks:
+            for offsets, sizes in chunks:  # (a million chunks: what is done for each counts)
                 key = (fqn, offsets)
-                where = meta.storage.get(key)
+                where = stored(key)
                 if where is None:
                     problems.append(f"{fqn}: no file holds its chunk at {list(offsets)} of size {list(sizes)}")
                     continue
-                files.add(where[0])
                 piece = _chunk_piece(items, fqn, offsets, sizes, dtype, where)
+                pieces.append(piece)
+                wheres.append(where)
+                if not copies:
+                    continue
                 others = []
-                for rank, copy in meta.copies.get(key, ()):  # other ranks' copies
+                for rank, copy in copies.get(key, ()):  # other ranks' copies
                     files.add(copy[0])
                     if items.blob(where[0], fqn) is None and items.blob(copy[0], fqn) is None \
                             and _same_range(folder, where, copy):
@@ -846,8 +873,7 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
                         others.append((rank, copy, None))  # (its archive walked and read, as rank 1 would)
                 if others:
                     differ.append(_differs(meta, key, where, others, len(chunks) > 1))
-                pieces.append(piece)
-                wheres.append(where)
+            files.update(map(itemgetter(0), wheres))
             assembly = Assembly(size, tuple(pieces), dtype)
             # Names are one tensor only when every chunk is the same storage entry read the same way (a writer that
             # records a tie names the same entries twice); shared bytes read through other strides are not a tie.
