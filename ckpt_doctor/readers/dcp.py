@@ -357,27 +357,6 @@ def _layout(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int
     """How the chunks split the tensor, in words: `whole`, `Shard(0) 2 ways [4, 3]`, `2-D split 4 ways`."""
     if len(chunks) <= 1:
         return "whole (one chunk)"
-    offsets, sizes = zip(*chunks)
-    if {len(size)} != set(map(len, offsets)) or {len(size)} != set(map(len, sizes)):
-        return _layout_by_chunk(size, chunks)
-    # column by column (a tensor of 100 chunks is described in a few C loops, not a generator a chunk)
-    at, of = list(zip(*offsets)), list(zip(*sizes))
-    dims = [d for d in range(len(size)) if len(set(at[d])) > 1]
-    empty = sum(map(contains, sizes, repeat(0)))
-    tail = f", {empty} empty" if empty else ""
-    if len(dims) == 1:
-        d = dims[0]
-        order = sorted(range(len(chunks)), key=at[d].__getitem__)  # (stable: the chunks sorted by that offset)
-        parts = list(map(of[d].__getitem__, order))
-        uneven = " uneven" if len(set(parts) - {0}) > 1 or empty else ""
-        return f"Shard({d}) {len(chunks)} ways{uneven} {parts}{tail}"
-    if not dims:
-        return f"{len(chunks)} chunks{tail}"
-    return f"{len(dims)}-D split on dims {dims}, {len(chunks)} chunks{tail}"
-
-
-def _layout_by_chunk(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
-    """_layout chunk by chunk (chunks of another rank than the tensor's)."""
     dims = [d for d in range(len(size)) if len({c[0][d] for c in chunks}) > 1]
     empty = sum(1 for c in chunks if 0 in c[1])
     tail = f", {empty} empty" if empty else ""
