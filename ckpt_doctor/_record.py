@@ -67,9 +67,12 @@ def record(cls: type | None = None, /, *, frozen: bool = True, slots: bool = Fal
                                   and any(not _required(fields[m]) for m in list(fields)[:i])]
         if required_after_default:
             raise TypeError(f"non-default argument {required_after_default[0]!r} follows default argument")
+        if any(getattr(base, "__record_slots__", False) for base in cls.__mro__[1:]) \
+                or slots and cls.__bases__ != (object,):
+            raise TypeError("record(slots=True) is for a class of no base, and no class derives from one")
         if slots:
             ns = {k: v for k, v in cls.__dict__.items() if k not in fields and k not in ("__dict__", "__weakref__")}
-            ns["__slots__"] = tuple(n for n in fields if n not in getattr(cls.__mro__[1], "__record_fields__", {}))
+            ns["__slots__"] = tuple(fields)
             cls = type(cls)(cls.__name__, cls.__bases__, ns)
         cls.__record_fields__ = fields
         cls.__record_compared__ = tuple(name for name, spec in fields.items() if spec.compare)
