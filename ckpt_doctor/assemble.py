@@ -12,6 +12,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator
 from math import prod
+from operator import add, attrgetter
 
 from .dtypes import contiguous_strides, element_size, tensor_bytes  # noqa: F401  (contiguous_strides: re-exported)
 from .errors import ReadError
@@ -19,6 +20,7 @@ from .readers.source import close_source, open_source, read_data
 from .records import Assembly, Piece
 
 Run = tuple[int, int, Piece, int]  # (output element, piece element, piece, elements)
+_OFFSETS, _SIZES, _STRIDE = attrgetter("offsets"), attrgetter("sizes"), attrgetter("stride")
 
 
 def is_contiguous(piece: Piece) -> bool:
@@ -50,13 +52,24 @@ def _runs(grid: tuple[int, ...], piece: Piece) -> Iterator[Run]:
 def coverage_problem(assembly: Assembly) -> str | None:
     """Why the pieces cannot tile the grid, from their shapes alone (what inspect can say without reading)."""
     grid = assembly.grid
-    total = 0
-    for p in assembly.pieces:
-        if len(p.offsets) != len(grid) or len(p.sizes) != len(grid) or len(p.stride) != len(grid):
-            return f"a chunk of rank {len(p.sizes)} in a tensor of rank {len(grid)} ({p.label})"
-        if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(p.offsets, p.sizes, grid)):
-            return f"chunk at {list(p.offsets)} of size {list(p.sizes)} lies outside the shape {list(grid)} ({p.label})"
-        total += prod(p.sizes)
+    rank = len(grid)
+    pieces = assembly.pieces
+    # Column by column at C speed first (inspect checks every chunk: a million of them); a chunk it does not pass is
+    # named by the loop below, chunk by chunk, as it always was
+    offsets, sizes = list(map(_OFFSETS, pieces)), list(map(_SIZES, pieces))
+    if {rank} == set(map(len, offsets)) == set(map(len, sizes)) == set(map(len, map(_STRIDE, pieces))) \
+            and all(min(o) >= 0 and min(s) >= 0 and max(map(add, o, s)) <= g
+                    for o, s, g in zip(zip(*offsets), zip(*sizes), grid)):
+        total = sum(map(prod, sizes))
+    else:
+        total = 0
+        for p in pieces:
+            if len(p.offsets) != rank or len(p.sizes) != rank or len(p.stride) != rank:
+                return f"a chunk of rank {len(p.sizes)} in a tensor of rank {rank} ({p.label})"
+            if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(p.offsets, p.sizes, grid)):
+                return f"chunk at {list(p.offsets)} of size {list(p.sizes)} lies outside the shape {list(grid)} " \
+                       f"({p.label})"
+            total += prod(p.sizes)
     want = prod(grid)
     if total < want:
         return f"the chunks cover {total:,} of its {want:,} elements"

@@ -65,7 +65,7 @@ def span_elements(shape: tuple[int, ...], stride: tuple[int, ...]) -> int | None
     return 0 if empty else last + 1
 
 
-@record
+@record(slots=True)
 class Piece:
     """One saved chunk of a tensor that several files hold parts of (a DCP chunk, a ZeRO partition's slice)."""
 

@@ -76,3 +76,32 @@ def test_mutable_records_are_unhashable_and_pickle_round_trips():
     with pytest.raises(TypeError):
         hash(m)
     assert pickle.loads(pickle.dumps(Rec(5, "p", {"k": 1}, (2,)))) == Rec(5, "p", {}, (2,))
+
+
+@record(slots=True)
+class Slotted:
+    a: int
+    b: str = "x"
+    c: dict = field(default_factory=dict, compare=False)
+    d: tuple = field(default=(), repr=False)
+
+
+@pytest.mark.parametrize("args, kwargs", [((1,), {}), ((1, "y"), {}), ((), {"a": 2, "d": (1,)}), ((3,), {"c": {}})])
+def test_slotted_records_behave_as_the_others_without_a_dict(args, kwargs):
+    """record(slots=True) (a Piece: a million of them for a DCP folder of a million chunks) behaves as a record."""
+    from ckpt_doctor._record import asdict, fast_new
+
+    mine, ref = Slotted(*args, **kwargs), Rec(*args, **kwargs)
+    assert not hasattr(mine, "__dict__")
+    assert repr(mine).replace("Slotted(", "Rec(") == repr(ref)
+    assert mine == Slotted(*args, **kwargs) and hash(mine) == hash(Slotted(*args, **kwargs)) and mine != ref
+    assert asdict(mine) == asdict(ref)
+    assert pickle.loads(pickle.dumps(mine)) == mine
+    assert replace(mine, b="z") == Slotted(mine.a, "z", d=mine.d) and mine.b == ref.b
+    assert fast_new(Slotted, a=mine.a, b=mine.b, c={}, d=mine.d) == mine
+    with pytest.raises(FrozenInstanceError):
+        mine.a = 2
+    with pytest.raises(AttributeError):
+        del mine.b
+    with pytest.raises(TypeError, match="missing"):
+        Slotted()

@@ -20,7 +20,7 @@ import sys
 import weakref
 from itertools import repeat
 from math import prod
-from operator import contains, itemgetter
+from operator import add, contains, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,15 @@ def _ints(value: Any, what: str, where: Path) -> tuple[int, ...]:
     return tuple(value)
 
 
+class _Read:
+    """What build_checkpoint reads of a metadata file the recognizer read."""
+
+    __slots__ = ("length", "notes", "globals")
+
+    def __init__(self, length: int, notes: Any, globals_: Any) -> None:
+        self.length, self.notes, self.globals = length, notes, globals_
+
+
 def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = True,
                    policy: Policy = DEFAULT_POLICY, parsed: Any = None) -> None:
     """Merge one metadata file into `meta`. `parsed`: the file as dcp_meta_fast.recognize read it (the same values
@@ -137,7 +146,9 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = Tru
     rank_file = RANK_METADATA.fullmatch(path.name)
     rank = int(rank_file.group(1)) if rank_file else None
     if parsed is not None:
-        unpicklers.append(parsed)  # (its globals are the survey's; build_checkpoint reads .length, .notes, .globals)
+        # (its globals are the survey's; build_checkpoint reads .length, .notes, .globals: what is kept of it, not its
+        # columns of a million storage entries, ~48 MB, which `meta` holds as its own from here on)
+        unpicklers.append(_Read(parsed.length, parsed.notes, parsed.globals))
         meta.version = parsed.version
         sdm: Any = parsed.sdm
         planner: Any = parsed.planner
@@ -414,7 +425,7 @@ def _place(folder: Path, root: dict, path: tuple, value: Any, limit: int) -> Non
         raise ReadError(f"{folder}: {exc}") from None
 
 
-def _whole_file_views(folder: Path, files: set[str], items: dict[str, list[tuple[int, int]]],
+def _whole_file_views(folder: Path, files: set[str], items: dict[str, tuple[list[int], list[int]]],
                       policy: Policy) -> tuple[list, list]:
     """What torch.load and Python's zipfile would read of each shard taken whole (a payload after the items is
     seen there): globals and hazards. Their disagreement is what a shard is when its items tile it exactly."""
@@ -423,9 +434,11 @@ def _whole_file_views(folder: Path, files: set[str], items: dict[str, list[tuple
         _within_budget(folder)  # (a remote folder: within what its items cost)
         survey = survey_file(folder / rel, thorough=False, policy=policy)
         globals_ += survey.globals
-        spans = sorted(items.get(rel, []))
-        tiled = spans and spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])) \
-            and spans[-1][0] + spans[-1][1] == survey.size
+        tiled = False
+        if items.get(rel):
+            starts, lengths = zip(*sorted(zip(*items[rel])))  # each item's start and length, in the file's order
+            ends = list(map(add, starts, lengths))
+            tiled = starts[0] == 0 and ends[:-1] == list(starts[1:]) and ends[-1] == survey.size
         hazards += [h for h in survey.hazards if not (tiled and h.what.startswith("zip readers disagree"))]
     return globals_, hazards
 
@@ -789,6 +802,7 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
         if parsed is not None:  # torch's own metadata, byte for byte: its globals are known, nothing to walk
             survey_globals.extend(parsed.globals)
             _read_metadata(path, meta, unpicklers, policy=policy, parsed=parsed)
+            parsed = None  # (its columns: `meta` holds the entries now)
             continue
         survey = survey_file(path, policy=policy)
         survey_globals.extend(survey.globals)
@@ -809,23 +823,27 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
     files: set[str] = set()
     problems: list[str] = []
     order = list(meta.paths) + [f for f in [*meta.tensors, *meta.values] if f not in meta.paths]
-    shared: dict[tuple, RawTensor] = {}  # the chunks of a tensor -> its tensor: names of the same chunks are tied
+    shared: dict[tuple, list] = {}  # the chunks of a tensor -> (its pieces, its tensor): names of the same chunks
     differ: list[tuple[str, dict]] = []  # items ranks saved with different bytes: (note, JSON record)
+    stored, copies = meta.storage.get, meta.copies
     for fqn in order:
         path = meta.paths.get(fqn, (fqn,))
         if fqn in meta.tensors:
             size, dtype, chunks = meta.tensors[fqn]
             pieces, wheres = [], []  # (the storage entry of each piece)
-            for offsets, sizes in chunks:
+            for offsets, sizes in chunks:  # (a million chunks: what is done for each counts)
                 key = (fqn, offsets)
-                where = meta.storage.get(key)
+                where = stored(key)
                 if where is None:
                     problems.append(f"{fqn}: no file holds its chunk at {list(offsets)} of size {list(sizes)}")
                     continue
-                files.add(where[0])
                 piece = _chunk_piece(items, fqn, offsets, sizes, dtype, where)
+                pieces.append(piece)
+                wheres.append(where)
+                if not copies:
+                    continue
                 others = []
-                for rank, copy in meta.copies.get(key, ()):  # other ranks' copies
+                for rank, copy in copies.get(key, ()):  # other ranks' copies
                     files.add(copy[0])
                     if items.blob(where[0], fqn) is None and items.blob(copy[0], fqn) is None \
                             and _same_range(folder, where, copy):
@@ -834,14 +852,14 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
                         others.append((rank, copy, None))  # (its archive walked and read, as rank 1 would)
                 if others:
                     differ.append(_differs(meta, key, where, others, len(chunks) > 1))
-                pieces.append(piece)
-                wheres.append(where)
+            files.update(map(itemgetter(0), wheres))
             assembly = Assembly(size, tuple(pieces), dtype)
             # Names are one tensor only when every chunk is the same storage entry read the same way (a writer that
             # records a tie names the same entries twice); shared bytes read through other strides are not a tie.
-            tie_key = (size, dtype, tuple((where, p.file, p.offset, p.stride, p.offsets, p.sizes)
-                                          for where, p in zip(wheres, pieces)))
-            tied = shared.get(tie_key) if pieces else None
+            # (keyed by the storage entries, tuples the metadata holds anyway; each piece's reading is compared on
+            # a hit only: a 6-tuple per piece in the key cost ~95 MB for a million pieces)
+            tie_key = (size, dtype, tuple(wheres))
+            tied = next((t for ps, t in shared.get(tie_key, ()) if _read_alike(ps, pieces)), None) if pieces else None
             if tied is not None:  # a second name of the same chunks (a tie a writer recorded): one tensor
                 _place(folder, root, path, RawTensor(tied.storage, dtype, 0, size, tied.stride), len(order))
                 layouts[".".join(str(p) for p in path)] = _layout(size, chunks) + " (tied)"
@@ -849,7 +867,8 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
             problem = coverage_problem(assembly) if len(pieces) == len(chunks) else None
             if problem:
                 problems.append(f"{fqn}: {problem}")
-            shared[tie_key] = tensor = assembled_tensor(fqn, dtype, size, assembly, metas[0])
+            tensor = assembled_tensor(fqn, dtype, size, assembly, metas[0])
+            shared.setdefault(tie_key, []).append((assembly.pieces, tensor))
             _place(folder, root, path, tensor, len(order))
             layouts[".".join(str(p) for p in path)] = _layout(size, chunks)
         else:
@@ -873,13 +892,18 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
         survey_globals.extend(lightning.globals)
         hazards.extend(lightning.hazards)
     restored = _integer_state_keys(root)
-    spans: dict[str, list[tuple[int, int]]] = {}
+    # each file's items as (where they start, their lengths): two columns, not a tuple an item (~50 MB for a million)
+    spans: dict[str, tuple[list[int], list[int]]] = {}
     for (_fqn, offsets), (rel, at, length, _t) in meta.entries():
         if offsets is None or items.blobs.get(rel) is None:  # a blob's tensors: their offsets are no positions
             end = items.sizes.get(rel)  # an item read to the end of its file: what it spans (torch reads that)
-            spans.setdefault(rel, []).append((at, length if end is None else max(0, min(length, end - at))))
+            starts, lengths = spans.get(rel) or spans.setdefault(rel, ([], []))
+            starts.append(at)
+            lengths.append(length if end is None else max(0, min(length, end - at)))
     for rel, base in items.blob_base.items():
-        spans.setdefault(rel, []).append((base, items.sizes[rel] - base))  # the blob runs to the end of the file
+        starts, lengths = spans.get(rel) or spans.setdefault(rel, ([], []))
+        starts.append(base)  # the blob runs to the end of the file
+        lengths.append(items.sizes[rel] - base)
     view_globals, view_hazards = _whole_file_views(folder, files, spans, policy)
     if problems:
         shown = "; ".join(problems[:3]) + (f"; … {len(problems) - 3} more" if len(problems) > 3 else "")
@@ -924,6 +948,12 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
     return replace(ckpt, path=shown or ckpt.path, files=(*metas, *(folder / f for f in sorted(files)), *extra_files),
                    hazards=tuple(hazards + items.hazards + view_hazards),
                    layouts=layouts, distributed=distributed)
+
+
+def _read_alike(a: tuple[Piece, ...], b: list[Piece]) -> bool:
+    """Whether two tensors' pieces (of the same storage entries) are read the same way: the same bytes, laid alike."""
+    return all(p.file == q.file and p.offset == q.offset and p.stride == q.stride and p.offsets == q.offsets
+               and p.sizes == q.sizes for p, q in zip(a, b))
 
 
 def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], dtype: str,
