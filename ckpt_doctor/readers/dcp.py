@@ -24,29 +24,28 @@ from operator import add, contains, itemgetter
 from pathlib import Path
 from typing import Any
 
+from .._record import replace
 from ..advice import consolidate
 from ..assemble import coverage_problem
 from ..dtypes import element_size
 from ..errors import CkptDoctorError, ReadError
-from .._record import replace
 from ..records import Assembly, Checkpoint, DcpFolder, DistributedShard, Format, GlobalRef, Piece
 from ..safepickle import limits
 from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..safepickle.unpickler import Opaque, RawTensor, SafeUnpickler, SizeValue, StorageRef
 from ..safepickle.walker import new_budget
+from ..sniff import Container
+from . import dcp_items, source
 from ._pickled import assembled_tensor, build_checkpoint, run_unpickler
+from .dcp_items import ChunkItems
+from .dcp_meta_fast import Storage, recognize
 from .files import read_file
 from .jsonfile import parse_json
 from .mapping import read_all
 from .safetensors_reader import read_safetensors
-from . import source
 from .source import RemoteError, RemotePath, close_source, open_source, pread, read_data, remote_path
 from .survey import ZIP_END_SEARCH, ItemCache, ends_like_a_zip, survey_file, survey_item
 from .table import sniff_head
-from ..sniff import Container
-from .dcp_meta_fast import Storage, recognize
-from . import dcp_items
-from .dcp_items import ChunkItems
 from .torch_zip import read_torch_zip
 
 METADATA = ".metadata"
@@ -133,7 +132,7 @@ def _ints(value: Any, what: str, where: Path) -> tuple[int, ...]:
 class _Read:
     """What build_checkpoint reads of a metadata file the recognizer read."""
 
-    __slots__ = ("length", "notes", "globals")
+    __slots__ = ("globals", "length", "notes")
 
     def __init__(self, length: int, notes: Any, globals_: Any) -> None:
         self.length, self.notes, self.globals = length, notes, globals_

@@ -141,7 +141,7 @@ class _Entries:
     that many (_Key, _Info) pairs. Only SETITEMS may pop it; it then stands in its dict as one key (hashed by
     identity, as every _Key, so it stands for the same distinct keys, in the same order)."""
 
-    __slots__ = ("fqn", "offset", "rel", "at", "length")
+    __slots__ = ("at", "fqn", "length", "offset", "rel")
 
     def __init__(self, fqn: list, offset: list, rel: list, at: list, length: list) -> None:
         self.fqn, self.offset, self.rel, self.at, self.length = fqn, offset, rel, at, length
@@ -221,8 +221,8 @@ class _Machine:
             self.chunk_head = _get(r["g", "ChunkStorageMetadata"])
             one = (re.escape(self.chunk_head) + rb"\)\x81\x94\}\x94\(" + re.escape(_get(r["s", "offsets"])) + size
                    + _TUP + rb"\x85\x94R\x94" + re.escape(_get(r["s", "sizes"])) + size + _TUP + rb"\x85\x94R\x94ub")
-            self.chunk_re = re.compile(one, re.S).match
-            self.chunk_scan = re.compile(one, re.S).scanner
+            self.chunk_re = re.compile(one, re.DOTALL).match
+            self.chunk_scan = re.compile(one, re.DOTALL).scanner
         if self.storage_re is None and all(k in r for k in (
                 ("g", "MetadataIndex"), ("g", "_StorageInfo"), ("g", "Size"), ("s", "fqn"), ("s", "index"),
                 ("s", "offset"), ("s", "relative_path"), ("s", "length"))):
@@ -232,8 +232,8 @@ class _Machine:
                    + _BIG_UNREAD + e(("s", "offset")) + e(("g", "Size")) + _TUP + rb"\x85\x94R\x94ub"
                    + e(("g", "_StorageInfo")) + rb"\)\x81\x94\}\x94\(" + e(("s", "relative_path")) + _STR
                    + e(("s", "offset")) + _BIG + e(("s", "length")) + _BIG + rb"ub")
-            self.storage_re = re.compile(one, re.S).match
-            self.storage_scan = re.compile(one, re.S).scanner
+            self.storage_re = re.compile(one, re.DOTALL).match
+            self.storage_scan = re.compile(one, re.DOTALL).scanner
 
     def _str_of(self, m, i: int, at: int) -> tuple[str, int]:
         """A template's string: (value, memo entries it adds)."""
@@ -633,7 +633,7 @@ class Storage:
     """storage_data's entries, column-wise (a million entries are six lists, not a million tuples): iterated, each
     entry is (fqn, chunk offsets | None, relative_path, offset, length, transforms)."""
 
-    __slots__ = ("fqn", "offset", "rel", "at", "length", "transforms")
+    __slots__ = ("at", "fqn", "length", "offset", "rel", "transforms")
     __hash__ = None  # type: ignore[assignment]
 
     def __init__(self) -> None:
@@ -673,7 +673,7 @@ class Storage:
 class Parsed:
     """What the reader takes from a `.metadata`: the same values its unpickled tree gives."""
 
-    __slots__ = ("version", "has_version", "sdm", "planner", "storage", "globals", "length", "notes")
+    __slots__ = ("globals", "has_version", "length", "notes", "planner", "sdm", "storage", "version")
 
     def __init__(self) -> None:
         self.version, self.has_version = "", False
