@@ -30,6 +30,7 @@ import zlib
 from .._record import fast_new
 from ..records import Piece
 from .source import RemotePath
+from .zipindex import torch_data_at
 
 ENABLED = True  # False: every item is read the general way (what the differential test compares with)
 
@@ -55,20 +56,13 @@ def _sizes(pkl: int, data: int) -> list[int]:
     return [pkl, 1, 2, 6, data, 2, _ID_LEN]
 
 
-def _data_start(header_at: int, name: bytes) -> int:
-    """torch's getPadding: past the 30-byte header, the name and the 4 bytes of the "FB" field, to a 64-byte
-    boundary (records and offsets under 4 GB: no zip64 extra)."""
-    start = header_at + 30 + len(name) + 4
-    return start + (-start % _ALIGN)
-
-
 def _layout(pkl: int, data: int) -> tuple[list[int], list[int], int]:
     """Where each member's local header and data start, and where the directory starts."""
     headers, starts = [], []
     at = 0
     for name, size in zip(_NAMES, _sizes(pkl, data)):
         headers.append(at)
-        start = _data_start(at, name)
+        start = torch_data_at(at, len(name), size, _ALIGN)  # (records and offsets under 4 GB: no zip64 extra)
         starts.append(start)
         at = start + size + (16 if size else 0)  # a data descriptor after a member that is not empty
     return headers, starts, at

@@ -269,9 +269,9 @@ def _one_by_one(fd: int, cd: bytes, count: int, disk: int, file_size: int, path:
         p += 46 + nlen + xlen + clen
         if remote and torch_layout is not False and name.startswith(storage_prefix) \
                 and name[len(storage_prefix):].isdigit() and fd.cached(30 + nlen, base + local_at) is None \
-                and _torch_data_at(local_at, nlen, usize) + csize <= file_size:
+                and torch_data_at(local_at, nlen, usize) + csize <= file_size:
             guessed.append(len(members))
-            members.append(new_member(ZipMember, (name, base + _torch_data_at(local_at, nlen, usize), usize, csize,
+            members.append(new_member(ZipMember, (name, base + torch_data_at(local_at, nlen, usize), usize, csize,
                                                   method, crc, base + local_at, flags,
                                                   bool(attrs & 0x10) or name.endswith("/"))))
             continue
@@ -287,7 +287,7 @@ def _one_by_one(fd: int, cd: bytes, count: int, disk: int, file_size: int, path:
                 if whole is None and 30 + lnlen + lxlen + HEAD_BYTES <= len(head):
                     heads[data_at] = head[30 + lnlen + lxlen:30 + lnlen + lxlen + HEAD_BYTES]
                 if remote and torch_layout is not False:
-                    torch_layout = data_at == base + _torch_data_at(local_at, lnlen, usize) and lnlen == nlen
+                    torch_layout = data_at == base + torch_data_at(local_at, lnlen, usize) and lnlen == nlen
             elif remote:
                 torch_layout = False
         members.append(new_member(ZipMember, (name, data_at, usize, csize, method, crc, base + local_at, flags,
@@ -560,7 +560,7 @@ def _local_headers(fd: int, local_ats: list[int], nlens: list[int], csizes: list
     return offsets, sorted(order[n] for n in maybe)
 
 
-def _torch_data_at(local_at: int, nlen: int, size: int, alignment: int = 64) -> int:
+def torch_data_at(local_at: int, nlen: int, size: int, alignment: int = 64) -> int:
     """Where torch's writer (PyTorchStreamWriter's getPadding) starts a record's data: past the local header, its
     name, the zip64 extra it writes for big records or offsets, and a padding field, on the next 64-byte boundary."""
     start = local_at + 30 + nlen + 4
