@@ -171,6 +171,20 @@ def test_help_has_sections_and_keeps_the_examples_as_written():
         ["inspect", "fix", "diff", "verify", "scan"]
 
 
+def test_help_wraps_to_the_terminal_width_in_columns():
+    """--help reads the width as shutil.get_terminal_size does ($COLUMNS first, 80 without a terminal), without
+    importing shutil: a narrow terminal gets narrow paragraphs, a wide one wide ones."""
+    def lines(columns: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-m", "ckpt_doctor", "inspect", "--help"], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": columns},
+                              check=True)
+        return proc.stdout.splitlines()
+
+    narrow, default, wide = lines("60"), lines("0"), lines("200")
+    assert len(narrow) > len(default) > len(wide)
+    assert sum(len(line) <= 58 for line in narrow) > 0.8 * len(narrow)
+
+
 def test_version():
     assert invoke("--version").stdout == f"ckpt-doctor {__import__('ckpt_doctor').__version__}\n"
 
@@ -206,13 +220,16 @@ def test_tabulate_is_imported_only_for_a_table(files):
     """Start-up: tabulate is imported by a command that prints a table (the terminal's, github, grid, tsv), never for
     --json or --help; torch by none of them."""
     code = ("import sys\nfrom ckpt_doctor.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-            "print('tabulate' in sys.modules, 'torch' in sys.modules, file=sys.stderr)")
+            "print('tabulate' in sys.modules, 'torch' in sys.modules, file=sys.stderr)\n"
+            "print('shutil' in sys.modules, file=sys.stderr)")
     for argv, imported in ((["--help"], "False False"), (["inspect", str(files["a"]), "--json"], "False False"),
                            (["inspect", str(files["a"])], "True False"),
                            (["inspect", str(files["a"]), "--format", "grid"], "True False")):
         proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60,
                               env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
-        assert proc.stderr.strip().splitlines()[-1] == imported, (argv, proc.stderr)
+        assert proc.stderr.strip().splitlines()[-2] == imported, (argv, proc.stderr)
+        if argv == ["--help"]:  # click's formatter would import shutil (and bz2, lzma) for the terminal's width
+            assert proc.stderr.strip().splitlines()[-1] == "False", proc.stderr
 
 
 def test_a_value_that_starts_with_a_dash_is_written_with_an_equals_sign(files, tmp_path):
