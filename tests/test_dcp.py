@@ -733,6 +733,25 @@ def test_hf_chunks_of_different_ranks_are_named(tmp_path):
     assert result.exit_code == 2 and "disagree on its number of dimensions" in result.stderr, result.stderr
 
 
+def test_the_note_on_the_rest_of_a_folder_is_given_only_when_there_is_a_rest(tmp_path):
+    """fix of a folder writes its model's state_dict; the note that names the rest (--select PATH, --select '') is
+    printed for a folder that holds more than the model, never for one that holds the model alone."""
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Linear(4, 3)
+    alone, nested = tmp_path / "alone", tmp_path / "nested"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=alone, no_dist=True)
+    dcp.save({"app": {"model": model.state_dict()}, "step": 7}, checkpoint_id=nested, no_dist=True)
+    result = run_cli("fix", alone, "-o", tmp_path / "alone.pt")
+    assert result.exit_code == 0, result.stderr
+    assert "the rest" not in result.stderr and "--select" not in result.stderr, result.stderr
+    assert torch.load(tmp_path / "alone.pt", weights_only=True).keys() == model.state_dict().keys()
+    result = run_cli("fix", nested, "-o", tmp_path / "nested.pt")
+    assert result.exit_code == 0 and "wrote the model's state_dict at 'app.model'" in result.stderr, result.stderr
+    everything = run_cli("fix", nested, "-o", tmp_path / "all.pt", "--select", "")  # as the note says
+    assert everything.exit_code == 0 and torch.load(tmp_path / "all.pt", weights_only=True)["step"] == 7
+
+
 def test_selecting_the_optimizer_keeps_it_a_state_dict(samples, tmp_path):
     """--select optim writes {'state', 'param_groups'} as saved (a flat dict of its tensors would load nowhere)."""
     out = tmp_path / "optim.pt"

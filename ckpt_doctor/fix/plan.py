@@ -30,6 +30,7 @@ from ..tree import join
 from .keys import device_for, map_by_order, module_versions, tie
 from .options import FixOptions, OutputFormat, output_format
 from .rebuild import (
+    holds_more_than,
     MISSING,
     check_writable,
     in_source_order,
@@ -223,7 +224,7 @@ def choose_scope(ckpt: Checkpoint, fmt: OutputFormat, opts: FixOptions, auto_sel
                                       or is_module_root(ckpt, root) or ckpt.distributed is not None)
     if ckpt.distributed is not None:
         draft.notes += ckpt.distributed.fix_notes
-    if ckpt.distributed is not None and select is None and root:
+    if ckpt.distributed is not None and select is None and root and holds_more_than(ckpt.root, root):
         draft.notes.append(f"a distributed checkpoint: wrote the model's state_dict at {root!r}, as load_state_dict "
                            "takes it; the rest (optimizer state, other values) with --select PATH, all of it with "
                            "--select ''")

@@ -29,11 +29,8 @@ def subtree(obj: Any, path: str) -> Any:
     """The value at a dotted key path (keys that hold dots themselves are tried first), or MISSING."""
     if path == "":
         return obj
-    if isinstance(obj, dict):
-        items = sorted(((str(k), v) for k, v in obj.items() if isinstance(k, (str, int))), key=lambda kv: -len(kv[0]))
-    elif isinstance(obj, list):
-        items = [(str(i), v) for i, v in enumerate(obj)]
-    else:
+    items = _items(obj)
+    if items is None:
         return MISSING
     for name, value in items:
         if path == name:
@@ -43,6 +40,29 @@ def subtree(obj: Any, path: str) -> Any:
             if found is not MISSING:
                 return found
     return MISSING
+
+
+def _items(obj: Any) -> list[tuple[str, Any]] | None:
+    """A container's entries by the names a dotted path gives them, longest first (keys that hold dots are tried
+    before their shorter prefixes); None for no container."""
+    if isinstance(obj, dict):
+        return sorted(((str(k), v) for k, v in obj.items() if isinstance(k, (str, int))), key=lambda kv: -len(kv[0]))
+    if isinstance(obj, list):
+        return [(str(i), v) for i, v in enumerate(obj)]
+    return None
+
+
+def holds_more_than(obj: Any, path: str) -> bool:
+    """Whether `obj` holds anything besides the value at `path` (found as subtree finds it): a sibling at any level
+    above it. Whatever path does not lead into counts as more."""
+    if path == "":
+        return False
+    for name, value in _items(obj) or ():
+        if path == name:
+            return len(obj) > 1
+        if path.startswith(name + ".") and subtree(value, path[len(name) + 1:]) is not MISSING:
+            return len(obj) > 1 or holds_more_than(value, path[len(name) + 1:])
+    return True
 
 
 def unlisted_tensors(tensors: tuple[TensorRecord, ...], written: set[str], dropped: list[str],
