@@ -72,10 +72,11 @@ def command_line(argv: Sequence[str]) -> str:
     """`ckpt-doctor ARGV…`, quoted for a POSIX shell: a word with a control character or a backtick in it is
     written as bash's $'…', so that the line stays one printable line to copy (and a backtick cannot end the
     `…` a command is printed in)."""
-    return " ".join(["ckpt-doctor", *(_quote(str(a)) for a in argv)])
+    return " ".join(["ckpt-doctor", *(shell_word(str(a)) for a in argv)])
 
 
-def _quote(word: str) -> str:
+def shell_word(word: str) -> str:
+    """One word quoted for a POSIX shell, as command_line quotes each."""
     import shlex
 
     if word.isprintable() and "`" not in word:

@@ -733,22 +733,32 @@ def test_hf_chunks_of_different_ranks_are_named(tmp_path):
     assert result.exit_code == 2 and "disagree on its number of dimensions" in result.stderr, result.stderr
 
 
-def test_the_note_on_the_rest_of_a_folder_is_given_only_when_there_is_a_rest(tmp_path):
-    """fix of a folder writes its model's state_dict; the note that names the rest (--select PATH, --select '') is
-    printed for a folder that holds more than the model, never for one that holds the model alone."""
+def test_the_note_on_the_rest_of_a_folder_names_the_rest_and_its_select_runs(tmp_path):
+    """fix of a folder writes its model's state_dict; a note names what else the folder holds and the --select that
+    writes it (only a part that holds tensors: --select refuses one without), and is not given when there is no
+    rest."""
     import torch.distributed.checkpoint as dcp
 
     model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
     alone, nested = tmp_path / "alone", tmp_path / "nested"
     dcp.save({"model": model.state_dict()}, checkpoint_id=alone, no_dist=True)
-    dcp.save({"app": {"model": model.state_dict()}, "step": 7}, checkpoint_id=nested, no_dist=True)
+    dcp.save({"app": {"model": model.state_dict(), "optim": optimizer.state_dict()}, "step": 7},
+             checkpoint_id=nested, no_dist=True)
     result = run_cli("fix", alone, "-o", tmp_path / "alone.pt")
     assert result.exit_code == 0, result.stderr
-    assert "the rest" not in result.stderr and "--select" not in result.stderr, result.stderr
+    assert "beside it" not in result.stderr and "--select" not in result.stderr, result.stderr
     assert torch.load(tmp_path / "alone.pt", weights_only=True).keys() == model.state_dict().keys()
     result = run_cli("fix", nested, "-o", tmp_path / "nested.pt")
-    assert result.exit_code == 0 and "wrote the model's state_dict at 'app.model'" in result.stderr, result.stderr
-    everything = run_cli("fix", nested, "-o", tmp_path / "all.pt", "--select", "")  # as the note says
+    assert result.exit_code == 0, result.stderr
+    assert ("wrote the model's state_dict at 'app.model', as load_state_dict takes it; beside it: step, app.optim "
+            "(--select app.optim writes app.optim alone, --select '' all of it)") in result.stderr, result.stderr
+    part = run_cli("fix", nested, "-o", tmp_path / "optim.pt", "--select", "app.optim")  # as the note says
+    assert part.exit_code == 0, part.stderr
+    optimizer.load_state_dict(torch.load(tmp_path / "optim.pt", weights_only=True))
+    everything = run_cli("fix", nested, "-o", tmp_path / "all.pt", "--select", "")
     assert everything.exit_code == 0 and torch.load(tmp_path / "all.pt", weights_only=True)["step"] == 7
 
 

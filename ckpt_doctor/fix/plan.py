@@ -10,6 +10,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from .._record import field, record, replace
+from ..advice import shell_word
 from ..devices import missing_devices
 from ..dtypes import FLOATING, QUANTIZED
 from ..errors import PlanError, Rerun, UsageError
@@ -30,7 +31,7 @@ from ..tree import join
 from .keys import device_for, map_by_order, module_versions, tie
 from .options import FixOptions, OutputFormat, output_format
 from .rebuild import (
-    holds_more_than,
+    beside,
     MISSING,
     check_writable,
     in_source_order,
@@ -224,10 +225,14 @@ def choose_scope(ckpt: Checkpoint, fmt: OutputFormat, opts: FixOptions, auto_sel
                                       or is_module_root(ckpt, root) or ckpt.distributed is not None)
     if ckpt.distributed is not None:
         draft.notes += ckpt.distributed.fix_notes
-    if ckpt.distributed is not None and select is None and root and holds_more_than(ckpt.root, root):
+    others = beside(ckpt.root, root) if ckpt.distributed is not None and select is None and root else []
+    if others:  # --select names one part only where it holds tensors (a part without any is refused)
+        shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        tensors = next((o for o in others if any(t.key == o or t.key.startswith(o + ".") for t in ckpt.tensors)), None)
+        how = f"--select {shell_word(tensors)} writes {tensors} alone, --select '' all of it" if tensors else \
+            "--select '' writes all of it"
         draft.notes.append(f"a distributed checkpoint: wrote the model's state_dict at {root!r}, as load_state_dict "
-                           "takes it; the rest (optimizer state, other values) with --select PATH, all of it with "
-                           "--select ''")
+                           f"takes it; beside it: {shown} ({how})")
     elif fmt is OutputFormat.SAFETENSORS and select is None and root:
         draft.notes.append(f"safetensors holds tensors only: wrote the state_dict at {root!r}; the rest of the "
                            "checkpoint (optimizer, metadata) is left out")

@@ -52,17 +52,16 @@ def _items(obj: Any) -> list[tuple[str, Any]] | None:
     return None
 
 
-def holds_more_than(obj: Any, path: str) -> bool:
-    """Whether `obj` holds anything besides the value at `path` (found as subtree finds it): a sibling at any level
-    above it. Whatever path does not lead into counts as more."""
-    if path == "":
-        return False
+def beside(obj: Any, path: str, above: str = "") -> list[str]:
+    """The dotted paths of what `obj` holds besides the value at `path` (found as subtree finds it): its siblings at
+    every level above it, in the container's order."""
     for name, value in _items(obj) or ():
-        if path == name:
-            return len(obj) > 1
-        if path.startswith(name + ".") and subtree(value, path[len(name) + 1:]) is not MISSING:
-            return len(obj) > 1 or holds_more_than(value, path[len(name) + 1:])
-    return True
+        rest = path[len(name) + 1:]
+        if path == name or path.startswith(name + ".") and subtree(value, rest) is not MISSING:
+            keys = obj if isinstance(obj, dict) else range(len(obj))
+            others = [join(above, key) for key in keys if str(key) != name]
+            return others if path == name else others + beside(value, rest, join(above, name))
+    return []
 
 
 def unlisted_tensors(tensors: tuple[TensorRecord, ...], written: set[str], dropped: list[str],
