@@ -17,7 +17,7 @@ from sys import intern
 from ._record import field, record
 from .dtypes import element_size
 from .errors import ReadError
-from .pool import can_fork, one_blas_thread, workers
+from .pool import can_fork, one_blas_thread, openblas_libraries, workers
 from .readers import read_checkpoint
 from .readers.held import Holder
 from .records import Checkpoint, TensorRecord, relative_to_root
@@ -339,6 +339,40 @@ def _scratch() -> list:
     return [raw[start + i * row:start + i * row + BLOCK * 8].view(np.float64) for i in range(3)]
 
 
+_AMAX: list = []  # [OpenBLAS's damax, or None]: looked for once a process (a forked worker inherits it)
+
+
+def _amax() -> Any:
+    """OpenBLAS's damax extension, (elements, address, 1) -> max |x| of a float64 block in one pass: 0.14 ns an
+    element where NumPy's max and min of the block took 0.31 between them. None where the BLAS loaded has no such
+    function, or where it fails a probe (its integer width, say): NumPy's max and min are used then."""
+    if _AMAX:
+        return _AMAX[0]
+    found = None
+    for path in openblas_libraries():
+        try:
+            import ctypes
+
+            import numpy as np
+
+            library = ctypes.CDLL(path)
+            for name in ("scipy_cblas_damax64_", "cblas_damax64_", "cblas_damax"):
+                damax = getattr(library, name, None)
+                if damax is None:
+                    continue
+                damax.restype, damax.argtypes = ctypes.c_double, [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+                probe = np.array([-4.0, 1.0, -9.0, 2.5])
+                if damax(2, probe.ctypes.data, 1) == 4.0 and damax(4, probe.ctypes.data, 1) == 9.0:
+                    found = damax
+                    break
+        except (OSError, AttributeError, TypeError):
+            continue
+        if found is not None:
+            break
+    _AMAX.append(found)
+    return found
+
+
 def _sums(windows, bf16: tuple[bool, bool], atol: float, rtol: float, scratch: Any) -> tuple:
     """(max |y − x|, Σ(y − x)², Σx², Σy², Σxy, every element within atol + rtol·|x|) in float64 over (x, y)
     windows of two flat arrays: BLAS dot products over cache-sized blocks, NaN equal to NaN, an inf only equal to
@@ -346,11 +380,14 @@ def _sums(windows, bf16: tuple[bool, bool], atol: float, rtol: float, scratch: A
 
     Each NumPy call costs about a microsecond besides its work, so the loop makes as few as it can: the scratch
     rows whole for every full block (no slicing), the ndarray methods (`dd.dot(dd)`: half the cost of `dd @ dd`
-    on a block), and the unbound ufunc reductions for the extremes."""
+    on a block); and the largest |y − x| of a finite block is one pass of OpenBLAS's damax (_amax) instead of
+    NumPy's max and min."""
     import numpy as np
 
     u, v, d = scratch
     block = u.size
+    amax = _amax()
+    at_d = d.ctypes.data if amax is not None else 0  # every block of d starts there
     copyto, subtract, largest, smallest = np.copyto, np.subtract, np.maximum.reduce, np.minimum.reduce
     plain = not (bf16[0] or bf16[1])
     max_abs = diff_sq = a_sq = b_sq = dot = 0.0
@@ -382,10 +419,14 @@ def _sums(windows, bf16: tuple[bool, bool], atol: float, rtol: float, scratch: A
                     block_sq = inf if max_abs == inf else float(dd.dot(dd))
                     if close:
                         close = bool(np.all(eq | (np.abs(dd) <= atol + rtol * np.abs(uu))))
-                elif close:
-                    close = bool(np.all(np.abs(dd) <= atol + rtol * np.abs(uu)))
-                if max_abs != inf:
-                    max_abs = max(max_abs, float(largest(dd)), -float(smallest(dd)))
+                    if max_abs != inf:
+                        max_abs = max(max_abs, float(largest(dd)), -float(smallest(dd)))
+                else:
+                    if close:
+                        close = bool(np.all(np.abs(dd) <= atol + rtol * np.abs(uu)))
+                    if max_abs != inf:  # every element finite here: their squares summed to a finite number
+                        max_abs = max(max_abs, amax(n, at_d, 1) if amax is not None else
+                                      max(float(largest(dd)), -float(smallest(dd))))
                 diff_sq += block_sq
                 a_sq += float(uu.dot(uu))
                 b_sq += float(vv.dot(vv))
