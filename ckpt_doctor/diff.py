@@ -93,6 +93,7 @@ _NUMPY = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", 
           "bfloat16": "<u2"}  # bfloat16: its bits, widened to float32 block by block
 BLOCK = 1 << 15  # elements per float64 block: 256 KB each, so the arithmetic stays in the CPU's cache
 WINDOW = 1 << 24  # bytes of a tensor mapped at a time, and of each file between drops: memory stays near two windows
+FOLIO = 1 << 21  # the largest folio of the page cache one fault maps (a PMD on x86-64): what any read may map
 SMALL = 1 << 16  # pairs up to this many bytes are compared as copies: cheaper than setting up two array views
 # The float64 arithmetic of a changed pair costs about twice reading it, and threads do not share it out here (the
 # GIL: measured), so past WORKER_AFTER bytes of changed pairs a forked copy of this process takes batches of pieces
@@ -147,6 +148,7 @@ class _Mapped:
         self.holder, self.held = holder, held
         self.maps: dict[str, Any] = {}  # path -> its mmap, or its file descriptor where it is read by pread
         self.read_since_drop: dict[str, int] = {}
+        self.last_folios: dict[str, tuple[int, int]] = {}  # path -> the folios the last piece read of it lies in
         self.buffers: list[Any] = [None, None]  # side A's and side B's pread buffer
         self.memcmp = _memcmp()
         self.memcmp_at = _libc_memcmp()  # (address, address, bytes) -> 0 when equal; None without libc
@@ -157,8 +159,9 @@ class _Mapped:
     def held_paths(self) -> frozenset[str]:
         return frozenset(path for path, m in self.maps.items() if not isinstance(m, int))
 
-    def _file(self, path: str, nbytes: int) -> Any:
-        """The map (or the descriptor) of `path`, about to have `nbytes` more of it read."""
+    def _file(self, path: str, nbytes: int, offset: int | None = None) -> Any:
+        """The map (or the descriptor) of `path`, about to have `nbytes` more of it read (at `offset`: then what
+        is counted is the folios the read maps that the last such read did not, see _folios)."""
         import mmap
         import os
 
@@ -175,12 +178,23 @@ class _Mapped:
             self.read_since_drop[path] = 0
         if isinstance(mm, int):
             return mm
-        read = self.read_since_drop[path] + nbytes
+        read = self.read_since_drop[path] + (nbytes if offset is None else self._folios(path, offset, nbytes))
         if read > WINDOW and hasattr(mm, "madvise"):
             mm.madvise(mmap.MADV_DONTNEED)  # what earlier windows faulted in; re-read from the page cache if needed
             read = nbytes
         self.read_since_drop[path] = read
         return mm
+
+    def _folios(self, path: str, offset: int, nbytes: int) -> int:
+        """Bytes of `path` a read of `nbytes` at `offset` maps: a fault maps a whole folio of the page cache (up
+        to FOLIO), so a piece of 100 KB can map 2 MB. Counted by its bytes, pieces far apart (the changed pairs
+        the worker is sent, one in eight of a file, say) mapped many times WINDOW between drops; counted by the
+        folios they lie in (less those the last piece already counted: neighbours share theirs), memory stays
+        near WINDOW a file."""
+        first, last = offset // FOLIO, (offset + max(nbytes, 1) - 1) // FOLIO
+        before_first, before_last = self.last_folios.get(path, (-1, -2))
+        self.last_folios[path] = first, last
+        return (last - first + 1 - max(0, min(last, before_last) - max(first, before_first) + 1)) * FOLIO
 
     def check(self, t: TensorRecord) -> None:
         import os
@@ -221,7 +235,7 @@ class _Mapped:
 
         fa, oa, da, fb, ob, db, count = piece
         code_a, code_b = np.dtype(_NUMPY[da]), np.dtype(_NUMPY[db])
-        ma, mb = self._file(fa, count * code_a.itemsize), self._file(fb, count * code_b.itemsize)
+        ma, mb = self._file(fa, count * code_a.itemsize, oa), self._file(fb, count * code_b.itemsize, ob)
         return self._array(ma, oa, code_a, count, 0), self._array(mb, ob, code_b, count, 1)
 
     def same_bytes(self, ta: TensorRecord, tb: TensorRecord) -> bool:
