@@ -454,12 +454,15 @@ def _sums(windows, bf16: tuple[bool, bool], atol: float, rtol: float, scratch: A
                         close = bool(np.all(eq | (np.abs(dd) <= atol + rtol * np.abs(uu))))
                     if max_abs != inf:
                         max_abs = max(max_abs, float(largest(dd)), -float(smallest(dd)))
-                else:
-                    if close:
-                        close = bool(np.all(np.abs(dd) <= atol + rtol * np.abs(uu)))
-                    if max_abs != inf:  # every element finite here: their squares summed to a finite number
-                        max_abs = max(max_abs, amax(n, at_v, 1) if amax is not None else
-                                      max(float(largest(dd)), -float(smallest(dd))))
+                else:  # every element finite: their squares summed to a finite number
+                    most = amax(n, at_v, 1) if amax is not None else max(float(largest(dd)), -float(smallest(dd)))
+                    if max_abs != inf:
+                        max_abs = max(max_abs, most)
+                    if close and not (most <= atol and 0 <= rtol < inf):  # then |y − x| <= atol <= atol + rtol·|x|
+                        tolerance = np.abs(uu, out=uu)  # x and y − x are done with: the test is worked in place
+                        np.multiply(tolerance, rtol, out=tolerance)
+                        np.add(tolerance, atol, out=tolerance)
+                        close = bool(np.less_equal(np.abs(dd, out=dd), tolerance).all())
                 diff_sq += block_sq
                 a_sq += block_a
                 b_sq += block_b
