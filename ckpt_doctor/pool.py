@@ -76,6 +76,17 @@ def can_fork() -> bool:
 
 
 
+def openblas_libraries() -> list[str]:
+    """The paths of the OpenBLAS libraries this process has loaded (NumPy's, once it is imported); none where there
+    is no /proc to tell."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps
+                           if "openblas" in line.lower() and line.split()[-1].startswith("/")})
+    except OSError:
+        return []
+
+
 class one_blas_thread:
     """NumPy's OpenBLAS held to one thread for the block, then given back what it had.
 
@@ -92,13 +103,9 @@ class one_blas_thread:
 
     def __enter__(self) -> one_blas_thread:
         self.restore: list = []
-        try:
-            with open("/proc/self/maps") as maps:
-                libraries = sorted({line.split()[-1] for line in maps
-                                    if "openblas" in line.lower() and line.split()[-1].startswith("/")})
+        libraries = openblas_libraries()
+        if libraries:
             import ctypes  # only when an OpenBLAS is loaded
-        except OSError:
-            return self
         for path in libraries:
             try:
                 library = ctypes.CDLL(path)
