@@ -230,7 +230,9 @@ def test_the_worker_process_gives_exactly_the_figures_computed_here(tmp_path, mo
     pa, pb = _many_changed_pairs(tmp_path)
     atol, rtol = 1e-3, 0.02
     shared = D.diff_checkpoints(pa, pb, atol=atol, rtol=rtol)
-    assert small_worker_batches["sent"] >= 3 and small_worker_batches["failed"] == 0
+    # the worker gets IN_FLIGHT batches before its first answer is awaited, more only as fast as it answers (a
+    # loaded machine may give it no more): those prove the figures travel between the processes
+    assert small_worker_batches["sent"] >= D.IN_FLIGHT and small_worker_batches["failed"] == 0
     monkeypatch.setattr(D, "WORKER_AFTER", 1 << 62)
     alone = D.diff_checkpoints(pa, pb, atol=atol, rtol=rtol)
     assert _figures(shared) == _figures(alone)
