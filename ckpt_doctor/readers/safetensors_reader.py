@@ -11,6 +11,9 @@ dtypes, shapes and metadata to the library's on valid files and on headers broke
 from __future__ import annotations
 
 import struct
+from itertools import repeat
+from math import prod
+from operator import add, mul, sub
 from pathlib import Path
 
 TYPE_CHECKING = False
@@ -22,7 +25,7 @@ from ..errors import ReadError
 from ..records import Checkpoint, Format, TensorTable
 from ..safepickle import limits
 from .source import pread
-from .jsonfile import parse_json
+from .jsonfile import _has_lone_surrogate, parse_json
 
 
 def _short(value: object) -> str:
@@ -45,6 +48,11 @@ def read_safetensors(path: Path, fd: Any, size: int, base: int = 0) -> Checkpoin
     if raw.count(b'"data_offsets"') > limits.MAX_TENSORS:  # before parsing: 1.7 million entries took 2 GB
         raise ReadError(f"{path}: safetensors header lists more than {limits.MAX_TENSORS:,} tensors; refusing to "
                         "read it")
+    data_start = base + 8 + n
+    columns = _compact_columns(raw, size - data_start)
+    if columns is not None:
+        metadata, keys, dtypes, shapes, begins, sizes = columns
+        return _checkpoint(path, data_start, metadata, keys, dtypes, shapes, begins, sizes)
     header = parse_json(raw, path, "safetensors header")
     del raw
     if not isinstance(header, dict):
@@ -52,7 +60,6 @@ def read_safetensors(path: Path, fd: Any, size: int, base: int = 0) -> Checkpoin
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ReadError(f"{path}: safetensors __metadata__ must map strings to strings")
-    data_start = base + 8 + n
     data_len = size - data_start
     # One tight pass over the entries into columns (no object per tensor); an entry the fast checks do not pass
     # is checked again by _entry, which says what is wrong with it.
@@ -99,10 +106,104 @@ def read_safetensors(path: Path, fd: Any, size: int, base: int = 0) -> Checkpoin
         spans.sort(key=lambda span: (span[0], span[2]))
     if spans:
         begins, sizes, keys, dtypes, shapes = (list(column) for column in zip(*spans))
-    table = TensorTable(keys, dtypes, shapes, file=path, file_offsets=[data_start + b for b in begins], nbytes=sizes)
+    return _checkpoint(path, data_start, metadata, keys, dtypes, shapes, begins, sizes)
+
+
+def _checkpoint(path: Path, data_start: int, metadata: dict, keys: list[str], dtypes: list[str], shapes: list,
+                begins: list[int], sizes: list[int]) -> Checkpoint:
+    """The Checkpoint of a checked header's columns, in order of the tensors' bytes."""
+    table = TensorTable(keys, dtypes, shapes, file=path, file_offsets=list(map(add, begins, repeat(data_start))),
+                        nbytes=sizes)
     table.checked = True  # keys are JSON strings, shapes JSON integers (checked above)
     return Checkpoint(path=path, format=Format.SAFETENSORS, tensors=table, metadata=dict(metadata),
                       globals=(), state_dict_root="" if keys else None, files=(path,))
+
+
+# One entry of a header as the reference writer spells it (no blanks, fields in its order), a comma after it: its
+# key (a JSON string without escapes), dtype code, dims, and begin and end offsets (JSON integers of up to 19 digits).
+_INT = "(?:0|[1-9][0-9]{0,18})"
+_ENTRY = (r'"([^"\\\x00-\x1f]*)":\{"dtype":"([0-9A-Z_a-z]{1,16})","shape":\[(%s(?:,%s)*|)\],'
+          r'"data_offsets":\[(%s),(%s)\]\},' % (_INT, _INT, _INT, _INT))
+_ENTRY_TEXT = len('"":{"dtype":"","shape":[],"data_offsets":[,]},')  # an entry's characters besides its groups
+_entries = None  # _ENTRY compiled, on the first header read
+
+
+def _compact_columns(raw: bytes, data_len: int) -> tuple | None:
+    """A header as the reference writer spells it, read by one regex pass instead of a JSON parse and a walk of its
+    20,000 objects (a third of the time): (metadata, keys, dtypes, shapes, begins, sizes), in order of the tensors'
+    bytes, when every entry passes every check the general reading makes and the bytes lie in order, one tensor
+    after the other from 0 to the end. None for anything else (other spacing or escapes in a key, an empty tensor,
+    any fault): the general reading then decides, and names what is wrong.
+
+    The entries are the header's text exactly: the regex's matches never overlap, so when their lengths add up to
+    the text's, they tile it, and nothing (a nest, a second value, a stray byte) lies between them."""
+    global _entries
+    try:
+        text = raw.decode("utf-8").rstrip(" ")
+    except UnicodeDecodeError:
+        return None
+    if text[:1] != "{" or text[-1:] != "}":
+        return None
+    metadata: dict = {}
+    body = text[1:-1]
+    if text.startswith('{"__metadata__":{'):  # where the reference writer puts it
+        import json
+
+        try:
+            metadata, end = json.JSONDecoder().raw_decode(text, 16)
+        except (ValueError, RecursionError):
+            return None
+        if type(metadata) is not dict or not all(type(v) is str for v in metadata.values()) or \
+                "\\u" in text[16:end] and _has_lone_surrogate(metadata, text[16:end]):
+            return None
+        if end == len(text) - 1:  # nothing but the metadata: its brace, then the header's
+            return (metadata, [], [], [], [], []) if text[end] == "}" and data_len == 0 else None
+        if text[end:end + 1] != "," or end + 2 >= len(text):
+            return None
+        body = text[end + 1:-1]
+    if not body:  # "{}"
+        return (metadata, [], [], [], [], []) if data_len == 0 else None
+    if _entries is None:
+        import re
+
+        _entries = re.compile(_ENTRY)
+    found = _entries.findall(body + ",")
+    if not found:
+        return None
+    keys, codes, dims, firsts, lasts = zip(*found)
+    n = len(keys)
+    if n * _ENTRY_TEXT + sum(map(len, keys)) + sum(map(len, codes)) + sum(map(len, dims)) + \
+            sum(map(len, firsts)) + sum(map(len, lasts)) != len(body) + 1:
+        return None  # text between the entries
+    if len(set(keys)) != n or "__metadata__" in keys or max(map(len, keys)) > limits.MAX_KEY_LENGTH:
+        return None
+    torch_names = {code: SAFETENSORS_TO_TORCH.get(code) for code in set(codes)}
+    if None in torch_names.values():
+        return None
+    sizes_of = {code: ELEMENT_SIZE[name] for code, name in torch_names.items()}
+    tuples: dict[str, tuple[int, ...]] = {}
+    numels: dict[str, int] = {}
+    for text_dims in set(dims):  # a few distinct shapes: each made once, the tensors of that shape share the tuple
+        shape = tuples[text_dims] = tuple(map(int, text_dims.split(","))) if text_dims else ()
+        numels[text_dims] = prod(shape)
+    begins = list(map(int, firsts))
+    sizes = list(map(sub, map(int, lasts), begins))
+    if sizes != list(map(mul, map(numels.__getitem__, dims), map(sizes_of.__getitem__, codes))) or min(sizes) <= 0:
+        return None  # a shape that does not fill its span, or an empty tensor (listed by offset, then key)
+    keys, dims, codes = list(keys), list(dims), list(codes)
+    if not _tiled(begins, sizes, data_len):
+        order = sorted(range(n), key=begins.__getitem__)
+        keys, dims, codes, begins, sizes = ([column[i] for i in order] for column in (keys, dims, codes, begins,
+                                                                                         sizes))
+        if not _tiled(begins, sizes, data_len):
+            return None
+    return (metadata, keys, list(map(torch_names.__getitem__, codes)), list(map(tuples.__getitem__, dims)), begins,
+            sizes)
+
+
+def _tiled(begins: list[int], sizes: list[int], data_len: int) -> bool:
+    """The spans lie one after the other, the first at 0, the last ending at data_len."""
+    return begins[0] == 0 and begins[-1] + sizes[-1] == data_len and begins[1:] == list(map(add, begins, sizes))[:-1]
 
 
 def _entry(path: Path, key: str, info: object, data_len: int) -> tuple[str, list, int, int]:
