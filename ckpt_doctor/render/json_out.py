@@ -127,23 +127,32 @@ class _EncodedRows:
 
     def _lines(self, table: Any, text: Callable[[str], str]) -> list[str]:
         layouts = self.layouts
+        keys = table.keys
         dtypes = {d: text(d) for d in set(table.dtypes)}
         devices = {d: text(d) for d in set(table.devices)}
+        # A reader hands out one tuple a distinct shape (a checkpoint repeats a few): each written once, by the
+        # tuple's id (not its value: a file chooses the hashes of its tuples of ints).
+        written: dict[int, str] = {}
+        for shape in table.shapes:
+            if id(shape) not in written:
+                written[id(shape)] = ", ".join(map(str, shape))
+        columns = [list(map(text, keys)), list(map(written.__getitem__, map(id, table.shapes))),
+                   list(map(dtypes.__getitem__, table.dtypes)), list(map(devices.__getitem__, table.devices)),
+                   table.nbytes()]
+        storages = table.storage_keys()
+        row = '{"key": %s, "shape": [%s], "dtype": %s, "device": %s, "nbytes": %s'
+        if storages is keys:  # each tensor's storage is named by its key (a safetensors file)
+            columns.append(columns[0])
+            row += ', "storage": %s'
+        elif None not in storages:
+            columns.append(list(map(text, storages)))
+            row += ', "storage": %s'
+        if not layouts and len(columns) == 6:  # every row alike: made by one C loop
+            return list(map((row + "}").__mod__, zip(*columns)))
         out = []
-        # A pickle's reader hands out one tuple a distinct shape (a checkpoint repeats a few): each written once, by
-        # the tuple's id (not its value: a file chooses the hashes of its tuples of ints). A safetensors file's
-        # shapes are a tuple each: written as met.
-        written: dict[int, str] | None = None if table.owns_storages else {}
-        for key, shape, dtype, device, nbytes, storage in zip(table.keys, table.shapes, table.dtypes, table.devices,
-                                                              table.nbytes(), table.storage_keys()):
-            if written is None:
-                dims = ", ".join(map(str, shape))
-            else:
-                dims = written.get(id(shape))
-                if dims is None:
-                    dims = written[id(shape)] = ", ".join(map(str, shape))
-            line = (f'{{"key": {text(key)}, "shape": [{dims}], "dtype": {dtypes[dtype]}, '
-                    f'"device": {devices[device]}, "nbytes": {nbytes}')
+        for key, enc_key, dims, dtype, device, nbytes, storage in zip(keys, *columns[:5], storages):
+            line = (f'{{"key": {enc_key}, "shape": [{dims}], "dtype": {dtype}, "device": {device}, '
+                    f'"nbytes": {nbytes}')
             if storage is not None:
                 line += f', "storage": {text(storage)}'
             if layouts and key in layouts:
