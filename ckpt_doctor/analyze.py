@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from itertools import repeat
+from itertools import chain, compress, count, islice, repeat
+from operator import add, getitem, itemgetter
 from ._record import record
 
 from .records import SharedGroup, TensorRecord, TensorTable
@@ -172,6 +173,47 @@ def collapse_labels(labels: list[str], signatures: list[tuple]) -> list[tuple[st
 
 
 def _collapse_once(rows: list[tuple[str, list[int], tuple]]) -> list[tuple[str, list[int], tuple]]:
+    labels, memberships, signatures = (list(map(itemgetter(i), rows)) for i in range(3))  # not zip(*rows): an
+    # iterator per row
+    joined = "\n".join(labels)
+    found_in = _FIRST_NUM.findall(joined) if joined.count("\n") == len(labels) - 1 else ()
+    if len(found_in) != len(labels):  # a label with a line break: each searched on its own
+        return _collapse_each(rows)
+    # Each label's first numeric component, by one pass over them all: (what is before it, its digits, what is after
+    # it), ("", "", "") for a label without one. The label with it cut out, its signature and its row's size make
+    # its group's key. Every step a loop in C but the grouping.
+    heads, digits, tails = (list(map(itemgetter(i), found_in)) for i in range(3))
+    numbered = list(map(bool, digits))
+    patterns = map(add, map(add, heads, repeat("\0")), tails)
+    groups: dict[tuple, list[int]] = {}  # key -> row positions, in order of first row
+    for key, pos in zip(compress(zip(patterns, signatures, map(len, memberships)), numbered),
+                        compress(count(), numbered)):
+        found = groups.get(key)
+        if found is None:
+            groups[key] = [pos]
+        else:
+            found.append(pos)
+    merged_at: dict[int, tuple[str, list[int], tuple]] = {}
+    absorbed: set[int] = set()
+    for (pattern, sig, _), found in groups.items():
+        if len(found) < 3:
+            continue
+        label = pattern.replace("\0", "{" + _index_range(list(map(int, map(digits.__getitem__, found)))) + "}")
+        merged_at[found[0]] = (label, list(chain.from_iterable(map(memberships.__getitem__, found))), sig)
+        absorbed.update(islice(found, 1, None))
+    if not merged_at:
+        return rows
+    return [merged_at.get(pos, rows[pos]) for pos in sorted(set(range(len(rows))).difference(absorbed))]
+
+
+# A label's first numeric component (one whole component of digits), found for every label of a joined text at once:
+# the components before it, lazily, its digits up to a dot or the label's end, the rest of the label; else the empty
+# match.
+_FIRST_NUM = re.compile(r"^((?:[^.\n]*\.)*?)(\d+)((?![^.\n])[^\n]*)|^", re.M)
+
+
+def _collapse_each(rows: list[tuple[str, list[int], tuple]]) -> list[tuple[str, list[int], tuple]]:
+    """_collapse_once with a search of each label (one holds a line break, which the joined text cannot)."""
     groups: dict[tuple, list[tuple[int, int]]] = {}  # key -> [(index value, row position)], in order of first row
     search = _NUM.search
     for pos, (label, members, sig) in enumerate(rows):

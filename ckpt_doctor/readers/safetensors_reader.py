@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 from itertools import repeat
 from math import prod
-from operator import add, mul, sub
+from operator import add, itemgetter, mul, sub
 from pathlib import Path
 
 TYPE_CHECKING = False
@@ -25,7 +25,7 @@ from ..errors import ReadError
 from ..records import Checkpoint, Format, TensorTable
 from ..safepickle import limits
 from .source import pread
-from .jsonfile import _has_lone_surrogate, parse_json
+from .jsonfile import has_lone_surrogate, parse_json
 
 
 def _short(value: object) -> str:
@@ -154,7 +154,7 @@ def _compact_columns(raw: bytes, data_len: int) -> tuple | None:
         except (ValueError, RecursionError):
             return None
         if type(metadata) is not dict or not all(type(v) is str for v in metadata.values()) or \
-                "\\u" in text[16:end] and _has_lone_surrogate(metadata, text[16:end]):
+                "\\u" in text[16:end] and has_lone_surrogate(metadata, text[16:end]):
             return None
         if end == len(text) - 1:  # nothing but the metadata: its brace, then the header's
             return (metadata, [], [], [], [], []) if text[end] == "}" and data_len == 0 else None
@@ -170,7 +170,8 @@ def _compact_columns(raw: bytes, data_len: int) -> tuple | None:
     found = _entries.findall(body + ",")
     if not found:
         return None
-    keys, codes, dims, firsts, lasts = zip(*found)
+    keys, codes, dims, firsts, lasts = (list(map(itemgetter(i), found)) for i in range(5))  # not zip(*found): an
+    # iterator per entry
     n = len(keys)
     if n * _ENTRY_TEXT + sum(map(len, keys)) + sum(map(len, codes)) + sum(map(len, dims)) + \
             sum(map(len, firsts)) + sum(map(len, lasts)) != len(body) + 1:
@@ -190,7 +191,6 @@ def _compact_columns(raw: bytes, data_len: int) -> tuple | None:
     sizes = list(map(sub, map(int, lasts), begins))
     if sizes != list(map(mul, map(numels.__getitem__, dims), map(sizes_of.__getitem__, codes))) or min(sizes) <= 0:
         return None  # a shape that does not fill its span, or an empty tensor (listed by offset, then key)
-    keys, dims, codes = list(keys), list(dims), list(codes)
     if not _tiled(begins, sizes, data_len):
         order = sorted(range(n), key=begins.__getitem__)
         keys, dims, codes, begins, sizes = ([column[i] for i in order] for column in (keys, dims, codes, begins,
