@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from itertools import chain, compress, count, islice, repeat
-from operator import add, getitem, itemgetter
+from operator import add, itemgetter
 from ._record import record
 
 from .records import SharedGroup, TensorRecord, TensorTable
