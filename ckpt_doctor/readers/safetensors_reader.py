@@ -13,7 +13,7 @@ from __future__ import annotations
 import struct
 from itertools import repeat
 from math import prod
-from operator import add, itemgetter, mul, sub
+from operator import add, itemgetter, sub
 from pathlib import Path
 
 TYPE_CHECKING = False
@@ -119,24 +119,25 @@ def _checkpoint(path: Path, data_start: int, metadata: dict, keys: list[str], dt
                       globals=(), state_dict_root="" if keys else None, files=(path,))
 
 
-# One entry of a header as the reference writer spells it (no blanks, fields in its order), a comma after it: its
-# key (a JSON string without escapes), dtype code, dims, and begin and end offsets (JSON integers of up to 19 digits).
-_INT = "(?:0|[1-9][0-9]{0,18})"
-_ENTRY = (r'"([^"\\\x00-\x1f]*)":\{"dtype":"([0-9A-Z_a-z]{1,16})","shape":\[(%s(?:,%s)*|)\],'
-          r'"data_offsets":\[(%s),(%s)\]\},' % (_INT, _INT, _INT, _INT))
-_ENTRY_TEXT = len('"":{"dtype":"","shape":[],"data_offsets":[,]},')  # an entry's characters besides its groups
+# One entry of a header as the reference writer spells it (no blanks, its fields in its order), a comma after it, in
+# three parts: the key (a JSON string without escapes), the dtype and shape (`F32","shape":[4,4`: a file has a few
+# distinct ones, each then read once) and the two offsets (`0,64`: all of them then read as one JSON array).
+_ENTRY = (r'"([^"\\\x00-\x1f]*)":\{"dtype":"([0-9A-Z_a-z]{1,16}","shape":\[[0-9,]*)\],'
+          r'"data_offsets":\[([0-9]{1,20},[0-9]{1,20})\]\},')
+_ENTRY_TEXT = len('"":{"dtype":"],"data_offsets":[]},')  # an entry's characters besides its three parts
 _entries = None  # _ENTRY compiled, on the first header read
 
 
 def _compact_columns(raw: bytes, data_len: int) -> tuple | None:
     """A header as the reference writer spells it, read by one regex pass instead of a JSON parse and a walk of its
-    20,000 objects (a third of the time): (metadata, keys, dtypes, shapes, begins, sizes), in order of the tensors'
+    20,000 objects (a fifth of the time): (metadata, keys, dtypes, shapes, begins, sizes), in order of the tensors'
     bytes, when every entry passes every check the general reading makes and the bytes lie in order, one tensor
     after the other from 0 to the end. None for anything else (other spacing or escapes in a key, an empty tensor,
     any fault): the general reading then decides, and names what is wrong.
 
     The entries are the header's text exactly: the regex's matches never overlap, so when their lengths add up to
-    the text's, they tile it, and nothing (a nest, a second value, a stray byte) lies between them."""
+    the text's, they tile it, and nothing (a nest, a second value, a stray byte) lies between them. Numbers are
+    read by the JSON parser, which refuses what JSON does (a leading zero)."""
     global _entries
     try:
         text = raw.decode("utf-8").rstrip(" ")
@@ -144,11 +145,11 @@ def _compact_columns(raw: bytes, data_len: int) -> tuple | None:
         return None
     if text[:1] != "{" or text[-1:] != "}":
         return None
+    import json
+
     metadata: dict = {}
     body = text[1:-1]
     if text.startswith('{"__metadata__":{'):  # where the reference writer puts it
-        import json
-
         try:
             metadata, end = json.JSONDecoder().raw_decode(text, 16)
         except (ValueError, RecursionError):
@@ -170,40 +171,38 @@ def _compact_columns(raw: bytes, data_len: int) -> tuple | None:
     found = _entries.findall(body + ",")
     if not found:
         return None
-    keys, codes, dims, firsts, lasts = (list(map(itemgetter(i), found)) for i in range(5))  # not zip(*found): an
-    # iterator per entry
+    # columns by itemgetter, not zip(*found): that makes an iterator per entry
+    keys, kinds, spans = (list(map(itemgetter(i), found)) for i in range(3))
+    del found
     n = len(keys)
-    if n * _ENTRY_TEXT + sum(map(len, keys)) + sum(map(len, codes)) + sum(map(len, dims)) + \
-            sum(map(len, firsts)) + sum(map(len, lasts)) != len(body) + 1:
+    if n * _ENTRY_TEXT + sum(map(len, keys)) + sum(map(len, kinds)) + sum(map(len, spans)) != len(body) + 1:
         return None  # text between the entries
     if len(set(keys)) != n or "__metadata__" in keys or max(map(len, keys)) > limits.MAX_KEY_LENGTH:
         return None
-    torch_names = {code: SAFETENSORS_TO_TORCH.get(code) for code in set(codes)}
-    if None in torch_names.values():
-        return None
-    sizes_of = {code: ELEMENT_SIZE[name] for code, name in torch_names.items()}
-    tuples: dict[str, tuple[int, ...]] = {}
-    numels: dict[str, int] = {}
-    for text_dims in set(dims):  # a few distinct shapes: each made once, the tensors of that shape share the tuple
-        shape = tuples[text_dims] = tuple(map(int, text_dims.split(","))) if text_dims else ()
-        numels[text_dims] = prod(shape)
-    begins = list(map(int, firsts))
-    sizes = list(map(sub, map(int, lasts), begins))
-    if sizes != list(map(mul, map(numels.__getitem__, dims), map(sizes_of.__getitem__, codes))) or min(sizes) <= 0:
+    dtype_of: dict[str, str] = {}
+    shape_of: dict[str, tuple[int, ...]] = {}
+    nbytes_of: dict[str, int] = {}
+    try:
+        for kind in set(kinds):  # a few distinct: each read once, the tensors of that shape share its tuple
+            code, _, dims = kind.partition('","shape":[')
+            dtype = dtype_of[kind] = SAFETENSORS_TO_TORCH[code]
+            shape = shape_of[kind] = tuple(json.loads(f"[{dims}]"))  # digits and commas: ints, or a ValueError
+            nbytes_of[kind] = prod(shape) * ELEMENT_SIZE[dtype]
+        offsets = json.loads(f"[{','.join(spans)}]")
+    except (KeyError, ValueError):
+        return None  # an unknown dtype, a number JSON refuses
+    begins, ends = offsets[0::2], offsets[1::2]
+    sizes = list(map(sub, ends, begins))
+    if sizes != list(map(nbytes_of.__getitem__, kinds)) or min(sizes) <= 0:
         return None  # a shape that does not fill its span, or an empty tensor (listed by offset, then key)
-    if not _tiled(begins, sizes, data_len):
+    if not (begins[0] == 0 and ends[-1] == data_len and begins[1:] == ends[:-1]):
         order = sorted(range(n), key=begins.__getitem__)
-        keys, dims, codes, begins, sizes = ([column[i] for i in order] for column in (keys, dims, codes, begins,
-                                                                                         sizes))
-        if not _tiled(begins, sizes, data_len):
-            return None
-    return (metadata, keys, list(map(torch_names.__getitem__, codes)), list(map(tuples.__getitem__, dims)), begins,
-            sizes)
-
-
-def _tiled(begins: list[int], sizes: list[int], data_len: int) -> bool:
-    """The spans lie one after the other, the first at 0, the last ending at data_len."""
-    return begins[0] == 0 and begins[-1] + sizes[-1] == data_len and begins[1:] == list(map(add, begins, sizes))[:-1]
+        keys, kinds, begins, ends, sizes = ([column[i] for i in order] for column in (keys, kinds, begins, ends,
+                                                                                        sizes))
+        if not (begins[0] == 0 and ends[-1] == data_len and begins[1:] == ends[:-1]):
+            return None  # a gap, an overlap, bytes past the tensors or a tensor past the data
+    return metadata, keys, list(map(dtype_of.__getitem__, kinds)), list(map(shape_of.__getitem__, kinds)), begins, \
+        sizes
 
 
 def _entry(path: Path, key: str, info: object, data_len: int) -> tuple[str, list, int, int]:
