@@ -58,10 +58,15 @@ def find_prefixes(keys: list[str], model_keys: list[str] | None = None) -> list[
         else:
             break
     cut = len(where)
+    # The keys as one text, each after a line break, when none holds one: a count of "\nmodule." in it is the count
+    # of keys that start with `module.`, at the speed of a scan.
+    joined = "\n" + "\n".join(keys)
+    if joined.count("\n") != total:
+        joined = None
     # Wrapper tokens in the middle (features.module.0.weight), only for tokens that are never real layer names:
     # the first few of each key, in keys of a sensible length.
     middle: dict[tuple[str, str], int] = defaultdict(int)
-    for key in keys:
+    for key in keys if joined is None or "mod" in joined else ():  # every token holds "mod"
         if len(key) - cut > 1024 or key.find("mod", cut) < 0:  # every token holds "mod": most keys need no regex
             continue
         for i, m in enumerate(_MIDDLE_TOKEN.finditer(key, cut)):
@@ -79,7 +84,8 @@ def find_prefixes(keys: list[str], model_keys: list[str] | None = None) -> list[
         # A prefix most (not all) keys share may be a partial wrap or a Lightning `model.` beside a loss's weight,
         # or a submodule of that name: possible, not certain.
         for token in WRAPPER_TOKENS:
-            count = sum(map(str.startswith, keys, repeat(token + ".")))  # keys whose first component it is
+            count = joined.count("\n" + token + ".") if joined is not None else \
+                sum(map(str.startswith, keys, repeat(token + ".")))  # keys whose first component it is
             if count and count * 2 >= total:
                 findings.append(PrefixFinding(token + ".", "", count, total, True, certain=False))
     if model_keys and findings:

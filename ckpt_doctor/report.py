@@ -212,9 +212,18 @@ def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
         if type(chosen) is list:
             keys, dtypes, shapes = [keys[i] for i in chosen], [dtypes[i] for i in chosen], [shapes[i] for i in chosen]
         floating = {dtype: dtype in FLOATING or dtype.startswith("complex") for dtype in set(dtypes)}
-        last = map(itemgetter(2), map(methodcaller("rpartition", "."), keys))  # key.rsplit(".", 1)[-1]
-        is_param = map(gt, map(floating.__getitem__, dtypes), map(BUFFER_NAMES.__contains__, last))
-        numels = list(map(prod, shapes))
+        # Each key's last component looked up only when a key may end in a buffer's name: a scan of the keys as one
+        # text, each between line breaks (and when one holds a line break)
+        joined = "\n" + "\n".join(keys) + "\n"
+        if any(f".{name}\n" in joined or f"\n{name}\n" in joined for name in BUFFER_NAMES) or \
+                joined.count("\n") != len(keys) + 1:
+            last = map(itemgetter(2), map(methodcaller("rpartition", "."), keys))  # key.rsplit(".", 1)[-1]
+            is_param = map(gt, map(floating.__getitem__, dtypes), map(BUFFER_NAMES.__contains__, last))
+        else:
+            is_param = map(floating.__getitem__, dtypes)
+        # a reader hands out one tuple a distinct shape: each multiplied out once
+        sizes = {at: prod(shape) for at, shape in dict(zip(map(id, shapes), shapes)).items()}
+        numels = list(map(sizes.__getitem__, map(id, shapes)))
         params = sum(compress(numels, is_param))
         return params, sum(numels) - params
     seen: set[tuple] = set()
