@@ -140,15 +140,19 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         table_stats = {t.key: tensor_stats(t) for t in tensors}
         bn = batchnorm_at_init(list(tensors), table_stats)
     table = TensorTable.of(ckpt.tensors)
-    idents = table.storage_idents()
-    storages = dict(zip(idents, table.storage_nbytes())) if None not in idents else \
-        {ident: nbytes for ident, nbytes in zip(idents, table.storage_nbytes()) if ident is not None}
+    if table.owns_storages:  # a storage a tensor, each under its own key: no idents to make
+        total_bytes, storage_count = sum(table.nbytes()), len(table)
+    else:
+        idents = table.storage_idents()
+        storages = dict(zip(idents, table.storage_nbytes())) if None not in idents else \
+            {ident: nbytes for ident, nbytes in zip(idents, table.storage_nbytes()) if ident is not None}
+        total_bytes, storage_count = sum(storages.values()), len(storages)
     loads = default_load(ckpt)
     counts = parameter_counts(ckpt, keys if comparison is not None and comparison.oracle else None)
     return InspectReport(
         checkpoint=ckpt, tensors=tensors, prefixes=tuple(find_prefixes(root_keys, list(model_shapes) or None)),
         shared=tuple(shared_groups(table)), parameter_count=counts[0], buffer_count=counts[1],
-        total_bytes=sum(storages.values()), storage_count=len(storages),
+        total_bytes=total_bytes, storage_count=storage_count,
         stats=table_stats, batchnorm_at_init=tuple(bn), filter=filter, comparison=comparison,
         model_shapes=model_shapes, value_diffs=diffs, missing_devices=tuple(missing_devices(ckpt.devices)),
         default_load=loads, require_default_load=require_default_load,
