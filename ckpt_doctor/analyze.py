@@ -170,7 +170,12 @@ def collapse_labels(labels: list[str], signatures: list[tuple]) -> list[tuple[st
     Applied until nothing changes, so `blocks.{0..3}.layers.{0..2}.w` comes out of two passes. A group of
     fewer than three stays as separate rows, in place.
     """
-    rows: list[tuple[str, list[int], tuple]] = [(lab, [i], sig) for i, (lab, sig) in enumerate(zip(labels, signatures))]
+    labels, signatures = list(labels), list(signatures)
+    n = min(len(labels), len(signatures))
+    del labels[n:], signatures[n:]
+    rows = _merged(labels, None, signatures)  # the first pass, on the columns: each row a position of its own
+    if rows is None:
+        return [(label, [i]) for i, label in enumerate(labels)]
     while True:
         merged = _collapse_once(rows)
         if len(merged) == len(rows):
@@ -181,19 +186,31 @@ def collapse_labels(labels: list[str], signatures: list[tuple]) -> list[tuple[st
 def _collapse_once(rows: list[tuple[str, list[int], tuple]]) -> list[tuple[str, list[int], tuple]]:
     labels, memberships, signatures = (list(map(itemgetter(i), rows)) for i in range(3))  # not zip(*rows): an
     # iterator per row
+    return _merged(labels, memberships, signatures) or rows
+
+
+def _merged(labels: list[str], memberships: list[list[int]] | None,
+            signatures: list[tuple]) -> list[tuple[str, list[int], tuple]] | None:
+    """One pass of collapse_labels over its rows as columns (memberships None: row i is position i alone): the rows
+    after it, or None when nothing merges."""
+    n = len(labels)
     joined = "\n".join(labels)
-    found_in = _FIRST_NUM.findall(joined) if joined.count("\n") == len(labels) - 1 else ()
-    if len(found_in) != len(labels):  # a label with a line break: each searched on its own
-        return _collapse_each(rows)
+    found_in = _FIRST_NUM.findall(joined) if joined.count("\n") == n - 1 else ()
+    if len(found_in) != n:  # a label with a line break: each searched on its own
+        rows = list(zip(labels, memberships or map(lambda i: [i], range(n)), signatures))
+        merged = _collapse_each(rows)
+        return None if len(merged) == n else merged
     # Each label's first numeric component, by one pass over them all: (what is before it, its digits, what is after
     # it), ("", "", "") for a label without one. The label with it cut out, its signature and its row's size make
     # its group's key. Every step a loop in C but the grouping.
     heads, digits, tails = (list(map(itemgetter(i), found_in)) for i in range(3))
+    del found_in
     numbered = list(map(bool, digits))
     patterns = map(add, map(add, heads, repeat("\0")), tails)
+    keys = zip(patterns, signatures) if memberships is None else \
+        zip(patterns, signatures, map(len, memberships))
     groups: dict[tuple, list[int]] = {}  # key -> row positions, in order of first row
-    for key, pos in zip(compress(zip(patterns, signatures, map(len, memberships)), numbered),
-                        compress(count(), numbered)):
+    for key, pos in zip(compress(keys, numbered), compress(count(), numbered)):
         found = groups.get(key)
         if found is None:
             groups[key] = [pos]
@@ -201,15 +218,17 @@ def _collapse_once(rows: list[tuple[str, list[int], tuple]]) -> list[tuple[str, 
             found.append(pos)
     merged_at: dict[int, tuple[str, list[int], tuple]] = {}
     absorbed: set[int] = set()
-    for (pattern, sig, _), found in groups.items():
+    for key, found in groups.items():
         if len(found) < 3:
             continue
-        label = pattern.replace("\0", "{" + _index_range(list(map(int, map(digits.__getitem__, found)))) + "}")
-        merged_at[found[0]] = (label, list(chain.from_iterable(map(memberships.__getitem__, found))), sig)
+        label = key[0].replace("\0", "{" + _index_range(list(map(int, map(digits.__getitem__, found)))) + "}")
+        members = found if memberships is None else list(chain.from_iterable(map(memberships.__getitem__, found)))
+        merged_at[found[0]] = (label, members, key[1])
         absorbed.update(islice(found, 1, None))
     if not merged_at:
-        return rows
-    return [merged_at.get(pos, rows[pos]) for pos in sorted(set(range(len(rows))).difference(absorbed))]
+        return None
+    return [merged_at.get(pos) or (labels[pos], [pos] if memberships is None else memberships[pos], signatures[pos])
+            for pos in sorted(set(range(n)).difference(absorbed))]
 
 
 # A label's first numeric component (one whole component of digits), found for every label of a joined text at once:
