@@ -197,7 +197,7 @@ def _merged(labels: list[str], memberships: list[list[int]] | None,
     joined = "\n".join(labels)
     found_in = _FIRST_NUM.findall(joined) if joined.count("\n") == n - 1 else ()
     if len(found_in) != n:  # a label with a line break: each searched on its own
-        rows = list(zip(labels, memberships or map(lambda i: [i], range(n)), signatures))
+        rows = list(zip(labels, memberships or ([i] for i in range(n)), signatures))
         merged = _collapse_each(rows)
         return None if len(merged) == n else merged
     # Each label's first numeric component, by one pass over them all: (what is before it, its digits, what is after
@@ -234,7 +234,7 @@ def _merged(labels: list[str], memberships: list[list[int]] | None,
 # A label's first numeric component (one whole component of digits), found for every label of a joined text at once:
 # the components before it, lazily, its digits up to a dot or the label's end, the rest of the label; else the empty
 # match.
-_FIRST_NUM = re.compile(r"^((?:[^.\n]*\.)*?)(\d+)((?![^.\n])[^\n]*)|^", re.M)
+_FIRST_NUM = re.compile(r"^((?:[^.\n]*\.)*?)(\d+)((?![^.\n])[^\n]*)|^", re.MULTILINE)
 
 
 def _collapse_each(rows: list[tuple[str, list[int], tuple]]) -> list[tuple[str, list[int], tuple]]:

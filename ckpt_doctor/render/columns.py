@@ -124,7 +124,7 @@ def _simple(headers: Sequence[str], rows: list[list[str]]) -> str | None:
         if not cells.isascii():
             return None
     widths = [max(len(header) + 2, max(map(len, map(itemgetter(i), rows)))) for i, header in enumerate(headers)]
-    pads = ["{:<%d}" % width for width in widths]
+    pads = [f"{{:<{width}}}" for width in widths]
     line = "  ".join(pads)  # every cell padded to its column, the line's trailing blanks then stripped
     return "\n".join([line.format(*headers).rstrip(), "  ".join("-" * width for width in widths),
                       *(line.format(*row).rstrip() for row in rows)])
