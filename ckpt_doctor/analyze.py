@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from itertools import repeat
+from itertools import chain, compress, count, islice, repeat
+from operator import add, itemgetter
 from ._record import record
 
 from .records import SharedGroup, TensorRecord, TensorTable
@@ -57,10 +58,15 @@ def find_prefixes(keys: list[str], model_keys: list[str] | None = None) -> list[
         else:
             break
     cut = len(where)
+    # The keys as one text, each after a line break, when none holds one: a count of "\nmodule." in it is the count
+    # of keys that start with `module.`, at the speed of a scan.
+    joined = "\n" + "\n".join(keys)
+    if joined.count("\n") != total:
+        joined = None
     # Wrapper tokens in the middle (features.module.0.weight), only for tokens that are never real layer names:
     # the first few of each key, in keys of a sensible length.
     middle: dict[tuple[str, str], int] = defaultdict(int)
-    for key in keys:
+    for key in keys if joined is None or "mod" in joined else ():  # every token holds "mod"
         if len(key) - cut > 1024 or key.find("mod", cut) < 0:  # every token holds "mod": most keys need no regex
             continue
         for i, m in enumerate(_MIDDLE_TOKEN.finditer(key, cut)):
@@ -78,7 +84,8 @@ def find_prefixes(keys: list[str], model_keys: list[str] | None = None) -> list[
         # A prefix most (not all) keys share may be a partial wrap or a Lightning `model.` beside a loss's weight,
         # or a submodule of that name: possible, not certain.
         for token in WRAPPER_TOKENS:
-            count = sum(map(str.startswith, keys, repeat(token + ".")))  # keys whose first component it is
+            count = joined.count("\n" + token + ".") if joined is not None else \
+                sum(map(str.startswith, keys, repeat(token + ".")))  # keys whose first component it is
             if count and count * 2 >= total:
                 findings.append(PrefixFinding(token + ".", "", count, total, True, certain=False))
     if model_keys and findings:
@@ -163,7 +170,12 @@ def collapse_labels(labels: list[str], signatures: list[tuple]) -> list[tuple[st
     Applied until nothing changes, so `blocks.{0..3}.layers.{0..2}.w` comes out of two passes. A group of
     fewer than three stays as separate rows, in place.
     """
-    rows: list[tuple[str, list[int], tuple]] = [(lab, [i], sig) for i, (lab, sig) in enumerate(zip(labels, signatures))]
+    labels, signatures = list(labels), list(signatures)
+    n = min(len(labels), len(signatures))
+    del labels[n:], signatures[n:]
+    rows = _merged(labels, None, signatures)  # the first pass, on the columns: each row a position of its own
+    if rows is None:
+        return [(label, [i]) for i, label in enumerate(labels)]
     while True:
         merged = _collapse_once(rows)
         if len(merged) == len(rows):
@@ -172,6 +184,61 @@ def collapse_labels(labels: list[str], signatures: list[tuple]) -> list[tuple[st
 
 
 def _collapse_once(rows: list[tuple[str, list[int], tuple]]) -> list[tuple[str, list[int], tuple]]:
+    labels, memberships, signatures = (list(map(itemgetter(i), rows)) for i in range(3))  # not zip(*rows): an
+    # iterator per row
+    return _merged(labels, memberships, signatures) or rows
+
+
+def _merged(labels: list[str], memberships: list[list[int]] | None,
+            signatures: list[tuple]) -> list[tuple[str, list[int], tuple]] | None:
+    """One pass of collapse_labels over its rows as columns (memberships None: row i is position i alone): the rows
+    after it, or None when nothing merges."""
+    n = len(labels)
+    joined = "\n".join(labels)
+    found_in = _FIRST_NUM.findall(joined) if joined.count("\n") == n - 1 else ()
+    if len(found_in) != n:  # a label with a line break: each searched on its own
+        rows = list(zip(labels, memberships or ([i] for i in range(n)), signatures))
+        merged = _collapse_each(rows)
+        return None if len(merged) == n else merged
+    # Each label's first numeric component, by one pass over them all: (what is before it, its digits, what is after
+    # it), ("", "", "") for a label without one. The label with it cut out, its signature and its row's size make
+    # its group's key. Every step a loop in C but the grouping.
+    heads, digits, tails = (list(map(itemgetter(i), found_in)) for i in range(3))
+    del found_in
+    numbered = list(map(bool, digits))
+    patterns = map(add, map(add, heads, repeat("\0")), tails)
+    keys = zip(patterns, signatures) if memberships is None else \
+        zip(patterns, signatures, map(len, memberships))
+    groups: dict[tuple, list[int]] = {}  # key -> row positions, in order of first row
+    for key, pos in zip(compress(keys, numbered), compress(count(), numbered)):
+        found = groups.get(key)
+        if found is None:
+            groups[key] = [pos]
+        else:
+            found.append(pos)
+    merged_at: dict[int, tuple[str, list[int], tuple]] = {}
+    absorbed: set[int] = set()
+    for key, found in groups.items():
+        if len(found) < 3:
+            continue
+        label = key[0].replace("\0", "{" + _index_range(list(map(int, map(digits.__getitem__, found)))) + "}")
+        members = found if memberships is None else list(chain.from_iterable(map(memberships.__getitem__, found)))
+        merged_at[found[0]] = (label, members, key[1])
+        absorbed.update(islice(found, 1, None))
+    if not merged_at:
+        return None
+    return [merged_at.get(pos) or (labels[pos], [pos] if memberships is None else memberships[pos], signatures[pos])
+            for pos in sorted(set(range(n)).difference(absorbed))]
+
+
+# A label's first numeric component (one whole component of digits), found for every label of a joined text at once:
+# the components before it, lazily, its digits up to a dot or the label's end, the rest of the label; else the empty
+# match.
+_FIRST_NUM = re.compile(r"^((?:[^.\n]*\.)*?)(\d+)((?![^.\n])[^\n]*)|^", re.MULTILINE)
+
+
+def _collapse_each(rows: list[tuple[str, list[int], tuple]]) -> list[tuple[str, list[int], tuple]]:
+    """_collapse_once with a search of each label (one holds a line break, which the joined text cannot)."""
     groups: dict[tuple, list[tuple[int, int]]] = {}  # key -> [(index value, row position)], in order of first row
     search = _NUM.search
     for pos, (label, members, sig) in enumerate(rows):

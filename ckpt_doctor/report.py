@@ -140,15 +140,19 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         table_stats = {t.key: tensor_stats(t) for t in tensors}
         bn = batchnorm_at_init(list(tensors), table_stats)
     table = TensorTable.of(ckpt.tensors)
-    idents = table.storage_idents()
-    storages = dict(zip(idents, table.storage_nbytes())) if None not in idents else \
-        {ident: nbytes for ident, nbytes in zip(idents, table.storage_nbytes()) if ident is not None}
+    if table.owns_storages:  # a storage a tensor, each under its own key: no idents to make
+        total_bytes, storage_count = sum(table.nbytes()), len(table)
+    else:
+        idents = table.storage_idents()
+        storages = dict(zip(idents, table.storage_nbytes())) if None not in idents else \
+            {ident: nbytes for ident, nbytes in zip(idents, table.storage_nbytes()) if ident is not None}
+        total_bytes, storage_count = sum(storages.values()), len(storages)
     loads = default_load(ckpt)
     counts = parameter_counts(ckpt, keys if comparison is not None and comparison.oracle else None)
     return InspectReport(
         checkpoint=ckpt, tensors=tensors, prefixes=tuple(find_prefixes(root_keys, list(model_shapes) or None)),
         shared=tuple(shared_groups(table)), parameter_count=counts[0], buffer_count=counts[1],
-        total_bytes=sum(storages.values()), storage_count=len(storages),
+        total_bytes=total_bytes, storage_count=storage_count,
         stats=table_stats, batchnorm_at_init=tuple(bn), filter=filter, comparison=comparison,
         model_shapes=model_shapes, value_diffs=diffs, missing_devices=tuple(missing_devices(ckpt.devices)),
         default_load=loads, require_default_load=require_default_load,
@@ -212,9 +216,18 @@ def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
         if type(chosen) is list:
             keys, dtypes, shapes = [keys[i] for i in chosen], [dtypes[i] for i in chosen], [shapes[i] for i in chosen]
         floating = {dtype: dtype in FLOATING or dtype.startswith("complex") for dtype in set(dtypes)}
-        last = map(itemgetter(2), map(methodcaller("rpartition", "."), keys))  # key.rsplit(".", 1)[-1]
-        is_param = map(gt, map(floating.__getitem__, dtypes), map(BUFFER_NAMES.__contains__, last))
-        numels = list(map(prod, shapes))
+        # Each key's last component looked up only when a key may end in a buffer's name: a scan of the keys as one
+        # text, each between line breaks (and when one holds a line break)
+        joined = "\n" + "\n".join(keys) + "\n"
+        if any(f".{name}\n" in joined or f"\n{name}\n" in joined for name in BUFFER_NAMES) or \
+                joined.count("\n") != len(keys) + 1:
+            last = map(itemgetter(2), map(methodcaller("rpartition", "."), keys))  # key.rsplit(".", 1)[-1]
+            is_param = map(gt, map(floating.__getitem__, dtypes), map(BUFFER_NAMES.__contains__, last))
+        else:
+            is_param = map(floating.__getitem__, dtypes)
+        # a reader hands out one tuple a distinct shape: each multiplied out once
+        sizes = {at: prod(shape) for at, shape in dict(zip(map(id, shapes), shapes)).items()}
+        numels = list(map(sizes.__getitem__, map(id, shapes)))
         params = sum(compress(numels, is_param))
         return params, sum(numels) - params
     seen: set[tuple] = set()

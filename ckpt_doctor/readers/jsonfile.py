@@ -41,7 +41,7 @@ def parse_json(raw: bytes, path: Path, what: str) -> object:
     if depth > limits.MAX_JSON_DEPTH:
         depth = _json_depth(text)
         raise ReadError(f"{path}: {what} nests {depth} levels deep; JSON readers stop at {limits.MAX_JSON_DEPTH}")
-    if _has_lone_surrogate(value, text):
+    if has_lone_surrogate(value, text):
         raise ReadError(f"{path}: {what} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which JSON readers refuse")
     return value
 
@@ -77,7 +77,7 @@ def _json_depth(text: str) -> int:
     return max(accumulate(1 if ch in "[{" else -1 for ch in brackets), default=0)
 
 
-def _has_lone_surrogate(value: object, text: str) -> bool:
+def has_lone_surrogate(value: object, text: str) -> bool:
     """Text decoded from UTF-8 holds no surrogate: one can only come from a \\uD800-\\uDFFF escape, so the values
     are walked only when the text has one (a pair that makes one character is fine)."""
     import re

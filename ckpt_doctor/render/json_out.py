@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import chain, repeat
 
 from ..readers.source import usage
 from ..records import GlobalRef, TensorTable
@@ -114,42 +115,51 @@ class _EncodedRows:
     def __bool__(self) -> bool:
         return bool(len(self.table))
 
-    def lines(self) -> list[str] | None:
+    def block(self) -> str | None:
+        """The rows, one a line, each line after the first indented under the first: what `dumps` writes between the
+        list's brackets."""
         from json.encoder import encode_basestring as text
 
         try:
-            return self._lines(self.table, text)
+            return self._block(self.table, text)
         except TypeError:  # a value that is not what the reader checked: the encoder decides
             return None
 
     def dicts(self) -> list[dict[str, Any]]:
         return _rows(self.table, self.layouts, None)
 
-    def _lines(self, table: Any, text: Callable[[str], str]) -> list[str]:
+    def _block(self, table: Any, text: Callable[[str], str]) -> str:
         layouts = self.layouts
+        keys, shapes = table.keys, table.shapes
         dtypes = {d: text(d) for d in set(table.dtypes)}
         devices = {d: text(d) for d in set(table.devices)}
+        # A reader hands out one tuple a distinct shape (a checkpoint repeats a few): each written once, by the
+        # tuple's id (not its value: a file chooses the hashes of its tuples of ints).
+        ids = list(map(id, shapes))
+        written = {at: ", ".join(map(str, shape)) for at, shape in dict(zip(ids, shapes)).items()}
+        encoded = list(map(text, keys))
+        columns = [encoded, map(written.__getitem__, ids), map(dtypes.__getitem__, table.dtypes),
+                   map(devices.__getitem__, table.devices), map(str, table.nbytes())]
+        storages = table.storage_keys()
+        if storages is keys:  # each tensor's storage is named by its key (a safetensors file)
+            columns.append(encoded)
+        elif None not in storages:
+            columns.append(map(text, storages))
+        if not layouts and len(columns) == 6:  # every row alike: the text interleaved from the columns by C loops
+            fields = ('{"key": ', ', "shape": [', '], "dtype": ', ', "device": ', ', "nbytes": ', ', "storage": ',
+                      '},\n    ')
+            cells = chain.from_iterable(zip(*chain.from_iterable(zip(map(repeat, fields), columns)), repeat(fields[6])))
+            return "".join(cells)[:-len(fields[6])] + "}"
         out = []
-        # A pickle's reader hands out one tuple a distinct shape (a checkpoint repeats a few): each written once, by
-        # the tuple's id (not its value: a file chooses the hashes of its tuples of ints). A safetensors file's
-        # shapes are a tuple each: written as met.
-        written: dict[int, str] | None = None if table.owns_storages else {}
-        for key, shape, dtype, device, nbytes, storage in zip(table.keys, table.shapes, table.dtypes, table.devices,
-                                                              table.nbytes(), table.storage_keys()):
-            if written is None:
-                dims = ", ".join(map(str, shape))
-            else:
-                dims = written.get(id(shape))
-                if dims is None:
-                    dims = written[id(shape)] = ", ".join(map(str, shape))
-            line = (f'{{"key": {text(key)}, "shape": [{dims}], "dtype": {dtypes[dtype]}, '
-                    f'"device": {devices[device]}, "nbytes": {nbytes}')
+        for key, enc_key, dims, dtype, device, nbytes, storage in zip(keys, *columns[:5], storages):
+            line = (f'{{"key": {enc_key}, "shape": [{dims}], "dtype": {dtype}, "device": {device}, '
+                    f'"nbytes": {nbytes}')
             if storage is not None:
                 line += f', "storage": {text(storage)}'
             if layouts and key in layouts:
                 line += f', "layout": {text(layouts[key])}'
             out.append(line + "}")
-        return out
+        return ",\n    ".join(out)
 
 
 def _item_encoder() -> Callable[[Any], str]:
@@ -169,12 +179,11 @@ def dumps(data: Any) -> str:
     parts = []
     for key, value in data.items():
         if type(value) is _EncodedRows:
-            lines = value.lines() if value else []
-            value = value.dicts() if lines is None else lines
-            if lines is not None and lines:
-                inner = ",\n    ".join(lines)
+            inner = value.block() if value else None
+            if inner is not None:
                 parts.append(f"  {enc(key)}: [\n    {inner}\n  ]")
                 continue
+            value = value.dicts()
         if isinstance(value, list) and value:
             inner = ",\n    ".join(map(enc, value))
             parts.append(f"  {enc(key)}: [\n    {inner}\n  ]")
