@@ -3,8 +3,6 @@ wrapped or moved to notes below, a key too long for a row put on a line of its o
 formats (--format) with every row whole.
 
 tabulate is imported only by a command that prints a table (`--json` never imports it): ~35 ms with tabulate 0.9.
-A simple table of single-line cells of one-column characters (inspect's, most of the time) is drawn here exactly as
-tabulate draws it, without the import (_simple); tabulate draws every other.
 tabulate 0.10 imports importlib.metadata to set its __version__, ~70 ms more on this machine's Python 3.11, which
 made a table slower to print than safetensors' own `safe_open` lists the file: pyproject.toml holds it below 0.10,
 and this module works with either.
