@@ -10,9 +10,6 @@ and this module works with either.
 
 from __future__ import annotations
 
-from itertools import chain
-from operator import itemgetter
-
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
     from typing import Sequence
@@ -80,10 +77,6 @@ def draw_table(headers: Sequence[str], rows: Sequence[Sequence[object]], tablefm
 
 def _tabulate(headers: Sequence[str], rows: list[list[str]], tablefmt: str) -> str:
     """tabulate's table in `tablefmt`, cells as given (no number parsing, no blanks stripped)."""
-    if tablefmt == "simple":
-        drawn = _simple(headers, rows)
-        if drawn is not None:
-            return drawn
     # Imported here, by a command that prints a table: ~35 ms with tabulate 0.9 (0.10 imports importlib.metadata as
     # well, ~70 ms more here: pyproject.toml holds tabulate below 0.10 for that).
     import tabulate
@@ -98,34 +91,6 @@ def _tabulate(headers: Sequence[str], rows: list[list[str]], tablefmt: str) -> s
         return tabulate.tabulate(rows, headers, tablefmt=tablefmt, disable_numparse=True, **align)
     finally:
         tabulate.PRESERVE_WHITESPACE = kept
-
-
-# Characters past ASCII that the tables write themselves (a size's ×, an index range's …): one column wide however
-# tabulate measures them (len, or wcwidth where that is installed).
-_NARROW = ("×", "…")
-
-
-def _simple(headers: Sequence[str], rows: list[list[str]]) -> str | None:
-    """tabulate's "simple" table of single-line cells of one-column characters, drawn here as tabulate draws it
-    (importing tabulate is ~30 ms of a ~200 ms `inspect`): each column as wide as its widest cell and at least two
-    wider than its header, cells left-aligned and two blanks apart, a rule of dashes under the headers, every line
-    stripped of trailing blanks. None for any other table (a cell of several lines, a wide character, no rows),
-    which tabulate draws."""
-    if not rows or not headers or any(len(row) != len(headers) for row in rows):
-        return None
-    cells = "\n".join(chain(headers, chain.from_iterable(rows)))
-    if cells.count("\n") != len(headers) * (len(rows) + 1) - 1:
-        return None  # a cell of several lines
-    if not cells.isascii():
-        for char in _NARROW:
-            cells = cells.replace(char, "")
-        if not cells.isascii():
-            return None
-    widths = [max(len(header) + 2, max(map(len, map(itemgetter(i), rows)))) for i, header in enumerate(headers)]
-    pads = [f"{{:<{width}}}" for width in widths]
-    line = "  ".join(pads)  # every cell padded to its column, the line's trailing blanks then stripped
-    return "\n".join([line.format(*headers).rstrip(), "  ".join("-" * width for width in widths),
-                      *(line.format(*row).rstrip() for row in rows)])
 
 
 def _keys_above(headers: Sequence[str], rows: list[list[str]]) -> str:
