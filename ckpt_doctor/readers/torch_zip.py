@@ -10,7 +10,7 @@ from itertools import repeat
 from operator import attrgetter, le, mul
 from pathlib import Path
 
-from .._record import field_names, replace
+from .._record import fast_new_columns, replace
 from ..dtypes import ELEMENT_SIZE
 from ..errors import ReadError
 from ..records import Checkpoint, Format, StorageRecord, fast_new
@@ -149,8 +149,6 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
     return ckpt
 
 
-_STORAGE_FIELDS = field_names(StorageRecord)
-
 
 def _resolve_all(refs: list[StorageRef], index: ZipIndex, prefix: str, path: Path, base: str) -> bool:
     """What resolve() does for each of `refs`, a column at a time: their members found at once, checked at once,
@@ -180,9 +178,7 @@ def _resolve_all(refs: list[StorageRef], index: ZipIndex, prefix: str, path: Pat
     columns = (list(map(f"{base}:".__add__, keys)) if base else keys, dtypes, nbytes,
                list(map(attrgetter("location"), refs)), repeat(path, n), offsets, entries, crcs, repeat(None, n),
                repeat(0, n))
-    made = list(map(object.__new__, repeat(StorageRecord, n)))
-    # each record's fields set as fast_new sets a record's that has no slots (its __dict__), all at once
-    deque(map(dict.update, map(vars, made), map(dict, map(zip, repeat(_STORAGE_FIELDS), zip(*columns)))), maxlen=0)
+    made = fast_new_columns(StorageRecord, n, columns)
     deque(map(setattr, refs, repeat("resolved"), made), maxlen=0)
     return True
 
