@@ -34,6 +34,8 @@ import functools
 import gc
 import re
 import struct
+import sys
+from array import array
 from collections import OrderedDict
 from itertools import chain, repeat
 
@@ -78,12 +80,15 @@ _GONE = object()  # a memo entry no state_dict pickle fetches again (a persisten
 # checked against theirs); PUT; GET location; numel; TUPLE PUT BINPERSID; offset; shape; stride; requires_grad; GET
 # OrderedDict, EMPTY_TUPLE REDUCE PUT (the hooks); TUPLE PUT REDUCE PUT. A shape or stride: (), or 1 to 3 ints,
 # TUPLEn and PUT (more dimensions go opcode by opcode). The PUTs' indices are captured and checked in bulk
-# (_Reader.check_puts).
+# (_Reader.check_puts). Repeats are possessive (no backtracking into them, whose states the regex would save for
+# every group captured before): what follows one never starts as another of its items does, so nothing it matches
+# changes.
 _GET, _NUM, _PUT = rb"(?:h.|j....)", rb"(K.|M..|J....)", rb"r(....)"
-_INTS = rb"(\)|(?:K.|M..|J....){1,3}[\x85-\x87])(?:r(....))?"
-_ITEM = re.compile(_PUT + b"(" + _GET + rb"\(\(" + _GET + _GET + rb")X(.)\x00\x00\x00([0-9]{1,9})" + _PUT + b"("
+_INTS = rb"(\)|(?:K.|M..|J....){1,3}+[\x85-\x87])(?:r(....))?+"
+_ITEM = re.compile(_PUT + b"(" + _GET + rb"\(\(" + _GET + _GET + rb")X(.)\x00\x00\x00([0-9]{1,9}+)" + _PUT + b"("
                    + _GET + b")" + _NUM + rb"t" + _PUT + rb"Q" + _NUM + _INTS + _INTS + rb"([\x88\x89])(" + _GET
                    + rb")\)R" + _PUT + rb"t" + _PUT + rb"R" + _PUT, re.DOTALL)
+_UINT32 = "I" if array("I").itemsize == 4 else None  # for check_puts (None: struct.pack)
 _MAX_RUN = 4096  # the most items _Reader._run reads at once
 
 
@@ -509,7 +514,14 @@ class _Reader:
         for first, puts in self.runs:
             joined = b"".join(puts)  # each a PUT's 4 bytes, or a run's at once
             count = len(joined) // 4
-            if joined != struct.pack(f"<{count}I", *range(first, first + count)):
+            if _UINT32 is None:
+                if joined != struct.pack(f"<{count}I", *range(first, first + count)):
+                    return False
+                continue
+            expected = array(_UINT32, range(first, first + count))  # (160,000 indices: a quarter of struct.pack's time)
+            if sys.byteorder != "little":
+                expected.byteswap()
+            if joined != expected.tobytes():
                 return False
         return True
 
