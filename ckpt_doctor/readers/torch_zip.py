@@ -166,7 +166,12 @@ def _resolve_all(refs: list[StorageRef], index: ZipIndex, prefix: str, path: Pat
     offsets = list(map(index.column("offset").__getitem__, found))
     dtypes = list(map(attrgetter("dtype"), refs))
     nbytes = list(map(mul, map(attrgetter("numel"), refs), map(ELEMENT_SIZE.__getitem__, dtypes)))
-    methods, flags, dirs = (set(map(index.column(f).__getitem__, found)) for f in ("method", "flags", "is_dir"))
+    # stored, not encrypted, no folder: asked of every member's column at once (the archive's few records alike), and
+    # of the storages' members alone only where some member is not
+    checked = ("method", "flags", "is_dir")
+    methods, flags, dirs = (set(index.column(f)) for f in checked)
+    if methods != {0} or any(f & 1 for f in flags) or True in dirs:
+        methods, flags, dirs = (set(map(index.column(f).__getitem__, found)) for f in checked)
     if methods != {0} or any(f & 1 for f in flags) or True in dirs or min(offsets) < 0 \
             or not all(map(le, nbytes, sizes)):
         return False

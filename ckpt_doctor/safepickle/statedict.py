@@ -436,12 +436,17 @@ class _Reader:
         (put_key, head_gets, skey_size, skey, put_skey, get_location, numel, put_pid, offset, shape, put_shape, stride,
          put_stride, grad, get_ordered, put_hooks, put_args, put_tensor) = zip(*map(_groups, found, repeat(b"")))
         self.slow_until = end  # unless all is well below: then the loop reads these items (and _run none of them)
-        # Keys within the walker's bound, none starting as a pickle's text would (the loop asks the walker about those)
-        if max(map(len, keys)) > limits.MAX_PICKLE_VALUE or any(map(bytes.startswith, keys, repeat(b"\xc2"))) \
-                or b"".join(skey_size) != bytes(map(len, skey)):
+        # Keys within the walker's bound, none starting as a pickle's text would (the loop asks the walker about those).
+        # Where no key holds a line break, they are asked, and decoded below, as one text a line each.
+        joined = b"\n".join(keys)
+        lines = joined.count(b"\n") == n - 1
+        if max(map(len, keys)) > limits.MAX_PICKLE_VALUE or b"".join(skey_size) != bytes(map(len, skey)) \
+                or (joined[:1] == b"\xc2" or b"\n\xc2" in joined if lines
+                    else any(map(bytes.startswith, keys, repeat(b"\xc2")))):
             return None
         gets = self.gets
-        same = len(set(head_gets)) == len(set(get_location)) == len(set(get_ordered)) == 1  # (as torch writes them)
+        same = head_gets.count(head_gets[0]) == get_location.count(get_location[0]) \
+            == get_ordered.count(get_ordered[0]) == n  # (as torch writes them)
         heads = [(head_gets[0], get_location[0], get_ordered[0])] if same else \
             list(zip(head_gets, get_location, get_ordered))
         for head in set(heads):
@@ -457,8 +462,11 @@ class _Reader:
             if (b")" in values or not all(puts)) and any(put is (body == b")")
                                                         for put, body in set(zip(map(bool, puts), bodies))):
                 return None
-        ints = {raw: _int(raw) for raw in {*offset, *numel}}
-        if min(map(ints.__getitem__, offset)) < 0 or min(map(ints.__getitem__, numel)) < 0:
+        at_start = offset.count(b"K\x00") == n  # every tensor at its storage's start (torch's views aside)
+        ints = {raw: _int(raw) for raw in ({*numel} if at_start else {*offset, *numel})}
+        numels = list(map(ints.__getitem__, numel))
+        offsets = repeat(0, n) if at_start else list(map(ints.__getitem__, offset))
+        if min(numels) < 0 or not at_start and min(offsets) < 0:
             return None  # a negative offset: SafeUnpickler's _tensor refuses it; a negative numel, its note
         shapes, strides = list(map(values.__getitem__, shape)), list(map(values.__getitem__, stride))
         # the opcodes the walk counts, as the loop counts them for each item
@@ -470,12 +478,12 @@ class _Reader:
             return None  # past the walk's bounds somewhere in the run: the loop finds the item
         if every and not _numbered(len(memo), puts):
             return None  # (the loop reads them, and check_puts finds what it took amiss)
-        try:
-            names = list(map(bytes.decode, keys, repeat("utf-8"), repeat("surrogatepass")))
+        try:  # (a line break is no part of a longer UTF-8 sequence: a key's bytes decode alike either way)
+            names = joined.decode("utf-8", "surrogatepass").split("\n") if lines else \
+                list(map(bytes.decode, keys, repeat("utf-8"), repeat("surrogatepass")))
         except UnicodeDecodeError:
             return None
         skeys = list(map(bytes.decode, skey))
-        numels = list(map(ints.__getitem__, numel))
         storages = self.storages
         known = gets[heads[0]] if same else None  # (dtype, location) of every item, else of each
         if known is not None and len(set(skeys)) == n and storages.keys().isdisjoint(skeys):
@@ -490,7 +498,7 @@ class _Reader:
                     storages[name] = StorageRef(name, knowns[i][0], numels[i], knowns[i][1])
             refs = list(map(storages.__getitem__, skeys))
             dtypes = [ref.dtype for ref in refs]
-        tensors = list(map(RawTensor, refs, dtypes, map(ints.__getitem__, offset), shapes, strides,
+        tensors = list(map(RawTensor, refs, dtypes, offsets, shapes, strides,
                            map(b"\x88".__eq__, grad)))
         if every:  # their PUTs checked above: those of the items read next are a run of their own
             memo += chain.from_iterable(zip(names, skeys, repeat(_GONE), shapes, strides, repeat(_GONE),
