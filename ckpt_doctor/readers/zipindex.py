@@ -174,6 +174,11 @@ class ZipIndex:
 
     def has_record(self, record: str) -> bool:
         """Whether `record` is in records() (compared exactly, not as find() does), without listing them."""
+        if self.torch_problem is None:  # every name is in the archive's folder: the one it would be, looked up
+            name = f"{self.prefix}/{record}"
+            folded = _fold(name)
+            hits = self._shared.get(folded) or ([self._by_name[folded]] if folded in self._by_name else [])
+            return any(self.names[i] == name for i in hits)
         cut = len(self.prefix) + 1 if self.prefix is not None else 0
         return record in map(itemgetter(slice(cut, None)), self.names)
 
