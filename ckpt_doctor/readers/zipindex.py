@@ -147,7 +147,8 @@ class ZipIndex:
         20,000-tensor checkpoint's storages looked up in a few calls rather than a find() each."""
         joined = "\n".join(names)
         if joined.isascii() and joined.count("\n") == len(names) - 1:
-            folded = joined.lower().split("\n") if names else []
+            lowered = joined.lower()
+            folded = names if lowered == joined else lowered.split("\n") if names else []
         else:
             folded = [_fold(n) for n in names]
         hits = list(map(self._by_name.get, folded))
