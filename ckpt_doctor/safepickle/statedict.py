@@ -78,9 +78,9 @@ _GONE = object()  # a memo entry no state_dict pickle fetches again (a persisten
 # checked against theirs); PUT; GET location; numel; TUPLE PUT BINPERSID; offset; shape; stride; requires_grad; GET
 # OrderedDict, EMPTY_TUPLE REDUCE PUT (the hooks); TUPLE PUT REDUCE PUT. A shape or stride: (), or 1 to 3 ints,
 # TUPLEn and PUT (more dimensions go opcode by opcode). The PUTs' indices are captured and checked in bulk
-# (_Reader.check_puts). Repeats are possessive (no backtracking into them, whose states the regex would save for
-# every group captured before): what follows one never starts as another of its items does, so nothing it matches
-# changes.
+# (_numbered, for the items _Reader._run reads at once; _Reader.check_puts, for the rest). Repeats are possessive
+# (no backtracking into them, whose states the regex would save for every group captured before): what follows one
+# never starts as another of its items does, so nothing it matches changes.
 _GET, _NUM, _PUT = rb"(?:h.|j....)", rb"(K.|M..|J....)", rb"r(....)"
 _INTS = rb"(\)|(?:K.|M..|J....){1,3}+[\x85-\x87])(?:r(....))?+"
 _ITEM = re.compile(_PUT + b"(" + _GET + rb"\(\(" + _GET + _GET + rb")X(.)\x00\x00\x00([0-9]{1,9}+)" + _PUT + b"("
