@@ -24,7 +24,7 @@ from operator import add, contains, itemgetter
 from pathlib import Path
 from typing import Any
 
-from .._record import replace
+from .._record import fast_new, replace
 from ..advice import consolidate
 from ..assemble import coverage_problem
 from ..dtypes import element_size
@@ -825,49 +825,44 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
     shared: dict[tuple, list] = {}  # the chunks of a tensor -> (its pieces, its tensor): names of the same chunks
     differ: list[tuple[str, dict]] = []  # items ranks saved with different bytes: (note, JSON record)
     stored, copies = meta.storage.get, meta.copies
+    # a folder of many chunks: every shard file's items parsed at once (dcp_items.ChunkItems.prepare), and the
+    # chunks of a tensor read on their template together, its pieces made when a command asks for them
+    bulk = dcp_items.ENABLED and not copies and len(meta.storage) >= dcp_items.BULK_MIN \
+        and not isinstance(folder, RemotePath) and _prepare(items, meta)
     for fqn in order:
         path = meta.paths.get(fqn, (fqn,))
         if fqn in meta.tensors:
             size, dtype, chunks = meta.tensors[fqn]
-            pieces, wheres = [], []  # (the storage entry of each piece)
-            for offsets, sizes in chunks:  # (a million chunks: what is done for each counts)
-                key = (fqn, offsets)
-                where = stored(key)
-                if where is None:
-                    problems.append(f"{fqn}: no file holds its chunk at {list(offsets)} of size {list(sizes)}")
-                    continue
-                piece = _chunk_piece(items, fqn, offsets, sizes, dtype, where)
-                pieces.append(piece)
-                wheres.append(where)
-                if not copies:
-                    continue
-                others = []
-                for rank, copy in copies.get(key, ()):  # other ranks' copies
-                    files.add(copy[0])
-                    if items.blob(where[0], fqn) is None and items.blob(copy[0], fqn) is None \
-                            and _same_range(folder, where, copy):
-                        continue  # the same archive, byte for byte: what was walked and read above
-                    if not _same_piece(piece, _chunk_piece(items, fqn, offsets, sizes, dtype, copy), dtype):
-                        others.append((rank, copy, None))  # (its archive walked and read, as rank 1 would)
-                if others:
-                    differ.append(_differs(meta, key, where, others, len(chunks) > 1))
+            cut = None
+            if bulk:
+                wheres = list(map(stored, zip(repeat(fqn), map(itemgetter(0), chunks))))
+                cut = items.chunks.tensor(items, wheres, chunks, dtype) if None not in wheres else None
+            if cut is not None:
+                pieces = ()
+                assembly = fast_new(_ChunkAssembly, grid=size, dtype=dtype, cut=(items.paths, wheres, chunks, *cut))
+            else:
+                pieces, wheres = _pieces(items, fqn, chunks, dtype, meta, problems, differ, files)
+                assembly = Assembly(size, tuple(pieces), dtype)
             files.update(map(itemgetter(0), wheres))
-            assembly = Assembly(size, tuple(pieces), dtype)
             # Names are one tensor only when every chunk is the same storage entry read the same way (a writer that
             # records a tie names the same entries twice); shared bytes read through other strides are not a tie.
             # (keyed by the storage entries, tuples the metadata holds anyway; each piece's reading is compared on
             # a hit only: a 6-tuple per piece in the key cost ~95 MB for a million pieces)
             tie_key = (size, dtype, tuple(wheres))
-            tied = next((t for ps, t in shared.get(tie_key, ()) if _read_alike(ps, pieces)), None) if pieces else None
+            tied = next((t for a, t in shared.get(tie_key, ()) if _read_alike(a.pieces, assembly.pieces)), None) \
+                if wheres and (cut is not None or pieces) else None
             if tied is not None:  # a second name of the same chunks (a tie a writer recorded): one tensor
                 _place(folder, root, path, RawTensor(tied.storage, dtype, 0, size, tied.stride), len(order))
                 layouts[".".join(str(p) for p in path)] = _layout(size, chunks) + " (tied)"
                 continue
-            problem = coverage_problem(assembly) if len(pieces) == len(chunks) else None
+            if cut is not None:
+                problem = _chunk_coverage(assembly, chunks, cut[0].stride)
+            else:
+                problem = coverage_problem(assembly) if len(pieces) == len(chunks) else None
             if problem:
                 problems.append(f"{fqn}: {problem}")
             tensor = assembled_tensor(fqn, dtype, size, assembly, metas[0])
-            shared.setdefault(tie_key, []).append((assembly.pieces, tensor))
+            shared.setdefault(tie_key, []).append((assembly, tensor))
             _place(folder, root, path, tensor, len(order))
             layouts[".".join(str(p) for p in path)] = _layout(size, chunks)
         else:
@@ -947,6 +942,91 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
     return replace(ckpt, path=shown or ckpt.path, files=(*metas, *(folder / f for f in sorted(files)), *extra_files),
                    hazards=tuple(hazards + items.hazards + view_hazards),
                    layouts=layouts, distributed=distributed)
+
+
+def _pieces(items: _Items, fqn: str, chunks: list, dtype: str, meta: _Meta, problems: list, differ: list,
+            files: set) -> tuple[list[Piece], list[tuple]]:
+    """A tensor's chunks read one by one: its pieces, and the storage entry of each."""
+    folder, stored, copies = items.folder, meta.storage.get, meta.copies
+    pieces, wheres = [], []
+    for offsets, sizes in chunks:
+        key = (fqn, offsets)
+        where = stored(key)
+        if where is None:
+            problems.append(f"{fqn}: no file holds its chunk at {list(offsets)} of size {list(sizes)}")
+            continue
+        piece = _chunk_piece(items, fqn, offsets, sizes, dtype, where)
+        pieces.append(piece)
+        wheres.append(where)
+        if not copies:
+            continue
+        others = []
+        for rank, copy in copies.get(key, ()):  # other ranks' copies
+            files.add(copy[0])
+            if items.blob(where[0], fqn) is None and items.blob(copy[0], fqn) is None \
+                    and _same_range(folder, where, copy):
+                continue  # the same archive, byte for byte: what was walked and read above
+            if not _same_piece(piece, _chunk_piece(items, fqn, offsets, sizes, dtype, copy), dtype):
+                others.append((rank, copy, None))  # (its archive walked and read, as rank 1 would)
+        if others:
+            differ.append(_differs(meta, key, where, others, len(chunks) > 1))
+    return pieces, wheres
+
+
+def _prepare(items: _Items, meta: _Meta) -> bool:
+    """Parse every chunk item of the folder's shard files in bulk (dcp_items.ChunkItems.prepare); False where NumPy
+    is not there to do it."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return False
+    items.chunks.prepare(items, (where for (_fqn, offsets), where in meta.storage.items() if offsets is not None))
+    return True
+
+
+class _ChunkAssembly(Assembly):
+    """A DCP tensor's Assembly whose chunks were read on their template together (dcp_items.ChunkItems.tensor): its
+    pieces are made when a command first asks for them (fix, --values), not when the folder is read (inspect of a
+    million chunks made a million pieces, and their labels, that it never looks at). Making them cannot fail."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "pieces":
+            raise AttributeError(name)
+        pieces = self.__dict__["pieces"] = dcp_items.cut_pieces(*self.__dict__["cut"])
+        return pieces
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Assembly):
+            return NotImplemented
+        return (self.grid, self.pieces, self.dtype) == (other.grid, other.pieces, other.dtype)
+
+    def __hash__(self) -> int:
+        return hash((self.grid, self.pieces, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"Assembly(grid={self.grid!r}, pieces={self.pieces!r}, dtype={self.dtype!r})"
+
+    def __reduce__(self) -> tuple:
+        return Assembly, (self.grid, self.pieces, self.dtype)
+
+
+def _chunk_coverage(assembly: Assembly, chunks: list, stride: tuple[int, ...]) -> str | None:
+    """coverage_problem of a _ChunkAssembly, from its chunks (every piece's stride is `stride`) without making its
+    pieces; where a chunk does not pass the column-wise check, coverage_problem itself names it."""
+    grid = assembly.grid
+    rank = len(grid)
+    offsets, sizes = list(map(itemgetter(0), chunks)), list(map(itemgetter(1), chunks))
+    if not ({rank} == set(map(len, offsets)) == set(map(len, sizes)) and len(stride) == rank
+            and all(min(o) >= 0 and min(s) >= 0 and max(map(add, o, s)) <= g
+                    for o, s, g in zip(zip(*offsets), zip(*sizes), grid))):
+        return coverage_problem(assembly)
+    total = sum(map(prod, sizes)) if len(set(sizes)) > 1 else prod(sizes[0]) * len(sizes)
+    want = prod(grid)
+    if total < want:
+        return f"the chunks cover {total:,} of its {want:,} elements"
+    if total > want:
+        return f"the chunks hold {total:,} elements for its {want:,}: some overlap"
+    return None
 
 
 def _read_alike(a: tuple[Piece, ...], b: list[Piece]) -> bool:
