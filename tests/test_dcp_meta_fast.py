@@ -344,3 +344,18 @@ def test_runs_cut_into_blocks_read_the_same(generated, monkeypatch):
     for data in (raw, one_frame(frames(raw))):
         cut = recognize(data)
         assert cut is not None and cut.sdm == whole.sdm and cut.storage == whole.storage
+
+
+@pytest.mark.parametrize("window", [61, 997, 5000])
+def test_runs_found_a_window_at_a_time_read_the_same(generated, monkeypatch, window):
+    """Runs are found a window of a frame at a time: an entry the window's end cuts is read by the next window (or,
+    one longer than a window, opcode by opcode), and the entries are the same."""
+    from ckpt_doctor.readers import dcp_meta_fast
+
+    raw = (generated / ".metadata").read_bytes()
+    whole = recognize(raw)
+    assert whole is not None and len(whole.storage) == 1200
+    monkeypatch.setattr(dcp_meta_fast, "_WINDOW", window)
+    for data in (raw, one_frame(frames(raw))):
+        cut = recognize(data)
+        assert cut is not None and cut.sdm == whole.sdm and cut.storage == whole.storage

@@ -35,8 +35,9 @@ shortcut what the opcode loop would do with the same bytes: a template's variabl
 at most 255 bytes, whose length byte is checked; ints of fixed widths), so one match costs O(1), and a unit that
 does not fit a template is read by the opcode loop instead.
 
-Runs: back-to-back units that fit a template are matched one after the other by a scanner (each match anchored where
-the previous ended, at most _BLOCK at once) and read column by column: the groups transposed, each column's ints,
+Runs: back-to-back units that fit a template (no byte between one and the next, at most _BLOCK at once) are found
+by one re.split of a window of their frame, which gives each match's groups and the bytes between matches, and read
+column by column: each column's ints,
 tuples, memo indices and strings decoded by C loops (map, join, struct, dict lookups; equal tuples and strings once).
 The run stands on the stack as one item (_Chunks, _Entries) that only the op popping exactly its units may take
 (APPENDS/SETITEMS with it at a pair boundary, APPEND/SETITEM of a run of one); anything else declines. A memo index a
@@ -66,6 +67,8 @@ _LE4 = struct.Struct("<I")
 _LE8 = struct.Struct("<Q")
 _GROUPS = type(re.match(b"", b"")).groups
 _BLOCK = 4096  # entries read at once, at most
+_WINDOW = 1 << 18  # bytes of a frame searched for them at once, at most
+_EMPTY = {None: b""}  # (a group of a branch not taken: b"", as the templates' columns have it)
 
 
 class NoFit(Exception):
@@ -198,6 +201,7 @@ class _Machine:
         self.seen: dict[tuple[str, str], _G] = {}
         self.roles: dict[object, int] = {}  # (kind, name) -> the memo index holding it, for the templates
         self.chunk_re = self.storage_re = None
+        self.window: tuple | None = None  # the runs of the window _run searched last
         self.strings: dict[str, str] = {}  # equal strings kept once (a million relative paths are a few files)
         self.sizes: dict[tuple, tuple] = {}
         self.tuples: dict[bytes, tuple] = {}  # a _TUP group's bytes -> its ints (a million chunks have few distinct)
@@ -222,7 +226,7 @@ class _Machine:
             one = (re.escape(self.chunk_head) + rb"\)\x81\x94\}\x94\(" + re.escape(_get(r["s", "offsets"])) + size
                    + _TUP + rb"\x85\x94R\x94" + re.escape(_get(r["s", "sizes"])) + size + _TUP + rb"\x85\x94R\x94ub")
             self.chunk_re = re.compile(one, re.DOTALL).match
-            self.chunk_scan = re.compile(one, re.DOTALL).scanner
+            self.chunk_split = re.compile(b"(" + one + b")", re.DOTALL)
         if self.storage_re is None and all(k in r for k in (
                 ("g", "MetadataIndex"), ("g", "_StorageInfo"), ("g", "Size"), ("s", "fqn"), ("s", "index"),
                 ("s", "offset"), ("s", "relative_path"), ("s", "length"))):
@@ -233,7 +237,7 @@ class _Machine:
                    + e(("g", "_StorageInfo")) + rb"\)\x81\x94\}\x94\(" + e(("s", "relative_path")) + _STR
                    + e(("s", "offset")) + _BIG + e(("s", "length")) + _BIG + rb"ub")
             self.storage_re = re.compile(one, re.DOTALL).match
-            self.storage_scan = re.compile(one, re.DOTALL).scanner
+            self.storage_split = re.compile(b"(" + one + b")", re.DOTALL)
 
     def _str_of(self, m, i: int, at: int) -> tuple[str, int]:
         """A template's string: (value, memo entries it adds)."""
@@ -253,15 +257,49 @@ class _Machine:
             raise NoFit
         return value, 0
 
-    def _run(self, scanner, pos: int, end: int) -> tuple[int, list]:
+    def _run(self, split, pos: int, end: int) -> tuple[int, list]:
         """The entries of the run of back-to-back template matches at `pos` within the frame (to `end`): (where it
-        stops, the template's groups column by column, b"" for a branch not taken). Each match starts where the
-        previous one ended (a scanner's match is anchored there) and the run stops at the first place the template
-        does not fit, or after _BLOCK entries (a frame can be the whole file: what is held at once stays small)."""
-        found = list(islice(iter(scanner(self.data, pos, end).match, None), _BLOCK))
-        if not found:
-            return pos, []
-        return found[-1].end(), list(zip(*map(_GROUPS, found, repeat(b""))))
+        stops, the template's groups column by column, b"" for a branch not taken). The run is the matches that
+        follow each other with no byte between them (each where the previous one ended: what a match anchored there
+        finds), from `pos` on; it stops at the first place the template does not fit, or after _BLOCK entries.
+
+        The matches are found a window at a time (_WINDOW bytes of the frame, at most: a frame can be the whole
+        file): split gives each match's groups and the bytes between matches, in C; the runs of the window are kept,
+        and a later run of it is taken from there. A match cut by the window's end is not one: the run stops before
+        it, and the next run starts a new window there."""
+        c = self.window
+        if c is None or c[0] is not split or c[1] != end or pos not in c[2]:
+            c = self.window = self._window(split, pos, end)
+            if pos not in c[2]:
+                return pos, []
+        lo, hi, stop = c[2][pos]
+        return stop, [col[lo:hi] for col in c[3]]
+
+    def _window(self, split, pos: int, end: int) -> tuple:
+        """(split, the frame's end, {where a run starts: (first match, past its last, where it stops)}, the columns
+        of the window's matches) for the window of the frame from `pos`."""
+        stop = min(end, pos + _WINDOW)
+        parts = split.split(self.data[pos:stop])
+        k = split.groups + 1  # a gap, the whole match, the template's groups
+        gaps, wholes = parts[0::k], parts[1::k]
+        cols = []
+        for g in range(2, k):
+            col = parts[g::k]
+            none = col.count(None)
+            cols.append(col if not none else [b""] * len(col) if none == len(col) else list(map(_EMPTY.get, col, col)))
+        runs = {}
+        n = len(wholes)
+        breaks = [0, *compress(range(1, n), islice(gaps, 1, n)), n]  # runs start at the first match and after gaps
+        at = pos
+        for i, j in zip(breaks, breaks[1:]):
+            at += len(gaps[i])
+            while i < j:
+                hi = min(j, i + _BLOCK)
+                length = sum(map(len, wholes[i:hi]))
+                runs[at] = (i, hi, at + length)
+                at += length
+                i = hi
+        return split, end, runs, cols
 
     def _ints_of(self, col: tuple) -> list:
         """The ints of each _TUP group of a column, each distinct group decoded once."""
@@ -275,7 +313,7 @@ class _Machine:
 
     def _chunk_run(self, pos: int, end: int, stack: list) -> int:
         """A run of chunk entries, read column-wise (one _Chunks item on the stack)."""
-        stop, cols = self._run(self.chunk_scan, pos, end)
+        stop, cols = self._run(self.chunk_split, pos, end)
         if not cols:
             return pos
         a, b = cols
@@ -327,7 +365,7 @@ class _Machine:
     def _entry_run(self, pos: int, end: int, stack: list) -> int:
         """A run of storage entries, read column-wise (one _Entries item on the stack); a string whose length byte
         does not fit sends the run to the entry-by-entry template."""
-        stop, cols = self._run(self.storage_scan, pos, end)
+        stop, cols = self._run(self.storage_split, pos, end)
         if not cols:
             return pos
         f_len, f_raw, f_short, f_long, offs, r_len, r_raw, r_short, r_long, at, length = cols
