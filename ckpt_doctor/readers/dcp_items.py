@@ -334,14 +334,15 @@ class ChunkItems:
                         stride=m.stride, label=f"{rel} item at byte {at}",
                         crc=data_crc if m.whole and data == m.nbytes else None)
 
-    def prepare(self, items, entries) -> None:
+    def prepare(self, items, entries, by_file: dict | None = None) -> None:
         """Parse, in bulk, every item of the shard files `entries` name ((rel, at, length, transforms) each) that
         holds a chunk: for each file (a local one of torch.save items, opened and checked as _file does), the items
         parse would take, with parse's result, in `rows`; piece and tensor then read them there. A file that does not
-        open is left to the reading item by item (which says what is wrong with it)."""
+        open is left to the reading item by item (which says what is wrong with it). `by_file`: those items already
+        grouped by file, {rel: (where each starts, its length)} (ints; entries is then empty)."""
         import numpy as np
 
-        by_file: dict[str, tuple[list, list]] = {}
+        by_file = {rel: group for rel, group in by_file.items() if len(group[0])} if by_file is not None else {}
         for rel, at, length, transforms in entries:
             if not transforms and type(at) is int and type(length) is int:
                 ats, lengths = by_file.get(rel) or by_file.setdefault(rel, ([], []))
