@@ -389,31 +389,6 @@ def _layout(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int
     """How the chunks split the tensor, in words: `whole`, `Shard(0) 2 ways [4, 3]`, `2-D split 4 ways`."""
     if len(chunks) <= 1:
         return "whole (one chunk)"
-    offsets, sizes = list(map(itemgetter(0), chunks)), list(map(itemgetter(1), chunks))
-    rank = len(size)
-    if set(map(len, offsets)) != {rank} or min(map(len, sizes)) < rank:
-        return _layout_slowly(size, chunks)
-    columns = list(zip(*offsets))  # (column-wise: a tensor of a hundred chunks is read a million times over)
-    dims = [d for d in range(rank) if len(set(columns[d])) > 1]
-    empty = len(sizes) - list(map(contains, sizes, repeat(0))).count(False)
-    tail = f", {empty} empty" if empty else ""
-    if len(dims) == 1:
-        d = dims[0]
-        parts = list(map(itemgetter(d), sizes))
-        col = list(columns[d])
-        if col != sorted(col):  # (in the order of their offsets on that dim; a stable sort, as sorted's)
-            parts = list(map(parts.__getitem__, sorted(range(len(col)), key=col.__getitem__)))
-        uneven = " uneven" if len(set(parts).difference((0,))) > 1 or empty else ""
-        return f"Shard({d}) {len(chunks)} ways{uneven} {parts}{tail}"
-    if not dims:
-        return f"{len(chunks)} chunks{tail}"
-    return f"{len(dims)}-D split on dims {dims}, {len(chunks)} chunks{tail}"
-
-
-def _layout_slowly(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
-    """_layout chunk by chunk (chunks whose offsets or sizes do not all have the tensor's rank)."""
-    if len(chunks) <= 1:
-        return "whole (one chunk)"
     dims = [d for d in range(len(size)) if len({c[0][d] for c in chunks}) > 1]
     empty = sum(1 for c in chunks if 0 in c[1])
     tail = f", {empty} empty" if empty else ""

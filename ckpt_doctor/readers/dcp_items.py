@@ -171,7 +171,7 @@ class _Rows:
     start, each with parse's result: data.pkl's bytes, its crc, data/0's size and crc, and where data/0 starts
     (absolute, in the file)."""
 
-    __slots__ = ("at", "data", "data_crc", "data_pos", "length", "pkl", "pkl_crc")
+    __slots__ = ("at", "data", "data_crc", "data_pos", "index", "length", "pkl", "pkl_crc")
 
     def __init__(self) -> None:
         from array import array
@@ -179,6 +179,14 @@ class _Rows:
         self.at, self.length, self.data_pos = array("q"), array("q"), array("q")
         self.data, self.pkl_crc, self.data_crc = array("q"), array("q"), array("q")
         self.pkl: list[bytes] = []
+        self.index: dict[int, int] | None = None
+
+    def first(self) -> dict[int, int]:
+        """{where an item starts: its row} (the first row of that start, as bisect_left finds it), made once."""
+        if self.index is None:
+            n = len(self.at)
+            self.index = dict(zip(reversed(self.at), range(n - 1, -1, -1)))
+        return self.index
 
     def find(self, at: int, length: int) -> int | None:
         k = bisect_left(self.at, at)
@@ -187,8 +195,9 @@ class _Rows:
         return None
 
 
-_AT, _LENGTH, _PKL, _PKL_CRC = attrgetter("at"), attrgetter("length"), attrgetter("pkl"), attrgetter("pkl_crc")
+_LENGTH, _PKL, _PKL_CRC = attrgetter("length"), attrgetter("pkl"), attrgetter("pkl_crc")
 _DATA_OF, _DATA_CRC, _DATA_POS = attrgetter("data"), attrgetter("data_crc"), attrgetter("data_pos")
+_INDEX = attrgetter("index")
 
 
 class ChunkItems:
@@ -498,11 +507,10 @@ class ChunkItems:
         if not n or None in rows or any(map(itemgetter(3), wheres)):
             return None
         ats = list(map(itemgetter(1), wheres))
-        ks = list(map(bisect_left, map(_AT, rows), ats))
-        try:
-            if list(map(getitem, map(_AT, rows), ks)) != ats:
-                return None
-        except IndexError:
+        for r in dict.fromkeys(rows):
+            r.first()
+        ks = list(map(dict.get, map(_INDEX, rows), ats))  # (the row bisect_left finds, where its start is at)
+        if None in ks:
             return None
         if list(map(getitem, map(_LENGTH, rows), ks)) != list(map(itemgetter(2), wheres)):
             return None
