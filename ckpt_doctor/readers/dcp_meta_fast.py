@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import re
 import struct
+from bisect import bisect_right
 from itertools import accumulate, compress, islice, repeat
 from operator import add, le, mul
 
@@ -196,6 +197,10 @@ class _Machine:
         self.data = data
         self.policy = policy
         self.memo: dict[int, object] = {}
+        # a run's new strings, each memoized at a step from the last: (first index, past the last, step, the
+        # strings), by first index; not in `memo` (a million relative paths), found there by fetch
+        self.held: list[tuple[int, int, int, list]] = []
+        self.held_at: list[int] = []
         self.count = 0  # the next memo index
         self.globals: list[GlobalRef] = []
         self.seen: dict[tuple[str, str], _G] = {}
@@ -252,10 +257,21 @@ class _Machine:
             self.memo[at] = value
             return value, 1
         idx = m.group(i + 2)[0] if m.group(i + 2) is not None else _LE4.unpack(m.group(i + 3))[0]
-        value = self.memo.get(idx)
+        value = self.fetch(idx)
         if type(value) is not str:
             raise NoFit
         return value, 0
+
+    def fetch(self, idx: int) -> object:
+        """What memo index `idx` holds (None: nothing)."""
+        value = self.memo.get(idx)
+        if value is None and self.held:
+            k = bisect_right(self.held_at, idx) - 1
+            if k >= 0:
+                start, stop, step, values = self.held[k]
+                if idx < stop and not (idx - start) % step:
+                    return values[(idx - start) // step]
+        return value
 
     def _run(self, split, pos: int, end: int) -> tuple[int, list]:
         """The entries of the run of back-to-back template matches at `pos` within the frame (to `end`): (where it
@@ -340,6 +356,11 @@ class _Machine:
             keep = self.strings.setdefault
             decoded = {r: keep(v, v) for r, v in zip(distinct, map(bytes.decode, distinct, repeat("utf-8"),
                                                                     repeat("surrogatepass")))}
+            if new == n and type(at) is range and n > 1:  # all new, a step apart: held as one
+                values = list(map(decoded.__getitem__, raw))
+                self.held.append((at.start, at[-1] + 1, at.step, values))
+                self.held_at.append(at.start)
+                return values
             memo.update(zip(compress(at, lens), map(decoded.__getitem__, raw)))
         if new == n:  # all new: each at its place
             index: object = at
@@ -358,6 +379,8 @@ class _Machine:
                 if not all(map(le, index, at)):
                     raise NoFit
         values = list(map(memo.get, index))
+        if None in values and self.held:
+            values = list(map(self.fetch, index))
         if set(map(type, values)) != {str}:
             raise NoFit
         return values
@@ -480,9 +503,10 @@ class _Machine:
                     idx, pos = data[pos + 1], pos + 2
                 else:
                     idx, pos = _LE4.unpack_from(data, pos + 1)[0], pos + 5
-                if idx not in memo:
+                value = memo.get(idx) if idx in memo else self.fetch(idx)
+                if value is None and idx not in memo:
                     raise NoFit
-                stack.append(memo[idx])
+                stack.append(value)
             elif op == 0x8C or op == 0x58:  # SHORT_BINUNICODE, BINUNICODE
                 if op == 0x8C:
                     length, pos = data[pos + 1], pos + 2
