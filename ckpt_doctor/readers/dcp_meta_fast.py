@@ -207,6 +207,8 @@ class _Machine:
         self.roles: dict[object, int] = {}  # (kind, name) -> the memo index holding it, for the templates
         self.chunk_re = self.storage_re = None
         self.window: tuple | None = None  # the runs of the window _run searched last
+        self.optional: dict[object, frozenset] = {}  # a template's groups of a branch (a _STR's): None when not taken
+        self.decoded: dict[bytes, str] = {}  # a template string's bytes, decoded (and checked) once
         self.strings: dict[str, str] = {}  # equal strings kept once (a million relative paths are a few files)
         self.sizes: dict[tuple, tuple] = {}
         self.tuples: dict[bytes, tuple] = {}  # a _TUP group's bytes -> its ints (a million chunks have few distinct)
@@ -243,6 +245,7 @@ class _Machine:
                    + e(("s", "offset")) + _BIG + e(("s", "length")) + _BIG + rb"ub")
             self.storage_re = re.compile(one, re.DOTALL).match
             self.storage_split = re.compile(b"(" + one + b")", re.DOTALL)
+            self.optional[self.storage_split] = frozenset({0, 1, 2, 3, 5, 6, 7, 8})  # (the groups of the two _STRs)
 
     def _str_of(self, m, i: int, at: int) -> tuple[str, int]:
         """A template's string: (value, memo entries it adds)."""
@@ -301,6 +304,9 @@ class _Machine:
         cols = []
         for g in range(2, k):
             col = parts[g::k]
+            if col and col[0] is not None and g - 2 not in self.optional.get(split, ()):
+                cols.append(col)  # (a group every match has)
+                continue
             none = col.count(None)
             cols.append(col if not none else [b""] * len(col) if none == len(col) else list(map(_EMPTY.get, col, col)))
         runs = {}
@@ -348,14 +354,15 @@ class _Machine:
         if new:
             at = _shifted(bases, shift)
             raw = list(compress(raws, lens))
-            distinct = set(raw)  # (a million relative paths are a few files' names)
+            decoded = self.decoded
+            distinct = set(raw).difference(decoded)  # (a million relative paths are a few files' names)
             if any(map(bytes.startswith, distinct, repeat(b"\xc2\x80"))):  # text_pickle's first test, at C speed
                 for r in distinct:
                     if text_pickle(r, 0, len(r)) is not None:
                         raise NoFit
             keep = self.strings.setdefault
-            decoded = {r: keep(v, v) for r, v in zip(distinct, map(bytes.decode, distinct, repeat("utf-8"),
-                                                                    repeat("surrogatepass")))}
+            decoded.update({r: keep(v, v) for r, v in zip(distinct, map(bytes.decode, distinct, repeat("utf-8"),
+                                                                         repeat("surrogatepass")))})
             if new == n and type(at) is range and n > 1:  # all new, a step apart: held as one
                 values = list(map(decoded.__getitem__, raw))
                 self.held.append((at.start, at[-1] + 1, at.step, values))
