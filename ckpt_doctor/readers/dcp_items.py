@@ -164,6 +164,7 @@ class Meaning:
 
 # where, from the directory's start, _SIZES and _CRCS read: data.pkl's size and crc, data/0's size and crc
 _PKL_SIZE_AT, _DATA_SIZE_AT, _PKL_CRC_AT, _DATA_CRC_AT = 24, _SIZES.size - 4, 16, _CRCS.size - 4
+_CHECK_BYTES = 1 << 18  # items back to back are checked this many bytes of them at a time (what a core's cache holds)
 
 
 class _Rows:
@@ -447,11 +448,23 @@ class ChunkItems:
         if len(a) > 1 and (np.diff(a) == t.length).all():  # items back to back
             # one pass over them: each byte against the template's where it has a literal one
             whole = buf[a[0]:a[-1] + t.length]
-            expected, mask = self._tiled(np, t, len(a))
-            diff = np.bitwise_xor(whole, expected)
-            np.bitwise_and(diff, mask, out=diff)
-            ok = ~diff.reshape(len(a), t.length).any(1) if diff.any() else np.ones(len(a), bool)
-            del diff
+            n, length = len(a), t.length
+            block = max(1, _CHECK_BYTES // length)  # items compared at once: their bytes stay in the cache
+            expected, mask = self._tiled(np, t, min(block, n))
+            scratch = np.empty(min(block, n) * length, np.uint8)
+            ok = np.ones(n, bool)
+            for lo in range(0, n, block):
+                hi = min(n, lo + block)
+                part = whole[lo * length:hi * length]
+                diff, w = scratch[:len(part)], len(part) // 8 * 8  # (8 bytes at a time first: all alike is common)
+                d = diff[:w].view(np.uint64)
+                np.bitwise_xor(part[:w].view(np.uint64), expected[:w].view(np.uint64), out=d)
+                np.bitwise_and(d, mask[:w].view(np.uint64), out=d)
+                if not d.any() and not ((part[w:] ^ expected[w:len(part)]) & mask[w:len(part)]).any():
+                    continue
+                np.bitwise_xor(part, expected[:len(part)], out=diff)
+                np.bitwise_and(diff, mask[:len(part)], out=diff)
+                ok[lo:hi] = ~diff.reshape(hi - lo, length).any(1)
             items2d = whole.reshape(len(a), t.length)
             head, tail = items2d[:, :t.data_start + 6], items2d[:, t.data_end:]
         else:
