@@ -895,7 +895,8 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
             # (keyed by the storage entries, tuples the metadata holds anyway; each piece's reading is compared on
             # a hit only: a 6-tuple per piece in the key cost ~95 MB for a million pieces)
             tie_key = (size, dtype, tuple(wheres))
-            tied = next((t for a, t in shared.get(tie_key, ()) if _read_alike(a.pieces, assembly.pieces)), None) \
+            alike = shared.setdefault(tie_key, [])  # (one lookup of a key of a hundred entries: appended to below)
+            tied = next((t for a, t in alike if _read_alike(a.pieces, assembly.pieces)), None) \
                 if wheres and (cut is not None or pieces) else None
             if tied is not None:  # a second name of the same chunks (a tie a writer recorded): one tensor
                 _place(folder, root, path, RawTensor(tied.storage, dtype, 0, size, tied.stride), len(order))
@@ -908,7 +909,7 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
             if problem:
                 problems.append(f"{fqn}: {problem}")
             tensor = assembled_tensor(fqn, dtype, size, assembly, metas[0])
-            shared.setdefault(tie_key, []).append((assembly, tensor))
+            alike.append((assembly, tensor))
             _place(folder, root, path, tensor, len(order))
             layouts[".".join(str(p) for p in path)] = _layout(size, chunks)
         else:

@@ -180,14 +180,12 @@ class _Rows:
         self.at, self.length, self.data_pos = array("q"), array("q"), array("q")
         self.data, self.pkl_crc, self.data_crc = array("q"), array("q"), array("q")
         self.pkl: list[bytes] = []
-        self.index: dict[int, int] | None = None
+        self.index: dict[int, int] = {}
 
-    def first(self) -> dict[int, int]:
-        """{where an item starts: its row} (the first row of that start, as bisect_left finds it), made once."""
-        if self.index is None:
-            n = len(self.at)
-            self.index = dict(zip(reversed(self.at), range(n - 1, -1, -1)))
-        return self.index
+    def first(self) -> None:
+        """index: {where an item starts: its row} (the first row of that start, as bisect_left finds it)."""
+        n = len(self.at)
+        self.index = dict(zip(reversed(self.at), range(n - 1, -1, -1)))
 
     def find(self, at: int, length: int) -> int | None:
         k = bisect_left(self.at, at)
@@ -437,6 +435,7 @@ class ChunkItems:
         rows.pkl_crc.frombytes(np.concatenate([f[2] for f in found]).astype(np.int64)[order].tobytes())
         rows.data_crc.frombytes(np.concatenate([f[3] for f in found]).astype(np.int64)[order].tobytes())
         rows.pkl = list(map(pkls.__getitem__, order.tolist()))
+        rows.first()
         return rows
 
     def _group(self, np, buf, t: _Template, a) -> tuple | None:
@@ -520,8 +519,6 @@ class ChunkItems:
         if not n or None in rows or any(map(itemgetter(3), wheres)):
             return None
         ats = list(map(itemgetter(1), wheres))
-        for r in dict.fromkeys(rows):
-            r.first()
         ks = list(map(dict.get, map(_INDEX, rows), ats))  # (the row bisect_left finds, where its start is at)
         if None in ks:
             return None
