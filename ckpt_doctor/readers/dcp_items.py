@@ -374,9 +374,6 @@ class ChunkItems:
                 continue
         if places is not None:
             self._place(np, by_file, places)
-        else:  # (tensor finds each chunk's row by its file's index)
-            for rows in self.rows.values():
-                rows.first()
 
     def _place(self, np, by_file: dict, places: dict) -> None:
         """placed: {a chunk's storage entry: its row in `table`} for every entry whose item is on a row (a row of
@@ -464,6 +461,7 @@ class ChunkItems:
         rows.pkl_crc.frombytes(np.concatenate([f[2] for f in found]).astype(np.int64)[order].tobytes())
         rows.data_crc.frombytes(np.concatenate([f[3] for f in found]).astype(np.int64)[order].tobytes())
         rows.pkl = list(map(pkls.__getitem__, order.tolist()))
+        rows.first()
         return rows
 
     def _group(self, np, buf, t: _Template, a) -> tuple | None:
