@@ -100,7 +100,6 @@ class _Meta:
         # read by it): by_file reads them, grouped by file, at C speed, instead of a pass over a million entries
         self.columns: Storage | None = None
         self.grouped: dict | None = None
-        self.places: dict | None = None  # {rel: its entries' (rel, at, length, transforms), as by_file orders them}
 
     def by_file(self) -> dict | None:
         """The storage entries grouped by file, column-wise (NumPy arrays): {rel: (where each starts, its length,
@@ -126,11 +125,6 @@ class _Meta:
             else np.fromiter(map(not_, cols.transforms), bool, n)[order]
         self.grouped = {rel: (at[lo:hi], length[lo:hi], value[lo:hi], plain[lo:hi])
                         for rel, lo, hi in zip(names, cuts[:-1].tolist(), cuts[1:].tolist())}
-        try:  # (`storage`'s values are in the columns' order: it was made of them)
-            places = np.fromiter(self.storage.values(), object, n)[order]
-            self.places = {rel: places[lo:hi] for rel, lo, hi in zip(names, cuts[:-1].tolist(), cuts[1:].tolist())}
-        except (TypeError, ValueError):  # (a NumPy without object arrays from an iterator: tensor reads by file)
-            self.places = None
         return self.grouped
 
     def entries(self):
@@ -477,7 +471,7 @@ def _whole_file_views(folder: Path, files: set[str], items: dict[str, tuple[list
         if rel in items and len(items[rel][0]):
             starts, lengths = items[rel]
             if type(starts) is list:
-                starts, lengths = zip(*sorted(zip(starts, lengths)))  # each item's start and length, in order
+                starts, lengths = zip(*sorted(zip(starts, lengths)))  # each item's start and length, in the file's order
                 ends = list(map(add, starts, lengths))
                 tiled = starts[0] == 0 and ends[:-1] == list(starts[1:]) and ends[-1] == survey.size
             else:  # (NumPy arrays: the same, column-wise)
@@ -1043,11 +1037,8 @@ def _prepare(items: _Items, meta: _Meta) -> bool:
         return False
     grouped = meta.by_file()
     if grouped is not None:  # (a chunk's entry, not a transformed one: what prepare takes of the entries below)
-        places = meta.places
         items.chunks.prepare(items, (), {rel: (at[~value & plain], length[~value & plain])
-                                         for rel, (at, length, value, plain) in grouped.items()},
-                             None if places is None else {rel: places[rel][~value & plain]
-                                                          for rel, (_at, _n, value, plain) in grouped.items()})
+                                         for rel, (at, length, value, plain) in grouped.items()})
         return True
     items.chunks.prepare(items, (where for (_fqn, offsets), where in meta.storage.items() if offsets is not None))
     return True

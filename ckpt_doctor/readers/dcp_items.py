@@ -212,8 +212,6 @@ class ChunkItems:
         self.used = 0  # items read here (the rest: the general way)
         self.interned: dict[bytes, bytes] = {}  # data.pkl's bytes, one object each (prepare)
         self.tiles: tuple | None = None  # the last _tiled's
-        self.placed: dict | None = None  # (prepare, given the entries' places: _place)
-        self.table: _Rows | None = None
 
     def close(self) -> None:
         files, self.files = self.files, {}
@@ -344,14 +342,12 @@ class ChunkItems:
                         stride=m.stride, label=f"{rel} item at byte {at}",
                         crc=data_crc if m.whole and data == m.nbytes else None)
 
-    def prepare(self, items, entries, by_file: dict | None = None, places: dict | None = None) -> None:
+    def prepare(self, items, entries, by_file: dict | None = None) -> None:
         """Parse, in bulk, every item of the shard files `entries` name ((rel, at, length, transforms) each) that
         holds a chunk: for each file (a local one of torch.save items, opened and checked as _file does), the items
         parse would take, with parse's result, in `rows`; piece and tensor then read them there. A file that does not
         open is left to the reading item by item (which says what is wrong with it). `by_file`: those items already
-        grouped by file, {rel: (where each starts, its length)} (ints; entries is then empty); `places`: their
-        storage entries, (rel, at, length, transforms) each, in that order: tensor then finds each chunk's row by
-        its entry (`placed`), every file's rows one table (`table`)."""
+        grouped by file, {rel: (where each starts, its length)} (ints; entries is then empty)."""
         import numpy as np
 
         by_file = {rel: group for rel, group in by_file.items() if len(group[0])} if by_file is not None else {}
@@ -372,28 +368,6 @@ class ChunkItems:
                 self.rows[rel] = self._bulk(np, f[2], f[1], ats, lengths)
             except (OSError, ValueError):
                 continue
-        if places is not None:
-            self._place(np, by_file, places)
-
-    def _place(self, np, by_file: dict, places: dict) -> None:
-        """placed: {a chunk's storage entry: its row in `table`} for every entry whose item is on a row (a row of
-        its file that starts where it starts, the first such, and has its length: what tensor checks of each);
-        table: the rows of every file, one after the other."""
-        table, placed, base = _Rows(), {}, 0
-        for rel, rows in self.rows.items():
-            at, length = by_file[rel]
-            row_at = np.frombuffer(rows.at, np.int64) if len(rows.at) else np.zeros(0, np.int64)
-            k = np.searchsorted(row_at, at)  # (bisect_left's)
-            inside = k < len(row_at)
-            k = np.where(inside, k, 0)
-            if len(row_at):
-                on = inside & (row_at[k] == at) & (np.frombuffer(rows.length, np.int64)[k] == length)
-                placed.update(zip(places[rel][on].tolist(), (k[on] + base).tolist()))
-            for name in ("at", "length", "data_pos", "data", "pkl_crc", "data_crc"):
-                getattr(table, name).extend(getattr(rows, name))
-            table.pkl += rows.pkl
-            base += len(rows.at)
-        self.table, self.placed = table, placed
 
     def _bulk(self, np, fd: int, size: int, ats: list, lengths: list) -> _Rows:
         """parse, of every item at `ats` with `lengths` in the file `fd` of `size` bytes, at once: the items it
@@ -541,8 +515,6 @@ class ChunkItems:
         of them (the same checks, the same debits), as (meaning, rows, row index) for the pieces of _cut_pieces;
         None, nothing debited, when any of them is not read so (the caller then reads them one by one)."""
         n = len(wheres)
-        if self.placed is not None:
-            return self._tensor_placed(items, wheres, chunks, dtype)
         rows = list(map(self.rows.get, map(itemgetter(0), wheres)))
         if not n or None in rows or any(map(itemgetter(3), wheres)):
             return None
@@ -569,36 +541,6 @@ class ChunkItems:
         items.walked_bytes += m.length * n
         self.used += n
         return m, rows, ks
-
-    def _tensor_placed(self, items, wheres: list, chunks: list, dtype: str) -> tuple | None:
-        """tensor, each chunk's row found by its storage entry (prepare's `placed`): the same checks, the same
-        debits, the same pieces (`table` stands for each chunk's file's rows)."""
-        import numpy as np
-
-        n = len(wheres)
-        ks = list(map(self.placed.get, wheres))  # (parsed in bulk, no transforms, a row at its start, its length)
-        if not n or None in ks:
-            return None
-        t = self.table
-        pkls = list(map(t.pkl.__getitem__, ks))
-        m = self.meanings.get(pkls[0])
-        if m is None or pkls.count(pkls[0]) != n or m.dtype != dtype \
-                or list(map(itemgetter(1), chunks)).count(m.shape) != n:
-            return None
-        g = np.array(ks, np.int64)
-        if (np.frombuffer(t.pkl_crc, np.int64)[g] != m.crc).any() \
-                or np.frombuffer(t.data, np.int64)[g].min() < m.nbytes:
-            return None
-        budget = items.budget
-        c0, c1, c2 = m.cost
-        if budget[0] < c0 * n or budget[1] < c1 * n or budget[2] < c2 * n:
-            return None  # (one by one, the item the budget cannot pay is found and declined)
-        budget[0] -= c0 * n
-        budget[1] -= c1 * n
-        budget[2] -= c2 * n
-        items.walked_bytes += m.length * n
-        self.used += n
-        return m, [t] * n, ks
 
     def learn(self, item: tuple, walk_and_cost, rec, chunk, piece: Piece, at: int) -> None:
         """Keep what the general reading made of `item`'s data.pkl (`rec`: its tensor; `walk_and_cost`: what
