@@ -29,7 +29,16 @@ from ..advice import consolidate
 from ..assemble import coverage_problem
 from ..dtypes import element_size
 from ..errors import CkptDoctorError, ReadError
-from ..records import Assembly, Checkpoint, DcpFolder, DistributedShard, Format, GlobalRef, Piece
+from ..records import (
+    Assembly,
+    Checkpoint,
+    DcpFolder,
+    DistributedShard,
+    Format,
+    GlobalRef,
+    Piece,
+    integer_keys_note,
+)
 from ..safepickle import limits
 from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..safepickle.unpickler import Opaque, RawTensor, SafeUnpickler, SizeValue, StorageRef
@@ -977,9 +986,9 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
     notes += tuple(items.past_end[:3])
     if items.big_endian:  # what refuse_values reads: fix and diff would take big-endian bytes as little-endian ones
         notes += ("saved on a big-endian machine: tensor bytes are big-endian (in some chunk items)",)
-    if restored:
-        notes += (f"optimizer state keys at {', '.join(restored[:3])} are integers again: DCP saves them as strings, "
-                  "and Optimizer.load_state_dict matches state to the integer ids in param_groups",)
+    restored_note = integer_keys_note(restored) if restored else None
+    if restored_note:
+        notes += (restored_note,)
     if differ:
         notes += tuple(note for note, _ in differ[:3])
         if len(differ) > 3:
@@ -991,7 +1000,9 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
                             extra_bytes=items.walked_bytes)
     if not all(isinstance(v, RawTensor) for v in root.values()):  # a flat state_dict needs no contents line
         distributed = replace(distributed, contents=tuple(_contents(root, ckpt.state_dict_root)))
-    distributed = replace(distributed, fix_notes=tuple(notes[1:]))
+    # fix says which optimizer states have integer keys again only where it writes them (not the model alone)
+    distributed = replace(distributed, fix_notes=tuple(note for note in notes[1:] if note is not restored_note),
+                          integer_state_keys=tuple(restored))
 
     extra_files = (folder / "meta.pt",) if lightning is not None else ()
     return replace(ckpt, path=shown or ckpt.path, files=(*metas, *(folder / f for f in sorted(files)), *extra_files),
