@@ -16,6 +16,7 @@ from ..dtypes import FLOATING, QUANTIZED
 from ..errors import PlanError, Rerun, UsageError
 from ..records import (
     Checkpoint,
+    DcpFolder,
     DeepSpeedFolder,
     DistributedShard,
     Format,
@@ -228,8 +229,8 @@ def choose_scope(ckpt: Checkpoint, fmt: OutputFormat, opts: FixOptions, auto_sel
         draft.notes += ckpt.distributed.fix_notes
         # optimizer states given integer keys again: said of those the output holds as a tree (not flattened)
         written = select if optimizer_select else "" if whole_tree else root
-        restored = [p for p in ckpt.distributed.integer_state_keys if written == "" or p == written
-                    or p.startswith(written + ".")]
+        keys = ckpt.distributed.integer_state_keys if isinstance(ckpt.distributed, DcpFolder) else ()
+        restored = [p for p in keys if written == "" or p == written or p.startswith(written + ".")]
         if restored and not flat_output:
             draft.notes.append(integer_keys_note(restored))
     others = beside(ckpt.root, root) if ckpt.distributed is not None and select is None and root else []
