@@ -24,11 +24,15 @@ from tests.conftest import run_cli
 from tests.dcp_samples import write_samples
 
 
-@pytest.fixture(autouse=True, params=["item by item", "in bulk"])
+@pytest.fixture(autouse=True, params=["item by item", "in bulk", "in bulk, by heads and tails"])
 def _bulk(request, monkeypatch) -> None:
-    """Every test twice: the items parsed one by one (a small folder), and parsed in bulk over each shard file (what
-    a folder of many chunks gets: dcp_items.ChunkItems.prepare, and a tensor's chunks read together)."""
-    monkeypatch.setattr(dcp_items, "BULK_MIN", 0 if request.param == "in bulk" else 1 << 60)
+    """Every test three times: the items parsed one by one (a small folder), and parsed in bulk over each shard file
+    (what a folder of many chunks gets: dcp_items.ChunkItems.prepare, and a tensor's chunks read together), small
+    items back to back compared whole, or, as items past WHOLE are, by their heads and tails alone (a pass over
+    whole items would read every tensor's bytes)."""
+    monkeypatch.setattr(dcp_items, "BULK_MIN", 1 << 60 if request.param == "item by item" else 0)
+    if request.param.endswith("tails"):
+        monkeypatch.setattr(dcp_items, "WHOLE", 512)  # (the items here are ~1.6 KB)
     # (items back to back checked a few at a time, ~1.6 KB each: a tampered one among others of its block is found)
     monkeypatch.setattr(dcp_items, "_CHECK_BYTES", 5000)
 
@@ -125,6 +129,22 @@ def test_a_folder_dcp_save_wrote_reads_the_same_on_the_template(real, monkeypatc
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory) -> Path:
     return write_samples(tmp_path_factory.mktemp("dcp"))
+
+
+def test_a_shard_that_cannot_be_held_still_is_never_mapped(real, monkeypatch):
+    """The bulk check maps a shard file only while a read lease holds it (a file truncated under a map ends the
+    process with SIGBUS); a file it cannot hold is read item by item, by pread, to the same result."""
+    from ckpt_doctor.readers import held
+
+    mapped = []
+    bulk = dcp_items.ChunkItems._bulk
+    monkeypatch.setattr(dcp_items.ChunkItems, "_bulk", lambda self, *a: mapped.append(a[2]) or bulk(self, *a))
+    monkeypatch.setattr(held.Holder, "hold", lambda self, path: False)
+    fast, slow, _used = _both(real, monkeypatch)
+    assert fast == slow
+    if dcp_items.BULK_MIN == 0:
+        assert mapped  # the bulk check was asked, and declined: nothing in its rows
+        assert all(not rows.at for i in _Counted.made for rows in i.chunks.rows.values())
 
 
 def test_the_two_rank_samples_read_the_same_on_the_template(samples, monkeypatch):

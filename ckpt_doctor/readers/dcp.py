@@ -127,8 +127,11 @@ class _Meta:
         codes = np.fromiter(map(names.__getitem__, cols.rel), np.int64, n)
         order = np.argsort(codes, kind="stable")
         cuts = np.searchsorted(codes[order], np.arange(len(names) + 1))
-        at = np.fromiter(cols.at, np.int64, n)[order]
-        length = np.fromiter(cols.length, np.int64, n)[order]
+        try:
+            at = np.fromiter(cols.at, np.int64, n)[order]
+            length = np.fromiter(cols.length, np.int64, n)[order]
+        except OverflowError:  # (an offset or length past int64: the reading entry by entry says what is wrong)
+            return None
         value = np.fromiter(map(is_, cols.offset, repeat(None)), bool, n)[order]
         plain = np.ones(n, bool) if cols.transforms.count(()) == n \
             else np.fromiter(map(not_, cols.transforms), bool, n)[order]
@@ -555,8 +558,8 @@ class _Items:
             grouped = self.meta.by_file() if self.meta is not None else None
             if grouped is not None:
                 for r, (at, n, value, _plain) in grouped.items():
-                    if value.any():
-                        self.value_ends[r] = int((at[value] + n[value]).max())
+                    if value.any():  # (Python ints: an offset and a length of int64 may pass it together)
+                        self.value_ends[r] = max(map(add, at[value].tolist(), n[value].tolist()))
             else:
                 for (_f, off), (r, at, n, _t) in self.meta.entries() if self.meta is not None else ():
                     if off is None:

@@ -32,6 +32,7 @@ from operator import attrgetter, getitem, itemgetter
 from .._record import fast_new
 from ..errors import CkptDoctorError
 from ..records import Piece
+from .held import Holder
 from .source import RemotePath
 from .zipindex import torch_data_at
 
@@ -356,33 +357,39 @@ class ChunkItems:
                 ats, lengths = by_file.get(rel) or by_file.setdefault(rel, ([], []))
                 ats.append(at)
                 lengths.append(length)
-        for rel, (ats, lengths) in by_file.items():
-            f = self.files.get(rel)
-            try:
-                f = f or self._file(items, rel, rel)
-            except (OSError, CkptDoctorError):  # (missing, not a file: the reading item by item says so)
-                f = None
-            if f is None:
-                continue
-            try:
-                self.rows[rel] = self._bulk(np, f[2], f[1], ats, lengths)
-            except (OSError, ValueError):
-                continue
+        with Holder() as holder:
+            for rel, (ats, lengths) in by_file.items():
+                f = self.files.get(rel)
+                try:
+                    f = f or self._file(items, rel, rel)
+                except (OSError, CkptDoctorError):  # (missing, not a file: the reading item by item says so)
+                    f = None
+                if f is None:
+                    continue
+                try:
+                    self.rows[rel] = self._bulk(np, holder, str(f[0]), f[2], f[1], ats, lengths)
+                except (OSError, ValueError, OverflowError):
+                    continue
 
-    def _bulk(self, np, fd: int, size: int, ats: list, lengths: list) -> _Rows:
+    def _bulk(self, np, holder: Holder, path: str, fd: int, size: int, ats: list, lengths: list) -> _Rows:
         """parse, of every item at `ats` with `lengths` in the file `fd` of `size` bytes, at once: the items it
-        takes, with its result for each."""
+        takes, with its result for each. The file is mapped only while `holder` holds it still (a file truncated
+        under a map ends the process with SIGBUS); one it cannot hold is left to parse, item by item."""
         import mmap
 
         from numpy.lib.stride_tricks import sliding_window_view
 
         rows = _Rows()
+        if type(ats) is list:  # (Python ints from the metadata: any size; what cannot lie in the file is left out)
+            pairs = [(a, n) for a, n in zip(ats, lengths) if 0 <= a and 0 <= n and a + n <= size]
+            ats, lengths = [p[0] for p in pairs], [p[1] for p in pairs]
         at = np.array(ats, dtype=np.int64)
         length = np.array(lengths, dtype=np.int64)
-        keep = (at >= 0) & (length >= _HEAD + _TAIL) & (at + length <= size)
+        # (no sum that can pass int64: an entry's offset and length are any int64 the recognizer read)
+        keep = (at >= 0) & (length >= _HEAD + _TAIL) & (at <= size) & (length <= size - at)
         at, length = at[keep], length[keep]
-        if not len(at) or size < _HEAD + _TAIL:
-            return rows
+        if not len(at) or size < _HEAD + _TAIL or not holder.hold(path):
+            return rows  # (a file that cannot be held still is read item by item, by pread: never mapped)
         m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
         try:
             buf = np.frombuffer(m, dtype=np.uint8)
@@ -444,7 +451,9 @@ class ChunkItems:
         none."""
         from numpy.lib.stride_tricks import sliding_window_view
 
-        if len(a) > 1 and (np.diff(a) == t.length).all():  # items back to back
+        if len(a) > 1 and t.length <= WHOLE and (np.diff(a) == t.length).all():  # small items back to back
+            # (bigger items are compared by their heads and tails alone, below: a pass over whole items would read
+            # every tensor's bytes, a shard's gigabytes, where parse reads 68 KB an item)
             # one pass over them: each byte against the template's where it has a literal one
             whole = buf[a[0]:a[-1] + t.length]
             n, length = len(a), t.length

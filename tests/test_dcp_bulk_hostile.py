@@ -1,0 +1,82 @@
+"""Hostile .metadata against the column-wise reading of a DCP folder's storage entries (NumPy int64: _Meta.by_file,
+dcp_items.ChunkItems.prepare past BULK_MIN entries): a storage entry whose offset or length does not fit int64, or
+whose end overflows it, is a malformed folder like any other. The command says so in one clear line (what the
+reading entry by entry, in Python ints, said: "... the file is truncated"), never an internal error nor a bare
+"Invalid argument" from a read at a negative offset."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_doctor.readers import dcp_items
+from tests.conftest import run_cli
+
+
+def _folder(root: Path, n: int, bad: int, offset: int | None = None, length: int | None = None,
+            value: tuple[int, int] | None = None) -> Path:
+    """One float32 tensor `w` of `n` rows, a row a chunk, its items back to back in one file, with torch's own
+    metadata classes; the storage entry of row `bad` says `offset` / `length` instead of the item's own. `value`:
+    a value (BytesStorageMetadata) `v` stored at (offset, length) too."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    buf = io.BytesIO()
+    torch.save(torch.ones(1, 2), buf)
+    archives = [buf.getvalue()] * n  # (every row alike: what is read is where the items are, not their values)
+    root.mkdir()
+    storage, at = {}, 0
+    for r, archive in enumerate(archives):
+        where = (offset if offset is not None else at, length if length is not None else len(archive)) \
+            if r == bad else (at, len(archive))
+        storage[MetadataIndex("w", [r, 0], 0)] = _StorageInfo("__0_0.distcp", *where)
+        at += len(archive)
+    (root / "__0_0.distcp").write_bytes(b"".join(archives))
+    sdm = {"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([n, 2]), [
+        ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, 2])) for r in range(n)])}
+    if value is not None:
+        storage[MetadataIndex("v")] = _StorageInfo("__0_0.distcp", *value)
+        sdm["v"] = BytesStorageMetadata()
+    (root / ".metadata").write_bytes(pickle.dumps(Metadata(sdm, {"w": ("w",)}, storage, None, "1.0.0")))
+    return root
+
+
+@pytest.mark.parametrize(("offset", "length"), [
+    (2**62, 2**62),  # each fits int64, their sum does not: wraps negative, passes `at + length <= size`, IndexError
+    (2**64 + 5, None),  # an offset past int64: OverflowError in np.array
+    (None, 2**63 + 1),  # a length past int64
+])
+def test_an_entry_past_int64_is_refused_as_a_small_folder_refuses_it(tmp_path, offset, length):
+    n = dcp_items.BULK_MIN + 4
+    big = _folder(tmp_path / "big", n, n * 2 // 3, offset, length)
+    small = _folder(tmp_path / "small", 40, 20, offset, length)
+    want = run_cli("inspect", small, "--json")
+    assert want.exit_code == 2 and "the file is truncated" in want.stderr, want.stderr
+    got = run_cli("inspect", big, "--json")
+    assert got.exit_code == 2
+    assert "internal error" not in got.stderr, got.stderr
+    assert "the file is truncated" in got.stderr, got.stderr
+
+
+@pytest.mark.parametrize("n", [40, dcp_items.BULK_MIN + 4])
+@pytest.mark.parametrize("value", [(10, 2**63 - 1), (2**62, 2**62)])
+def test_a_value_entry_whose_end_overflows_int64_is_refused_clearly(tmp_path, n, value):
+    """A value item whose offset + length passes 2**63 (each fits int64: the recognizer reads them): _Meta.by_file's
+    value_ends wraps negative, and _Items.blob reads the shard at a negative offset (EINVAL). Before by_file (Python
+    ints, 5450928) this said the file is truncated; now any folder the recognizer reads says "Invalid argument"."""
+    folder = _folder(tmp_path / "ckpt", n, -1, value=value)
+    got = run_cli("inspect", folder, "--json")
+    assert got.exit_code == 2
+    assert "Invalid argument" not in got.stderr and "internal error" not in got.stderr, got.stderr
+    assert "the file is truncated" in got.stderr, got.stderr
