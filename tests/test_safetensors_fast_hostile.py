@@ -35,6 +35,12 @@ REFUSED_BY_THE_LIBRARY = {
     # spelled exactly as the reference writer spells a header: the one-pass reading takes it
     "complex128 (the library has C64, no C128)":
         ('{"a":{"dtype":"C128","shape":[4],"data_offsets":[0,64]}}', 64),
+    # a metadata key twice (the last kept by JSON's reading) whose first value is not a string / a lone surrogate:
+    # the library checks every value it reads
+    "a metadata key twice, the first not a string":
+        ('{"__metadata__":{"k":1,"k":"v"},"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}', 16),
+    "a metadata key twice, the first a lone surrogate":
+        ('{"__metadata__":{"k":"\\ud800","k":"v"},"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}', 16),
     # the general reading: dims whose product overflows 64 bits before a 0 dim (the library multiplies left to
     # right with checked_mul), one past 2**64, __metadata__ twice, a key twice whose first entry is not valid
     "dims overflowing before a 0 dim":
@@ -49,6 +55,12 @@ REFUSED_BY_THE_LIBRARY = {
     "a key twice, the first with a lone surrogate":
         ('{"a":{"dtype":"F32\\ud800","shape":[4],"data_offsets":[0,16]},'
          '"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}', 16),
+    # __metadata__ that is not an object but falsy (`header.pop(...) or {}` takes it for none)
+    **{f"__metadata__ {value}": ('{"__metadata__":%s,"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}' % value,
+                                 16) for value in ('""', "[]", "0", "false")},
+    # values JSON does not have, in a field the library ignores (Python's json reads them as floats)
+    **{f"an ignored field {value}": ('{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16],"x":%s}}' % value, 16)
+       for value in ("NaN", "Infinity", "1e400")},
 }
 
 
