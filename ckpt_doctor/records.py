@@ -88,9 +88,10 @@ class Assembly:
     dtype: str
 
 
-@record
+@record(slots=True)
 class StorageRecord:
-    """One block of tensor bytes in a file: where it is and what it was saved as."""
+    """One block of tensor bytes in a file: where it is and what it was saved as. (Its fields in slots: a torch zip
+    of 20,000 tensors makes 20,000 of them, filled a field at a time in half the time a __dict__ each takes.)"""
 
     key: str
     dtype: str
@@ -379,7 +380,8 @@ class DcpFolder:
     hf_writer: bool = False  # safetensors shards of torch's Hugging Face storage writer, no .metadata
     rank_differences: tuple[dict, ...] = ()  # items the ranks saved with different bytes (JSON records)
     contents: tuple[str, ...] = ()  # the entries of a nested tree, for the summary's `contents` line
-    fix_notes: tuple[str, ...] = ()  # what `fix` says about writing it
+    fix_notes: tuple[str, ...] = ()  # what `fix` says about writing it, whatever part it writes
+    integer_state_keys: tuple[str, ...] = ()  # optimizer states whose keys were made integers again (fix's note)
 
     def json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"format": "torch.distributed.checkpoint"}
@@ -393,7 +395,16 @@ class DcpFolder:
             out["contents"] = list(self.contents)
         if not self.hf_writer:
             out["fix_notes"] = list(self.fix_notes)
+            if self.integer_state_keys:
+                out["fix_notes"].append(integer_keys_note(self.integer_state_keys))
         return out
+
+
+def integer_keys_note(paths: Sequence[str]) -> str:
+    """What inspect, and fix when it writes one of them, say of optimizer states whose keys were made integers
+    again."""
+    return (f"optimizer state keys at {', '.join(paths[:3])} are integers again: DCP saves them as strings, and "
+            "Optimizer.load_state_dict matches state to the integer ids in param_groups")
 
 
 @record

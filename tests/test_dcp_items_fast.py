@@ -24,6 +24,15 @@ from tests.conftest import run_cli
 from tests.dcp_samples import write_samples
 
 
+@pytest.fixture(autouse=True, params=["item by item", "in bulk"])
+def _bulk(request, monkeypatch) -> None:
+    """Every test twice: the items parsed one by one (a small folder), and parsed in bulk over each shard file (what
+    a folder of many chunks gets: dcp_items.ChunkItems.prepare, and a tensor's chunks read together)."""
+    monkeypatch.setattr(dcp_items, "BULK_MIN", 0 if request.param == "in bulk" else 1 << 60)
+    # (items back to back checked a few at a time, ~1.6 KB each: a tampered one among others of its block is found)
+    monkeypatch.setattr(dcp_items, "_CHECK_BYTES", 5000)
+
+
 class _Counted(dcp_reader._Items):
     made: typing.ClassVar[list] = []
 

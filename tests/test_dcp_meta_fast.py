@@ -344,3 +344,59 @@ def test_runs_cut_into_blocks_read_the_same(generated, monkeypatch):
     for data in (raw, one_frame(frames(raw))):
         cut = recognize(data)
         assert cut is not None and cut.sdm == whole.sdm and cut.storage == whole.storage
+
+
+@pytest.mark.parametrize("window", [61, 997, 5000])
+def test_runs_found_a_window_at_a_time_read_the_same(generated, monkeypatch, window):
+    """Runs are found a window of a frame at a time: an entry the window's end cuts is read by the next window (or,
+    one longer than a window, opcode by opcode), and the entries are the same."""
+    from ckpt_doctor.readers import dcp_meta_fast
+
+    raw = (generated / ".metadata").read_bytes()
+    whole = recognize(raw)
+    assert whole is not None and len(whole.storage) == 1200
+    monkeypatch.setattr(dcp_meta_fast, "_WINDOW", window)
+    for data in (raw, one_frame(frames(raw))):
+        cut = recognize(data)
+        assert cut is not None and cut.sdm == whole.sdm and cut.storage == whole.storage
+
+
+@pytest.mark.parametrize("block", [4096, 100, 7])
+def test_strings_of_a_run_fetched_later_read_the_same(monkeypatch, block):
+    """A run's new strings (a relative path each) are held with the run, not in the memo one by one: a later entry
+    that fetches one of them (a writer that reuses the path object: a BINGET of it) reads the same string. (Runs cut at
+    100 entries: w0's all new, held; w1's all fetched; w2's new and fetched. Whole: one run of them all.)"""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from ckpt_doctor.readers import dcp_meta_fast
+
+    monkeypatch.setattr(dcp_meta_fast, "_BLOCK", block)
+
+    sdm, storage, first = {}, {}, []
+    props = TensorProperties(dtype=torch.float32)
+    for t in range(4):
+        fqn = f"w{t}"
+        sdm[fqn] = TensorStorageMetadata(props, torch.Size([100, 8]), [
+            ChunkStorageMetadata(torch.Size([c, 0]), torch.Size([1, 8])) for c in range(100)])
+        for c in range(100):
+            if t == 0:
+                first.append("".join(["__", str(c), "_0.distcp"]))  # (a new object each)
+            # w1 fetches every path of w0's run; w2 every other one (a run of new and fetched); w3 new ones
+            rel = first[c] if t == 1 or t == 2 and c % 2 else "".join(["__", str(c), "_0.distcp"])
+            storage[MetadataIndex(fqn, [c, 0], c)] = _StorageInfo(rel, t * 1000 + c, 1000)
+    raw = pickle.dumps(Metadata(sdm, {}, storage, version="1.0.0"), protocol=4)
+    assert raw.count(b"__7_0.distcp") == 3  # (w0's, w2's and w3's: w1 fetches it)
+    parsed = recognize(raw)
+    assert parsed is not None
+    want = [(k.fqn, tuple(k.offset), v.relative_path, v.offset, v.length, ()) for k, v in storage.items()]
+    assert list(parsed.storage) == want

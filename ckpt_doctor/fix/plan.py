@@ -16,12 +16,14 @@ from ..dtypes import FLOATING, QUANTIZED
 from ..errors import PlanError, Rerun, UsageError
 from ..records import (
     Checkpoint,
+    DcpFolder,
     DeepSpeedFolder,
     DistributedShard,
     Format,
     OutTensor,
     TensorRecord,
     ancestors,
+    integer_keys_note,
     relative_to_root,
 )
 from ..safepickle.policy import Policy
@@ -31,8 +33,8 @@ from ..tree import join
 from .keys import device_for, map_by_order, module_versions, tie
 from .options import FixOptions, OutputFormat, output_format
 from .rebuild import (
-    beside,
     MISSING,
+    beside,
     check_writable,
     in_source_order,
     is_dropped,
@@ -225,6 +227,12 @@ def choose_scope(ckpt: Checkpoint, fmt: OutputFormat, opts: FixOptions, auto_sel
                                       or is_module_root(ckpt, root) or ckpt.distributed is not None)
     if ckpt.distributed is not None:
         draft.notes += ckpt.distributed.fix_notes
+        # optimizer states given integer keys again: said of those the output holds as a tree (not flattened)
+        written = select if optimizer_select else "" if whole_tree else root
+        keys = ckpt.distributed.integer_state_keys if isinstance(ckpt.distributed, DcpFolder) else ()
+        restored = [p for p in keys if written == "" or p == written or p.startswith(written + ".")]
+        if restored and not flat_output:
+            draft.notes.append(integer_keys_note(restored))
     others = beside(ckpt.root, root) if ckpt.distributed is not None and select is None and root else []
     if others:  # --select names one part only where it holds tensors (a part without any is refused)
         shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")

@@ -73,6 +73,7 @@ def tensor_table(path: Path, raws: list[tuple[str, RawTensor]]) -> TensorTable:
     # span_elements by the ids of shape and stride: the one-pass reader hands out one tuple for each distinct
     # shape (a checkpoint repeats a few). By id, not value: a file chooses the hashes of its tuples of ints.
     spans: dict[tuple[int, int], int | None] = {}
+    last: tuple = (None, None, None)  # the last shape and stride looked up, and their span (neighbours share them)
     for key, raw in raws:
         ref = raw.storage
         if ref is None:
@@ -86,6 +87,8 @@ def tensor_table(path: Path, raws: list[tuple[str, RawTensor]]) -> TensorTable:
             shape, stride = raw.shape, raw.stride
             if len(shape) == 1 and len(stride) == 1 and shape[0] > 0 and stride[0] >= 0:  # the common case, inline
                 span = (shape[0] - 1) * stride[0] + 1
+            elif shape is last[0] and stride is last[1]:
+                span = last[2]
             else:
                 layout = (id(shape), id(stride))
                 span = spans.get(layout, -1)
@@ -93,6 +96,7 @@ def tensor_table(path: Path, raws: list[tuple[str, RawTensor]]) -> TensorTable:
                     span = span_elements(shape, stride)  # None: shape and stride are malformed; 0: no elements
                     if len(spans) < 4096:
                         spans[layout] = span
+                last = (shape, stride, span)
             if span is None or span and (raw.offset + span) * sizes[raw.dtype] > storage.nbytes:
                 raise ReadError(f"{path}: tensor {key or '(the root object)'} ({list(raw.shape)}, {raw.dtype}) reads "
                                 f"past the end of its storage {storage.key} ({storage.nbytes} bytes): the file is "

@@ -20,16 +20,25 @@ import sys
 import weakref
 from itertools import repeat
 from math import prod
-from operator import add, contains, itemgetter
+from operator import add, contains, is_, itemgetter, not_
 from pathlib import Path
 from typing import Any
 
-from .._record import replace
+from .._record import fast_new, replace
 from ..advice import consolidate
 from ..assemble import coverage_problem
 from ..dtypes import element_size
 from ..errors import CkptDoctorError, ReadError
-from ..records import Assembly, Checkpoint, DcpFolder, DistributedShard, Format, GlobalRef, Piece
+from ..records import (
+    Assembly,
+    Checkpoint,
+    DcpFolder,
+    DistributedShard,
+    Format,
+    GlobalRef,
+    Piece,
+    integer_keys_note,
+)
 from ..safepickle import limits
 from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..safepickle.unpickler import Opaque, RawTensor, SafeUnpickler, SizeValue, StorageRef
@@ -96,6 +105,36 @@ class _Meta:
         # metadata file's place is in `storage`, other ranks' places for the same item in `copies`, by rank.
         self.holder: dict[tuple[str, tuple[int, ...] | None], int | None] = {}
         self.copies: dict[tuple[str, tuple[int, ...] | None], list[tuple[int | None, tuple]]] = {}
+        # the recognizer's columns of the storage entries while `storage` is made of them alone (one metadata file
+        # read by it): by_file reads them, grouped by file, at C speed, instead of a pass over a million entries
+        self.columns: Storage | None = None
+        self.grouped: dict | None = None
+
+    def by_file(self) -> dict | None:
+        """The storage entries grouped by file, column-wise (NumPy arrays): {rel: (where each starts, its length,
+        whether it is a value's (no chunk offsets), whether it has no transforms)}, each file's in the order of
+        `entries`; made once, from the recognizer's columns. None where `storage` is not made of them alone (several
+        metadata files, copies) or NumPy is missing: the caller then goes over `entries`."""
+        cols, self.columns = self.columns, None
+        if cols is None or self.copies or len(cols) != len(self.storage):
+            return self.grouped
+        try:
+            import numpy as np
+        except ImportError:
+            return None
+        n = len(cols)
+        names = {rel: i for i, rel in enumerate(dict.fromkeys(cols.rel))}
+        codes = np.fromiter(map(names.__getitem__, cols.rel), np.int64, n)
+        order = np.argsort(codes, kind="stable")
+        cuts = np.searchsorted(codes[order], np.arange(len(names) + 1))
+        at = np.fromiter(cols.at, np.int64, n)[order]
+        length = np.fromiter(cols.length, np.int64, n)[order]
+        value = np.fromiter(map(is_, cols.offset, repeat(None)), bool, n)[order]
+        plain = np.ones(n, bool) if cols.transforms.count(()) == n \
+            else np.fromiter(map(not_, cols.transforms), bool, n)[order]
+        self.grouped = {rel: (at[lo:hi], length[lo:hi], value[lo:hi], plain[lo:hi])
+                        for rel, lo, hi in zip(names, cuts[:-1].tolist(), cuts[1:].tolist())}
+        return self.grouped
 
     def entries(self):
         """Every place an item is stored: (key, entry), the first metadata file's and then every copy."""
@@ -144,6 +183,8 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = Tru
     its unpickled tree gives); None: it is unpickled here by the safe unpickler."""
     rank_file = RANK_METADATA.fullmatch(path.name)
     rank = int(rank_file.group(1)) if rank_file else None
+    if meta.storage or meta.copies:  # (a second file: `storage` is no longer the first one's columns alone)
+        meta.columns = None
     if parsed is not None:
         # (its globals are the survey's; build_checkpoint reads .length, .notes, .globals: what is kept of it, not its
         # columns of a million storage entries, ~48 MB, which `meta` holds as its own from here on)
@@ -265,6 +306,7 @@ def _merged(storage: Storage, meta: _Meta, own: dict[str, set], rank: int | None
         meta.storage.update(entries)
     else:
         meta.storage = entries  # (the first file's: no copy of a million entries)
+        meta.columns = storage
     if rank is not None:  # (holder.get of a key absent is None: the rank of `.metadata`, which need not be kept)
         meta.holder.update(dict.fromkeys(entries, rank))
     return True
@@ -429,15 +471,22 @@ def _whole_file_views(folder: Path, files: set[str], items: dict[str, tuple[list
     """What torch.load and Python's zipfile would read of each shard taken whole (a payload after the items is
     seen there): globals and hazards. Their disagreement is what a shard is when its items tile it exactly."""
     globals_, hazards = [], []
+    lexsort = sys.modules["numpy"].lexsort if "numpy" in sys.modules else None
     for rel in sorted(files):
         _within_budget(folder)  # (a remote folder: within what its items cost)
         survey = survey_file(folder / rel, thorough=False, policy=policy)
         globals_ += survey.globals
         tiled = False
-        if items.get(rel):
-            starts, lengths = zip(*sorted(zip(*items[rel])))  # each item's start and length, in the file's order
-            ends = list(map(add, starts, lengths))
-            tiled = starts[0] == 0 and ends[:-1] == list(starts[1:]) and ends[-1] == survey.size
+        if rel in items and len(items[rel][0]):
+            starts, lengths = items[rel]
+            if type(starts) is list:
+                starts, lengths = zip(*sorted(zip(starts, lengths)))  # each item's start and length, in the file's order
+                ends = list(map(add, starts, lengths))
+                tiled = starts[0] == 0 and ends[:-1] == list(starts[1:]) and ends[-1] == survey.size
+            else:  # (NumPy arrays: the same, column-wise)
+                order = lexsort((lengths, starts))
+                starts, ends = starts[order], (starts + lengths)[order]
+                tiled = bool(starts[0] == 0 and (ends[:-1] == starts[1:]).all() and ends[-1] == survey.size)
         hazards += [h for h in survey.hazards if not (tiled and h.what.startswith("zip readers disagree"))]
     return globals_, hazards
 
@@ -503,9 +552,15 @@ class _Items:
         path, size = self.open(rel, fqn)
         if self.value_ends is None:  # where each file's value items end: one pass over the entries, not one a file
             self.value_ends = {}
-            for (_f, off), (r, at, n, _t) in self.meta.entries() if self.meta is not None else ():
-                if off is None:
-                    self.value_ends[r] = max(self.value_ends.get(r, 0), at + n)
+            grouped = self.meta.by_file() if self.meta is not None else None
+            if grouped is not None:
+                for r, (at, n, value, _plain) in grouped.items():
+                    if value.any():
+                        self.value_ends[r] = int((at[value] + n[value]).max())
+            else:
+                for (_f, off), (r, at, n, _t) in self.meta.entries() if self.meta is not None else ():
+                    if off is None:
+                        self.value_ends[r] = max(self.value_ends.get(r, 0), at + n)
         base = self.value_ends.get(rel, 0)
         found = None
         fd = open_source(path)
@@ -825,49 +880,45 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
     shared: dict[tuple, list] = {}  # the chunks of a tensor -> (its pieces, its tensor): names of the same chunks
     differ: list[tuple[str, dict]] = []  # items ranks saved with different bytes: (note, JSON record)
     stored, copies = meta.storage.get, meta.copies
+    # a folder of many chunks: every shard file's items parsed at once (dcp_items.ChunkItems.prepare), and the
+    # chunks of a tensor read on their template together, its pieces made when a command asks for them
+    bulk = dcp_items.ENABLED and not copies and len(meta.storage) >= dcp_items.BULK_MIN \
+        and not isinstance(folder, RemotePath) and _prepare(items, meta)
     for fqn in order:
         path = meta.paths.get(fqn, (fqn,))
         if fqn in meta.tensors:
             size, dtype, chunks = meta.tensors[fqn]
-            pieces, wheres = [], []  # (the storage entry of each piece)
-            for offsets, sizes in chunks:  # (a million chunks: what is done for each counts)
-                key = (fqn, offsets)
-                where = stored(key)
-                if where is None:
-                    problems.append(f"{fqn}: no file holds its chunk at {list(offsets)} of size {list(sizes)}")
-                    continue
-                piece = _chunk_piece(items, fqn, offsets, sizes, dtype, where)
-                pieces.append(piece)
-                wheres.append(where)
-                if not copies:
-                    continue
-                others = []
-                for rank, copy in copies.get(key, ()):  # other ranks' copies
-                    files.add(copy[0])
-                    if items.blob(where[0], fqn) is None and items.blob(copy[0], fqn) is None \
-                            and _same_range(folder, where, copy):
-                        continue  # the same archive, byte for byte: what was walked and read above
-                    if not _same_piece(piece, _chunk_piece(items, fqn, offsets, sizes, dtype, copy), dtype):
-                        others.append((rank, copy, None))  # (its archive walked and read, as rank 1 would)
-                if others:
-                    differ.append(_differs(meta, key, where, others, len(chunks) > 1))
+            cut = None
+            if bulk:
+                wheres = list(map(stored, zip(repeat(fqn), map(itemgetter(0), chunks))))
+                cut = items.chunks.tensor(items, wheres, chunks, dtype) if None not in wheres else None
+            if cut is not None:
+                pieces = ()
+                assembly = fast_new(_ChunkAssembly, grid=size, dtype=dtype, cut=(items.paths, wheres, chunks, *cut))
+            else:
+                pieces, wheres = _pieces(items, fqn, chunks, dtype, meta, problems, differ, files)
+                assembly = Assembly(size, tuple(pieces), dtype)
             files.update(map(itemgetter(0), wheres))
-            assembly = Assembly(size, tuple(pieces), dtype)
             # Names are one tensor only when every chunk is the same storage entry read the same way (a writer that
             # records a tie names the same entries twice); shared bytes read through other strides are not a tie.
             # (keyed by the storage entries, tuples the metadata holds anyway; each piece's reading is compared on
             # a hit only: a 6-tuple per piece in the key cost ~95 MB for a million pieces)
             tie_key = (size, dtype, tuple(wheres))
-            tied = next((t for ps, t in shared.get(tie_key, ()) if _read_alike(ps, pieces)), None) if pieces else None
+            alike = shared.setdefault(tie_key, [])  # (one lookup of a key of a hundred entries: appended to below)
+            tied = next((t for a, t in alike if _read_alike(a.pieces, assembly.pieces)), None) \
+                if wheres and (cut is not None or pieces) else None
             if tied is not None:  # a second name of the same chunks (a tie a writer recorded): one tensor
                 _place(folder, root, path, RawTensor(tied.storage, dtype, 0, size, tied.stride), len(order))
                 layouts[".".join(str(p) for p in path)] = _layout(size, chunks) + " (tied)"
                 continue
-            problem = coverage_problem(assembly) if len(pieces) == len(chunks) else None
+            if cut is not None:
+                problem = _chunk_coverage(assembly, chunks, cut[0].stride)
+            else:
+                problem = coverage_problem(assembly) if len(pieces) == len(chunks) else None
             if problem:
                 problems.append(f"{fqn}: {problem}")
             tensor = assembled_tensor(fqn, dtype, size, assembly, metas[0])
-            shared.setdefault(tie_key, []).append((assembly.pieces, tensor))
+            alike.append((assembly, tensor))
             _place(folder, root, path, tensor, len(order))
             layouts[".".join(str(p) for p in path)] = _layout(size, chunks)
         else:
@@ -892,17 +943,25 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
         hazards.extend(lightning.hazards)
     restored = _integer_state_keys(root)
     # each file's items as (where they start, their lengths): two columns, not a tuple an item (~50 MB for a million)
-    spans: dict[str, tuple[list[int], list[int]]] = {}
-    for (_fqn, offsets), (rel, at, length, _t) in meta.entries():
-        if offsets is None or items.blobs.get(rel) is None:  # a blob's tensors: their offsets are no positions
-            end = items.sizes.get(rel)  # an item read to the end of its file: what it spans (torch reads that)
-            starts, lengths = spans.get(rel) or spans.setdefault(rel, ([], []))
-            starts.append(at)
-            lengths.append(length if end is None else max(0, min(length, end - at)))
+    spans: dict[str, tuple[Any, Any]] = {}
+    grouped = meta.by_file()
+    if grouped is not None:  # (the same, column-wise)
+        for rel, (at, length, value, _plain) in grouped.items():
+            if items.blobs.get(rel) is not None:
+                at, length = at[value], length[value]
+            if len(at):
+                end = items.sizes.get(rel)
+                spans[rel] = (at, length if end is None else (end - at).clip(0).clip(None, length))
+    else:
+        for (_fqn, offsets), (rel, at, length, _t) in meta.entries():
+            if offsets is None or items.blobs.get(rel) is None:  # a blob's tensors: their offsets are no positions
+                end = items.sizes.get(rel)  # an item read to the end of its file: what it spans (torch reads that)
+                starts, lengths = spans.get(rel) or spans.setdefault(rel, ([], []))
+                starts.append(at)
+                lengths.append(length if end is None else max(0, min(length, end - at)))
     for rel, base in items.blob_base.items():
         starts, lengths = spans.get(rel) or spans.setdefault(rel, ([], []))
-        starts.append(base)  # the blob runs to the end of the file
-        lengths.append(items.sizes[rel] - base)
+        spans[rel] = ([*starts, base], [*lengths, items.sizes[rel] - base])  # the blob runs to the end of the file
     view_globals, view_hazards = _whole_file_views(folder, files, spans, policy)
     if problems:
         shown = "; ".join(problems[:3]) + (f"; … {len(problems) - 3} more" if len(problems) > 3 else "")
@@ -927,9 +986,9 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
     notes += tuple(items.past_end[:3])
     if items.big_endian:  # what refuse_values reads: fix and diff would take big-endian bytes as little-endian ones
         notes += ("saved on a big-endian machine: tensor bytes are big-endian (in some chunk items)",)
-    if restored:
-        notes += (f"optimizer state keys at {', '.join(restored[:3])} are integers again: DCP saves them as strings, "
-                  "and Optimizer.load_state_dict matches state to the integer ids in param_groups",)
+    restored_note = integer_keys_note(restored) if restored else None
+    if restored_note:
+        notes += (restored_note,)
     if differ:
         notes += tuple(note for note, _ in differ[:3])
         if len(differ) > 3:
@@ -941,12 +1000,104 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
                             extra_bytes=items.walked_bytes)
     if not all(isinstance(v, RawTensor) for v in root.values()):  # a flat state_dict needs no contents line
         distributed = replace(distributed, contents=tuple(_contents(root, ckpt.state_dict_root)))
-    distributed = replace(distributed, fix_notes=tuple(notes[1:]))
+    # fix says which optimizer states have integer keys again only where it writes them (not the model alone)
+    distributed = replace(distributed, fix_notes=tuple(note for note in notes[1:] if note is not restored_note),
+                          integer_state_keys=tuple(restored))
 
     extra_files = (folder / "meta.pt",) if lightning is not None else ()
     return replace(ckpt, path=shown or ckpt.path, files=(*metas, *(folder / f for f in sorted(files)), *extra_files),
                    hazards=tuple(hazards + items.hazards + view_hazards),
                    layouts=layouts, distributed=distributed)
+
+
+def _pieces(items: _Items, fqn: str, chunks: list, dtype: str, meta: _Meta, problems: list, differ: list,
+            files: set) -> tuple[list[Piece], list[tuple]]:
+    """A tensor's chunks read one by one: its pieces, and the storage entry of each."""
+    folder, stored, copies = items.folder, meta.storage.get, meta.copies
+    pieces, wheres = [], []
+    for offsets, sizes in chunks:
+        key = (fqn, offsets)
+        where = stored(key)
+        if where is None:
+            problems.append(f"{fqn}: no file holds its chunk at {list(offsets)} of size {list(sizes)}")
+            continue
+        piece = _chunk_piece(items, fqn, offsets, sizes, dtype, where)
+        pieces.append(piece)
+        wheres.append(where)
+        if not copies:
+            continue
+        others = []
+        for rank, copy in copies.get(key, ()):  # other ranks' copies
+            files.add(copy[0])
+            if items.blob(where[0], fqn) is None and items.blob(copy[0], fqn) is None \
+                    and _same_range(folder, where, copy):
+                continue  # the same archive, byte for byte: what was walked and read above
+            if not _same_piece(piece, _chunk_piece(items, fqn, offsets, sizes, dtype, copy), dtype):
+                others.append((rank, copy, None))  # (its archive walked and read, as rank 1 would)
+        if others:
+            differ.append(_differs(meta, key, where, others, len(chunks) > 1))
+    return pieces, wheres
+
+
+def _prepare(items: _Items, meta: _Meta) -> bool:
+    """Parse every chunk item of the folder's shard files in bulk (dcp_items.ChunkItems.prepare); False where NumPy
+    is not there to do it."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return False
+    grouped = meta.by_file()
+    if grouped is not None:  # (a chunk's entry, not a transformed one: what prepare takes of the entries below)
+        items.chunks.prepare(items, (), {rel: (at[~value & plain], length[~value & plain])
+                                         for rel, (at, length, value, plain) in grouped.items()})
+        return True
+    items.chunks.prepare(items, (where for (_fqn, offsets), where in meta.storage.items() if offsets is not None))
+    return True
+
+
+class _ChunkAssembly(Assembly):
+    """A DCP tensor's Assembly whose chunks were read on their template together (dcp_items.ChunkItems.tensor): its
+    pieces are made when a command first asks for them (fix, --values), not when the folder is read (inspect of a
+    million chunks made a million pieces, and their labels, that it never looks at). Making them cannot fail."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "pieces":
+            raise AttributeError(name)
+        pieces = self.__dict__["pieces"] = dcp_items.cut_pieces(*self.__dict__["cut"])
+        return pieces
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Assembly):
+            return NotImplemented
+        return (self.grid, self.pieces, self.dtype) == (other.grid, other.pieces, other.dtype)
+
+    def __hash__(self) -> int:
+        return hash((self.grid, self.pieces, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"Assembly(grid={self.grid!r}, pieces={self.pieces!r}, dtype={self.dtype!r})"
+
+    def __reduce__(self) -> tuple:
+        return Assembly, (self.grid, self.pieces, self.dtype)
+
+
+def _chunk_coverage(assembly: Assembly, chunks: list, stride: tuple[int, ...]) -> str | None:
+    """coverage_problem of a _ChunkAssembly, from its chunks (every piece's stride is `stride`) without making its
+    pieces; where a chunk does not pass the column-wise check, coverage_problem itself names it."""
+    grid = assembly.grid
+    rank = len(grid)
+    offsets, sizes = list(map(itemgetter(0), chunks)), list(map(itemgetter(1), chunks))
+    if not ({rank} == set(map(len, offsets)) == set(map(len, sizes)) and len(stride) == rank
+            and all(min(o) >= 0 and min(s) >= 0 and max(map(add, o, s)) <= g
+                    for o, s, g in zip(zip(*offsets), zip(*sizes), grid))):
+        return coverage_problem(assembly)
+    total = sum(map(prod, sizes)) if len(set(sizes)) > 1 else prod(sizes[0]) * len(sizes)
+    want = prod(grid)
+    if total < want:
+        return f"the chunks cover {total:,} of its {want:,} elements"
+    if total > want:
+        return f"the chunks hold {total:,} elements for its {want:,}: some overlap"
+    return None
 
 
 def _read_alike(a: tuple[Piece, ...], b: list[Piece]) -> bool:

@@ -26,13 +26,17 @@ import os
 import stat
 import struct
 import zlib
+from bisect import bisect_left
+from operator import attrgetter, getitem, itemgetter
 
 from .._record import fast_new
+from ..errors import CkptDoctorError
 from ..records import Piece
 from .source import RemotePath
 from .zipindex import torch_data_at
 
 ENABLED = True  # False: every item is read the general way (what the differential test compares with)
+BULK_MIN = 4096  # a folder whose metadata names this many entries has its shard files' items parsed in bulk (NumPy)
 
 _NAMES = tuple(b"archive/" + n for n in (b"data.pkl", b".format_version", b".storage_alignment", b"byteorder",
                                          b"data/0", b"version", b".data/serialization_id"))
@@ -131,9 +135,10 @@ class _Template:
     """An item of torch's writer with these sizes of data.pkl and data/0: the literal bytes of its head (up to
     data/0's bytes) and of its end (from their end), where data/0 starts and ends, where the id is, its length."""
 
-    __slots__ = ("data_end", "data_start", "end", "end_at", "head", "head_at", "id_at", "length")
+    __slots__ = ("data_end", "data_start", "end", "end_at", "head", "head_at", "id_at", "length", "sizes")
 
     def __init__(self, pkl: int, data: int) -> None:
+        self.sizes = (pkl, data)
         spans = _spans(pkl, data)
         _headers, starts, cd = _layout(pkl, data)
         self.data_start = starts[_DATA]
@@ -157,16 +162,56 @@ class Meaning:
         self.skip, self.nbytes, self.whole, self.length = skip, nbytes, whole, length
 
 
+# where, from the directory's start, _SIZES and _CRCS read: data.pkl's size and crc, data/0's size and crc
+_PKL_SIZE_AT, _DATA_SIZE_AT, _PKL_CRC_AT, _DATA_CRC_AT = 24, _SIZES.size - 4, 16, _CRCS.size - 4
+_CHECK_BYTES = 1 << 18  # items back to back are checked this many bytes of them at a time (what a core's cache holds)
+
+
+class _Rows:
+    """A shard file's items that are on their template, parsed in bulk (ChunkItems.prepare): sorted by where they
+    start, each with parse's result: data.pkl's bytes, its crc, data/0's size and crc, and where data/0 starts
+    (absolute, in the file)."""
+
+    __slots__ = ("at", "data", "data_crc", "data_pos", "index", "length", "pkl", "pkl_crc")
+
+    def __init__(self) -> None:
+        from array import array
+
+        self.at, self.length, self.data_pos = array("q"), array("q"), array("q")
+        self.data, self.pkl_crc, self.data_crc = array("q"), array("q"), array("q")
+        self.pkl: list[bytes] = []
+        self.index: dict[int, int] = {}
+
+    def first(self) -> None:
+        """index: {where an item starts: its row} (the first row of that start, as bisect_left finds it)."""
+        n = len(self.at)
+        self.index = dict(zip(reversed(self.at), range(n - 1, -1, -1)))
+
+    def find(self, at: int, length: int) -> int | None:
+        k = bisect_left(self.at, at)
+        if k < len(self.at) and self.at[k] == at and self.length[k] == length:
+            return k
+        return None
+
+
+_LENGTH, _PKL, _PKL_CRC = attrgetter("length"), attrgetter("pkl"), attrgetter("pkl_crc")
+_DATA_OF, _DATA_CRC, _DATA_POS = attrgetter("data"), attrgetter("data_crc"), attrgetter("data_pos")
+_INDEX = attrgetter("index")
+
+
 class ChunkItems:
     """The shard files, each opened once; the items read on the template; what each data.pkl's bytes mean."""
 
     def __init__(self) -> None:
+        self.rows: dict[str, _Rows] = {}  # files whose items were parsed in bulk (prepare)
         self.files: dict[str, list] = {}  # rel -> [path, size, descriptor], opened once (_file)
         self.other: set[str] = set()  # files that are not (URLs, torch's safetensors format)
         self.blocks: dict[int, tuple[int, bytes]] = {}  # fd -> (where its last block starts, its bytes)
         self.meanings: dict[bytes, Meaning] = {}
         self.templates: dict[tuple[int, int], _Template] = {}
         self.used = 0  # items read here (the rest: the general way)
+        self.interned: dict[bytes, bytes] = {}  # data.pkl's bytes, one object each (prepare)
+        self.tiles: tuple | None = None  # the last _tiled's
 
     def close(self) -> None:
         files, self.files = self.files, {}
@@ -268,9 +313,16 @@ class ChunkItems:
                 return None
         if transforms or at + length > f[1]:
             return None
-        item = self.parse(f[2], at, length)
-        if item is None:
-            return None
+        rows = self.rows.get(rel)
+        if rows is not None:  # (parsed in bulk: parse's result for each item on the template; None for the others)
+            k = rows.find(at, length)
+            if k is None:
+                return None
+            item = (rows.pkl[k], rows.pkl_crc[k], rows.data[k], rows.data_crc[k], rows.data_pos[k] - at)
+        else:
+            item = self.parse(f[2], at, length)
+            if item is None:
+                return None
         pkl, pkl_crc, data, data_crc, data_start = item
         m = self.meanings.get(pkl)
         if m is None:
@@ -289,6 +341,206 @@ class ChunkItems:
         return fast_new(Piece, file=f[0], offset=at + data_start + m.skip, offsets=offsets, sizes=sizes,
                         stride=m.stride, label=f"{rel} item at byte {at}",
                         crc=data_crc if m.whole and data == m.nbytes else None)
+
+    def prepare(self, items, entries, by_file: dict | None = None) -> None:
+        """Parse, in bulk, every item of the shard files `entries` name ((rel, at, length, transforms) each) that
+        holds a chunk: for each file (a local one of torch.save items, opened and checked as _file does), the items
+        parse would take, with parse's result, in `rows`; piece and tensor then read them there. A file that does not
+        open is left to the reading item by item (which says what is wrong with it). `by_file`: those items already
+        grouped by file, {rel: (where each starts, its length)} (ints; entries is then empty)."""
+        import numpy as np
+
+        by_file = {rel: group for rel, group in by_file.items() if len(group[0])} if by_file is not None else {}
+        for rel, at, length, transforms in entries:
+            if not transforms and type(at) is int and type(length) is int:
+                ats, lengths = by_file.get(rel) or by_file.setdefault(rel, ([], []))
+                ats.append(at)
+                lengths.append(length)
+        for rel, (ats, lengths) in by_file.items():
+            f = self.files.get(rel)
+            try:
+                f = f or self._file(items, rel, rel)
+            except (OSError, CkptDoctorError):  # (missing, not a file: the reading item by item says so)
+                f = None
+            if f is None:
+                continue
+            try:
+                self.rows[rel] = self._bulk(np, f[2], f[1], ats, lengths)
+            except (OSError, ValueError):
+                continue
+
+    def _bulk(self, np, fd: int, size: int, ats: list, lengths: list) -> _Rows:
+        """parse, of every item at `ats` with `lengths` in the file `fd` of `size` bytes, at once: the items it
+        takes, with its result for each."""
+        import mmap
+
+        from numpy.lib.stride_tricks import sliding_window_view
+
+        rows = _Rows()
+        at = np.array(ats, dtype=np.int64)
+        length = np.array(lengths, dtype=np.int64)
+        keep = (at >= 0) & (length >= _HEAD + _TAIL) & (at + length <= size)
+        at, length = at[keep], length[keep]
+        if not len(at) or size < _HEAD + _TAIL:
+            return rows
+        m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        try:
+            buf = np.frombuffer(m, dtype=np.uint8)
+            quads = sliding_window_view(buf, 4)
+            cd = at + length - _TAIL  # the directory's start, were the item torch's writer's
+            pkl = quads[cd + _PKL_SIZE_AT].copy().view("<u4")[:, 0].astype(np.int64)
+            data = quads[cd + _DATA_SIZE_AT].copy().view("<u4")[:, 0].astype(np.int64)
+            key = (pkl << 32) | data
+            order = np.lexsort((at, key))
+            key, at, length, pkl, data, cd = key[order], at[order], length[order], pkl[order], data[order], cd[order]
+            cuts = np.flatnonzero(np.diff(key)) + 1
+            found = []
+            for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(key)]):
+                p_size, d_size = int(pkl[lo]), int(data[lo])
+                if p_size > _MAX_PICKLE or d_size >= 0xFFFFFFFF - (1 << 20):
+                    continue
+                t = self.templates.get((p_size, d_size))
+                if t is None:
+                    t = _Template(p_size, d_size)
+                    if len(self.templates) < 4096:
+                        self.templates[(p_size, d_size)] = t
+                a = at[lo:hi][length[lo:hi] == t.length]
+                if not len(a):
+                    continue
+                if t.length > WHOLE and t.data_end < t.length - _TAIL_READ:
+                    continue  # (what parse reads of a big item's end would not reach data/0's end)
+                got = self._group(np, buf, t, a)
+                if got is not None:
+                    found.append((*got, t))
+        finally:
+            del buf, quads
+            try:
+                m.close()
+            except BufferError:  # (a view still held by an exception's traceback: closed when it is collected)
+                pass
+        if not found:
+            return rows
+        ats_all = np.concatenate([f[0] for f in found])
+        order = np.argsort(ats_all, kind="stable")
+        pkls: list[bytes] = []
+        for f in found:
+            pkls += f[1]
+        rows.at.frombytes(ats_all[order].astype(np.int64).tobytes())
+        rows.length.frombytes(np.concatenate([np.full(len(f[0]), f[4].length, np.int64) for f in found])[order]
+                              .tobytes())
+        rows.data_pos.frombytes((ats_all + np.concatenate([np.full(len(f[0]), f[4].data_start, np.int64)
+                                                           for f in found]))[order].tobytes())
+        rows.data.frombytes(np.concatenate([np.full(len(f[0]), f[4].data_end - f[4].data_start, np.int64)
+                                            for f in found])[order].tobytes())
+        rows.pkl_crc.frombytes(np.concatenate([f[2] for f in found]).astype(np.int64)[order].tobytes())
+        rows.data_crc.frombytes(np.concatenate([f[3] for f in found]).astype(np.int64)[order].tobytes())
+        rows.pkl = list(map(pkls.__getitem__, order.tolist()))
+        rows.first()
+        return rows
+
+    def _group(self, np, buf, t: _Template, a) -> tuple | None:
+        """_bulk's work for the items at `a` (sorted) that have the template `t`'s sizes and length: (where those on
+        it start, their data.pkl bytes, its crc and data/0's crc in the directory), copies of the bytes; None for
+        none."""
+        from numpy.lib.stride_tricks import sliding_window_view
+
+        if len(a) > 1 and (np.diff(a) == t.length).all():  # items back to back
+            # one pass over them: each byte against the template's where it has a literal one
+            whole = buf[a[0]:a[-1] + t.length]
+            n, length = len(a), t.length
+            block = max(1, _CHECK_BYTES // length)  # items compared at once: their bytes stay in the cache
+            expected, mask = self._tiled(np, t, min(block, n))
+            scratch = np.empty(min(block, n) * length, np.uint8)
+            ok = np.ones(n, bool)
+            for lo in range(0, n, block):
+                hi = min(n, lo + block)
+                part = whole[lo * length:hi * length]
+                diff, w = scratch[:len(part)], len(part) // 8 * 8  # (8 bytes at a time first: all alike is common)
+                d = diff[:w].view(np.uint64)
+                np.bitwise_xor(part[:w].view(np.uint64), expected[:w].view(np.uint64), out=d)
+                np.bitwise_and(d, mask[:w].view(np.uint64), out=d)
+                if not d.any() and not ((part[w:] ^ expected[w:len(part)]) & mask[w:len(part)]).any():
+                    continue
+                np.bitwise_xor(part, expected[:len(part)], out=diff)
+                np.bitwise_and(diff, mask[:len(part)], out=diff)
+                ok[lo:hi] = ~diff.reshape(hi - lo, length).any(1)
+            items2d = whole.reshape(len(a), t.length)
+            head, tail = items2d[:, :t.data_start + 6], items2d[:, t.data_end:]
+        else:
+            head = sliding_window_view(buf, t.data_start + 6)[a]
+            tail = sliding_window_view(buf, t.length - t.data_end)[a + t.data_end]
+            ok = np.ones(len(a), bool)
+            for seg, pos in zip(t.head, t.head_at):
+                ok &= (head[:, pos:pos + len(seg)] == np.frombuffer(seg, np.uint8)).all(1)
+            for seg, pos in zip(t.end, t.end_at):
+                pos -= t.data_end
+                ok &= (tail[:, pos:pos + len(seg)] == np.frombuffer(seg, np.uint8)).all(1)
+        ok &= ~(head[:, t.data_start:] == np.frombuffer(b"\x93NUMPY", np.uint8)).all(1)
+        digits = tail[:, t.id_at - t.data_end:t.id_at - t.data_end + _ID_LEN]
+        ok &= ((digits >= 0x30) & (digits <= 0x39)).all(1)
+        if not ok.any():
+            return None
+        if not ok.all():
+            head, tail, a = head[ok], tail[ok], a[ok]
+        d = t.length - _TAIL - t.data_end
+        pkl_crc = tail[:, d + _PKL_CRC_AT:d + _PKL_CRC_AT + 4].copy().view("<u4")[:, 0]
+        data_crc = tail[:, d + _DATA_CRC_AT:d + _DATA_CRC_AT + 4].copy().view("<u4")[:, 0]
+        p_size = t.sizes[0]
+        pkl_bytes = head[:, _HEAD:_HEAD + p_size]
+        if (pkl_bytes == pkl_bytes[0]).all():  # one data.pkl for all of them (a tensor's chunks alike)
+            raw = pkl_bytes[0].tobytes()
+            pkls = [self.interned.setdefault(raw, raw)] * len(a)
+        else:
+            raw = pkl_bytes.tobytes()
+            parts = [raw[i:i + p_size] for i in range(0, len(raw), p_size)] if p_size else [b""] * len(a)
+            pkls = list(map(self.interned.setdefault, parts, parts))  # (one object for each data.pkl)
+        return a, pkls, pkl_crc, data_crc
+
+    def _tiled(self, np, t: _Template, n: int) -> tuple:
+        """The template's literal bytes, and a mask of where they are, repeated for `n` items back to back."""
+        key = (t.sizes, n)
+        if self.tiles is not None and self.tiles[0] == key:
+            return self.tiles[1]
+        one, mask = np.zeros(t.length, np.uint8), np.zeros(t.length, np.uint8)
+        for segs, ats in ((t.head, t.head_at), (t.end, t.end_at)):
+            for seg, pos in zip(segs, ats):
+                one[pos:pos + len(seg)] = np.frombuffer(seg, np.uint8)
+                mask[pos:pos + len(seg)] = 0xFF
+        tiles = (np.tile(one, n), np.tile(mask, n))
+        self.tiles = (key, tiles)
+        return tiles
+
+    def tensor(self, items, wheres: list, chunks: list, dtype: str) -> tuple | None:
+        """A tensor's chunks read on their template together, from the rows parsed in bulk: what piece does for each
+        of them (the same checks, the same debits), as (meaning, rows, row index) for the pieces of _cut_pieces;
+        None, nothing debited, when any of them is not read so (the caller then reads them one by one)."""
+        n = len(wheres)
+        rows = list(map(self.rows.get, map(itemgetter(0), wheres)))
+        if not n or None in rows or any(map(itemgetter(3), wheres)):
+            return None
+        ats = list(map(itemgetter(1), wheres))
+        ks = list(map(dict.get, map(_INDEX, rows), ats))  # (the row bisect_left finds, where its start is at)
+        if None in ks:
+            return None
+        if list(map(getitem, map(_LENGTH, rows), ks)) != list(map(itemgetter(2), wheres)):
+            return None
+        pkls = list(map(getitem, map(_PKL, rows), ks))
+        m = self.meanings.get(pkls[0])
+        if m is None or pkls.count(pkls[0]) != n or m.dtype != dtype \
+                or list(map(itemgetter(1), chunks)).count(m.shape) != n \
+                or list(map(getitem, map(_PKL_CRC, rows), ks)).count(m.crc) != n \
+                or min(map(getitem, map(_DATA_OF, rows), ks)) < m.nbytes:
+            return None
+        budget = items.budget
+        c0, c1, c2 = m.cost
+        if budget[0] < c0 * n or budget[1] < c1 * n or budget[2] < c2 * n:
+            return None  # (one by one, the item the budget cannot pay is found and declined)
+        budget[0] -= c0 * n
+        budget[1] -= c1 * n
+        budget[2] -= c2 * n
+        items.walked_bytes += m.length * n
+        self.used += n
+        return m, rows, ks
 
     def learn(self, item: tuple, walk_and_cost, rec, chunk, piece: Piece, at: int) -> None:
         """Keep what the general reading made of `item`'s data.pkl (`rec`: its tensor; `walk_and_cost`: what
@@ -311,3 +563,14 @@ class ChunkItems:
                         crc=data_crc if m.whole and data == m.nbytes else None)
         if mine == piece:  # (the same piece, field by field, as the general reading's)
             self.meanings[pkl] = m
+
+
+def cut_pieces(paths: dict, wheres: list, chunks: list, m: Meaning, rows: list, ks: list) -> tuple[Piece, ...]:
+    """The pieces `tensor` read, as piece makes them, one by one."""
+    skip, stride, nbytes = m.skip, m.stride, m.nbytes
+    out = []
+    for (rel, at, _length, _t), (offsets, sizes), r, k in zip(wheres, chunks, rows, ks):
+        out.append(fast_new(Piece, file=paths[rel], offset=r.data_pos[k] + skip, offsets=offsets, sizes=sizes,
+                            stride=stride, label=f"{rel} item at byte {at}",
+                            crc=r.data_crc[k] if m.whole and r.data[k] == nbytes else None))
+    return tuple(out)

@@ -35,8 +35,9 @@ shortcut what the opcode loop would do with the same bytes: a template's variabl
 at most 255 bytes, whose length byte is checked; ints of fixed widths), so one match costs O(1), and a unit that
 does not fit a template is read by the opcode loop instead.
 
-Runs: back-to-back units that fit a template are matched one after the other by a scanner (each match anchored where
-the previous ended, at most _BLOCK at once) and read column by column: the groups transposed, each column's ints,
+Runs: back-to-back units that fit a template (no byte between one and the next, at most _BLOCK at once) are found
+by one re.split of a window of their frame, which gives each match's groups and the bytes between matches, and read
+column by column: each column's ints,
 tuples, memo indices and strings decoded by C loops (map, join, struct, dict lookups; equal tuples and strings once).
 The run stands on the stack as one item (_Chunks, _Entries) that only the op popping exactly its units may take
 (APPENDS/SETITEMS with it at a pair boundary, APPEND/SETITEM of a run of one); anything else declines. A memo index a
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import re
 import struct
+from bisect import bisect_right
 from itertools import accumulate, compress, islice, repeat
 from operator import add, le, mul
 
@@ -66,6 +68,8 @@ _LE4 = struct.Struct("<I")
 _LE8 = struct.Struct("<Q")
 _GROUPS = type(re.match(b"", b"")).groups
 _BLOCK = 4096  # entries read at once, at most
+_WINDOW = 1 << 18  # bytes of a frame searched for them at once, at most
+_EMPTY = {None: b""}  # (a group of a branch not taken: b"", as the templates' columns have it)
 
 
 class NoFit(Exception):
@@ -193,11 +197,18 @@ class _Machine:
         self.data = data
         self.policy = policy
         self.memo: dict[int, object] = {}
+        # a run's new strings, each memoized at a step from the last: (first index, past the last, step, the
+        # strings), by first index; not in `memo` (a million relative paths), found there by fetch
+        self.held: list[tuple[int, int, int, list]] = []
+        self.held_at: list[int] = []
         self.count = 0  # the next memo index
         self.globals: list[GlobalRef] = []
         self.seen: dict[tuple[str, str], _G] = {}
         self.roles: dict[object, int] = {}  # (kind, name) -> the memo index holding it, for the templates
         self.chunk_re = self.storage_re = None
+        self.window: tuple | None = None  # the runs of the window _run searched last
+        self.optional: dict[object, frozenset] = {}  # a template's groups of a branch (a _STR's): None when not taken
+        self.decoded: dict[bytes, str] = {}  # a template string's bytes, decoded (and checked) once
         self.strings: dict[str, str] = {}  # equal strings kept once (a million relative paths are a few files)
         self.sizes: dict[tuple, tuple] = {}
         self.tuples: dict[bytes, tuple] = {}  # a _TUP group's bytes -> its ints (a million chunks have few distinct)
@@ -222,7 +233,7 @@ class _Machine:
             one = (re.escape(self.chunk_head) + rb"\)\x81\x94\}\x94\(" + re.escape(_get(r["s", "offsets"])) + size
                    + _TUP + rb"\x85\x94R\x94" + re.escape(_get(r["s", "sizes"])) + size + _TUP + rb"\x85\x94R\x94ub")
             self.chunk_re = re.compile(one, re.DOTALL).match
-            self.chunk_scan = re.compile(one, re.DOTALL).scanner
+            self.chunk_split = re.compile(b"(" + one + b")", re.DOTALL)
         if self.storage_re is None and all(k in r for k in (
                 ("g", "MetadataIndex"), ("g", "_StorageInfo"), ("g", "Size"), ("s", "fqn"), ("s", "index"),
                 ("s", "offset"), ("s", "relative_path"), ("s", "length"))):
@@ -233,7 +244,8 @@ class _Machine:
                    + e(("g", "_StorageInfo")) + rb"\)\x81\x94\}\x94\(" + e(("s", "relative_path")) + _STR
                    + e(("s", "offset")) + _BIG + e(("s", "length")) + _BIG + rb"ub")
             self.storage_re = re.compile(one, re.DOTALL).match
-            self.storage_scan = re.compile(one, re.DOTALL).scanner
+            self.storage_split = re.compile(b"(" + one + b")", re.DOTALL)
+            self.optional[self.storage_split] = frozenset({0, 1, 2, 3, 5, 6, 7, 8})  # (the groups of the two _STRs)
 
     def _str_of(self, m, i: int, at: int) -> tuple[str, int]:
         """A template's string: (value, memo entries it adds)."""
@@ -248,20 +260,68 @@ class _Machine:
             self.memo[at] = value
             return value, 1
         idx = m.group(i + 2)[0] if m.group(i + 2) is not None else _LE4.unpack(m.group(i + 3))[0]
-        value = self.memo.get(idx)
+        value = self.fetch(idx)
         if type(value) is not str:
             raise NoFit
         return value, 0
 
-    def _run(self, scanner, pos: int, end: int) -> tuple[int, list]:
+    def fetch(self, idx: int) -> object:
+        """What memo index `idx` holds (None: nothing)."""
+        value = self.memo.get(idx)
+        if value is None and self.held:
+            k = bisect_right(self.held_at, idx) - 1
+            if k >= 0:
+                start, stop, step, values = self.held[k]
+                if idx < stop and not (idx - start) % step:
+                    return values[(idx - start) // step]
+        return value
+
+    def _run(self, split, pos: int, end: int) -> tuple[int, list]:
         """The entries of the run of back-to-back template matches at `pos` within the frame (to `end`): (where it
-        stops, the template's groups column by column, b"" for a branch not taken). Each match starts where the
-        previous one ended (a scanner's match is anchored there) and the run stops at the first place the template
-        does not fit, or after _BLOCK entries (a frame can be the whole file: what is held at once stays small)."""
-        found = list(islice(iter(scanner(self.data, pos, end).match, None), _BLOCK))
-        if not found:
-            return pos, []
-        return found[-1].end(), list(zip(*map(_GROUPS, found, repeat(b""))))
+        stops, the template's groups column by column, b"" for a branch not taken). The run is the matches that
+        follow each other with no byte between them (each where the previous one ended: what a match anchored there
+        finds), from `pos` on; it stops at the first place the template does not fit, or after _BLOCK entries.
+
+        The matches are found a window at a time (_WINDOW bytes of the frame, at most: a frame can be the whole
+        file): split gives each match's groups and the bytes between matches, in C; the runs of the window are kept,
+        and a later run of it is taken from there. A match cut by the window's end is not one: the run stops before
+        it, and the next run starts a new window there."""
+        c = self.window
+        if c is None or c[0] is not split or c[1] != end or pos not in c[2]:
+            c = self.window = self._window(split, pos, end)
+            if pos not in c[2]:
+                return pos, []
+        lo, hi, stop = c[2][pos]
+        return stop, [col[lo:hi] for col in c[3]]
+
+    def _window(self, split, pos: int, end: int) -> tuple:
+        """(split, the frame's end, {where a run starts: (first match, past its last, where it stops)}, the columns
+        of the window's matches) for the window of the frame from `pos`."""
+        stop = min(end, pos + _WINDOW)
+        parts = split.split(self.data[pos:stop])
+        k = split.groups + 1  # a gap, the whole match, the template's groups
+        gaps, wholes = parts[0::k], parts[1::k]
+        cols = []
+        for g in range(2, k):
+            col = parts[g::k]
+            if col and col[0] is not None and g - 2 not in self.optional.get(split, ()):
+                cols.append(col)  # (a group every match has)
+                continue
+            none = col.count(None)
+            cols.append(col if not none else [b""] * len(col) if none == len(col) else list(map(_EMPTY.get, col, col)))
+        runs = {}
+        n = len(wholes)
+        breaks = [0, *compress(range(1, n), islice(gaps, 1, n)), n]  # runs start at the first match and after gaps
+        at = pos
+        for i, j in zip(breaks, breaks[1:]):
+            at += len(gaps[i])
+            while i < j:
+                hi = min(j, i + _BLOCK)
+                length = sum(map(len, wholes[i:hi]))
+                runs[at] = (i, hi, at + length)
+                at += length
+                i = hi
+        return split, end, runs, cols
 
     def _ints_of(self, col: tuple) -> list:
         """The ints of each _TUP group of a column, each distinct group decoded once."""
@@ -275,7 +335,7 @@ class _Machine:
 
     def _chunk_run(self, pos: int, end: int, stack: list) -> int:
         """A run of chunk entries, read column-wise (one _Chunks item on the stack)."""
-        stop, cols = self._run(self.chunk_scan, pos, end)
+        stop, cols = self._run(self.chunk_split, pos, end)
         if not cols:
             return pos
         a, b = cols
@@ -294,14 +354,20 @@ class _Machine:
         if new:
             at = _shifted(bases, shift)
             raw = list(compress(raws, lens))
-            distinct = set(raw)  # (a million relative paths are a few files' names)
+            decoded = self.decoded
+            distinct = set(raw).difference(decoded)  # (a million relative paths are a few files' names)
             if any(map(bytes.startswith, distinct, repeat(b"\xc2\x80"))):  # text_pickle's first test, at C speed
                 for r in distinct:
                     if text_pickle(r, 0, len(r)) is not None:
                         raise NoFit
             keep = self.strings.setdefault
-            decoded = {r: keep(v, v) for r, v in zip(distinct, map(bytes.decode, distinct, repeat("utf-8"),
-                                                                    repeat("surrogatepass")))}
+            decoded.update({r: keep(v, v) for r, v in zip(distinct, map(bytes.decode, distinct, repeat("utf-8"),
+                                                                         repeat("surrogatepass")))})
+            if new == n and type(at) is range and n > 1:  # all new, a step apart: held as one
+                values = list(map(decoded.__getitem__, raw))
+                self.held.append((at.start, at[-1] + 1, at.step, values))
+                self.held_at.append(at.start)
+                return values
             memo.update(zip(compress(at, lens), map(decoded.__getitem__, raw)))
         if new == n:  # all new: each at its place
             index: object = at
@@ -320,6 +386,8 @@ class _Machine:
                 if not all(map(le, index, at)):
                     raise NoFit
         values = list(map(memo.get, index))
+        if None in values and self.held:
+            values = list(map(self.fetch, index))
         if set(map(type, values)) != {str}:
             raise NoFit
         return values
@@ -327,7 +395,7 @@ class _Machine:
     def _entry_run(self, pos: int, end: int, stack: list) -> int:
         """A run of storage entries, read column-wise (one _Entries item on the stack); a string whose length byte
         does not fit sends the run to the entry-by-entry template."""
-        stop, cols = self._run(self.storage_scan, pos, end)
+        stop, cols = self._run(self.storage_split, pos, end)
         if not cols:
             return pos
         f_len, f_raw, f_short, f_long, offs, r_len, r_raw, r_short, r_long, at, length = cols
@@ -442,9 +510,10 @@ class _Machine:
                     idx, pos = data[pos + 1], pos + 2
                 else:
                     idx, pos = _LE4.unpack_from(data, pos + 1)[0], pos + 5
-                if idx not in memo:
+                value = memo.get(idx) if idx in memo else self.fetch(idx)
+                if value is None and idx not in memo:
                     raise NoFit
-                stack.append(memo[idx])
+                stack.append(value)
             elif op == 0x8C or op == 0x58:  # SHORT_BINUNICODE, BINUNICODE
                 if op == 0x8C:
                     length, pos = data[pos + 1], pos + 2

@@ -5,9 +5,12 @@ from __future__ import annotations
 import io
 import re
 import zlib
+from collections import deque
+from itertools import repeat
+from operator import attrgetter, le, mul
 from pathlib import Path
 
-from .._record import replace
+from .._record import fast_new_columns, replace
 from ..dtypes import ELEMENT_SIZE
 from ..errors import ReadError
 from ..records import Checkpoint, Format, StorageRecord, fast_new
@@ -59,7 +62,6 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
         if byteorder is not None and read_member(fd, byteorder, str(path)).strip() == b"big":
             notes.append("saved on a big-endian machine: tensor bytes are big-endian")
 
-        index.members  # noqa: B018  (made now, all at once, for the finds of every storage below)
         find = index.find
 
         def resolve(ref: StorageRef) -> None:
@@ -99,8 +101,10 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
         tree_key = (survey.policy, raw)  # a tree is unpickled under a policy: never served under another
         known = cache.trees.get(tree_key) if cache is not None else None
         if fast is not None:  # walked and unpickled in one pass by the survey: its storages placed in the archive
-            for ref in fast.storages.values():
-                resolve(ref)
+            refs = list(fast.storages.values())
+            if not _resolve_all(refs, index, prefix, path, survey.base):
+                for ref in refs:  # one a storage: where one cannot be read, the error names it
+                    resolve(ref)
             unpickler, root = fast, fast.root
         elif known is not None:  # an item alike an earlier one (a DCP chunk): its tensor again, on this item's storage
             unpickler, tensor, built = known
@@ -143,6 +147,45 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
     if entry is not None and entry[2] is None and len(ckpt.tensors) == 1 and ckpt.notes == tuple(notes):
         entry[2] = ckpt
     return ckpt
+
+
+
+def _resolve_all(refs: list[StorageRef], index: ZipIndex, prefix: str, path: Path, base: str) -> bool:
+    """What resolve() does for each of `refs`, a column at a time: their members found at once, checked at once,
+    their StorageRecords made without a call of Python code each. False, with nothing set, when one is not plainly
+    a stored member that holds its bytes (missing, deflated, odd): resolve() then reads them one by one, and says
+    what is wrong with the one that is."""
+    if not refs:
+        return True
+    keys = list(map(attrgetter("key"), refs))
+    names = list(map(f"{prefix}data/".__add__, keys))
+    found = index.find_all(names)
+    if None in found:
+        return False
+    sizes = list(map(index.column("size").__getitem__, found))
+    offsets = list(map(index.column("offset").__getitem__, found))
+    dtypes = list(map(attrgetter("dtype"), refs))
+    nbytes = list(map(mul, map(attrgetter("numel"), refs), map(ELEMENT_SIZE.__getitem__, dtypes)))
+    # stored, not encrypted, no folder: asked of every member's column at once (the archive's few records alike), and
+    # of the storages' members alone only where some member is not
+    checked = ("method", "flags", "is_dir")
+    methods, flags, dirs = (set(index.column(f)) for f in checked)
+    if methods != {0} or any(f & 1 for f in flags) or True in dirs:
+        methods, flags, dirs = (set(map(index.column(f).__getitem__, found)) for f in checked)
+    if methods != {0} or any(f & 1 for f in flags) or True in dirs or min(offsets) < 0 \
+            or not all(map(le, nbytes, sizes)):
+        return False
+    crcs = list(map(index.column("crc").__getitem__, found))
+    if sizes != nbytes:  # a member longer than its storage: its CRC is of more than the storage's bytes
+        crcs = [crc if size == n else None for crc, size, n in zip(crcs, sizes, nbytes)]
+    entries = list(map(index.names.__getitem__, found))
+    n = len(refs)
+    columns = (list(map(f"{base}:".__add__, keys)) if base else keys, dtypes, nbytes,
+               list(map(attrgetter("location"), refs)), repeat(path, n), offsets, entries, crcs, repeat(None, n),
+               repeat(0, n))
+    made = fast_new_columns(StorageRecord, n, columns)
+    deque(map(setattr, refs, repeat("resolved"), made), maxlen=0)
+    return True
 
 
 class _Unpickled:
