@@ -88,7 +88,7 @@ def read_safetensors(path: Path, fd: Any, size: int, base: int = 0) -> Checkpoin
             offsets = info["data_offsets"]
             numel = 1
             for s in shape:
-                if type(s) is not int or s < 0:
+                if type(s) is not int or not 0 <= s <= _U64_MAX:
                     raise TypeError
                 numel *= s
                 if numel > _U64_MAX:
@@ -171,13 +171,12 @@ def _compact_columns(raw: bytes, data_len: int) -> tuple | None:
     if text.startswith('{"__metadata__":{'):  # where the reference writer puts it
         try:
             counts: list[int] = []  # each object's pairs, the metadata's last: a key twice is the general reading's
-            metadata, end = json.JSONDecoder(object_pairs_hook=lambda pairs: counts.append(len(pairs)) or dict(pairs)).raw_decode(
-                text, 16)
+            decoder = json.JSONDecoder(object_pairs_hook=lambda pairs: counts.append(len(pairs)) or dict(pairs))
+            metadata, end = decoder.raw_decode(text, 16)
         except (ValueError, RecursionError):
             return None
-        if type(metadata) is not dict or counts[-1] != len(metadata):
-            return None
-        if type(metadata) is not dict or not all(type(v) is str for v in metadata.values()) or \
+        if type(metadata) is not dict or counts[-1] != len(metadata) or \
+                not all(type(v) is str for v in metadata.values()) or \
                 "\\u" in text[16:end] and has_lone_surrogate(metadata, text[16:end]):
             return None
         if end == len(text) - 1:  # nothing but the metadata: its brace, then the header's
@@ -215,7 +214,7 @@ def _compact_columns(raw: bytes, data_len: int) -> tuple | None:
             numel = 1
             for dim in shape:  # as the library multiplies: left to right, refused once past 64 bits
                 numel *= dim
-                if numel > _U64_MAX:
+                if numel > _U64_MAX or dim > _U64_MAX:
                     return None
             nbytes_of[kind] = numel * ELEMENT_SIZE[dtype]
         offsets = json.loads(f"[{','.join(spans)}]")
@@ -256,8 +255,8 @@ def _entry(path: Path, key: str, info: object, data_len: int) -> tuple[str, list
     if not 0 <= begin <= end <= data_len:
         raise ReadError(f"{path}: safetensors entry {key} has offsets {_short(offsets)} outside the data "
                         f"({data_len} bytes)")
-    if any(s > _U64_MAX for s in shape) or any(o > _U64_MAX for o in offsets):
-        raise ReadError(f"{path}: safetensors entry {key} has a number past 64 bits in its shape or data_offsets")
+    if any(s > _U64_MAX for s in shape):
+        raise ReadError(f"{path}: safetensors entry {key} has a dim past 2**64-1 in its shape {_short(shape)}")
     numel = 1
     for s in shape:
         numel *= s
