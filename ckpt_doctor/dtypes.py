@@ -57,7 +57,7 @@ SAFETENSORS_TO_TORCH: dict[str, str] = {
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
-    "C64": "complex64", "C128": "complex128",
+    "C64": "complex64",  # no complex128: the library has no code for it
 }
 TORCH_TO_SAFETENSORS: dict[str, str] = {v: k for k, v in SAFETENSORS_TO_TORCH.items()}
 

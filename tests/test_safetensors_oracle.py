@@ -29,6 +29,13 @@ def blob(header: object = None, data: bytes = DATA, *, raw: bytes | None = None,
     return struct.pack("<Q", len(text)) + text + data
 
 
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 def edited(edit) -> dict:
     header = json.loads(json.dumps(HEADER))
     edit(header)
@@ -66,6 +73,27 @@ CASES = {
     "header not JSON": blob(raw=b"{not json}      "),
     "header a JSON list": blob(raw=b"[1, 2, 3]       "),
     "header not UTF-8": blob(raw=json.dumps(HEADER).encode()[:-1] + b',"\xff":1}'),
+    # where the library's JSON reader (serde_json) and Python's differ: nesting, numbers, a key twice
+    "metadata null": blob(edited(lambda h: h.__setitem__("__metadata__", None))),
+    "a nest 127 deep": blob(edited(lambda h: h["a"].__setitem__("x", nested(125)))),
+    "a nest 128 deep": blob(edited(lambda h: h["a"].__setitem__("x", nested(126)))),
+    "dims to 2**64-1, then 0": blob({"z": {"dtype": "U8", "shape": [2**64 - 1, 0], "data_offsets": [0, 0]}}, b""),
+    "dims past 2**64-1, then 0": blob({"z": {"dtype": "U8", "shape": [2**64 - 1, 2, 0], "data_offsets": [0, 0]}},
+                                      b""),
+    "a dim past 2**64-1 after a 0": blob({"z": {"dtype": "U8", "shape": [0, 2**64], "data_offsets": [0, 0]}}, b""),
+    "a key twice, the first's span wrong": blob(raw=json.dumps(HEADER).replace(
+        '"a": {', '"a": {"dtype": "F32", "shape": [5], "data_offsets": [0, 99]}, "a": {', 1).encode()),
+    "a key twice, the first's offset past 64 bits": blob(raw=json.dumps(HEADER).replace(
+        '"a": {', '"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, %d]}, "a": {' % 2**64, 1).encode()),
+    "an entry's field twice": blob(raw=json.dumps(HEADER).replace('"dtype": "F32"', '"dtype": "F32", "dtype": "F32"',
+                                                                  1).encode()),
+    "an ignored field twice": blob(raw=json.dumps(HEADER).replace('"dtype": "F32"', '"x": 1, "x": 2, "dtype": "F32"',
+                                                                  1).encode()),
+    "a metadata key twice": blob(raw=json.dumps(HEADER).replace('"k": "v"', '"k": "w", "k": "v"', 1).encode()),
+    "-Infinity": blob(raw=json.dumps(HEADER).replace('"dtype": "F32"', '"x": -Infinity, "dtype": "F32"').encode()),
+    "a number below the smallest double": blob(raw=json.dumps(HEADER).replace('"dtype": "F32"',
+                                                                              '"x": 1e-400, "dtype": "F32"').encode()),
+    "an integer past 64 bits in an ignored field": blob(edited(lambda h: h["a"].__setitem__("x", 10**30))),
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from .._record import field, record, replace
 from ..advice import shell_word
 from ..devices import missing_devices
-from ..dtypes import FLOATING, QUANTIZED
+from ..dtypes import FLOATING, QUANTIZED, TORCH_TO_SAFETENSORS
 from ..errors import PlanError, Rerun, UsageError
 from ..records import (
     Checkpoint,
@@ -141,7 +141,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     draft.dropped += unlisted_tensors(ckpt.tensors, written, draft.dropped, scope.prefix)
     list_non_persistent(ckpt, draft)
     tied, metadata = safetensors_sharing(ckpt, outs, draft) if fmt is OutputFormat.SAFETENSORS else ({}, {})
-    refuse_unwritable_tensors(outs)
+    refuse_unwritable_tensors(outs, fmt)
     note_devices(fmt, outs, draft)
     return FixPlan(ckpt.path, output, fmt, tuple(draft.applied), {**mapping, **extra_renamed},
                    tuple(draft.dropped), tuple(outs), tree, tuple(draft.notes), tied, metadata,
@@ -449,11 +449,14 @@ def safetensors_sharing(ckpt: Checkpoint, outs: list[OutTensor], draft: Draft) -
     return tied, metadata
 
 
-def refuse_unwritable_tensors(outs: list[OutTensor]) -> None:
-    """Tensors whose data the output could not hold as they are: meta tensors, quantized ones."""
+def refuse_unwritable_tensors(outs: list[OutTensor], fmt: OutputFormat | None = None) -> None:
+    """Tensors whose data the output could not hold as they are: meta tensors, quantized ones, a dtype safetensors
+    has no code for (complex128) in a .safetensors output."""
     for t in outs:
         if t.source.storage is None:
             raise PlanError(f"{t.source.key}: has no data in the file (a meta tensor); drop it with --drop")
+        if fmt is OutputFormat.SAFETENSORS and t.dtype not in TORCH_TO_SAFETENSORS:
+            raise PlanError(f"{t.key}: dtype {t.dtype} has no safetensors code; write a .pt file instead")
     quantized = [t.key for t in outs if t.source.dtype in QUANTIZED]
     if quantized:
         pattern = "^(" + "|".join(re.escape(k) for k in quantized[:50]) + ")$" if len(quantized) <= 50 else None

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 from ..errors import ReadError
 from ..safepickle import limits
 
@@ -20,54 +24,85 @@ def read_json(path: Path, what: str, max_bytes: int) -> object:
         raise ReadError(f"{path}: cannot be read ({exc.strerror})") from None
 
 
-def parse_json(raw: bytes, path: Path, what: str) -> object:
+class _NotJson(ValueError):
+    """A number JSON does not have, met by the strict reading."""
+
+
+def _no_constant(name: str) -> float:
+    raise _NotJson(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _NotJson(f"number {text[:40]} is out of range")
+    return value
+
+
+def parse_json(raw: bytes, path: Path, what: str, strict: bool = False, object_pairs_hook: Any = None) -> object:
+    """`strict` reads as the safetensors library (serde_json) does: NaN, Infinity and a number past the largest
+    double are refused (Python's json reads them as floats), and a nest 128 deep is too deep (serde stops there; the
+    limit for other JSON files is one more). `object_pairs_hook` is json's, given the pairs of every object only
+    when a key may be given twice (JSON keeps the last), by a second parse."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ReadError(f"{path}: {what} is not UTF-8") from None
+    max_depth = limits.MAX_JSON_DEPTH - 1 if strict else limits.MAX_JSON_DEPTH
     # Parsed first, the depth then read off the value (a quarter of what a regex over the text costs); a text that
     # does not parse is measured as text, so a nest too deep is named as such whatever else is wrong with it.
     try:
-        value = json.loads(text)
+        if strict:
+            value = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+        else:
+            value = json.loads(text)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; so is an integer of thousands
-        depth = _json_depth(text)                # of digits
-        if depth > limits.MAX_JSON_DEPTH:
-            raise ReadError(f"{path}: {what} nests {depth} levels deep; JSON readers stop at "
-                            f"{limits.MAX_JSON_DEPTH}") from None
+        depth = _json_depth(text, max_depth)     # of digits
+        if depth > max_depth:
+            raise ReadError(f"{path}: {what} nests {depth} levels deep; JSON readers stop at {max_depth}") from None
         if isinstance(exc, json.JSONDecodeError):
             raise ReadError(f"{path}: {what} is not valid JSON ({exc.msg} at {exc.pos})") from None
+        if isinstance(exc, _NotJson):
+            raise ReadError(f"{path}: {what} is not valid JSON ({exc})") from None
         raise ReadError(f"{path}: {what} holds a value no JSON reader accepts ({str(exc)[:80]})") from None
-    depth = _value_depth(value, limits.MAX_JSON_DEPTH)
-    if depth > limits.MAX_JSON_DEPTH:
-        depth = _json_depth(text)
-        raise ReadError(f"{path}: {what} nests {depth} levels deep; JSON readers stop at {limits.MAX_JSON_DEPTH}")
+    depth, keys = _value_depth(value, max_depth)
+    if depth > max_depth:
+        depth = _json_depth(text, max_depth)
+        raise ReadError(f"{path}: {what} nests {depth} levels deep; JSON readers stop at {max_depth}")
+    if object_pairs_hook is not None and keys < text.count(":"):
+        # Each pair has a colon outside the strings: with fewer keys than colons, a key may have been given twice
+        # (or a string holds a colon); the hook then sees every object's pairs, in a second parse.
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite,
+                           object_pairs_hook=object_pairs_hook)
     if has_lone_surrogate(value, text):
         raise ReadError(f"{path}: {what} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which JSON readers refuse")
     return value
 
 
-def _value_depth(value: object, limit: int) -> int:
-    """How deep a parsed value's objects and arrays nest (as the brackets of its text do), level by level, without
-    recursion; counting stops past `limit`. Each level's items are gathered and typed by C loops (a safetensors
-    header of 20,000 entries is 160,000 items), only the containers among them kept by a Python one."""
+def _value_depth(value: object, limit: int) -> tuple[int, int]:
+    """How deep a parsed value's objects and arrays nest (as the brackets of its text do), and how many keys its
+    objects hold, level by level, without recursion; counting stops past `limit`. Each level's items are gathered
+    and typed by C loops (a safetensors header of 20,000 entries is 160,000 items), only the containers among them
+    kept by a Python one."""
     from itertools import chain
 
     dicts = [value] if value.__class__ is dict else []
     lists = [value] if value.__class__ is list else []
-    depth = 0
+    depth = keys = 0
     while (dicts or lists) and depth <= limit:
         depth += 1
+        keys += sum(map(len, dicts))
         items = list(chain(chain.from_iterable(map(dict.values, dicts)), chain.from_iterable(lists)))
         kinds = set(map(type, items))
         dicts = [x for x in items if x.__class__ is dict] if dict in kinds else []
         lists = [x for x in items if x.__class__ is list] if list in kinds else []
-    return depth
+    return depth, keys
 
 
-def _json_depth(text: str) -> int:
+def _json_depth(text: str, limit: int = limits.MAX_JSON_DEPTH) -> int:
     """How deep brackets nest (strings skipped), without recursion: a 200,000-deep header must not crash the parser.
     The strings and everything but brackets are cut out by one regex, and the depth is the highest running sum."""
-    if text.count("[") + text.count("{") <= limits.MAX_JSON_DEPTH:
+    if text.count("[") + text.count("{") <= limit:
         return 0
     import re
     from itertools import accumulate
@@ -95,6 +130,6 @@ def has_lone_surrogate(value: object, text: str) -> bool:
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
-        elif isinstance(item, list):
+        elif isinstance(item, (list, tuple)):
             stack.extend(item)
     return False

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import struct
 from itertools import repeat
-from math import prod
 from operator import add, itemgetter, sub
 from pathlib import Path
 
@@ -55,11 +54,25 @@ def read_safetensors(path: Path, fd: Any, size: int, base: int = 0) -> Checkpoin
     if columns is not None:
         metadata, keys, dtypes, shapes, begins, sizes = columns
         return _checkpoint(path, data_start, metadata, keys, dtypes, shapes, begins, sizes)
-    header = parse_json(raw, path, "safetensors header")
-    del raw
+    # JSON keeps the last of a key given twice; the library reads every one. Objects with a key twice are kept
+    # (by id of the dict JSON made of them) with all their pairs, for the checks below.
+    twice: dict[int, list] = {}
+
+    def pairs_hook(pairs: list) -> dict:
+        value = dict(pairs)
+        if len(value) != len(pairs):
+            twice[id(value)] = pairs
+        return value
+
+    header = parse_json(raw, path, "safetensors header", strict=True, object_pairs_hook=pairs_hook)
     if not isinstance(header, dict):
         raise ReadError(f"{path}: safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    if twice:
+        _check_repeats(path, header, twice, raw)
+    del raw
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:  # absent or null: the library's Option
+        metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ReadError(f"{path}: safetensors __metadata__ must map strings to strings")
     data_len = size - data_start
@@ -75,9 +88,11 @@ def read_safetensors(path: Path, fd: Any, size: int, base: int = 0) -> Checkpoin
             offsets = info["data_offsets"]
             numel = 1
             for s in shape:
-                if type(s) is not int or s < 0:
+                if type(s) is not int or not 0 <= s <= _U64_MAX:
                     raise TypeError
                 numel *= s
+                if numel > _U64_MAX:
+                    raise TypeError
             begin, end = offsets
             if type(shape) is not list or type(offsets) is not list or type(begin) is not int or \
                     type(end) is not int or not 0 <= begin <= end <= data_len or len(key) > max_key or \
@@ -128,6 +143,8 @@ _ENTRY = (r'"([^"\\\x00-\x1f]*)":\{"dtype":"([0-9A-Z_a-z]{1,16}","shape":\[[0-9,
           r'"data_offsets":\[([0-9]{1,20},[0-9]{1,20})\]\},')
 _ENTRY_TEXT = len('"":{"dtype":"],"data_offsets":[]},')  # an entry's characters besides its three parts
 _entries = None  # _ENTRY compiled, on the first header read
+_U64_MAX = (1 << 64) - 1  # the library's dims and offsets are usize, their product checked as it is multiplied
+_DIGITS_MAX = len(str(_U64_MAX))  # a dim of more digits is past it: refused before int() of it
 
 
 def _compact_columns(raw: bytes, data_len: int) -> tuple | None:
@@ -153,10 +170,13 @@ def _compact_columns(raw: bytes, data_len: int) -> tuple | None:
     body = text[1:-1]
     if text.startswith('{"__metadata__":{'):  # where the reference writer puts it
         try:
-            metadata, end = json.JSONDecoder().raw_decode(text, 16)
+            counts: list[int] = []  # each object's pairs, the metadata's last: a key twice is the general reading's
+            decoder = json.JSONDecoder(object_pairs_hook=lambda pairs: counts.append(len(pairs)) or dict(pairs))
+            metadata, end = decoder.raw_decode(text, 16)
         except (ValueError, RecursionError):
             return None
-        if type(metadata) is not dict or not all(type(v) is str for v in metadata.values()) or \
+        if type(metadata) is not dict or counts[-1] != len(metadata) or \
+                not all(type(v) is str for v in metadata.values()) or \
                 "\\u" in text[16:end] and has_lone_surrogate(metadata, text[16:end]):
             return None
         if end == len(text) - 1:  # nothing but the metadata: its brace, then the header's
@@ -188,8 +208,15 @@ def _compact_columns(raw: bytes, data_len: int) -> tuple | None:
         for kind in set(kinds):  # a few distinct: each read once, the tensors of that shape share its tuple
             code, _, dims = kind.partition('","shape":[')
             dtype = dtype_of[kind] = SAFETENSORS_TO_TORCH[code]
+            if len(dims) > _DIGITS_MAX and max(map(len, dims.split(","))) > _DIGITS_MAX:
+                return None  # a dim past 64 bits, not read
             shape = shape_of[kind] = tuple(json.loads(f"[{dims}]"))  # digits and commas: ints, or a ValueError
-            nbytes_of[kind] = prod(shape) * ELEMENT_SIZE[dtype]
+            numel = 1
+            for dim in shape:  # as the library multiplies: left to right, refused once past 64 bits
+                numel *= dim
+                if numel > _U64_MAX or dim > _U64_MAX:
+                    return None
+            nbytes_of[kind] = numel * ELEMENT_SIZE[dtype]
         offsets = json.loads(f"[{','.join(spans)}]")
     except (KeyError, ValueError):
         return None  # an unknown dtype, a number JSON refuses
@@ -228,10 +255,63 @@ def _entry(path: Path, key: str, info: object, data_len: int) -> tuple[str, list
     if not 0 <= begin <= end <= data_len:
         raise ReadError(f"{path}: safetensors entry {key} has offsets {_short(offsets)} outside the data "
                         f"({data_len} bytes)")
+    if any(s > _U64_MAX for s in shape):
+        raise ReadError(f"{path}: safetensors entry {key} has a dim past 2**64-1 in its shape {_short(shape)}")
     numel = 1
     for s in shape:
         numel *= s
+        if numel > _U64_MAX:
+            raise ReadError(f"{path}: safetensors entry {key}: its shape {_short(shape)} has more than 2**64-1 "
+                            "elements (the product overflows 64 bits)")
+    if numel * element_size(dtype) > _U64_MAX:
+        raise ReadError(f"{path}: safetensors entry {key}: {dtype}{_short(shape)} is more than 2**64-1 bytes")
     if numel * element_size(dtype) != end - begin:
         raise ReadError(f"{path}: safetensors entry {key}: {dtype}{_short(shape)} needs "
                         f"{_short(numel * element_size(dtype))} bytes, its offsets give {end - begin}")
     return dtype, shape, begin, end
+
+
+def _check_repeats(path: Path, header: dict, twice: dict[int, list], raw: bytes) -> None:
+    """A key given twice, which JSON reads as its last: the library refuses __metadata__ or an entry's field twice,
+    and reads every value of a metadata key and every entry of a tensor key, refusing one of the wrong type (of an
+    entry valid in type, the last is kept)."""
+    top = twice.get(id(header), ())
+    seen: set[str] = set()
+    for key, value in top:
+        if key == "__metadata__" and key in seen:
+            raise ReadError(f"{path}: safetensors header has __metadata__ twice (duplicate field)")
+        seen.add(key)
+    metadata = header.get("__metadata__")
+    for key, value in twice.get(id(metadata), ()):
+        if not isinstance(value, str):
+            raise ReadError(f"{path}: safetensors __metadata__ must map strings to strings ({key} is "
+                            f"{_short(value)})")
+    for key, info in [*top, *header.items()]:
+        fields = [field for field, _ in twice.get(id(info), ()) if field in ("dtype", "shape", "data_offsets")
+                  and key != "__metadata__"]
+        if len(set(fields)) != len(fields):
+            field = next(f for f in fields if fields.count(f) > 1)
+            raise ReadError(f"{path}: safetensors entry {key} has {field} twice (duplicate field)")
+    for key, info in top:
+        if key != "__metadata__" and key in header and header[key] is not info:  # an earlier entry of the key
+            _entry_types(path, key, info)
+    if has_lone_surrogate([list(pairs) for pairs in twice.values()], raw.decode("utf-8")):
+        raise ReadError(f"{path}: safetensors header holds a lone UTF-16 surrogate (\\ud800-\\udfff), which JSON "
+                        "readers refuse")
+
+
+def _entry_types(path: Path, key: str, info: object) -> None:
+    """An entry given before another of the same key: the library reads it as an entry (its fields of their types,
+    numbers within 64 bits), then keeps the last."""
+    def u64(value: object) -> bool:
+        return type(value) is int and 0 <= value <= _U64_MAX
+
+    if not isinstance(info, dict):
+        raise ReadError(f"{path}: safetensors entry {key} (given twice) is not an object")
+    code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not (isinstance(code, str) and code in SAFETENSORS_TO_TORCH):
+        raise ReadError(f"{path}: safetensors entry {key} (given twice) has unknown dtype {_short(code)}")
+    if not (isinstance(shape, list) and all(map(u64, shape))):
+        raise ReadError(f"{path}: safetensors entry {key} (given twice) has a bad shape {_short(shape)}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(u64, offsets))):
+        raise ReadError(f"{path}: safetensors entry {key} (given twice) has bad data_offsets {_short(offsets)}")
