@@ -40,13 +40,20 @@ class DefaultLoad:
     inert: tuple[str, ...] = ()  # of those, the ones ckpt-doctor knows to be inert records: add_safe_globals helps
     missing_devices: tuple[str, ...] = ()  # saved devices this machine lacks: torch.load needs map_location
     format_reason: str = ""  # a format torch.load refuses outright
+    longer_storages: tuple[str, ...] = ()  # storages whose record size torch.load refuses (longer than the pickle's)
 
     @property
     def ok(self) -> bool:
-        return not self.applies or not (self.refused or self.missing_devices or self.format_reason)
+        return not self.applies or not (self.refused or self.missing_devices or self.format_reason
+                                        or self.longer_storages)
 
     def reasons(self) -> list[str]:
         out = [self.format_reason] if self.format_reason else []
+        if self.longer_storages:
+            many = len(self.longer_storages) > 1
+            out.append(f"{', '.join(self.longer_storages[:3])}{', …' if len(self.longer_storages) > 3 else ''} "
+                       f"hold{'' if many else 's'} more bytes than {'their storages' if many else 'its storage'} "
+                       "(torch checks each record's size)")
         if self.refused:
             shown = ", ".join(self.refused[:4]) + (f", … {len(self.refused) - 4} more" if len(self.refused) > 4 else "")
             out.append(f"its weights_only unpickler refuses {shown}")
@@ -58,6 +65,8 @@ class DefaultLoad:
         """A few words for a table cell: `torch.load refuses argparse.Namespace`."""
         if self.format_reason:
             return "torch.load refuses its format"
+        if self.longer_storages:
+            return "torch.load refuses its storage sizes"
         if self.refused:
             return "torch.load refuses " + ", ".join(self.refused[:2]) + (", …" if len(self.refused) > 2 else "")
         return "torch.load needs map_location (" + ", ".join(self.missing_devices[:2]) + ")"
@@ -66,7 +75,8 @@ class DefaultLoad:
     def trusted_way_out(self) -> tuple[str, ...]:
         """The globals to hand torch.serialization.add_safe_globals when that is all the file needs (every refused
         one an inert record ckpt-doctor knows); empty when it needs more (its code, another format)."""
-        if self.format_reason or not self.refused or not set(self.refused) <= ADD_SAFE_GLOBALS_SUFFICES:
+        if self.format_reason or self.longer_storages or not self.refused \
+                or not set(self.refused) <= ADD_SAFE_GLOBALS_SUFFICES:
             return ()
         return self.refused
 
@@ -91,4 +101,5 @@ def default_load(ckpt: Checkpoint) -> DefaultLoad:
             if g.verdict is Verdict.SAFE:
                 inert[full] = None
     devices = () if ckpt.format is Format.SAFETENSORS else tuple(missing_devices(ckpt.devices))
-    return DefaultLoad(True, tuple(refused), tuple(inert), devices, _REFUSES.get(ckpt.format, ""))
+    return DefaultLoad(True, tuple(refused), tuple(inert), devices, _REFUSES.get(ckpt.format, ""),
+                       ckpt.longer_storages)

@@ -452,6 +452,7 @@ class Checkpoint:
     hazards: tuple[Hazard, ...] = ()
     layouts: dict[str, str] = field(default_factory=dict)  # key -> how a distributed checkpoint holds it
     distributed: DcpFolder | DeepSpeedFolder | DistributedShard | None = None  # what a distributed checkpoint is
+    longer_storages: tuple[str, ...] = ()  # zip members longer than their storage, whose size torch.load refuses
 
     @property
     def unsafe_globals(self) -> tuple[GlobalRef, ...]:

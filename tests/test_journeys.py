@@ -590,3 +590,30 @@ def test_a_load_hook_that_reads_values_is_checked_on_the_cpu(tmp_path):
     torch.save({"lin.weight": sd["weight"], "lin.bias": sd["bias"], "scale": torch.tensor(2.0)}, path)
     data = run_cli("inspect", path, "--model", f"{tmp_path / 'scaled.py'}:Scaled", "--json")
     assert data.exit_code == 0 and data.json()["comparison"]["ok"] and not data.json()["suggested_commands"]
+
+
+def test_a_storage_member_longer_than_its_storage_is_what_torch_load_refuses(tmp_path):
+    """torch.load checks each storage record's size against what the pickle gives it and refuses a longer one;
+    inspect and scan say so (not "loads with torch's defaults"), and the rescue they print writes each storage at
+    its size, which torch.load then loads."""
+    import zipfile
+
+    state = {"a": torch.arange(4, dtype=torch.float32), "b": torch.ones(3)}
+    saved, longer = tmp_path / "saved.pt", tmp_path / "longer.pt"
+    torch.save(state, saved)
+    with zipfile.ZipFile(saved) as src, zipfile.ZipFile(longer, "w") as out:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("data/0"):
+                data += b"\0" * 8  # (8 bytes the pickle gives no tensor)
+            out.writestr(info, data)
+    with pytest.raises(RuntimeError, match="record size"):
+        torch.load(longer, weights_only=True)
+    data = run_cli("inspect", longer, "--json").json()
+    assert data["default_load"]["ok"] is False and "data/0 holds more bytes" in data["default_load"]["reason"]
+    assert run_cli("inspect", longer, "--require-default-load").exit_code == 1
+    (tmp_path / "rescue").mkdir()
+    assert _run_every_suggestion(longer, tmp_path / "rescue") >= 1
+    rescued = tmp_path / "rescue" / "longer_fixed.pt"
+    got = torch.load(rescued, weights_only=True)
+    assert torch.equal(got["a"], state["a"]) and torch.equal(got["b"], state["b"])

@@ -58,6 +58,7 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
                 read_member(fd, member, str(path), check_crc=False)
         notes: list[str] = []
         compressed: list[str] = []  # storages deflated in the archive
+        longer: list[str] = []  # storages whose member holds more bytes than the pickle gives them (torch refuses)
         byteorder = index.find(prefix + "byteorder")
         if byteorder is not None and read_member(fd, byteorder, str(path)).strip() == b"big":
             notes.append("saved on a big-endian machine: tensor bytes are big-endian")
@@ -79,6 +80,8 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
             if nbytes > member.size:
                 raise ReadError(f"{path}: storage {name} holds {member.size} bytes but {nbytes} are needed "
                                 "(the file is corrupt)")
+            if member.size != nbytes:
+                longer.append(name)
             deflated = 0
             if member.method == 8:  # re-zipped: torch.load inflates it; so does every read of its bytes here
                 if member.size > max(member.compressed_size, 1) * limits.MAX_DEFLATE_RATIO:
@@ -102,9 +105,12 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
         known = cache.trees.get(tree_key) if cache is not None else None
         if fast is not None:  # walked and unpickled in one pass by the survey: its storages placed in the archive
             refs = list(fast.storages.values())
-            if not _resolve_all(refs, index, prefix, path, survey.base):
+            placed = _resolve_all(refs, index, prefix, path, survey.base)
+            if placed is None:
                 for ref in refs:  # one a storage: where one cannot be read, the error names it
                     resolve(ref)
+            else:
+                longer += placed
             unpickler, root = fast, fast.root
         elif known is not None:  # an item alike an earlier one (a DCP chunk): its tensor again, on this item's storage
             unpickler, tensor, built = known
@@ -121,6 +127,12 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
                 # what build_checkpoint reads of the unpickler, not the unpickler (its memo stays with it)
                 cache.keep(cache.trees, tree_key, [_Unpickled(unpickler), root, None], len(raw))
         unpicklers = [unpickler]
+        if longer:
+            shown = ", ".join(longer[:3]) + (f" and {len(longer) - 3} more" if len(longer) > 3 else "")
+            many = len(longer) > 1
+            notes.append(f"{len(longer)} storage{'s' if many else ''} ({shown}) hold{'' if many else 's'} more bytes "
+                         f"than the pickle gives {'them' if many else 'it'}: torch.load refuses the file (it checks "
+                         "each record's size against its storage's); ckpt-doctor fix writes each storage at its size")
         if compressed:
             notes.append(f"{len(compressed)} storage{'s are' if len(compressed) > 1 else ' is'} compressed (deflated) "
                          "in the archive, which torch.save never does: torch.load inflates them, torch.load(mmap=True) "
@@ -143,6 +155,8 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
                                                                                                 root)]))
     ckpt = build_checkpoint(path, Format.TORCHSCRIPT if is_script else Format.TORCH_ZIP, root, unpicklers,
                             ts_members=ts_members, notes=tuple(notes))
+    if longer:
+        ckpt = replace(ckpt, longer_storages=tuple(longer))
     entry = cache.trees.get(tree_key) if cache is not None else None
     if entry is not None and entry[2] is None and len(ckpt.tensors) == 1 and ckpt.notes == tuple(notes):
         entry[2] = ckpt
@@ -150,18 +164,18 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
 
 
 
-def _resolve_all(refs: list[StorageRef], index: ZipIndex, prefix: str, path: Path, base: str) -> bool:
+def _resolve_all(refs: list[StorageRef], index: ZipIndex, prefix: str, path: Path, base: str) -> list[str] | None:
     """What resolve() does for each of `refs`, a column at a time: their members found at once, checked at once,
-    their StorageRecords made without a call of Python code each. False, with nothing set, when one is not plainly
-    a stored member that holds its bytes (missing, deflated, odd): resolve() then reads them one by one, and says
-    what is wrong with the one that is."""
+    their StorageRecords made without a call of Python code each; returns the members longer than their storage.
+    None, with nothing set, when one is not plainly a stored member that holds its bytes (missing, deflated, odd):
+    resolve() then reads them one by one, and says what is wrong with the one that is."""
     if not refs:
-        return True
+        return []
     keys = list(map(attrgetter("key"), refs))
     names = list(map(f"{prefix}data/".__add__, keys))
     found = index.find_all(names)
     if None in found:
-        return False
+        return None
     sizes = list(map(index.column("size").__getitem__, found))
     offsets = list(map(index.column("offset").__getitem__, found))
     dtypes = list(map(attrgetter("dtype"), refs))
@@ -174,10 +188,12 @@ def _resolve_all(refs: list[StorageRef], index: ZipIndex, prefix: str, path: Pat
         methods, flags, dirs = (set(map(index.column(f).__getitem__, found)) for f in checked)
     if methods != {0} or any(f & 1 for f in flags) or True in dirs or min(offsets) < 0 \
             or not all(map(le, nbytes, sizes)):
-        return False
+        return None
     crcs = list(map(index.column("crc").__getitem__, found))
+    longer = []
     if sizes != nbytes:  # a member longer than its storage: its CRC is of more than the storage's bytes
         crcs = [crc if size == n else None for crc, size, n in zip(crcs, sizes, nbytes)]
+        longer = [name for name, size, n in zip(names, sizes, nbytes) if size != n]
     entries = list(map(index.names.__getitem__, found))
     n = len(refs)
     columns = (list(map(f"{base}:".__add__, keys)) if base else keys, dtypes, nbytes,
@@ -185,7 +201,7 @@ def _resolve_all(refs: list[StorageRef], index: ZipIndex, prefix: str, path: Pat
                repeat(0, n))
     made = fast_new_columns(StorageRecord, n, columns)
     deque(map(setattr, refs, repeat("resolved"), made), maxlen=0)
-    return True
+    return longer
 
 
 class _Unpickled:
