@@ -70,6 +70,11 @@ def coverage_problem(assembly: Assembly) -> str | None:
                 return f"chunk at {list(p.offsets)} of size {list(p.sizes)} lies outside the shape {list(grid)} " \
                        f"({p.label})"
             total += prod(p.sizes)
+    return count_problem(total, grid)
+
+
+def count_problem(total: int, grid: tuple[int, ...]) -> str | None:
+    """What is wrong with chunks inside the grid that hold `total` elements in all: too few, or overlapping."""
     want = prod(grid)
     if total < want:
         return f"the chunks cover {total:,} of its {want:,} elements"

@@ -88,6 +88,34 @@ class Assembly:
     dtype: str
 
 
+class LazyAssembly(Assembly):
+    """An Assembly whose pieces are cut when a command first reads them (fix, --values), not when the checkpoint is
+    read: made by fast_new with `cut`, a function and its arguments, in place of `pieces`. inspect of a DCP folder of
+    a million chunks, or of a ZeRO-3 folder's every rank, never looks at them. Cutting cannot fail (nothing is
+    read); equality, hashing, repr and pickling go through the pieces, as an Assembly's do."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name != "pieces":
+            raise AttributeError(name)
+        function, args = self.__dict__["cut"]
+        pieces = self.__dict__["pieces"] = tuple(function(*args))
+        return pieces
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Assembly):
+            return NotImplemented
+        return (self.grid, self.pieces, self.dtype) == (other.grid, other.pieces, other.dtype)
+
+    def __hash__(self) -> int:
+        return hash((self.grid, self.pieces, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"Assembly(grid={self.grid!r}, pieces={self.pieces!r}, dtype={self.dtype!r})"
+
+    def __reduce__(self) -> tuple:
+        return Assembly, (self.grid, self.pieces, self.dtype)
+
+
 @record(slots=True)
 class StorageRecord:
     """One block of tensor bytes in a file: where it is and what it was saved as. (Its fields in slots: a torch zip

@@ -26,7 +26,7 @@ from typing import Any
 
 from .._record import fast_new, replace
 from ..advice import consolidate
-from ..assemble import coverage_problem
+from ..assemble import count_problem, coverage_problem
 from ..dtypes import element_size
 from ..errors import CkptDoctorError, ReadError
 from ..records import (
@@ -36,6 +36,7 @@ from ..records import (
     DistributedShard,
     Format,
     GlobalRef,
+    LazyAssembly,
     Piece,
     integer_keys_note,
 )
@@ -897,7 +898,8 @@ def _read_dcp(folder: Path, names: list[str], shown: Path | None = None, *,
                 cut = items.chunks.tensor(items, wheres, chunks, dtype) if None not in wheres else None
             if cut is not None:
                 pieces = ()
-                assembly = fast_new(_ChunkAssembly, grid=size, dtype=dtype, cut=(items.paths, wheres, chunks, *cut))
+                assembly = fast_new(LazyAssembly, grid=size, dtype=dtype,
+                                    cut=(dcp_items.cut_pieces, (items.paths, wheres, chunks, *cut)))
             else:
                 pieces, wheres = _pieces(items, fqn, chunks, dtype, meta, problems, differ, files)
                 assembly = Assembly(size, tuple(pieces), dtype)
@@ -1058,35 +1060,10 @@ def _prepare(items: _Items, meta: _Meta) -> bool:
     return True
 
 
-class _ChunkAssembly(Assembly):
-    """A DCP tensor's Assembly whose chunks were read on their template together (dcp_items.ChunkItems.tensor): its
-    pieces are made when a command first asks for them (fix, --values), not when the folder is read (inspect of a
-    million chunks made a million pieces, and their labels, that it never looks at). Making them cannot fail."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name != "pieces":
-            raise AttributeError(name)
-        pieces = self.__dict__["pieces"] = dcp_items.cut_pieces(*self.__dict__["cut"])
-        return pieces
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Assembly):
-            return NotImplemented
-        return (self.grid, self.pieces, self.dtype) == (other.grid, other.pieces, other.dtype)
-
-    def __hash__(self) -> int:
-        return hash((self.grid, self.pieces, self.dtype))
-
-    def __repr__(self) -> str:
-        return f"Assembly(grid={self.grid!r}, pieces={self.pieces!r}, dtype={self.dtype!r})"
-
-    def __reduce__(self) -> tuple:
-        return Assembly, (self.grid, self.pieces, self.dtype)
-
-
 def _chunk_coverage(assembly: Assembly, chunks: list, stride: tuple[int, ...]) -> str | None:
-    """coverage_problem of a _ChunkAssembly, from its chunks (every piece's stride is `stride`) without making its
-    pieces; where a chunk does not pass the column-wise check, coverage_problem itself names it."""
+    """coverage_problem of a LazyAssembly of chunks read together, from its chunks (every piece's stride is
+    `stride`) without making its pieces; where a chunk does not pass the column-wise check, coverage_problem itself
+    names it."""
     grid = assembly.grid
     rank = len(grid)
     offsets, sizes = list(map(itemgetter(0), chunks)), list(map(itemgetter(1), chunks))
@@ -1094,13 +1071,7 @@ def _chunk_coverage(assembly: Assembly, chunks: list, stride: tuple[int, ...]) -
             and all(min(o) >= 0 and min(s) >= 0 and max(map(add, o, s)) <= g
                     for o, s, g in zip(zip(*offsets), zip(*sizes), grid))):
         return coverage_problem(assembly)
-    total = sum(map(prod, sizes)) if len(set(sizes)) > 1 else prod(sizes[0]) * len(sizes)
-    want = prod(grid)
-    if total < want:
-        return f"the chunks cover {total:,} of its {want:,} elements"
-    if total > want:
-        return f"the chunks hold {total:,} elements for its {want:,}: some overlap"
-    return None
+    return count_problem(sum(map(prod, sizes)) if len(set(sizes)) > 1 else prod(sizes[0]) * len(sizes), grid)
 
 
 def _read_alike(a: tuple[Piece, ...], b: list[Piece]) -> bool:

@@ -34,7 +34,16 @@ from typing import Any
 from ..dtypes import element_size
 from ..errors import CkptDoctorError, ReadError
 from ..pool import map_paths
-from ..records import Assembly, Checkpoint, DeepSpeedFolder, DistributedShard, Format, Piece, fast_new
+from ..records import (
+    Assembly,
+    Checkpoint,
+    DeepSpeedFolder,
+    DistributedShard,
+    Format,
+    LazyAssembly,
+    Piece,
+    fast_new,
+)
 from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..safepickle.unpickler import Opaque, RawTensor
 from ._pickled import assembled_tensor, build_checkpoint
@@ -157,36 +166,12 @@ _UNIT = (1,)
 
 def _tensor(key: str, shape: tuple[int, ...], dtype: str, pieces: list[Piece] | tuple, source: Path) -> RawTensor:
     """A parameter of `shape` assembled from flat pieces of `dtype` (the partitions' own); `pieces` a list, or the
-    (ranks, offset, numel, world) of a ZeRO-3 parameter, its pieces cut when first asked for (_ZeRO3Assembly)."""
+    (ranks, offset, numel, world) of a ZeRO-3 parameter, its pieces cut when first asked for (LazyAssembly)."""
     if isinstance(pieces, tuple):
-        assembly = fast_new(_ZeRO3Assembly, grid=(prod(shape),), dtype=dtype, cut=pieces)
+        assembly = fast_new(LazyAssembly, grid=(prod(shape),), dtype=dtype, cut=(_zero3_pieces, pieces))
     else:
         assembly = fast_new(Assembly, grid=(prod(shape),), pieces=tuple(pieces), dtype=dtype)
     return assembled_tensor(key, dtype, shape, assembly, source)
-
-
-class _ZeRO3Assembly(Assembly):
-    """A ZeRO-3 parameter's Assembly, a piece per rank (_zero3_pieces), cut when first asked for (by fix, --values)
-    rather than when the folder is read: R ranks × P parameters × 3 (the weights, exp_avg, exp_avg_sq) are held as
-    the parameter's offset and numel, and the pieces of those a command does not read (all, for inspect; the
-    optimizer's, for a fix of the weights) are never made. Cutting them cannot fail (nothing is read)."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name != "pieces":
-            raise AttributeError(name)
-        pieces = self.__dict__["pieces"] = tuple(_zero3_pieces(*self.__dict__["cut"]))
-        return pieces
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Assembly):
-            return NotImplemented
-        return (self.grid, self.pieces, self.dtype) == (other.grid, other.pieces, other.dtype)
-
-    def __hash__(self) -> int:
-        return hash((self.grid, self.pieces, self.dtype))
-
-    def __repr__(self) -> str:
-        return f"Assembly(grid={self.grid!r}, pieces={self.pieces!r}, dtype={self.dtype!r})"
 
 
 def _as_float32(key: str, raw: RawTensor, source: Path) -> RawTensor:
