@@ -57,11 +57,13 @@ def read_safetensors(path: Path, fd: Any, size: int, base: int = 0) -> Checkpoin
     # JSON keeps the last of a key given twice; the library reads every one. Objects with a key twice are kept
     # (by id of the dict JSON made of them) with all their pairs, for the checks below.
     twice: dict[int, list] = {}
+    held: list[dict] = []  # those objects themselves: an id stays theirs while they live, dropped ones included
 
     def pairs_hook(pairs: list) -> dict:
         value = dict(pairs)
         if len(value) != len(pairs):
             twice[id(value)] = pairs
+            held.append(value)
         return value
 
     header = parse_json(raw, path, "safetensors header", strict=True, object_pairs_hook=pairs_hook)
