@@ -357,19 +357,19 @@ class ChunkItems:
                 ats, lengths = by_file.get(rel) or by_file.setdefault(rel, ([], []))
                 ats.append(at)
                 lengths.append(length)
-        with Holder() as holder:
-            for rel, (ats, lengths) in by_file.items():
-                f = self.files.get(rel)
-                try:
-                    f = f or self._file(items, rel, rel)
-                except (OSError, CkptDoctorError):  # (missing, not a file: the reading item by item says so)
-                    f = None
-                if f is None:
-                    continue
-                try:
+        for rel, (ats, lengths) in by_file.items():
+            f = self.files.get(rel)
+            try:
+                f = f or self._file(items, rel, rel)
+            except (OSError, CkptDoctorError):  # (missing, not a file: the reading item by item says so)
+                f = None
+            if f is None:
+                continue
+            try:
+                with Holder() as holder:  # (a file's lease let go when it is done: a folder may hold thousands)
                     self.rows[rel] = self._bulk(np, holder, str(f[0]), f[2], f[1], ats, lengths)
-                except (OSError, ValueError, OverflowError):
-                    continue
+            except (OSError, ValueError, OverflowError):
+                continue
 
     def _bulk(self, np, holder: Holder, path: str, fd: int, size: int, ats: list, lengths: list) -> _Rows:
         """parse, of every item at `ats` with `lengths` in the file `fd` of `size` bytes, at once: the items it
