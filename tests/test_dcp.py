@@ -745,16 +745,18 @@ def test_the_note_on_the_rest_of_a_folder_names_the_rest_and_its_select_runs(tmp
     optimizer.step()
     alone, nested = tmp_path / "alone", tmp_path / "nested"
     dcp.save({"model": model.state_dict()}, checkpoint_id=alone, no_dist=True)
-    dcp.save({"app": {"model": model.state_dict(), "optim": optimizer.state_dict()}, "step": 7},
-             checkpoint_id=nested, no_dist=True)
+    dcp.save({"app": {"model": model.state_dict(), "optim": optimizer.state_dict()}, "step": 7,
+              "scale": torch.ones(2)}, checkpoint_id=nested, no_dist=True)  # (a tensor alone: no part to --select)
     result = run_cli("fix", alone, "-o", tmp_path / "alone.pt")
     assert result.exit_code == 0, result.stderr
     assert "beside it" not in result.stderr and "--select" not in result.stderr, result.stderr
     assert torch.load(tmp_path / "alone.pt", weights_only=True).keys() == model.state_dict().keys()
     result = run_cli("fix", nested, "-o", tmp_path / "nested.pt")
     assert result.exit_code == 0, result.stderr
-    assert ("wrote the model's state_dict at 'app.model', as load_state_dict takes it; beside it: step, app.optim "
-            "(--select app.optim writes app.optim alone, --select '' all of it)") in result.stderr, result.stderr
+    assert ("wrote the model's state_dict at 'app.model', as load_state_dict takes it; beside it: step, scale, "
+            "app.optim (--select app.optim writes app.optim alone, --select '' all of it)") in result.stderr, \
+        result.stderr
+    assert run_cli("fix", nested, "-o", tmp_path / "scale.pt", "--select", "scale").exit_code == 2  # refused
     assert "integers again" not in result.stderr  # the optimizer, whose keys it names, was not written
     part = run_cli("fix", nested, "-o", tmp_path / "optim.pt", "--select", "app.optim")  # as the note says
     assert part.exit_code == 0 and "optimizer state keys at app.optim.state are integers again" in part.stderr

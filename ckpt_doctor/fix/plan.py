@@ -236,7 +236,7 @@ def choose_scope(ckpt: Checkpoint, fmt: OutputFormat, opts: FixOptions, auto_sel
     others = beside(ckpt.root, root) if ckpt.distributed is not None and select is None and root else []
     if others:  # --select names one part only where it holds tensors (a part without any is refused)
         shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
-        tensors = next((o for o in others if any(t.key == o or t.key.startswith(o + ".") for t in ckpt.tensors)), None)
+        tensors = next((o for o in others if holds_tensors(ckpt, o)), None)
         how = f"--select {shell_word(tensors)} writes {tensors} alone, --select '' all of it" if tensors else \
             "--select '' writes all of it"
         draft.notes.append(f"a distributed checkpoint: wrote the model's state_dict at {root!r}, as load_state_dict "
@@ -251,13 +251,18 @@ def check_select(ckpt: Checkpoint, select: str) -> None:
     """A --select that names tensors (or '' for all of the file)."""
     if select == "" and ckpt.tensors:
         return  # the whole checkpoint
-    if not any(t.key.startswith(select + ".") for t in ckpt.tensors):
+    if not holds_tensors(ckpt, select):
         if isinstance(ckpt.distributed, DeepSpeedFolder) and select == "module":
             raise PlanError(f"{ckpt.path}: ZeRO-3 saves only 0-element placeholders in module; the weights are "
                             "fp32_weights (the default)")
         tops = sorted({t.key.split(".", 1)[0] for t in ckpt.tensors})[:8]
         raise PlanError(f"{ckpt.path}: --select {select!r} holds no tensors; the file's top-level entries with "
                         f"tensors are: {', '.join(tops)}")
+
+
+def holds_tensors(ckpt: Checkpoint, path: str) -> bool:
+    """Whether the container at `path` holds tensors: what --select accepts (a tensor alone is no part to write)."""
+    return any(t.key.startswith(path + ".") for t in ckpt.tensors)
 
 
 def kept_tensors(ckpt: Checkpoint, scope: Scope, drops: list[Transform], draft: Draft) -> list[TensorRecord]:
