@@ -56,12 +56,9 @@ def coverage_problem(assembly: Assembly) -> str | None:
     pieces = assembly.pieces
     # Column by column at C speed first (inspect checks every chunk: a million of them); a chunk it does not pass is
     # named by the loop below, chunk by chunk, as it always was
-    offsets, sizes = list(map(_OFFSETS, pieces)), list(map(_SIZES, pieces))
-    if {rank} == set(map(len, offsets)) == set(map(len, sizes)) == set(map(len, map(_STRIDE, pieces))) \
-            and all(min(o) >= 0 and min(s) >= 0 and max(map(add, o, s)) <= g
-                    for o, s, g in zip(zip(*offsets), zip(*sizes), grid)):
-        total = sum(map(prod, sizes))
-    else:
+    total = chunks_total(grid, list(map(_OFFSETS, pieces)), list(map(_SIZES, pieces)),
+                         set(map(len, map(_STRIDE, pieces))))
+    if total is None:
         total = 0
         for p in pieces:
             if len(p.offsets) != rank or len(p.sizes) != rank or len(p.stride) != rank:
@@ -71,6 +68,17 @@ def coverage_problem(assembly: Assembly) -> str | None:
                        f"({p.label})"
             total += prod(p.sizes)
     return count_problem(total, grid)
+
+
+def chunks_total(grid: tuple[int, ...], offsets: list, sizes: list, stride_ranks: set[int]) -> int | None:
+    """The elements chunks hold in all when every one (its offsets, sizes and the rank of its stride, taken column
+    by column) has the grid's rank and lies inside it; None when some chunk does not (coverage_problem names it)."""
+    rank = len(grid)
+    if not ({rank} == set(map(len, offsets)) == set(map(len, sizes)) == stride_ranks
+            and all(min(o) >= 0 and min(s) >= 0 and max(map(add, o, s)) <= g
+                    for o, s, g in zip(zip(*offsets), zip(*sizes), grid))):
+        return None
+    return sum(map(prod, sizes)) if len(set(sizes)) > 1 else prod(sizes[0]) * len(sizes)
 
 
 def count_problem(total: int, grid: tuple[int, ...]) -> str | None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from .._record import fast_new, replace
 from ..advice import consolidate
-from ..assemble import count_problem, coverage_problem
+from ..assemble import chunks_total, count_problem, coverage_problem
 from ..dtypes import element_size
 from ..errors import CkptDoctorError, ReadError
 from ..records import (
@@ -1064,14 +1064,9 @@ def _chunk_coverage(assembly: Assembly, chunks: list, stride: tuple[int, ...]) -
     """coverage_problem of a LazyAssembly of chunks read together, from its chunks (every piece's stride is
     `stride`) without making its pieces; where a chunk does not pass the column-wise check, coverage_problem itself
     names it."""
-    grid = assembly.grid
-    rank = len(grid)
-    offsets, sizes = list(map(itemgetter(0), chunks)), list(map(itemgetter(1), chunks))
-    if not ({rank} == set(map(len, offsets)) == set(map(len, sizes)) and len(stride) == rank
-            and all(min(o) >= 0 and min(s) >= 0 and max(map(add, o, s)) <= g
-                    for o, s, g in zip(zip(*offsets), zip(*sizes), grid))):
-        return coverage_problem(assembly)
-    return count_problem(sum(map(prod, sizes)) if len(set(sizes)) > 1 else prod(sizes[0]) * len(sizes), grid)
+    total = chunks_total(assembly.grid, list(map(itemgetter(0), chunks)), list(map(itemgetter(1), chunks)),
+                         {len(stride)})
+    return coverage_problem(assembly) if total is None else count_problem(total, assembly.grid)
 
 
 def _read_alike(a: tuple[Piece, ...], b: list[Piece]) -> bool:
