@@ -593,7 +593,7 @@ class _Items:
              expect: int | None = None) -> Checkpoint:
         """The item's archive, read; `expect`: the bytes its tensor holds (bounds a compressed item's inflation)."""
         path, size = self.open(rel, fqn)
-        label = f"{rel} item at byte {at}"
+        label = dcp_items.item_label(rel, at)
         if at + length > size:
             # torch's reader reads a value (and a compressed item) up to the end of the file, a slice shorter than
             # the metadata says, and torch.load takes it: those bytes are the item. A tensor's item it hands
@@ -1107,7 +1107,7 @@ def _chunk_piece(items: _Items, fqn: str, offsets: tuple[int, ...], sizes: tuple
                         "member, which torch's DCP writer never writes; ckpt-doctor assembles chunks from stored bytes "
                         "only")
     whole = rec.storage_offset == 0 and rec.nbytes == rec.storage.nbytes and rec.is_contiguous
-    piece = Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride, f"{rel} item at byte {at}",
+    piece = Piece(rec.storage.file, rec.file_offset or 0, offsets, sizes, rec.stride, dcp_items.item_label(rel, at),
                   rec.storage.crc if whole else None)
     if fast is not None and len(items.hazards) == hazards:  # on the template: what its data.pkl means, kept
         walked = items.cache.walks.get((items.policy, dcp_items.PICKLE_NAME, fast[0]))

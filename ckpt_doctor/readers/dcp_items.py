@@ -36,6 +36,10 @@ from .held import Holder
 from .source import RemotePath
 from .zipindex import torch_data_at
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only
+    from pathlib import Path
+
 ENABLED = True  # False: every item is read the general way (what the differential test compares with)
 BULK_MIN = 4096  # a folder whose metadata names this many entries has its shard files' items parsed in bulk (NumPy)
 
@@ -161,6 +165,18 @@ class Meaning:
                  nbytes: int, whole: bool, length: int) -> None:
         self.crc, self.cost, self.dtype, self.shape, self.stride = crc, cost, dtype, shape, stride
         self.skip, self.nbytes, self.whole, self.length = skip, nbytes, whole, length
+
+    def piece(self, file: Path, data_pos: int, offsets: tuple, sizes: tuple, label: str, data: int,
+              data_crc: int) -> Piece:
+        """The piece of a chunk whose item, on the template, holds its data/0 (`data` bytes, crc `data_crc`) at
+        `data_pos` in `file`: what this data.pkl makes of those bytes."""
+        return fast_new(Piece, file=file, offset=data_pos + self.skip, offsets=offsets, sizes=sizes,
+                        stride=self.stride, label=label, crc=data_crc if self.whole and data == self.nbytes else None)
+
+
+def item_label(rel: str, at: int) -> str:
+    """How a chunk's item is named in a piece's label and in errors: `__1_0.distcp item at byte 1261`."""
+    return f"{rel} item at byte {at}"
 
 
 # where, from the directory's start, _SIZES and _CRCS read: data.pkl's size and crc, data/0's size and crc
@@ -339,9 +355,7 @@ class ChunkItems:
         budget[2] -= c2
         items.walked_bytes += m.length
         self.used += 1
-        return fast_new(Piece, file=f[0], offset=at + data_start + m.skip, offsets=offsets, sizes=sizes,
-                        stride=m.stride, label=f"{rel} item at byte {at}",
-                        crc=data_crc if m.whole and data == m.nbytes else None)
+        return m.piece(f[0], at + data_start, offsets, sizes, item_label(rel, at), data, data_crc)
 
     def prepare(self, items, entries, by_file: dict | None = None) -> None:
         """Parse, in bulk, every item of the shard files `entries` name ((rel, at, length, transforms) each) that
@@ -567,19 +581,12 @@ class ChunkItems:
         whole = rec.storage_offset == 0 and rec.nbytes == storage.nbytes and rec.is_contiguous
         m = Meaning(pkl_crc, tuple(cost), rec.dtype, tuple(rec.shape), tuple(rec.stride),
                     rec.file_offset - storage.offset, storage.nbytes, whole, len(pkl))
-        mine = fast_new(Piece, file=piece.file, offset=at + data_start + m.skip, offsets=piece.offsets,
-                        sizes=piece.sizes, stride=m.stride, label=piece.label,
-                        crc=data_crc if m.whole and data == m.nbytes else None)
+        mine = m.piece(piece.file, at + data_start, piece.offsets, piece.sizes, piece.label, data, data_crc)
         if mine == piece:  # (the same piece, field by field, as the general reading's)
             self.meanings[pkl] = m
 
 
 def cut_pieces(paths: dict, wheres: list, chunks: list, m: Meaning, rows: list, ks: list) -> tuple[Piece, ...]:
     """The pieces `tensor` read, as piece makes them, one by one."""
-    skip, stride, nbytes = m.skip, m.stride, m.nbytes
-    out = []
-    for (rel, at, _length, _t), (offsets, sizes), r, k in zip(wheres, chunks, rows, ks):
-        out.append(fast_new(Piece, file=paths[rel], offset=r.data_pos[k] + skip, offsets=offsets, sizes=sizes,
-                            stride=stride, label=f"{rel} item at byte {at}",
-                            crc=r.data_crc[k] if m.whole and r.data[k] == nbytes else None))
-    return tuple(out)
+    return tuple(m.piece(paths[rel], r.data_pos[k], offsets, sizes, item_label(rel, at), r.data[k], r.data_crc[k])
+                 for (rel, at, _length, _t), (offsets, sizes), r, k in zip(wheres, chunks, rows, ks))
