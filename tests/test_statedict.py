@@ -329,6 +329,12 @@ def _read_both_ways(data: bytes, monkeypatch) -> tuple[object, object]:
                           "w-after": torch.zeros(2)}, id="key-starting-c2"),
     pytest.param(lambda: {f"{'k' * (i % 300)}{i}": torch.zeros(3, dtype=torch.float16) for i in range(500)},
                  id="long-keys"),
+    # keys of 250 to 259 bytes ending in "r" (the byte a PUT starts with), across the 255 the keyed pattern takes
+    pytest.param(lambda: {f"{i:04d}" + "r" * (246 + i % 10): torch.zeros(2) for i in range(400)},
+                 id="keys-across-255-bytes"),
+    # keys the keyed pattern does not take, between keys it does: a line break, a tab, a non-ASCII letter, DEL
+    pytest.param(lambda: {f"w{i}" + {100: "\n", 200: "\t", 300: "\u00e9", 301: "\x7f"}.get(i, ""): torch.zeros(2)
+                          for i in range(500)}, id="unkeyed-keys-mid-run"),
 ])
 @pytest.mark.parametrize("most", [4096, 7])
 def test_a_run_read_at_once_is_read_as_item_by_item(make, most, tmp_path, monkeypatch) -> None:

@@ -35,7 +35,7 @@ import gc
 import re
 import struct
 from collections import OrderedDict
-from itertools import chain, repeat
+from itertools import chain, islice, repeat
 
 from ..dtypes import STORAGE_CLASS_DTYPE
 from . import limits
@@ -86,6 +86,9 @@ _INTS = rb"(\)|(?:K.|M..|J....){1,3}+[\x85-\x87])(?:r(....))?+"
 _ITEM = re.compile(_PUT + b"(" + _GET + rb"\(\(" + _GET + _GET + rb")X(.)\x00\x00\x00([0-9]{1,9}+)" + _PUT + b"("
                    + _GET + b")" + _NUM + rb"t" + _PUT + rb"Q" + _NUM + _INTS + _INTS + rb"([\x88\x89])(" + _GET
                    + rb")\)R" + _PUT + rb"t" + _PUT + rb"R" + _PUT, re.DOTALL)
+# An item with its key before it (BINUNICODE), for keys of 1 to 255 bytes of printable ASCII, as a state_dict's names
+# are: _Reader._run matches a run of these a C call each, where reading each key by its length took a Python loop.
+_KEYED = re.compile(rb"X(.)\x00\x00\x00([\x20-\x7e]{1,255})" + _ITEM.pattern, re.DOTALL)
 _UINT32 = "I" if struct.calcsize("I") == 4 else None  # a 4-byte int's code, for _numbered's memoryview
 _MAX_RUN = 4096  # the most items _Reader._run reads at once
 
@@ -419,22 +422,25 @@ class _Reader:
         data = self.data
         if pos < self.slow_until:
             return None  # a run read here had an item the loop must read: the loop reads them all
-        item_match = _ITEM.match
-        keys, found = [], []
-        end = pos
-        while data[end] == 0x58 and len(found) < _MAX_RUN:  # the items end to end, each key as long as it says
-            at = end + 5 + int.from_bytes(data[end + 1:end + 5], "little")
-            item = item_match(data, at)
-            if item is None:
-                break
-            keys.append(data[end + 5:at])
-            found.append(item)
-            end = item.end()
-        n = len(found)
-        if not n:
-            return None
-        (put_key, head_gets, skey_size, skey, put_skey, get_location, numel, put_pid, offset, shape, put_shape, stride,
-         put_stride, grad, get_ordered, put_hooks, put_args, put_tensor) = zip(*map(_groups, found, repeat(b"")))
+        columns = _keyed_run(data, pos)
+        if columns is None:  # a key _KEYED does not take (not printable ASCII, 256 bytes or more): each as long as
+            item_match = _ITEM.match  # it says, then its item
+            keys, found = [], []
+            end = pos
+            while data[end] == 0x58 and len(found) < _MAX_RUN:  # the items end to end
+                at = end + 5 + int.from_bytes(data[end + 1:end + 5], "little")
+                item = item_match(data, at)
+                if item is None:
+                    break
+                keys.append(data[end + 5:at])
+                found.append(item)
+                end = item.end()
+            if not found:
+                return None
+            columns = (end, keys, *zip(*map(_groups, found, repeat(b""))))
+        (end, keys, put_key, head_gets, skey_size, skey, put_skey, get_location, numel, put_pid, offset, shape, put_shape,
+         stride, put_stride, grad, get_ordered, put_hooks, put_args, put_tensor) = columns
+        n = len(keys)
         self.slow_until = end  # unless all is well below: then the loop reads these items (and _run none of them)
         # Keys within the walker's bound, none starting as a pickle's text would (the loop asks the walker about those).
         # Where no key holds a line break, they are asked, and decoded below, as one text a line each.
@@ -638,6 +644,21 @@ def _template_gets(head: bytes, location: bytes, ordered: bytes, memo: list) -> 
 
 
 _groups = re.Match.groups
+
+
+def _keyed_run(data: bytes, pos: int) -> tuple | None:
+    """Where the items of a run end, their keys, and their _ITEM groups a column each, for the items from `pos` on
+    whose keys _KEYED takes, matched one C call each by the pattern's scanner; None when the first is not one. A
+    key is as long as the length before it says: where the bytes after a key happen to spell an item too and the
+    pattern took them into it, the run's keys are not each what its length says, and None leaves them to the loop
+    that reads each key by its length."""
+    found = list(islice(iter(_KEYED.scanner(data, pos).match, None), _MAX_RUN))
+    if not found:
+        return None
+    sizes, keys, *columns = zip(*map(_groups, found, repeat(b"")))
+    if b"".join(sizes) != bytes(map(len, keys)):
+        return None
+    return (found[-1].end(), keys, *columns)
 
 
 def _fetched(value: object) -> object:
