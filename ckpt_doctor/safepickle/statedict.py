@@ -507,8 +507,10 @@ class _Reader:
         tensors = list(map(RawTensor, refs, dtypes, offsets, shapes, strides,
                            map(b"\x88".__eq__, grad)))
         if every:  # their PUTs checked above: those of the items read next are a run of their own
-            memo += chain.from_iterable(zip(names, skeys, repeat(_GONE), shapes, strides, repeat(_GONE),
-                                            repeat(_GONE), tensors))
+            first = len(memo)  # eight entries an item, filled a column at a time (zip made a tuple an item)
+            memo += repeat(_GONE, 8 * n)
+            memo[first::8], memo[first + 1::8], memo[first + 3::8] = names, skeys, shapes
+            memo[first + 4::8], memo[first + 7::8] = strides, tensors
         else:
             if len(memo) != self.run_end:  # PUTs by opcode came between: a new run of indices
                 self.runs.append((len(memo), []))
@@ -521,7 +523,10 @@ class _Reader:
                 if put_st:
                     memo.append(st)
                 memo += _GONE, _GONE, tensor
-        stack += chain.from_iterable(zip(names, tensors))
+        first = len(stack)  # a key and its tensor an item
+        stack += repeat(None, 2 * n)
+        stack[first::2] = names
+        stack[first + 1::2] = tensors
         self.run_end = -1 if every else len(memo)
         self.slow_until = 0
         return end, ops
