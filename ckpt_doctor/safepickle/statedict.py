@@ -35,7 +35,7 @@ import gc
 import re
 import struct
 from collections import OrderedDict
-from itertools import chain, islice, repeat
+from itertools import chain, repeat
 
 from ..dtypes import STORAGE_CLASS_DTYPE
 from . import limits
@@ -87,8 +87,10 @@ _ITEM = re.compile(_PUT + b"(" + _GET + rb"\(\(" + _GET + _GET + rb")X(.)\x00\x0
                    + _GET + b")" + _NUM + rb"t" + _PUT + rb"Q" + _NUM + _INTS + _INTS + rb"([\x88\x89])(" + _GET
                    + rb")\)R" + _PUT + rb"t" + _PUT + rb"R" + _PUT, re.DOTALL)
 # An item with its key before it (BINUNICODE), for keys of 1 to 255 bytes of printable ASCII, as a state_dict's names
-# are: _Reader._run matches a run of these a C call each, where reading each key by its length took a Python loop.
-_KEYED = re.compile(rb"X(.)\x00\x00\x00([\x20-\x7e]{1,255})" + _ITEM.pattern, re.DOTALL)
+# are, the whole item a group too: _Reader._keyed_run cuts a stretch of the pickle into these with one re.split.
+_KEYED = re.compile(rb"(X(.)\x00\x00\x00([\x20-\x7e]{1,255})" + _ITEM.pattern + b")", re.DOTALL)
+_STRIDE = _KEYED.groups + 1  # re.split's parts a match: the bytes before it, then its groups
+_WINDOW = 512  # bytes _keyed_run splits at first, and after a run that was not one (about four items)
 _UINT32 = "I" if struct.calcsize("I") == 4 else None  # a 4-byte int's code, for _numbered's memoryview
 _MAX_RUN = 4096  # the most items _Reader._run reads at once
 
@@ -146,6 +148,8 @@ class _Reader:
         self.runs: list[tuple[int, list[bytes]]] = []  # the PUTs _items took: (first index, their index bytes)
         self.run_end = -1
         self.slow_until = 0  # _run read items up to here and found one the loop must read: it leaves them to it
+        self.window = _WINDOW  # the bytes _keyed_run splits next
+        self.streak = (0, 0)  # where the runs _keyed_run read end to end start and end
         self.tuples: dict[bytes, tuple[int, ...]] = {}  # shapes and strides, by their bytes (few distinct)
 
     def _global(self, at: int) -> tuple[_Marker, int]:
@@ -422,7 +426,7 @@ class _Reader:
         data = self.data
         if pos < self.slow_until:
             return None  # a run read here had an item the loop must read: the loop reads them all
-        columns = _keyed_run(data, pos)
+        columns = self._keyed_run(pos)
         if columns is None:  # a key _KEYED does not take (not printable ASCII, 256 bytes or more): each as long as
             item_match = _ITEM.match  # it says, then its item
             keys, found = [], []
@@ -530,6 +534,43 @@ class _Reader:
         self.run_end = -1 if every else len(memo)
         self.slow_until = 0
         return end, ops
+
+    def _keyed_run(self, pos: int) -> tuple | None:
+        """Where the items from `pos` on end, their keys, and their _ITEM groups a column each, for the items _KEYED
+        takes, end to end (up to _MAX_RUN); None when the first is not one. A stretch of the pickle is cut into them by
+        one re.split (its parts hold no match object an item): the items are those before the first bytes between
+        two of them. The stretch is as long as the last run was, a little more (torch's runs are its SETITEMS batches,
+        of 1,000 items each), and doubles while runs fill it, so that little is split past a run's end. A key is as
+        long as the length before it says: where the bytes after a key happen to spell an item too and the pattern
+        took them into it, the keys are not each what its length says, and None leaves them to the loop that reads
+        each key by its length."""
+        data = self.data
+        if data[pos] != 0x58:  # (where a run ends: SETITEMS)
+            return None
+        window = self.window
+        parts = _KEYED.split(data[pos:pos + window])
+        count = len(parts) // _STRIDE  # the matches (the last part: the bytes after the last)
+        if not count or parts[0]:
+            self.window = _WINDOW
+            return None
+        between = list(map(bool, parts[_STRIDE:count * _STRIDE:_STRIDE]))  # bytes before each match after the first
+        n = between.index(True) + 1 if True in between else count
+        n = min(n, _MAX_RUN)
+        whole, sizes, keys, *columns = (parts[g:(n - 1) * _STRIDE + g + 1:_STRIDE] for g in range(1, _STRIDE))
+        end = pos + sum(map(len, whole))
+        if b"".join(sizes) != bytes(map(len, keys)):
+            self.window = _WINDOW
+            return None
+        for at in (10, 12):  # a shape's and a stride's PUT, which an empty tuple goes without: b"" as groups() gives
+            if None in columns[at]:
+                columns[at] = [put or b"" for put in columns[at]]
+        if pos != self.streak[1]:  # runs end to end are one (a batch that took several stretches)
+            self.streak = (pos, end)
+        self.streak = (self.streak[0], end)
+        # twice as long where the run ran to the stretch's end; else as long as the streak of runs it ended, and some
+        self.window = min(2 * window, 1 << 22) if n == count and len(parts[-1]) < 512 \
+            else max(_WINDOW, (end - self.streak[0]) * 9 // 8 + 64)
+        return (end, keys, *columns)
 
     def check_puts(self) -> bool:
         """Whether the PUTs of the template's items numbered their entries in turn, as _items took them to."""
@@ -650,20 +691,6 @@ def _template_gets(head: bytes, location: bytes, ordered: bytes, memo: list) -> 
 
 _groups = re.Match.groups
 
-
-def _keyed_run(data: bytes, pos: int) -> tuple | None:
-    """Where the items of a run end, their keys, and their _ITEM groups a column each, for the items from `pos` on
-    whose keys _KEYED takes, matched one C call each by the pattern's scanner; None when the first is not one. A
-    key is as long as the length before it says: where the bytes after a key happen to spell an item too and the
-    pattern took them into it, the run's keys are not each what its length says, and None leaves them to the loop
-    that reads each key by its length."""
-    found = list(islice(iter(_KEYED.scanner(data, pos).match, None), _MAX_RUN))
-    if not found:
-        return None
-    sizes, keys, *columns = zip(*map(_groups, found, repeat(b"")))
-    if b"".join(sizes) != bytes(map(len, keys)):
-        return None
-    return (found[-1].end(), keys, *columns)
 
 
 def _fetched(value: object) -> object:
