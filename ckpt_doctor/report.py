@@ -140,13 +140,7 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         table_stats = {t.key: tensor_stats(t) for t in tensors}
         bn = batchnorm_at_init(list(tensors), table_stats)
     table = TensorTable.of(ckpt.tensors)
-    if table.owns_storages:  # a storage a tensor, each under its own key: no idents to make
-        total_bytes, storage_count = sum(table.nbytes()), len(table)
-    else:
-        idents = table.storage_idents()
-        storages = dict(zip(idents, table.storage_nbytes())) if None not in idents else \
-            {ident: nbytes for ident, nbytes in zip(idents, table.storage_nbytes()) if ident is not None}
-        total_bytes, storage_count = sum(storages.values()), len(storages)
+    total_bytes, storage_count = table.storage_totals()
     loads = default_load(ckpt)
     counts = parameter_counts(ckpt, keys if comparison is not None and comparison.oracle else None)
     return InspectReport(
