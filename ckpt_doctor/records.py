@@ -233,7 +233,8 @@ class TensorTable(Sequence):
     named by its key."""
 
     __slots__ = ("keys", "dtypes", "shapes", "offsets", "devices", "requires_grad", "is_parameter", "_strides",
-                 "_storages", "_file", "_file_offsets", "_nbytes", "_records", "checked", "_idents", "_at")
+                 "_storages", "_file", "_file_offsets", "_nbytes", "_records", "checked", "_idents", "_at",
+                 "_shape_kinds")
 
     def __init__(self, keys: Any, dtypes: Any, shapes: Any, strides: Any = None, offsets: Any = None,
                  devices: Any = None, storages: Any = None, requires_grad: Any = None, is_parameter: Any = None, *,
@@ -248,6 +249,7 @@ class TensorTable(Sequence):
         self.is_parameter = is_parameter  # None: all False
         self._storages, self._file, self._file_offsets, self._nbytes = storages, file, file_offsets, nbytes
         self._at = storage_at
+        self._shape_kinds: tuple[list[int], dict[int, tuple[int, ...]]] | None = None
         self._records: tuple[TensorRecord, ...] | None = None
         self._idents: list[tuple[str, str] | None] | None = None
         # Set by a reader that checked its columns: keys, dtypes, devices and storage keys are str, shapes tuples of
@@ -295,12 +297,22 @@ class TensorTable(Sequence):
             self._strides = strides
         return self._strides
 
+    def shape_kinds(self) -> tuple[list[int], dict[int, tuple[int, ...]]]:
+        """Each tensor's shape's id, and the shapes by id, once each: a reader hands out one tuple a distinct shape (a
+        checkpoint repeats a few), so what is made of a shape is made once a tuple (by its id, not its value: a file
+        chooses the hashes of its tuples of ints)."""
+        if self._shape_kinds is None:
+            ids = list(map(id, self.shapes))
+            self._shape_kinds = ids, dict(zip(ids, self.shapes))
+        return self._shape_kinds
+
     def check_types(self) -> TensorTable:
         """Sets `checked` when every key, dtype, device and storage key is a str and every shape a tuple of int."""
         text, tuples, ints = {str}, {tuple}, {int}  # each column's types, as sets made at C speed
         self.checked = set(map(type, self.keys)) <= text and set(map(type, self.dtypes)) <= text \
             and set(map(type, self.devices)) <= text and set(map(type, self.storage_keys())) <= {str, type(None)} \
-            and set(map(type, self.shapes)) <= tuples and set(map(type, chain.from_iterable(self.shapes))) <= ints
+            and set(map(type, self.shapes)) <= tuples \
+            and set(map(type, chain.from_iterable(self.shape_kinds()[1].values()))) <= ints
         return self
 
     @property
@@ -312,6 +324,12 @@ class TensorTable(Sequence):
         """Each tensor's bytes (numel × element size), as TensorRecord.nbytes."""
         if self._nbytes is not None:
             return self._nbytes
+        if len(set(self.dtypes)) == 1:  # each distinct shape multiplied out once
+            size = element_size(self.dtypes[0])
+            ids, shapes = self.shape_kinds()
+            out = list(map({at: prod(shape) * size for at, shape in shapes.items()}.__getitem__, ids))
+            self._nbytes = out
+            return out
         sizes: dict[str, int] = {}
         out = []
         for shape, dtype in zip(self.shapes, self.dtypes):

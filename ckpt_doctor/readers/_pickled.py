@@ -6,6 +6,7 @@ import _pickle  # pickle.UnpicklingError is this class; pickle.py itself is not 
 import struct
 from collections import deque
 from itertools import repeat
+from operator import attrgetter, itemgetter
 from .._record import replace
 from pathlib import Path
 
@@ -231,9 +232,12 @@ def build_checkpoint(path: Path, fmt: Format, root: Any, unpicklers: list[SafeUn
     sd_root, others = find_state_dict_root(flat)
     model_class = flat.module_classes.get(sd_root) if sd_root is not None else None
     all_notes = list(notes)
+    raws = list(map(itemgetter(1), flat.tensors))
+    tensor_notes = [f"{key}: {raw.note}" for key, raw in flat.tensors if raw.note] \
+        if any(map(attrgetter("note"), raws)) else []
     for up in unpicklers:
         all_notes.extend(up.notes)
-        all_notes.extend(f"{key}: {raw.note}" for key, raw in flat.tensors if raw.note)
+        all_notes.extend(tensor_notes)
     if flat.metadata_truncated:
         all_notes.append(f"{flat.metadata_truncated} more metadata entries not listed")
     if sd_root is None and flat.optimizers:

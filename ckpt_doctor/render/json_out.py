@@ -163,8 +163,7 @@ class _EncodedRows:
         to its storage (written once for each distinct shape, dtype and device: its nbytes too, where that is
         numel × element size), and its storage."""
         dtypes, devices = table.dtypes, table.devices
-        ids = list(map(id, shapes))
-        distinct = dict(zip(ids, shapes))
+        ids, distinct = table.shape_kinds()
         one = len(set(dtypes)) == 1 and len(set(devices)) == 1
         # nbytes is numel × element size but for a safetensors file's (its header's offsets): written per row then
         by_shape = not table.owns_storages
