@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from itertools import chain, repeat
 from math import prod
@@ -120,10 +119,8 @@ class _EncodedRows:
     def block(self) -> str | None:
         """The rows, one a line, each line after the first indented under the first: what `dumps` writes between the
         list's brackets."""
-        from json.encoder import encode_basestring as text
-
         try:
-            return self._block(self.table, text)
+            return self._block(self.table, _encode_text())
         except TypeError:  # a value that is not what the reader checked: the encoder decides
             return None
 
@@ -192,12 +189,23 @@ _ROW_BREAK = '},\n    {"key": '
 def _item_encoder() -> Callable[[Any], str]:
     """One compact-line encoder, built once: `json.dumps` makes a new encoder per call, which is half the time
     of writing 20,000 tensor rows. Falls back to the pure-Python encoder where the C one is missing."""
-    from json.encoder import c_make_encoder, encode_basestring
+    try:  # the C encoder itself: the json package would bring its decoder, which inspect never uses
+        from _json import make_encoder
+    except ImportError:
+        import json
 
-    if c_make_encoder is None:
         return json.JSONEncoder(ensure_ascii=False, default=str).encode
-    iterencode = c_make_encoder(None, str, encode_basestring, None, ": ", ", ", False, False, True)
+    iterencode = make_encoder(None, str, _encode_text(), None, ": ", ", ", False, False, True)
     return lambda value: "".join(iterencode(value, 0))
+
+
+def _encode_text() -> Callable[[str], str]:
+    """json.encoder.encode_basestring (a str as JSON writes it, non-ASCII kept), without the json package."""
+    try:
+        from _json import encode_basestring
+    except ImportError:
+        from json.encoder import encode_basestring
+    return encode_basestring
 
 
 def dumps(data: Any) -> str:
