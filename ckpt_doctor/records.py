@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from itertools import chain
+from itertools import chain, repeat
 from math import prod
 from pathlib import Path
 
-from ._record import fast_new, field, record, replace  # noqa: F401  (fast_new: re-exported for the readers)
+from ._record import fast_new, fast_new_columns, field, record, replace  # noqa: F401  (fast_new: re-exported for the readers)
 from .dtypes import contiguous_strides, element_size
 from .errors import ReadError
 from .safepickle.policy import GlobalRef, Verdict  # noqa: F401  (re-exported: part of the result types)
@@ -138,6 +138,48 @@ class StorageRecord:
         return str(self.file), self.key
 
 
+class StorageColumns:
+    """Storages held as columns, one position a storage: a torch zip's members, which a 20,000-tensor file has
+    20,000 of. A StorageRecord is made only for the storage a caller asks for (`record(i)`), or for all of them at
+    once (`records()`), each once: the tensor table reads keys and sizes off the columns. Every storage is of `file`,
+    stored (not deflated), of no assembly."""
+
+    __slots__ = ("keys", "dtypes", "nbytes", "devices", "file", "offsets", "entries", "crcs", "_made", "_one")
+
+    def __init__(self, keys: list[str], dtypes: list[str], nbytes: list[int], devices: list[str], file: Path,
+                 offsets: list[int], entries: list[str], crcs: list[int | None]) -> None:
+        self.keys, self.dtypes, self.nbytes, self.devices = keys, dtypes, nbytes, devices
+        self.file, self.offsets, self.entries, self.crcs = file, offsets, entries, crcs
+        self._made: list[StorageRecord] | None = None
+        self._one: dict[int, StorageRecord] = {}  # made one at a time, before records()
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def record(self, i: int) -> StorageRecord:
+        """The StorageRecord of storage `i` (always the same object)."""
+        if self._made is not None:
+            return self._made[i]
+        made = self._one.get(i)
+        if made is None:
+            made = self._one[i] = fast_new(StorageRecord, key=self.keys[i], dtype=self.dtypes[i], nbytes=self.nbytes[i],
+                                           device=self.devices[i], file=self.file, offset=self.offsets[i],
+                                           entry=self.entries[i], crc=self.crcs[i], assembly=None, deflated=0)
+        return made
+
+    def records(self) -> list[StorageRecord]:
+        """Every storage's StorageRecord, by position, made a column at a time (those made before kept)."""
+        if self._made is None:
+            n = len(self.keys)
+            made = fast_new_columns(StorageRecord, n, (self.keys, self.dtypes, self.nbytes, self.devices,
+                                                       repeat(self.file, n), self.offsets, self.entries, self.crcs,
+                                                       repeat(None, n), repeat(0, n)))
+            for i, one in self._one.items():
+                made[i] = one
+            self._made = made
+        return self._made
+
+
 @record
 class TensorRecord:
     key: str
@@ -185,15 +227,19 @@ class TensorTable(Sequence):
     per tensor. As a sequence it is the tuple of TensorRecords it stands for: a record (and a safetensors storage's
     StorageRecord) is made only when a caller asks for one, then all of them once.
 
-    Storages are a list of StorageRecord (None: no storage), or, for a safetensors file, where every tensor owns its
-    bytes, `file` with each tensor's absolute byte offset and byte count, its StorageRecord named by its key."""
+    Storages are a list of StorageRecord (None: no storage); or StorageColumns (a torch zip's) with each tensor's
+    position in them, `storage_at` (None: tensor i reads storage i, one each); or, for a safetensors file, where
+    every tensor owns its bytes, `file` with each tensor's absolute byte offset and byte count, its StorageRecord
+    named by its key."""
 
     __slots__ = ("keys", "dtypes", "shapes", "offsets", "devices", "requires_grad", "is_parameter", "_strides",
-                 "_storages", "_file", "_file_offsets", "_nbytes", "_records", "checked", "_idents")
+                 "_storages", "_file", "_file_offsets", "_nbytes", "_records", "checked", "_idents", "_at",
+                 "_shape_kinds")
 
     def __init__(self, keys: Any, dtypes: Any, shapes: Any, strides: Any = None, offsets: Any = None,
                  devices: Any = None, storages: Any = None, requires_grad: Any = None, is_parameter: Any = None, *,
-                 file: Path | None = None, file_offsets: Any = None, nbytes: Any = None) -> None:
+                 file: Path | None = None, file_offsets: Any = None, nbytes: Any = None,
+                 storage_at: list[int] | None = None) -> None:
         n = len(keys)
         self.keys, self.dtypes, self.shapes = keys, dtypes, shapes
         self._strides = strides  # None: contiguous, made from the shapes when asked for
@@ -202,6 +248,8 @@ class TensorTable(Sequence):
         self.requires_grad = requires_grad  # None: all False
         self.is_parameter = is_parameter  # None: all False
         self._storages, self._file, self._file_offsets, self._nbytes = storages, file, file_offsets, nbytes
+        self._at = storage_at
+        self._shape_kinds: tuple[list[int], dict[int, tuple[int, ...]]] | None = None
         self._records: tuple[TensorRecord, ...] | None = None
         self._idents: list[tuple[str, str] | None] | None = None
         # Set by a reader that checked its columns: keys, dtypes, devices and storage keys are str, shapes tuples of
@@ -226,10 +274,13 @@ class TensorTable(Sequence):
         def pick(column: Any) -> Any:
             return None if column is None else [column[i] for i in positions]
 
+        columns = type(self._storages) is StorageColumns
+        at = (positions if self._at is None else pick(self._at)) if columns else None
         table = TensorTable(pick(self.keys), pick(self.dtypes), pick(self.shapes), pick(self._strides),
-                            pick(self.offsets), pick(self.devices), pick(self._storages), pick(self.requires_grad),
-                            pick(self.is_parameter), file=self._file, file_offsets=pick(self._file_offsets),
-                            nbytes=pick(self._nbytes) if self._storages is None else None)
+                            pick(self.offsets), pick(self.devices), self._storages if columns else pick(self._storages),
+                            pick(self.requires_grad), pick(self.is_parameter), file=self._file,
+                            file_offsets=pick(self._file_offsets),
+                            nbytes=pick(self._nbytes) if self._storages is None else None, storage_at=at)
         table.checked = self.checked
         return table
 
@@ -246,12 +297,22 @@ class TensorTable(Sequence):
             self._strides = strides
         return self._strides
 
+    def shape_kinds(self) -> tuple[list[int], dict[int, tuple[int, ...]]]:
+        """Each tensor's shape's id, and the shapes by id, once each: a reader hands out one tuple a distinct shape (a
+        checkpoint repeats a few), so what is made of a shape is made once a tuple (by its id, not its value: a file
+        chooses the hashes of its tuples of ints)."""
+        if self._shape_kinds is None:
+            ids = list(map(id, self.shapes))
+            self._shape_kinds = ids, dict(zip(ids, self.shapes))
+        return self._shape_kinds
+
     def check_types(self) -> TensorTable:
         """Sets `checked` when every key, dtype, device and storage key is a str and every shape a tuple of int."""
         text, tuples, ints = {str}, {tuple}, {int}  # each column's types, as sets made at C speed
         self.checked = set(map(type, self.keys)) <= text and set(map(type, self.dtypes)) <= text \
             and set(map(type, self.devices)) <= text and set(map(type, self.storage_keys())) <= {str, type(None)} \
-            and set(map(type, self.shapes)) <= tuples and set(map(type, chain.from_iterable(self.shapes))) <= ints
+            and set(map(type, self.shapes)) <= tuples \
+            and set(map(type, chain.from_iterable(self.shape_kinds()[1].values()))) <= ints
         return self
 
     @property
@@ -263,6 +324,12 @@ class TensorTable(Sequence):
         """Each tensor's bytes (numel × element size), as TensorRecord.nbytes."""
         if self._nbytes is not None:
             return self._nbytes
+        if len(set(self.dtypes)) == 1:  # each distinct shape multiplied out once
+            size = element_size(self.dtypes[0])
+            ids, shapes = self.shape_kinds()
+            out = list(map({at: prod(shape) * size for at, shape in shapes.items()}.__getitem__, ids))
+            self._nbytes = out
+            return out
         sizes: dict[str, int] = {}
         out = []
         for shape, dtype in zip(self.shapes, self.dtypes):
@@ -275,9 +342,12 @@ class TensorTable(Sequence):
 
     def storage_keys(self) -> list[str | None]:
         """Each tensor's storage key (None: no storage)."""
-        if self._storages is None:
+        storages = self._storages
+        if storages is None:
             return self.keys
-        return [None if s is None else s.key for s in self._storages]
+        if type(storages) is StorageColumns:
+            return storages.keys if self._at is None else list(map(storages.keys.__getitem__, self._at))
+        return [None if s is None else s.key for s in storages]
 
     def storage_idents(self) -> list[tuple[str, str] | None]:
         """Each tensor's StorageRecord.ident (None: no storage): tensors with the same one share bytes."""
@@ -286,6 +356,9 @@ class TensorTable(Sequence):
         if self._storages is None:
             name = str(self._file)
             self._idents = [(name, k) for k in self.keys]
+            return self._idents
+        if type(self._storages) is StorageColumns:  # one file
+            self._idents = list(zip(repeat(str(self._storages.file)), self.storage_keys()))
             return self._idents
         names: dict[int, str] = {}
         out: list[tuple[str, str] | None] = []
@@ -305,20 +378,43 @@ class TensorTable(Sequence):
         bytes are its own."""
         if self._storages is None:
             return False
+        if type(self._storages) is StorageColumns:  # a position a storage, and every tensor has one
+            return self._at is not None and len(set(self._at)) != len(self._at)
         idents = self.storage_idents()
         return len(set(idents)) != len(idents) or None in idents
 
     def storage_nbytes(self) -> list[int | None]:
-        if self._storages is None:
+        storages = self._storages
+        if storages is None:
             return self._nbytes
-        return [None if s is None else s.nbytes for s in self._storages]
+        if type(storages) is StorageColumns:
+            return storages.nbytes if self._at is None else list(map(storages.nbytes.__getitem__, self._at))
+        return [None if s is None else s.nbytes for s in storages]
+
+    def storage_totals(self) -> tuple[int, int]:
+        """(bytes, count) of the distinct storages the tensors read (tensors without one read none)."""
+        storages = self._storages
+        if storages is None:  # a storage a tensor, each under its own key
+            return sum(self.nbytes()), len(self.keys)
+        if type(storages) is StorageColumns:
+            if self._at is None:
+                return sum(storages.nbytes), len(storages.nbytes)
+            used = set(self._at)
+            return sum(map(storages.nbytes.__getitem__, used)), len(used)
+        idents = self.storage_idents()
+        sizes = dict(zip(idents, self.storage_nbytes())) if None not in idents else \
+            {ident: nbytes for ident, nbytes in zip(idents, self.storage_nbytes()) if ident is not None}
+        return sum(sizes.values()), len(sizes)
 
     def records(self) -> tuple[TensorRecord, ...]:
         """The TensorRecords, made on the first call."""
         if self._records is None:
             n = len(self.keys)
             storages = self._storages
-            if storages is None:
+            if type(storages) is StorageColumns:
+                made = storages.records()
+                storages = made if self._at is None else list(map(made.__getitem__, self._at))
+            elif storages is None:
                 file, at, nbytes = self._file, self._file_offsets, self._nbytes
                 storages = [fast_new(StorageRecord, key=k, dtype=d, nbytes=nb, device="cpu", file=file, offset=o,
                                      entry="", crc=None, assembly=None, deflated=0)

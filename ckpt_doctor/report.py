@@ -140,13 +140,7 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         table_stats = {t.key: tensor_stats(t) for t in tensors}
         bn = batchnorm_at_init(list(tensors), table_stats)
     table = TensorTable.of(ckpt.tensors)
-    if table.owns_storages:  # a storage a tensor, each under its own key: no idents to make
-        total_bytes, storage_count = sum(table.nbytes()), len(table)
-    else:
-        idents = table.storage_idents()
-        storages = dict(zip(idents, table.storage_nbytes())) if None not in idents else \
-            {ident: nbytes for ident, nbytes in zip(idents, table.storage_nbytes()) if ident is not None}
-        total_bytes, storage_count = sum(storages.values()), len(storages)
+    total_bytes, storage_count = table.storage_totals()
     loads = default_load(ckpt)
     counts = parameter_counts(ckpt, keys if comparison is not None and comparison.oracle else None)
     return InspectReport(
@@ -215,6 +209,10 @@ def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
 
         if type(chosen) is list:
             keys, dtypes, shapes = [keys[i] for i in chosen], [dtypes[i] for i in chosen], [shapes[i] for i in chosen]
+            ids = list(map(id, shapes))
+            distinct = dict(zip(ids, shapes))
+        else:
+            ids, distinct = table.shape_kinds()
         floating = {dtype: dtype in FLOATING or dtype.startswith("complex") for dtype in set(dtypes)}
         # Each key's last component looked up only when a key may end in a buffer's name: a scan of the keys as one
         # text, each between line breaks (and when one holds a line break)
@@ -223,11 +221,16 @@ def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
                 joined.count("\n") != len(keys) + 1:
             last = map(itemgetter(2), map(methodcaller("rpartition", "."), keys))  # key.rsplit(".", 1)[-1]
             is_param = map(gt, map(floating.__getitem__, dtypes), map(BUFFER_NAMES.__contains__, last))
+        elif len(floating) == 1:  # told by the one dtype alone: every tensor a parameter, or none
+            is_param = None
         else:
             is_param = map(floating.__getitem__, dtypes)
         # a reader hands out one tuple a distinct shape: each multiplied out once
-        sizes = {at: prod(shape) for at, shape in dict(zip(map(id, shapes), shapes)).items()}
-        numels = list(map(sizes.__getitem__, map(id, shapes)))
+        numels = map({at: prod(shape) for at, shape in distinct.items()}.__getitem__, ids)
+        if is_param is None:
+            total = sum(numels)
+            return (total, 0) if next(iter(floating.values())) else (0, total)
+        numels = list(numels)
         params = sum(compress(numels, is_param))
         return params, sum(numels) - params
     seen: set[tuple] = set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left
+from operator import itemgetter
 from collections import OrderedDict
 from ._record import field, record
 
@@ -363,7 +364,7 @@ def find_state_dict_root(flat: Flat) -> tuple[str | None, tuple[str, ...]]:
     candidates: dict[str, int] = {}
     modules = set(flat.modules)
     optimizers = set(flat.optimizers)
-    keys = sorted(key for key, _ in flat.tensors)
+    keys: list[str] = []  # sorted when a container other than the root is a candidate
     for path, (direct, total) in flat.containers.items():
         if path in modules:
             if path and _under_any(path, modules):
@@ -376,7 +377,12 @@ def find_state_dict_root(flat: Flat) -> tuple[str | None, tuple[str, ...]]:
             continue  # an optimizer's per-parameter state (state.0.exp_avg …) is no model's state_dict
         # Keys under `path.` sort between `path.` and `path/` ("/" follows "."): counted by bisection, not by a
         # scan of every key for every container (40,000 one-tensor dicts would take minutes).
-        candidates[path] = len(keys) if path == "" else bisect_left(keys, path + "/") - bisect_left(keys, path + ".")
+        if path == "":
+            candidates[path] = len(flat.tensors)
+            continue
+        if not keys:
+            keys = sorted(map(itemgetter(0), flat.tensors))
+        candidates[path] = bisect_left(keys, path + "/") - bisect_left(keys, path + ".")
     if not candidates:
         return None, ()
     if "" in candidates:

@@ -71,3 +71,28 @@ def test_filter_keeps_the_matching_tensors(saved):
     assert [t.key for t in report.tensors] == [k for k in (t.key for t in report.checkpoint.tensors)
                                                if k.startswith(("layers.1", "layers.2", 'a"'))]
     assert dumps(inspect_json(report, encoded_rows=True)) == dumps(inspect_json(report))
+
+
+def test_torch_zip_storages_agree_with_the_tree_torch_and_a_pickled_copy(tmp_path):
+    """A torch zip's storages are held as columns, a record made when one is asked for: the tensor's record, its
+    tensor in the unpickled tree and a pickled copy of the tree all name the same storage, and the storages counted
+    are torch's."""
+    import pickle
+
+    base = torch.arange(20.0)
+    state = {"w": torch.randn(3, 4), "tied": None, "view_a": base[:10], "view_b": base[10:], "b": torch.ones(2)}
+    state["tied"] = state["w"]
+    path = tmp_path / "m.pt"
+    torch.save(state, path)
+    ckpt = read_checkpoint(path)
+    first = ckpt.root["view_b"].storage.resolved  # one storage's record asked for before the table's
+    records = {t.key: t.storage for t in ckpt.tensors}
+    assert records["view_b"] is first and records["view_a"] is first
+    assert all(ckpt.root[key].storage.resolved is records[key] for key in state)
+    copy = pickle.loads(pickle.dumps(ckpt.root))
+    assert {key: copy[key].storage.resolved for key in state} == records
+    report = inspect_checkpoint(path)
+    loaded = torch.load(path, weights_only=True)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in loaded.values()}
+    assert (report.storage_count, report.total_bytes) == (len(storages), sum(storages.values()))
+    assert {g.keys for g in report.shared} == {("w", "tied"), ("view_a", "view_b")}

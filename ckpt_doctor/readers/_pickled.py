@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import _pickle  # pickle.UnpicklingError is this class; pickle.py itself is not needed
 import struct
+from collections import deque
+from itertools import repeat
+from operator import attrgetter, itemgetter
 from .._record import replace
 from pathlib import Path
 
 from ..dtypes import ELEMENT_SIZE, element_size
 from ..errors import CkptDoctorError, ReadError, one_line
-from ..records import (Checkpoint, Format, GlobalRef, StorageRecord, TensorRecord, TensorTable, fast_new,
-                       span_elements)
+from ..records import (Checkpoint, Format, GlobalRef, StorageColumns, StorageRecord, TensorRecord, TensorTable,
+                       fast_new, span_elements)
 from ..assemble import contiguous_strides
 from ..tree import Flat, TorchScriptMembers, find_state_dict_root, flatten
 from ..safepickle import limits
@@ -41,6 +44,37 @@ def run_unpickler(unpickler: SafeUnpickler, path: Path) -> Any:
                         f"({type(exc).__name__}: {one_line(exc, 160)})") from exc
 
 
+_RESOLVED = StorageRef.resolved  # the slot StorageRef keeps its StorageRecord in
+
+
+class ColumnRef(StorageRef):
+    """A StorageRef whose StorageRecord is one of a StorageColumns, made when `resolved` is first read: until then
+    its slot holds (the columns, its position). A reader makes its refs ColumnRefs with `resolve_columns`; pickled
+    or copied, one is the StorageRef it stands for."""
+
+    __slots__ = ()
+
+    def _resolved(self) -> StorageRecord | None:
+        value = _RESOLVED.__get__(self)
+        if type(value) is tuple:
+            value = value[0].record(value[1])
+            _RESOLVED.__set__(self, value)
+        return value
+
+    resolved = property(_resolved, _RESOLVED.__set__)
+
+    def __reduce__(self) -> tuple:
+        return StorageRef, (self.key, self.dtype, self.numel, self.location, self.resolved, self.view_of,
+                            self.view_offset)
+
+
+def resolve_columns(refs: list[StorageRef], columns: StorageColumns) -> None:
+    """Resolve `refs` (no views) to the storages of `columns`, position by position, making no StorageRecord: each
+    is made when its ref's `resolved` is read, and tensor_table reads the columns."""
+    deque(map(_RESOLVED.__set__, refs, zip(repeat(columns), range(len(refs)))), maxlen=0)
+    deque(map(setattr, refs, repeat("__class__"), repeat(ColumnRef)), maxlen=0)
+
+
 def _view_record(ref: StorageRef) -> StorageRecord | None:
     base = ref.view_of.resolved if ref.view_of is not None else None
     if base is None:
@@ -66,8 +100,66 @@ def tensor_record(path: Path, key: str, raw: RawTensor) -> TensorRecord:
     return record
 
 
+def _column_table(raws: list[tuple[str, RawTensor]]) -> TensorTable | None:
+    """tensor_table of tensors whose storages are all of one StorageColumns (resolve_columns): their positions in
+    it taken, no StorageRecord made. None when one is not so, or may read past its storage (tensor_table's loop then
+    says which). One loop: a column at a time costs more here (eight attributes a tensor, each a pass of its own)."""
+    keys, dtypes, shapes, strides, offsets, at, grads, params = ([] for _ in range(8))
+    sizes, slot, column_ref = ELEMENT_SIZE, _RESOLVED.__get__, ColumnRef
+    columns: StorageColumns | None = None
+    nbytes: list[int] = []
+    spans: dict[tuple[int, int], int | None] = {}  # by the ids of shape and stride, as in tensor_table
+    last: tuple = (None, None, None)
+    for key, raw in raws:
+        ref = raw.storage
+        if ref.__class__ is not column_ref or raw.device is not None:
+            return None
+        held = slot(ref)
+        if held.__class__ is not tuple:  # its StorageRecord made already
+            return None
+        owner, i = held
+        if owner is not columns:
+            if columns is not None:
+                return None
+            columns, nbytes = owner, owner.nbytes
+        shape, stride = raw.shape, raw.stride
+        if shape is last[0] and stride is last[1]:
+            span = last[2]
+        else:
+            if len(shape) == 1 and len(stride) == 1 and shape[0] > 0 and stride[0] >= 0:
+                span = (shape[0] - 1) * stride[0] + 1
+            else:
+                layout = (id(shape), id(stride))
+                span = spans.get(layout, -1)
+                if span == -1:
+                    span = span_elements(shape, stride)
+                    if len(spans) < 4096:
+                        spans[layout] = span
+            last = (shape, stride, span)
+        if span is None or span and (raw.offset + span) * sizes[raw.dtype] > nbytes[i]:
+            return None
+        keys.append(key)
+        dtypes.append(raw.dtype)
+        shapes.append(shape)
+        strides.append(stride)
+        offsets.append(raw.offset)
+        at.append(i)
+        grads.append(raw.requires_grad)
+        params.append(raw.is_parameter)
+    if columns is None:
+        return None
+    devices = list(map(columns.devices.__getitem__, at))
+    if len(at) == len(columns) and at == list(range(len(at))):
+        at = None  # tensor i reads storage i
+    return TensorTable(keys, dtypes, shapes, strides, offsets, devices, columns, grads, params,
+                       storage_at=at).check_types()
+
+
 def tensor_table(path: Path, raws: list[tuple[str, RawTensor]]) -> TensorTable:
     """The tensors as columns (tensor_record's checks, without a record per tensor)."""
+    table = _column_table(raws)
+    if table is not None:
+        return table
     keys, dtypes, shapes, strides, offsets, storages, devices, grads, params = ([] for _ in range(9))
     sizes = ELEMENT_SIZE
     # span_elements by the ids of shape and stride: the one-pass reader hands out one tuple for each distinct
@@ -140,9 +232,12 @@ def build_checkpoint(path: Path, fmt: Format, root: Any, unpicklers: list[SafeUn
     sd_root, others = find_state_dict_root(flat)
     model_class = flat.module_classes.get(sd_root) if sd_root is not None else None
     all_notes = list(notes)
+    raws = list(map(itemgetter(1), flat.tensors))
+    tensor_notes = [f"{key}: {raw.note}" for key, raw in flat.tensors if raw.note] \
+        if any(map(attrgetter("note"), raws)) else []
     for up in unpicklers:
         all_notes.extend(up.notes)
-        all_notes.extend(f"{key}: {raw.note}" for key, raw in flat.tensors if raw.note)
+        all_notes.extend(tensor_notes)
     if flat.metadata_truncated:
         all_notes.append(f"{flat.metadata_truncated} more metadata entries not listed")
     if sd_root is None and flat.optimizers:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 TYPE_CHECKING = False
@@ -44,6 +43,8 @@ def parse_json(raw: bytes, path: Path, what: str, strict: bool = False, object_p
     double are refused (Python's json reads them as floats), and a nest 128 deep is too deep (serde stops there; the
     limit for other JSON files is one more). `object_pairs_hook` is json's, given the pairs of every object only
     when a key may be given twice (JSON keeps the last), by a second parse."""
+    import json  # json's decoder: only where a JSON file or header is read (inspect of a torch zip reads none)
+
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

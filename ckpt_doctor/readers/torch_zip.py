@@ -5,18 +5,16 @@ from __future__ import annotations
 import io
 import re
 import zlib
-from collections import deque
-from itertools import repeat
 from operator import attrgetter, le, mul
 from pathlib import Path
 
-from .._record import fast_new_columns, replace
+from .._record import replace
 from ..dtypes import ELEMENT_SIZE
 from ..errors import ReadError
-from ..records import Checkpoint, Format, StorageRecord, fast_new
+from ..records import Checkpoint, Format, StorageColumns, StorageRecord, fast_new
 from ..safepickle import limits
 from ..safepickle.unpickler import RawTensor, SafeUnpickler, StorageRef
-from ._pickled import build_checkpoint, run_unpickler, tensor_table
+from ._pickled import build_checkpoint, resolve_columns, run_unpickler, tensor_table
 from .source import close_source, open_source
 from .survey import ItemCache, Survey
 from .zipindex import ZipIndex, read_member
@@ -166,7 +164,8 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
 
 def _resolve_all(refs: list[StorageRef], index: ZipIndex, prefix: str, path: Path, base: str) -> list[str] | None:
     """What resolve() does for each of `refs`, a column at a time: their members found at once, checked at once,
-    their StorageRecords made without a call of Python code each; returns the members longer than their storage.
+    held as StorageColumns (a StorageRecord made for one only when asked for); returns the members longer than
+    their storage.
     None, with nothing set, when one is not plainly a stored member that holds its bytes (missing, deflated, odd):
     resolve() then reads them one by one, and says what is wrong with the one that is."""
     if not refs:
@@ -195,12 +194,9 @@ def _resolve_all(refs: list[StorageRef], index: ZipIndex, prefix: str, path: Pat
         crcs = [crc if size == n else None for crc, size, n in zip(crcs, sizes, nbytes)]
         longer = [name for name, size, n in zip(names, sizes, nbytes) if size != n]
     entries = list(map(index.names.__getitem__, found))
-    n = len(refs)
-    columns = (list(map(f"{base}:".__add__, keys)) if base else keys, dtypes, nbytes,
-               list(map(attrgetter("location"), refs)), repeat(path, n), offsets, entries, crcs, repeat(None, n),
-               repeat(0, n))
-    made = fast_new_columns(StorageRecord, n, columns)
-    deque(map(setattr, refs, repeat("resolved"), made), maxlen=0)
+    columns = StorageColumns(list(map(f"{base}:".__add__, keys)) if base else keys, dtypes, nbytes,
+                             list(map(attrgetter("location"), refs)), path, offsets, entries, crcs)
+    resolve_columns(refs, columns)  # each StorageRecord made only where one is asked for
     return longer
 
 

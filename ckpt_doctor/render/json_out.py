@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 from itertools import chain, repeat
+from math import prod
 
+from ..dtypes import element_size
 from ..readers.source import usage
 from ..records import GlobalRef, TensorTable
 from ..report import InspectReport
@@ -118,10 +119,8 @@ class _EncodedRows:
     def block(self) -> str | None:
         """The rows, one a line, each line after the first indented under the first: what `dumps` writes between the
         list's brackets."""
-        from json.encoder import encode_basestring as text
-
         try:
-            return self._block(self.table, text)
+            return self._block(self.table, _encode_text())
         except TypeError:  # a value that is not what the reader checked: the encoder decides
             return None
 
@@ -131,28 +130,21 @@ class _EncodedRows:
     def _block(self, table: Any, text: Callable[[str], str]) -> str:
         layouts = self.layouts
         keys, shapes = table.keys, table.shapes
+        storages = table.storage_keys()
+        if not layouts and None not in storages:  # every row alike: the text interleaved from columns by C loops
+            return self._alike(table, text, keys, shapes, storages)
         dtypes = {d: text(d) for d in set(table.dtypes)}
         devices = {d: text(d) for d in set(table.devices)}
         # A reader hands out one tuple a distinct shape (a checkpoint repeats a few): each written once, by the
         # tuple's id (not its value: a file chooses the hashes of its tuples of ints).
         ids = list(map(id, shapes))
         written = {at: ", ".join(map(str, shape)) for at, shape in dict(zip(ids, shapes)).items()}
-        encoded = list(map(text, keys))
-        columns = [encoded, map(written.__getitem__, ids), map(dtypes.__getitem__, table.dtypes),
-                   map(devices.__getitem__, table.devices), map(str, table.nbytes())]
-        storages = table.storage_keys()
-        if storages is keys:  # each tensor's storage is named by its key (a safetensors file)
-            columns.append(encoded)
-        elif None not in storages:
-            columns.append(map(text, storages))
-        if not layouts and len(columns) == 6:  # every row alike: the text interleaved from the columns by C loops
-            fields = ('{"key": ', ', "shape": [', '], "dtype": ', ', "device": ', ', "nbytes": ', ', "storage": ',
-                      '},\n    ')
-            cells = chain.from_iterable(zip(*chain.from_iterable(zip(map(repeat, fields), columns)), repeat(fields[6])))
-            return "".join(cells)[:-len(fields[6])] + "}"
         out = []
-        for key, enc_key, dims, dtype, device, nbytes, storage in zip(keys, *columns[:5], storages):
-            line = (f'{{"key": {enc_key}, "shape": [{dims}], "dtype": {dtype}, "device": {device}, '
+        for key, dims, dtype, device, nbytes, storage in zip(keys, map(written.__getitem__, ids),
+                                                             map(dtypes.__getitem__, table.dtypes),
+                                                             map(devices.__getitem__, table.devices),
+                                                             table.nbytes(), storages):
+            line = (f'{{"key": {text(key)}, "shape": [{dims}], "dtype": {dtype}, "device": {device}, '
                     f'"nbytes": {nbytes}')
             if storage is not None:
                 line += f', "storage": {text(storage)}'
@@ -161,16 +153,59 @@ class _EncodedRows:
             out.append(line + "}")
         return ",\n    ".join(out)
 
+    @staticmethod
+    def _alike(table: Any, text: Callable[[str], str], keys: list[str], shapes: list[tuple],
+               storages: list[str]) -> str:
+        """The rows of a table whose every tensor has a storage, no layout: per row, its key, the text from its key
+        to its storage (written once for each distinct shape, dtype and device: its nbytes too, where that is
+        numel × element size), and its storage."""
+        dtypes, devices = table.dtypes, table.devices
+        ids, distinct = table.shape_kinds()
+        one = len(set(dtypes)) == 1 and len(set(devices)) == 1
+        # nbytes is numel × element size but for a safetensors file's (its header's offsets): written per row then
+        by_shape = not table.owns_storages
+        if one:
+            signatures: Any = ids
+            kinds = {at: (shape, dtypes[0], devices[0]) for at, shape in distinct.items()}
+        else:
+            signatures = list(zip(ids, dtypes, devices))
+            kinds = {signature: (distinct[signature[0]], *signature[1:]) for signature in set(signatures)}
+        middle = {}
+        for signature, (shape, dtype, device) in kinds.items():
+            head = f', "shape": [{", ".join(map(str, shape))}], "dtype": {text(dtype)}, "device": {text(device)}, ' \
+                   '"nbytes": '
+            middle[signature] = f'{head}{prod(shape) * element_size(dtype)}, "storage": ' if by_shape else head
+        encoded = list(map(text, keys))
+        columns = [encoded, map(middle.__getitem__, signatures)]
+        if not by_shape:
+            columns += [map(str, table.nbytes()), repeat(', "storage": ')]
+        columns += [encoded if storages is keys else map(text, storages), repeat(_ROW_BREAK)]
+        return '{"key": ' + "".join(chain.from_iterable(zip(*columns)))[:-len(_ROW_BREAK)] + "}"
+
+
+_ROW_BREAK = '},\n    {"key": '
+
 
 def _item_encoder() -> Callable[[Any], str]:
     """One compact-line encoder, built once: `json.dumps` makes a new encoder per call, which is half the time
     of writing 20,000 tensor rows. Falls back to the pure-Python encoder where the C one is missing."""
-    from json.encoder import c_make_encoder, encode_basestring
+    try:  # the C encoder itself: the json package would bring its decoder, which inspect never uses
+        from _json import make_encoder
+    except ImportError:
+        import json
 
-    if c_make_encoder is None:
         return json.JSONEncoder(ensure_ascii=False, default=str).encode
-    iterencode = c_make_encoder(None, str, encode_basestring, None, ": ", ", ", False, False, True)
+    iterencode = make_encoder(None, str, _encode_text(), None, ": ", ", ", False, False, True)
     return lambda value: "".join(iterencode(value, 0))
+
+
+def _encode_text() -> Callable[[str], str]:
+    """json.encoder.encode_basestring (a str as JSON writes it, non-ASCII kept), without the json package."""
+    try:
+        from _json import encode_basestring
+    except ImportError:
+        from json.encoder import encode_basestring
+    return encode_basestring
 
 
 def dumps(data: Any) -> str:
