@@ -567,9 +567,11 @@ class _Reader:
         if pos != self.streak[1]:  # runs end to end are one (a batch that took several stretches)
             self.streak = (pos, end)
         self.streak = (self.streak[0], end)
-        # twice as long where the run ran to the stretch's end; else as long as the streak of runs it ended, and some
+        # twice as long where the run ran to the stretch's end; as long as this run where it stopped at _MAX_RUN (the
+        # next run, from its end, is no longer: the streak's length would be split again for every run of a long
+        # batch, quadratic); else as long as the streak of runs it ended, and some
         self.window = min(2 * window, 1 << 22) if n == count and len(parts[-1]) < 512 \
-            else max(_WINDOW, (end - self.streak[0]) * 9 // 8 + 64)
+            else max(_WINDOW, (end - (pos if n == _MAX_RUN else self.streak[0])) * 9 // 8 + 64)
         return (end, keys, *columns)
 
     def check_puts(self) -> bool:
