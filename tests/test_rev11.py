@@ -50,7 +50,7 @@ def test_keyed_runs_split_about_the_pickle_once(join, tmp_path, monkeypatch) -> 
     monkeypatch.setattr(statedict, "_KEYED", counting)
     assert statedict.read_state_dict(data, "archive/data.pkl", DEFAULT_POLICY) is not None
     size, split = len(data), counting.split_bytes
-    assert split <= 3 * size, f"split {split:,} bytes of a {size:,}-byte pickle"
+    assert size // 2 <= split <= 3 * size, f"split {split:,} bytes of a {size:,}-byte pickle"  # (runs are split)
     monkeypatch.setattr(statedict, "_KEYED", counting.pattern)
     at_once, one_by_one = _read_both_ways(data, monkeypatch)
     assert at_once[1] is not None and at_once == one_by_one

@@ -547,6 +547,9 @@ class _Reader:
         data = self.data
         if data[pos] != 0x58:  # (where a run ends: SETITEMS)
             return None
+        if data[pos + 2:pos + 5] != b"\x00\x00\x00" or _ITEM.match(data, pos + 5 + data[pos + 1]) is None:
+            self.window = _WINDOW  # no item after a key of its length (a str value, a key of no tensor): no stretch
+            return None  # is split to find that out, for every such str (the loop's one match says it)
         window = self.window
         parts = _KEYED.split(data[pos:pos + window])
         count = len(parts) // _STRIDE  # the matches (the last part: the bytes after the last)
