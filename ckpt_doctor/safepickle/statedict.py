@@ -547,6 +547,9 @@ class _Reader:
         data = self.data
         if data[pos] != 0x58:  # (where a run ends: SETITEMS)
             return None
+        if data[pos + 2:pos + 5] != b"\x00\x00\x00" or _ITEM.match(data, pos + 5 + data[pos + 1]) is None:
+            self.window = _WINDOW  # no item after a key of its length (a str value, a key of no tensor): no stretch
+            return None  # is split to find that out, for every such str (the loop's one match says it)
         window = self.window
         parts = _KEYED.split(data[pos:pos + window])
         count = len(parts) // _STRIDE  # the matches (the last part: the bytes after the last)
@@ -567,9 +570,11 @@ class _Reader:
         if pos != self.streak[1]:  # runs end to end are one (a batch that took several stretches)
             self.streak = (pos, end)
         self.streak = (self.streak[0], end)
-        # twice as long where the run ran to the stretch's end; else as long as the streak of runs it ended, and some
+        # twice as long where the run ran to the stretch's end; as long as this run where it stopped at _MAX_RUN (the
+        # next run, from its end, is no longer: the streak's length would be split again for every run of a long
+        # batch, quadratic); else as long as the streak of runs it ended, and some
         self.window = min(2 * window, 1 << 22) if n == count and len(parts[-1]) < 512 \
-            else max(_WINDOW, (end - self.streak[0]) * 9 // 8 + 64)
+            else max(_WINDOW, (end - (pos if n == _MAX_RUN else self.streak[0])) * 9 // 8 + 64)
         return (end, keys, *columns)
 
     def check_puts(self) -> bool:
