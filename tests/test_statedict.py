@@ -335,6 +335,9 @@ def _read_both_ways(data: bytes, monkeypatch) -> tuple[object, object]:
     # keys the keyed pattern does not take, between keys it does: a line break, a tab, a non-ASCII letter, DEL
     pytest.param(lambda: {f"w{i}" + {100: "\n", 200: "\t", 300: "\u00e9", 301: "\x7f"}.get(i, ""): torch.zeros(2)
                           for i in range(500)}, id="unkeyed-keys-mid-run"),
+    # runs of one to five tensors between other values: the shorter ones left to the loop, item by item
+    pytest.param(lambda: {f"{k}{i}": torch.zeros(2) if k != "n" or i % 6 < 3 else i for i in range(400)
+                          for k in ("t", "n")}, id="short-runs-between-values"),
 ])
 @pytest.mark.parametrize("most", [4096, 7])
 def test_a_run_read_at_once_is_read_as_item_by_item(make, most, tmp_path, monkeypatch) -> None:

@@ -93,6 +93,7 @@ _STRIDE = _KEYED.groups + 1  # re.split's parts a match: the bytes before it, th
 _WINDOW = 512  # bytes _keyed_run splits at first, and after a run that was not one (about four items)
 _UINT32 = "I" if struct.calcsize("I") == 4 else None  # a 4-byte int's code, for _numbered's memoryview
 _MAX_RUN = 4096  # the most items _Reader._run reads at once
+_FEW = 4  # runs of fewer items are left to _Reader._items' loop (a dict whose tensors alternate with other values)
 
 
 class StateDictRead:
@@ -445,6 +446,8 @@ class _Reader:
         (end, keys, put_key, head_gets, skey_size, skey, put_skey, get_location, numel, put_pid, offset, shape, put_shape,
          stride, put_stride, grad, get_ordered, put_hooks, put_args, put_tensor) = columns
         n = len(keys)
+        if n < _FEW:
+            return None  # read faster by the loop: what is done here once a run costs more than a few items do
         self.slow_until = end  # unless all is well below: then the loop reads these items (and _run none of them)
         # Keys within the walker's bound, none starting as a pickle's text would (the loop asks the walker about those).
         # Where no key holds a line break, they are asked, and decoded below, as one text a line each.

@@ -1,4 +1,4 @@
-"""Review of the one-pass reader's keyed runs (safepickle.statedict._Reader._keyed_run): what it splits, against
+"""The one-pass reader's keyed runs (safepickle.statedict._Reader._keyed_run): what it splits, against
 what it reads."""
 
 from __future__ import annotations
