@@ -95,6 +95,11 @@ BLOCK = 1 << 15  # elements per float64 block: 256 KB each, so the arithmetic st
 WINDOW = 1 << 24  # bytes of a tensor mapped at a time, and of each file between drops: memory stays near two windows
 FOLIO = 1 << 21  # the largest folio of the page cache one fault maps (a PMD on x86-64): what any read may map
 SMALL = 1 << 16  # pairs up to this many bytes are compared as copies: cheaper than setting up two array views
+# The arithmetic reads a changed pair by pread, STAGE bytes a side at a time, into one buffer a side that stays in the
+# CPU's cache (two processes' buffers fit its L3). Mapped, every page cost a fault and then a drop (0.12 s of kernel
+# time a GB, measured: the copy costs about as much), and the widening to float64 read from memory, through 4 KB pages;
+# staged, the half of a 1 GB full fine-tune one process computes took 0.34 s of CPU against 0.37.
+STAGE = 1 << 21
 # The float64 arithmetic of a changed pair costs about twice reading it, and threads do not share it out here (the
 # GIL: measured), so past WORKER_AFTER bytes of changed pairs a forked copy of this process takes batches of pieces
 # and computes them from its own maps of the files, while this one compares bytes and computes the rest.
@@ -138,27 +143,25 @@ def _piece_bytes(piece: tuple) -> int:
 
 class _Mapped:
     """Each file read once through the page cache: mapped where it is held still (readers/held.py: a file cut short
-    under a map would end the process with SIGBUS), else read by pread into one reused buffer a side. A mapped pair
-    is compared straight from the page cache (no copy), a piece at a time, and every WINDOW bytes read the file's
-    pages are dropped from this process (MADV_DONTNEED: they stay in the page cache, this process just stops
-    holding them), so memory does not grow with the files. `holder` takes the leases (in the main process); a
-    forked worker is given the paths its parent holds as `held`."""
+    under a map would end the process with SIGBUS), else read by pread into one reused buffer a side. A mapped pair's
+    bytes are compared straight from the page cache (no copy), a piece at a time, and every WINDOW bytes read the
+    file's pages are dropped from this process (MADV_DONTNEED: they stay in the page cache, this process just stops
+    holding them), so memory does not grow with the files. The arithmetic reads its pairs by pread (windows), mapped
+    or not. `holder` takes the leases (in the main process); a forked worker has none, and maps nothing."""
 
-    def __init__(self, holder: Any = None, held: frozenset[str] = frozenset()) -> None:
-        self.holder, self.held = holder, held
+    def __init__(self, holder: Any = None) -> None:
+        self.holder = holder
         self.maps: dict[str, Any] = {}  # path -> its mmap, or its file descriptor where it is read by pread
         self.read_since_drop: dict[str, int] = {}
         self.last_folios: dict[str, tuple[int, int]] = {}  # path -> the folios the last piece read of it lies in
         self.spans: dict[str, tuple[int, int]] = {}  # path -> (first byte, end) of what was read since the drop
         self.buffers: list[Any] = [None, None]  # side A's and side B's pread buffer
+        self.descriptors: dict[str, int] = {}  # path -> a descriptor the arithmetic reads it by (windows)
         self.memcmp = _memcmp()
         self.memcmp_at = _libc_memcmp()  # (address, address, bytes) -> 0 when equal; None without libc
         self.addresses: dict[str, int] = {}
         self.views: list[Any] = []
         self.ahead: _Ahead | None = None  # the chunks a child has compared, where there is one
-
-    def held_paths(self) -> frozenset[str]:
-        return frozenset(path for path, m in self.maps.items() if not isinstance(m, int))
 
     def _file(self, path: str, nbytes: int, offset: int | None = None) -> Any:
         """The map (or the descriptor) of `path`, about to have `nbytes` more of it read (at `offset`: then what
@@ -171,7 +174,7 @@ class _Mapped:
         mm = self.maps.get(path)
         if mm is None:
             fd = os.open(path, os.O_RDONLY)
-            if not (path in self.held or self.holder is not None and self.holder.hold(path)):
+            if not (self.holder is not None and self.holder.hold(path)):
                 self.maps[path] = fd
                 return fd
             try:
@@ -198,8 +201,8 @@ class _Mapped:
 
     def _folios(self, path: str, offset: int, nbytes: int) -> int:
         """Bytes of `path` a read of `nbytes` at `offset` maps: a fault maps a whole folio of the page cache (up
-        to FOLIO), so a piece of 100 KB can map 2 MB. Counted by its bytes, pieces far apart (the changed pairs
-        the worker is sent, one in eight of a file, say) mapped many times WINDOW between drops; counted by the
+        to FOLIO), so a piece of 100 KB can map 2 MB. Counted by its bytes, pieces far apart (one pair in eight of
+        a file, say) mapped many times WINDOW between drops; counted by the
         folios they lie in (less those the last piece already counted: neighbours share theirs), memory stays
         near WINDOW a file."""
         first, last = offset // FOLIO, (offset + max(nbytes, 1) - 1) // FOLIO
@@ -224,7 +227,9 @@ class _Mapped:
 
         buffer = self.buffers[side]
         if buffer is None or buffer.size < nbytes:
-            buffer = self.buffers[side] = np.empty(max(nbytes, 1 << 20), np.uint8)
+            size = max(nbytes, STAGE)  # on a cache line's boundary, as _scratch's rows
+            raw = np.empty(size + 64, np.uint8)
+            buffer = self.buffers[side] = raw[-raw.ctypes.data % 64:][:size]
         view, done = buffer[:nbytes], 0
         while done < nbytes:
             got = os.preadv(fd, [view[done:]], offset + done)
@@ -248,6 +253,33 @@ class _Mapped:
         code_a, code_b = np.dtype(_NUMPY[da]), np.dtype(_NUMPY[db])
         ma, mb = self._file(fa, count * code_a.itemsize, oa), self._file(fb, count * code_b.itemsize, ob)
         return self._array(ma, oa, code_a, count, 0), self._array(mb, ob, code_b, count, 1)
+
+    def windows(self, piece: tuple):
+        """(A's part, B's part) of a piece as flat NumPy arrays of their dtypes, STAGE bytes a side at a time (a
+        whole number of BLOCKs: _sums cuts the same blocks as from the whole piece), read by pread into this
+        side's buffer: each window is gone once the next is read."""
+        import numpy as np
+
+        fa, oa, da, fb, ob, db, count = piece
+        code_a, code_b = np.dtype(_NUMPY[da]), np.dtype(_NUMPY[db])
+        size_a, size_b = code_a.itemsize, code_b.itemsize
+        fd_a, fd_b = self._descriptor(fa), self._descriptor(fb)
+        step = max(STAGE // max(size_a, size_b) // BLOCK, 1) * BLOCK
+        for first in range(0, count, step):
+            n = min(step, count - first)
+            yield (self._read(fd_a, oa + first * size_a, n * size_a, 0).view(code_a),
+                   self._read(fd_b, ob + first * size_b, n * size_b, 1).view(code_b))
+
+    def _descriptor(self, path: str) -> int:
+        fd = self.descriptors.get(path)
+        if fd is None:
+            import os
+
+            fd = self.maps.get(path)
+            if not isinstance(fd, int):  # mapped (or not yet opened): a descriptor of its own, closed by close()
+                fd = os.open(path, os.O_RDONLY)
+            self.descriptors[path] = fd
+        return fd
 
     def same_bytes(self, ta: TensorRecord, tb: TensorRecord) -> bool:
         if ta.dtype != tb.dtype:
@@ -304,6 +336,9 @@ class _Mapped:
                 os.close(mm) if isinstance(mm, int) else mm.close()
             except BufferError:  # an array view still held by an exception's traceback: freed with it
                 pass
+        for fd in set(self.descriptors.values()) - {m for m in self.maps.values() if isinstance(m, int)}:
+            os.close(fd)
+        self.descriptors.clear()
         self.maps.clear()
 
 
@@ -506,7 +541,7 @@ def _widen(src: Any, bf16: bool, out: Any) -> None:
 
 
 def _piece_sums(mapped: _Mapped, piece: tuple, atol: float, rtol: float, scratch: Any) -> tuple:
-    return _sums([mapped.piece(piece)], (piece[2] == "bfloat16", piece[5] == "bfloat16"), atol, rtol, scratch)
+    return _sums(mapped.windows(piece), (piece[2] == "bfloat16", piece[5] == "bfloat16"), atol, rtol, scratch)
 
 
 class _Figures:
@@ -566,7 +601,7 @@ class _Figures:
         if self.worker is None and not self.no_worker and self.changed_bytes >= WORKER_AFTER:
             self.no_worker = not _can_fork()
             try:
-                self.worker = None if self.no_worker else _Worker(self.atol, self.rtol, self.mapped.held_paths())
+                self.worker = None if self.no_worker else _Worker(self.atol, self.rtol)
             except OSError:  # no processes or pipes left
                 self.no_worker = True
         return self.worker is not None
@@ -775,13 +810,12 @@ class _WorkerFailed(Exception):
 
 class _Worker:
     """A forked copy of this process that answers batches of pieces with their _sums, in order, over two pipes
-    (length-prefixed pickles). It maps the files itself: those the parent held still when it forked (`held`: as
-    _Ahead, the worker is killed before their leases are let go of), by pread the others (a map's speed matters
-    here: pread copied each piece out of the page cache and the arithmetic read the copy back from memory, a
-    third more CPU time in the worker for a full fine-tune). It ignores Ctrl-C (the parent handles it and closes
-    the pipe), exits when the pipe closes or it is killed, and never returns into the caller's code."""
+    (length-prefixed pickles). It reads the files itself, by pread, as this process's arithmetic does
+    (_Mapped.windows: a file cut short then is a short read, never SIGBUS, so it needs no lease). It ignores Ctrl-C
+    (the parent handles it and closes the pipe), exits when the pipe closes or it is killed, and never returns into
+    the caller's code."""
 
-    def __init__(self, atol: float, rtol: float, held: frozenset[str] = frozenset()) -> None:
+    def __init__(self, atol: float, rtol: float) -> None:
         import os
 
         fds: list[int] = []
@@ -803,7 +837,7 @@ class _Worker:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 os.close(task_w)
                 os.close(answer_r)
-                _serve(task_r, answer_w, atol, rtol, held)
+                _serve(task_r, answer_w, atol, rtol)
                 code = 0
             finally:
                 os._exit(code)  # no atexit handlers, no flushing the parent's buffered output twice
@@ -852,9 +886,9 @@ class _Worker:
             pass
 
 
-def _serve(task_r: int, answer_w: int, atol: float, rtol: float, held: frozenset[str]) -> None:
+def _serve(task_r: int, answer_w: int, atol: float, rtol: float) -> None:
     """The worker's loop: a batch of pieces in, their sums out (None if anything went wrong), until EOF."""
-    mapped, scratch = _Mapped(held=held), _scratch()
+    mapped, scratch = _Mapped(), _scratch()
     while True:
         try:
             batch = _read_message(task_r)

@@ -248,26 +248,26 @@ def test_the_worker_process_gives_exactly_the_figures_computed_here(tmp_path, mo
     assert _figures(unheld) == _figures(alone)
 
 
-def _dies(task_r, answer_w, atol, rtol, held):
+def _dies(task_r, answer_w, atol, rtol):
     import os
 
     os._exit(3)
 
 
-def _raises(task_r, answer_w, atol, rtol, held):
+def _raises(task_r, answer_w, atol, rtol):
     import ckpt_doctor.diff as D
 
     D._read_message(task_r)
     D._write_message(answer_w, None)  # what the worker answers when computing a batch raised
 
 
-def _garbles(task_r, answer_w, atol, rtol, held):
+def _garbles(task_r, answer_w, atol, rtol):
     import os
 
     os.write(answer_w, (5).to_bytes(8, "little") + b"\x80junk")
 
 
-def _hangs(task_r, answer_w, atol, rtol, held):
+def _hangs(task_r, answer_w, atol, rtol):
     import time
 
     time.sleep(600)
