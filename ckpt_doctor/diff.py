@@ -101,9 +101,11 @@ SMALL = 1 << 16  # pairs up to this many bytes are compared as copies: cheaper t
 # staged, the half of a 1 GB full fine-tune one process computes took 0.34 s of CPU against 0.37.
 STAGE = 1 << 21
 # The float64 arithmetic of a changed pair costs about twice reading it, and threads do not share it out here (the
-# GIL: measured), so past WORKER_AFTER bytes of changed pairs a forked copy of this process takes batches of pieces
-# and computes them from its own maps of the files, while this one compares bytes and computes the rest.
-WORKER_AFTER = 1 << 25  # changed bytes (both sides) seen before the worker is forked: less is not worth a fork
+# GIL: measured), so where the pairs to compare come to WORKER_AFTER bytes or more, a copy of this process forked at
+# the first changed pair takes batches of pieces and reads and computes them itself, while this one compares bytes
+# and computes the rest. (Forked only once 32 MB of changed pairs had gone by, it left this process alone with them
+# for ~20 ms of a 1 GB full fine-tune; a fork that finds little to do costs ~1 ms.)
+WORKER_AFTER = 1 << 25  # bytes of pairs (both sides): fewer are not worth a fork
 BATCH = 1 << 24  # bytes (both sides) per message to the worker: a few ms of work against a ~0.1 ms round trip
 BATCH_PIECES = 256  # and at most this many pieces: answers stay far below a pipe's buffer, so the worker never
 # blocks writing one while this process blocks writing it the next batch
@@ -545,24 +547,24 @@ def _piece_sums(mapped: _Mapped, piece: tuple, atol: float, rtol: float, scratch
 
 
 class _Figures:
-    """The _sums of every changed pair's pieces, in this process or — once WORKER_AFTER changed bytes have gone by —
-    shared with one forked worker: while the worker has fewer than IN_FLIGHT batches, pieces are gathered into the
-    next batch for it; otherwise this process computes them itself, so both cores stay busy. Anything wrong with
-    the worker (it died, went silent, raised) only means its batches are computed here after all."""
+    """The _sums of every changed pair's pieces, in this process or — where the pairs to compare come to WORKER_AFTER
+    bytes (`to_compare`) — shared with one worker, forked at the first changed pair: while the worker has fewer than
+    IN_FLIGHT batches, pieces are gathered into the next batch for it; otherwise this process computes them itself,
+    so both cores stay busy. Anything wrong with the worker (it died, went silent, raised) only means its batches
+    are computed here after all."""
 
-    def __init__(self, mapped: _Mapped, atol: float, rtol: float) -> None:
-        self.mapped, self.atol, self.rtol = mapped, atol, rtol
+    def __init__(self, mapped: _Mapped, atol: float, rtol: float, to_compare: int = 0) -> None:
+        self.mapped, self.atol, self.rtol, self.to_compare = mapped, atol, rtol, to_compare
         self.scratch = _scratch()
         self.sums: list[tuple | None] = []  # by piece number
         self.batch: list[tuple[int, tuple]] = []  # (piece number, piece) for the worker's next batch
-        self.batch_bytes = self.changed_bytes = 0
+        self.batch_bytes = 0
         self.worker: _Worker | None = None
         self.no_worker = False  # no fork here, or the worker failed: everything in this process from now on
 
     def add(self, ta: TensorRecord, tb: TensorRecord) -> PairStats | range:
         """The pair's figures if this process computed all its pieces now, else the numbers of its pieces, for
         stats() once finish() has run."""
-        self.changed_bytes += ta.nbytes + tb.nbytes
         if not self._worker_running():  # the usual case: every piece here, now
             return _stats([_piece_sums(self.mapped, p, self.atol, self.rtol, self.scratch) for p in _pieces(ta, tb)])
         first, queued = len(self.sums), False
@@ -597,8 +599,8 @@ class _Figures:
             self.worker = None
 
     def _worker_running(self) -> bool:
-        """Whether there is a worker, forking it once WORKER_AFTER changed bytes have gone by."""
-        if self.worker is None and not self.no_worker and self.changed_bytes >= WORKER_AFTER:
+        """Whether there is a worker, forking it (at the first changed pair) where there is enough to compare."""
+        if self.worker is None and not self.no_worker and self.to_compare >= WORKER_AFTER:
             self.no_worker = not _can_fork()
             try:
                 self.worker = None if self.no_worker else _Worker(self.atol, self.rtol)
@@ -988,7 +990,9 @@ def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, tran
     with one_blas_thread():
         mapped = _Mapped(holder)
         mapped.ahead = ahead
-        figures = _Figures(mapped, atol, rtol)
+        pairs = ((a_tensors.get(a_key), b_tensors.get(b_key)) for a_key, b_key in mapping.items())
+        to_compare = sum(ta.nbytes + tb.nbytes for ta, tb in pairs if ta is not None and tb is not None)
+        figures = _Figures(mapped, atol, rtol, to_compare)
         pending: dict[int, range] = {}  # row → its pieces, for pairs whose figures are still being computed
         try:
             for i, (a_key, b_key) in enumerate(mapping.items()):
