@@ -204,9 +204,8 @@ class _Mapped:
     def _folios(self, path: str, offset: int, nbytes: int) -> int:
         """Bytes of `path` a read of `nbytes` at `offset` maps: a fault maps a whole folio of the page cache (up
         to FOLIO), so a piece of 100 KB can map 2 MB. Counted by its bytes, pieces far apart (one pair in eight of
-        a file, say) mapped many times WINDOW between drops; counted by the
-        folios they lie in (less those the last piece already counted: neighbours share theirs), memory stays
-        near WINDOW a file."""
+        a file, say) mapped many times WINDOW between drops; counted by the folios they lie in (less those the last
+        piece already counted: neighbours share theirs), memory stays near WINDOW a file."""
         first, last = offset // FOLIO, (offset + max(nbytes, 1) - 1) // FOLIO
         before_first, before_last = self.last_folios.get(path, (-1, -2))
         self.last_folios[path] = first, last
@@ -229,7 +228,7 @@ class _Mapped:
 
         buffer = self.buffers[side]
         if buffer is None or buffer.size < nbytes:
-            size = max(nbytes, STAGE)  # on a cache line's boundary, as _scratch's rows
+            size = max(nbytes, STAGE)  # on a cache line's boundary, as _scratch's rows: the widening reads it
             raw = np.empty(size + 64, np.uint8)
             buffer = self.buffers[side] = raw[-raw.ctypes.data % 64:][:size]
         view, done = buffer[:nbytes], 0
