@@ -309,9 +309,9 @@ class _Mapped:
                         self.memcmp_at(at_a + nbytes - tail, at_b + nbytes - tail, tail))
         # A changed pair nearly always differs in its first bytes (a fine-tune moves every element): two small
         # preads tell, where memcmp on the maps faulted in a folio of each (and dropped it later): the 1,000 pairs
-        # of a 1 GB full fine-tune took 29 ms here, 6-9 ms so
-        probe = min(PROBE, nbytes)
-        if os.pread(self._descriptor(fa), probe, oa) != os.pread(self._descriptor(fb), probe, ob):
+        # of a 1 GB full fine-tune took 29 ms here, 6-9 ms so. Not for pairs up to SMALL: neighbours that small
+        # share their folios, and two syscalls a pair cost 20,000 identical ones ~40 ms.
+        if nbytes > SMALL and os.pread(self._descriptor(fa), PROBE, oa) != os.pread(self._descriptor(fb), PROBE, ob):
             return False
         for done in range(0, nbytes, WINDOW):
             n = min(WINDOW, nbytes - done)
