@@ -108,6 +108,9 @@ STAGE = 1 << 21
 # for ~20 ms of a 1 GB full fine-tune; a fork that finds little to do costs ~1 ms.)
 WORKER_AFTER = 1 << 25  # bytes of pairs (both sides): fewer are not worth a fork
 BATCH = 1 << 24  # bytes (both sides) per message to the worker: a few ms of work against a ~0.1 ms round trip
+# Near the end a batch is at most an eighth of the pairs left (down to LAST_BATCH), so the two processes end
+# together: full batches left the worker up to IN_FLIGHT of them (~13 ms of arithmetic) once this one had none left
+LAST_BATCH = 1 << 21
 BATCH_PIECES = 256  # and at most this many pieces: answers stay far below a pipe's buffer, so the worker never
 # blocks writing one while this process blocks writing it the next batch
 IN_FLIGHT = 2  # batches queued at the worker: one in hand and one waiting, so it never idles on a round trip
@@ -555,11 +558,11 @@ def _piece_sums(mapped: _Mapped, piece: tuple, atol: float, rtol: float, scratch
 
 
 class _Figures:
-    """The _sums of every changed pair's pieces, in this process or — where the pairs to compare come to WORKER_AFTER
-    bytes (`to_compare`) — shared with one worker, forked at the first changed pair: while the worker has fewer than
-    IN_FLIGHT batches, pieces are gathered into the next batch for it; otherwise this process computes them itself,
-    so both cores stay busy. Anything wrong with the worker (it died, went silent, raised) only means its batches
-    are computed here after all."""
+    """The _sums of every changed pair's pieces, in this process or — where the pairs still to compare come to
+    WORKER_AFTER bytes (`to_compare`, which the caller counts down) — shared with one worker, forked at the first
+    changed pair: while the worker has fewer than IN_FLIGHT batches, pieces are gathered into the next batch for it;
+    otherwise this process computes them itself, so both cores stay busy. Anything wrong with the worker (it died,
+    went silent, raised) only means its batches are computed here after all."""
 
     def __init__(self, mapped: _Mapped, atol: float, rtol: float, to_compare: int = 0) -> None:
         self.mapped, self.atol, self.rtol, self.to_compare = mapped, atol, rtol, to_compare
@@ -576,6 +579,7 @@ class _Figures:
         if not self._worker_running():  # the usual case: every piece here, now
             return _stats([_piece_sums(self.mapped, p, self.atol, self.rtol, self.scratch) for p in _pieces(ta, tb)])
         first, queued = len(self.sums), False
+        batch = min(BATCH, max(self.to_compare // 8, LAST_BATCH))
         for piece in _pieces(ta, tb):
             number, size = len(self.sums), _piece_bytes(piece)
             self.sums.append(None)
@@ -583,7 +587,7 @@ class _Figures:
                 queued = True
                 self.batch.append((number, piece))
                 self.batch_bytes += size
-                if self.batch_bytes >= BATCH or len(self.batch) >= BATCH_PIECES:
+                if self.batch_bytes >= batch or len(self.batch) >= BATCH_PIECES:
                     self._send()
             else:
                 self.sums[number] = _piece_sums(self.mapped, piece, self.atol, self.rtol, self.scratch)
@@ -1012,6 +1016,7 @@ def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, tran
                     continue
                 done.add(b_key)
                 row, pieces = _pair(b_key, a_key, ta, tb, atol, rtol, load_tensor, mapped, figures)
+                figures.to_compare -= ta.nbytes + tb.nbytes
                 if pieces is not None:
                     pending[len(rows)] = pieces
                 rows.append(row)
