@@ -95,11 +95,22 @@ BLOCK = 1 << 15  # elements per float64 block: 256 KB each, so the arithmetic st
 WINDOW = 1 << 24  # bytes of a tensor mapped at a time, and of each file between drops: memory stays near two windows
 FOLIO = 1 << 21  # the largest folio of the page cache one fault maps (a PMD on x86-64): what any read may map
 SMALL = 1 << 16  # pairs up to this many bytes are compared as copies: cheaper than setting up two array views
+PROBE = 64  # bytes at the start of a mapped pair compared by pread before the rest is compared on the maps
+# The arithmetic reads a changed pair by pread, STAGE bytes a side at a time, into one buffer a side that stays in the
+# CPU's cache (two processes' buffers fit its L3). Mapped, every page cost a fault and then a drop (0.12 s of kernel
+# time a GB, measured: the copy costs about as much), and the widening to float64 read from memory, through 4 KB pages;
+# staged, the half of a 1 GB full fine-tune one process computes took 0.34 s of CPU against 0.37.
+STAGE = 1 << 21
 # The float64 arithmetic of a changed pair costs about twice reading it, and threads do not share it out here (the
-# GIL: measured), so past WORKER_AFTER bytes of changed pairs a forked copy of this process takes batches of pieces
-# and computes them from its own maps of the files, while this one compares bytes and computes the rest.
-WORKER_AFTER = 1 << 25  # changed bytes (both sides) seen before the worker is forked: less is not worth a fork
+# GIL: measured), so where the pairs to compare come to WORKER_AFTER bytes or more, a copy of this process forked at
+# the first changed pair takes batches of pieces and reads and computes them itself, while this one compares bytes
+# and computes the rest. (Forked only once 32 MB of changed pairs had gone by, it left this process alone with them
+# for ~20 ms of a 1 GB full fine-tune; a fork that finds little to do costs ~1 ms.)
+WORKER_AFTER = 1 << 25  # bytes of pairs (both sides): fewer are not worth a fork
 BATCH = 1 << 24  # bytes (both sides) per message to the worker: a few ms of work against a ~0.1 ms round trip
+# Near the end a batch is at most an eighth of the pairs left (down to LAST_BATCH), so the two processes end
+# together: full batches left the worker up to IN_FLIGHT of them (~13 ms of arithmetic) once this one had none left
+LAST_BATCH = 1 << 21
 BATCH_PIECES = 256  # and at most this many pieces: answers stay far below a pipe's buffer, so the worker never
 # blocks writing one while this process blocks writing it the next batch
 IN_FLIGHT = 2  # batches queued at the worker: one in hand and one waiting, so it never idles on a round trip
@@ -138,27 +149,25 @@ def _piece_bytes(piece: tuple) -> int:
 
 class _Mapped:
     """Each file read once through the page cache: mapped where it is held still (readers/held.py: a file cut short
-    under a map would end the process with SIGBUS), else read by pread into one reused buffer a side. A mapped pair
-    is compared straight from the page cache (no copy), a piece at a time, and every WINDOW bytes read the file's
-    pages are dropped from this process (MADV_DONTNEED: they stay in the page cache, this process just stops
-    holding them), so memory does not grow with the files. `holder` takes the leases (in the main process); a
-    forked worker is given the paths its parent holds as `held`."""
+    under a map would end the process with SIGBUS), else read by pread into one reused buffer a side. A mapped pair's
+    bytes are compared straight from the page cache (no copy), a piece at a time, and every WINDOW bytes read the
+    file's pages are dropped from this process (MADV_DONTNEED: they stay in the page cache, this process just stops
+    holding them), so memory does not grow with the files. The arithmetic reads its pairs by pread (windows), mapped
+    or not. `holder` takes the leases (in the main process); a forked worker has none, and maps nothing."""
 
-    def __init__(self, holder: Any = None, held: frozenset[str] = frozenset()) -> None:
-        self.holder, self.held = holder, held
+    def __init__(self, holder: Any = None) -> None:
+        self.holder = holder
         self.maps: dict[str, Any] = {}  # path -> its mmap, or its file descriptor where it is read by pread
         self.read_since_drop: dict[str, int] = {}
         self.last_folios: dict[str, tuple[int, int]] = {}  # path -> the folios the last piece read of it lies in
         self.spans: dict[str, tuple[int, int]] = {}  # path -> (first byte, end) of what was read since the drop
         self.buffers: list[Any] = [None, None]  # side A's and side B's pread buffer
+        self.descriptors: dict[str, int] = {}  # path -> a descriptor the arithmetic reads it by (windows)
         self.memcmp = _memcmp()
         self.memcmp_at = _libc_memcmp()  # (address, address, bytes) -> 0 when equal; None without libc
         self.addresses: dict[str, int] = {}
         self.views: list[Any] = []
         self.ahead: _Ahead | None = None  # the chunks a child has compared, where there is one
-
-    def held_paths(self) -> frozenset[str]:
-        return frozenset(path for path, m in self.maps.items() if not isinstance(m, int))
 
     def _file(self, path: str, nbytes: int, offset: int | None = None) -> Any:
         """The map (or the descriptor) of `path`, about to have `nbytes` more of it read (at `offset`: then what
@@ -171,7 +180,7 @@ class _Mapped:
         mm = self.maps.get(path)
         if mm is None:
             fd = os.open(path, os.O_RDONLY)
-            if not (path in self.held or self.holder is not None and self.holder.hold(path)):
+            if not (self.holder is not None and self.holder.hold(path)):
                 self.maps[path] = fd
                 return fd
             try:
@@ -198,10 +207,9 @@ class _Mapped:
 
     def _folios(self, path: str, offset: int, nbytes: int) -> int:
         """Bytes of `path` a read of `nbytes` at `offset` maps: a fault maps a whole folio of the page cache (up
-        to FOLIO), so a piece of 100 KB can map 2 MB. Counted by its bytes, pieces far apart (the changed pairs
-        the worker is sent, one in eight of a file, say) mapped many times WINDOW between drops; counted by the
-        folios they lie in (less those the last piece already counted: neighbours share theirs), memory stays
-        near WINDOW a file."""
+        to FOLIO), so a piece of 100 KB can map 2 MB. Counted by its bytes, pieces far apart (one pair in eight of
+        a file, say) mapped many times WINDOW between drops; counted by the folios they lie in (less those the last
+        piece already counted: neighbours share theirs), memory stays near WINDOW a file."""
         first, last = offset // FOLIO, (offset + max(nbytes, 1) - 1) // FOLIO
         before_first, before_last = self.last_folios.get(path, (-1, -2))
         self.last_folios[path] = first, last
@@ -224,7 +232,9 @@ class _Mapped:
 
         buffer = self.buffers[side]
         if buffer is None or buffer.size < nbytes:
-            buffer = self.buffers[side] = np.empty(max(nbytes, 1 << 20), np.uint8)
+            size = max(nbytes, STAGE)  # on a cache line's boundary, as _scratch's rows: the widening reads it
+            raw = np.empty(size + 64, np.uint8)
+            buffer = self.buffers[side] = raw[-raw.ctypes.data % 64:][:size]
         view, done = buffer[:nbytes], 0
         while done < nbytes:
             got = os.preadv(fd, [view[done:]], offset + done)
@@ -249,7 +259,36 @@ class _Mapped:
         ma, mb = self._file(fa, count * code_a.itemsize, oa), self._file(fb, count * code_b.itemsize, ob)
         return self._array(ma, oa, code_a, count, 0), self._array(mb, ob, code_b, count, 1)
 
+    def windows(self, piece: tuple):
+        """(A's part, B's part) of a piece as flat NumPy arrays of their dtypes, STAGE bytes a side at a time (a
+        whole number of BLOCKs: _sums cuts the same blocks as from the whole piece), read by pread into this
+        side's buffer: each window is gone once the next is read."""
+        import numpy as np
+
+        fa, oa, da, fb, ob, db, count = piece
+        code_a, code_b = np.dtype(_NUMPY[da]), np.dtype(_NUMPY[db])
+        size_a, size_b = code_a.itemsize, code_b.itemsize
+        fd_a, fd_b = self._descriptor(fa), self._descriptor(fb)
+        step = max(STAGE // max(size_a, size_b) // BLOCK, 1) * BLOCK
+        for first in range(0, count, step):
+            n = min(step, count - first)
+            yield (self._read(fd_a, oa + first * size_a, n * size_a, 0).view(code_a),
+                   self._read(fd_b, ob + first * size_b, n * size_b, 1).view(code_b))
+
+    def _descriptor(self, path: str) -> int:
+        fd = self.descriptors.get(path)
+        if fd is None:
+            import os
+
+            fd = self.maps.get(path)
+            if not isinstance(fd, int):  # mapped (or not yet opened): a descriptor of its own, closed by close()
+                fd = os.open(path, os.O_RDONLY)
+            self.descriptors[path] = fd
+        return fd
+
     def same_bytes(self, ta: TensorRecord, tb: TensorRecord) -> bool:
+        import os
+
         if ta.dtype != tb.dtype:
             return False
         fa, fb = str(ta.storage.file), str(tb.storage.file)
@@ -271,6 +310,12 @@ class _Mapped:
             self._file(fb, nbytes, ob)
             return not (self.memcmp_at(at_a, at_b, head) or
                         self.memcmp_at(at_a + nbytes - tail, at_b + nbytes - tail, tail))
+        # A changed pair nearly always differs in its first bytes (a fine-tune moves every element): two small
+        # preads tell, where memcmp on the maps faulted in a folio of each (and dropped it later): the 1,000 pairs
+        # of a 1 GB full fine-tune took 29 ms here, 6-9 ms so. Not for pairs up to SMALL: neighbours that small
+        # share their folios, and two syscalls a pair cost 20,000 identical ones ~40 ms.
+        if nbytes > SMALL and os.pread(self._descriptor(fa), PROBE, oa) != os.pread(self._descriptor(fb), PROBE, ob):
+            return False
         for done in range(0, nbytes, WINDOW):
             n = min(WINDOW, nbytes - done)
             self._file(fa, n, oa + done)  # counts the window read, and drops what earlier windows faulted in
@@ -304,6 +349,9 @@ class _Mapped:
                 os.close(mm) if isinstance(mm, int) else mm.close()
             except BufferError:  # an array view still held by an exception's traceback: freed with it
                 pass
+        for fd in set(self.descriptors.values()) - {m for m in self.maps.values() if isinstance(m, int)}:
+            os.close(fd)
+        self.descriptors.clear()
         self.maps.clear()
 
 
@@ -506,31 +554,32 @@ def _widen(src: Any, bf16: bool, out: Any) -> None:
 
 
 def _piece_sums(mapped: _Mapped, piece: tuple, atol: float, rtol: float, scratch: Any) -> tuple:
-    return _sums([mapped.piece(piece)], (piece[2] == "bfloat16", piece[5] == "bfloat16"), atol, rtol, scratch)
+    return _sums(mapped.windows(piece), (piece[2] == "bfloat16", piece[5] == "bfloat16"), atol, rtol, scratch)
 
 
 class _Figures:
-    """The _sums of every changed pair's pieces, in this process or — once WORKER_AFTER changed bytes have gone by —
-    shared with one forked worker: while the worker has fewer than IN_FLIGHT batches, pieces are gathered into the
-    next batch for it; otherwise this process computes them itself, so both cores stay busy. Anything wrong with
-    the worker (it died, went silent, raised) only means its batches are computed here after all."""
+    """The _sums of every changed pair's pieces, in this process or — where the pairs still to compare come to
+    WORKER_AFTER bytes (`to_compare`, which the caller counts down) — shared with one worker, forked at the first
+    changed pair: while the worker has fewer than IN_FLIGHT batches, pieces are gathered into the next batch for it;
+    otherwise this process computes them itself, so both cores stay busy. Anything wrong with the worker (it died,
+    went silent, raised) only means its batches are computed here after all."""
 
-    def __init__(self, mapped: _Mapped, atol: float, rtol: float) -> None:
-        self.mapped, self.atol, self.rtol = mapped, atol, rtol
+    def __init__(self, mapped: _Mapped, atol: float, rtol: float, to_compare: int = 0) -> None:
+        self.mapped, self.atol, self.rtol, self.to_compare = mapped, atol, rtol, to_compare
         self.scratch = _scratch()
         self.sums: list[tuple | None] = []  # by piece number
         self.batch: list[tuple[int, tuple]] = []  # (piece number, piece) for the worker's next batch
-        self.batch_bytes = self.changed_bytes = 0
+        self.batch_bytes = 0
         self.worker: _Worker | None = None
         self.no_worker = False  # no fork here, or the worker failed: everything in this process from now on
 
     def add(self, ta: TensorRecord, tb: TensorRecord) -> PairStats | range:
         """The pair's figures if this process computed all its pieces now, else the numbers of its pieces, for
         stats() once finish() has run."""
-        self.changed_bytes += ta.nbytes + tb.nbytes
         if not self._worker_running():  # the usual case: every piece here, now
             return _stats([_piece_sums(self.mapped, p, self.atol, self.rtol, self.scratch) for p in _pieces(ta, tb)])
         first, queued = len(self.sums), False
+        batch = min(BATCH, max(self.to_compare // 8, LAST_BATCH))
         for piece in _pieces(ta, tb):
             number, size = len(self.sums), _piece_bytes(piece)
             self.sums.append(None)
@@ -538,7 +587,7 @@ class _Figures:
                 queued = True
                 self.batch.append((number, piece))
                 self.batch_bytes += size
-                if self.batch_bytes >= BATCH or len(self.batch) >= BATCH_PIECES:
+                if self.batch_bytes >= batch or len(self.batch) >= BATCH_PIECES:
                     self._send()
             else:
                 self.sums[number] = _piece_sums(self.mapped, piece, self.atol, self.rtol, self.scratch)
@@ -562,11 +611,11 @@ class _Figures:
             self.worker = None
 
     def _worker_running(self) -> bool:
-        """Whether there is a worker, forking it once WORKER_AFTER changed bytes have gone by."""
-        if self.worker is None and not self.no_worker and self.changed_bytes >= WORKER_AFTER:
+        """Whether there is a worker, forking it (at the first changed pair) where there is enough to compare."""
+        if self.worker is None and not self.no_worker and self.to_compare >= WORKER_AFTER:
             self.no_worker = not _can_fork()
             try:
-                self.worker = None if self.no_worker else _Worker(self.atol, self.rtol, self.mapped.held_paths())
+                self.worker = None if self.no_worker else _Worker(self.atol, self.rtol)
             except OSError:  # no processes or pipes left
                 self.no_worker = True
         return self.worker is not None
@@ -775,13 +824,12 @@ class _WorkerFailed(Exception):
 
 class _Worker:
     """A forked copy of this process that answers batches of pieces with their _sums, in order, over two pipes
-    (length-prefixed pickles). It maps the files itself: those the parent held still when it forked (`held`: as
-    _Ahead, the worker is killed before their leases are let go of), by pread the others (a map's speed matters
-    here: pread copied each piece out of the page cache and the arithmetic read the copy back from memory, a
-    third more CPU time in the worker for a full fine-tune). It ignores Ctrl-C (the parent handles it and closes
-    the pipe), exits when the pipe closes or it is killed, and never returns into the caller's code."""
+    (length-prefixed pickles). It reads the files itself, by pread, as this process's arithmetic does
+    (_Mapped.windows: a file cut short then is a short read, never SIGBUS, so it needs no lease). It ignores Ctrl-C
+    (the parent handles it and closes the pipe), exits when the pipe closes or it is killed, and never returns into
+    the caller's code."""
 
-    def __init__(self, atol: float, rtol: float, held: frozenset[str] = frozenset()) -> None:
+    def __init__(self, atol: float, rtol: float) -> None:
         import os
 
         fds: list[int] = []
@@ -803,7 +851,7 @@ class _Worker:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 os.close(task_w)
                 os.close(answer_r)
-                _serve(task_r, answer_w, atol, rtol, held)
+                _serve(task_r, answer_w, atol, rtol)
                 code = 0
             finally:
                 os._exit(code)  # no atexit handlers, no flushing the parent's buffered output twice
@@ -852,9 +900,9 @@ class _Worker:
             pass
 
 
-def _serve(task_r: int, answer_w: int, atol: float, rtol: float, held: frozenset[str]) -> None:
+def _serve(task_r: int, answer_w: int, atol: float, rtol: float) -> None:
     """The worker's loop: a batch of pieces in, their sums out (None if anything went wrong), until EOF."""
-    mapped, scratch = _Mapped(held=held), _scratch()
+    mapped, scratch = _Mapped(), _scratch()
     while True:
         try:
             batch = _read_message(task_r)
@@ -954,7 +1002,9 @@ def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, tran
     with one_blas_thread():
         mapped = _Mapped(holder)
         mapped.ahead = ahead
-        figures = _Figures(mapped, atol, rtol)
+        pairs = ((a_tensors.get(a_key), b_tensors.get(b_key)) for a_key, b_key in mapping.items())
+        to_compare = sum(ta.nbytes + tb.nbytes for ta, tb in pairs if ta is not None and tb is not None)
+        figures = _Figures(mapped, atol, rtol, to_compare)
         pending: dict[int, range] = {}  # row → its pieces, for pairs whose figures are still being computed
         try:
             for i, (a_key, b_key) in enumerate(mapping.items()):
@@ -966,6 +1016,7 @@ def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, tran
                     continue
                 done.add(b_key)
                 row, pieces = _pair(b_key, a_key, ta, tb, atol, rtol, load_tensor, mapped, figures)
+                figures.to_compare -= ta.nbytes + tb.nbytes
                 if pieces is not None:
                     pending[len(rows)] = pieces
                 rows.append(row)

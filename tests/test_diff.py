@@ -248,26 +248,51 @@ def test_the_worker_process_gives_exactly_the_figures_computed_here(tmp_path, mo
     assert _figures(unheld) == _figures(alone)
 
 
-def _dies(task_r, answer_w, atol, rtol, held):
+def test_a_pair_read_a_few_blocks_at_a_time_gives_the_figures_of_one_read(tmp_path, monkeypatch):
+    """The arithmetic reads a pair STAGE bytes a side at a time, a whole number of float64 blocks each, so the
+    blocks summed are those of the pair read whole and the figures the same bit for bit, whatever STAGE is: sides
+    of one width and of two (float32 against float64, float16 against float32), NaN and inf among them."""
+    import ckpt_doctor.diff as D
+
+    torch.manual_seed(3)
+    x = torch.randn(5000) * 10
+    x[17], x[4000] = float("nan"), float("inf")
+    a = {"f32": x, "f16": x[:3001].half(), "widened": x[:4321].clone(), "narrowed": x[:2345].double()}
+    b = {"f32": x * 1.01, "f16": (x[:3001] * 1.01).half(), "widened": (x[:4321] * 1.01).double(),
+         "narrowed": (x[:2345] * 1.01).float()}
+    pa, pb = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save(a, pa)
+    torch.save(b, pb)
+    monkeypatch.setattr(D, "BLOCK", 100)
+    monkeypatch.setattr(D, "WORKER_AFTER", 1 << 62)
+    monkeypatch.setattr(D, "STAGE", 1 << 30)  # every piece in one read
+    whole = _figures(D.diff_checkpoints(pa, pb, atol=1e-3, rtol=0.02))
+    assert sum(r[1] in ("changed", "close") for r in whole) == 4
+    for stage in (1, 700, 4096):  # under one block a read, a block and a part, a few blocks
+        monkeypatch.setattr(D, "STAGE", stage)
+        assert _figures(D.diff_checkpoints(pa, pb, atol=1e-3, rtol=0.02)) == whole, stage
+
+
+def _dies(task_r, answer_w, atol, rtol):
     import os
 
     os._exit(3)
 
 
-def _raises(task_r, answer_w, atol, rtol, held):
+def _raises(task_r, answer_w, atol, rtol):
     import ckpt_doctor.diff as D
 
     D._read_message(task_r)
     D._write_message(answer_w, None)  # what the worker answers when computing a batch raised
 
 
-def _garbles(task_r, answer_w, atol, rtol, held):
+def _garbles(task_r, answer_w, atol, rtol):
     import os
 
     os.write(answer_w, (5).to_bytes(8, "little") + b"\x80junk")
 
 
-def _hangs(task_r, answer_w, atol, rtol, held):
+def _hangs(task_r, answer_w, atol, rtol):
     import time
 
     time.sleep(600)
