@@ -100,6 +100,19 @@ def tensor_record(path: Path, key: str, raw: RawTensor) -> TensorRecord:
     return record
 
 
+def _span(shape: tuple, stride: tuple, spans: dict[tuple[int, int], int | None]) -> int | None:
+    """span_elements of a shape and stride, kept in `spans` by their ids: the one-pass reader hands out one tuple
+    for each distinct shape (a checkpoint repeats a few). By id, not value: a file chooses the hashes of its tuples
+    of ints. (The ids stay theirs: every tuple is held by its tensor while the table is made.)"""
+    layout = (id(shape), id(stride))
+    span = spans.get(layout, -1)
+    if span == -1:
+        span = span_elements(shape, stride)
+        if len(spans) < 4096:
+            spans[layout] = span
+    return span
+
+
 def _column_table(raws: list[tuple[str, RawTensor]]) -> TensorTable | None:
     """tensor_table of tensors whose storages are all of one StorageColumns (resolve_columns): their positions in
     it taken, no StorageRecord made. None when one is not so, or may read past its storage (tensor_table's loop then
@@ -108,7 +121,7 @@ def _column_table(raws: list[tuple[str, RawTensor]]) -> TensorTable | None:
     sizes, slot, column_ref = ELEMENT_SIZE, _RESOLVED.__get__, ColumnRef
     columns: StorageColumns | None = None
     nbytes: list[int] = []
-    spans: dict[tuple[int, int], int | None] = {}  # by the ids of shape and stride, as in tensor_table
+    spans: dict[tuple[int, int], int | None] = {}  # (_span)
     last: tuple = (None, None, None)
     for key, raw in raws:
         ref = raw.storage
@@ -129,12 +142,7 @@ def _column_table(raws: list[tuple[str, RawTensor]]) -> TensorTable | None:
             if len(shape) == 1 and len(stride) == 1 and shape[0] > 0 and stride[0] >= 0:
                 span = (shape[0] - 1) * stride[0] + 1
             else:
-                layout = (id(shape), id(stride))
-                span = spans.get(layout, -1)
-                if span == -1:
-                    span = span_elements(shape, stride)
-                    if len(spans) < 4096:
-                        spans[layout] = span
+                span = _span(shape, stride, spans)
             last = (shape, stride, span)
         if span is None or span and (raw.offset + span) * sizes[raw.dtype] > nbytes[i]:
             return None
@@ -162,9 +170,7 @@ def tensor_table(path: Path, raws: list[tuple[str, RawTensor]]) -> TensorTable:
         return table
     keys, dtypes, shapes, strides, offsets, storages, devices, grads, params = ([] for _ in range(9))
     sizes = ELEMENT_SIZE
-    # span_elements by the ids of shape and stride: the one-pass reader hands out one tuple for each distinct
-    # shape (a checkpoint repeats a few). By id, not value: a file chooses the hashes of its tuples of ints.
-    spans: dict[tuple[int, int], int | None] = {}
+    spans: dict[tuple[int, int], int | None] = {}  # (_span)
     last: tuple = (None, None, None)  # the last shape and stride looked up, and their span (neighbours share them)
     for key, raw in raws:
         ref = raw.storage
@@ -182,12 +188,7 @@ def tensor_table(path: Path, raws: list[tuple[str, RawTensor]]) -> TensorTable:
             elif shape is last[0] and stride is last[1]:
                 span = last[2]
             else:
-                layout = (id(shape), id(stride))
-                span = spans.get(layout, -1)
-                if span == -1:
-                    span = span_elements(shape, stride)  # None: shape and stride are malformed; 0: no elements
-                    if len(spans) < 4096:
-                        spans[layout] = span
+                span = _span(shape, stride, spans)  # None: shape and stride are malformed; 0: no elements
                 last = (shape, stride, span)
             if span is None or span and (raw.offset + span) * sizes[raw.dtype] > storage.nbytes:
                 raise ReadError(f"{path}: tensor {key or '(the root object)'} ({list(raw.shape)}, {raw.dtype}) reads "

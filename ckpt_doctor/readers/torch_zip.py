@@ -161,7 +161,6 @@ def read_torch_zip(path: Path, survey: Survey) -> Checkpoint:
     return ckpt
 
 
-
 def _resolve_all(refs: list[StorageRef], index: ZipIndex, prefix: str, path: Path, base: str) -> list[str] | None:
     """What resolve() does for each of `refs`, a column at a time: their members found at once, checked at once,
     held as StorageColumns (a StorageRecord made for one only when asked for); returns the members longer than

@@ -443,8 +443,8 @@ class _Reader:
             if not found:
                 return None
             columns = (end, keys, *zip(*map(_groups, found, repeat(b""))))
-        (end, keys, put_key, head_gets, skey_size, skey, put_skey, get_location, numel, put_pid, offset, shape, put_shape,
-         stride, put_stride, grad, get_ordered, put_hooks, put_args, put_tensor) = columns
+        (end, keys, put_key, head_gets, skey_size, skey, put_skey, get_location, numel, put_pid, offset, shape,
+         put_shape, stride, put_stride, grad, get_ordered, put_hooks, put_args, put_tensor) = columns
         n = len(keys)
         if n < _FEW:
             return None  # read faster by the loop: what is done here once a run costs more than a few items do
@@ -486,7 +486,8 @@ class _Reader:
         ops += 28 * n + sum(map(len, shapes)) + sum(map(len, strides)) - shapes.count(()) - strides.count(())
         every = all(put_shape) and all(put_stride)  # the common case: every item's eight entries
         puts = (put_key, put_skey, put_pid, put_shape, put_stride, put_hooks, put_args, put_tensor)
-        blob = b"" if every else b"".join(chain.from_iterable(zip(*puts)))
+        # (a shape's or stride's PUT, which an empty tuple goes without: b"" from the loop's groups, None from a split)
+        blob = b"" if every else b"".join(filter(None, chain.from_iterable(zip(*puts))))
         if ops > self.max_ops or len(memo) + (8 * n if every else len(blob) // 4) > self.max_memo - 8:
             return None  # past the walk's bounds somewhere in the run: the loop finds the item
         if every and not _numbered(len(memo), puts):
@@ -567,9 +568,6 @@ class _Reader:
         if b"".join(sizes) != bytes(map(len, keys)):
             self.window = _WINDOW
             return None
-        for at in (10, 12):  # a shape's and a stride's PUT, which an empty tuple goes without: b"" as groups() gives
-            if None in columns[at]:
-                columns[at] = [put or b"" for put in columns[at]]
         if pos != self.streak[1]:  # runs end to end are one (a batch that took several stretches)
             self.streak = (pos, end)
         self.streak = (self.streak[0], end)
@@ -698,7 +696,6 @@ def _template_gets(head: bytes, location: bytes, ordered: bytes, memo: list) -> 
 
 
 _groups = re.Match.groups
-
 
 
 def _fetched(value: object) -> object:
