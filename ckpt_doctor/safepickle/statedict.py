@@ -91,6 +91,8 @@ _ITEM = re.compile(_PUT + b"(" + _GET + rb"\(\(" + _GET + _GET + rb")X(.)\x00\x0
 _KEYED = re.compile(rb"(X(.)\x00\x00\x00([\x20-\x7e]{1,255})" + _ITEM.pattern + b")", re.DOTALL)
 _STRIDE = _KEYED.groups + 1  # re.split's parts a match: the bytes before it, then its groups
 _WINDOW = 512  # bytes _keyed_run splits at first, and after a run that was not one (about four items)
+_ITEM_BYTES = 512  # more than a keyed item can span (a 255-byte key and the template's ~150): a stretch's last bytes
+# fewer than this may be an item the stretch cut short
 _UINT32 = "I" if struct.calcsize("I") == 4 else None  # a 4-byte int's code, for _numbered's memoryview
 _MAX_RUN = 4096  # the most items _Reader._run reads at once
 _FEW = 4  # runs of fewer items are left to _Reader._items' loop (a dict whose tensors alternate with other values)
@@ -568,13 +570,12 @@ class _Reader:
         if b"".join(sizes) != bytes(map(len, keys)):
             self.window = _WINDOW
             return None
-        if pos != self.streak[1]:  # runs end to end are one (a batch that took several stretches)
-            self.streak = (pos, end)
-        self.streak = (self.streak[0], end)
+        # runs end to end are one streak (a batch that took several stretches)
+        self.streak = (self.streak[0] if pos == self.streak[1] else pos, end)
         # twice as long where the run ran to the stretch's end; as long as this run where it stopped at _MAX_RUN (the
         # next run, from its end, is no longer: the streak's length would be split again for every run of a long
         # batch, quadratic); else as long as the streak of runs it ended, and some
-        self.window = min(2 * window, 1 << 22) if n == count and len(parts[-1]) < 512 \
+        self.window = min(2 * window, 1 << 22) if n == count and len(parts[-1]) < _ITEM_BYTES \
             else max(_WINDOW, (end - (pos if n == _MAX_RUN else self.streak[0])) * 9 // 8 + 64)
         return (end, keys, *columns)
 
