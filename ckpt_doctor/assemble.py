@@ -62,7 +62,8 @@ def coverage_problem(assembly: Assembly) -> str | None:
         total = 0
         for p in pieces:
             if len(p.offsets) != rank or len(p.sizes) != rank or len(p.stride) != rank:
-                return f"a chunk of rank {len(p.sizes)} in a tensor of rank {rank} ({p.label})"
+                return f"a chunk whose offsets {list(p.offsets)} and sizes {list(p.sizes)} are not both of the " \
+                       f"tensor's rank, {rank} ({p.label})"
             if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(p.offsets, p.sizes, grid)):
                 return f"chunk at {list(p.offsets)} of size {list(p.sizes)} lies outside the shape {list(grid)} " \
                        f"({p.label})"

@@ -18,10 +18,11 @@ from tests.conftest import run_cli
 
 
 def _folder(root: Path, n: int, bad: int, offset: int | None = None, length: int | None = None,
-            value: tuple[int, int] | None = None) -> Path:
+            value: tuple[int, int] | None = None, flat: bool = False) -> Path:
     """One float32 tensor `w` of `n` rows, a row a chunk, its items back to back in one file, with torch's own
     metadata classes; the storage entry of row `bad` says `offset` / `length` instead of the item's own. `value`:
-    a value (BytesStorageMetadata) `v` stored at (offset, length) too."""
+    a value (BytesStorageMetadata) `v` stored at (offset, length) too. `flat`: row `bad` is listed (and stored) at
+    the one-dimensional offset [bad], not [bad, 0], in a tensor of two dimensions."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -40,11 +41,11 @@ def _folder(root: Path, n: int, bad: int, offset: int | None = None, length: int
     for r, archive in enumerate(archives):
         where = (offset if offset is not None else at, length if length is not None else len(archive)) \
             if r == bad else (at, len(archive))
-        storage[MetadataIndex("w", [r, 0], 0)] = _StorageInfo("__0_0.distcp", *where)
+        storage[MetadataIndex("w", [r] if flat and r == bad else [r, 0], 0)] = _StorageInfo("__0_0.distcp", *where)
         at += len(archive)
     (root / "__0_0.distcp").write_bytes(b"".join(archives))
     sdm = {"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([n, 2]), [
-        ChunkStorageMetadata(torch.Size([r, 0]), torch.Size([1, 2])) for r in range(n)])}
+        ChunkStorageMetadata(torch.Size([r] if flat and r == bad else [r, 0]), torch.Size([1, 2])) for r in range(n)])}
     if value is not None:
         storage[MetadataIndex("v")] = _StorageInfo("__0_0.distcp", *value)
         sdm["v"] = BytesStorageMetadata()
@@ -80,3 +81,17 @@ def test_a_value_entry_whose_end_overflows_int64_is_refused_clearly(tmp_path, n,
     assert got.exit_code == 2
     assert "Invalid argument" not in got.stderr and "internal error" not in got.stderr, got.stderr
     assert "the file is truncated" in got.stderr, got.stderr
+
+
+@pytest.mark.parametrize("n", [40, dcp_items.BULK_MIN + 4])
+def test_a_chunk_of_another_rank_than_its_tensor_is_named(tmp_path, n):
+    """A chunk listed (and stored) at a one-dimensional offset in a two-dimensional tensor: the folder is refused in
+    one line that names the chunk, by inspect and fix alike (the layout's words once indexed its offsets by the
+    tensor's dimensions first: an internal error)."""
+    folder = _folder(tmp_path / "ckpt", n, n // 2, flat=True)
+    for args in (("inspect", folder), ("inspect", folder, "--json"), ("fix", folder, "-o", tmp_path / "out.pt")):
+        got = run_cli(*args)
+        assert got.exit_code == 2, got.stderr
+        assert "internal error" not in got.stderr and len(got.stderr.strip().splitlines()) == 1, got.stderr
+        assert f"a chunk whose offsets [{n // 2}] and sizes [1, 2] are not both of the tensor's rank, 2" in got.stderr
+    assert not (tmp_path / "out.pt").exists()

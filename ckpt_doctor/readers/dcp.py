@@ -399,20 +399,31 @@ def _recognized(path: Path, policy: Policy) -> Any:
 
 
 def _layout(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
-    """How the chunks split the tensor, in words: `whole`, `Shard(0) 2 ways [4, 3]`, `2-D split 4 ways`."""
-    if len(chunks) <= 1:
+    """How the chunks split the tensor, in words: `whole`, `Shard(0) 2 ways [4, 3]`, `2-D split 4 ways`. Column by
+    column (a tensor of a 1,000,000-chunk folder has hundreds). Chunks not of the tensor's rank are only counted
+    here: the coverage check names them, and the read fails."""
+    n = len(chunks)
+    if n <= 1:
         return "whole (one chunk)"
-    dims = [d for d in range(len(size)) if len({c[0][d] for c in chunks}) > 1]
-    empty = sum(1 for c in chunks if 0 in c[1])
+    rank = len(size)
+    offsets, sizes = list(map(itemgetter(0), chunks)), list(map(itemgetter(1), chunks))
+    if set(map(len, offsets)) != {rank} or set(map(len, sizes)) != {rank}:
+        return f"{n} chunks, not all of the tensor's rank"
+    columns = list(zip(*offsets))
+    dims = [d for d, column in enumerate(columns) if column.count(column[0]) != n]
+    # chunks with a dimension of 0 (counted where a dimension has one)
+    empty = n - sum(map(all, sizes)) if any(0 in extents for extents in zip(*sizes)) else 0
     tail = f", {empty} empty" if empty else ""
     if len(dims) == 1:
         d = dims[0]
-        parts = [c[1][d] for c in sorted(chunks, key=lambda c: c[0][d])]
-        uneven = " uneven" if len(set(p for p in parts if p)) > 1 or empty else ""
-        return f"Shard({d}) {len(chunks)} ways{uneven} {parts}{tail}"
+        parts, column = list(map(itemgetter(d), sizes)), list(columns[d])
+        if sorted(column) != column:  # by offset (stable: chunks at one offset as listed)
+            parts = [parts[i] for i in sorted(range(n), key=column.__getitem__)]
+        uneven = " uneven" if len(set(parts) - {0}) > 1 or empty else ""
+        return f"Shard({d}) {n} ways{uneven} {parts}{tail}"
     if not dims:
-        return f"{len(chunks)} chunks{tail}"
-    return f"{len(dims)}-D split on dims {dims}, {len(chunks)} chunks{tail}"
+        return f"{n} chunks{tail}"
+    return f"{len(dims)}-D split on dims {dims}, {n} chunks{tail}"
 
 
 def set_element(root: dict, path: tuple, value: Any, limit: int) -> None:
