@@ -199,6 +199,14 @@ def fix_line(path: str, flags: Sequence[str], promise: Promise, why: str = "", t
     return Suggestion(("fix", shell_path(path), "-o", output_beside(path, tag), *flags), promise, why, tuple(model))
 
 
+def has_fix_line(comparison: object) -> bool:
+    """Whether a comparison gets a fix line: something makes it load (or it loads as it is, and the line writes the
+    part to load), so that the verdict can point at that line."""
+    c = comparison
+    return not (c.fix_kind == "none" and not c.strict_ok  # type: ignore[attr-defined]
+                and not getattr(c, "only_beside", False))
+
+
 def fix_suggestions(path: str, comparison: object, dangerous: bool = False) -> list[tuple[str, Suggestion]]:
     """The fix line of a comparison — its inferred flags, the model (so that `fix` checks its output against it
     before writing), --map-location cpu where the file holds devices this machine lacks — and, for a mapping by
@@ -206,7 +214,7 @@ def fix_suggestions(path: str, comparison: object, dangerous: bool = False) -> l
 
     c = comparison
     kind = c.fix_kind  # type: ignore[attr-defined]
-    if kind == "none" and not c.strict_ok and not getattr(c, "only_beside", False):  # type: ignore[attr-defined]
+    if not has_fix_line(c):
         return []  # nothing found that makes it load: no line to promise it (leaving out the entries of no tensor does)
     flags = list(c.suggested_fix)  # type: ignore[attr-defined]
     if dangerous:

@@ -319,6 +319,16 @@ def test_whole_model_pickle_verdict_says_it_needs_code(scenarios):
     assert [s["label"] for s in data.json()["suggested_commands"]] == ["fix"]
 
 
+def test_a_whole_model_that_fits_points_at_its_fix_line(scenarios):
+    """Its keys fit as they are (no flag to infer), so the rescue is the fix line alone: the verdict points there,
+    not at a torch.load line that holds no command."""
+    case = scenarios["whole.pt"]
+    table = run_cli("inspect", case["path"], "--model", case["model"])
+    lines = dict(line.split(None, 1) for line in table.stderr.splitlines() if line.startswith(("verdict", "fix ")))
+    assert "rescued by the fix line" in lines["verdict"], lines["verdict"]
+    assert printed_commands(lines["fix"])
+
+
 def test_a_whole_model_no_fix_fits_still_gets_its_rescue(scenarios):
     """No fix makes it load into this model; the safety line's way out is printed all the same, and the verdict
     points at it."""
