@@ -19,7 +19,8 @@ class Promise(str, enum.Enum):
     # Where a Suggestion's `safe_globals` names globals (the user's --allow-global), "torch.load(weights_only=True)"
     # below is within torch.serialization.safe_globals([...]) of them.
     LOADS = "loads"  # exits 0; its output loads with torch.load(weights_only=True) and strictly into its --model
-    WRITES = "writes"  # exits 0 and writes its output, which torch.load(weights_only=True) loads
+    # exits 0 and writes its output, which torch.load(weights_only=True) loads (a .safetensors one: load_file)
+    WRITES = "writes"
     SHOWS = "shows"  # exits 0 and shows what it says (a dry run, a listing); writes nothing
 
 
@@ -188,9 +189,10 @@ def rerun_argv(argv: Sequence[str], add: Sequence[str] = (), remove: Sequence[st
     return out + list(add)
 
 
-def consolidate(folder: str | os.PathLike[str]) -> str:
+def consolidate(folder: str | os.PathLike[str]) -> Suggestion:
     """The command that writes a distributed checkpoint's folder (DCP, DeepSpeed) as one file of whole tensors."""
-    return command_line(("fix", shell_path(folder), "-o", output_beside(folder, "consolidated", ".safetensors")))
+    return Suggestion(("fix", shell_path(folder), "-o", output_beside(folder, "consolidated", ".safetensors")),
+                      Promise.WRITES, "writes the folder's whole tensors as one file")
 
 
 def fix_line(path: str, flags: Sequence[str], promise: Promise, why: str = "", tag: str = "fixed",

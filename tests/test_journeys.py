@@ -329,6 +329,18 @@ def test_a_whole_model_that_fits_points_at_its_fix_line(scenarios):
     assert printed_commands(lines["fix"])
 
 
+def test_a_tar_checkpoint_s_rewrite_is_listed_and_runs_as_printed(tmp_path):
+    """The rewrite the note of a pre-0.4 tar file prints is in `suggested_commands`, and keeps its promise."""
+    from tests.payloads import tar_checkpoint
+
+    path = tmp_path / "old model.pt"
+    path.write_bytes(tar_checkpoint({"w": [1.0, 2.0], "b": [3.0]}))
+    printed = printed_commands(run_cli("inspect", path).stderr)
+    listed = run_cli("inspect", path, "--json").json()["suggested_commands"]
+    assert [s["command"] for s in listed] == printed and len(printed) == 1, (printed, listed)
+    check_promise(printed[0], listed[0]["promise"], None, path)
+
+
 def test_a_whole_model_no_fix_fits_still_gets_its_rescue(scenarios):
     """No fix makes it load into this model; the safety line's way out is printed all the same, and the verdict
     points at it."""
