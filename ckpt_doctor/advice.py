@@ -19,7 +19,8 @@ class Promise(str, enum.Enum):
     # Where a Suggestion's `safe_globals` names globals (the user's --allow-global), "torch.load(weights_only=True)"
     # below is within torch.serialization.safe_globals([...]) of them.
     LOADS = "loads"  # exits 0; its output loads with torch.load(weights_only=True) and strictly into its --model
-    WRITES = "writes"  # exits 0 and writes its output, which torch.load(weights_only=True) loads
+    # exits 0 and writes its output, which torch.load(weights_only=True) loads (a .safetensors one: load_file)
+    WRITES = "writes"
     SHOWS = "shows"  # exits 0 and shows what it says (a dry run, a listing); writes nothing
 
 
@@ -188,15 +189,24 @@ def rerun_argv(argv: Sequence[str], add: Sequence[str] = (), remove: Sequence[st
     return out + list(add)
 
 
-def consolidate(folder: str | os.PathLike[str]) -> str:
+def consolidate(folder: str | os.PathLike[str]) -> Suggestion:
     """The command that writes a distributed checkpoint's folder (DCP, DeepSpeed) as one file of whole tensors."""
-    return command_line(("fix", shell_path(folder), "-o", output_beside(folder, "consolidated", ".safetensors")))
+    return Suggestion(("fix", shell_path(folder), "-o", output_beside(folder, "consolidated", ".safetensors")),
+                      Promise.WRITES, "writes the folder's whole tensors as one file")
 
 
 def fix_line(path: str, flags: Sequence[str], promise: Promise, why: str = "", tag: str = "fixed",
              model: Sequence[str] = ()) -> Suggestion:
     """`ckpt-doctor fix PATH -o PATH_TAG.pt FLAGS…`: the output beside the input under a name not taken yet."""
     return Suggestion(("fix", shell_path(path), "-o", output_beside(path, tag), *flags), promise, why, tuple(model))
+
+
+def has_fix_line(comparison: object) -> bool:
+    """Whether a comparison gets a fix line: something makes it load (or it loads as it is, and the line writes the
+    part to load), so that the verdict can point at that line."""
+    c = comparison
+    return not (c.fix_kind == "none" and not c.strict_ok  # type: ignore[attr-defined]
+                and not getattr(c, "only_beside", False))
 
 
 def fix_suggestions(path: str, comparison: object, dangerous: bool = False) -> list[tuple[str, Suggestion]]:
@@ -206,7 +216,7 @@ def fix_suggestions(path: str, comparison: object, dangerous: bool = False) -> l
 
     c = comparison
     kind = c.fix_kind  # type: ignore[attr-defined]
-    if kind == "none" and not c.strict_ok and not getattr(c, "only_beside", False):  # type: ignore[attr-defined]
+    if not has_fix_line(c):
         return []  # nothing found that makes it load: no line to promise it (leaving out the entries of no tensor does)
     flags = list(c.suggested_fix)  # type: ignore[attr-defined]
     if dangerous:

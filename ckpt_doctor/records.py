@@ -577,6 +577,7 @@ class Checkpoint:
     layouts: dict[str, str] = field(default_factory=dict)  # key -> how a distributed checkpoint holds it
     distributed: DcpFolder | DeepSpeedFolder | DistributedShard | None = None  # what a distributed checkpoint is
     longer_storages: tuple[str, ...] = ()  # zip members longer than their storage, whose size torch.load refuses
+    advice: tuple[tuple[str, Any], ...] = ()  # (what for, advice.Suggestion): the commands its notes print
 
     @property
     def unsafe_globals(self) -> tuple[GlobalRef, ...]:

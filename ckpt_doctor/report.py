@@ -150,7 +150,8 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
         stats=table_stats, batchnorm_at_init=tuple(bn), filter=filter, comparison=comparison,
         model_shapes=model_shapes, value_diffs=diffs, missing_devices=tuple(missing_devices(ckpt.devices)),
         default_load=loads, require_default_load=require_default_load,
-        suggestions=tuple(_suggestions(ckpt, comparison, loads, str(path) if folder else str(ckpt.path), policy)))
+        suggestions=(*_suggestions(ckpt, comparison, loads, str(path) if folder else str(ckpt.path), policy),
+                     *ckpt.advice))
 
 
 def _suggestions(ckpt: Checkpoint, comparison: Any, loads: DefaultLoad,

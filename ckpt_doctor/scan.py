@@ -39,6 +39,7 @@ class FileScan:
     link: str | None = None  # where the symlink at `path` points
     default_load: DefaultLoad | None = None  # what torch.load(path) with torch's defaults does here (when read)
     rescue: Suggestion | None = None  # the `fix` that writes a file torch.load loads with its defaults, when needed
+    advice: tuple[tuple[str, Suggestion], ...] = ()  # the commands its notes print (Checkpoint.advice)
 
     @property
     def findings(self) -> tuple[GlobalRef, ...]:
@@ -117,11 +118,11 @@ def scan_one(path: Path, *, in_folder: bool = False, taken: set[str] | None = No
         survey = survey_file(path, policy=policy)
     except CkptDoctorError as exc:
         return FileScan(path, None, None, (), error=str(exc), link=link)
-    fmt, error, loads, fix = None, None, None, None
+    fmt, error, loads, fix, advice = None, None, None, None, ()
     try:
         ckpt = read_file(path, survey)
         fmt = ckpt.format.value
-        globals_, hazards, notes = ckpt.globals, ckpt.hazards, ckpt.notes
+        globals_, hazards, notes, advice = ckpt.globals, ckpt.hazards, ckpt.notes, ckpt.advice
         loads = default_load(ckpt)
         if not loads.ok or ckpt.verdict is not Verdict.SAFE:
             from .fix.rescue import rescue  # the fix planner: only for a file torch.load refuses
@@ -133,7 +134,7 @@ def scan_one(path: Path, *, in_folder: bool = False, taken: set[str] | None = No
         error = str(exc)
         globals_, hazards, notes = tuple(survey.globals), tuple(survey.hazards), tuple(survey.notes)
     return FileScan(path, survey.container.value, fmt, tuple(_dedupe(globals_)), tuple(hazards), error,
-                    tuple(dict.fromkeys(notes)), link, loads, fix)
+                    tuple(dict.fromkeys(notes)), link, loads, fix, advice)
 
 
 def is_skipped(exc: CkptDoctorError, survey: Survey, path: Path) -> bool:

@@ -4,6 +4,7 @@ consolidated bitwise equal to the state every rank saw (and to dcp_to_torch_save
 
 from __future__ import annotations
 
+import shlex
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from tests.conftest import run_cli
 from tests.dcp_samples import Net, load_into_fsdp2, write_samples
 from tests.payloads import os_system_pickle
+from tests.test_journeys import COMMAND
 
 NET = "tests/dcp_samples.py:Net"
 
@@ -209,6 +211,26 @@ def test_a_lone_shard_names_its_folder_and_fix_refuses_it(samples, tmp_path):
     assert refused.exit_code == 2 and f"ckpt-doctor fix {samples / 'fsdp2'}" in refused.stderr and not out.exists()
     scan = run_cli("scan", samples / "dtensors")
     assert scan.exit_code == 0, scan.stdout + scan.stderr
+
+
+def test_a_lone_shard_s_command_is_listed_in_the_json_and_runs_as_printed(samples, tmp_path):
+    """The command a shard's note prints is in `suggested_commands` (the JSON lists what the summary prints, for
+    inspect and for scan) and, run as printed, writes the folder's whole tensors."""
+    folder = tmp_path / "run 1"
+    shutil.copytree(samples / "fsdp2", folder)
+    shard = folder / "__0_0.distcp"
+    for verb in ("inspect", "scan"):
+        printed = COMMAND.findall(run_cli(verb, shard).stderr)
+        data = run_cli(verb, shard, "--json").json()
+        listed = data["suggested_commands"] if verb == "inspect" else data["files"][0]["suggested_commands"]
+        assert [s["command"] for s in listed] == printed and len(printed) == 1, (verb, printed, listed)
+        assert listed[0]["promise"] == "writes"
+    argv = shlex.split(printed[0])
+    assert run_cli(*argv[1:]).exit_code == 0
+    from safetensors.torch import load_file
+
+    state = load_file(argv[argv.index("-o") + 1])
+    assert_same_tree(dict(state), dict(torch.load(samples / "fsdp2.full.pt", weights_only=True)["model"]))
 
 
 def test_scan_reads_a_folders_metadata_once_for_all_its_shards(samples, tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ refused with the file to use named."""
 
 from __future__ import annotations
 
+import shlex
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from tests.conftest import run_cli
 pytest.importorskip("deepspeed", reason="DeepSpeed writes the samples (it is in the test extra)")
 
 from tests.deepspeed_samples import VARIANTS, TiedNet, write_samples  # noqa: E402
+from tests.test_journeys import COMMAND  # noqa: E402
 
 NET = "tests/deepspeed_samples.py:TiedNet"
 NAMES = [name for name, _, _ in VARIANTS]
@@ -131,6 +133,33 @@ def test_a_lone_rank_file_is_refused_with_the_folder_named(samples, tmp_path):
     assert refused.exit_code == 2 and f"ckpt-doctor fix {samples / 'z3'}" in refused.stderr and not out.exists()
     scan = run_cli("scan", samples / "z3")
     assert scan.exit_code == 0, scan.stdout + scan.stderr
+
+
+def test_a_rank_file_s_commands_are_listed_in_the_json_and_run_as_printed(samples, tmp_path):
+    """The commands a rank file's note prints are in `suggested_commands` (the JSON lists what the summary prints,
+    for inspect and for scan) and keep their promise run as printed: ZeRO-3's rank file consolidates the folder as
+    zero_to_fp32 does, ZeRO-2's model states list the folder."""
+    from safetensors.torch import load_file
+
+    for name, rank, promise in (("z3", "zero_pp_rank_1_mp_rank_00_model_states.pt", "writes"),
+                                ("z2", "mp_rank_00_model_states.pt", "shows")):
+        folder = tmp_path / f"run {name}"
+        shutil.copytree(samples / name, folder)
+        for verb in ("inspect", "scan"):
+            printed = COMMAND.findall(run_cli(verb, folder / "global_step1" / rank).stderr)
+            data = run_cli(verb, folder / "global_step1" / rank, "--json").json()
+            listed = data["suggested_commands"] if verb == "inspect" else data["files"][0]["suggested_commands"]
+            assert [s["command"] for s in listed] == printed and len(printed) == 1, (verb, printed, listed)
+            assert listed[0]["promise"] == promise
+        argv = shlex.split(printed[0])
+        result = run_cli(*argv[1:])
+        assert result.exit_code == 0, result.stderr
+        if promise == "shows":
+            assert "fp32_weights.embed.weight" in result.stdout
+        else:
+            mine, theirs = load_file(argv[argv.index("-o") + 1]), official(folder)
+            assert set(mine) == set(theirs) - {"head.weight"}  # safetensors cannot share: the tie is in its metadata
+            assert all(same_bits(value, theirs[key]) for key, value in mine.items())
 
 
 def _retouch(path: Path, change) -> None:

@@ -319,6 +319,28 @@ def test_whole_model_pickle_verdict_says_it_needs_code(scenarios):
     assert [s["label"] for s in data.json()["suggested_commands"]] == ["fix"]
 
 
+def test_a_whole_model_that_fits_points_at_its_fix_line(scenarios):
+    """Its keys fit as they are (no flag to infer), so the rescue is the fix line alone: the verdict points there,
+    not at a torch.load line that holds no command."""
+    case = scenarios["whole.pt"]
+    table = run_cli("inspect", case["path"], "--model", case["model"])
+    lines = dict(line.split(None, 1) for line in table.stderr.splitlines() if line.startswith(("verdict", "fix ")))
+    assert "rescued by the fix line" in lines["verdict"], lines["verdict"]
+    assert printed_commands(lines["fix"])
+
+
+def test_a_tar_checkpoint_s_rewrite_is_listed_and_runs_as_printed(tmp_path):
+    """The rewrite the note of a pre-0.4 tar file prints is in `suggested_commands`, and keeps its promise."""
+    from tests.payloads import tar_checkpoint
+
+    path = tmp_path / "old model.pt"
+    path.write_bytes(tar_checkpoint({"w": [1.0, 2.0], "b": [3.0]}))
+    printed = printed_commands(run_cli("inspect", path).stderr)
+    listed = run_cli("inspect", path, "--json").json()["suggested_commands"]
+    assert [s["command"] for s in listed] == printed and len(printed) == 1, (printed, listed)
+    check_promise(printed[0], listed[0]["promise"], None, path)
+
+
 def test_a_whole_model_no_fix_fits_still_gets_its_rescue(scenarios):
     """No fix makes it load into this model; the safety line's way out is printed all the same, and the verdict
     points at it."""

@@ -82,9 +82,10 @@ def read_file(path: Path, survey: Survey | None = None, *, policy: Policy = DEFA
 
         ckpt = rank_file_note(ckpt)
     elif ckpt.format is Format.SAFETENSORS and "DCP_SHARDING_INFO" in ckpt.metadata:
+        whole = consolidate(path.parent)
         note = (f"one rank's shard written by torch.distributed.checkpoint's Hugging Face storage writer: shapes are "
-                f"its chunks'; inspect or fix the folder for whole tensors: `{consolidate(path.parent)}`")
-        ckpt = replace(ckpt, notes=(*ckpt.notes, note),
+                f"its chunks'; inspect or fix the folder for whole tensors: `{whole.command}`")
+        ckpt = replace(ckpt, notes=(*ckpt.notes, note), advice=(*ckpt.advice, ("folder", whole)),
                        distributed=DistributedShard("torch.distributed.checkpoint", str(path.parent)))
     return ckpt
 

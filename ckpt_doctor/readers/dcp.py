@@ -1432,15 +1432,18 @@ def read_dcp_shard(path: Path, survey: Any) -> Checkpoint:
         root.update(_blob_tensors(path, end, survey.size, meta))
     shard = SHARD.fullmatch(path.name)
     whose = f"rank {shard.group(1)}'s" if shard else "one"
+    advice = ()
     if names:
         fqns = {n.split("@")[0] for n in names.values()}
+        whole = consolidate(_named(folder, metas))
+        advice = (("folder", whole),)
         note = (f"{whose} shard of the torch.distributed.checkpoint folder {folder}: {len(survey.items)} items, parts "
                 f"of {len(fqns)} of its {len(meta.tensors) + len(meta.values)} entries; shapes here are the chunks' "
-                f"own. Inspect or fix the folder for whole tensors: `{consolidate(_named(folder, metas))}`")
+                f"own. Inspect or fix the folder for whole tensors: `{whole.command}`")
     else:
         note = (f"{whose} shard of a torch.distributed.checkpoint folder ({len(survey.items)} items); without its "
                 ".metadata beside it the items' names are unknown and shapes are the chunks' own")
     ckpt = build_checkpoint(path, Format.TORCH_ZIP, root, [], notes=(note,),
                             extra_bytes=sum(len(i.main_pickle or b"") for i in survey.items))
-    return replace(ckpt, distributed=DistributedShard("torch.distributed.checkpoint", str(folder)))
+    return replace(ckpt, distributed=DistributedShard("torch.distributed.checkpoint", str(folder)), advice=advice)
 

@@ -25,7 +25,7 @@ import os
 import re
 import stat
 from collections import OrderedDict
-from ..advice import command_line, consolidate, shell_path
+from ..advice import Promise, Suggestion, consolidate, shell_path
 from .._record import replace
 from math import ceil, prod
 from pathlib import Path
@@ -687,12 +687,15 @@ def rank_file_note(ckpt: Checkpoint) -> Checkpoint:
         where = folder
         save_dir = folder if str(folder).startswith("s3://") else folder / _rank0_model_states(name, root)
     if model and not MODEL_STATES.fullmatch(name).group(1):
+        listing = Suggestion(("inspect", shell_path(save_dir)), Promise.SHOWS, "lists the folder's whole tensors")
         note = (f"DeepSpeed model states (ZeRO-1/2 or none): `module` holds the weights the engine held; the fp32 "
-                f"master weights are in the optimizer partitions: `{command_line(('inspect', shell_path(save_dir)))}`")
-        return replace(ckpt, notes=(*ckpt.notes, note))
+                f"master weights are in the optimizer partitions: `{listing.command}`")
+        return replace(ckpt, notes=(*ckpt.notes, note), advice=(*ckpt.advice, ("folder", listing)))
+    whole = consolidate(save_dir)
     note = (f"one rank's part of the DeepSpeed checkpoint in {where}: its tensors are partitions, not whole "
-            f"weights; consolidate the folder: `{consolidate(save_dir)}`")
-    return replace(ckpt, notes=(*ckpt.notes, note), distributed=DistributedShard("deepspeed", str(save_dir)))
+            f"weights; consolidate the folder: `{whole.command}`")
+    return replace(ckpt, notes=(*ckpt.notes, note), advice=(*ckpt.advice, ("folder", whole)),
+                   distributed=DistributedShard("deepspeed", str(save_dir)))
 
 
 def _rank0_model_states(name: str, root: dict) -> str:

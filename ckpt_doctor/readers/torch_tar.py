@@ -17,8 +17,8 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-from .._record import field, record
-from ..advice import command_line, output_beside, shell_path
+from .._record import field, record, replace
+from ..advice import Promise, fix_line
 from ..dtypes import element_size
 from ..errors import ReadError
 from ..records import Checkpoint, Format, GlobalRef, StorageRecord
@@ -262,7 +262,9 @@ def read_torch_tar(path: Path, fd: int, layout: TarLayout, notes: tuple[str, ...
     unpickler = SafeUnpickler(io.BytesIO(raw), "tar member pickle", persistent=persistent, policy=layout.policy)
     root = run_unpickler(unpickler, path)
 
+    rewrite = fix_line(str(path), (), Promise.WRITES, "writes it as a file torch.load loads with its defaults")
     notes = notes + ("torch's pre-0.4 tar format: torch.load(weights_only=True) refuses it; rewrite it with "
-                     f"`{command_line(('fix', shell_path(path), '-o', output_beside(path)))}`",)
-    return build_checkpoint(path, Format.TORCH_TAR, root, layout.unpicklers + [unpickler], notes=notes,
+                     f"`{rewrite.command}`",)
+    ckpt = build_checkpoint(path, Format.TORCH_TAR, root, layout.unpicklers + [unpickler], notes=notes,
                             extra_globals=extra_globals)
+    return replace(ckpt, advice=(("rewrite", rewrite),))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..advice import fix_suggestions, under_safe_globals
+from ..advice import fix_suggestions, has_fix_line, under_safe_globals
 from ..analyze import collapse_labels
 from ..compare import Comparison
 from ..errors import one_line, percent
@@ -184,7 +184,7 @@ def full_verdict(c: Comparison, needs_code: str = "") -> str:
     model or TorchScript) when it does."""
     if not needs_code:
         return verdict_text(c)
-    rescued = "by the fix line" if c.suggested_fix else "by the command on the torch.load line"
+    rescued = "by the fix line" if has_fix_line(c) else "by the command on the torch.load line"
     return (f"needs code to load: {needs_code}, which torch.load refuses with its defaults and would import and run "
             f"with weights_only=False; rescued {rescued}, its state_dict: {verdict_text(c)}")
 

@@ -19,7 +19,8 @@ def _file_json(f: FileScan) -> dict[str, Any]:
             "hazards": [{"verdict": h.verdict.value, "what": h.what} for h in f.hazards],
             "notes": list(f.notes),
             "default_load": f.default_load.json() if f.default_load is not None else None,
-            "suggested_commands": [dict(f.rescue.json(), label="rescue")] if f.rescue is not None else []}
+            "suggested_commands": [dict(s.json(), label=label) for label, s in
+                                   ((("rescue", f.rescue),) if f.rescue is not None else ()) + f.advice]}
 
 
 def scan_json(report: ScanReport) -> dict[str, Any]:
