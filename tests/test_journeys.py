@@ -492,6 +492,44 @@ def test_add_safe_globals_advice_is_what_torch_needs(tmp_path):
     check_promise(rescue["command"], rescue["promise"], None, path)
 
 
+def test_numpy_values_kept_with_allow_global_load_with_the_names_the_note_gives(tmp_path, monkeypatch):
+    """accelerate's random_states_0.pkl: NumPy's RNG state beside torch's. The refusal's keep-it way out runs as
+    printed, and the written file loads with torch.load(weights_only=True) within safe_globals of exactly the names
+    fix's note gives: torch builds a NumPy dtype only of a class it holds (numpy.dtypes.UInt32DType here)."""
+    import random
+
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    state = {"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+             "torch_manual_seed": torch.get_rng_state()}
+    torch.save(state, "random_states_0.pkl")
+    refused = run_cli("fix", "random_states_0.pkl", "-o", "states.pt", "--select", "")
+    assert refused.exit_code == 2
+    keep = next(c for c in printed_commands(refused.stderr) if "--allow-global" in c)
+    kept = run_cli(*shlex.split(keep)[1:])
+    assert kept.exit_code == 0, kept.stderr
+    (note,) = [line for line in kept.stderr.splitlines() if "safe_globals([" in line]
+    names = re.search(r"safe_globals\(\[([^\]]*)\]\)", note).group(1).split(", ")
+    assert "numpy.dtypes.UInt32DType" in names
+
+    def named(dotted: str):
+        module, _, attr = dotted.rpartition(".")
+        return getattr(__import__(module, fromlist=[attr]), attr)
+
+    with pytest.raises(Exception, match="UInt32DType"):  # the three globals alone: what the note once said
+        with torch.serialization.safe_globals([named(n) for n in names if not n.startswith("numpy.dtypes.")]):
+            torch.load("states.pt", weights_only=True)
+    with torch.serialization.safe_globals([named(n) for n in names]):
+        loaded = torch.load("states.pt", weights_only=True)
+    assert torch.equal(loaded["torch_manual_seed"], state["torch_manual_seed"])
+    assert loaded["numpy_random_seed"][0] == "MT19937"
+    assert np.array_equal(loaded["numpy_random_seed"][1], state["numpy_random_seed"][1])
+    again = ["again.pt" if a == "states.pt" else a for a in shlex.split(keep)[1:]]
+    data = run_cli(*again, "--json").json()
+    assert data["safe_globals"] == sorted(names) and "numpy.dtypes.UInt32DType" not in data["unknown_globals"]
+
+
 def test_a_wrapped_classifier_loads_into_its_base_model(tmp_path):
     """DataParallel(torch.compile(BertForSequenceClassification)) saved in a training checkpoint, checked against
     BertModel: the fix strips the wrappers with the head the base model lacks and drops the classifier."""

@@ -254,7 +254,7 @@ def _tensor_item(t, sources) -> tuple[bytes, Any]:
         out = StorageOut("0", nbytes, sources.fd(st.file), rec.file_offset, st.crc if whole else None)
     flat = replace(rec, storage_offset=0, stride=contiguous_strides(rec.shape), requires_grad=False,
                    is_parameter=False)
-    pickle_bytes, _unknown = dumps(TensorOut(flat, "0", "cpu", t.dtype, rec.numel))
+    pickle_bytes = dumps(TensorOut(flat, "0", "cpu", t.dtype, rec.numel))[0]
     return pickle_bytes, out
 
 
@@ -327,7 +327,7 @@ def _write_folder(plan, tree: dict, tmp: Path) -> dict[str, tuple[int, tuple, st
                 written[fqn] = (out.crc if out.crc is not None else 0, rec.shape, leaf.dtype, fqn)
             else:
                 _check_value(leaf, fqn)
-                pickle_bytes, _unknown = dumps(leaf, plan.policy)
+                pickle_bytes = dumps(leaf, plan.policy)[0]
                 size = _archive(fd, pickle_bytes, [], base)
                 items.append((fqn, path, None))
                 storage.append((fqn, None, (name, base, size)))

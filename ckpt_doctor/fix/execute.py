@@ -41,6 +41,7 @@ def execute(plan: FixPlan, progress_callback: Callable[[int, int], None] | None 
     sources = Sources()
     progress = Progress(plan.nbytes * (2 if verify else 1), progress_callback)
     unknown: list[str] = []
+    classes: list[str] = []
     reads: list[tuple[Any, int, int]] = []  # (source, offset, nbytes) of tensor data, in the order it is read
     try:
         with atomic_output(plan.output, plan.nbytes) as (fd, tmp):
@@ -49,7 +50,7 @@ def execute(plan: FixPlan, progress_callback: Callable[[int, int], None] | None 
                 if plan.format is OutputFormat.TORCH:
                     archive = _source_names(plan)
                     storages, expected = _torch_layout(plan, sources, archive, reads)
-                    pickle_bytes, unknown = dumps(_to_pickle_tree(plan.tree, expected), plan.policy)
+                    pickle_bytes, unknown, classes = dumps(_to_pickle_tree(plan.tree, expected), plan.policy)
                     _announce(reads)
                     write_torch_zip(fd, archive or _archive_name(plan.output), pickle_bytes, storages, progress,
                                     written)
@@ -74,7 +75,7 @@ def execute(plan: FixPlan, progress_callback: Callable[[int, int], None] | None 
         for src in {id(src): src for src, _, _ in reads if is_remote(src)}.values():
             src.end_stream()
         sources.close()
-    return FixResult(plan, size, verify, tuple(unknown))
+    return FixResult(plan, size, verify, tuple(unknown), dtype_classes=tuple(classes))
 
 
 def _announce(reads: list[tuple[Any, int, int]]) -> None:

@@ -250,8 +250,10 @@ def refuse_unwritable(problems: list) -> None:
     if not dangerous and keepable and all(_allowable(n) for n in names):
         at = len(reruns)
         reruns.append(Rerun(add=tuple(a for n in names for a in ("--allow-global", n))))
+        classes = ", and for the classes of the NumPy dtypes it builds, which fix's note names" \
+            if "numpy.dtype" in names else ""
         keep = (f", or keep {'it' if len(paths) == 1 else 'them'} with {{{at}}} (then torch.load needs "
-                f"torch.serialization.add_safe_globals for {'it' if len(names) == 1 else 'them'})")
+                f"torch.serialization.add_safe_globals for {'it' if len(names) == 1 else 'them'}{classes})")
     refused = "which torch.load(weights_only=True) refuses and ckpt-doctor does not write"
     if len(pairs) == 1:
         path, name, verdict = pairs[0]

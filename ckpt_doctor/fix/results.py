@@ -53,6 +53,12 @@ class FixResult:
     verified: bool
     unknown_globals: tuple[str, ...] = ()
     shards: tuple[Path, ...] = ()  # with --max-shard-size: the shard files; plan.output is then the index
+    dtype_classes: tuple[str, ...] = ()  # the NumPy dtype classes the output builds (numpy.dtypes.UInt32DType)
+
+    @property
+    def safe_globals(self) -> tuple[str, ...]:
+        """What torch.serialization.safe_globals needs to hold for torch.load(weights_only=True) of the output."""
+        return tuple(sorted({*self.unknown_globals, *self.dtype_classes}))
 
 
 

@@ -74,5 +74,6 @@ def execute_sharded(plan: FixPlan, max_bytes: int, progress_callback: Callable[[
     with atomic_output(index_path) as (fd, _):
         write_bytes(fd, 0, index)
     return FixResult(replace(plan, output=index_path), sum(r.bytes for r in results) + len(index), verify,
-                     tuple(sorted({g for r in results for g in r.unknown_globals})), tuple(shards))
+                     tuple(sorted({g for r in results for g in r.unknown_globals})), tuple(shards),
+                     tuple(sorted({c for r in results for c in r.dtype_classes})))
 

@@ -26,6 +26,7 @@ def fix_json(plan: FixPlan, result: FixResult | None) -> dict[str, Any]:
         "tied": plan.tied,
         "notes": list(plan.notes),
         "unknown_globals": list(result.unknown_globals) if result else [],
+        "safe_globals": list(result.safe_globals) if result else [],
         **({"shards": [str(p) for p in result.shards]} if result and result.shards else {}),
         **_remote(),
     }
@@ -73,8 +74,10 @@ def fix_summary(plan: FixPlan, result: FixResult | None) -> list[str]:
     lines += [f"note: {n}" for n in plan.notes]
     if result and result.unknown_globals:
         names = ", ".join(result.unknown_globals)
-        lines.append(f"note: the output names {names}, allowed with --allow-global; load it with "
-                     f"torch.serialization.safe_globals([{names}]) around torch.load(weights_only=True)")
+        classes = f", and builds NumPy dtypes of class {', '.join(result.dtype_classes)}" if result.dtype_classes else ""
+        lines.append(f"note: the output names {names}, allowed with --allow-global{classes}; load it with "
+                     f"torch.serialization.safe_globals([{', '.join(result.safe_globals)}]) around "
+                     "torch.load(weights_only=True)")
     network = usage_line()
     if network is not None:
         lines.append(f"network: {network}")

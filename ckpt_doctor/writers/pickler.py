@@ -46,6 +46,7 @@ class Emitter:
         self.policy = policy  # what the output may name
         self.out: list[bytes] = [b"\x80\x02"]
         self.unknown: list[str] = []
+        self.classes: list[str] = []  # NumPy dtype classes the output builds (safe_globals needs them too)
         self._memo: dict[tuple[str, str], int] = {}
 
     def getvalue(self) -> bytes:
@@ -221,6 +222,8 @@ class Emitter:
     def _opaque(self, obj: Opaque) -> Iterator[Any]:
         data = obj.ckd
         self._global_of(data.ref)
+        if data.state is not None and resolve(data.ref.module, data.ref.name) == ("numpy", "dtype"):
+            self.classes.append(_numpy_dtype_class(data.args))  # (BUILD of a dtype: torch asks for its class too)
         yield from self._tuple(tuple(data.args))
         self.out.append(b"R" if data.via_reduce else b"\x81")
         if data.items:
@@ -236,6 +239,24 @@ class Emitter:
         if data.state is not None:
             yield data.state
             self.out.append(b"b")
+
+
+# NumPy's dtype classes by the code a pickled dtype names (`numpy.dtype("u4", False, True)`, then BUILD): torch's
+# weights_only unpickler builds a dtype only of a class in its safe globals, so a file that names numpy.dtype needs
+# each class it builds allowed as well (`numpy.dtypes.UInt32DType`). A table, not numpy.dtype(code): nothing the
+# file says is handed to a parser of its own.
+_DTYPE_CLASSES = {"b1": "Bool", "i1": "Int8", "i2": "Int16", "i4": "Int32", "i8": "Int64", "u1": "UInt8",
+                  "u2": "UInt16", "u4": "UInt32", "u8": "UInt64", "f2": "Float16", "f4": "Float32", "f8": "Float64",
+                  "f16": "LongDouble", "c8": "Complex64", "c16": "Complex128", "c32": "CLongDouble", "O8": "Object",
+                  "O4": "Object", "M8": "DateTime64", "m8": "TimeDelta64"}
+_DTYPE_KINDS = {"U": "Str", "S": "Bytes", "V": "Void"}  # sized by the code's digits: U3, S10, V8
+
+
+def _numpy_dtype_class(args: Any) -> str:
+    """The name torch.serialization.safe_globals takes for the class of a pickled NumPy dtype, from its code."""
+    code = args[0] if isinstance(args, (tuple, list)) and args and isinstance(args[0], str) else ""
+    name = _DTYPE_CLASSES.get(code) or (_DTYPE_KINDS.get(code[:1]) if code[1:].isdigit() else None)
+    return f"numpy.dtypes.{name}DType" if name else f"the NumPy dtype class of {code[:20]!r}"
 
 
 def int_op(n: int) -> bytes:
@@ -267,9 +288,10 @@ def ints_op(items: tuple[int, ...]) -> bytes:
     return b"(" + body + b"t"
 
 
-def dumps(obj: Any, policy: Policy = DEFAULT_POLICY) -> tuple[bytes, list[str]]:
-    """The pickle bytes, and the globals beyond torch's weights_only list they name (allowed with --allow-global):
-    only what `policy` (the defaults unless passed) lets an output name."""
+def dumps(obj: Any, policy: Policy = DEFAULT_POLICY) -> tuple[bytes, list[str], list[str]]:
+    """The pickle bytes, the globals beyond torch's weights_only list they name (allowed with --allow-global: only
+    what `policy`, the defaults unless passed, lets an output name), and the NumPy dtype classes they build (which
+    torch's weights_only unpickler also needs in its safe globals)."""
     emitter = Emitter(policy)
     emitter.emit(obj)
-    return emitter.getvalue(), sorted(set(emitter.unknown))
+    return emitter.getvalue(), sorted(set(emitter.unknown)), sorted(set(emitter.classes))
