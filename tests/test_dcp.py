@@ -4,6 +4,7 @@ consolidated bitwise equal to the state every rank saw (and to dcp_to_torch_save
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 from pathlib import Path
@@ -199,6 +200,23 @@ def test_a_payload_in_the_metadata_is_reported_not_run(samples, tmp_path):
         result = run_cli(command, folder)
         assert result.exit_code in (1, 2) and "os.system" in result.stdout + result.stderr, result.stderr
     assert not canary.exists()
+
+
+def test_a_folders_metadata_named_alone_points_at_its_folder(samples, tmp_path, monkeypatch):
+    """`.metadata` itself is a bare pickle torch.load refuses: inspect says whose it is, and the command it prints
+    (and lists in the JSON) lists the folder's whole tensors, from another working directory too."""
+    folder = tmp_path / "my run"
+    shutil.copytree(samples / "fsdp2", folder)
+    monkeypatch.chdir(tmp_path)
+    result = run_cli("inspect", "my run/.metadata")
+    assert result.exit_code == 0, result.stderr
+    (command,) = re.findall(r"`(ckpt-doctor [^`]*)`", result.stderr)
+    assert command == "ckpt-doctor inspect 'my run'"
+    assert [c["command"] for c in run_cli("inspect", "my run/.metadata", "--json").json()["suggested_commands"]] \
+        == [command]
+    listed = run_cli(*shlex.split(command)[1:], "--json")
+    assert listed.exit_code == 0 and listed.json()["format"] == "torch-dcp"
+    assert listed.json()["tensors"] == run_cli("inspect", samples / "fsdp2", "--json").json()["tensors"]
 
 
 def test_a_lone_shard_names_its_folder_and_fix_refuses_it(samples, tmp_path):

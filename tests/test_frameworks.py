@@ -44,6 +44,9 @@ def test_accelerate_save_state_folder(tmp_path):
     assert result.exit_code == 0, result.stderr
     data = result.json()
     assert data["path"].endswith("model.safetensors") and any("accelerate save_state" in n for n in data["notes"])
+    (note,) = [n for n in data["notes"] if "accelerate save_state" in n]  # what is beside the model, by name
+    assert "optimizer.bin" in note and "random_states_0.pkl" in note and "scheduler" not in note, note
+    assert all((folder / name).exists() for name in ("optimizer.bin", "random_states_0.pkl"))
     full = torch.load(tmp_path / "acc_state.full.pt", weights_only=True)
     assert {t["key"]: t["shape"] for t in data["tensors"]} == {k: list(v.shape) for k, v in full.items()}
     optimizer = run_cli("inspect", folder / "optimizer.bin")

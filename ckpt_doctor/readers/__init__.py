@@ -9,7 +9,7 @@ import stat
 from pathlib import Path
 
 from .._record import replace
-from ..advice import consolidate
+from ..advice import Promise, Suggestion, consolidate, shell_path
 from ..errors import ReadError, SeveralCheckpoints
 from ..records import Checkpoint, DistributedShard, Format
 from ..safepickle import limits
@@ -87,6 +87,12 @@ def read_file(path: Path, survey: Survey | None = None, *, policy: Policy = DEFA
                 f"its chunks'; inspect or fix the folder for whole tensors: `{whole.command}`")
         ckpt = replace(ckpt, notes=(*ckpt.notes, note), advice=(*ckpt.advice, ("folder", whole)),
                        distributed=DistributedShard("torch.distributed.checkpoint", str(path.parent)))
+    elif ckpt.format is Format.PICKLE and re.fullmatch(r"\.metadata|__\d+\.metadata", path.name) \
+            and any(g.module == "torch.distributed.checkpoint.metadata" and g.name == "Metadata" for g in ckpt.globals):
+        listing = Suggestion(("inspect", shell_path(path.parent)), Promise.SHOWS, "lists the folder's whole tensors")
+        note = ("the metadata of a torch.distributed.checkpoint folder (its tensors' names, global shapes and places; "
+                f"their bytes are in the .distcp files beside it): inspect or fix the folder: `{listing.command}`")
+        ckpt = replace(ckpt, notes=(*ckpt.notes, note), advice=(*ckpt.advice, ("folder", listing)))
     return ckpt
 
 
@@ -172,6 +178,18 @@ def _accelerate_fsdp_model(folder: Path, names: list[str]) -> Path | None:
         return None
 
 
+# What accelerate's save_state writes beside the model: the optimizers' and schedulers' state_dicts, the samplers',
+# the random states of each process, and objects registered with register_for_checkpointing
+_ACCELERATE_STATES = re.compile(r"(optimizer|scheduler|sampler)(_\d+)?(\.bin)?|random_states_\d+\.pkl"
+                                r"|custom_checkpoint_\d+\.pkl")
+
+
+def _accelerate_states(names: list[str]) -> str:
+    """`optimizer.bin, random_states_0.pkl`: the states of an accelerate save_state folder, as the folder holds them."""
+    found = sorted(n for n in names if _ACCELERATE_STATES.fullmatch(n))
+    return ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+
+
 def is_one_checkpoint(folder: Path, names: list[str]) -> bool:
     """Whether read_folder reads `folder` as one checkpoint of several files (a shard index, a DCP, DeepSpeed or
     accelerate FSDP folder), asked with the same tests it uses."""
@@ -200,8 +218,8 @@ def read_folder(folder: Path, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
     fsdp = _accelerate_fsdp_model(folder, names)
     if fsdp is not None:  # accelerate's save_state under FSDP: the model is a DCP folder of its own
         ckpt = read_dcp(fsdp, os.listdir(fsdp), policy=policy)
-        note = (f"accelerate save_state folder (FSDP): the model is read from {fsdp.name}/; the optimizer, "
-                "scheduler and random states beside it can be inspected by name")
+        note = (f"accelerate save_state folder (FSDP): the model is read from {fsdp.name}/; beside it "
+                f"{_accelerate_states(names)}, each can be inspected by name")
         return replace(ckpt, notes=(note, *ckpt.notes))
     from .deepspeed import find_tag_folder, read_deepspeed  # only for a folder
 
@@ -229,8 +247,8 @@ def read_folder(folder: Path, *, policy: Policy = DEFAULT_POLICY) -> Checkpoint:
     ckpt = read_sharded(chosen, policy=policy) if chosen.name.endswith(".index.json") \
         else read_file(chosen, policy=policy)
     if "optimizer.bin" in names and any(n.startswith("random_states_") for n in names):
-        note = (f"accelerate save_state folder: the model is {chosen.name}; optimizer.bin (an optimizer's "
-                "state_dict), the scheduler and random states beside it can be inspected by name")
+        note = (f"accelerate save_state folder: the model is {chosen.name}; beside it {_accelerate_states(names)}, "
+                "each can be inspected by name")
         ckpt = replace(ckpt, notes=(note, *ckpt.notes))
     return ckpt
 
