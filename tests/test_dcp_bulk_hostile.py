@@ -95,3 +95,22 @@ def test_a_chunk_of_another_rank_than_its_tensor_is_named(tmp_path, n):
         assert "internal error" not in got.stderr and len(got.stderr.strip().splitlines()) == 1, got.stderr
         assert f"a chunk whose offsets [{n // 2}] and sizes [1, 2] are not both of the tensor's rank, 2" in got.stderr
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("n", [40, dcp_items.BULK_MIN + 4])
+def test_a_storage_entry_naming_a_file_with_a_nul_is_refused(tmp_path, n):
+    """A storage entry whose relative_path holds a NUL names no file: refused as a name with a slash is (os.stat
+    raised ValueError, an internal error, where an OSError was expected)."""
+    import dataclasses
+
+    folder = _folder(tmp_path / "ckpt", n, -1)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    key = next(iter(meta.storage_data))
+    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], relative_path="__0_0.distcp\0")
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    for args in (("inspect", folder), ("fix", folder, "-o", tmp_path / "out.pt"), ("diff", folder, folder)):
+        got = run_cli(*args)
+        assert got.exit_code == 2, got.stderr
+        assert "internal error" not in got.stderr and len(got.stderr.strip().splitlines()) == 1, got.stderr
+        assert "names '__0_0.distcp\\x00', not a file in the folder" in got.stderr, got.stderr
+    assert not (tmp_path / "out.pt").exists()

@@ -259,7 +259,7 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = Tru
         if not isinstance(rel, str) or rel not in good_files:
             if not isinstance(rel, str):
                 raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} is malformed")
-            if "/" in rel or "\\" in rel or rel in ("", ".", ".."):
+            if "/" in rel or "\\" in rel or "\0" in rel or rel in ("", ".", ".."):  # (a NUL: os.stat raises ValueError)
                 raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} names {rel[:80]!r}, not a file in "
                                 "the folder")
             good_files.add(rel)
@@ -297,7 +297,7 @@ def _merged(storage: Storage, meta: _Meta, own: dict[str, set], rank: int | None
     if min(storage.at, default=0) < 0 or min(storage.length, default=0) < 0:
         return False
     for rel in set(storage.rel):
-        if not isinstance(rel, str) or "/" in rel or "\\" in rel or rel in ("", ".", ".."):
+        if not isinstance(rel, str) or "/" in rel or "\\" in rel or "\0" in rel or rel in ("", ".", ".."):
             return False
     # A chunk's entry must be one its own state_dict_metadata lists (an item it does not list: any offset does)
     if strict and not all(map(contains, map(own.get, storage.fqn, repeat(_ANYTHING)), storage.offset)):
