@@ -114,3 +114,36 @@ def test_a_storage_entry_naming_a_file_with_a_nul_is_refused(tmp_path, n):
         assert "internal error" not in got.stderr and len(got.stderr.strip().splitlines()) == 1, got.stderr
         assert "names '__0_0.distcp\\x00', not a file in the folder" in got.stderr, got.stderr
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("n", [40, dcp_items.BULK_MIN + 4])
+@pytest.mark.parametrize(("offsets", "sizes", "said"), [
+    ([0, 0], [1, 2], "two chunks lie at [0, 0]: they overlap"),  # row 0 listed twice (one storage entry for both)
+    ([0, 1], [2, 1], "the chunks at [0, 0] and [0, 1] overlap"),  # a column across rows 0 and 1
+])
+def test_chunks_that_overlap_and_leave_a_gap_as_large_are_refused(tmp_path, n, offsets, sizes, said):
+    """Row 1's chunk replaced by one that overlaps row 0 and holds as many elements: the chunks' count still adds up
+    to the tensor's, so inspect called the folder whole (exit 0) where torch's dcp.load leaves row 1 unread and fix
+    refused it; now every command refuses it in one line that names the chunks."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    folder = _folder(tmp_path / "ckpt", n, -1)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    w = meta.state_dict_metadata["w"]
+    w.chunks[1] = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+    del meta.storage_data[MetadataIndex("w", [1, 0])]
+    if offsets != [0, 0]:
+        buf = io.BytesIO()
+        torch.save(torch.ones(sizes), buf)
+        at = (folder / "__0_0.distcp").stat().st_size
+        with open(folder / "__0_0.distcp", "ab") as f:
+            f.write(buf.getvalue())
+        meta.storage_data[MetadataIndex("w", offsets)] = _StorageInfo("__0_0.distcp", at, len(buf.getvalue()))
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    for args in (("inspect", folder), ("inspect", folder, "--json"), ("fix", folder, "-o", tmp_path / "out.pt")):
+        got = run_cli(*args)
+        assert got.exit_code == 2, (args, got.stderr)
+        assert len(got.stderr.strip().splitlines()) == 1 and said in got.stderr, got.stderr
+        assert "leave as many of its elements in no chunk" in got.stderr, got.stderr
+    assert not (tmp_path / "out.pt").exists()

@@ -26,7 +26,7 @@ from typing import Any
 
 from .._record import fast_new, replace
 from ..advice import consolidate
-from ..assemble import chunks_total, count_problem, coverage_problem
+from ..assemble import chunks_total, count_problem, coverage_problem, overlap_problem
 from ..dtypes import element_size
 from ..errors import CkptDoctorError, ReadError
 from ..records import (
@@ -1075,9 +1075,11 @@ def _chunk_coverage(assembly: Assembly, chunks: list, stride: tuple[int, ...]) -
     """coverage_problem of a LazyAssembly of chunks read together, from its chunks (every piece's stride is
     `stride`) without making its pieces; where a chunk does not pass the column-wise check, coverage_problem itself
     names it."""
-    total = chunks_total(assembly.grid, list(map(itemgetter(0), chunks)), list(map(itemgetter(1), chunks)),
-                         {len(stride)})
-    return coverage_problem(assembly) if total is None else count_problem(total, assembly.grid)
+    offsets, sizes = list(map(itemgetter(0), chunks)), list(map(itemgetter(1), chunks))
+    total = chunks_total(assembly.grid, offsets, sizes, {len(stride)})
+    if total is None:
+        return coverage_problem(assembly)
+    return count_problem(total, assembly.grid) or overlap_problem(assembly.grid, offsets, sizes)
 
 
 def _read_alike(a: tuple[Piece, ...], b: list[Piece]) -> bool:
