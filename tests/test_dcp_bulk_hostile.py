@@ -147,3 +147,20 @@ def test_chunks_that_overlap_and_leave_a_gap_as_large_are_refused(tmp_path, n, o
         assert len(got.stderr.strip().splitlines()) == 1 and said in got.stderr, got.stderr
         assert "leave as many of its elements in no chunk" in got.stderr, got.stderr
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("n", [40, dcp_items.BULK_MIN + 4])
+@pytest.mark.parametrize("transforms", [["rot13"] * 100_000, ["x" * 1_000_000]])
+def test_unknown_transforms_are_named_in_a_short_line(tmp_path, n, transforms):
+    """A storage entry whose transform descriptors are unknown is refused in one line that names a few of them (it
+    joined every descriptor, whole: a line of megabytes)."""
+    import dataclasses
+
+    folder = _folder(tmp_path / "ckpt", n, -1)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    key = next(iter(meta.storage_data))
+    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], transform_descriptors=transforms)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    got = run_cli("inspect", folder)
+    assert got.exit_code == 2 and "a transform ckpt-doctor does not know" in got.stderr, got.stderr[:300]
+    assert len(got.stderr) < 500 and len(got.stderr.strip().splitlines()) == 1, got.stderr[:300]

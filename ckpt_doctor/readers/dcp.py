@@ -630,8 +630,10 @@ class _Items:
         if transforms:
             if transforms != ("stream.zstd/1",) and not (len(transforms) == 1 and
                                                          transforms[0].startswith("stream.zstd/1.")):
-                raise ReadError(f"{self.folder}: {fqn} is stored through {', '.join(transforms)} ({label}), a "
-                                "transform ckpt-doctor does not know")
+                shown = ", ".join(t[:40] for t in transforms[:3]) + (f", … {len(transforms) - 3} more"
+                                                                    if len(transforms) > 3 else "")
+                raise ReadError(f"{self.folder}: {fqn} is stored through {shown} ({label}), a transform ckpt-doctor "
+                                "does not know")
             cap = (expect if expect is not None else limits.MAX_UNPICKLE_BYTES) + (1 << 20)
             path, at, length = inflate_zstd(path, at, length, cap, f"{self.folder}: {fqn} ({label})")
             if expect is None:  # a value: unpickled now, its inflated copy not needed after
