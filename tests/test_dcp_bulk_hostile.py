@@ -164,3 +164,20 @@ def test_unknown_transforms_are_named_in_a_short_line(tmp_path, n, transforms):
     got = run_cli("inspect", folder)
     assert got.exit_code == 2 and "a transform ckpt-doctor does not know" in got.stderr, got.stderr[:300]
     assert len(got.stderr) < 500 and len(got.stderr.strip().splitlines()) == 1, got.stderr[:300]
+
+
+@pytest.mark.parametrize("n", [40, dcp_items.BULK_MIN + 4])
+def test_a_file_the_metadata_names_that_cannot_be_opened_is_named_in_a_short_line(tmp_path, n):
+    """A storage entry naming a file of 300,000 characters (ENAMETOOLONG) is refused in one line that shows the name
+    cut (it printed it whole: a line of 300 KB)."""
+    import dataclasses
+
+    name = "y" * 300_000
+    folder = _folder(tmp_path / "ckpt", n, -1)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    key = next(iter(meta.storage_data))
+    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], relative_path=name)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    got = run_cli("inspect", folder)
+    assert got.exit_code == 2 and name[:80] in got.stderr, got.stderr[:300]
+    assert len(got.stderr) < 500 and len(got.stderr.strip().splitlines()) == 1, got.stderr[:300]

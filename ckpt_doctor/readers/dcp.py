@@ -542,18 +542,18 @@ class _Items:
             except RemoteError as exc:
                 if "not found (404)" not in str(exc):
                     raise
-                raise ReadError(f"{self.folder}: {rel} is missing (not found (404); it holds {fqn}, among others): "
-                                "the checkpoint is incomplete") from None
+                raise ReadError(f"{self.folder}: {rel[:80]} is missing (not found (404); it holds {fqn[:80]}, among "
+                                "others): the checkpoint is incomplete") from None
         if rel not in self.sizes:
             try:
                 st = os.stat(path)
             except FileNotFoundError:
-                raise ReadError(f"{self.folder}: {rel} is missing (it holds {fqn}, among others): the checkpoint is "
-                                "incomplete") from None
-            except OSError as exc:
-                raise ReadError(f"{self.folder}: {rel} cannot be read ({exc.strerror})") from None
+                raise ReadError(f"{self.folder}: {rel[:80]} is missing (it holds {fqn[:80]}, among others): the "
+                                "checkpoint is incomplete") from None
+            except OSError as exc:  # (a name the metadata gives: shown cut, as its other messages show it)
+                raise ReadError(f"{self.folder}: {rel[:80]} cannot be read ({exc.strerror})") from None
             if not stat.S_ISREG(st.st_mode):
-                raise ReadError(f"{self.folder}: {rel} is not a regular file (a device, a pipe or a folder)")
+                raise ReadError(f"{self.folder}: {rel[:80]} is not a regular file (a device, a pipe or a folder)")
             self.sizes[rel] = st.st_size
         self.paths[rel] = path
         return path, self.sizes[rel]
