@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable, Iterator
+from itertools import compress
 from math import prod
 from operator import add, attrgetter
 
@@ -56,8 +58,8 @@ def coverage_problem(assembly: Assembly) -> str | None:
     pieces = assembly.pieces
     # Column by column at C speed first (inspect checks every chunk: a million of them); a chunk it does not pass is
     # named by the loop below, chunk by chunk, as it always was
-    total = chunks_total(grid, list(map(_OFFSETS, pieces)), list(map(_SIZES, pieces)),
-                         set(map(len, map(_STRIDE, pieces))))
+    offsets, sizes = list(map(_OFFSETS, pieces)), list(map(_SIZES, pieces))
+    total = chunks_total(grid, offsets, sizes, set(map(len, map(_STRIDE, pieces))))
     if total is None:
         total = 0
         for p in pieces:
@@ -68,7 +70,7 @@ def coverage_problem(assembly: Assembly) -> str | None:
                 return f"chunk at {list(p.offsets)} of size {list(p.sizes)} lies outside the shape {list(grid)} " \
                        f"({p.label})"
             total += prod(p.sizes)
-    return count_problem(total, grid)
+    return count_problem(total, grid) or overlap_problem(grid, offsets, sizes)
 
 
 def chunks_total(grid: tuple[int, ...], offsets: list, sizes: list, stride_ranks: set[int]) -> int | None:
@@ -90,6 +92,49 @@ def count_problem(total: int, grid: tuple[int, ...]) -> str | None:
     if total > want:
         return f"the chunks hold {total:,} elements for its {want:,}: some overlap"
     return None
+
+
+_SWEEP = 1 << 22  # chunk pairs compared, at most, for a layout whose dimensions are not each cut into parts
+
+
+def overlap_problem(grid: tuple[int, ...], offsets: list, sizes: list) -> str | None:
+    """Why chunks inside the grid that hold as many elements as it has do not tile it: two overlap (and leave as many
+    elements in no chunk). Proved where no two chunks share offsets and each dimension's extents cut it into parts
+    (every layout a writer makes: Shard(d), 2-D splits, uneven ones); any other layout is swept along dim 0, up to
+    _SWEEP pairs (past that, the merge of `fix` still checks every run)."""
+    full = list(map(all, sizes))
+    if not all(full):  # (a chunk with a dimension of 0 holds nothing, and overlaps nothing)
+        offsets, sizes = list(compress(offsets, full)), list(compress(sizes, full))
+    if len(set(offsets)) != len(offsets):
+        twice = next(o for o, n in Counter(offsets).items() if n > 1)
+        return f"two chunks lie at {list(twice)}: they overlap, and leave as many of its elements in no chunk"
+    if all(map(_cut_into_parts, grid, zip(*offsets), zip(*sizes))):
+        return None
+    order = sorted(range(len(offsets)), key=offsets.__getitem__)
+    active: list[int] = []
+    pairs = 0
+    for i in order:
+        at, extent = offsets[i], sizes[i]
+        active = [j for j in active if offsets[j][0] + sizes[j][0] > at[0]]
+        for j in active:
+            if all(a < b + t and b < a + u for a, u, b, t in zip(at, extent, offsets[j], sizes[j])):
+                return (f"the chunks at {list(offsets[j])} and {list(at)} overlap, and leave as many of its elements "
+                        "in no chunk")
+        pairs += len(active)
+        if pairs > _SWEEP:
+            return None
+        active.append(i)
+    return None
+
+
+def _cut_into_parts(extent: int, starts: tuple[int, ...], lengths: tuple[int, ...]) -> bool:
+    """Whether the distinct spans chunks have along one dimension cut it into consecutive parts."""
+    at = 0
+    for start, length in sorted(set(zip(starts, lengths))):
+        if start != at:
+            return False
+        at = start + length
+    return at == extent
 
 
 def ordered_runs(assembly: Assembly, what: str) -> Iterator[Run]:

@@ -95,3 +95,89 @@ def test_a_chunk_of_another_rank_than_its_tensor_is_named(tmp_path, n):
         assert "internal error" not in got.stderr and len(got.stderr.strip().splitlines()) == 1, got.stderr
         assert f"a chunk whose offsets [{n // 2}] and sizes [1, 2] are not both of the tensor's rank, 2" in got.stderr
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("n", [40, dcp_items.BULK_MIN + 4])
+def test_a_storage_entry_naming_a_file_with_a_nul_is_refused(tmp_path, n):
+    """A storage entry whose relative_path holds a NUL names no file: refused as a name with a slash is (os.stat
+    raised ValueError, an internal error, where an OSError was expected)."""
+    import dataclasses
+
+    folder = _folder(tmp_path / "ckpt", n, -1)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    key = next(iter(meta.storage_data))
+    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], relative_path="__0_0.distcp\0")
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    for args in (("inspect", folder), ("fix", folder, "-o", tmp_path / "out.pt"), ("diff", folder, folder)):
+        got = run_cli(*args)
+        assert got.exit_code == 2, got.stderr
+        assert "internal error" not in got.stderr and len(got.stderr.strip().splitlines()) == 1, got.stderr
+        assert "names '__0_0.distcp\\x00', not a file in the folder" in got.stderr, got.stderr
+    assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("n", [40, dcp_items.BULK_MIN + 4])
+@pytest.mark.parametrize(("offsets", "sizes", "said"), [
+    ([0, 0], [1, 2], "two chunks lie at [0, 0]: they overlap"),  # row 0 listed twice (one storage entry for both)
+    ([0, 1], [2, 1], "the chunks at [0, 0] and [0, 1] overlap"),  # a column across rows 0 and 1
+])
+def test_chunks_that_overlap_and_leave_a_gap_as_large_are_refused(tmp_path, n, offsets, sizes, said):
+    """Row 1's chunk replaced by one that overlaps row 0 and holds as many elements: the chunks' count still adds up
+    to the tensor's, so inspect called the folder whole (exit 0) where torch's dcp.load leaves row 1 unread and fix
+    refused it; now every command refuses it in one line that names the chunks."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    folder = _folder(tmp_path / "ckpt", n, -1)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    w = meta.state_dict_metadata["w"]
+    w.chunks[1] = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+    del meta.storage_data[MetadataIndex("w", [1, 0])]
+    if offsets != [0, 0]:
+        buf = io.BytesIO()
+        torch.save(torch.ones(sizes), buf)
+        at = (folder / "__0_0.distcp").stat().st_size
+        with open(folder / "__0_0.distcp", "ab") as f:
+            f.write(buf.getvalue())
+        meta.storage_data[MetadataIndex("w", offsets)] = _StorageInfo("__0_0.distcp", at, len(buf.getvalue()))
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    for args in (("inspect", folder), ("inspect", folder, "--json"), ("fix", folder, "-o", tmp_path / "out.pt")):
+        got = run_cli(*args)
+        assert got.exit_code == 2, (args, got.stderr)
+        assert len(got.stderr.strip().splitlines()) == 1 and said in got.stderr, got.stderr
+        assert "leave as many of its elements in no chunk" in got.stderr, got.stderr
+    assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("n", [40, dcp_items.BULK_MIN + 4])
+@pytest.mark.parametrize("transforms", [["rot13"] * 100_000, ["x" * 1_000_000]])
+def test_unknown_transforms_are_named_in_a_short_line(tmp_path, n, transforms):
+    """A storage entry whose transform descriptors are unknown is refused in one line that names a few of them (it
+    joined every descriptor, whole: a line of megabytes)."""
+    import dataclasses
+
+    folder = _folder(tmp_path / "ckpt", n, -1)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    key = next(iter(meta.storage_data))
+    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], transform_descriptors=transforms)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    got = run_cli("inspect", folder)
+    assert got.exit_code == 2 and "a transform ckpt-doctor does not know" in got.stderr, got.stderr[:300]
+    assert len(got.stderr) < 500 and len(got.stderr.strip().splitlines()) == 1, got.stderr[:300]
+
+
+@pytest.mark.parametrize("n", [40, dcp_items.BULK_MIN + 4])
+def test_a_file_the_metadata_names_that_cannot_be_opened_is_named_in_a_short_line(tmp_path, n):
+    """A storage entry naming a file of 300,000 characters (ENAMETOOLONG) is refused in one line that shows the name
+    cut (it printed it whole: a line of 300 KB)."""
+    import dataclasses
+
+    name = "y" * 300_000
+    folder = _folder(tmp_path / "ckpt", n, -1)
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    key = next(iter(meta.storage_data))
+    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], relative_path=name)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    got = run_cli("inspect", folder)
+    assert got.exit_code == 2 and name[:80] in got.stderr, got.stderr[:300]
+    assert len(got.stderr) < 500 and len(got.stderr.strip().splitlines()) == 1, got.stderr[:300]

@@ -195,6 +195,65 @@ def test_tampered_folders_are_refused_not_misread(samples, tmp_path):
         assert result.exit_code == 2 and expected[name] in result.stderr and not out.exists(), (name, result.stderr)
 
 
+
+def _osd(state: dict) -> dict:
+    return state["optimizer_state_dict"]
+
+
+def _first_shape(shapes: dict, value) -> None:
+    shapes[next(iter(shapes))] = value
+
+
+_OPTIM = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+_Z3_MODEL = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
+# (sample, files to retouch, change, what the one error line says; None: the folder reads, the odd entry ignored)
+_HOSTILE = {
+    "partition count of 10**12": ("z2", [_OPTIM.format(r) for r in (0, 1)],
+                                  lambda s: _osd(s).__setitem__("partition_count", [10**12]),
+                                  "the optimizer states of 1000000000000 ranks are needed"),
+    "partition count of a string": ("z2", [_OPTIM.format(0)], lambda s: _osd(s).__setitem__(
+        "partition_count", [2, "x"]), "partition_count is [2, 'x'], not a number of ranks"),
+    "param_shapes of lists": ("z2", ["mp_rank_00_model_states.pt"], lambda s: s.__setitem__(
+        "param_shapes", [list(g.items()) for g in s["param_shapes"]]), "param_shapes is not a list of {name: shape}"),
+    "a shape of 10**320 elements": ("z3", [_Z3_MODEL.format(r) for r in (0, 1)], lambda s: _first_shape(
+        s["param_shapes"][0], [10**160, 10**160]), "the checkpoint does not match its param_shapes"),
+    "a list for a shared parameter": ("z2", ["mp_rank_00_model_states.pt"], lambda s: s.__setitem__(
+        "shared_params", {"alias": ["x"]}), None),
+    "a list for a buffer name": ("z2", ["mp_rank_00_model_states.pt"], lambda s: s.__setitem__(
+        "buffer_names", [["scale"]]), None),
+    "frozen fragments in a list": ("z2", ["mp_rank_00_model_states.pt"], lambda s: s.__setitem__(
+        "frozen_param_fragments", [s["frozen_param_fragments"]]), "no frozen fragment frozen.weight"),
+    "rank 1's optimizer_state_dict in a list": ("z2", [_OPTIM.format(1)], lambda s: s.__setitem__(
+        "optimizer_state_dict", [_osd(s)]), "no single_partition_of_fp32_groups"),
+    "fp32_flat_groups of an int": ("z3", [_OPTIM.format(1)], lambda s: _osd(s).__setitem__("fp32_flat_groups", 5),
+                                   "fp32_flat_groups is not a list of flat partitions"),
+    "an optimizer state of a list": ("z3", [_OPTIM.format(0)], lambda s: _osd(s)["optimizer_state_dict"][
+        "state"].__setitem__(0, [1]), "the optimizer's state[0] is not a dict of its states"),
+}
+
+
+@pytest.mark.parametrize("case", list(_HOSTILE))
+def test_hostile_rank_files_are_one_line_not_an_internal_error(samples, tmp_path, case):
+    """Well-formed rank files whose structures are off (a key of the wrong type, a list where a dict is, counts and
+    shapes no machine has): one error line naming what is off, or a reading that leaves the odd entry out; never an
+    internal error (each was one: unhashable lists, a str index into a list, a float quotient past 1e308) nor a hang
+    (a partition count of 10**12 listed every missing rank)."""
+    sample, files, change, said = _HOSTILE[case]
+    folder = tmp_path / "ckpt"
+    shutil.copytree(samples / sample, folder)
+    for name in files:
+        _retouch(folder / "global_step1" / name, change)
+    out = tmp_path / "out.safetensors"
+    for args in (("inspect", folder), ("fix", folder, "-o", out), ("diff", folder, folder)):
+        result = run_cli(*args)
+        assert "internal error" not in result.stderr, (args, result.stderr)
+        if said is None:
+            assert result.exit_code == 0, (args, result.stderr)
+        else:
+            assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+            assert said in result.stderr, (args, result.stderr)
+    assert out.exists() == (said is None)
+
 @pytest.mark.parametrize("name", ["z2", "z3"])
 def test_optimizer_state_per_parameter_is_adams_own_step(samples, tmp_path, name):
     """The per-parameter Adam state (cut from the partitions like the weights) must be what moved each weight: the

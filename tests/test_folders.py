@@ -353,3 +353,26 @@ def test_a_shard_index_named_by_itself_is_its_checkpoint(tmp_path, cli):
     for command in ("inspect", "scan"):
         broken = cli(command, index)
         assert broken.exit_code == 2 and "model-00002-of-00002.safetensors" in broken.stderr
+
+
+@pytest.mark.parametrize("shard", [["model-00001-of-00001.safetensors"], "model-00001-of-00001.safetensors\0"])
+def test_a_shard_index_naming_a_shard_by_no_file_name_is_refused_in_one_line(tmp_path, cli, shard):
+    """A weight_map value that is a JSON list (unhashable: the index's shards were deduplicated before each was
+    checked) or a name with a NUL (os.stat raises ValueError, not OSError) is one error line, read through the
+    folder or the index, by every command: never an internal error."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    save_file({"a.weight": torch.ones(2, 3)}, folder / "model-00001-of-00001.safetensors")
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a.weight": shard}}))
+    for args in (("inspect", folder), ("inspect", index), ("scan", index), ("fix", index, "-o", tmp_path / "out.pt"),
+                 ("diff", folder, folder)):
+        result = cli(*args)
+        assert result.exit_code == 2, (args, result.stderr)
+        assert "internal error" not in result.stderr, (args, result.stderr)
+        assert "weight_map names shard" in result.stderr and "which is not a file name" in result.stderr, result.stderr
+    assert not (tmp_path / "out.pt").exists()

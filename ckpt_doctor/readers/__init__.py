@@ -369,8 +369,8 @@ def _shard_names(index_path: Path, index: object) -> list[str]:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise ReadError(f"{index_path}: not a shard index (needs a JSON object with a weight_map)")
-    for shard in dict.fromkeys(weight_map.values()):
-        if not isinstance(shard, str) or "/" in shard or "\\" in shard or shard.startswith(".."):
+    for shard in weight_map.values():  # (each: a list or dict among them would make dict.fromkeys fail, unhashable)
+        if not isinstance(shard, str) or "/" in shard or "\\" in shard or "\0" in shard or shard.startswith(".."):
             raise ReadError(f"{index_path}: weight_map names shard {str(shard)[:80]!r}, which is not a file name")
     return list(dict.fromkeys(weight_map.values()))
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from .._record import fast_new, replace
 from ..advice import consolidate
-from ..assemble import chunks_total, count_problem, coverage_problem
+from ..assemble import chunks_total, count_problem, coverage_problem, overlap_problem
 from ..dtypes import element_size
 from ..errors import CkptDoctorError, ReadError
 from ..records import (
@@ -259,7 +259,7 @@ def _read_metadata(path: Path, meta: _Meta, unpicklers: list, strict: bool = Tru
         if not isinstance(rel, str) or rel not in good_files:
             if not isinstance(rel, str):
                 raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} is malformed")
-            if "/" in rel or "\\" in rel or rel in ("", ".", ".."):
+            if "/" in rel or "\\" in rel or "\0" in rel or rel in ("", ".", ".."):  # (a NUL: os.stat raises ValueError)
                 raise ReadError(f"{path}: the storage entry of {str(fqn)[:80]} names {rel[:80]!r}, not a file in "
                                 "the folder")
             good_files.add(rel)
@@ -297,7 +297,7 @@ def _merged(storage: Storage, meta: _Meta, own: dict[str, set], rank: int | None
     if min(storage.at, default=0) < 0 or min(storage.length, default=0) < 0:
         return False
     for rel in set(storage.rel):
-        if not isinstance(rel, str) or "/" in rel or "\\" in rel or rel in ("", ".", ".."):
+        if not isinstance(rel, str) or "/" in rel or "\\" in rel or "\0" in rel or rel in ("", ".", ".."):
             return False
     # A chunk's entry must be one its own state_dict_metadata lists (an item it does not list: any offset does)
     if strict and not all(map(contains, map(own.get, storage.fqn, repeat(_ANYTHING)), storage.offset)):
@@ -542,18 +542,18 @@ class _Items:
             except RemoteError as exc:
                 if "not found (404)" not in str(exc):
                     raise
-                raise ReadError(f"{self.folder}: {rel} is missing (not found (404); it holds {fqn}, among others): "
-                                "the checkpoint is incomplete") from None
+                raise ReadError(f"{self.folder}: {rel[:80]} is missing (not found (404); it holds {fqn[:80]}, among "
+                                "others): the checkpoint is incomplete") from None
         if rel not in self.sizes:
             try:
                 st = os.stat(path)
             except FileNotFoundError:
-                raise ReadError(f"{self.folder}: {rel} is missing (it holds {fqn}, among others): the checkpoint is "
-                                "incomplete") from None
-            except OSError as exc:
-                raise ReadError(f"{self.folder}: {rel} cannot be read ({exc.strerror})") from None
+                raise ReadError(f"{self.folder}: {rel[:80]} is missing (it holds {fqn[:80]}, among others): the "
+                                "checkpoint is incomplete") from None
+            except OSError as exc:  # (a name the metadata gives: shown cut, as its other messages show it)
+                raise ReadError(f"{self.folder}: {rel[:80]} cannot be read ({exc.strerror})") from None
             if not stat.S_ISREG(st.st_mode):
-                raise ReadError(f"{self.folder}: {rel} is not a regular file (a device, a pipe or a folder)")
+                raise ReadError(f"{self.folder}: {rel[:80]} is not a regular file (a device, a pipe or a folder)")
             self.sizes[rel] = st.st_size
         self.paths[rel] = path
         return path, self.sizes[rel]
@@ -630,8 +630,10 @@ class _Items:
         if transforms:
             if transforms != ("stream.zstd/1",) and not (len(transforms) == 1 and
                                                          transforms[0].startswith("stream.zstd/1.")):
-                raise ReadError(f"{self.folder}: {fqn} is stored through {', '.join(transforms)} ({label}), a "
-                                "transform ckpt-doctor does not know")
+                shown = ", ".join(t[:40] for t in transforms[:3]) + (f", … {len(transforms) - 3} more"
+                                                                    if len(transforms) > 3 else "")
+                raise ReadError(f"{self.folder}: {fqn} is stored through {shown} ({label}), a transform ckpt-doctor "
+                                "does not know")
             cap = (expect if expect is not None else limits.MAX_UNPICKLE_BYTES) + (1 << 20)
             path, at, length = inflate_zstd(path, at, length, cap, f"{self.folder}: {fqn} ({label})")
             if expect is None:  # a value: unpickled now, its inflated copy not needed after
@@ -1075,9 +1077,11 @@ def _chunk_coverage(assembly: Assembly, chunks: list, stride: tuple[int, ...]) -
     """coverage_problem of a LazyAssembly of chunks read together, from its chunks (every piece's stride is
     `stride`) without making its pieces; where a chunk does not pass the column-wise check, coverage_problem itself
     names it."""
-    total = chunks_total(assembly.grid, list(map(itemgetter(0), chunks)), list(map(itemgetter(1), chunks)),
-                         {len(stride)})
-    return coverage_problem(assembly) if total is None else count_problem(total, assembly.grid)
+    offsets, sizes = list(map(itemgetter(0), chunks)), list(map(itemgetter(1), chunks))
+    total = chunks_total(assembly.grid, offsets, sizes, {len(stride)})
+    if total is None:
+        return coverage_problem(assembly)
+    return count_problem(total, assembly.grid) or overlap_problem(assembly.grid, offsets, sizes)
 
 
 def _read_alike(a: tuple[Piece, ...], b: list[Piece]) -> bool:

@@ -25,9 +25,10 @@ import os
 import re
 import stat
 from collections import OrderedDict
+from itertools import islice
 from ..advice import Promise, Suggestion, consolidate, shell_path
 from .._record import replace
-from math import ceil, prod
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,8 @@ def _natural(name: str) -> list:
 
 def _get(tree: Any, *path: Any, what: str, where: Path) -> Any:
     for key in path:
-        if not isinstance(tree, (dict, list)) or (key not in tree if isinstance(tree, dict) else key >= len(tree)):
+        if not isinstance(tree, (dict, list)) or (key not in tree if isinstance(tree, dict)
+                                                  else type(key) is not int or key >= len(tree)):
             raise ReadError(f"{where}: not a DeepSpeed ZeRO file: no {what}")
         tree = tree[key]
     return tree
@@ -236,6 +238,8 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
     param_shapes = _get(m0, "param_shapes", what="param_shapes", where=first)
     if isinstance(param_shapes, dict):
         param_shapes = [param_shapes]
+    if not isinstance(param_shapes, list) or not all(isinstance(shapes, dict) for shapes in param_shapes):
+        raise ReadError(f"{first}: param_shapes is not a list of {{name: shape}} per param group")
     stage = None
     world = 1
     optims = [ckpts[p].root for p in optim_files]
@@ -243,13 +247,15 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
         osd = _get(optims[0], "optimizer_state_dict", what="optimizer_state_dict", where=optim_files[0])
         stage = _stage(osd.get("zero_stage")) if isinstance(osd, dict) else None
         count = osd.get("partition_count") if isinstance(osd, dict) else None
+        if not (isinstance(count, list) and all(type(c) is int for c in count) or count is None or type(count) is int):
+            raise ReadError(f"{optim_files[0]}: partition_count is {str(count)[:60]}, not a number of ranks")
         world = max(count) if isinstance(count, list) and count else count if type(count) is int else len(optims)
         if stage is None:
             raise ReadError(f"{optim_files[0]}: no zero_stage in its optimizer_state_dict: not a ZeRO checkpoint")
         ranks = {int(m.group(1)) for n in names if (m := OPTIM_STATES.fullmatch(n))}
-        missing = [r for r in range(world) if r not in ranks]
+        missing = list(islice((r for r in range(world) if r not in ranks), 4))  # (a count of 10**12: not a list)
         if missing or len(optims) != world:
-            shown = ", ".join(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in missing[:4]) or \
+            shown = ", ".join(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in missing) or \
                 f"{len(optims)} files for {world} ranks"
             raise ReadError(f"{tag_dir}: the optimizer states of {world} ranks are needed, missing: {shown}: the "
                             "checkpoint is incomplete")
@@ -259,7 +265,7 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
     state: OrderedDict[str, Any] = OrderedDict()
     layouts: dict[str, str] = {}
     for name in buffer_names if isinstance(buffer_names, list) else []:
-        raw = module.get(name) if isinstance(module, dict) else None
+        raw = module.get(name) if isinstance(module, dict) and isinstance(name, str) else None
         if isinstance(raw, RawTensor):
             state[name] = _as_float32(name, raw, first)
     # each rank's frozen_param_fragments, or the fragments a worker read of it (_Walked.fragments)
@@ -271,7 +277,7 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
             parts = [_Partitions([f[name] if isinstance(f, _Fragments) else
                                   _flat(_get(f, name, what=f"frozen fragment {name}", where=p), name, p)], p.name)
                      for f, p in zip(fragments, model_files)]
-            numel, chunk = prod(shape), ceil(prod(shape) / world)
+            numel, chunk = prod(shape), -(-prod(shape) // world)
             pieces = _zero3_pieces(parts, 0, numel, world)
             state[name] = _tensor(f"{FP32}.{name}", shape, _one_dtype([p.dtype for p in parts], name), pieces, first)
             layouts[f"{FP32}.{name}"] = f"ZeRO-3 frozen, {world} ranks × {chunk:,}"
@@ -302,7 +308,7 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
                 slots.append((g, name, shape, offset, numel))
                 offset += numel + (pads[j] if pads is not None else 0)
             align = 2 * world
-            if ceil(offset / align) * align != ceil(group.length / align) * align:
+            if -(-offset // align) != -(-group.length // align):
                 raise ReadError(f"{tag_dir}: param group {g} takes {offset:,} elements of the {group.length:,} its "
                                 "partitions hold: the checkpoint does not match its param_shapes")
     elif stage == 3:
@@ -310,6 +316,8 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
         ranks = []
         for o, p in zip(optims, optim_files):
             groups = _get(o, "optimizer_state_dict", key, what=key, where=p)
+            if not isinstance(groups, list):
+                raise ReadError(f"{p}: {key} is not a list of flat partitions")
             ranks.append(_Partitions([_flat(t, f"{key}[{i}]", p) for i, t in enumerate(groups)], f"{p.name} {key}"))
         dtype = _one_dtype([r.dtype for r in ranks], f"{tag_dir}: {key}")
         offset = 0
@@ -317,7 +325,7 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
         for name, shape in merged.items():
             shape = _shape(shape, name, first)
             numel = prod(shape)
-            chunk = ceil(numel / world)
+            chunk = -(-numel // world)
             state[name] = _tensor(f"{FP32}.{name}", shape, dtype, (ranks, offset, numel, world), first)
             slots.append((0, name, shape, offset, numel))
             pad = chunk * world - numel
@@ -329,7 +337,7 @@ def read_deepspeed(folder: Path, tag_dir: Path, names: list[str] | None = None, 
                             "the checkpoint does not match its param_shapes")
     shared = m0.get("shared_params") or {}
     for alias, owner in shared.items() if isinstance(shared, dict) else []:
-        if owner in state:
+        if isinstance(owner, str) and owner in state:
             state[alias] = state[owner]
     recovered = []
     if stage in (1, 2) and isinstance(module, dict):
@@ -461,7 +469,10 @@ def _optimizer_state(stage: int | None, world: int, optims: list, files: list[Pa
     groups = sorted(k for k in states[0] if type(k) is int) if isinstance(states[0], dict) else []
     per_key: dict[str, Any] = {}  # key -> _Concat (ZeRO-1/2: by group) or per-rank _Partitions (ZeRO-3)
     scalars: dict[tuple[int, str], Any] = {}
-    for key, value in (states[0].get(groups[0], {}).items() if groups else []):
+    state0 = _get(states[0], groups[0], what=f"state[{groups[0]}]", where=files[0]) if groups else {}
+    if not isinstance(state0, dict):
+        raise ReadError(f"{files[0]}: the optimizer's state[{groups[0]}] is not a dict of its states")
+    for key, value in state0.items():
         if isinstance(value, RawTensor) and value.shape == ():
             for g in groups:
                 scalars[(g, key)] = _get(states[0], g, key, what=f"state[{g}].{key}", where=files[0])
@@ -505,7 +516,7 @@ def _optimizer_state(stage: int | None, world: int, optims: list, files: list[Pa
 def _zero3_pieces(ranks: list[_Partitions], offset: int, numel: int, world: int) -> list[Piece]:
     """A ZeRO-3 parameter of `numel` elements from `offset` of every rank's partitions: rank r holds its elements
     r × chunk to (r + 1) × chunk, chunk = ceil(numel / world), the last ones padding."""
-    chunk = ceil(numel / world)
+    chunk = -(-numel // world)  # (in ints: a float quotient overflows, or rounds, past 2**53)
     return [pc for r, part in enumerate(ranks)
             for pc in part.pieces(offset, max(0, min(chunk, numel - r * chunk)), r * chunk)]
 
