@@ -97,17 +97,22 @@ def test_a_chunk_of_another_rank_than_its_tensor_is_named(tmp_path, n):
     assert not (tmp_path / "out.pt").exists()
 
 
+def _first_entry_changed(folder: Path, **fields: object) -> Path:
+    """The folder with its first storage entry's _StorageInfo fields replaced (pickled back as torch pickles it)."""
+    import dataclasses
+
+    meta = pickle.loads((folder / ".metadata").read_bytes())
+    key = next(iter(meta.storage_data))
+    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], **fields)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    return folder
+
+
 @pytest.mark.parametrize("n", [40, dcp_items.BULK_MIN + 4])
 def test_a_storage_entry_naming_a_file_with_a_nul_is_refused(tmp_path, n):
     """A storage entry whose relative_path holds a NUL names no file: refused as a name with a slash is (os.stat
     raised ValueError, an internal error, where an OSError was expected)."""
-    import dataclasses
-
-    folder = _folder(tmp_path / "ckpt", n, -1)
-    meta = pickle.loads((folder / ".metadata").read_bytes())
-    key = next(iter(meta.storage_data))
-    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], relative_path="__0_0.distcp\0")
-    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    folder = _first_entry_changed(_folder(tmp_path / "ckpt", n, -1), relative_path="__0_0.distcp\0")
     for args in (("inspect", folder), ("fix", folder, "-o", tmp_path / "out.pt"), ("diff", folder, folder)):
         got = run_cli(*args)
         assert got.exit_code == 2, got.stderr
@@ -154,13 +159,7 @@ def test_chunks_that_overlap_and_leave_a_gap_as_large_are_refused(tmp_path, n, o
 def test_unknown_transforms_are_named_in_a_short_line(tmp_path, n, transforms):
     """A storage entry whose transform descriptors are unknown is refused in one line that names a few of them (it
     joined every descriptor, whole: a line of megabytes)."""
-    import dataclasses
-
-    folder = _folder(tmp_path / "ckpt", n, -1)
-    meta = pickle.loads((folder / ".metadata").read_bytes())
-    key = next(iter(meta.storage_data))
-    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], transform_descriptors=transforms)
-    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    folder = _first_entry_changed(_folder(tmp_path / "ckpt", n, -1), transform_descriptors=transforms)
     got = run_cli("inspect", folder)
     assert got.exit_code == 2 and "a transform ckpt-doctor does not know" in got.stderr, got.stderr[:300]
     assert len(got.stderr) < 500 and len(got.stderr.strip().splitlines()) == 1, got.stderr[:300]
@@ -170,14 +169,8 @@ def test_unknown_transforms_are_named_in_a_short_line(tmp_path, n, transforms):
 def test_a_file_the_metadata_names_that_cannot_be_opened_is_named_in_a_short_line(tmp_path, n):
     """A storage entry naming a file of 300,000 characters (ENAMETOOLONG) is refused in one line that shows the name
     cut (it printed it whole: a line of 300 KB)."""
-    import dataclasses
-
     name = "y" * 300_000
-    folder = _folder(tmp_path / "ckpt", n, -1)
-    meta = pickle.loads((folder / ".metadata").read_bytes())
-    key = next(iter(meta.storage_data))
-    meta.storage_data[key] = dataclasses.replace(meta.storage_data[key], relative_path=name)
-    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    folder = _first_entry_changed(_folder(tmp_path / "ckpt", n, -1), relative_path=name)
     got = run_cli("inspect", folder)
     assert got.exit_code == 2 and name[:80] in got.stderr, got.stderr[:300]
     assert len(got.stderr) < 500 and len(got.stderr.strip().splitlines()) == 1, got.stderr[:300]
