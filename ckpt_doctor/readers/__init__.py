@@ -88,7 +88,9 @@ def read_file(path: Path, survey: Survey | None = None, *, policy: Policy = DEFA
         ckpt = replace(ckpt, notes=(*ckpt.notes, note), advice=(*ckpt.advice, ("folder", whole)),
                        distributed=DistributedShard("torch.distributed.checkpoint", str(path.parent)))
     elif ckpt.format is Format.PICKLE and re.fullmatch(r"\.metadata|__\d+\.metadata", path.name) \
+            and not isinstance(path, RemotePath) \
             and any(g.module == "torch.distributed.checkpoint.metadata" and g.name == "Metadata" for g in ckpt.globals):
+        # (a local folder: over HTTP a folder is named by its .metadata, which the command reads as the folder)
         listing = Suggestion(("inspect", shell_path(path.parent)), Promise.SHOWS, "lists the folder's whole tensors")
         note = ("the metadata of a torch.distributed.checkpoint folder (its tensors' names, global shapes and places; "
                 f"their bytes are in the .distcp files beside it): inspect or fix the folder: `{listing.command}`")
