@@ -87,15 +87,21 @@ def read_file(path: Path, survey: Survey | None = None, *, policy: Policy = DEFA
                 f"its chunks'; inspect or fix the folder for whole tensors: `{whole.command}`")
         ckpt = replace(ckpt, notes=(*ckpt.notes, note), advice=(*ckpt.advice, ("folder", whole)),
                        distributed=DistributedShard("torch.distributed.checkpoint", str(path.parent)))
-    elif ckpt.format is Format.PICKLE and re.fullmatch(r"\.metadata|__\d+\.metadata", path.name) \
-            and not isinstance(path, RemotePath) \
-            and any(g.module == "torch.distributed.checkpoint.metadata" and g.name == "Metadata" for g in ckpt.globals):
-        # (a local folder: over HTTP a folder is named by its .metadata, which the command reads as the folder)
+    elif ckpt.format is Format.PICKLE and path.name.endswith(".metadata") and not isinstance(path, RemotePath) \
+            and _is_dcp_metadata(path, ckpt):  # (over HTTP a folder is named by its .metadata: read as the folder)
         listing = Suggestion(("inspect", shell_path(path.parent)), Promise.SHOWS, "lists the folder's whole tensors")
         note = ("the metadata of a torch.distributed.checkpoint folder (its tensors' names, global shapes and places; "
                 f"their bytes are in the .distcp files beside it): inspect or fix the folder: `{listing.command}`")
         ckpt = replace(ckpt, notes=(*ckpt.notes, note), advice=(*ckpt.advice, ("folder", listing)))
     return ckpt
+
+
+def _is_dcp_metadata(path: Path, ckpt: Checkpoint) -> bool:
+    """Whether a bare pickle is a DCP folder's metadata: named as the DCP reader names it, torch's Metadata inside."""
+    from .dcp import METADATA, RANK_METADATA  # the DCP reader, a big module: only for a file named *.metadata
+
+    return (path.name == METADATA or RANK_METADATA.fullmatch(path.name) is not None) \
+        and any(g.module == "torch.distributed.checkpoint.metadata" and g.name == "Metadata" for g in ckpt.globals)
 
 
 def checkpoint_paths(folder: Path) -> tuple[list[Path], list[str], list[tuple[Path, str]]]:

@@ -205,9 +205,9 @@ class Emitter:
             self.global_("collections", "OrderedDict")
             self.out.append(b")R\x87R")
 
-    def _global_of(self, ref) -> None:
+    def _global_of(self, ref) -> str:
         """Name a global in the output: only what torch.load(weights_only=True) accepts, or what the user allowed
-        (fix.check_writable refuses the rest when planning; this is the last line)."""
+        (fix.check_writable refuses the rest when planning; this is the last line). Its resolved name."""
         if ref is None:
             raise WriteError("the checkpoint holds an object of unknown origin that cannot be written back")
         module, name = resolve(ref.module, ref.name)
@@ -218,11 +218,11 @@ class Emitter:
         if full not in TORCH_WEIGHTS_ONLY:
             self.unknown.append(full)
         self.global_(module, name)
+        return full
 
     def _opaque(self, obj: Opaque) -> Iterator[Any]:
         data = obj.ckd
-        self._global_of(data.ref)
-        if data.state is not None and resolve(data.ref.module, data.ref.name) == ("numpy", "dtype"):
+        if self._global_of(data.ref) == "numpy.dtype" and data.state is not None:
             self.classes.append(_numpy_dtype_class(data.args))  # (BUILD of a dtype: torch asks for its class too)
         yield from self._tuple(tuple(data.args))
         self.out.append(b"R" if data.via_reduce else b"\x81")
