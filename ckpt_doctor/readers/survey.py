@@ -232,8 +232,8 @@ def survey_zip(survey: Survey, fd: int) -> None:
 def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True) -> None:
     """The archive at `base` (an item of a DCP shard when not 0) of `survey.size` bytes."""
     path = survey.path
-    try:
-        index = read_zip_index(fd, survey.size, str(path), base)
+    try:  # (deferred: a big archive's local headers read by a child while its data.pkl is walked, below)
+        index = read_zip_index(fd, survey.size, str(path), base, defer=not base)
     except ZipTooBig as exc:
         survey.zip_error = exc
         survey.refused = str(exc).removeprefix(f"{path}: ")  # no fallback reader goes through it either
@@ -255,6 +255,35 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True)
     chosen = index.find(prefix + "data.pkl")
     remote = is_remote(fd)
     unfetched = 0
+
+    def look_at(i: int) -> None:
+        nonlocal unfetched
+        member = index.member(i)
+        name = member.name
+        rel = name[len(prefix):] if name.startswith(prefix) else name
+        if member.is_dir:
+            return
+        if remote and rel[:5] == "data/" and rel[5:].isdigit() and fd.cached(16, member.offset) is None:
+            unfetched += 1  # a storage far from both ends: its first bytes would cost a request each
+            return
+        head = member_head(fd, member, 16, index)
+        if head[:6] == b"\x93NUMPY":  # an .npy, whatever its name: np.load reads any member by its magic
+            _survey_npy_member(survey, fd, member, budget)
+            return
+        if rel in _TEXT_RECORDS or rel.startswith("data/") and not _is_pickle_name(rel) \
+                or rel.startswith("code/") and rel.endswith(".py"):
+            return  # text records, storages (raw tensor bytes) and TorchScript source: never unpickled
+        is_main = member == chosen  # by value: the index makes a member anew each time it is asked for one
+        if not is_main and not starts_pickle(head):
+            return  # no opcode at its start: nothing any loader would unpickle (and nothing inflated)
+        _survey_member(survey, fd, member, is_main, budget)
+
+    first = -1
+    if index.pending is not None:  # the storages' local headers still being read: find() found data.pkl first
+        if chosen is not None:  # (member 0, as torch writes it: any other member would have settled the index)
+            look_at(0)  # the first member the loop below would look at, looked at while the child reads
+            first = 0
+        index.settle()
     if index.npy_heads is None:
         looked_at: Any = range(len(index))
     else:
@@ -262,25 +291,8 @@ def _survey_zip(survey: Survey, fd: int, base: int = 0, local_scan: bool = True)
         # whose first bytes the index found not to be NumPy's magic. Every other member goes through it.
         looked_at = sorted(set(_not_storages(index, prefix)).union(index.npy_heads))
     for i in looked_at:
-        member = index.member(i)
-        name = member.name
-        rel = name[len(prefix):] if name.startswith(prefix) else name
-        if member.is_dir:
-            continue
-        if remote and rel[:5] == "data/" and rel[5:].isdigit() and fd.cached(16, member.offset) is None:
-            unfetched += 1  # a storage far from both ends: its first bytes would cost a request each
-            continue
-        head = member_head(fd, member, 16, index)
-        if head[:6] == b"\x93NUMPY":  # an .npy, whatever its name: np.load reads any member by its magic
-            _survey_npy_member(survey, fd, member, budget)
-            continue
-        if rel in _TEXT_RECORDS or rel.startswith("data/") and not _is_pickle_name(rel) \
-                or rel.startswith("code/") and rel.endswith(".py"):
-            continue  # text records, storages (raw tensor bytes) and TorchScript source: never unpickled
-        is_main = member == chosen  # by value: the index makes a member anew each time it is asked for one
-        if not is_main and not starts_pickle(head):
-            continue  # no opcode at its start: nothing any loader would unpickle (and nothing inflated)
-        _survey_member(survey, fd, member, is_main, budget)
+        if i != first:
+            look_at(i)
     if unfetched:
         survey.notes.append(f"over the network: the first bytes of {unfetched} storage{'s' if unfetched > 1 else ''} "
                             "(data/N, raw tensor bytes torch never unpickles) were not fetched; the .npy magic "

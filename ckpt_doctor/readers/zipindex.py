@@ -21,6 +21,7 @@ from itertools import repeat
 from operator import add, and_, itemgetter, rshift, sub
 
 from ..errors import ReadError
+from ..pool import can_fork
 from ..safepickle import limits
 from .source import is_remote, pread, read_data
 
@@ -71,10 +72,7 @@ class ZipIndex:
         self.whole = whole  # the archive's bytes, when a small one was read whole to find its members
         self.base = base  # where the archive starts in its file
         self.heads = heads or {}  # data offset -> the first HEAD_BYTES there, read with its local header
-        # positions of the members whose first bytes may be NumPy's magic (np.load would read them as arrays):
-        # those seen to be, and those not seen (deflated, or past what was read); None when not worked out (every
-        # member's first bytes are then asked for)
-        self.npy_heads: list[int] | None = None
+        self._npy_heads: list[int] | None = None  # (npy_heads)
         # folded name -> its member's position; names several members share -> all their positions
         self._by_name: dict[str, int] = {}
         self._shared: dict[str, list[int]] = {}
@@ -103,6 +101,7 @@ class ZipIndex:
         self.prefix = first.split("/", 1)[0] if "/" in first else None
         self.torch_problem: str | None = None
         self.other_readers: str | None = None  # why Python's zipfile could see other members than torch
+        self.pending: _Headers | None = None  # the local headers still being read by a child (settle())
         self.guessed = 0  # storages whose local header was not fetched (a remote archive in torch's layout)
         if not names:
             self.torch_problem = "the archive is empty"
@@ -120,6 +119,8 @@ class ZipIndex:
     @property
     def members(self) -> list[ZipMember]:
         if self._members is None:
+            if self.pending is not None:
+                self.settle()
             self._members = list(map(tuple.__new__, repeat(ZipMember), zip(*self._columns)))
         return self._members
 
@@ -127,7 +128,36 @@ class ZipIndex:
         """The member at position `i` (made alone, while the list of them is not made)."""
         if self._members is not None:
             return self._members[i]
+        if self.pending is not None and i:  # (the first member's header is read at once: see _Headers)
+            self.settle()
         return tuple.__new__(ZipMember, [column[i] for column in self._columns])
+
+    @property
+    def npy_heads(self) -> list[int] | None:
+        """The positions of the members whose first bytes may be NumPy's magic (np.load would read them as arrays):
+        those seen to be, and those not seen (deflated, or past what was read); None when not worked out (every
+        member's first bytes are then asked for)."""
+        if self.pending is not None:
+            self.settle()
+        return self._npy_heads
+
+    @npy_heads.setter
+    def npy_heads(self, value: list[int] | None) -> None:
+        self._npy_heads = value
+
+    def settle(self) -> None:
+        """The local headers a child was reading (_Headers), taken into the columns: each member's data offset, and
+        which may start with NumPy's magic. ReadError when the file changed while they were read."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        found = pending.result()
+        offsets = self._columns[1]
+        if found is None or found[0][0] != offsets[0]:
+            raise ReadError(f"{self.path}: the file changed while it was read (its local headers came back short "
+                            "or moved); read it again once nothing writes to it")
+        offsets[:] = found[0]
+        self._npy_heads = _npy_heads(self, found[1], self._columns[4])
 
     def __len__(self) -> int:
         return len(self.names)
@@ -160,6 +190,8 @@ class ZipIndex:
 
     def column(self, field: str) -> list:
         """One field of every member (ZipMember's names), in directory order."""
+        if self.pending is not None:
+            self.settle()
         return self._columns[ZipMember._fields.index(field)]
 
     def all_named(self, name: str) -> list[ZipMember]:
@@ -196,12 +228,15 @@ class ZipTooBig(ReadError):
     """The directory is past a resource bound: no reader, ours or a fallback, should go through it."""
 
 
-def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipIndex:
+def read_zip_index(fd: int, file_size: int, path: str, base: int = 0, defer: bool = False) -> ZipIndex:
     """The archive's members. Raises ReadError naming what is broken where torch's reader would fail too.
 
     `base`: where the archive starts in the file (a torch.distributed.checkpoint shard holds one archive per item,
     end to end, each read by torch as a stream of its own); `file_size` is then the archive's length. Offsets in the
-    archive are relative to `base`; the members' offsets returned are absolute in the file."""
+    archive are relative to `base`; the members' offsets returned are absolute in the file.
+
+    `defer`: a big local archive's local headers past the first member's may be read by a child meanwhile (the
+    index is then `pending` until settled: any member but the first, a column, npy_heads settle it)."""
     eocd_at = _locate_end_record(fd, file_size, base)
     if eocd_at is None:
         raise ReadError(f"{path}: zip archive has no end-of-central-directory record "
@@ -241,7 +276,7 @@ def read_zip_index(fd: int, file_size: int, path: str, base: int = 0) -> ZipInde
         count > 64 or file_size <= 1 << 20) else None
     # Column by column pays from a few dozen members on; a DCP item's handful is read faster one by one.
     columns = count > 64 and not (is_remote(fd) and whole is None)
-    made = _by_columns(fd, cd, count, disk, file_size, path, base, whole) if columns else None
+    made = _by_columns(fd, cd, count, disk, file_size, path, base, whole, defer) if columns else None
     index, p = made if made is not None else _one_by_one(fd, cd, count, disk, file_size, path, base, whole)
     # Python's zipfile (np.load, most tools) reads the same archive differently: it shifts every offset by the
     # bytes between where the directory ends and where the end record is, and reads entries until the directory's
@@ -340,7 +375,7 @@ _GAP = 32 << 10  # ... that skip no more than this between two headers (reading 
 
 
 def _by_columns(fd: int, cd: bytes, count: int, disk: int, file_size: int, path: str, base: int,
-                whole: bytes | None) -> tuple[ZipIndex, int] | None:
+                whole: bytes | None, defer: bool = False) -> tuple[ZipIndex, int] | None:
     """What _one_by_one makes of a local archive, column by column: the directory's fields taken a column at a
     time from runs of entries of one length, each check made of a whole column, the local headers read in a few
     large reads, and which members' data may start with NumPy's magic worked out here. None where anything is
@@ -383,6 +418,7 @@ def _by_columns(fd: int, cd: bytes, count: int, disk: int, file_size: int, path:
         return None
     if max(map(add, local_ats, csizes)) + 30 > file_size:
         return None
+    pending = None
     if whole is not None:
         try:
             data, maybe = _data_starts(whole, local_ats, csizes, file_size, -1)
@@ -390,12 +426,21 @@ def _by_columns(fd: int, cd: bytes, count: int, disk: int, file_size: int, path:
             return None
         offsets = data if not base else [d + base if d >= 0 else -1 for d in data]
     else:
-        headers = _local_headers(fd, local_ats, nlens, csizes, file_size, base)
+        headers = None
+        if defer and count >= FORK_AT and isinstance(fd, int) and can_fork():
+            headers = _local_headers(fd, local_ats[:1], nlens[:1], csizes[:1], file_size, base)  # the first alone
+            if headers is None:
+                return None
+            try:
+                pending = _Headers((fd, local_ats, nlens, csizes, file_size, base))
+                headers = headers[0] + [-1] * (count - 1), []  # the rest once settled
+            except OSError:  # no processes or maps left: read here
+                headers = None
+        if headers is None:
+            headers = _local_headers(fd, local_ats, nlens, csizes, file_size, base)
         if headers is None:
             return None
         offsets, maybe = headers
-    if methods.count(0) != count:  # a deflated member's first bytes are known only once inflated
-        maybe = sorted(set(maybe).union(i for i, m in enumerate(methods) if m))
     if any(a & 0x10 for a in set(attrs)) or folders:
         is_dir = [bool(a & 0x10) or n.endswith("/") for a, n in zip(attrs, names)]
     else:
@@ -403,8 +448,94 @@ def _by_columns(fd: int, cd: bytes, count: int, disk: int, file_size: int, path:
     at = list(map(add, local_ats, repeat(base))) if base else local_ats
     index = ZipIndex(None, path, whole, base, columns=(names, offsets, usizes, csizes, methods, crcs, at, flags,
                                                        is_dir), joined=joined)
-    index.npy_heads = [i for i in maybe if _may_be_npy(index.member(i))]
+    if pending is None:
+        index.npy_heads = _npy_heads(index, maybe, methods)
+    else:
+        index.pending = pending
     return index, p
+
+
+def _npy_heads(index: ZipIndex, maybe: list[int], methods: list[int]) -> list[int]:
+    """ZipIndex.npy_heads from the positions _local_headers saw NumPy's magic at, or did not see (`maybe`)."""
+    if methods.count(0) != len(methods):  # a deflated member's first bytes are known only once inflated
+        maybe = sorted(set(maybe).union(i for i, m in enumerate(methods) if m))
+    return [i for i in maybe if _may_be_npy(index.member(i))]
+
+
+# Members from which a big archive's local headers (read by pread, not from its bytes read whole) are read by a
+# forked child (_Headers) while the survey walks the main pickle: 20,000 headers spread over a file cost ~30 ms.
+FORK_AT = 4096
+
+
+class _Headers:
+    """_local_headers' answer for a big archive, worked out by a forked child while this process reads on: the
+    survey walks torch's first member, data.pkl (its header read here at once), meanwhile, and takes the rest
+    (ZipIndex.settle) when it first asks for another member. The child answers in an anonymous shared map (it never
+    blocks on a pipe nobody reads), ignores Ctrl-C and exits without returning into the caller's code. Anything
+    wrong with it (it died, raised) only means the headers are read here after all; a child never waited for (the
+    survey failed first) is killed and reaped when this object goes."""
+
+    def __init__(self, args: tuple) -> None:
+        import mmap
+
+        self.args = args
+        count = len(args[1])
+        self.pid = 0
+        self.shared = mmap.mmap(-1, 16 * (count + 1))  # two counts, then at most 2 * count ints
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                import signal
+
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                found = _local_headers(*args)
+                if found is None:
+                    code = _CUT
+                else:
+                    from array import array
+
+                    offsets, maybe = found
+                    self.shared[:16] = struct.pack("<qq", len(offsets), len(maybe))
+                    self.shared[16:16 + 8 * (len(offsets) + len(maybe))] = array("q", offsets + maybe).tobytes()
+                    code = 0
+            finally:
+                os._exit(code)
+
+    def result(self) -> tuple[list[int], list[int]] | None:
+        """_local_headers' answer: the child's, else worked out here."""
+        try:
+            code = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        except ChildProcessError:  # reaped by someone else: its answer is not known to be whole
+            code = 1
+        self.pid = 0
+        try:
+            if code == _CUT:
+                return None
+            if code == 0:
+                from array import array
+
+                count, seen = struct.unpack_from("<qq", self.shared)
+                found = array("q", self.shared[16:16 + 8 * (count + seen)]).tolist()
+                if count == len(self.args[1]):
+                    return found[:count], found[count:]
+            return _local_headers(*self.args)
+        finally:
+            self.shared.close()
+
+
+    def __del__(self) -> None:  # (not weakref.finalize: its exit handler would keep the command from os._exit)
+        if self.pid:
+            import signal
+
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+            except Exception:  # gone already (OSError), or Python is shutting down
+                pass
+
+
+_CUT = 3  # the child's exit code where the file came back short
 
 
 def _data_starts(block: bytes, at: list[int], sizes: list[int], room: int,

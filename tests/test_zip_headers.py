@@ -1,0 +1,114 @@
+"""A big archive's local headers are read by a forked child while its data.pkl is walked (zipindex._Headers): the
+index, the survey and what the commands print are the same as when this process reads them all itself."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ckpt_doctor.errors import ReadError
+from ckpt_doctor.readers import survey as survey_mod
+from ckpt_doctor.readers import zipindex
+from ckpt_doctor.readers.survey import survey_file
+
+COUNT = zipindex.FORK_AT + 8  # members enough for the child
+
+
+def _big_archive(path, npy_payload: bool = False):
+    """torch.save of COUNT small tensors (its storages spread over the file, past what is read whole), one of them
+    a NumPy .npy of an object array when `npy_payload` (np.load would unpickle it)."""
+    import numpy as np
+    import torch
+
+    pad = torch.zeros(1 << 11)  # 8 KB a tensor: the file (~35 MB) is past the size read whole (16 MB)
+    state = {f"layers.{i}.weight": pad + i for i in range(COUNT)}
+    if npy_payload:
+        buf = io.BytesIO()
+        np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+        state["blob"] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).clone()
+    torch.save(state, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    return _big_archive(tmp_path_factory.mktemp("zip") / "big.pt", npy_payload=True)
+
+
+def _index(path, defer: bool):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        index = zipindex.read_zip_index(fd, os.fstat(fd).st_size, str(path), defer=defer)
+        pending = index.pending is not None
+        index.settle()
+        return index, pending
+    finally:
+        os.close(fd)
+
+
+def test_the_child_reads_the_same_headers_as_this_process(big):
+    assert os.path.getsize(big) > 16 << 20  # (not read whole: the headers are read by pread)
+    deferred, pending = _index(big, defer=True)
+    here, _ = _index(big, defer=False)
+    assert pending  # the child was started
+    assert deferred.members == here.members  # every offset the child found is the one found here
+    assert deferred.npy_heads == here.npy_heads and len(here.npy_heads) == 1  # the .npy storage, seen by both
+    assert min(m.offset for m in here.members if not m.is_dir) > 0
+
+
+def test_the_survey_and_the_commands_say_the_same_with_and_without_the_child(big, monkeypatch):
+    alone = dict(os.environ, CKPT_DOCTOR_NO_FORK="1")
+    outputs = []
+    for env in (dict(os.environ), alone):
+        run = subprocess.run([sys.executable, "-m", "ckpt_doctor", "scan", str(big), "--json"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        outputs.append((run.returncode, json.loads(run.stdout), run.stderr))
+    assert outputs[0] == outputs[1]
+    code, report, err = outputs[0]
+    assert code == 0 and "np.load(allow_pickle=True) would unpickle" in err  # the .npy storage, found via the child
+    forks = []
+    real_fork = os.fork
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or real_fork())
+    surveyed = survey_file(big)
+    assert forks == [1] and surveyed.zip.pending is None
+    assert any("a NumPy array whose data np.load" in note for note in surveyed.notes)
+
+
+def test_a_child_that_fails_only_means_the_headers_are_read_here(big, monkeypatch):
+    parent = os.getpid()
+    real = zipindex._local_headers
+
+    def failing_in_the_child(*args):
+        if os.getpid() != parent:
+            raise RuntimeError("the child breaks")
+        return real(*args)
+
+    monkeypatch.setattr(zipindex, "_local_headers", failing_in_the_child)
+    deferred, pending = _index(big, defer=True)
+    monkeypatch.setattr(zipindex, "_local_headers", real)
+    here, _ = _index(big, defer=False)
+    assert pending and deferred.members == here.members and deferred.npy_heads == here.npy_heads
+
+
+def test_a_file_cut_short_meanwhile_is_one_error(big, monkeypatch):
+    monkeypatch.setattr(zipindex._Headers, "result", lambda self: None)  # the child's blocks came back short
+    with pytest.raises(ReadError, match="changed while it was read"):
+        survey_file(big)
+    with pytest.raises(ChildProcessError):  # the child was waited for: none is left behind
+        os.waitpid(-1, os.WNOHANG)
+
+
+def test_a_survey_that_fails_before_the_headers_leaves_no_child(big, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the walk breaks")
+
+    monkeypatch.setattr(survey_mod, "_survey_member", broken)
+    with pytest.raises(RuntimeError):
+        survey_file(big)
+    with pytest.raises(ChildProcessError):  # killed and reaped when its index went
+        os.waitpid(-1, os.WNOHANG)
