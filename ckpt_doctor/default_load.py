@@ -8,10 +8,11 @@ from __future__ import annotations
 from ._record import record
 from .devices import missing_devices
 from .records import Checkpoint, Format, Verdict
-from .safepickle.policy import TORCH_WEIGHTS_ONLY, resolve
+from .safepickle.policy import TORCH_WEIGHTS_ONLY, GlobalRef, resolve
 
 # Formats torch.load opens, and why it refuses the others with its defaults.
 _OPENS = (Format.TORCH_ZIP, Format.TORCH_LEGACY, Format.SAFETENSORS)
+_PICKLES_READ = (Format.TORCH_ZIP, Format.TORCH_LEGACY)  # formats whose readers unpickle what torch.load unpickles
 _REFUSES = {
     Format.TORCHSCRIPT: "a TorchScript archive, which torch.load refuses with weights_only=True (torch.jit.load "
                         "would run its code)",
@@ -86,13 +87,19 @@ class DefaultLoad:
                 "reason": "; ".join(self.reasons()) or None}
 
 
+def met_by_torch(ckpt: Checkpoint) -> tuple[GlobalRef, ...]:
+    """The globals torch.load's unpickler meets: of a torch zip or legacy file, those of the pickles the reader
+    unpickled as torch.load does (not a pickle np.load would find in a member, nor one torch never reads)."""
+    return ckpt.loaded_globals if ckpt.loaded_globals is not None and ckpt.format in _PICKLES_READ else ckpt.globals
+
+
 def default_load(ckpt: Checkpoint) -> DefaultLoad:
     """What `torch.load(ckpt.path)` does here with torch's defaults."""
     if ckpt.format not in _OPENS and ckpt.format not in _REFUSES:
         return DefaultLoad(applies=False)
     refused: dict[str, None] = {}
     inert: dict[str, None] = {}
-    for g in ckpt.globals:
+    for g in met_by_torch(ckpt):
         if "→ nested pickle" in g.source:  # a pickle inside a byte string: torch.load never unpickles it
             continue
         full = ".".join(resolve(g.module, g.name))

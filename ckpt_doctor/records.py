@@ -578,6 +578,10 @@ class Checkpoint:
     distributed: DcpFolder | DeepSpeedFolder | DistributedShard | None = None  # what a distributed checkpoint is
     longer_storages: tuple[str, ...] = ()  # zip members longer than their storage, whose size torch.load refuses
     advice: tuple[tuple[str, Any], ...] = ()  # (what for, advice.Suggestion): the commands its notes print
+    # the globals of the pickles torch.load itself unpickles, where the reader unpickled those alone (a torch zip's
+    # data.pkl, a legacy file's five pickles); None: every global counts. `globals` also has what other loaders
+    # would meet (np.load's view of a member, a pickle torch never reads), which torch.load's verdict leaves out.
+    loaded_globals: tuple[GlobalRef, ...] | None = None
 
     @property
     def unsafe_globals(self) -> tuple[GlobalRef, ...]:

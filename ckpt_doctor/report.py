@@ -164,13 +164,14 @@ def _suggestions(ckpt: Checkpoint, comparison: Any, loads: DefaultLoad,
         if found:
             return found
         # no fix makes it load into this model: the rescue of its tensors is still said (the safety line's way out)
-    if not loads.ok and loads.applies and (loads.refused or loads.missing_devices):
-        from .fix.rescue import rescue  # the fix planner: only for a file torch.load refuses
+    refused = not loads.ok and loads.applies and (loads.refused or loads.missing_devices)
+    if refused or loads.applies and ckpt.verdict is not Verdict.SAFE:
+        from .fix.rescue import rescue  # the fix planner: only for a file torch.load refuses, or an unsafe one
 
         found = rescue(ckpt, ["--map-location", "cpu"] if loads.missing_devices else [], source=source,
                        policy=policy)
-        if found is not None:
-            return [("torch.load", found)]
+        if found is not None:  # (torch.load loads an unsafe file whose findings are in pickles it never reads:
+            return [("torch.load" if refused else "rescue", found)]  # the rescue is a copy without them)
     return []
 
 

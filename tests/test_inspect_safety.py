@@ -57,3 +57,55 @@ def test_inspect_does_not_import_torch(fixtures):
         proc = subprocess.run([sys.executable, "-c", code, str(fixtures[name]["path"])], capture_output=True,
                               text=True, timeout=60)
         assert proc.stderr.strip().splitlines()[-1] == "False", (name, proc.stderr)
+
+
+def _canary_pickle(canary) -> bytes:
+    from tests.payloads import call
+
+    return b"\x80\x02" + call("os", "system", f"touch {canary}") + b"."
+
+
+def test_torch_loads_verdict_counts_only_the_pickles_torch_reads(tmp_path, cli):
+    """A pickle np.load would find in an .npy storage, and a member torch never reads, are findings (or notes) of
+    the file, not reasons torch.load fails: the torch.load line agrees with torch.load itself."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    npy = tmp_path / "npy_storage.pt"
+    torch.save({"w": torch.ones(3), "blob": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).clone()},
+               npy)
+    extra = tmp_path / "extra_member.pt"
+    torch.save({"w": torch.ones(3)}, extra)
+    canary = tmp_path / "CANARY"
+    with zipfile.ZipFile(extra, "a") as archive:
+        archive.writestr("extra_member/extra.pkl", _canary_pickle(canary))
+    for path in (npy, extra):
+        torch.load(path, weights_only=True)  # the oracle: torch's defaults load both
+        data = cli("inspect", path, "--json").json()
+        assert data["default_load"]["ok"] and data["default_load"]["refused_globals"] == [], path
+        assert "loads with torch's defaults" in cli("inspect", path).stderr
+    assert cli("scan", npy).exit_code == 0
+    # The member with a payload is still a finding (exit 1); its way out is a copy without it, printed and run
+    table, data = cli("inspect", extra), cli("inspect", extra, "--json").json()
+    assert table.exit_code == data["exit_code"] == 1 and data["unsafe_globals"] == ["os.system"]
+    assert "torch.load reads none of them" in table.stderr
+    [rescue] = data["suggested_commands"]
+    assert rescue["label"] == "rescue" and f"`{rescue['command']}`" in table.stderr
+    assert cli(*rescue["argv"][1:]).exit_code == 0
+    out = tmp_path / "extra_member_fixed.pt"
+    assert rescue["argv"][rescue["argv"].index("-o") + 1] == str(out)
+    assert set(torch.load(out, weights_only=True)) == {"w"}
+    assert "extra.pkl" not in "".join(zipfile.ZipFile(out).namelist())
+    assert cli("scan", out).exit_code == 0 and not canary.exists()
+
+
+def test_a_payload_in_the_pickle_torch_reads_still_fails_its_verdict(tmp_path, cli):
+    path = tmp_path / "evil.pt"
+    path.write_bytes(torch_zip(state_dict_with_payload(tmp_path / "c"), {"0": b"\0" * 16}))
+    data = cli("inspect", path, "--json").json()
+    assert not data["default_load"]["ok"] and "os.system" in data["default_load"]["refused_globals"]
+    assert "torch.load(weights_only=False) would import and run the above" in cli("inspect", path).stderr

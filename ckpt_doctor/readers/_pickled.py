@@ -245,10 +245,11 @@ def build_checkpoint(path: Path, fmt: Format, root: Any, unpicklers: list[SafeUn
         where = ", ".join(o or "the file's root" for o in flat.optimizers[:3])
         all_notes.append(f"an optimizer's state_dict (state, param_groups) at {where}: optimizer state, not model "
                          "weights; write it with fix --select PATH")
-    globals_ = _dedupe([g for up in unpicklers for g in up.globals] + list(extra_globals))
-    return Checkpoint(path=path, format=fmt, tensors=tensors, metadata=dict(flat.metadata), globals=globals_,
-                      state_dict_root=sd_root, other_state_dicts=others, root=root, model_class=model_class,
-                      notes=tuple(dict.fromkeys(all_notes)), files=(path,), non_persistent=tuple(flat.non_persistent))
+    loaded = [g for up in unpicklers for g in up.globals]
+    return Checkpoint(path=path, format=fmt, tensors=tensors, metadata=dict(flat.metadata),
+                      globals=_dedupe(loaded + list(extra_globals)), state_dict_root=sd_root, other_state_dicts=others,
+                      root=root, model_class=model_class, notes=tuple(dict.fromkeys(all_notes)), files=(path,),
+                      non_persistent=tuple(flat.non_persistent), loaded_globals=_dedupe(loaded))
 
 
 def _dedupe(refs: list[GlobalRef]) -> tuple[GlobalRef, ...]:

@@ -9,6 +9,10 @@ from ..report import InspectReport
 from .columns import KEYS, draw_table
 from .lines import Line, Severity
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # names for annotations only
+    from ..advice import Suggestion
+
 
 def _fmt(x: float | None) -> str:
     return "" if x is None else f"{x:.4g}"
@@ -126,7 +130,8 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         lines.append(("shared", f"… {len(report.shared) - 5} more groups (--full)"))
     if ckpt.non_persistent:
         lines.append(("non-persistent", ", ".join(ckpt.non_persistent) + " (in the pickle, not in state_dict)"))
-    lines += safety_lines(ckpt, full, report.default_load is not None and report.default_load.applies)
+    lines += safety_lines(ckpt, full, report.default_load is not None and report.default_load.applies,
+                          dict(report.suggestions).get("rescue"))
     if report.default_load is not None:
         lines += default_load_lines(report)
     for layer in report.batchnorm_at_init:
@@ -199,8 +204,10 @@ def default_load_lines(report: InspectReport) -> list[tuple[str, str]]:
     return [("torch.load", text)]
 
 
-def safety_lines(ckpt, full: bool = False, with_default_load: bool = False) -> list[tuple[str, str]]:
-    """What the file would run under torch.load(weights_only=False): one line per finding, then the verdict."""
+def safety_lines(ckpt, full: bool = False, with_default_load: bool = False,
+                 rescue: Suggestion | None = None) -> list[tuple[str, str]]:
+    """What the file would run under torch.load(weights_only=False): one line per finding, then the verdict.
+    `rescue`: the fix that writes a copy without the findings, for a file torch.load loads with its defaults."""
     lines: list[tuple[str, str]] = []
     findings = sorted(ckpt.unsafe_globals, key=lambda g: -g.verdict.rank)
     shown = findings if full else findings[:8]
@@ -211,9 +218,19 @@ def safety_lines(ckpt, full: bool = False, with_default_load: bool = False) -> l
     for h in ckpt.hazards:
         lines.append((h.verdict.value.upper(), h.what))
     if findings or any(not h.beside for h in ckpt.hazards):
-        rescue = "; the torch.load line says how to rescue its tensors" if with_default_load else ""
-        lines.append(("safety", "UNSAFE: torch.load(weights_only=False) would import and run the above; never load "
-                                f"this file that way. Its tensors are listed{rescue}"))
+        from ..default_load import default_load, met_by_torch
+
+        met = {(g.module, g.name) for g in met_by_torch(ckpt)}
+        if ckpt.hazards or any((g.module, g.name) in met for g in findings):
+            risk = "torch.load(weights_only=False) would import and run the above; never load this file that way"
+        else:  # only in pickles torch never reads (a member np.load would unpickle, one no loader of torch's reads)
+            risk = ("unpickling the pickles named above (pickle.load, np.load(allow_pickle=True)) would import and "
+                    "run what they name, though torch.load reads none of them; never unpickle them")
+        way_out = "" if not with_default_load else "; the torch.load line says how to rescue its tensors" \
+            if not default_load(ckpt).ok else "; torch.load with its defaults loads them (the torch.load line)"
+        if rescue is not None:
+            way_out += f"; a copy without what they name: `{rescue.command}`"
+        lines.append(("safety", f"UNSAFE: {risk}. Its tensors are listed{way_out}"))
     elif ckpt.hazards:  # only the files beside it: this one is clean, the folder is not
         lines.append(("safety", f"UNSAFE folder: {ckpt.path.name} itself names nothing off the allow-list, but the "
                                 "file(s) above would run code when loaded; never load them with pickle (scan of the "
