@@ -479,3 +479,34 @@ def test_no_child_compares_ahead_on_a_busy_machine(tmp_path, monkeypatch, small_
     monkeypatch.setattr(D, "_runnable", lambda: 1)
     assert _figures(D.diff_checkpoints(pa, pb)) == _figures(busy)
     assert len(small_chunks["pids"]) == 1
+
+
+def test_cosine_and_change_match_float64_whatever_the_norms(tmp_path):
+    """Σxy comes from Σx², Σy² and Σ(y − x)² where the two norms are near, from its own dot product where they
+    are far apart: the cosine is float64's either way (a scaled copy 1, a negated one −1, an orthogonal one 0)."""
+    import numpy as np
+
+    import ckpt_doctor.diff as D
+
+    torch.manual_seed(5)
+    a = torch.randn(3 * D.BLOCK + 17)
+    noise = torch.randn_like(a)
+    ortho = noise - a * (noise.double() @ a.double() / (a.double() @ a.double())).float()
+    cases = {"tiny_step": a + 1e-6 * noise, "scaled_down": a * 1e-3, "scaled_up": a * 1e3, "negated": -a,
+             "orthogonal": ortho, "zeros": torch.zeros_like(a), "noise": noise}
+    pa, pb = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save({k: a for k in cases}, pa)
+    torch.save(cases, pb)
+    rows = {r.key: r.stats for r in D.diff_checkpoints(pa, pb).rows}
+    x = a.double().numpy()
+    for key, b in cases.items():
+        y = b.double().numpy()
+        stats = rows[key]
+        assert stats.rel == pytest.approx(np.linalg.norm(y - x) / np.linalg.norm(x), rel=1e-12), key
+        if key == "zeros":
+            assert stats.cosine is None
+            continue
+        cos = float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y)))
+        assert stats.cosine == pytest.approx(cos, rel=1e-12, abs=1e-12), key
+    assert rows["scaled_down"].cosine == pytest.approx(1, abs=1e-14)
+    assert rows["negated"].cosine == pytest.approx(-1, abs=1e-14)
