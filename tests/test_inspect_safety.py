@@ -109,3 +109,28 @@ def test_a_payload_in_the_pickle_torch_reads_still_fails_its_verdict(tmp_path, c
     data = cli("inspect", path, "--json").json()
     assert not data["default_load"]["ok"] and "os.system" in data["default_load"]["refused_globals"]
     assert "torch.load(weights_only=False) would import and run the above" in cli("inspect", path).stderr
+
+
+def test_the_rescue_of_a_pickle_in_a_tensors_bytes_leaves_that_tensor_out(tmp_path, cli):
+    """A NumPy object array saved as a uint8 tensor keeps its pickle in the tensor's own bytes: a copy of the tensors
+    would copy the pickle too, so the printed rescue leaves that tensor out (and says so), and its output scans
+    clean and loads with torch's defaults, every other tensor equal."""
+    import io
+    import os
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, np.array([os.system], dtype=object), allow_pickle=True)
+    path = tmp_path / "npy_func.pt"
+    saved = {"w": torch.randn(4, 4), "meta": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).clone()}
+    torch.save(saved, path)
+    table, data = cli("inspect", path), cli("inspect", path, "--json").json()
+    assert table.exit_code == data["exit_code"] == 1 and data["default_load"]["ok"]
+    [rescue] = data["suggested_commands"]
+    assert f"`{rescue['command']}`" in table.stderr and "meta" in rescue["why"]
+    assert cli(*rescue["argv"][1:]).exit_code == 0
+    out = rescue["argv"][rescue["argv"].index("-o") + 1]
+    assert cli("scan", out).exit_code == 0
+    loaded = torch.load(out, weights_only=True)
+    assert set(loaded) == {"w"} and torch.equal(loaded["w"], saved["w"])

@@ -3,6 +3,7 @@ as a file that loads, checked by planning it, so that the command printed is one
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ..advice import Promise, Suggestion, allow_flags, output_beside, shell_path, under_safe_globals, user_allowed
@@ -34,6 +35,10 @@ def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None =
     allowed = user_allowed(ckpt.globals)
     flags: list[str] = ["--allow-unsafe"] if ckpt.dangerous_globals else []
     flags += [*extra, *allow_flags(allowed)]
+    held = _holding_findings(ckpt)
+    if held:
+        flags += ["--drop", f"^{re.escape(held[0])}$" if len(held) == 1 else
+                  "^(" + "|".join(re.escape(k) for k in held) + ")$"]
     tries = (True,) if not allowed or keep_allowed else (False, True)
     for keep in tries:
         found = _planned(ckpt, path, list(flags), taken, policy if keep else DEFAULT_POLICY)
@@ -45,22 +50,35 @@ def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None =
                                   f"{under_safe_globals(allowed)}; nothing it names is run", safe_globals=allowed)
             left = f", without what names {', '.join(allowed)} (torch's defaults refuse it, --allow-global or " \
                    "not)" if allowed else ""
+            if held:
+                more = f", … {len(held) - 3} more" if len(held) > 3 else ""
+                left += f", without {', '.join(held[:3])}{more} (" + ("a tensor whose bytes hold" if len(held) == 1
+                                                                       else "tensors whose bytes hold") + \
+                    " a pickle np.load would unpickle)"
             return Suggestion(argv, Promise.WRITES,
                               f"writes its tensors and plain data as a file torch.load loads with its defaults{left}; "
                               "nothing it names is run or written")
     return None
 
 
+def _holding_findings(ckpt: Checkpoint) -> list[str]:
+    """Keys of the tensors whose bytes hold a finding (an .npy object array saved as a uint8 tensor): fix copies a
+    tensor's bytes as they are, so only leaving the tensor out leaves out what its pickle names."""
+    members = {g.source.split(": ", 1)[0] for g in ckpt.unsafe_globals}
+    return [t.key for t in ckpt.tensors if t.storage is not None and t.storage.entry in members]
+
+
 def _planned(ckpt: Checkpoint, path: str, flags: list[str], taken: set[str] | None,
              writes: Policy) -> tuple[tuple[str, ...], str] | None:
     """The argv of the fix that plans (with one --drop of what `writes` does not allow), and its output; None."""
     out = output_beside(path, taken=set(taken or ()))
+    given = flags.count("--drop")
     for _ in range(2):
         try:
             plan_fix(ckpt, Path(out), FixOptions(transforms=tuple(_drops(flags)), policy=writes))
         except CkptDoctorError as exc:
             pattern = getattr(exc, "drop", None)
-            if not pattern or "--drop" in flags:
+            if not pattern or flags.count("--drop") > given:
                 return None
             flags += ["--drop", pattern]
             continue
