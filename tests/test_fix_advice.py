@@ -296,3 +296,22 @@ def test_names_that_give_no_pairing_still_map_by_order(nets, tmp_path):
     assert run_printed(force).exit_code == 0
     out = shlex.split(force)[shlex.split(force).index("-o") + 1]
     nets.Named().load_state_dict(torch.load(out, weights_only=True), strict=True)
+
+
+def test_the_rescue_leaves_out_a_tuple_whole_not_an_item_that_would_shift_the_rest(tmp_path):
+    """A training checkpoint's NumPy RNG state is a tuple ('MT19937', keys, pos, has_gauss, cached): leaving out
+    only the array (item 1) wrote ('MT19937', 623, 0, 0.0), which np.random.set_state misreads. The printed rescue
+    leaves the tuple out whole; what it keeps is as saved."""
+    import numpy as np
+
+    path = tmp_path / "train.pt"
+    saved = {"model": {"w": torch.randn(3)}, "rng": {"numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+             "epoch": 3}
+    torch.save(saved, path)
+    data = run_cli("inspect", path, "--json").json()
+    [rescue] = data["suggested_commands"]
+    assert run_printed(rescue["command"]).exit_code == 0
+    loaded = torch.load(rescue["argv"][rescue["argv"].index("-o") + 1], weights_only=True)
+    assert "numpy" not in loaded["rng"] and loaded["epoch"] == 3
+    assert torch.equal(loaded["rng"]["torch"], saved["rng"]["torch"]) and torch.equal(loaded["model"]["w"],
+                                                                                       saved["model"]["w"])

@@ -165,10 +165,14 @@ def rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]"
                 return obj
             values = []
             inside.add(id(obj))
+            first = len(problems)
             for i, v in enumerate(obj):
                 if is_kept(join(path, i), drops, cut):
                     values.append((yield rebuilt(v, join(path, i))))
             inside.discard(id(obj))
+            if path:  # an item's place is its meaning: leaving one out would shift the rest, so the advice is the whole
+                items = {join(path, i) for i in range(len(obj))}
+                problems[first:] = [(path, *p[1:]) if p[0] in items else p for p in problems[first:]]
             return values if isinstance(obj, list) else tuple(values)
         if isinstance(obj, Opaque):
             if has_tensor(obj):
