@@ -446,6 +446,17 @@ def test_every_unwritable_entry_is_named_at_once_and_drops_are_counted(cli, tmp_
     assert set(fixed.json()["dropped"]) == {"args", "hparams"}
 
 
+
+def test_a_tensor_dropped_beside_the_state_dict_is_counted_once(cli, tmp_path):
+    """--drop of a tensor outside the state_dict ('extra.npy') listed it twice: '2 dropped' for one tensor."""
+    path = tmp_path / "train.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "extra": {"npy": torch.zeros(3), "n": 1}}, path)
+    fixed = cli("fix", path, "-o", tmp_path / "out.pt", "--drop", "^extra\\.npy$", "--json")
+    assert fixed.exit_code == 0 and fixed.json()["dropped"] == ["extra.npy"]
+    summary = cli("fix", path, "-o", tmp_path / "out2.pt", "--drop", "^extra\\.npy$").stderr
+    assert "0 keys renamed, 1 dropped" in summary
+
+
 def test_two_tensors_of_one_dotted_name_in_a_torch_file_are_refused(tmp_path):
     """{'nested': {'a.b': x}, 'nested.a': {'b': y}}: both are 'nested.a.b' once joined; neither output may keep one
     and silently lose (or duplicate) the other."""

@@ -381,7 +381,7 @@ def nested_tree(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTenso
     written = {o.source.key for o in outs}  # rebuilt where they were saved: full paths
     outs = list(state.values()) + outs
     under = tensors_under(cut - {scope.root}, full_records, scope.prefix)
-    draft.dropped += under + sorted(cut - {scope.root})  # the tensors, and the entries around them
+    draft.dropped += under + sorted(cut - {scope.root} - set(under))  # the tensors, and the entries around them
     return tree, outs, written
 
 
