@@ -315,3 +315,23 @@ def test_the_rescue_leaves_out_a_tuple_whole_not_an_item_that_would_shift_the_re
     assert "numpy" not in loaded["rng"] and loaded["epoch"] == 3
     assert torch.equal(loaded["rng"]["torch"], saved["rng"]["torch"]) and torch.equal(loaded["model"]["w"],
                                                                                        saved["model"]["w"])
+
+
+def test_a_file_without_a_state_dict_that_torch_load_refuses_gets_its_rescue(tmp_path):
+    """accelerate's random_states_0.pkl holds no state_dict: its torch.load line said FAILS with no way out (the
+    rescue planned without --select, which fix refuses for such a file). It prints one that runs as printed."""
+    import random
+
+    import numpy as np
+
+    path = tmp_path / "random_states_0.pkl"
+    saved = {"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+             "torch_manual_seed": torch.get_rng_state()}
+    torch.save(saved, path)
+    data = run_cli("inspect", path, "--json").json()
+    assert not data["default_load"]["ok"]
+    [rescue] = data["suggested_commands"]
+    assert run_printed(rescue["command"]).exit_code == 0
+    loaded = torch.load(rescue["argv"][rescue["argv"].index("-o") + 1], weights_only=True)
+    assert torch.equal(loaded["torch_manual_seed"], saved["torch_manual_seed"])
+    assert tuple(loaded["random_state"]) == saved["random_state"] and "numpy_random_seed" not in loaded

@@ -35,6 +35,8 @@ def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None =
     allowed = user_allowed(ckpt.globals)
     flags: list[str] = ["--allow-unsafe"] if ckpt.dangerous_globals else []
     flags += [*extra, *allow_flags(allowed)]
+    if ckpt.state_dict_root is None and isinstance(ckpt.root, dict):  # fix refuses to guess the part: all of it
+        flags += ["--select", ""]
     held = _holding_findings(ckpt)
     if held:
         flags += ["--drop", f"^{re.escape(held[0])}$" if len(held) == 1 else
@@ -75,7 +77,8 @@ def _planned(ckpt: Checkpoint, path: str, flags: list[str], taken: set[str] | No
     given = flags.count("--drop")
     for _ in range(2):
         try:
-            plan_fix(ckpt, Path(out), FixOptions(transforms=tuple(_drops(flags)), policy=writes))
+            plan_fix(ckpt, Path(out), FixOptions(transforms=tuple(_drops(flags)), policy=writes,
+                                                 select="" if "--select" in flags else None))
         except CkptDoctorError as exc:
             pattern = getattr(exc, "drop", None)
             if not pattern or flags.count("--drop") > given:
