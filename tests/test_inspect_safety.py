@@ -109,3 +109,19 @@ def test_a_payload_in_the_pickle_torch_reads_still_fails_its_verdict(tmp_path, c
     data = cli("inspect", path, "--json").json()
     assert not data["default_load"]["ok"] and "os.system" in data["default_load"]["refused_globals"]
     assert "torch.load(weights_only=False) would import and run the above" in cli("inspect", path).stderr
+
+
+def test_no_rescue_is_printed_that_would_copy_a_pickle_held_as_bytes(tmp_path, cli):
+    """A byte string of data.pkl that is itself a pickle (torch.load loads the file: it never unpickles it) is plain
+    data that fix writes as it is: a 'copy without what they name' would hold the same payload, so none is printed."""
+    canary = tmp_path / "CANARY"
+    path = tmp_path / "nested.pt"
+    torch.save({"w": torch.ones(3), "blob": _canary_pickle(canary)}, path)
+    torch.load(path, weights_only=True)  # the oracle: torch's defaults load it
+    table, data = cli("inspect", path), cli("inspect", path, "--json").json()
+    assert data["exit_code"] == 1 and data["default_load"]["ok"] and data["unsafe_globals"] == ["os.system"]
+    for suggestion in data["suggested_commands"]:  # whatever is printed writes a file with no payload
+        assert cli(*suggestion["argv"][1:]).exit_code == 0
+        out = suggestion["argv"][suggestion["argv"].index("-o") + 1]
+        assert cli("scan", out).exit_code == 0, suggestion["command"]
+    assert "a copy without what they name" not in table.stderr and not canary.exists()
