@@ -456,10 +456,12 @@ def _sums(windows, bf16: tuple[bool, bool], atol: float, rtol: float, scratch: A
     widened into two rows u and v; Σx², Σy², Σxy are taken while each row is fresh in the cache; y − x is then
     computed over v in place (a third row pushed a block out of a 512 KB L2: 1.7 ns an element against 1.9), and
     its largest |y − x| is one pass of OpenBLAS's damax (_amax) where NumPy's max and min took two. Σxy is no pass
-    of its own: (Σx² + Σy² − Σ(y − x)²) / 2, where the two norms are within RATIO of each other (its error then
-    stays within RATIO ** 0.5 / 2 times a dot product's, relative to ‖x‖‖y‖: far below the cosine's digits); a
-    block whose norms are further apart takes the dot product (that pass was 7% of a 1 GB full fine-tune). Full blocks
-    use the rows whole (no slicing), and the ndarray methods (`u.dot(u)`: half the cost of `u @ u` on a block).
+    of its own: (Σx² + Σy² − Σ(y − x)²) / 2, where the two norms are within RATIO of each other and Σ(y − x)² is at
+    most half of Σx² + Σy² (Σxy then at least a quarter of it: the subtraction keeps its digits, a few ulps of a
+    dot product's); a block whose norms are further apart, or whose pair is far from alike (nearly orthogonal, whose
+    cosine near 0 the subtraction would cancel away), takes the dot product (that pass was 7% of a 1 GB full
+    fine-tune, a pair of alike blocks). Full blocks use the rows whole (no slicing), and the ndarray methods
+    (`u.dot(u)`: half the cost of `u @ u` on a block).
     A block whose Σ(y − x)² is NaN or inf is redone the careful way, its y widened again."""
     import numpy as np
 
@@ -507,9 +509,11 @@ def _sums(windows, bf16: tuple[bool, bool], atol: float, rtol: float, scratch: A
                     if max_abs != inf:
                         max_abs = max(max_abs, float(largest(dd)), -float(smallest(dd)))
                 else:  # every element finite: their squares summed to a finite number
-                    if block_a <= block_b * RATIO and block_b <= block_a * RATIO:
+                    if block_a <= block_b * RATIO and block_b <= block_a * RATIO \
+                            and block_sq + block_sq <= block_a + block_b < inf:
                         block_ab = (block_a + block_b - block_sq) * 0.5  # Σxy from 2Σxy = Σx² + Σy² − Σ(y − x)²
-                    else:  # norms far apart (one side all zeros, say): that sum would lose Σxy's digits
+                    else:  # norms far apart (one side all zeros, say), a pair far from alike (x·y near 0 or below:
+                        # the subtraction cancels Σxy's digits) or Σx² + Σy² past float64: that sum would lose it
                         w = np.empty(n)
                         _widen(y[start:start + n], bf16[1], w)
                         block_ab = float(uu.dot(w))

@@ -510,3 +510,27 @@ def test_cosine_and_change_match_float64_whatever_the_norms(tmp_path):
         assert stats.cosine == pytest.approx(cos, rel=1e-12, abs=1e-12), key
     assert rows["scaled_down"].cosine == pytest.approx(1, abs=1e-14)
     assert rows["negated"].cosine == pytest.approx(-1, abs=1e-14)
+
+
+def test_cosine_of_a_nearly_orthogonal_or_huge_pair_keeps_float64s_digits(tmp_path):
+    """Σxy taken as (Σx² + Σy² − Σ(y − x)²) / 2 cancels away a cosine near 0 (1e-9 came out 9.9999997e-10), and
+    Σx² + Σy² past float64's range made it inf (a cosine of inf for a float64 pair of norm 1e154): such blocks
+    take their own dot product."""
+    import numpy as np
+
+    import ckpt_doctor.diff as D
+
+    big = torch.zeros(1000, dtype=torch.float64)
+    big[0] = 1.2e154
+    cases = {"near_orthogonal": (torch.tensor([1.0, 0.0], dtype=torch.float64),
+                                 torch.tensor([1e-9, 1.0], dtype=torch.float64)),
+             "near_orthogonal_f32": (torch.tensor([1.0, 0.0]), torch.tensor([1e-7, 1.0])),
+             "huge": (big, big * (1 + 1e-9))}
+    pa, pb = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save({k: a for k, (a, _) in cases.items()}, pa)
+    torch.save({k: b for k, (_, b) in cases.items()}, pb)
+    rows = {r.key: r.stats for r in D.diff_checkpoints(pa, pb).rows}
+    for key, (a, b) in cases.items():
+        x, y = a.double().numpy(), b.double().numpy()
+        cos = float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y)))
+        assert rows[key].cosine == pytest.approx(cos, rel=1e-12, abs=0), key

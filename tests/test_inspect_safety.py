@@ -134,3 +134,19 @@ def test_the_rescue_of_a_pickle_in_a_tensors_bytes_leaves_that_tensor_out(tmp_pa
     assert cli("scan", out).exit_code == 0
     loaded = torch.load(out, weights_only=True)
     assert set(loaded) == {"w"} and torch.equal(loaded["w"], saved["w"])
+
+
+def test_no_rescue_is_printed_that_would_copy_a_pickle_held_as_bytes(tmp_path, cli):
+    """A byte string of data.pkl that is itself a pickle (torch.load loads the file: it never unpickles it) is plain
+    data that fix writes as it is: a 'copy without what they name' would hold the same payload, so none is printed."""
+    canary = tmp_path / "CANARY"
+    path = tmp_path / "nested.pt"
+    torch.save({"w": torch.ones(3), "blob": _canary_pickle(canary)}, path)
+    torch.load(path, weights_only=True)  # the oracle: torch's defaults load it
+    table, data = cli("inspect", path), cli("inspect", path, "--json").json()
+    assert data["exit_code"] == 1 and data["default_load"]["ok"] and data["unsafe_globals"] == ["os.system"]
+    for suggestion in data["suggested_commands"]:  # whatever is printed writes a file with no payload
+        assert cli(*suggestion["argv"][1:]).exit_code == 0
+        out = suggestion["argv"][suggestion["argv"].index("-o") + 1]
+        assert cli("scan", out).exit_code == 0, suggestion["command"]
+    assert "a copy without what they name" not in table.stderr and not canary.exists()
