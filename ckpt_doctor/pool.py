@@ -42,14 +42,14 @@ def map_paths(func: Callable[[T], R], items: list[T]) -> list[R]:
 
     try:
         with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork"),
-                                 initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
+                                 initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
             return list(pool.map(func, items, chunksize=chunk))
     except BrokenProcessPool:  # a worker was killed (the system out of memory?): said, not an internal error
         raise CkptDoctorError("a worker process reading the files was killed (out of memory?); run again with "
                               "CKPT_DOCTOR_NO_FORK=1 to read them one at a time in this process") from None
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """A worker ends when ckpt-doctor does, however it ends (SIGTERM, SIGKILL): Linux's parent-death signal, and a
     check for a parent that was already gone before it was set."""
     import ctypes

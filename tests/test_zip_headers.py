@@ -112,3 +112,32 @@ def test_a_survey_that_fails_before_the_headers_leaves_no_child(big, monkeypatch
         survey_file(big)
     with pytest.raises(ChildProcessError):  # killed and reaped when its index went
         os.waitpid(-1, os.WNOHANG)
+
+
+def test_ctrl_c_ends_the_command_and_its_child_at_once(big, tmp_path):
+    """Ctrl-C while the child reads the headers: the command ends (exit 130) and the child with it, rather than
+    reading on as an orphan that holds the caller's pipes open."""
+    import signal
+    import time
+
+    slow = tmp_path / "slow.py"
+    slow.write_text(
+        "import os, sys, time\n"
+        "from ckpt_doctor.readers import zipindex\n"
+        "real, parent = zipindex._local_headers, os.getpid()\n"
+        "def slow(*args):\n"
+        "    if os.getpid() != parent:\n"
+        "        time.sleep(30)\n"
+        "    return real(*args)\n"
+        "zipindex._local_headers = slow\n"
+        "from ckpt_doctor.cli import main\n"
+        "sys.argv[0] = 'ckpt-doctor'\n"
+        "main()\n")
+    proc = subprocess.Popen([sys.executable, str(slow), "inspect", str(big), "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(3)  # past start-up, the child forked (the parent waits for it in settle)
+    proc.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    out, err = proc.communicate(timeout=25)  # the pipes close once both processes are gone
+    assert time.monotonic() - started < 10
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "Error: interrupted" and out == ""

@@ -21,7 +21,7 @@ from itertools import repeat
 from operator import add, and_, itemgetter, rshift, sub
 
 from ..errors import ReadError
-from ..pool import can_fork
+from ..pool import can_fork, die_with_parent
 from ..safepickle import limits
 from .source import is_remote, pread, read_data
 
@@ -482,6 +482,7 @@ class _Headers:
         count = len(args[1])
         self.pid = 0
         self.shared = mmap.mmap(-1, 16 * (count + 1))  # two counts, then at most 2 * count ints
+        parent = os.getpid()
         self.pid = os.fork()
         if self.pid == 0:
             code = 1
@@ -489,6 +490,7 @@ class _Headers:
                 import signal
 
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
+                die_with_parent(parent)  # (Ctrl-C ends the command at once: not a child reading on after it)
                 found = _local_headers(*args)
                 if found is None:
                     code = _CUT
