@@ -56,11 +56,18 @@ class DefaultLoad:
                        f"hold{'' if many else 's'} more bytes than {'their storages' if many else 'its storage'} "
                        "(torch checks each record's size)")
         if self.refused:
-            shown = ", ".join(self.refused[:4]) + (f", … {len(self.refused) - 4} more" if len(self.refused) > 4 else "")
+            told = self.told_first
+            shown = ", ".join(told[:4]) + (f", … {len(told) - 4} more" if len(told) > 4 else "")
             out.append(f"its weights_only unpickler refuses {shown}")
         if self.missing_devices:
             out.append(f"saved on {', '.join(self.missing_devices)}, which this machine lacks (map_location needed)")
         return out
+
+    @property
+    def told_first(self) -> list[str]:
+        """The refused globals, NumPy's last: an array's five or six dtype and reconstruct globals listed first hid
+        the one that says what the file holds (an argparse.Namespace) behind '… 1 more'."""
+        return sorted(self.refused, key=lambda name: name.startswith("numpy."))
 
     def brief(self) -> str:
         """A few words for a table cell: `torch.load refuses argparse.Namespace`."""
@@ -69,7 +76,7 @@ class DefaultLoad:
         if self.longer_storages:
             return "torch.load refuses its storage sizes"
         if self.refused:
-            return "torch.load refuses " + ", ".join(self.refused[:2]) + (", …" if len(self.refused) > 2 else "")
+            return "torch.load refuses " + ", ".join(self.told_first[:2]) + (", …" if len(self.refused) > 2 else "")
         return "torch.load needs map_location (" + ", ".join(self.missing_devices[:2]) + ")"
 
     @property

@@ -150,3 +150,27 @@ def test_no_rescue_is_printed_that_would_copy_a_pickle_held_as_bytes(tmp_path, c
         out = suggestion["argv"][suggestion["argv"].index("-o") + 1]
         assert cli("scan", out).exit_code == 0, suggestion["command"]
     assert "a copy without what they name" not in table.stderr and not canary.exists()
+
+
+def test_what_torch_refuses_names_the_telling_global_and_an_npy_note_its_tensor(tmp_path, cli):
+    """A training checkpoint's torch.load line names the argparse.Namespace before NumPy's five or so globals
+    (which hid it behind '… 1 more'), and a note about an .npy held in a tensor's bytes names that tensor."""
+    import argparse
+    import io
+
+    import numpy as np
+
+    path = tmp_path / "train.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "rng": np.random.get_state(), "step": np.float64(3),
+                "args": argparse.Namespace(lr=0.1)}, path)
+    for command in ("inspect", "scan"):
+        [line] = [line for line in cli(command, path).stderr.splitlines() if "torch.load" in line and "FAILS" in line]
+        assert "refuses argparse.Namespace, numpy." in line, line
+    assert "argparse.Namespace" in cli("inspect", path, "--json").json()["default_load"]["refused_globals"]
+    buf = io.BytesIO()
+    np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    npy = tmp_path / "npy_storage.pt"
+    torch.save({"w": torch.ones(3), "blob": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).clone()},
+               npy)
+    assert "npy_storage/data/1 (tensor blob): a NumPy array whose data np.load(allow_pickle=True) would unpickle" \
+        in cli("inspect", npy).stderr

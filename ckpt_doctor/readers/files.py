@@ -49,7 +49,25 @@ def read_surveyed(path: Path, survey: Survey, read: Callable[[Path, Survey], Che
         raise
     globals_ = tuple({(g.module, g.name): g for g in [*survey.globals, *ckpt.globals]}.values())
     return replace(ckpt, globals=globals_, hazards=tuple(survey.hazards),
-                   notes=tuple(dict.fromkeys([*ckpt.notes, *survey.notes])))
+                   notes=_tensors_named(tuple(dict.fromkeys([*ckpt.notes, *survey.notes])), ckpt))
+
+
+_NPY_NOTE = ": a NumPy array whose data np.load(allow_pickle=True) would unpickle"  # (survey.py's)
+
+
+def _tensors_named(notes: tuple[str, ...], ckpt: Checkpoint) -> tuple[str, ...]:
+    """A note about a member that holds a tensor's bytes (a NumPy array saved as a uint8 tensor) names the tensor
+    too: `archive/data/7` alone tells nobody which entry of theirs it is."""
+    about = {n[:-len(_NPY_NOTE)] for n in notes if n.endswith(_NPY_NOTE)}
+    if not about:
+        return notes
+    keys: dict[str, str] = {}
+    for t in ckpt.tensors:  # (records made only for a file with such a note)
+        entry = t.storage.entry if t.storage is not None else None
+        if entry in about:
+            keys.setdefault(entry, t.key)
+    return tuple(f"{n[:-len(_NPY_NOTE)]} (tensor {keys[n[:-len(_NPY_NOTE)]]}){_NPY_NOTE}"
+                 if n.endswith(_NPY_NOTE) and n[:-len(_NPY_NOTE)] in keys else n for n in notes)
 
 
 def read_container(path: Path, survey: Survey) -> Checkpoint:
