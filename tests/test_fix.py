@@ -555,3 +555,27 @@ def test_an_object_that_holds_itself_is_not_offered_to_keep(cli, tmp_path):
     command = refused.stderr.split("`")[1]
     assert cli(*shlex.split(command)[1:]).exit_code == 0
     assert set(torch.load(tmp_path / "out.pt")) == {"w"}
+
+
+def test_fix_says_when_a_tensor_it_copies_holds_a_pickle(tmp_path, cli):
+    """fix --allow-unsafe copies a tensor's bytes as they are: where they hold an .npy object array (a pickle
+    np.load would run), the summary says so and names the --drop that leaves it out, rather than a bare
+    'verified' for an output scan flags as it flagged the input."""
+    import io
+    import json
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, np.array([os.system], dtype=object), allow_pickle=True)
+    src = tmp_path / "npy_func.pt"
+    torch.save({"w": torch.randn(4, 4), "meta": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).clone()},
+               src)
+    kept = cli("fix", src, "-o", tmp_path / "kept.pt", "--allow-unsafe", "--json")
+    assert kept.exit_code == 0
+    [note] = [n for n in json.loads(kept.stdout)["notes"] if n.startswith("meta:")]
+    assert "np.load(allow_pickle=True) would unpickle" in note and "--drop '^meta$'" in note
+    assert cli("scan", tmp_path / "kept.pt").exit_code == 1  # as the note says
+    dropped = cli("fix", src, "-o", tmp_path / "dropped.pt", "--allow-unsafe", "--drop", "^meta$", "--json")
+    assert dropped.exit_code == 0 and not any(n.startswith("meta:") for n in json.loads(dropped.stdout)["notes"])
+    assert cli("scan", tmp_path / "dropped.pt").exit_code == 0

@@ -143,6 +143,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     tied, metadata = safetensors_sharing(ckpt, outs, draft) if fmt is OutputFormat.SAFETENSORS else ({}, {})
     refuse_unwritable_tensors(outs, fmt)
     note_devices(fmt, outs, draft)
+    note_held_findings(ckpt, outs, draft)
     return FixPlan(ckpt.path, output, fmt, tuple(draft.applied), {**mapping, **extra_renamed},
                    tuple(draft.dropped), tuple(outs), tree, tuple(draft.notes), tied, metadata,
                    tuple(draft.ambiguous), policy)
@@ -482,3 +483,28 @@ def note_devices(fmt: OutputFormat, outs: list[OutTensor], draft: Draft) -> None
         if absent:
             draft.notes.append(f"the output keeps the device tags {', '.join(absent)}, which this machine lacks: "
                                "torch.load here needs map_location; add --map-location cpu to rewrite them for good")
+
+
+def holding_findings(ckpt: Checkpoint) -> list[str]:
+    """Keys of the tensors whose bytes hold a finding (an .npy object array saved as a uint8 tensor, whose pickle
+    np.load(allow_pickle=True) would run): fix copies a tensor's bytes as they are, so only leaving the tensor out
+    leaves out what its pickle names."""
+    members = {g.source.split(": ", 1)[0] for g in ckpt.unsafe_globals if ": " in g.source}
+    if not members:
+        return []
+    return [t.key for t in ckpt.tensors if t.storage is not None and t.storage.entry in members]
+
+
+def note_held_findings(ckpt: Checkpoint, outs: list[OutTensor], draft: Draft) -> None:
+    """Said when the output keeps such a tensor (fix --allow-unsafe without --drop): its bytes, copied as they are,
+    hold the same pickle, and scan flags the output as it flagged the input ("verified" is of the bytes)."""
+    held = set(holding_findings(ckpt))
+    kept = [o.source.key for o in outs if o.source.key in held]
+    if kept:
+        pattern = re.escape(kept[0]) if len(kept) == 1 else "(" + "|".join(map(re.escape, kept)) + ")"
+        draft.notes.append(f"{', '.join(kept[:3])}{', …' if len(kept) > 3 else ''}: "
+                           f"{'its bytes hold' if len(kept) == 1 else 'their bytes hold'} a pickle np.load"
+                           "(allow_pickle=True) would unpickle, copied as it is: scan flags the output as it flagged "
+                           f"the input; --drop {shell_word('^' + pattern + '$')} leaves "
+                           f"{'it' if len(kept) == 1 else 'them'} out")
+

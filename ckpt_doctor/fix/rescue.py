@@ -12,7 +12,7 @@ from ..records import Checkpoint
 from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..transforms import drop
 from .options import FixOptions
-from .plan import plan_fix
+from .plan import holding_findings, plan_fix
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -39,7 +39,7 @@ def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None =
     flags += [*extra, *allow_flags(allowed)]
     if ckpt.state_dict_root is None and isinstance(ckpt.root, dict):  # fix refuses to guess the part: all of it
         flags += ["--select", ""]
-    held = _holding_findings(ckpt)
+    held = holding_findings(ckpt)
     if held:
         flags += ["--drop", f"^{re.escape(held[0])}$" if len(held) == 1 else
                   "^(" + "|".join(re.escape(k) for k in held) + ")$"]
@@ -63,13 +63,6 @@ def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None =
                               f"writes its tensors and plain data as a file torch.load loads with its defaults{left}; "
                               "nothing it names is run or written")
     return None
-
-
-def _holding_findings(ckpt: Checkpoint) -> list[str]:
-    """Keys of the tensors whose bytes hold a finding (an .npy object array saved as a uint8 tensor): fix copies a
-    tensor's bytes as they are, so only leaving the tensor out leaves out what its pickle names."""
-    members = {g.source.split(": ", 1)[0] for g in ckpt.unsafe_globals}
-    return [t.key for t in ckpt.tensors if t.storage is not None and t.storage.entry in members]
 
 
 def _planned(ckpt: Checkpoint, path: str, flags: list[str], taken: set[str] | None,
