@@ -174,3 +174,22 @@ def test_what_torch_refuses_names_the_telling_global_and_an_npy_note_its_tensor(
                npy)
     assert "npy_storage/data/1 (tensor blob): a NumPy array whose data np.load(allow_pickle=True) would unpickle" \
         in cli("inspect", npy).stderr
+
+
+def test_a_payload_in_the_copy_of_data_pkl_torch_does_not_pick_is_not_torch_loads(tmp_path, cli):
+    """Two members named data.pkl but for case: torch's reader picks the clean one, so torch.load runs nothing and
+    loads the file; the payload in the other copy is a finding whose safety line does not blame torch.load."""
+    import zipfile
+
+    clean, path = tmp_path / "clean.pt", tmp_path / "dup.pt"
+    torch.save({"w": torch.ones(3)}, clean)
+    canary = tmp_path / "CANARY"
+    with zipfile.ZipFile(clean) as src, zipfile.ZipFile(path, "w") as out:
+        out.writestr("clean/DATA.PKL", _canary_pickle(canary))  # first: the copy torch passes over
+        for info in src.infolist():
+            out.writestr(info.filename, src.read(info.filename))
+    assert set(torch.load(path, weights_only=True)) == {"w"} and not canary.exists()  # the oracle
+    table, data = cli("inspect", path), cli("inspect", path, "--json").json()
+    assert data["exit_code"] == 1 and data["default_load"]["ok"] and data["unsafe_globals"] == ["os.system"]
+    assert "torch.load reads none of them" in table.stderr
+    assert "torch.load(weights_only=False) would import and run" not in table.stderr

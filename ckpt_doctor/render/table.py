@@ -221,7 +221,7 @@ def safety_lines(ckpt, full: bool = False, with_default_load: bool = False,
         from ..default_load import default_load, met_by_torch
 
         met = {(g.module, g.name) for g in met_by_torch(ckpt)}
-        if ckpt.hazards or any((g.module, g.name) in met for g in findings):
+        if not findings or any((g.module, g.name) in met for g in findings):  # (a hazard has its own line)
             risk = "torch.load(weights_only=False) would import and run the above; never load this file that way"
         else:  # only in pickles torch never reads (a member np.load would unpickle, one no loader of torch's reads)
             risk = ("unpickling the pickles named above (pickle.load, np.load(allow_pickle=True)) would import and "
