@@ -335,3 +335,20 @@ def test_a_file_without_a_state_dict_that_torch_load_refuses_gets_its_rescue(tmp
     loaded = torch.load(rescue["argv"][rescue["argv"].index("-o") + 1], weights_only=True)
     assert torch.equal(loaded["torch_manual_seed"], saved["torch_manual_seed"])
     assert tuple(loaded["random_state"]) == saved["random_state"] and "numpy_random_seed" not in loaded
+
+
+def test_one_entry_holding_several_refused_objects_is_one_entry(tmp_path):
+    """fix's refusal counts entries, not objects: one list holding a NumPy RNG state and a Namespace is '1 entry
+    holds … Leave it out', and the --drop it prints runs."""
+    import argparse
+
+    import numpy as np
+
+    path = tmp_path / "one_entry.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "rng": [np.random.get_state(), argparse.Namespace(a=1)]}, path)
+    refused = run_cli("fix", path, "-o", tmp_path / "out.pt", "--select", "")
+    assert refused.exit_code == 2 and "Error: 1 entry holds objects" in refused.stderr
+    assert "Leave it out with `" in refused.stderr
+    leave = refused.stderr.split("Leave it out with `", 1)[1].split("`", 1)[0]
+    assert run_cli(*shlex.split(leave)[1:]).exit_code == 0
+    assert set(torch.load(tmp_path / "out.pt", weights_only=True)) == {"model"}

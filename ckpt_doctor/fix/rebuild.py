@@ -273,7 +273,9 @@ def refuse_unwritable(problems: list) -> None:
         shown = "; ".join(f"{p or 'the root'} ({', '.join(ns[:2])}{', …' if len(ns) > 2 else ''})"
                           for p, ns in list(by_path.items())[:6])
         more = f"; … {len(paths) - 6} more" if len(paths) > 6 else ""
-        message = f"{len(paths)} entries hold objects {refused}: {shown}{more}. Leave them out with {drop}{keep}"
+        one = len(paths) == 1  # (one entry holding several objects)
+        message = (f"{len(paths)} {'entry holds' if one else 'entries hold'} objects {refused}: {shown}{more}. "
+                   f"Leave {'it' if one else 'them'} out with {drop}{keep}")
     error = PlanError(message, reruns=tuple(reruns))
     error.drop = pattern  # type: ignore[attr-defined]
     raise error
