@@ -22,7 +22,7 @@ from .readers import read_checkpoint
 from .readers.held import Holder
 from .records import Checkpoint, TensorRecord, relative_to_root
 from .safepickle.policy import DEFAULT_POLICY, Policy
-from .transforms import plan_keys
+from .transforms import Op, flags_for, plan_keys
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
@@ -65,6 +65,7 @@ class DiffReport:
     rtol: float
     bn_drift: tuple[str, ...] = ()  # BatchNorm layers whose running stats changed while their weights did not
     notes: tuple[str, ...] = field(default=())
+    names_given: bool = False  # renamed_by is the user's --strip-prefix/--add-prefix/--rename, not the inference
 
     @property
     def same(self) -> bool:
@@ -976,7 +977,10 @@ def _match(a: Checkpoint, b: Checkpoint, b_path: str,
         a_keys = [k[len(root) + 1:] if root else k for k in a_keys]
     renames = dict(comparison.renames)
     mapping = {k: renames.get(k, k) for k in a_keys}
-    flags = tuple(f for f in comparison.suggested_fix if not f.startswith("-o")) if renames else ()
+    # The fix's flags that map names, not the whole fix line: its --drop and --model … --allow-missing leave keys
+    # on one side, which the table shows as such.
+    select = ["--select", root] if root else []
+    flags = tuple(select + flags_for([t for t in comparison.transforms if t.op is not Op.DROP])) if renames else ()
     return mapping, flags, root
 
 
@@ -1047,7 +1051,8 @@ def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, tran
                 ahead.close()
             mapped.close()
     rows += [TensorDiff(k, None, "only-b", None, t.shape, None, t.dtype) for k, t in b_tensors.items() if k not in done]
-    return DiffReport(a, b, tuple(rows), flags, a_root, b.state_dict_root, atol, rtol, tuple(_bn_drift(rows)))
+    return DiffReport(a, b, tuple(rows), flags, a_root, b.state_dict_root, atol, rtol, tuple(_bn_drift(rows)),
+                      names_given=bool(transforms))
 
 
 def _pair(key: str, a_key: str, ta: TensorRecord, tb: TensorRecord, atol: float, rtol: float, load,

@@ -94,6 +94,26 @@ def test_names_are_matched_as_inspect_matches_them(base, tmp_path):
     assert "--strip-module" in result.json()["renamed_by"]
 
 
+def test_the_names_line_holds_only_the_renames_quoted_and_says_who_chose_them(base, tmp_path):
+    """The inferred fix also drops A's extra keys and names the model with --allow-missing for B's: neither maps a
+    name (those keys are the table's one-sided rows), and --drop's regex pasted unquoted is a shell syntax error."""
+    model, path = base
+    state = {"module." + k: v for k, v in model.state_dict().items() if k != "head.bias"}
+    state["module.aux.weight"] = torch.ones(2)
+    wrapped = tmp_path / "dp.pt"
+    torch.save(state, wrapped)
+    result = run_cli("diff", wrapped, path, "--json")
+    assert result.json()["renamed_by"] == ["--strip-module"], result.stderr
+    names = [line.split(None, 1)[1] for line in run_cli("diff", wrapped, path).stderr.splitlines()
+             if line.startswith("names")]
+    assert names == ["A's names mapped onto B's as `inspect A --model B` infers: --strip-module"]
+    other = tmp_path / "renamed.pt"
+    torch.save({k.replace("backbone.", "encoder."): v for k, v in model.state_dict().items()}, other)
+    given = run_cli("diff", path, other, "--rename", "^backbone\\.=encoder.")
+    assert given.exit_code == 0, given.stderr
+    assert "A's names mapped onto B's by the flags given: --rename '^backbone\\.=encoder.'" in given.stderr
+
+
 def test_a_missing_tensor_is_named(base, tmp_path):
     model, path = base
     state = dict(model.state_dict())

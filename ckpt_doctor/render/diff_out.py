@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..advice import command_line, shell_path
+from ..advice import command_line, shell_path, shell_word
 from ..analyze import collapse_labels
 from ..diff import DiffReport, TensorDiff, largest_changes, sparkline
 from ..readers.source import usage, usage_line
@@ -69,8 +69,9 @@ def diff_summary(report: DiffReport) -> list[str]:
     lines.append(("A", f"{a.path} ({a.format.value}, {len(a.tensors):,} tensors)"))
     lines.append(("B", f"{b.path} ({b.format.value}, {len(b.tensors):,} tensors)"))
     if report.renamed_by:
-        lines.append(("names", "A's names mapped onto B's as `inspect A --model B` infers: "
-                               + " ".join(report.renamed_by)))
+        lines.append(("names", "A's names mapped onto B's "
+                               + ("by the flags given: " if report.names_given else "as `inspect A --model B` infers: ")
+                               + " ".join(shell_word(f) for f in report.renamed_by)))
     rows = list(report.rows)
     counted = {s: [r for r in rows if r.status == s] for s in ("identical", "close", "changed", "shape", "only-a",
                                                                 "only-b")}

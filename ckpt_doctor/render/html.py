@@ -12,6 +12,7 @@ import math
 from collections import OrderedDict
 from typing import Any
 
+from ..advice import shell_word
 from ..analyze import collapse_labels, human_bytes
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
@@ -190,8 +191,9 @@ def diff_html(report: Any) -> str:
     body = [f"<h1>diff</h1><p class=sub>A: {_e(report.a.path)}<br>B: {_e(report.b.path)}</p>",
             f"<p id=verdict class='verdict {cls}'>{_e(verdict)}</p>"]
     if report.renamed_by:
-        body.append(f"<p>Names matched as <code>inspect A --model B</code> infers: <code>"
-                    f"{_e(' '.join(report.renamed_by))}</code></p>")
+        source = "by the flags given" if report.names_given else "as <code>inspect A --model B</code> infers"
+        body.append(f"<p>Names matched {source}: <code>"
+                    f"{_e(' '.join(shell_word(f) for f in report.renamed_by))}</code></p>")
     if report.bn_drift:
         layers = _e(", ".join(report.bn_drift))
         body.append("<p id=bn-drift class='verdict warn'>BatchNorm running stats changed while the weights stayed "
