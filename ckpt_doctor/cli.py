@@ -709,7 +709,7 @@ def fix(ckpt: str, output: str, as_json: bool, policy: Policy, **flags: Any) -> 
 
     \b
     ckpt-doctor fix dp.pth -o clean.safetensors --strip-module
-    ckpt-doctor fix train.ckpt -o model.pt --select state_dict --strip-prefix model. --drop '^optimizer'
+    ckpt-doctor fix train.ckpt -o model.pt --select state_dict --strip-prefix model. --drop '^criterion\\.'
     ckpt-doctor fix model.pth -o fixed.pt --model mypkg.nets:ResNet --auto
     ckpt-doctor fix gpu.pt -o cpu.pt --map-location cpu
     ckpt-doctor fix ckpt/step_1000/ -o model.safetensors    (a DCP or DeepSpeed folder: consolidated)

@@ -171,6 +171,27 @@ def test_help_has_sections_and_keeps_the_examples_as_written():
         ["inspect", "fix", "diff", "verify", "scan"]
 
 
+def test_the_training_checkpoint_example_in_fix_help_drops_what_it_names(tmp_path):
+    """The --drop of `fix --help`'s Lightning example runs after --select state_dict, so it must name state_dict keys:
+    '^optimizer' there matched none (the optimizer is left out by --select), a flag that looked like it did work."""
+    import shlex
+
+    from tests.conftest import run_cli
+
+    text = CliRunner().invoke(main, ["fix", "--help"], terminal_width=200).stdout
+    line = next(ln.strip() for ln in text.splitlines() if ln.strip().startswith("ckpt-doctor fix train.ckpt"))
+    argv = shlex.split(line)[2:]
+    ckpt = tmp_path / "train.ckpt"  # as Lightning saves a module holding `model` and a loss with a weight
+    torch.save({"state_dict": {"model.fc.weight": torch.ones(2, 2), "model.fc.bias": torch.zeros(2),
+                               "criterion.weight": torch.ones(2)},
+                "optimizer_states": [{"state": {}, "param_groups": []}], "epoch": 3}, ckpt)
+    argv = [str(ckpt) if a == "train.ckpt" else str(tmp_path / a) if a == "model.pt" else a for a in argv]
+    result = run_cli("fix", *argv, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert set(torch.load(tmp_path / "model.pt")) == {"fc.weight", "fc.bias"}
+    assert "criterion.weight" in result.json()["dropped"]
+
+
 def test_help_wraps_to_the_terminal_width_in_columns():
     """--help reads the width as shutil.get_terminal_size does ($COLUMNS first, 80 without a terminal), without
     importing shutil: a narrow terminal gets narrow paragraphs, a wide one wide ones."""
