@@ -113,6 +113,7 @@ class KeyPlan:
 
     mapping: dict[str, str]
     dropped: tuple[str, ...]
+    idle: tuple[Transform, ...] = ()  # the transforms that changed no key (a prefix spelled otherwise than the keys)
 
     @property
     def renamed(self) -> dict[str, str]:
@@ -128,10 +129,13 @@ def plan_keys(keys: list[str], transforms: list[Transform], order: list[str] | N
 def _plan_keys(keys: list[str], steps: list[Transform], order: list[str] | None, suggest: bool) -> KeyPlan:
     mapping: dict[str, str] = {}
     dropped: list[str] = []
+    idle = list(steps)
     for key in keys:
         new: str | None = key
         for step in steps:
-            new = step.apply(new)
+            before, new = new, step.apply(new)
+            if new != before and idle and step in idle:
+                idle.remove(step)
             if new is None:
                 break
         if not well_formed(new) and well_formed(key):  # a name the file already has is kept as torch would
@@ -149,7 +153,7 @@ def _plan_keys(keys: list[str], steps: list[Transform], order: list[str] | None,
     if order is not None:
         rank = {name: i for i, name in enumerate(order)}
         mapping = dict(sorted(mapping.items(), key=lambda kv: rank.get(kv[1], len(rank))))
-    return KeyPlan(mapping, tuple(dropped))
+    return KeyPlan(mapping, tuple(dropped), tuple(idle))
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")

@@ -579,3 +579,20 @@ def test_fix_says_when_a_tensor_it_copies_holds_a_pickle(tmp_path, cli):
     dropped = cli("fix", src, "-o", tmp_path / "dropped.pt", "--allow-unsafe", "--drop", "^meta$", "--json")
     assert dropped.exit_code == 0 and not any(n.startswith("meta:") for n in json.loads(dropped.stdout)["notes"])
     assert cli("scan", tmp_path / "dropped.pt").exit_code == 0
+
+
+def test_a_rename_that_matches_no_key_is_said(tmp_path, cli):
+    """A typo in --strip-prefix or --rename renamed nothing and said only '0 keys renamed': each such flag now has
+    a note; a flag that does rename has none."""
+    import json
+
+    src = tmp_path / "dp.pt"
+    torch.save({"module.a.weight": torch.ones(2), "module.b.bias": torch.ones(2)}, src)
+    typo = cli("fix", src, "-o", tmp_path / "typo.pt", "--strip-prefix", "modul.", "--rename", "xyz=abc", "--json")
+    assert typo.exit_code == 0
+    notes = json.loads(typo.stdout)["notes"]
+    assert "--strip-prefix modul. renamed no key: none of the 2 names starts with 'modul.'" in notes
+    assert "--rename xyz=abc renamed no key: the pattern matches none of the 2 names" in notes
+    done = cli("fix", src, "-o", tmp_path / "done.pt", "--strip-module", "--json")
+    assert done.exit_code == 0 and not any("renamed no key" in n for n in json.loads(done.stdout)["notes"])
+    assert set(torch.load(tmp_path / "done.pt", weights_only=True)) == {"a.weight", "b.bias"}

@@ -293,8 +293,14 @@ def refuse_same_keys(ckpt: Checkpoint, tensors: list[TensorRecord] | tuple[Tenso
 def key_mapping(kept: list[TensorRecord], renames: list[Transform], opts: FixOptions,
                 draft: Draft) -> dict[str, str]:
     """Old key → new key for every kept tensor, in output order: the renames, --map-by-order, --reorder."""
-    mapping = dict(plan_keys([t.key for t in kept], renames).mapping)
+    keys = plan_keys([t.key for t in kept], renames)
+    mapping = dict(keys.mapping)
     draft.applied += [" ".join(t.flags()) for t in opts.transforms if not opts.auto]
+    for idle in keys.idle if kept and not opts.auto else ():  # a typo in a prefix: said, not a silent no-op
+        flags = " ".join(shell_word(f) for f in idle.flags())
+        draft.notes.append(f"{flags} renamed no key: " + (f"none of the {len(kept):,} names starts with {idle.arg!r}"
+                                                          if idle.op is Op.STRIP_PREFIX else
+                                                          f"the pattern matches none of the {len(kept):,} names"))
     if opts.map_by_order:
         mapping = map_by_order(kept, mapping, opts.model, opts.force, draft.notes, opts.dry_run, draft.ambiguous)
         draft.applied.append("--map-by-order")
