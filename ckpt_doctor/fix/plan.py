@@ -489,7 +489,7 @@ def holding_findings(ckpt: Checkpoint) -> list[str]:
     """Keys of the tensors whose bytes hold a finding (an .npy object array saved as a uint8 tensor, whose pickle
     np.load(allow_pickle=True) would run): fix copies a tensor's bytes as they are, so only leaving the tensor out
     leaves out what its pickle names."""
-    members = {g.source.split(": ", 1)[0] for g in ckpt.unsafe_globals if ": " in g.source}
+    members = {place.split(": ", 1)[0] for place in ckpt.finding_places if ": " in place}
     if not members:
         return []
     return [t.key for t in ckpt.tensors if t.storage is not None and t.storage.entry in members]

@@ -31,7 +31,7 @@ def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None =
     What only --allow-global allows is left out too (a file torch.load loads with its defaults: the input itself
     loads within safe_globals), unless `keep_allowed` (fix's own advice: the user asked to keep it) or nothing but
     keeping it gives a command that runs; then the Suggestion's safe_globals names it, and its sentence says so."""
-    if any("→ nested pickle" in g.source for g in ckpt.unsafe_globals):
+    if any("→ nested pickle" in place for place in ckpt.finding_places):
         return None  # a byte string that is itself a pickle is plain data: the copy would hold it as it is
     path = source or str(ckpt.path)  # as the user named it (a model's folder)
     allowed = user_allowed(ckpt.globals)
