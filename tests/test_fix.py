@@ -579,3 +579,29 @@ def test_fix_says_when_a_tensor_it_copies_holds_a_pickle(tmp_path, cli):
     dropped = cli("fix", src, "-o", tmp_path / "dropped.pt", "--allow-unsafe", "--drop", "^meta$", "--json")
     assert dropped.exit_code == 0 and not any(n.startswith("meta:") for n in json.loads(dropped.stdout)["notes"])
     assert cli("scan", tmp_path / "dropped.pt").exit_code == 0
+
+
+def test_the_drop_fix_names_for_a_held_pickle_in_a_tuple_runs(tmp_path, cli):
+    """An .npy tensor that is an item of a tuple: the --drop fix's note names leaves out the tuple with it (the item
+    alone shifted the next one into its place, and fix's check of the output refused the write), and that runs."""
+    import io
+    import json
+    import shlex
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, np.array([os.system], dtype=object), allow_pickle=True)
+    src = tmp_path / "npy_tuple.pt"
+    w = torch.randn(4, 4)
+    torch.save({"w": w, "extra": (torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).clone(),
+                                  torch.ones(2))}, src)
+    kept = cli("fix", src, "-o", tmp_path / "kept.pt", "--allow-unsafe", "--json")
+    assert kept.exit_code == 0
+    [note] = [n for n in json.loads(kept.stdout)["notes"] if n.startswith("extra.0:")]
+    assert "with all of extra" in note
+    drop = shlex.split(note.split("--drop ", 1)[1])[0]
+    assert cli("fix", src, "-o", tmp_path / "dropped.pt", "--allow-unsafe", "--drop", drop).exit_code == 0
+    assert cli("scan", tmp_path / "dropped.pt").exit_code == 0
+    loaded = torch.load(tmp_path / "dropped.pt", weights_only=True)
+    assert set(loaded) == {"w"} and torch.equal(loaded["w"], w)

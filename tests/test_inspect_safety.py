@@ -263,3 +263,26 @@ def test_no_rescue_when_a_byte_string_pickle_names_what_an_npy_tensor_names(tmp_
         assert cli("scan", out).exit_code == 0, suggestion["command"]
     assert "a copy without what they name" not in table.stderr and not canary.exists()
 
+
+def test_the_rescue_of_an_npy_tensor_in_a_list_leaves_out_the_list(tmp_path, cli):
+    """An .npy tensor that is an item of a list or tuple: --drop of the item alone fails fix's check (the items after
+    it shift), so the rescue leaves out the list with it and says so; every other tensor is kept equal."""
+    import os
+
+    canary = tmp_path / "CANARY"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {canary}",)
+
+    w = torch.randn(3, 3)
+    nested = tmp_path / "nested.pt"
+    torch.save({"state_dict": {"w": w}, "extras": [_npy_tensor(Payload()), torch.ones(2)]}, nested)
+    rescue, loaded = _run_rescue(cli, nested)
+    assert set(loaded) == {"state_dict"} and torch.equal(loaded["state_dict"]["w"], w)
+    assert "extras.0" in rescue["why"] and "with all of extras" in rescue["why"]
+    flat = tmp_path / "flat.pt"
+    torch.save({"w": w, "extras": ([_npy_tensor(Payload()), torch.ones(2)], torch.zeros(2)), "v": torch.ones(1)}, flat)
+    rescue, loaded = _run_rescue(cli, flat)
+    assert set(loaded) == {"w", "v"} and torch.equal(loaded["w"], w) and "with all of extras" in rescue["why"]
+    assert not canary.exists()
