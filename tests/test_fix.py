@@ -605,3 +605,32 @@ def test_the_drop_fix_names_for_a_held_pickle_in_a_tuple_runs(tmp_path, cli):
     assert cli("scan", tmp_path / "dropped.pt").exit_code == 0
     loaded = torch.load(tmp_path / "dropped.pt", weights_only=True)
     assert set(loaded) == {"w"} and torch.equal(loaded["w"], w)
+
+
+def test_the_held_pickle_note_is_said_of_a_selected_part_and_only_of_a_torch_output(tmp_path, cli):
+    """--select model keys the part's tensors relative to it: the note was missing for the .npy tensor it copied (the
+    output scanned DANGEROUS after a bare 'verified'), and its --drop names the key the input has. A safetensors
+    output holds the bytes where no loader unpickles them and scans clean: no note says it is flagged."""
+    import io
+    import json
+    import shlex
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, np.array([os.system], dtype=object), allow_pickle=True)
+    src = tmp_path / "npy_model.pt"
+    torch.save({"model": {"w": torch.randn(4, 4), "meta": torch.frombuffer(bytearray(buf.getvalue()),
+                                                                          dtype=torch.uint8).clone()}, "epoch": 3}, src)
+    kept = cli("fix", src, "-o", tmp_path / "kept.pt", "--allow-unsafe", "--select", "model", "--json")
+    assert kept.exit_code == 0 and cli("scan", tmp_path / "kept.pt").exit_code == 1
+    [note] = [n for n in json.loads(kept.stdout)["notes"] if "np.load" in n]
+    drop = shlex.split(note.split("--drop ", 1)[1])[0]
+    dropped = tmp_path / "dropped.pt"
+    assert cli("fix", src, "-o", dropped, "--allow-unsafe", "--select", "model", "--drop", drop).exit_code == 0
+    assert cli("scan", dropped).exit_code == 0 and set(torch.load(dropped, weights_only=True)) == {"w"}
+    flat = tmp_path / "npy_flat.pt"
+    torch.save(torch.load(src, weights_only=True)["model"], flat)
+    st = cli("fix", flat, "-o", tmp_path / "out.safetensors", "--allow-unsafe", "--json")
+    assert st.exit_code == 0 and cli("scan", tmp_path / "out.safetensors").exit_code == 0
+    assert not any("np.load" in n for n in json.loads(st.stdout)["notes"])

@@ -143,7 +143,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     tied, metadata = safetensors_sharing(ckpt, outs, draft) if fmt is OutputFormat.SAFETENSORS else ({}, {})
     refuse_unwritable_tensors(outs, fmt)
     note_devices(fmt, outs, draft)
-    note_held_findings(ckpt, outs, draft)
+    note_held_findings(ckpt, outs, fmt, scope.prefix, draft)
     return FixPlan(ckpt.path, output, fmt, tuple(draft.applied), {**mapping, **extra_renamed},
                    tuple(draft.dropped), tuple(outs), tree, tuple(draft.notes), tied, metadata,
                    tuple(draft.ambiguous), policy)
@@ -521,11 +521,16 @@ def with_whole(whole: list[str]) -> str:
         if whole else ""
 
 
-def note_held_findings(ckpt: Checkpoint, outs: list[OutTensor], draft: Draft) -> None:
-    """Said when the output keeps such a tensor (fix --allow-unsafe without --drop): its bytes, copied as they are,
-    hold the same pickle, and scan flags the output as it flagged the input ("verified" is of the bytes)."""
+def note_held_findings(ckpt: Checkpoint, outs: list[OutTensor], fmt: OutputFormat, prefix: str,
+                       draft: Draft) -> None:
+    """Said when the output keeps such a tensor (fix --allow-unsafe without --drop): its bytes, copied as they are
+    into a torch zip's member, hold the same pickle, and scan flags the output as it flagged the input ("verified"
+    is of the bytes). A safetensors file or DCP folder holds them where no loader unpickles them. `prefix`: the
+    part's, which a flat output's keys are relative to (--select model)."""
     held = set(holding_findings(ckpt))
-    kept = [o.source.key for o in outs if o.source.key in held]
+    if not held or fmt is not OutputFormat.TORCH:
+        return
+    kept = [k for k in (o.source.key if o.source.key in held else prefix + o.source.key for o in outs) if k in held]
     if kept:
         entries = held_entries(ckpt, kept)
         whole = [e for e in entries if e not in kept]
