@@ -286,3 +286,21 @@ def test_the_rescue_of_an_npy_tensor_in_a_list_leaves_out_the_list(tmp_path, cli
     rescue, loaded = _run_rescue(cli, flat)
     assert set(loaded) == {"w", "v"} and torch.equal(loaded["w"], w) and "with all of extras" in rescue["why"]
     assert not canary.exists()
+
+
+def test_the_rescue_finds_an_npy_tensor_of_a_file_whose_name_holds_a_colon(tmp_path, cli):
+    """torch.save names the archive after the file: in `evil: x.pt` the member is `evil: x/data/1`, which the place
+    of its finding (`evil: x/data/1: the pickle after …`) was cut at its first ': ', so the rescue kept the tensor."""
+    import os
+
+    canary = tmp_path / "CANARY"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {canary}",)
+
+    w = torch.randn(3, 3)
+    path = tmp_path / "evil: x.pt"
+    torch.save({"w": w, "npy": _npy_tensor(Payload())}, path)
+    rescue, loaded = _run_rescue(cli, path)
+    assert set(loaded) == {"w"} and torch.equal(loaded["w"], w) and not canary.exists()

@@ -14,6 +14,7 @@ from ..advice import shell_word
 from ..devices import missing_devices
 from ..dtypes import FLOATING, QUANTIZED, TORCH_TO_SAFETENSORS
 from ..errors import PlanError, Rerun, UsageError
+from ..readers.survey import NPY_PICKLE
 from ..records import (
     Checkpoint,
     DcpFolder,
@@ -489,7 +490,7 @@ def holding_findings(ckpt: Checkpoint) -> list[str]:
     """Keys of the tensors whose bytes hold a finding (an .npy object array saved as a uint8 tensor, whose pickle
     np.load(allow_pickle=True) would run): fix copies a tensor's bytes as they are, so only leaving the tensor out
     leaves out what its pickle names."""
-    members = {place.split(": ", 1)[0] for place in ckpt.finding_places if ": " in place}
+    members = {place.rpartition(NPY_PICKLE)[0] for place in ckpt.finding_places if NPY_PICKLE in place}
     if not members:
         return []
     return [t.key for t in ckpt.tensors if t.storage is not None and t.storage.entry in members]
