@@ -582,6 +582,14 @@ class Checkpoint:
     # data.pkl, a legacy file's five pickles); None: every global counts. `globals` also has what other loaders
     # would meet (np.load's view of a member, a pickle torch never reads), which torch.load's verdict leaves out.
     loaded_globals: tuple[GlobalRef, ...] | None = None
+    # where globals off the allow-list are named, every place (`globals` keeps one place a name): two .npy tensors
+    # that name os.system, a byte string pickle that names what data.pkl names
+    finding_sources: tuple[str, ...] = ()
+
+    @property
+    def finding_places(self) -> tuple[str, ...]:
+        """Every place a global off the allow-list is named, as far as the reader kept them."""
+        return tuple(dict.fromkeys([*self.finding_sources, *(g.source for g in self.unsafe_globals)]))
 
     @property
     def unsafe_globals(self) -> tuple[GlobalRef, ...]:

@@ -596,3 +596,58 @@ def test_a_rename_that_matches_no_key_is_said(tmp_path, cli):
     done = cli("fix", src, "-o", tmp_path / "done.pt", "--strip-module", "--json")
     assert done.exit_code == 0 and not any("renamed no key" in n for n in json.loads(done.stdout)["notes"])
     assert set(torch.load(tmp_path / "done.pt", weights_only=True)) == {"a.weight", "b.bias"}
+
+
+def test_the_drop_fix_names_for_a_held_pickle_in_a_tuple_runs(tmp_path, cli):
+    """An .npy tensor that is an item of a tuple: the --drop fix's note names leaves out the tuple with it (the item
+    alone shifted the next one into its place, and fix's check of the output refused the write), and that runs."""
+    import io
+    import json
+    import shlex
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, np.array([os.system], dtype=object), allow_pickle=True)
+    src = tmp_path / "npy_tuple.pt"
+    w = torch.randn(4, 4)
+    torch.save({"w": w, "extra": (torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).clone(),
+                                  torch.ones(2))}, src)
+    kept = cli("fix", src, "-o", tmp_path / "kept.pt", "--allow-unsafe", "--json")
+    assert kept.exit_code == 0
+    [note] = [n for n in json.loads(kept.stdout)["notes"] if n.startswith("extra.0:")]
+    assert "with all of extra" in note
+    drop = shlex.split(note.split("--drop ", 1)[1])[0]
+    assert cli("fix", src, "-o", tmp_path / "dropped.pt", "--allow-unsafe", "--drop", drop).exit_code == 0
+    assert cli("scan", tmp_path / "dropped.pt").exit_code == 0
+    loaded = torch.load(tmp_path / "dropped.pt", weights_only=True)
+    assert set(loaded) == {"w"} and torch.equal(loaded["w"], w)
+
+
+def test_the_held_pickle_note_is_said_of_a_selected_part_and_only_of_a_torch_output(tmp_path, cli):
+    """--select model keys the part's tensors relative to it: the note was missing for the .npy tensor it copied (the
+    output scanned DANGEROUS after a bare 'verified'), and its --drop names the key the input has. A safetensors
+    output holds the bytes where no loader unpickles them and scans clean: no note says it is flagged."""
+    import io
+    import json
+    import shlex
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, np.array([os.system], dtype=object), allow_pickle=True)
+    src = tmp_path / "npy_model.pt"
+    torch.save({"model": {"w": torch.randn(4, 4), "meta": torch.frombuffer(bytearray(buf.getvalue()),
+                                                                          dtype=torch.uint8).clone()}, "epoch": 3}, src)
+    kept = cli("fix", src, "-o", tmp_path / "kept.pt", "--allow-unsafe", "--select", "model", "--json")
+    assert kept.exit_code == 0 and cli("scan", tmp_path / "kept.pt").exit_code == 1
+    [note] = [n for n in json.loads(kept.stdout)["notes"] if "np.load" in n]
+    drop = shlex.split(note.split("--drop ", 1)[1])[0]
+    dropped = tmp_path / "dropped.pt"
+    assert cli("fix", src, "-o", dropped, "--allow-unsafe", "--select", "model", "--drop", drop).exit_code == 0
+    assert cli("scan", dropped).exit_code == 0 and set(torch.load(dropped, weights_only=True)) == {"w"}
+    flat = tmp_path / "npy_flat.pt"
+    torch.save(torch.load(src, weights_only=True)["model"], flat)
+    st = cli("fix", flat, "-o", tmp_path / "out.safetensors", "--allow-unsafe", "--json")
+    assert st.exit_code == 0 and cli("scan", tmp_path / "out.safetensors").exit_code == 0
+    assert not any("np.load" in n for n in json.loads(st.stdout)["notes"])

@@ -193,3 +193,114 @@ def test_a_payload_in_the_copy_of_data_pkl_torch_does_not_pick_is_not_torch_load
     assert data["exit_code"] == 1 and data["default_load"]["ok"] and data["unsafe_globals"] == ["os.system"]
     assert "torch.load reads none of them" in table.stderr
     assert "torch.load(weights_only=False) would import and run" not in table.stderr
+
+
+def _npy_tensor(obj) -> torch.Tensor:
+    """A NumPy object array holding `obj`, saved as a uint8 tensor: its pickle is in the tensor's own bytes."""
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, np.array([obj], dtype=object), allow_pickle=True)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).clone()
+
+
+def _run_rescue(cli, path):
+    """The rescue inspect prints (table and JSON alike), run as printed: its output, loaded with torch's defaults."""
+    table, data = cli("inspect", path), cli("inspect", path, "--json").json()
+    [rescue] = data["suggested_commands"]
+    assert f"`{rescue['command']}`" in table.stderr
+    assert cli(*rescue["argv"][1:]).exit_code == 0, rescue["command"]
+    out = rescue["argv"][rescue["argv"].index("-o") + 1]
+    assert cli("scan", out).exit_code == 0, rescue["command"]
+    return rescue, torch.load(out, weights_only=True)
+
+
+def test_the_rescue_leaves_out_every_tensor_whose_npy_names_one_global(tmp_path, cli):
+    """Several .npy tensors naming the same os.system (and the same global in data.pkl beside them): the findings
+    list the global once, but the rescue leaves out every tensor whose bytes hold it, not the one whose place the
+    list kept, so its copy scans clean."""
+    import os
+
+    canary = tmp_path / "CANARY"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {canary}",)
+
+    w = torch.randn(3, 3)
+    same = tmp_path / "same.pt"
+    torch.save({"w": w, "n1": _npy_tensor(Payload()), "n2": _npy_tensor(Payload())}, same)
+    rescue, loaded = _run_rescue(cli, same)
+    assert set(loaded) == {"w"} and torch.equal(loaded["w"], w) and "n1" in rescue["why"]
+    beside = tmp_path / "beside.pt"
+    torch.save({"w": w, "npy": _npy_tensor(Payload()), "evil": Payload()}, beside)
+    rescue, loaded = _run_rescue(cli, beside)
+    assert set(loaded) == {"w"} and "npy" in rescue["why"] and not canary.exists()
+
+
+def test_no_rescue_when_a_byte_string_pickle_names_what_an_npy_tensor_names(tmp_path, cli):
+    """A pickle held as a byte string is written as it is: with an .npy tensor naming the same global (the one place
+    the findings list keeps), no 'copy without what they name' is printed either."""
+    import os
+    import pickle
+
+    canary = tmp_path / "CANARY"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {canary}",)
+
+    path = tmp_path / "both.pt"
+    torch.save({"w": torch.ones(3), "npy": _npy_tensor(Payload()), "blob": pickle.dumps(Payload(), protocol=2)}, path)
+    torch.load(path, weights_only=True)  # the oracle: torch's defaults load it
+    table, data = cli("inspect", path), cli("inspect", path, "--json").json()
+    assert data["exit_code"] == 1 and data["default_load"]["ok"]
+    for suggestion in data["suggested_commands"]:  # whatever is printed writes a file with no payload
+        assert cli(*suggestion["argv"][1:]).exit_code == 0
+        out = suggestion["argv"][suggestion["argv"].index("-o") + 1]
+        assert cli("scan", out).exit_code == 0, suggestion["command"]
+    assert "a copy without what they name" not in table.stderr and not canary.exists()
+
+
+def test_the_rescue_of_an_npy_tensor_in_a_list_leaves_out_the_list(tmp_path, cli):
+    """An .npy tensor that is an item of a list or tuple: --drop of the item alone fails fix's check (the items after
+    it shift), so the rescue leaves out the list with it and says so; every other tensor is kept equal."""
+    import os
+
+    canary = tmp_path / "CANARY"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {canary}",)
+
+    w = torch.randn(3, 3)
+    nested = tmp_path / "nested.pt"
+    torch.save({"state_dict": {"w": w}, "extras": [_npy_tensor(Payload()), torch.ones(2)]}, nested)
+    rescue, loaded = _run_rescue(cli, nested)
+    assert set(loaded) == {"state_dict"} and torch.equal(loaded["state_dict"]["w"], w)
+    assert "extras.0" in rescue["why"] and "with all of extras" in rescue["why"]
+    flat = tmp_path / "flat.pt"
+    torch.save({"w": w, "extras": ([_npy_tensor(Payload()), torch.ones(2)], torch.zeros(2)), "v": torch.ones(1)}, flat)
+    rescue, loaded = _run_rescue(cli, flat)
+    assert set(loaded) == {"w", "v"} and torch.equal(loaded["w"], w) and "with all of extras" in rescue["why"]
+    assert not canary.exists()
+
+
+def test_the_rescue_finds_an_npy_tensor_of_a_file_whose_name_holds_a_colon(tmp_path, cli):
+    """torch.save names the archive after the file: in `evil: x.pt` the member is `evil: x/data/1`, which the place
+    of its finding (`evil: x/data/1: the pickle after …`) was cut at its first ': ', so the rescue kept the tensor."""
+    import os
+
+    canary = tmp_path / "CANARY"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {canary}",)
+
+    w = torch.randn(3, 3)
+    path = tmp_path / "evil: x.pt"
+    torch.save({"w": w, "npy": _npy_tensor(Payload())}, path)
+    rescue, loaded = _run_rescue(cli, path)
+    assert set(loaded) == {"w"} and torch.equal(loaded["w"], w) and not canary.exists()

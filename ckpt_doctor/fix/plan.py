@@ -14,6 +14,7 @@ from ..advice import shell_word
 from ..devices import missing_devices
 from ..dtypes import FLOATING, QUANTIZED, TORCH_TO_SAFETENSORS
 from ..errors import PlanError, Rerun, UsageError
+from ..readers.survey import NPY_PICKLE
 from ..records import (
     Checkpoint,
     DcpFolder,
@@ -143,7 +144,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     tied, metadata = safetensors_sharing(ckpt, outs, draft) if fmt is OutputFormat.SAFETENSORS else ({}, {})
     refuse_unwritable_tensors(outs, fmt)
     note_devices(fmt, outs, draft)
-    note_held_findings(ckpt, outs, draft)
+    note_held_findings(ckpt, outs, fmt, scope.prefix, draft)
     return FixPlan(ckpt.path, output, fmt, tuple(draft.applied), {**mapping, **extra_renamed},
                    tuple(draft.dropped), tuple(outs), tree, tuple(draft.notes), tied, metadata,
                    tuple(draft.ambiguous), policy)
@@ -495,22 +496,54 @@ def holding_findings(ckpt: Checkpoint) -> list[str]:
     """Keys of the tensors whose bytes hold a finding (an .npy object array saved as a uint8 tensor, whose pickle
     np.load(allow_pickle=True) would run): fix copies a tensor's bytes as they are, so only leaving the tensor out
     leaves out what its pickle names."""
-    members = {g.source.split(": ", 1)[0] for g in ckpt.unsafe_globals if ": " in g.source}
+    members = {place.rpartition(NPY_PICKLE)[0] for place in ckpt.finding_places if NPY_PICKLE in place}
     if not members:
         return []
     return [t.key for t in ckpt.tensors if t.storage is not None and t.storage.entry in members]
 
 
-def note_held_findings(ckpt: Checkpoint, outs: list[OutTensor], draft: Draft) -> None:
-    """Said when the output keeps such a tensor (fix --allow-unsafe without --drop): its bytes, copied as they are,
-    hold the same pickle, and scan flags the output as it flagged the input ("verified" is of the bytes)."""
+def held_entries(ckpt: Checkpoint, keys: list[str]) -> list[str]:
+    """The entries that leave out these tensors: a list's or tuple's item goes with its container (the outermost of
+    nested ones, as fix's advice on a refused value), since leaving one item out shifts the ones after it, which
+    fix's check of the output refuses."""
+    entries: dict[str, None] = {}
+    for key in keys:
+        entry = key
+        while "." in entry and isinstance(subtree(ckpt.root, entry.rpartition(".")[0]), (list, tuple)):
+            entry = entry.rpartition(".")[0]
+        entries[entry] = None
+    return list(entries)
+
+
+def drop_pattern(entries: list[str], keys: list[str]) -> str:
+    """The --drop regex of `entries` (held_entries of `keys`): a container with every key under it (a flat
+    state_dict's tensors in a list are keys of their own)."""
+    parts = [re.escape(e) + ("" if e in keys else r"(\..*)?") for e in entries]
+    return "^" + (parts[0] if len(parts) == 1 else "(" + "|".join(parts) + ")") + "$"
+
+
+def with_whole(whole: list[str]) -> str:
+    """What a --drop of held_entries leaves out besides the tensors: the lists and tuples they are items of."""
+    return f" with all of {', '.join(whole)} (a list or tuple: an item left out would shift the ones after it)" \
+        if whole else ""
+
+
+def note_held_findings(ckpt: Checkpoint, outs: list[OutTensor], fmt: OutputFormat, prefix: str,
+                       draft: Draft) -> None:
+    """Said when the output keeps such a tensor (fix --allow-unsafe without --drop): its bytes, copied as they are
+    into a torch zip's member, hold the same pickle, and scan flags the output as it flagged the input ("verified"
+    is of the bytes). A safetensors file or DCP folder holds them where no loader unpickles them. `prefix`: the
+    part's, which a flat output's keys are relative to (--select model)."""
     held = set(holding_findings(ckpt))
-    kept = [o.source.key for o in outs if o.source.key in held]
+    if not held or fmt is not OutputFormat.TORCH:
+        return
+    kept = [k for k in (o.source.key if o.source.key in held else prefix + o.source.key for o in outs) if k in held]
     if kept:
-        pattern = re.escape(kept[0]) if len(kept) == 1 else "(" + "|".join(map(re.escape, kept)) + ")"
+        entries = held_entries(ckpt, kept)
+        whole = [e for e in entries if e not in kept]
         draft.notes.append(f"{', '.join(kept[:3])}{', …' if len(kept) > 3 else ''}: "
                            f"{'its bytes hold' if len(kept) == 1 else 'their bytes hold'} a pickle np.load"
                            "(allow_pickle=True) would unpickle, copied as it is: scan flags the output as it flagged "
-                           f"the input; --drop {shell_word('^' + pattern + '$')} leaves "
-                           f"{'it' if len(kept) == 1 else 'them'} out")
+                           f"the input; --drop {shell_word(drop_pattern(entries, kept))} leaves "
+                           f"{'it' if len(kept) == 1 else 'them'} out{with_whole(whole)}")
 

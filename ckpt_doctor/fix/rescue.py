@@ -3,7 +3,6 @@ as a file that loads, checked by planning it, so that the command printed is one
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from ..advice import Promise, Suggestion, allow_flags, output_beside, shell_path, under_safe_globals, user_allowed
@@ -12,7 +11,7 @@ from ..records import Checkpoint
 from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..transforms import drop
 from .options import FixOptions
-from .plan import holding_findings, plan_fix
+from .plan import drop_pattern, held_entries, holding_findings, plan_fix, with_whole
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -31,7 +30,7 @@ def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None =
     What only --allow-global allows is left out too (a file torch.load loads with its defaults: the input itself
     loads within safe_globals), unless `keep_allowed` (fix's own advice: the user asked to keep it) or nothing but
     keeping it gives a command that runs; then the Suggestion's safe_globals names it, and its sentence says so."""
-    if any("→ nested pickle" in g.source for g in ckpt.unsafe_globals):
+    if any("→ nested pickle" in place for place in ckpt.finding_places):
         return None  # a byte string that is itself a pickle is plain data: the copy would hold it as it is
     path = source or str(ckpt.path)  # as the user named it (a model's folder)
     allowed = user_allowed(ckpt.globals)
@@ -40,9 +39,9 @@ def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None =
     if ckpt.state_dict_root is None and isinstance(ckpt.root, dict):  # fix refuses to guess the part: all of it
         flags += ["--select", ""]
     held = holding_findings(ckpt)
+    entries = held_entries(ckpt, held)
     if held:
-        flags += ["--drop", f"^{re.escape(held[0])}$" if len(held) == 1 else
-                  "^(" + "|".join(re.escape(k) for k in held) + ")$"]
+        flags += ["--drop", drop_pattern(entries, held)]
     tries = (True,) if not allowed or keep_allowed else (False, True)
     for keep in tries:
         found = _planned(ckpt, path, list(flags), taken, policy if keep else DEFAULT_POLICY)
@@ -58,7 +57,7 @@ def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None =
                 more = f", … {len(held) - 3} more" if len(held) > 3 else ""
                 left += f", without {', '.join(held[:3])}{more} (" + ("a tensor whose bytes hold" if len(held) == 1
                                                                        else "tensors whose bytes hold") + \
-                    " a pickle np.load would unpickle)"
+                    f" a pickle np.load would unpickle){with_whole([e for e in entries if e not in held])}"
             return Suggestion(argv, Promise.WRITES,
                               f"writes its tensors and plain data as a file torch.load loads with its defaults{left}; "
                               "nothing it names is run or written")

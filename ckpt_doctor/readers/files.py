@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .._record import replace
 from ..errors import NotACheckpoint, ReadError
-from ..records import Checkpoint
+from ..records import Checkpoint, Verdict
 from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..sniff import Container, describe_other, what_else
 from .source import close_source, open_source
@@ -47,8 +47,10 @@ def read_surveyed(path: Path, survey: Survey, read: Callable[[Path, Survey], Che
             kind = NotACheckpoint if isinstance(exc, NotACheckpoint) else ReadError
             raise kind(f"{exc} — and it would run code: {shown}", findings) from None
         raise
-    globals_ = tuple({(g.module, g.name): g for g in [*survey.globals, *ckpt.globals]}.values())
-    return replace(ckpt, globals=globals_, hazards=tuple(survey.hazards),
+    found = [*survey.globals, *ckpt.globals]
+    globals_ = tuple({(g.module, g.name): g for g in found}.values())
+    places = tuple(dict.fromkeys(g.source for g in found if g.verdict is not Verdict.SAFE))
+    return replace(ckpt, globals=globals_, hazards=tuple(survey.hazards), finding_sources=places,
                    notes=_tensors_named(tuple(dict.fromkeys([*ckpt.notes, *survey.notes])), ckpt))
 
 

@@ -662,12 +662,17 @@ def survey_tar(survey: Survey, fd: int) -> None:
                                              "torch.load reads one or the other depending on how it is called"))
 
 
+# Where an .npy's pickle is named, after the member (whose name may hold ": " itself: torch.save names the archive
+# after the file): `archive/data/1: the pickle after the NumPy header at byte 288`.
+NPY_PICKLE = ": the pickle after the NumPy header"
+
+
 def survey_npy(survey: Survey, fd: Any) -> None:
     at = _npy_pickle_start(read_all(fd, min(survey.size, (1 << 16) + 12)), lambda at: pread(fd, 1, at))
     if at is None:
         return
     where = "the file"
-    survey._add(walk_window(fd, survey.size, lambda data: walk(data, f"{where}: the pickle after the NumPy header",
+    survey._add(walk_window(fd, survey.size, lambda data: walk(data, f"{where}{NPY_PICKLE}",
                                                                 start=at, budget=survey.budget, policy=survey.policy),
                             survey.budget))
     survey.notes.append(f"{where}: a NumPy array whose data np.load(allow_pickle=True) would unpickle")
@@ -678,7 +683,7 @@ def _survey_npy_bytes(survey: Survey, data: Any, where: str) -> None:
     at = _npy_pickle_start(data)
     if at is None:
         return
-    survey._add(walk(data, f"{where}: the pickle after the NumPy header", start=at, budget=survey.budget,
+    survey._add(walk(data, f"{where}{NPY_PICKLE}", start=at, budget=survey.budget,
                      policy=survey.policy))
     survey.notes.append(f"{where}: a NumPy array whose data np.load(allow_pickle=True) would unpickle")
 
