@@ -59,6 +59,25 @@ def test_inspect_does_not_import_torch(fixtures):
         assert proc.stderr.strip().splitlines()[-1] == "False", (name, proc.stderr)
 
 
+def _payload(canary):
+    """An object whose pickle runs `touch canary` (only ever written here: a file holding it is never unpickled)."""
+    import os
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {canary}",)
+
+    return Payload()
+
+
+def _every_suggestion_writes_a_clean_file(cli, data: dict) -> None:
+    """Each command a JSON report suggests runs (exit 0) and writes a file scan calls clean."""
+    for suggestion in data["suggested_commands"]:
+        assert cli(*suggestion["argv"][1:]).exit_code == 0
+        out = suggestion["argv"][suggestion["argv"].index("-o") + 1]
+        assert cli("scan", out).exit_code == 0, suggestion["command"]
+
+
 def _canary_pickle(canary) -> bytes:
     from tests.payloads import call
 
@@ -145,10 +164,7 @@ def test_no_rescue_is_printed_that_would_copy_a_pickle_held_as_bytes(tmp_path, c
     torch.load(path, weights_only=True)  # the oracle: torch's defaults load it
     table, data = cli("inspect", path), cli("inspect", path, "--json").json()
     assert data["exit_code"] == 1 and data["default_load"]["ok"] and data["unsafe_globals"] == ["os.system"]
-    for suggestion in data["suggested_commands"]:  # whatever is printed writes a file with no payload
-        assert cli(*suggestion["argv"][1:]).exit_code == 0
-        out = suggestion["argv"][suggestion["argv"].index("-o") + 1]
-        assert cli("scan", out).exit_code == 0, suggestion["command"]
+    _every_suggestion_writes_a_clean_file(cli, data)  # whatever is printed writes a file with no payload
     assert "a copy without what they name" not in table.stderr and not canary.exists()
 
 
@@ -221,21 +237,14 @@ def test_the_rescue_leaves_out_every_tensor_whose_npy_names_one_global(tmp_path,
     """Several .npy tensors naming the same os.system (and the same global in data.pkl beside them): the findings
     list the global once, but the rescue leaves out every tensor whose bytes hold it, not the one whose place the
     list kept, so its copy scans clean."""
-    import os
-
     canary = tmp_path / "CANARY"
-
-    class Payload:
-        def __reduce__(self):
-            return os.system, (f"touch {canary}",)
-
     w = torch.randn(3, 3)
     same = tmp_path / "same.pt"
-    torch.save({"w": w, "n1": _npy_tensor(Payload()), "n2": _npy_tensor(Payload())}, same)
+    torch.save({"w": w, "n1": _npy_tensor(_payload(canary)), "n2": _npy_tensor(_payload(canary))}, same)
     rescue, loaded = _run_rescue(cli, same)
     assert set(loaded) == {"w"} and torch.equal(loaded["w"], w) and "n1" in rescue["why"]
     beside = tmp_path / "beside.pt"
-    torch.save({"w": w, "npy": _npy_tensor(Payload()), "evil": Payload()}, beside)
+    torch.save({"w": w, "npy": _npy_tensor(_payload(canary)), "evil": _payload(canary)}, beside)
     rescue, loaded = _run_rescue(cli, beside)
     assert set(loaded) == {"w"} and "npy" in rescue["why"] and not canary.exists()
 
@@ -243,46 +252,30 @@ def test_the_rescue_leaves_out_every_tensor_whose_npy_names_one_global(tmp_path,
 def test_no_rescue_when_a_byte_string_pickle_names_what_an_npy_tensor_names(tmp_path, cli):
     """A pickle held as a byte string is written as it is: with an .npy tensor naming the same global (the one place
     the findings list keeps), no 'copy without what they name' is printed either."""
-    import os
     import pickle
 
     canary = tmp_path / "CANARY"
-
-    class Payload:
-        def __reduce__(self):
-            return os.system, (f"touch {canary}",)
-
     path = tmp_path / "both.pt"
-    torch.save({"w": torch.ones(3), "npy": _npy_tensor(Payload()), "blob": pickle.dumps(Payload(), protocol=2)}, path)
+    torch.save({"w": torch.ones(3), "npy": _npy_tensor(_payload(canary)), "blob": pickle.dumps(_payload(canary), protocol=2)}, path)
     torch.load(path, weights_only=True)  # the oracle: torch's defaults load it
     table, data = cli("inspect", path), cli("inspect", path, "--json").json()
     assert data["exit_code"] == 1 and data["default_load"]["ok"]
-    for suggestion in data["suggested_commands"]:  # whatever is printed writes a file with no payload
-        assert cli(*suggestion["argv"][1:]).exit_code == 0
-        out = suggestion["argv"][suggestion["argv"].index("-o") + 1]
-        assert cli("scan", out).exit_code == 0, suggestion["command"]
+    _every_suggestion_writes_a_clean_file(cli, data)  # whatever is printed writes a file with no payload
     assert "a copy without what they name" not in table.stderr and not canary.exists()
 
 
 def test_the_rescue_of_an_npy_tensor_in_a_list_leaves_out_the_list(tmp_path, cli):
     """An .npy tensor that is an item of a list or tuple: --drop of the item alone fails fix's check (the items after
     it shift), so the rescue leaves out the list with it and says so; every other tensor is kept equal."""
-    import os
-
     canary = tmp_path / "CANARY"
-
-    class Payload:
-        def __reduce__(self):
-            return os.system, (f"touch {canary}",)
-
     w = torch.randn(3, 3)
     nested = tmp_path / "nested.pt"
-    torch.save({"state_dict": {"w": w}, "extras": [_npy_tensor(Payload()), torch.ones(2)]}, nested)
+    torch.save({"state_dict": {"w": w}, "extras": [_npy_tensor(_payload(canary)), torch.ones(2)]}, nested)
     rescue, loaded = _run_rescue(cli, nested)
     assert set(loaded) == {"state_dict"} and torch.equal(loaded["state_dict"]["w"], w)
     assert "extras.0" in rescue["why"] and "with all of extras" in rescue["why"]
     flat = tmp_path / "flat.pt"
-    torch.save({"w": w, "extras": ([_npy_tensor(Payload()), torch.ones(2)], torch.zeros(2)), "v": torch.ones(1)}, flat)
+    torch.save({"w": w, "extras": ([_npy_tensor(_payload(canary)), torch.ones(2)], torch.zeros(2)), "v": torch.ones(1)}, flat)
     rescue, loaded = _run_rescue(cli, flat)
     assert set(loaded) == {"w", "v"} and torch.equal(loaded["w"], w) and "with all of extras" in rescue["why"]
     assert not canary.exists()
@@ -291,16 +284,9 @@ def test_the_rescue_of_an_npy_tensor_in_a_list_leaves_out_the_list(tmp_path, cli
 def test_the_rescue_finds_an_npy_tensor_of_a_file_whose_name_holds_a_colon(tmp_path, cli):
     """torch.save names the archive after the file: in `evil: x.pt` the member is `evil: x/data/1`, which the place
     of its finding (`evil: x/data/1: the pickle after …`) was cut at its first ': ', so the rescue kept the tensor."""
-    import os
-
     canary = tmp_path / "CANARY"
-
-    class Payload:
-        def __reduce__(self):
-            return os.system, (f"touch {canary}",)
-
     w = torch.randn(3, 3)
     path = tmp_path / "evil: x.pt"
-    torch.save({"w": w, "npy": _npy_tensor(Payload())}, path)
+    torch.save({"w": w, "npy": _npy_tensor(_payload(canary))}, path)
     rescue, loaded = _run_rescue(cli, path)
     assert set(loaded) == {"w"} and torch.equal(loaded["w"], w) and not canary.exists()
