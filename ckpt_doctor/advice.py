@@ -209,16 +209,34 @@ def has_fix_line(comparison: object) -> bool:
                 and not getattr(c, "only_beside", False))
 
 
-def fix_suggestions(path: str, comparison: object, dangerous: bool = False) -> list[tuple[str, Suggestion]]:
+_ACCEPTING = ("--model", "--allow-missing", "--allow-unexpected")
+
+
+def fix_suggestions(path: str, comparison: object, dangerous: bool = False,
+                    plain: bool = False) -> list[tuple[str, Suggestion]]:
     """The fix line of a comparison — its inferred flags, the model (so that `fix` checks its output against it
     before writing), --map-location cpu where the file holds devices this machine lacks — and, for a mapping by
-    order with ambiguous positions, its dry run first (the fix line then needs --force, which it holds)."""
+    order with ambiguous positions, its dry run first (the fix line then needs --force, which it holds).
+
+    `plain`: the file loads with torch's defaults as it is and names nothing off the allow-list. Where all the fix
+    would do is accept the model's own values for keys the file lacks (a new head), it would write the file again
+    unchanged: the line is then the check that accepts them (`accept`), not a fix."""
 
     c = comparison
     kind = c.fix_kind  # type: ignore[attr-defined]
     if not has_fix_line(c):
         return []  # nothing found that makes it load: no line to promise it (leaving out the entries of no tensor does)
     flags = list(c.suggested_fix)  # type: ignore[attr-defined]
+    if plain and kind == "allowed" and all(f in _ACCEPTING for f in flags[::2]) \
+            and not (c.missing_devices or c.tied or c.dropped_entries  # type: ignore[attr-defined]
+                     or getattr(c, "allowed_globals", ()) or c.fix_root):  # type: ignore[attr-defined]
+        if c.strict_ok:  # type: ignore[attr-defined]  # accepted already, by the --allow-missing given
+            return []
+        kept = list(c.left_missing)  # type: ignore[attr-defined]
+        names = ", ".join(kept[:3]) + (", …" if len(kept) > 3 else "")
+        return [("accept", Suggestion(("inspect", shell_path(path), *flags), Promise.SHOWS,
+                                      f"exits 0: the model keeps its own {len(kept)} there ({names}); there is "
+                                      "nothing to rewrite: load_state_dict(strict=False) loads the file as it is"))]
     if dangerous:
         flags.insert(0, "--allow-unsafe")
     allowed = tuple(getattr(c, "allowed_globals", ()))  # the file read again as here: what it may keep of them

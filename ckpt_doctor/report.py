@@ -160,7 +160,8 @@ def _suggestions(ckpt: Checkpoint, comparison: Any, loads: DefaultLoad,
     infers (see `fix_suggestions`), else the rewrite after which torch.load(path) with torch's defaults loads the
     file here."""
     if comparison is not None and (comparison.suggested_fix or ckpt.verdict is not Verdict.SAFE):
-        found = fix_suggestions(source, comparison, bool(ckpt.dangerous_globals))
+        found = fix_suggestions(source, comparison, bool(ckpt.dangerous_globals),
+                                plain=loads.ok and ckpt.verdict is Verdict.SAFE and not ckpt.model_class)
         if found:
             return found
         # no fix makes it load into this model: the rescue of its tensors is still said (the safety line's way out)

@@ -352,3 +352,35 @@ def test_one_entry_holding_several_refused_objects_is_one_entry(tmp_path):
     leave = refused.stderr.split("Leave it out with `", 1)[1].split("`", 1)[0]
     assert run_cli(*shlex.split(leave)[1:]).exit_code == 0
     assert set(torch.load(tmp_path / "out.pt", weights_only=True)) == {"model"}
+
+
+def test_a_file_that_only_lacks_the_model_s_head_is_accepted_not_rewritten(tmp_path):
+    """A state_dict that lacks only keys the model keeps its own values for (a new head): the fix line wrote the
+    file again unchanged; the line is now the check that accepts them, which runs as printed, exits 0 and writes
+    nothing. With --allow-missing given, nothing more is suggested."""
+    (tmp_path / "headnets.py").write_text(textwrap.dedent("""
+        import torch.nn as nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = nn.Linear(4, 4)
+                self.head = nn.Linear(4, 2)
+    """))
+    spec = f"{tmp_path / 'headnets.py'}:Net"
+    path = tmp_path / "body.pt"
+    torch.save({"body.weight": torch.ones(4, 4), "body.bias": torch.zeros(4)}, path)
+    table, data = run_cli("inspect", path, "--model", spec), run_cli("inspect", path, "--model", spec, "--json").json()
+    assert table.exit_code == data["exit_code"] == 1
+    [accept] = data["suggested_commands"]
+    assert accept["label"] == "accept" and accept["promise"] == "shows" and accept["argv"][1] == "inspect"
+    assert f"`{accept['command']}`" in table.stderr and "head.weight" in accept["why"]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    accepted = run_cli(*shlex.split(accept["command"])[1:])
+    assert accepted.exit_code == 0 and "OK with the allowances given" in accepted.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+    assert "`ckpt-doctor" not in accepted.stderr  # accepted: nothing more to run
+    # A file that also needs rewriting (a prefix to strip) still gets its fix line
+    wrapped = tmp_path / "dp.pt"
+    torch.save({"module.body.weight": torch.ones(4, 4), "module.body.bias": torch.zeros(4)}, wrapped)
+    [fix] = run_cli("inspect", wrapped, "--model", spec, "--json").json()["suggested_commands"]
+    assert fix["label"] == "fix" and "--strip-module" in fix["argv"]

@@ -228,6 +228,8 @@ def comparison_lines(c: Comparison, path: str, suggestions: dict[str, Any] | Non
         if c.fix_loaded_fraction is not None:
             how += f"; it would fill {percent(c.fix_loaded_fraction)} of the parameters"
         lines.append(("fix", f"`{suggestions['fix'].command}`   ({how})"))
+    if "accept" in suggestions:
+        lines.append(("accept", f"`{suggestions['accept'].command}`   ({suggestions['accept'].why})"))
     if c.after is not None and not c.after.ok and c.fix_kind == "partial":
         left = [*c.after.missing[:3], *c.after.unexpected[:3], *(m.key for m in c.after.mismatched[:3])]
         lines.append(("remains", f"after that fix: {len(c.after.missing)} missing, {len(c.after.unexpected)} "
