@@ -384,3 +384,25 @@ def test_a_file_that_only_lacks_the_model_s_head_is_accepted_not_rewritten(tmp_p
     torch.save({"module.body.weight": torch.ones(4, 4), "module.body.bias": torch.zeros(4)}, wrapped)
     [fix] = run_cli("inspect", wrapped, "--model", spec, "--json").json()["suggested_commands"]
     assert fix["label"] == "fix" and "--strip-module" in fix["argv"]
+
+
+def test_a_model_with_constructor_arguments_gets_the_accept_line_too(tmp_path):
+    """The model's --model-arg is part of naming the model: a file that only lacks its head got the fix line that
+    wrote it again unchanged, not the accept line, whenever the model took a constructor argument."""
+    (tmp_path / "argnets.py").write_text(textwrap.dedent("""
+        import torch.nn as nn
+        class Net(nn.Module):
+            def __init__(self, classes=2):
+                super().__init__()
+                self.body = nn.Linear(4, 4)
+                self.head = nn.Linear(4, int(classes))
+    """))
+    path = tmp_path / "body.pt"
+    torch.save({"body.weight": torch.ones(4, 4), "body.bias": torch.zeros(4)}, path)
+    data = run_cli("inspect", path, "--model", f"{tmp_path / 'argnets.py'}:Net", "--model-arg", "classes=5",
+                   "--json").json()
+    [accept] = data["suggested_commands"]
+    assert accept["label"] == "accept" and "--model-arg" in accept["argv"]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert run_cli(*shlex.split(accept["command"])[1:]).exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
