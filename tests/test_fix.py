@@ -651,3 +651,16 @@ def test_the_held_pickle_note_is_said_of_a_selected_part_and_only_of_a_torch_out
     st = cli("fix", flat, "-o", tmp_path / "out.safetensors", "--allow-unsafe", "--json")
     assert st.exit_code == 0 and cli("scan", tmp_path / "out.safetensors").exit_code == 0
     assert not any("np.load" in n for n in json.loads(st.stdout)["notes"])
+
+
+def test_a_rename_that_renames_only_an_entry_of_no_tensor_is_no_idle_rename(tmp_path, cli):
+    """A --rename that renames only an `_extra_state` beside the tensors did rename a key: the note that it renamed
+    none contradicted the '1 key renamed' above it."""
+    import json
+
+    src = tmp_path / "extra.pt"
+    torch.save({"body.weight": torch.ones(2), "body._extra_state": {"k": 1}}, src)
+    out = tmp_path / "out.pt"
+    done = cli("fix", src, "-o", out, "--rename", "_extra_state$=_xs", "--json")
+    assert done.exit_code == 0 and "body._xs" in torch.load(out, weights_only=True)
+    assert not any("renamed no key" in n for n in json.loads(done.stdout)["notes"])

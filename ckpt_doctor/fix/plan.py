@@ -106,7 +106,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     renames = [t for t in opts.transforms if t.op is not Op.DROP]
     kept = kept_tensors(ckpt, scope, drops, draft)
     refuse_same_keys(ckpt, kept if scope.flat_output else ckpt.tensors)
-    mapping = key_mapping(kept, renames, opts, draft)
+    mapping, idle = key_mapping(kept, renames, opts, draft)
     versions = None if opts.map_by_order or fmt is not OutputFormat.TORCH else module_versions(ckpt, scope.root,
                                                                                                 renames)
 
@@ -132,6 +132,9 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
             state.clear()
             mapping = {}
         tree, outs, written = nested_tree(ckpt, scope, state, drops, out_tensor, policy, draft)
+    if extra_renamed:  # a transform that renamed only an entry of no tensor (an `_extra_state`) renamed a key
+        idle = tuple(t for t in idle if t in plan_keys(list(extra_renamed), renames).idle)
+    note_idle(idle, len(kept), draft)
     refuse_unwritable(draft.problems)
     if scope.flat_output:
         note_odd_keys(ckpt, scope, draft)
@@ -292,16 +295,12 @@ def refuse_same_keys(ckpt: Checkpoint, tensors: list[TensorRecord] | tuple[Tenso
 
 
 def key_mapping(kept: list[TensorRecord], renames: list[Transform], opts: FixOptions,
-                draft: Draft) -> dict[str, str]:
-    """Old key → new key for every kept tensor, in output order: the renames, --map-by-order, --reorder."""
+                draft: Draft) -> tuple[dict[str, str], tuple[Transform, ...]]:
+    """Old key → new key for every kept tensor, in output order: the renames, --map-by-order, --reorder; and the
+    user's renames that changed none of their keys."""
     keys = plan_keys([t.key for t in kept], renames)
     mapping = dict(keys.mapping)
     draft.applied += [" ".join(t.flags()) for t in opts.transforms if not opts.auto]
-    for idle in keys.idle if kept and not opts.auto else ():  # a typo in a prefix: said, not a silent no-op
-        flags = " ".join(shell_word(f) for f in idle.flags())
-        draft.notes.append(f"{flags} renamed no key: " + (f"none of the {len(kept):,} names starts with {idle.arg!r}"
-                                                          if idle.op is Op.STRIP_PREFIX else
-                                                          f"the pattern matches none of the {len(kept):,} names"))
     if opts.map_by_order:
         mapping = map_by_order(kept, mapping, opts.model, opts.force, draft.notes, opts.dry_run, draft.ambiguous)
         draft.applied.append("--map-by-order")
@@ -315,7 +314,16 @@ def key_mapping(kept: list[TensorRecord], renames: list[Transform], opts: FixOpt
     if opts.map_location:
         draft.applied.append("--map-location " + ",".join(f"{a}={b}" if a != "*" else b
                                                           for a, b in opts.map_location))
-    return mapping
+    return mapping, keys.idle if kept and not opts.auto else ()
+
+
+def note_idle(idle: tuple[Transform, ...], count: int, draft: Draft) -> None:
+    """A typo in a prefix: said, not a silent no-op."""
+    for t in idle:
+        flags = " ".join(shell_word(f) for f in t.flags())
+        draft.notes.append(f"{flags} renamed no key: " + (f"none of the {count:,} names starts with {t.arg!r}"
+                                                          if t.op is Op.STRIP_PREFIX else
+                                                          f"the pattern matches none of the {count:,} names"))
 
 
 def flat_tree(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTensor], mapping: dict[str, str],
