@@ -664,3 +664,16 @@ def test_a_rename_that_renames_only_an_entry_of_no_tensor_is_no_idle_rename(tmp_
     done = cli("fix", src, "-o", out, "--rename", "_extra_state$=_xs", "--json")
     assert done.exit_code == 0 and "body._xs" in torch.load(out, weights_only=True)
     assert not any("renamed no key" in n for n in json.loads(done.stdout)["notes"])
+
+
+def test_a_rename_written_for_the_names_before_the_strip_is_told_why_it_renamed_nothing(tmp_path, cli):
+    """--rename acts on the names --strip-prefix leaves: a pattern written for the file's own names renamed nothing,
+    and the note said it 'matches none of the 2 names' though every name in the file matched it."""
+    import json
+
+    src = tmp_path / "dp.pt"
+    torch.save({"module.a.weight": torch.ones(2), "module.b.bias": torch.ones(2)}, src)
+    done = cli("fix", src, "-o", tmp_path / "out.pt", "--rename", r"^module\.a\.=c.", "--strip-module", "--json")
+    assert done.exit_code == 0
+    [note] = [n for n in json.loads(done.stdout)["notes"] if "renamed no key" in n]
+    assert "--strip-module" in note and "after" in note

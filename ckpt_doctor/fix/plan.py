@@ -134,7 +134,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         tree, outs, written = nested_tree(ckpt, scope, state, drops, out_tensor, policy, draft)
     if extra_renamed:  # a transform that renamed only an entry of no tensor (an `_extra_state`) renamed a key
         idle = tuple(t for t in idle if t in plan_keys(list(extra_renamed), renames).idle)
-    note_idle(idle, len(kept), draft)
+    note_idle(idle, renames, len(kept), draft)
     refuse_unwritable(draft.problems)
     if scope.flat_output:
         note_odd_keys(ckpt, scope, draft)
@@ -317,13 +317,20 @@ def key_mapping(kept: list[TensorRecord], renames: list[Transform], opts: FixOpt
     return mapping, keys.idle if kept and not opts.auto else ()
 
 
-def note_idle(idle: tuple[Transform, ...], count: int, draft: Draft) -> None:
-    """A typo in a prefix: said, not a silent no-op."""
+def note_idle(idle: tuple[Transform, ...], renames: list[Transform], count: int, draft: Draft) -> None:
+    """A typo in a prefix: said, not a silent no-op. A --rename acts on the names the stripped prefixes leave (a
+    pattern written for the file's own names matches none of those): said too."""
+    stripped = [" ".join(shell_word(f) for f in t.flags()) for t in renames if t.op is Op.STRIP_PREFIX and t not in idle]
     for t in idle:
         flags = " ".join(shell_word(f) for f in t.flags())
-        draft.notes.append(f"{flags} renamed no key: " + (f"none of the {count:,} names starts with {t.arg!r}"
-                                                          if t.op is Op.STRIP_PREFIX else
-                                                          f"the pattern matches none of the {count:,} names"))
+        if t.op is Op.STRIP_PREFIX:
+            why = f"none of the {count:,} names starts with {t.arg!r}"
+        elif stripped:
+            why = f"the pattern matches none of the {count:,} names once {' and '.join(stripped)} has renamed them " \
+                  "(--rename acts on the names after the prefixes are stripped)"
+        else:
+            why = f"the pattern matches none of the {count:,} names"
+        draft.notes.append(f"{flags} renamed no key: {why}")
 
 
 def flat_tree(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTensor], mapping: dict[str, str],
