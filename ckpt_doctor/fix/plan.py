@@ -320,7 +320,8 @@ def key_mapping(kept: list[TensorRecord], renames: list[Transform], opts: FixOpt
 def note_idle(idle: tuple[Transform, ...], renames: list[Transform], count: int, draft: Draft) -> None:
     """A typo in a prefix: said, not a silent no-op. A --rename acts on the names the stripped prefixes leave (a
     pattern written for the file's own names matches none of those): said too."""
-    stripped = [" ".join(shell_word(f) for f in t.flags()) for t in renames if t.op is Op.STRIP_PREFIX and t not in idle]
+    stripped = [" ".join(shell_word(f) for f in t.flags()) for t in renames
+                if t.op is Op.STRIP_PREFIX and t not in idle]
     for t in idle:
         flags = " ".join(shell_word(f) for f in t.flags())
         if t.op is Op.STRIP_PREFIX:
