@@ -232,6 +232,11 @@ def fix_suggestions(path: str, comparison: object, dangerous: bool = False,
                      or getattr(c, "allowed_globals", ()) or c.fix_root):  # type: ignore[attr-defined]
         if c.strict_ok:  # type: ignore[attr-defined]  # accepted already, by the --allow-missing given
             return []
+        least = c.min_loaded  # type: ignore[attr-defined]  # the user's --min-loaded: kept, and met, or no line
+        if least is not None:
+            if c.loaded_fraction < least - 1e-9:  # type: ignore[attr-defined]  # as the check rounds
+                return []
+            flags += ["--min-loaded", repr(least)]  # exactly as given: a rounded one could fail
         kept = list(c.left_missing)  # type: ignore[attr-defined]
         names = ", ".join(kept[:3]) + (", …" if len(kept) > 3 else "")
         return [("accept", Suggestion(("inspect", shell_path(path), *flags), Promise.SHOWS,

@@ -406,3 +406,25 @@ def test_a_model_with_constructor_arguments_gets_the_accept_line_too(tmp_path):
     before = sorted(p.name for p in tmp_path.iterdir())
     assert run_cli(*shlex.split(accept["command"])[1:]).exit_code == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_the_accept_line_keeps_the_min_loaded_it_was_asked_under(tmp_path):
+    """The accept line is the same check with --allow-missing: it dropped the user's --min-loaded, so under
+    --min-loaded 0.9 it passed (exit 0) a file that fills 66.7%, which the user's check with --allow-missing
+    fails. It now keeps --min-loaded, and is not printed where accepting the head cannot meet it."""
+    (tmp_path / "headnets.py").write_text(textwrap.dedent("""
+        import torch.nn as nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = nn.Linear(4, 4)
+                self.head = nn.Linear(4, 2)
+    """))
+    spec = f"{tmp_path / 'headnets.py'}:Net"
+    path = tmp_path / "body.pt"
+    torch.save({"body.weight": torch.ones(4, 4), "body.bias": torch.zeros(4)}, path)
+    unmet = run_cli("inspect", path, "--model", spec, "--min-loaded", "0.9", "--json").json()
+    assert unmet["exit_code"] == 1 and not unmet["suggested_commands"]
+    [accept] = run_cli("inspect", path, "--model", spec, "--min-loaded", "0.5", "--json").json()["suggested_commands"]
+    assert accept["label"] == "accept" and "--min-loaded" in accept["argv"]
+    assert run_cli(*shlex.split(accept["command"])[1:]).exit_code == 0
