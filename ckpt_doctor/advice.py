@@ -209,7 +209,7 @@ def has_fix_line(comparison: object) -> bool:
                 and not getattr(c, "only_beside", False))
 
 
-_ACCEPTING = ("--model", "--model-arg", "--allow-missing", "--allow-unexpected")  # the model is named with its arguments
+_ACCEPTING = ("--model", "--model-arg", "--allow-missing", "--allow-unexpected")  # the model, with its arguments
 
 
 def fix_suggestions(path: str, comparison: object, dangerous: bool = False,
