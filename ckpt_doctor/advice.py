@@ -227,7 +227,12 @@ def fix_suggestions(path: str, comparison: object, dangerous: bool = False,
     if not has_fix_line(c):
         return []  # nothing found that makes it load: no line to promise it (leaving out the entries of no tensor does)
     flags = list(c.suggested_fix)  # type: ignore[attr-defined]
-    if plain and kind == "allowed" and all(f in _ACCEPTING for f in flags[::2]) \
+    accepting = list(flags)  # the accept line's flags: extra keys the --allow-unexpected given accepts are loaded
+    dropped = set(c.dropped)  # type: ignore[attr-defined]  # by strict=False as they are (not a reshaped head)
+    accepted = set(c.allowed_unexpected) - set(c.replaced)  # type: ignore[attr-defined]
+    if dropped and dropped <= accepted and flags.count("--drop") == 1:
+        accepting[flags.index("--drop")] = "--allow-unexpected"  # the same regex of exactly those keys
+    if plain and kind == "allowed" and all(f in _ACCEPTING for f in accepting[::2]) \
             and not (c.missing_devices or c.tied or c.dropped_entries  # type: ignore[attr-defined]
                      or getattr(c, "allowed_globals", ()) or c.fix_root):  # type: ignore[attr-defined]
         if c.strict_ok:  # type: ignore[attr-defined]  # accepted already, by the --allow-missing given
@@ -236,10 +241,10 @@ def fix_suggestions(path: str, comparison: object, dangerous: bool = False,
         if least is not None:
             if c.loaded_fraction < least - 1e-9:  # type: ignore[attr-defined]  # as the check rounds
                 return []
-            flags += ["--min-loaded", repr(least)]  # exactly as given: a rounded one could fail
+            accepting += ["--min-loaded", repr(least)]  # exactly as given: a rounded one could fail
         kept = list(c.left_missing)  # type: ignore[attr-defined]
         names = ", ".join(kept[:3]) + (", …" if len(kept) > 3 else "")
-        return [("accept", Suggestion(("inspect", shell_path(path), *flags), Promise.SHOWS,
+        return [("accept", Suggestion(("inspect", shell_path(path), *accepting), Promise.SHOWS,
                                       f"exits 0: the model keeps its own {len(kept)} there ({names}); there is "
                                       "nothing to rewrite: load_state_dict(strict=False) loads the file as it is"))]
     if dangerous:

@@ -428,3 +428,32 @@ def test_the_accept_line_keeps_the_min_loaded_it_was_asked_under(tmp_path):
     [accept] = run_cli("inspect", path, "--model", spec, "--min-loaded", "0.5", "--json").json()["suggested_commands"]
     assert accept["label"] == "accept" and "--min-loaded" in accept["argv"]
     assert run_cli(*shlex.split(accept["command"])[1:]).exit_code == 0
+
+
+def test_extra_keys_accepted_by_allow_unexpected_need_no_rewrite(tmp_path):
+    """Extra keys the user accepts with --allow-unexpected beside a missing head: load_state_dict(strict=False)
+    loads the file as it is, yet the line was a fix that drops them; with --allow-missing too the check said 'OK
+    with the allowances given', exited 0, and still printed that fix."""
+    (tmp_path / "headnets.py").write_text(textwrap.dedent("""
+        import torch.nn as nn
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = nn.Linear(4, 4)
+                self.head = nn.Linear(4, 2)
+    """))
+    spec = f"{tmp_path / 'headnets.py'}:Net"
+    path = tmp_path / "extra.pt"
+    torch.save({"body.weight": torch.ones(4, 4), "body.bias": torch.zeros(4), "aux.weight": torch.ones(3)}, path)
+    both = run_cli("inspect", path, "--model", spec, "--allow-unexpected", "^aux", "--allow-missing", "^head",
+                   "--json").json()
+    assert both["exit_code"] == 0 and not both["suggested_commands"]
+    [accept] = run_cli("inspect", path, "--model", spec, "--allow-unexpected", "^aux",
+                       "--json").json()["suggested_commands"]
+    assert accept["label"] == "accept" and "--drop" not in accept["argv"]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert run_cli(*shlex.split(accept["command"])[1:]).exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    # not accepted: the extra key is still dropped by the fix line
+    [fix] = run_cli("inspect", path, "--model", spec, "--json").json()["suggested_commands"]
+    assert fix["label"] == "fix" and "--drop" in fix["argv"]
