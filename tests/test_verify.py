@@ -128,7 +128,7 @@ def test_killed_rank_ends_the_run(fixtures, cli, tmp_path):
     start = time.monotonic()
     result = cli("verify", fixtures["plain"]["path"], "--model", spec, *IMG, "--mode", "ddp", "--timeout", "60",
                  "--json")
-    assert result.exit_code == 1
+    assert result.exit_code == 1, result.stderr  # (once 2 in a CI run on a loaded machine: its line, if again)
     ddp = runs(result)["ddp"]
     assert ddp["status"] == "fail" and ddp["detail"].startswith("rank 1: killed by signal 9")
     assert time.monotonic() - start < 60
