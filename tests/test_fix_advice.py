@@ -354,19 +354,24 @@ def test_one_entry_holding_several_refused_objects_is_one_entry(tmp_path):
     assert set(torch.load(tmp_path / "out.pt", weights_only=True)) == {"model"}
 
 
+def _body_and_head(tmp_path) -> str:
+    """The SPEC of a model of a body and a head (`classes` outputs, a constructor argument), in tmp_path."""
+    (tmp_path / "headnets.py").write_text(textwrap.dedent("""
+        import torch.nn as nn
+        class Net(nn.Module):
+            def __init__(self, classes=2):
+                super().__init__()
+                self.body = nn.Linear(4, 4)
+                self.head = nn.Linear(4, int(classes))
+    """))
+    return f"{tmp_path / 'headnets.py'}:Net"
+
+
 def test_a_file_that_only_lacks_the_model_s_head_is_accepted_not_rewritten(tmp_path):
     """A state_dict that lacks only keys the model keeps its own values for (a new head): the fix line wrote the
     file again unchanged; the line is now the check that accepts them, which runs as printed, exits 0 and writes
     nothing. With --allow-missing given, nothing more is suggested."""
-    (tmp_path / "headnets.py").write_text(textwrap.dedent("""
-        import torch.nn as nn
-        class Net(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.body = nn.Linear(4, 4)
-                self.head = nn.Linear(4, 2)
-    """))
-    spec = f"{tmp_path / 'headnets.py'}:Net"
+    spec = _body_and_head(tmp_path)
     path = tmp_path / "body.pt"
     torch.save({"body.weight": torch.ones(4, 4), "body.bias": torch.zeros(4)}, path)
     table, data = run_cli("inspect", path, "--model", spec), run_cli("inspect", path, "--model", spec, "--json").json()
@@ -389,18 +394,10 @@ def test_a_file_that_only_lacks_the_model_s_head_is_accepted_not_rewritten(tmp_p
 def test_a_model_with_constructor_arguments_gets_the_accept_line_too(tmp_path):
     """The model's --model-arg is part of naming the model: a file that only lacks its head got the fix line that
     wrote it again unchanged, not the accept line, whenever the model took a constructor argument."""
-    (tmp_path / "argnets.py").write_text(textwrap.dedent("""
-        import torch.nn as nn
-        class Net(nn.Module):
-            def __init__(self, classes=2):
-                super().__init__()
-                self.body = nn.Linear(4, 4)
-                self.head = nn.Linear(4, int(classes))
-    """))
+    spec = _body_and_head(tmp_path)
     path = tmp_path / "body.pt"
     torch.save({"body.weight": torch.ones(4, 4), "body.bias": torch.zeros(4)}, path)
-    data = run_cli("inspect", path, "--model", f"{tmp_path / 'argnets.py'}:Net", "--model-arg", "classes=5",
-                   "--json").json()
+    data = run_cli("inspect", path, "--model", spec, "--model-arg", "classes=5", "--json").json()
     [accept] = data["suggested_commands"]
     assert accept["label"] == "accept" and "--model-arg" in accept["argv"]
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -412,15 +409,7 @@ def test_the_accept_line_keeps_the_min_loaded_it_was_asked_under(tmp_path):
     """The accept line is the same check with --allow-missing: it dropped the user's --min-loaded, so under
     --min-loaded 0.9 it passed (exit 0) a file that fills 66.7%, which the user's check with --allow-missing
     fails. It now keeps --min-loaded, and is not printed where accepting the head cannot meet it."""
-    (tmp_path / "headnets.py").write_text(textwrap.dedent("""
-        import torch.nn as nn
-        class Net(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.body = nn.Linear(4, 4)
-                self.head = nn.Linear(4, 2)
-    """))
-    spec = f"{tmp_path / 'headnets.py'}:Net"
+    spec = _body_and_head(tmp_path)
     path = tmp_path / "body.pt"
     torch.save({"body.weight": torch.ones(4, 4), "body.bias": torch.zeros(4)}, path)
     unmet = run_cli("inspect", path, "--model", spec, "--min-loaded", "0.9", "--json").json()
@@ -434,15 +423,7 @@ def test_extra_keys_accepted_by_allow_unexpected_need_no_rewrite(tmp_path):
     """Extra keys the user accepts with --allow-unexpected beside a missing head: load_state_dict(strict=False)
     loads the file as it is, yet the line was a fix that drops them; with --allow-missing too the check said 'OK
     with the allowances given', exited 0, and still printed that fix."""
-    (tmp_path / "headnets.py").write_text(textwrap.dedent("""
-        import torch.nn as nn
-        class Net(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.body = nn.Linear(4, 4)
-                self.head = nn.Linear(4, 2)
-    """))
-    spec = f"{tmp_path / 'headnets.py'}:Net"
+    spec = _body_and_head(tmp_path)
     path = tmp_path / "extra.pt"
     torch.save({"body.weight": torch.ones(4, 4), "body.bias": torch.zeros(4), "aux.weight": torch.ones(3)}, path)
     both = run_cli("inspect", path, "--model", spec, "--allow-unexpected", "^aux", "--allow-missing", "^head",
