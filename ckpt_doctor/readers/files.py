@@ -13,7 +13,7 @@ from ..records import Checkpoint, Verdict
 from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..sniff import Container, describe_other, what_else
 from .source import close_source, open_source
-from .survey import Survey, survey_file
+from .survey import NPY_NOTE, Survey, survey_file
 from .table import function, reader
 
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors", ".pkl", ".tar", ".model", ".pth.tar")
@@ -54,13 +54,10 @@ def read_surveyed(path: Path, survey: Survey, read: Callable[[Path, Survey], Che
                    notes=_tensors_named(tuple(dict.fromkeys([*ckpt.notes, *survey.notes])), ckpt))
 
 
-_NPY_NOTE = ": a NumPy array whose data np.load(allow_pickle=True) would unpickle"  # (survey.py's)
-
-
 def _tensors_named(notes: tuple[str, ...], ckpt: Checkpoint) -> tuple[str, ...]:
     """A note about a member that holds a tensor's bytes (a NumPy array saved as a uint8 tensor) names the tensor
     too: `archive/data/7` alone tells nobody which entry of theirs it is."""
-    about = {n[:-len(_NPY_NOTE)] for n in notes if n.endswith(_NPY_NOTE)}
+    about = {n[:-len(NPY_NOTE)] for n in notes if n.endswith(NPY_NOTE)}
     if not about:
         return notes
     keys: dict[str, str] = {}
@@ -68,8 +65,8 @@ def _tensors_named(notes: tuple[str, ...], ckpt: Checkpoint) -> tuple[str, ...]:
         entry = t.storage.entry if t.storage is not None else None
         if entry in about:
             keys.setdefault(entry, t.key)
-    return tuple(f"{n[:-len(_NPY_NOTE)]} (tensor {keys[n[:-len(_NPY_NOTE)]]}){_NPY_NOTE}"
-                 if n.endswith(_NPY_NOTE) and n[:-len(_NPY_NOTE)] in keys else n for n in notes)
+    return tuple(f"{n[:-len(NPY_NOTE)]} (tensor {keys[n[:-len(NPY_NOTE)]]}){NPY_NOTE}"
+                 if n.endswith(NPY_NOTE) and n[:-len(NPY_NOTE)] in keys else n for n in notes)
 
 
 def read_container(path: Path, survey: Survey) -> Checkpoint:

@@ -665,6 +665,7 @@ def survey_tar(survey: Survey, fd: int) -> None:
 # Where an .npy's pickle is named, after the member (whose name may hold ": " itself: torch.save names the archive
 # after the file): `archive/data/1: the pickle after the NumPy header at byte 288`.
 NPY_PICKLE = ": the pickle after the NumPy header"
+NPY_NOTE = ": a NumPy array whose data np.load(allow_pickle=True) would unpickle"  # the note after its member
 
 
 def survey_npy(survey: Survey, fd: Any) -> None:
@@ -675,7 +676,7 @@ def survey_npy(survey: Survey, fd: Any) -> None:
     survey._add(walk_window(fd, survey.size, lambda data: walk(data, f"{where}{NPY_PICKLE}",
                                                                 start=at, budget=survey.budget, policy=survey.policy),
                             survey.budget))
-    survey.notes.append(f"{where}: a NumPy array whose data np.load(allow_pickle=True) would unpickle")
+    survey.notes.append(f"{where}{NPY_NOTE}")
 
 
 def _survey_npy_bytes(survey: Survey, data: Any, where: str) -> None:
@@ -685,7 +686,7 @@ def _survey_npy_bytes(survey: Survey, data: Any, where: str) -> None:
         return
     survey._add(walk(data, f"{where}{NPY_PICKLE}", start=at, budget=survey.budget,
                      policy=survey.policy))
-    survey.notes.append(f"{where}: a NumPy array whose data np.load(allow_pickle=True) would unpickle")
+    survey.notes.append(f"{where}{NPY_NOTE}")
 
 
 def _npy_pickle_start(data: Any, first: Any = None) -> int | None:

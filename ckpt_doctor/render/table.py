@@ -12,6 +12,7 @@ from .lines import Line, Severity
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
     from ..advice import Suggestion
+    from ..default_load import DefaultLoad
 
 
 def _fmt(x: float | None) -> str:
@@ -130,8 +131,7 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         lines.append(("shared", f"… {len(report.shared) - 5} more groups (--full)"))
     if ckpt.non_persistent:
         lines.append(("non-persistent", ", ".join(ckpt.non_persistent) + " (in the pickle, not in state_dict)"))
-    lines += safety_lines(ckpt, full, report.default_load is not None and report.default_load.applies,
-                          dict(report.suggestions).get("rescue"))
+    lines += safety_lines(ckpt, full, report.default_load, dict(report.suggestions).get("rescue"))
     if report.default_load is not None:
         lines += default_load_lines(report)
     for layer in report.batchnorm_at_init:
@@ -204,10 +204,11 @@ def default_load_lines(report: InspectReport) -> list[tuple[str, str]]:
     return [("torch.load", text)]
 
 
-def safety_lines(ckpt, full: bool = False, with_default_load: bool = False,
+def safety_lines(ckpt, full: bool = False, loads: DefaultLoad | None = None,
                  rescue: Suggestion | None = None) -> list[tuple[str, str]]:
     """What the file would run under torch.load(weights_only=False): one line per finding, then the verdict.
-    `rescue`: the fix that writes a copy without the findings, for a file torch.load loads with its defaults."""
+    `loads`: the report's torch.load verdict (its line follows); `rescue`: the fix that writes a copy without the
+    findings, for a file torch.load loads with its defaults."""
     lines: list[tuple[str, str]] = []
     findings = sorted(ckpt.unsafe_globals, key=lambda g: -g.verdict.rank)
     shown = findings if full else findings[:8]
@@ -218,7 +219,7 @@ def safety_lines(ckpt, full: bool = False, with_default_load: bool = False,
     for h in ckpt.hazards:
         lines.append((h.verdict.value.upper(), h.what))
     if findings or any(not h.beside for h in ckpt.hazards):
-        from ..default_load import default_load, met_by_torch
+        from ..default_load import met_by_torch
 
         met = {(g.module, g.name) for g in met_by_torch(ckpt)}
         if not findings or any((g.module, g.name) in met for g in findings):  # (a hazard has its own line)
@@ -226,8 +227,8 @@ def safety_lines(ckpt, full: bool = False, with_default_load: bool = False,
         else:  # only in pickles torch never reads (a member np.load would unpickle, one no loader of torch's reads)
             risk = ("unpickling the pickles named above (pickle.load, np.load(allow_pickle=True)) would import and "
                     "run what they name, though torch.load reads none of them; never unpickle them")
-        way_out = "" if not with_default_load else "; the torch.load line says how to rescue its tensors" \
-            if not default_load(ckpt).ok else "; torch.load with its defaults loads them (the torch.load line)"
+        way_out = "" if loads is None or not loads.applies else "; the torch.load line says how to rescue its " \
+            "tensors" if not loads.ok else "; torch.load with its defaults loads them (the torch.load line)"
         if rescue is not None:
             way_out += f"; a copy without what they name: `{rescue.command}`"
         lines.append(("safety", f"UNSAFE: {risk}. Its tensors are listed{way_out}"))
