@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+# A JSON-lines file each script appends its figures and targets to when this names one (bench/figures_table.py sets
+# it, then renders what was appended into docs/performance.md); unset, the scripts only print.
+FIGURES_ENV = "CKPT_BENCH_FIGURES"
 
 MAKE = """
 import sys, torch
@@ -93,13 +99,39 @@ def measure_rounds(cmds: dict[str, list[str]], rounds: int, before=None) -> dict
     return {label: (times[label], peak[label]) for label in cmds}
 
 
+def figure(label: str, times: list[float], rss: float, peer: str | None = None,
+           peer_times: list[float] | None = None, by: str = "median", note: str | None = None) -> dict:
+    """One figure as `record` keeps it: its median and best seconds, its peak RSS, and its ratio to its peer from
+    the same rounds (`by`: median against median, or best against best)."""
+    ratio = None
+    if peer_times:
+        pick = statistics.median if by == "median" else min
+        ratio = pick(times) / pick(peer_times)
+    return {"figure": label, "median": statistics.median(times), "best": min(times), "rss_mb": rss, "peer": peer,
+            "ratio": ratio, "by": by if peer_times else None, "note": note}
+
+
+def record(figures: list[dict], targets: list[tuple[str, bool]], title: str | None = None) -> None:
+    """Appends this run's figures and targets, with the command that ran and the machine's state, to the file
+    FIGURES_ENV names (nothing when it is unset): bench/figures_table.py makes the docs' table of them."""
+    path = os.environ.get(FIGURES_ENV)
+    if not path:
+        return
+    entry = {"command": " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]]), "title": title,
+             "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+             "load": round(os.getloadavg()[0], 2), "figures": figures,
+             "targets": [{"target": name, "met": bool(ok)} for name, ok in targets]}
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(json.dumps(entry) + "\n")
+
+
 def row(label: str, seconds: float, rss: float, base_seconds: float | None = None, base_label: str = "") -> str:
     ratio = f"  {base_seconds / seconds:6.1f}x faster than {base_label}" if base_seconds and seconds else ""
     return f"{label:<44} {seconds:8.3f} s  {rss:8.1f} MB{ratio}"
 
 
 def consolidation_report(cmds: dict[str, list[str]], rounds: int, before, official: str, copy: str, fix: str,
-                         inspect: str) -> None:
+                         inspect: str, title: str | None = None) -> None:
     """Run `cmds` in interleaved rounds and print each best time beside the official tool's and the copy's, then
     the consolidation targets: fix <= 0.5x the official tool and <= 1.5x the copy, <= 150 MB; inspect <= 0.3 s."""
     results = measure_rounds(cmds, rounds, before=before)
@@ -111,9 +143,15 @@ def consolidation_report(cmds: dict[str, list[str]], rounds: int, before, offici
         print(row(label, seconds, rss) + extra)
     t_fix, rss_fix = best[fix]
     t_inspect = best[inspect][0]
-    print(f"targets ({fix}): <= 0.5x {official.split()[0]}: {'met' if t_fix <= 0.5 * t_off else 'NOT met'}; "
-          f"<= 1.5x cp -r: {'met' if t_fix <= 1.5 * t_cp else 'NOT met'}; peak RSS <= 150 MB: "
-          f"{'met' if rss_fix <= 150 else 'NOT met'}; inspect <= 0.3 s: {'met' if t_inspect <= 0.3 else 'NOT met'}")
+    checks = [(f"{fix} <= 0.5x {official.split()[0]}", t_fix <= 0.5 * t_off),
+              (f"{fix} <= 1.5x cp -r", t_fix <= 1.5 * t_cp), (f"{fix} peak RSS <= 150 MB", rss_fix <= 150),
+              ("inspect <= 0.3 s", t_inspect <= 0.3)]
+    print(f"targets ({fix}): <= 0.5x {official.split()[0]}: {'met' if checks[0][1] else 'NOT met'}; "
+          f"<= 1.5x cp -r: {'met' if checks[1][1] else 'NOT met'}; peak RSS <= 150 MB: "
+          f"{'met' if checks[2][1] else 'NOT met'}; inspect <= 0.3 s: {'met' if checks[3][1] else 'NOT met'}")
+    record([figure(label, times, rss, official if label.startswith("fix") else None,
+                   results[official][0] if label.startswith("fix") else None, by="best")
+            for label, (times, rss) in results.items()], checks, title)
 
 
 # The peers the inspect figures are set beside, each run as `python -c SCRIPT FILE` in a fresh process.

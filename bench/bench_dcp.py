@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import compile_bytecode, consolidation_report, make_checkpoint, measure_rounds, row  # noqa: E402
+from _measure import (compile_bytecode, consolidation_report, figure, make_checkpoint, measure_rounds,  # noqa: E402
+                      record, row)
 
 WRITE = '''
 import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -115,6 +116,11 @@ def chunks_report(work: Path, exe: str, chunks: int, rounds: int) -> None:
         print(row(label, min(times), rss) + f"  {min(times) / base:.2f}x read_metadata")
     t, rss = min(results["inspect FOLDER --json"][0]), results["inspect FOLDER --json"][1]
     print(f"target (inspect <= 10 s and <= 1 GB): {'met' if t <= 10 and rss <= 1024 else 'NOT met'}")
+    peer = "torch FileSystemReader.read_metadata()"
+    record([figure(label, times, rss, peer if label != peer else None, results[peer][0] if label != peer else None,
+                   by="best") for label, (times, rss) in results.items()],
+           [("inspect <= 10 s and <= 1 GB", t <= 10 and rss <= 1024)],
+           f"inspect of a DCP folder of {chunks:,} chunk entries")
 
 
 def fix_dcp_report(work: Path, exe: str, gb: float, rounds: int) -> None:
@@ -138,6 +144,11 @@ def fix_dcp_report(work: Path, exe: str, gb: float, rounds: int) -> None:
         print(row(label, min(times), rss) + f"  {min(times) / base:.2f}x cp + sync")
     rss = results["fix --format dcp"][1]
     print(f"target (peak RSS <= 150 MB, flat in the file's size): {'met' if rss <= 150 else 'NOT met'}")
+    record([figure(label, times, peak, "cp + sync" if label != "cp + sync" else None,
+                   results["cp + sync"][0] if label != "cp + sync" else None, by="best")
+            for label, (times, peak) in results.items()],
+           [("fix --format dcp peak RSS <= 150 MB", rss <= 150)],
+           f"fix --format dcp of a {gb} GB file")
 
 
 def folder_bytes(folder: Path) -> int:
@@ -182,7 +193,8 @@ def main() -> None:
     print(f"checkpoint: {ckpt} ({folder_bytes(ckpt) / 2**20:.0f} MB in {len(os.listdir(ckpt))} files; FSDP2 on 2 "
           f"gloo ranks, model + Adam); best of {args.rounds} interleaved rounds")
     consolidation_report(cmds, args.rounds, clean, "dcp_to_torch_save (everything)", "cp -r + sync",
-                         "fix --select '' -o all.pt (everything)", "inspect FOLDER --json")
+                         "fix --select '' -o all.pt (everything)", "inspect FOLDER --json",
+                         "consolidating a DCP folder (an FSDP2 model and its Adam state)")
     clean()
 
 

@@ -60,7 +60,7 @@ def folder_mb(folder: Path) -> float:
 
 def by_ranks(args, exe: str) -> None:
     """inspect and fix of ZeRO-2/-3 folders of each rank count in --ranks, beside their peers."""
-    from _measure import measure_rounds, row
+    from _measure import figure, measure_rounds, record, row
 
     work = Path(args.dir)
     # torch's default load of every rank file, the DeepSpeed records they name allowed as torch asks for them
@@ -84,8 +84,8 @@ def by_ranks(args, exe: str) -> None:
                     "torch.load of every rank file": [sys.executable, "-c", load_all, str(ckpt)],
                     "inspect FOLDER --json": [exe, "inspect", str(ckpt), "--json"],
                     "fix -o fp32.safetensors": [exe, "fix", str(ckpt), "-o", str(out)]}
-            best = {k: (min(t), rss) for k, (t, rss) in
-                    measure_rounds(cmds, args.rounds, before=lambda out=out: out.unlink(missing_ok=True)).items()}
+            results = measure_rounds(cmds, args.rounds, before=lambda out=out: out.unlink(missing_ok=True))
+            best = {k: (min(t), rss) for k, (t, rss) in results.items()}
             out.unlink(missing_ok=True)
             t_off, t_load = best["zero_to_fp32 (state_dict in memory)"][0], best["torch.load of every rank file"][0]
             print(f"ZeRO-{stage}, {ranks} ranks ({folder_mb(ckpt / 'global_step1'):.1f} MB), best of {args.rounds}:")
@@ -93,6 +93,14 @@ def by_ranks(args, exe: str) -> None:
                 extra = f"  {seconds / t_off:.2f}x zero_to_fp32, {seconds / t_load:.2f}x torch.load all" \
                     if not label.startswith(("zero", "torch")) else ""
                 print("  " + row(label, seconds, rss) + extra)
+            official_times = results["zero_to_fp32 (state_dict in memory)"][0]
+            ours = ("fix", "inspect")
+            record([figure(label, times, rss, "zero_to_fp32 (state_dict in memory)" if label.startswith(ours) else None,
+                           official_times if label.startswith(ours) else None, by="best")
+                    for label, (times, rss) in results.items()],
+                   [("fix <= 0.5x zero_to_fp32", best["fix -o fp32.safetensors"][0] <= 0.5 * t_off),
+                    ("fix peak RSS <= 150 MB", best["fix -o fp32.safetensors"][1] <= 150)],
+                   f"a ZeRO-{stage} folder of {ranks} ranks")
 
 
 def main() -> None:
@@ -141,7 +149,8 @@ def main() -> None:
         print(f"ZeRO-{stage}: {ckpt} ({folder_mb(ckpt / 'global_step1'):.0f} MB in the tag folder, 268 MB of fp32 "
               f"weights; 2 gloo ranks, Adam); best of {args.rounds} interleaved rounds")
         consolidation_report(cmds, args.rounds, clean, "zero_to_fp32 (deepspeed's own)", "cp -r tag folder + sync",
-                             "fix -o fp32.safetensors", "inspect FOLDER --json")
+                             "fix -o fp32.safetensors", "inspect FOLDER --json",
+                             f"consolidating a ZeRO-{stage} folder written by DeepSpeed")
         clean()
 
 

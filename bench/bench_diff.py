@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import bench_args, compile_bytecode, make_checkpoint, measure_rounds, row  # noqa: E402
+from _measure import bench_args, compile_bytecode, figure, make_checkpoint, measure_rounds, record, row  # noqa: E402
 
 CHANGE = """
 import sys, torch
@@ -74,6 +74,19 @@ def main() -> None:
           f"{'met' if t_all <= 2 * t_cat else 'NOT met'} (all changed); peak RSS <= 200 MB: "
           f"{'met' if max(rss_diff, rss_all) <= 200 else 'NOT met'}; --html <= +1 s: "
           f"{'met' if html_cost <= 1 else 'NOT met'}")
+    figures = []
+    for label, (times, rss) in results.items():
+        mine = label.startswith("ckpt-doctor diff")
+        note = None
+        if mine:
+            ratios = sorted(t / c for t, c in zip(times, cat_times))
+            note = f"same-round ratio: median {ratios[len(ratios) // 2]:.2f}x"
+        figures.append(figure(label, times, rss, "cat A B > /dev/null" if mine else None, cat_times if mine else None,
+                              by="best", note=note))
+    record(figures, [("diff A B <= 2x cat (one in eight changed)", t_diff <= 2 * t_cat),
+                     ("diff A C <= 2x cat (every tensor changed)", t_all <= 2 * t_cat),
+                     ("peak RSS <= 200 MB", max(rss_diff, rss_all) <= 200), ("--html <= +1 s", html_cost <= 1)],
+           f"diff of two {args.gb} GB files")
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import (SAFE_OPEN, TO_SAFETENSORS, TORCH_LISTING, compile_bytecode, make_checkpoint,  # noqa: E402
-                      measure_rounds)
+from _measure import (SAFE_OPEN, TO_SAFETENSORS, TORCH_LISTING, compile_bytecode, figure,  # noqa: E402
+                      make_checkpoint, measure_rounds, record)
 
 
 
@@ -99,6 +99,12 @@ def main() -> None:
                   f"{ratio(20_000, what):.2f} -> {ratio(200_000, what):.2f}")
             checks.append((f"200,000 {kind} linear", t200 <= 11 * t20))
     print("targets: " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks))
+    figures = []
+    for label, (times, rss) in results.items():
+        peer = f"{label.split(':')[0]}: safe_open listing (safetensors)"
+        mine = peer in results and label != peer
+        figures.append(figure(label, times, rss, peer if mine else None, results[peer][0] if mine else None))
+    record(figures, checks, "inspect of many tensors")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import (SAFE_OPEN, TO_SAFETENSORS, TORCH_LISTING, bench_args, compile_bytecode,  # noqa: E402
-                      make_checkpoint, measure_rounds)
+                      figure, make_checkpoint, measure_rounds, record)
 
 IMPORT_CLICK = "import click"
 MAKE_FOLDER = """
@@ -114,6 +114,18 @@ def main() -> None:
         ("500 files <= 2 s", med["inspect DIR (500 checkpoints)"] <= 2),
     ]
     print("targets: " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks))
+    figures = []
+    for label, (times, rss) in results.items():
+        peer = peers.get(label)
+        if peer is not None and peer[0] == "2x pass + import click":  # a sum of two figures, not one command
+            pair = [a + b for a, b in zip(results["python -c pass"][0], results["python -c 'import click'"][0])]
+            figures.append(figure(label, times, rss, "python -c pass + python -c 'import click'", pair))
+        else:
+            names = {"safe_open": "safe_open listing (safetensors)",
+                     "torch.load(mmap)": "torch.load(mmap=True) listing (torch zip)"}
+            name = names.get(peer[0], peer[0]) if peer else None
+            figures.append(figure(label, times, rss, name, results[name][0] if name else None))
+    record(figures, checks, f"start-up, and inspect of a {args.gb} GB file")
     print_imports(exe, st, "--json")
     print_imports(exe, st)
 

@@ -20,7 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from _measure import figure, record  # noqa: E402
 from tests.corpus import broken, make_special, malicious, resource_attacks  # noqa: E402
 
 EXE = shutil.which("ckpt-doctor") or str(Path(sys.executable).parent / "ckpt-doctor")
@@ -108,6 +110,14 @@ def main() -> None:
               f"{bad if kind != 'malicious' else '-'} | {written} | {slowest:.1f} s | {peak:.0f} MB |")
     print(f"\nscan and inspect disagreed on {len(disagree)} of {sum(len(p) for p in corpora.values())} files"
           + (": " + "; ".join(disagree) if disagree else ""))
+    record([figure(f"{kind}: {files} files, {runs} runs", [slowest], peak,
+                   note=f"executed {executed}, " + (f"payload missed {missed}" if kind == "malicious" else
+                                                   f"not one Error: line {bad}") + f", output written {written}")
+            for kind, files, runs, executed, missed, bad, written, slowest, peak in rows],
+           [("nothing executed", sum(r[3] for r in rows) == 0), ("no payload missed", rows[0][4] == 0),
+            ("every bad input one Error: line", sum(r[5] for r in rows[1:]) == 0),
+            ("no output written", sum(r[6] for r in rows) == 0), ("scan and inspect agree", not disagree)],
+           "hostile corpora through every command (time: the slowest run)")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
