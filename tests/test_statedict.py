@@ -56,7 +56,29 @@ def _norm(value: object) -> object:
                 sorted((k, _norm(v)) for k, v in vars(value).items()) if kind is OrderedDict else None)
     if kind is tuple:
         return tuple(_norm(v) for v in value)
+    if kind is list:
+        return ("list", [_norm(v) for v in value])
     return (kind.__name__, value)
+
+
+def _training(optimizer, **options) -> dict:
+    """A training checkpoint as scripts save one: the model's state_dict, its optimizer's and scheduler's after a
+    step, the epoch, a loss, the RNG state."""
+    torch.manual_seed(0)
+    net = Net(blocks=40)
+    opt = optimizer(net.parameters(), **options)
+    for param in net.parameters():
+        param.grad = torch.ones_like(param)
+    opt.step()
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 3)
+    return {"model": net.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict(),
+            "epoch": 3, "loss": 0.25, "rng": torch.get_rng_state()}
+
+
+def _deep(value: object, levels: int) -> object:
+    for _ in range(levels):
+        value = [value]
+    return value
 
 
 def _two_passes(data: bytes, name: str = "archive/data.pkl"):
@@ -105,6 +127,14 @@ def _same_as_two_passes(data: bytes, name: str = "archive/data.pkl") -> bool:
     pytest.param(lambda: torch.arange(6.0).reshape(2, 3)[:, 1:], id="one-tensor-saved-alone"),
     pytest.param(lambda: {f"big{i}": torch.zeros(1, 1).expand(70_000, 1) for i in range(300)},
                  id="wide-ints-and-zero-strides"),
+    pytest.param(lambda: {"opt": torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1).state_dict()},
+                 id="optimizer-lists-and-floats"),
+    pytest.param(lambda: _training(torch.optim.Adam, lr=1e-3), id="training-checkpoint-adam"),
+    pytest.param(lambda: _training(torch.optim.AdamW, lr=1e-3, amsgrad=True), id="training-checkpoint-adamw"),
+    pytest.param(lambda: _training(torch.optim.SGD, lr=0.1, momentum=0.9), id="training-checkpoint-sgd"),
+    pytest.param(lambda: {"losses": [0.5, float("inf"), -0.0], "best": None, "tensors": [torch.ones(2)] * 3,
+                          "pair": (1, "a", 2.5, None, True), "empty": [], "nested": [[1, 2], {"k": [3]}]},
+                 id="lists-tuples-floats-none"),
 ])
 def test_torch_save_pickles_read_in_one_pass_as_two_passes_read_them(make, tmp_path) -> None:
     torch.manual_seed(0)
@@ -113,10 +143,13 @@ def test_torch_save_pickles_read_in_one_pass_as_two_passes_read_them(make, tmp_p
 
 @pytest.mark.parametrize("make", [
     pytest.param(lambda: {"w": nn.Parameter(torch.zeros(2))}, id="parameter"),
-    pytest.param(lambda: {"opt": torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1).state_dict()},
-                 id="optimizer-lists-and-floats"),
     pytest.param(lambda: {"shape": torch.Size([2, 3])}, id="torch-size"),
     pytest.param(lambda: [torch.zeros(2)], id="list-root"),
+    pytest.param(lambda: {"a": (torch.zeros(2),)}, id="tuple-of-a-tensor"),
+    pytest.param(lambda: {"a": ([1],)}, id="tuple-of-a-list"),
+    pytest.param(lambda: {(1, 2): torch.zeros(2)}, id="tuple-key"),
+    pytest.param(lambda: {1.5: torch.zeros(2)}, id="float-key"),
+    pytest.param(lambda: {"deep": _deep([torch.zeros(1)], 12)}, id="lists-past-the-height-bound"),
 ])
 def test_other_pickles_are_left_to_the_two_passes(make, tmp_path) -> None:
     data = _pickle_of(make(), tmp_path)
@@ -146,19 +179,28 @@ def test_a_pickle_off_the_grammar_is_declined(what, tmp_path) -> None:
     assert read_state_dict(data, "archive/data.pkl", DEFAULT_POLICY) is None
 
 
-def test_a_dict_fetched_from_the_memo_is_declined() -> None:
-    shared = {"version": 1}
+@pytest.mark.parametrize("shared", [{"version": 1}, [1, 2]], ids=["dict", "list"])
+def test_a_container_fetched_from_the_memo_is_declined(shared) -> None:
+    """A dict or list met twice (the memo's GET): declined, so no container is shared and none holds itself."""
     data = io.BytesIO()
     import pickle
 
     pickle.dump({"a": shared, "b": shared}, data, protocol=2)
     assert read_state_dict(data.getvalue(), "data.pkl", DEFAULT_POLICY) is None
+    loop: list = []
+    loop.append(loop)
+    data = io.BytesIO()
+    pickle.dump({"loop": loop}, data, protocol=2)
+    assert read_state_dict(data.getvalue(), "data.pkl", DEFAULT_POLICY) is None
 
 
-def test_every_mutation_it_accepts_reads_as_the_two_passes_read_it(tmp_path) -> None:
-    """Bytes of a real state_dict pickle changed at random (a byte set, dropped, or repeated): each mutant the
-    one-pass reader accepts is read the same by the walker and SafeUnpickler, or the test fails."""
-    data = _pickle_of(Net(blocks=90).state_dict(), tmp_path)
+@pytest.mark.parametrize("make", [lambda: Net(blocks=90).state_dict(), lambda: _training(torch.optim.Adam)],
+                         ids=["state-dict", "training-checkpoint"])
+def test_every_mutation_it_accepts_reads_as_the_two_passes_read_it(make, tmp_path) -> None:
+    """Bytes of a real state_dict or training checkpoint pickle changed at random (a byte set, dropped, or
+    repeated): each mutant the one-pass reader accepts is read the same by the walker and SafeUnpickler, or the test
+    fails."""
+    data = _pickle_of(make(), tmp_path)
     rng = random.Random(27)
     accepted = 0
     for _ in range(400):

@@ -3,7 +3,9 @@
 A checkpoint's data.pkl is almost always one shape: protocol 2, a tensor (a DCP item) or a dict (or an
 OrderedDict, with the `_metadata` of module versions set on it by BUILD) of str keys to tensors, each
 `_rebuild_tensor_v2(storage, offset, size, stride, requires_grad, OrderedDict())` on a persistent id
-`("storage", torch.XStorage, key, location, numel)`.
+`("storage", torch.XStorage, key, location, numel)`; a training checkpoint puts such dicts in a dict beside an
+optimizer's state_dict (its state keyed by int, its param_groups a list of dicts of floats, None, tuples of floats
+and lists of ints), a scheduler's, an epoch, a name.
 read_state_dict reads exactly that grammar and nothing else: the opcodes below, the four kinds of global the
 grammar names (each judged by the policy and required SAFE), and values of the kinds each opcode's place allows.
 Whatever does not fit — another opcode, global, protocol or value, a memo entry that was never stored, bytes after
@@ -11,16 +13,17 @@ STOP — returns None, and the caller walks and unpickles the pickle as before (
 SafeUnpickler), with all their bounds. So this reader only ever speeds up what those two would have accepted.
 
 Why nothing it accepts needs their bounds: it calls nothing (a global is a marker; the only "calls" are the two
-REDUCEs the grammar has, building an OrderedDict() or a RawTensor record); dict keys are str only (no hash the file
-chooses); a tuple is never hashed or nested in a kept value (tuples are only persistent ids and the rebuild's
-arguments, consumed where they are made, and shapes of ints); the memo is numbered 0, 1, 2, … as every pickler
+REDUCEs the grammar has, building an OrderedDict() or a RawTensor record); dict keys are str (hashed with Python's
+random key) or int (whose probe sequence shares its slots with few others: the perturbation takes in all 61 bits of
+its hash); a tuple is never hashed and holds no container (tuples are persistent ids and the rebuild's arguments,
+consumed where they are made, shapes of ints, and scalars); the memo is numbered 0, 1, 2, … as every pickler
 numbers it (no index sized to bomb an array, no entry overwritten), one entry per PUT; MARKs nest at most
-_MAX_MARKS and dicts at most _MAX_HEIGHT; every opcode is O(1) but the ones that pop a MARK's items, each item
-popped once. A dict is never fetched from the memo, so dicts are filled bottom up and their nesting is known where
-it is made. Time and memory are linear in the pickle's bytes. And the walk's own bounds hold as if it had walked:
-opcodes are counted as it counts them, against the file's budget (debited alike), memo entries against its bound,
-strings against its length bound; a str that starts as a pickle would (latin-1 text of one, which the walker walks
-as a nested pickle) makes the reader decline.
+_MAX_MARKS and dicts and lists at most _MAX_HEIGHT; every opcode is O(1) but the ones that pop a MARK's items, each
+item popped once. A dict or list is never fetched from the memo, so containers are filled bottom up, hold no cycle,
+and their nesting is known where it is made. Time and memory are linear in the pickle's bytes. And the walk's own
+bounds hold as if it had walked: opcodes are counted as it counts them, against the file's budget (debited alike),
+memo entries against its bound, strings against its length bound; a str that starts as a pickle would (latin-1 text
+of one, which the walker walks as a nested pickle) makes the reader decline.
 
 What it returns is what the two passes would have: the Walk (the globals named, where first named; the one pickle
 and its end) and, as SafeUnpickler would have made it, the root with a RawTensor per tensor on StorageRefs, one per
@@ -44,10 +47,12 @@ from .unpickler import RawTensor, StorageRef, rebuilt_tensor
 from .walker import Walk, new_budget, text_pickle
 
 _INT64 = 1 << 63
-_MAX_MARKS = 4  # torch.save nests 2: the dict's SETITEMS batch, the rebuild's arguments (and a persistent id: 3)
-# Dicts in dicts (BUILD's state counted as a dict under its target): a state_dict with its _metadata is 4 high
-# (root, the state, _metadata, {"version": 1}); a training checkpoint holds it a level or two down.
+# Dicts and lists in dicts and lists (BUILD's state counted as a dict under its target): a state_dict with its
+# _metadata is 4 high (root, the state, _metadata, {"version": 1}); a training checkpoint holds it a level or two down,
+# an optimizer's state 4 high (root, the optimizer, its state, a parameter's).
 _MAX_HEIGHT = 8
+# A SETITEMS or APPENDS batch open for each level of containers, then the rebuild's arguments and a persistent id.
+_MAX_MARKS = _MAX_HEIGHT + 3
 # Opcodes read one at a time (not by the template): a state_dict's first tensors, its _metadata (~8 a module) and
 # tensors of 4 or more dimensions (~30 each). Past this the pickle is left to the walker, which reads opcodes
 # faster than this reader does one at a time: a file of nothing but odd opcodes costs this reader ~1 s at most.
@@ -69,7 +74,11 @@ _GLOBALS: dict[bytes, _Marker] = {b"torch._utils\n_rebuild_tensor_v2\n": _REBUIL
                                   b"collections\nOrderedDict\n": _ORDERED}
 _GLOBALS.update({f"torch\n{name}\n".encode(): _Marker("storage", dtype) for name, dtype in STORAGE_CLASS_DTYPE.items()})
 _GLOBAL_TEXT = re.compile(rb"([\w.]{1,64})\n(\w{1,64})\n")
-_STR, _PLAIN = {str}, {RawTensor, int, bool, str}  # the types of a dict's keys; of its values that hold no dict
+# The types of a dict's keys (an optimizer's state is keyed by parameter index); of the values that hold nothing
+# (a tensor's record, scalars); and of a tuple's items (an optimizer's betas): a tuple never holds a container.
+_KEYS, _PLAIN = {str, int}, {RawTensor, int, bool, str, float, type(None)}
+_SCALARS = {int, bool, str, float, type(None)}
+_DOUBLE = struct.Struct(">d")
 _GONE = object()  # a memo entry no state_dict pickle fetches again (a persistent id, the rebuild's arguments)
 
 # One tensor of the dict once its globals and strings are in the memo, as torch.save writes every tensor after the
@@ -86,6 +95,10 @@ _INTS = rb"(\)|(?:K.|M..|J....){1,3}+[\x85-\x87])(?:r(....))?+"
 _ITEM = re.compile(_PUT + b"(" + _GET + rb"\(\(" + _GET + _GET + rb")X(.)\x00\x00\x00([0-9]{1,9}+)" + _PUT + b"("
                    + _GET + b")" + _NUM + rb"t" + _PUT + rb"Q" + _NUM + _INTS + _INTS + rb"([\x88\x89])(" + _GET
                    + rb")\)R" + _PUT + rb"t" + _PUT + rb"R" + _PUT, re.DOTALL)
+# A tensor of the template without a key of its own before it (from its GET of the rebuild on): an optimizer's state
+# under a key fetched from the memo ("exp_avg"), an item of a list. _Reader._tensor reads one at a time.
+_TENSOR = re.compile(_ITEM.pattern[len(_PUT):], re.DOTALL)
+_PUT_RUNS = {n: struct.Struct(f"<{n}I") for n in (5, 6, 7)}  # the index bytes of a tensor's 5 to 7 PUTs in turn
 # An item with its key before it (BINUNICODE), for keys of 1 to 255 bytes of printable ASCII, as a state_dict's names
 # are, the whole item a group too: _Reader._keyed_run cuts a stretch of the pickle into these with one re.split.
 _KEYED = re.compile(rb"(X(.)\x00\x00\x00([\x20-\x7e]{1,255})" + _ITEM.pattern + b")", re.DOTALL)
@@ -128,8 +141,8 @@ def read_state_dict(data: bytes, source: str, policy: Policy, budget: list | Non
     gc.disable()  # what it builds holds no cycle (no dict is fetched again): the collector would only walk it
     try:
         read = reader.run()
-    except (_Misfit, IndexError, KeyError, UnicodeDecodeError):  # IndexError: the bytes end mid-opcode
-        return None
+    except (_Misfit, IndexError, KeyError, UnicodeDecodeError, struct.error):  # the bytes end mid-opcode: IndexError,
+        return None  # struct.error (a float's)
     finally:
         if collecting:
             gc.enable()
@@ -198,15 +211,32 @@ class _Reader:
         if height > self._height(target):
             self.heights[id(target)] = (target, height)
 
-    def _set(self, target: object, key: object, value: object) -> None:
+    def _value(self, target: object, value: object) -> None:
+        """Raises _Misfit unless `value` may be put in `target` (a dict or a list): a tensor, a scalar, a tuple of
+        scalars, or a dict or list below the height bound."""
         kind = value.__class__
-        if target.__class__ not in (dict, OrderedDict) or key.__class__ is not str:
-            raise _Misfit
-        if kind is dict or kind is OrderedDict:
+        if kind is dict or kind is OrderedDict or kind is list:
             self._under(target, value)
-        elif kind is not RawTensor and kind is not int and kind is not bool and kind is not str:
-            raise _Misfit  # a tuple, a marker, a storage: nothing torch.save's state_dict holds as a value
+        elif kind is tuple:
+            if not set(map(type, value)) <= _SCALARS:  # type: ignore[arg-type]
+                raise _Misfit  # a tuple of containers, tensors or markers: nothing a checkpoint holds so
+        elif kind not in _PLAIN:
+            raise _Misfit  # a marker, a storage: nothing torch.save's checkpoint holds as a value
+
+    def _set(self, target: object, key: object, value: object) -> None:
+        if target.__class__ not in (dict, OrderedDict) or key.__class__ not in _KEYS:
+            raise _Misfit
+        self._value(target, value)
         target[key] = value  # type: ignore[index]
+
+    def _extend(self, target: object, items: list) -> None:
+        """APPEND and APPENDS: `items` put at the end of `target`, a list."""
+        if target.__class__ is not list:
+            raise _Misfit
+        if not set(map(type, items)) <= _PLAIN:
+            for item in items:
+                self._value(target, item)
+        target.extend(items)  # type: ignore[attr-defined]
 
     def run(self) -> StateDictRead:
         data = self.data
@@ -232,12 +262,16 @@ class _Reader:
                     raise _Misfit
                 memo.append(stack[-1])
                 pos += 5
-            elif op == 0x68:  # BINGET
-                stack.append(_fetched(memo[data[pos + 1]]))
-                pos += 2
-            elif op == 0x6A:  # LONG_BINGET
-                stack.append(_fetched(memo[int.from_bytes(data[pos + 1:pos + 5], "little")]))
-                pos += 5
+            elif op == 0x68 or op == 0x6A:  # BINGET, LONG_BINGET
+                value = _fetched(memo[data[pos + 1] if op == 0x68 else int.from_bytes(data[pos + 1:pos + 5], "little")])
+                if value is _REBUILD and marks:  # a tensor: of the template, at once
+                    read = self._tensor(pos, memo)
+                    if read is not None:
+                        stack.append(read[0])
+                        pos = read[1]
+                        continue
+                stack.append(value)
+                pos += 2 if op == 0x68 else 5
             elif op == 0x4B:  # BININT1
                 stack.append(data[pos + 1])
                 pos += 2
@@ -305,7 +339,7 @@ class _Reader:
                     raise _Misfit
                 target = stack[-1]
                 keys, values = items[0::2], items[1::2]
-                if (target.__class__ is dict or target.__class__ is OrderedDict) and set(map(type, keys)) <= _STR \
+                if (target.__class__ is dict or target.__class__ is OrderedDict) and set(map(type, keys)) <= _KEYS \
                         and set(map(type, values)) <= _PLAIN:  # what _set would do for each, at once
                     target.update(zip(keys, values))
                 else:
@@ -319,6 +353,26 @@ class _Reader:
                 pos += 1
             elif op == 0x7D:  # EMPTY_DICT
                 stack.append({})
+                pos += 1
+            elif op == 0x47:  # BINFLOAT
+                stack.append(_DOUBLE.unpack_from(data, pos + 1)[0])
+                pos += 9
+            elif op == 0x4E:  # NONE
+                stack.append(None)
+                pos += 1
+            elif op == 0x5D:  # EMPTY_LIST
+                stack.append([])
+                pos += 1
+            elif op == 0x61:  # APPEND
+                value = stack.pop()
+                self._extend(stack[-1], [value])
+                pos += 1
+            elif op == 0x65:  # APPENDS
+                items = stack
+                stack = marks.pop()
+                if not stack:
+                    raise _Misfit
+                self._extend(stack[-1], items)
                 pos += 1
             elif op == 0x63:  # GLOBAL
                 marker, pos = self._global(pos)
@@ -344,6 +398,48 @@ class _Reader:
                 return StateDictRead(self.walk, root, self.storages, self.globals, end, self.source)
             else:
                 raise _Misfit
+
+    def _tensor(self, pos: int, memo: list) -> tuple[RawTensor, int] | None:
+        """The tensor of the template from `pos`, its GET of the rebuild (_TENSOR: an _ITEM without its key), as the
+        opcodes one by one would make it: its memo entries stored, their PUTs' indices checked, its opcodes counted
+        (the GET already by run()); with where it ends. None, and nothing done, where the bytes are not of it."""
+        item = _TENSOR.match(self.data, pos)
+        if item is None:
+            return None
+        (head_gets, skey_size, skey, put_skey, get_location, numel, put_pid, offset, shape, put_shape, stride,
+         put_stride, grad, get_ordered, put_hooks, put_args, put_tensor) = item.groups()
+        head = (head_gets, get_location, get_ordered)
+        known = self.gets.get(head, _GONE)
+        if known is _GONE:
+            known = self.gets[head] = _template_gets(*head, memo)
+        shape_value, stride_value = _tuple(shape, self.tuples), _tuple(stride, self.tuples)
+        offset_value = 0 if offset == b"K\x00" else _int(offset)
+        numel_value = numel[1] if len(numel) == 2 else _int(numel)
+        if known is None or shape_value is None or stride_value is None or offset_value < 0 or numel_value < 0 \
+                or skey_size[0] != len(skey) \
+                or (put_shape is None) is not (shape == b")") or (put_stride is None) is not (stride == b")"):
+            return None  # (as _items: a negative offset SafeUnpickler refuses; a negative numel, its note)
+        puts = [put for put in (put_skey, put_pid, put_shape, put_stride, put_hooks, put_args, put_tensor)
+                if put is not None]
+        first = len(memo)
+        ops = 22 + (1 if put_shape is None else len(shape_value) + 2) \
+            + (1 if put_stride is None else len(stride_value) + 2)  # as _items counts an item's, less its key's two
+        if first + len(puts) > self.max_memo or self.ops + ops - 1 > self.max_ops \
+                or b"".join(puts) != _PUT_RUNS[len(puts)].pack(*range(first, first + len(puts))):
+            return None  # PUTs out of turn, or past the walk's bounds: read opcode by opcode, which says so
+        self.ops += ops - 1
+        skey = skey.decode()
+        ref = self.storages.get(skey)
+        if ref is None:
+            ref = self.storages[skey] = StorageRef(skey, known[0], numel_value, known[1])
+        tensor = RawTensor(ref, ref.dtype, offset_value, shape_value, stride_value, grad == b"\x88")
+        memo += skey, _GONE
+        if put_shape is not None:
+            memo.append(shape_value)
+        if put_stride is not None:
+            memo.append(stride_value)
+        memo += _GONE, _GONE, tensor
+        return tensor, item.end()
 
     def _items(self, pos: int, memo: list, stack: list) -> int:
         """The keys and tensors from `pos` on, read as the opcodes one by one would read them, while they are of
@@ -700,10 +796,11 @@ _groups = re.Match.groups
 
 
 def _fetched(value: object) -> object:
-    """A memo entry GET puts on the stack: anything but a dict, so that every dict is filled while it is on the
-    stack and put in its parent once, bottom up, and its height (_Reader.heights) is known when it is put there.
-    (torch.save never writes a dict twice in a state_dict.)"""
-    if value.__class__ is dict or value.__class__ is OrderedDict:
+    """A memo entry GET puts on the stack: anything but a dict or a list, so that every container is filled while it
+    is on the stack and put in its parent once, bottom up (no cycle, no container shared), and its height
+    (_Reader.heights) is known when it is put there. (torch.save writes a container twice only where a checkpoint
+    holds one object in two places.)"""
+    if value.__class__ is dict or value.__class__ is OrderedDict or value.__class__ is list:
         raise _Misfit
     return value
 
