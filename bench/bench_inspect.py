@@ -9,6 +9,8 @@ tensors as a safetensors file. Peers: the safetensors library's `safe_open(path,
 and a listing of the torch zip. Every command runs once per round, in turn (a slow spell hits all alike); the median
 of the rounds is printed with the best and peak RSS, and as a ratio to `safe_open` of the same tensors. The machine's
 load average is printed before and after: on a shared machine compare ratios from one run, not seconds across runs.
+At 20,000 tensors, also a training checkpoint of that many (a model of 5,000 parameters and its Adam state: a step
+and two moments each, under int keys), beside the same peers.
 
 Targets (issue 27): `inspect --json` and the table of a safetensors file ahead of `safe_open` at 1,000 and 20,000
 tensors; a torch zip of 20,000 tensors within 1.5x `safe_open` of the same tensors; 200,000 tensors linear from
@@ -28,6 +30,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import (SAFE_OPEN, TO_SAFETENSORS, TORCH_LISTING, compile_bytecode, figure,  # noqa: E402
                       make_checkpoint, measure_rounds, record)
+
+TRAINING = """
+import sys, torch
+net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(int(sys.argv[2]) // 8)])
+opt = torch.optim.Adam(net.parameters())
+net(torch.randn(1, 4)).sum().backward()
+opt.step()
+torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}, sys.argv[1])
+"""
+TRAINING_LISTING = """
+import sys, torch
+ckpt = torch.load(sys.argv[1], mmap=True, weights_only=True)
+print([(k, tuple(v.shape)) for k, v in ckpt["model"].items()],
+      [(i, k, tuple(v.shape)) for i, s in ckpt["optimizer"]["state"].items() for k, v in s.items()])
+"""
 
 
 
@@ -65,6 +82,12 @@ def main() -> None:
         cmds[f"{n}: torch.load(mmap=True) listing (torch zip)"] = [py, "-c", TORCH_LISTING, str(pt)]
         cmds[f"{n}: inspect --json (torch zip)"] = [exe, "inspect", str(pt), "--json"]
         cmds[f"{n}: inspect, table (torch zip)"] = [exe, "inspect", str(pt)]
+        if n == 20_000:
+            training = folder / "training_20000.pt"
+            if not training.exists():
+                subprocess.run([sys.executable, "-c", TRAINING, str(training), str(n)], check=True)
+            cmds[f"{n}: torch.load(mmap=True) listing (model + Adam)"] = [py, "-c", TRAINING_LISTING, str(training)]
+            cmds[f"{n}: inspect --json (model + Adam)"] = [exe, "inspect", str(training), "--json"]
         if args.baseline_code:
             base = ["env", f"PYTHONPATH={Path(args.baseline_code).resolve()}", exe, "inspect"]
             cmds[f"{n}: baseline inspect --json (safetensors)"] = [*base, str(st), "--json"]
