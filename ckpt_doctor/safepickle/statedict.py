@@ -14,8 +14,8 @@ SafeUnpickler), with all their bounds. So this reader only ever speeds up what t
 
 Why nothing it accepts needs their bounds: it calls nothing (a global is a marker; the only "calls" are the two
 REDUCEs the grammar has, building an OrderedDict() or a RawTensor record); dict keys are str (hashed with Python's
-random key) or int (whose probe sequence shares its slots with few others: the perturbation takes in all 61 bits of
-its hash); a tuple is never hashed and holds no container (tuples are persistent ids and the rebuild's arguments,
+random key) or ints from 0 to below 2**61 − 1 (each its own hash: no two keys share one, which the walk counts and
+bounds); a tuple is never hashed and holds no container (tuples are persistent ids and the rebuild's arguments,
 consumed where they are made, shapes of ints, and scalars); the memo is numbered 0, 1, 2, … as every pickler
 numbers it (no index sized to bomb an array, no entry overwritten), one entry per PUT; MARKs nest at most
 _MAX_MARKS and dicts and lists at most _MAX_HEIGHT; every opcode is O(1) but the ones that pop a MARK's items, each
@@ -74,9 +74,11 @@ _GLOBALS: dict[bytes, _Marker] = {b"torch._utils\n_rebuild_tensor_v2\n": _REBUIL
                                   b"collections\nOrderedDict\n": _ORDERED}
 _GLOBALS.update({f"torch\n{name}\n".encode(): _Marker("storage", dtype) for name, dtype in STORAGE_CLASS_DTYPE.items()})
 _GLOBAL_TEXT = re.compile(rb"([\w.]{1,64})\n(\w{1,64})\n")
-# The types of a dict's keys (an optimizer's state is keyed by parameter index); of the values that hold nothing
-# (a tensor's record, scalars); and of a tuple's items (an optimizer's betas): a tuple never holds a container.
+# The types of a dict's keys (an optimizer's state is keyed by parameter index: an int from 0 to below _HASH_M,
+# each its own hash); of the values that hold nothing (a tensor's record, scalars); and of a tuple's items (an
+# optimizer's betas): a tuple never holds a container.
 _KEYS, _PLAIN = {str, int}, {RawTensor, int, bool, str, float, type(None)}
+_HASH_M = (1 << 61) - 1  # CPython hashes an int modulo this: past it, or below 0, keys can share a hash
 _SCALARS = {int, bool, str, float, type(None)}
 _DOUBLE = struct.Struct(">d")
 _GONE = object()  # a memo entry no state_dict pickle fetches again (a persistent id, the rebuild's arguments)
@@ -217,14 +219,15 @@ class _Reader:
         kind = value.__class__
         if kind is dict or kind is OrderedDict or kind is list:
             self._under(target, value)
-        elif kind is tuple:
-            if not set(map(type, value)) <= _SCALARS:  # type: ignore[arg-type]
+        elif kind is tuple:  # a dict's value only: what a list holds the walk counts as what may be hashed
+            if target.__class__ is list or not set(map(type, value)) <= _SCALARS:  # type: ignore[arg-type]
                 raise _Misfit  # a tuple of containers, tensors or markers: nothing a checkpoint holds so
         elif kind not in _PLAIN:
             raise _Misfit  # a marker, a storage: nothing torch.save's checkpoint holds as a value
 
     def _set(self, target: object, key: object, value: object) -> None:
-        if target.__class__ not in (dict, OrderedDict) or key.__class__ not in _KEYS:
+        if target.__class__ not in (dict, OrderedDict) or key.__class__ not in _KEYS \
+                or key.__class__ is int and not 0 <= key < _HASH_M:  # type: ignore[operator]
             raise _Misfit
         self._value(target, value)
         target[key] = value  # type: ignore[index]
@@ -339,8 +342,10 @@ class _Reader:
                     raise _Misfit
                 target = stack[-1]
                 keys, values = items[0::2], items[1::2]
-                if (target.__class__ is dict or target.__class__ is OrderedDict) and set(map(type, keys)) <= _KEYS \
-                        and set(map(type, values)) <= _PLAIN:  # what _set would do for each, at once
+                kinds = set(map(type, keys))
+                if (target.__class__ is dict or target.__class__ is OrderedDict) and kinds <= _KEYS \
+                        and set(map(type, values)) <= _PLAIN and (int not in kinds or _plain_ints(keys)):
+                    # what _set would do for each, at once
                     target.update(zip(keys, values))
                 else:
                     for key, value in zip(keys, values):
@@ -793,6 +798,12 @@ def _template_gets(head: bytes, location: bytes, ordered: bytes, memo: list) -> 
 
 
 _groups = re.Match.groups
+
+
+def _plain_ints(keys: list) -> bool:
+    """Whether the int keys among `keys` are each their own hash (0 <= k < _HASH_M): no two share one."""
+    ints = [key for key in keys if key.__class__ is int]
+    return 0 <= min(ints) and max(ints) < _HASH_M
 
 
 def _fetched(value: object) -> object:
