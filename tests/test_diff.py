@@ -554,3 +554,24 @@ def test_cosine_of_a_nearly_orthogonal_or_huge_pair_keeps_float64s_digits(tmp_pa
         x, y = a.double().numpy(), b.double().numpy()
         cos = float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y)))
         assert rows[key].cosine == pytest.approx(cos, rel=1e-12, abs=0), key
+
+
+def test_two_optimizer_states_that_differ_are_not_called_identical(tmp_path):
+    """A file with no model state_dict (an optimizer's, accelerate's optimizer.bin) is compared whole: comparing
+    its state_dict alone compared nothing and called two different files identical, exit 0."""
+    paths = []
+    for name, scale in (("a", 1.0), ("b", 2.0)):
+        torch.manual_seed(0)
+        net = Net()
+        opt = torch.optim.Adam(net.parameters())
+        (scale * net(torch.randn(2, 3, 8, 8))).sum().backward()
+        opt.step()
+        paths.append(tmp_path / f"optimizer_{name}.bin")
+        torch.save(opt.state_dict(), paths[-1])
+    result = run_cli("diff", *paths, "--json")
+    assert result.exit_code == 1, result.stderr
+    data = result.json()
+    assert not data["identical"] and data["counts"]["changed"] > 0
+    assert "state.0.exp_avg" in {t["key"] for t in data["tensors"]}
+    same = run_cli("diff", paths[0], paths[0], "--json")
+    assert same.exit_code == 0 and same.json()["counts"]["identical"] == len(data["tensors"])

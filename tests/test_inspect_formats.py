@@ -195,3 +195,25 @@ def test_table_goes_to_stdout_summary_to_stderr(fixtures, cli):
     result = cli("inspect", fixtures["plain"]["path"])
     assert result.stdout.splitlines()[0].split() == ["key", "shape", "dtype", "device", "size"]
     assert "format" in result.stderr and "format" not in result.stdout
+
+
+def test_the_metadata_line_shows_the_files_own_values_before_an_optimizers(tmp_path, cli):
+    """{"model", "optimizer", "epoch", "args"}: SGD's param_groups (ten values) came first in the file and took the
+    line's eight places, leaving epoch and args behind "… more"."""
+    import argparse
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    path = tmp_path / "train.pth"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3,
+                "args": argparse.Namespace(lr=0.1, arch="net")}, path)
+    result = cli("inspect", path)
+    assert result.exit_code == 0, result.stderr
+    line = next(line for line in result.stderr.splitlines() if line.startswith("metadata"))
+    shown = line.split("… ")[0]
+    assert "epoch=3" in shown and "args.lr=0.1" in shown and "args.arch=net" in shown, line
+    assert shown.index("args.arch=net") < shown.index("optimizer.param_groups.0.lr=0.1")
+    assert "… 5 more (--json or --full lists all)" in line  # 13 values: the count is unchanged
+    assert list(cli("inspect", path, "--json").json()["metadata"])[0] == "optimizer.param_groups.0.lr"  # as saved

@@ -117,7 +117,9 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
         more = f", … {len(devices) - len(shown)} more devices" if len(shown) < len(devices) else ""
         lines.append(("saved on", ", ".join(f"{d} ({counts[d]:,} tensors)" for d in shown) + more))
     if ckpt.metadata:
-        items = list(ckpt.metadata.items())
+        # The file's own values (epoch, step, args) before those nested deeper (an optimizer's param_groups), which
+        # would otherwise fill the line's 8 places in a {"model", "optimizer", "epoch", "args"} checkpoint
+        items = sorted(ckpt.metadata.items(), key=lambda item: item[0].count("."))
         limit = len(items) if full else 8
         text = ", ".join(f"{k}={v!r}" if not isinstance(v, str) else f"{k}={v}" for k, v in items[:limit])
         if len(items) > limit:
