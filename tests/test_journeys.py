@@ -363,6 +363,18 @@ def test_devices_this_machine_lacks_are_a_fact_not_a_failure(scenarios):
     assert run_cli("inspect", case["path"], "--require-default-load").exit_code == 1
 
 
+def test_a_load_that_succeeds_in_a_run_that_fails_says_so_where_ok_is_read(scenarios):
+    """inspect --model --require-default-load of a file whose state_dict loads but which torch.load refuses: the
+    verdict line says the load is OK and, in the same line, why the exit code is 1 all the same."""
+    case = scenarios["args.pt"]
+    strict = run_cli("inspect", case["path"], "--model", case["model"], "--require-default-load")
+    verdict = next(line for line in strict.stderr.splitlines() if line.startswith("verdict"))
+    assert strict.exit_code == 1
+    assert "strict load OK" in verdict and "exit 1 all the same: torch.load fails with torch's defaults" in verdict
+    plain = run_cli("inspect", case["path"], "--model", case["model"])
+    assert plain.exit_code == 0 and "exit 1" not in plain.stderr
+
+
 def test_diff_exits_1_when_a_side_would_run_code(scenarios, tmp_path):
     case = scenarios["whole.pt"]
     clean = tmp_path / "clean.pt"

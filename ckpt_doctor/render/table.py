@@ -149,6 +149,10 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
 
         lines += comparison_lines(report.comparison, str(ckpt.path), dict(report.suggestions),
                                   needs_code=needs_code_text(ckpt) if report.needs_code else "")
+        others = [_EXIT_REASONS[p] for p in report.problems if p in _EXIT_REASONS]
+        if report.comparison.ok and others:  # a load that succeeds, in a run that fails: said where "OK" is read
+            lines = [(label, f"{text}; exit 1 all the same: {', '.join(others)}" if label == "verdict" else text)
+                     for label, text in lines]
     if report.value_diffs:
         worst = sorted(report.value_diffs.items(), key=lambda kv: -kv[1])[:3]
         lines.append(("values", f"max |diff| over {len(report.value_diffs)} common tensors: "
@@ -162,6 +166,11 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
     problems = summary_problems(report)
     return [Line(f"{label:<{width}}  {text}", Severity.PROBLEM if label in problems else Severity.INFO)
             for label, text in lines]
+
+
+# What else than the comparison makes inspect --model exit 1, as the verdict line says it (the line above names it).
+_EXIT_REASONS = {"default-load": "torch.load fails with torch's defaults (--require-default-load)",
+                 "values": "NaN/Inf values (--stats)", "batchnorm": "BatchNorm statistics never updated"}
 
 
 def summary_problems(report: InspectReport) -> set[str]:
