@@ -261,3 +261,15 @@ def test_a_build_that_hides_an_ordered_dicts_methods_is_read(tmp_path, plain) ->
     assert result.exit_code == 0, result.stderr
     assert set(torch.load(out, weights_only=True)) >= {"a", "b"}
 
+
+def test_a_build_that_sets_a_tensors_fields_is_refused(tmp_path) -> None:
+    """BUILD with a slot state on a tensor set the record's shape by setattr: inspect listed shape [1] and said
+    torch.load loads the file, which torch refuses (Tensor.set_ takes no such state). It is refused, in one line."""
+    path = tmp_path / "slot.pt"
+    torch.save({"a": torch.zeros(2)}, path)
+    state = b"N}(X\x05\x00\x00\x00shapeK\x01\x85u\x86b"  # BUILD (None, {"shape": (1,)}) on the tensor
+    _rezipped(path, lambda data: data[:-2] + state + data[-2:])
+    assert not _torch_loads(path)
+    result = run_cli("inspect", path)
+    assert result.exit_code == 2 and "loads with torch's defaults" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "BUILD on a tensor" in result.stderr

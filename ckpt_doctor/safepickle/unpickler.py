@@ -127,6 +127,9 @@ class StorageRef:
         self.view_of = view_of  # legacy storage views into a bigger storage
         self.view_offset = view_offset  # bytes into `view_of`
 
+    def __setstate__(self, state: Any) -> None:  # (a BUILD's slot state would set its fields by setattr)
+        raise TypeError("a storage cannot be given state (BUILD on a storage, which torch.load refuses)")
+
 
 class RawTensor:
     """A tensor as the pickle describes it, before it has a key path."""
@@ -140,6 +143,11 @@ class RawTensor:
         self.requires_grad, self.is_parameter = requires_grad, is_parameter
         self.device = device  # set when the tensor has no storage (meta) or was moved on rebuild
         self.note = note
+
+    def __setstate__(self, state: Any) -> None:
+        # A BUILD's slot state would set the record's fields by setattr (another shape, dtype or storage than the
+        # rebuild's), where torch.load hands the state to Tensor.set_, which refuses all but a storage and its view.
+        raise TypeError("a tensor cannot be given state (BUILD on a tensor)")
 
 
 class Token:
