@@ -214,3 +214,62 @@ def test_a_destructor_error_prints_no_traceback(tmp_path):
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("Error: "), done.stderr
     assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def _rezipped(path: Path, change) -> None:
+    """torch.save's archive at `path` with its data.pkl changed by `change` (the other members as they were)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        members = [(name, archive.read(name)) for name in archive.namelist()]
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members:
+            archive.writestr(name, change(data) if name.endswith("/data.pkl") else data)
+
+
+def _torch_loads(path: Path) -> bool:
+    try:
+        torch.load(path, weights_only=True)
+    except Exception:  # noqa: BLE001 - any refusal
+        return False
+    return True
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["state_dict", "with-a-float"])
+def test_a_build_that_hides_an_ordered_dicts_methods_is_read(tmp_path, plain) -> None:
+    """BUILD puts its state in the OrderedDict's __dict__ (torch.load does so too, and loads the file): a state that
+    sets `items` and `keys` hid the methods every reader calls, and inspect, scan and fix stopped on 'internal error
+    (TypeError: 'int' object is not callable)'. (A float sends the pickle to the walker and the unpickler rather
+    than the one-pass reader: both are checked.)"""
+    from collections import OrderedDict
+
+    state = OrderedDict(a=torch.zeros(2), b=torch.ones(3))
+    if not plain:
+        state["lr"] = 0.5
+    state.__dict__.update(itemz=1, keyz=2)  # (pickled as BUILD; renamed below: torch.save itself calls .items())
+    path = tmp_path / "shadow.pt"
+    torch.save(state, path)
+    _rezipped(path, lambda data: data.replace(b"itemz", b"items").replace(b"keyz", b"keys"))
+    assert _torch_loads(path)
+    result = run_cli("inspect", path)
+    assert result.exit_code == 0, result.stderr
+    assert "internal error" not in result.stderr and "loads with torch's defaults" in result.stderr
+    assert [line.split()[0] for line in result.stdout.splitlines()[2:]] == ["a", "b"]
+    assert run_cli("scan", path).exit_code == 0
+    out = tmp_path / "fixed.pt"
+    result = run_cli("fix", path, "-o", out, *([] if plain else ["--select", ""]))
+    assert result.exit_code == 0, result.stderr
+    assert set(torch.load(out, weights_only=True)) >= {"a", "b"}
+
+
+def test_a_build_that_sets_a_tensors_fields_is_refused(tmp_path) -> None:
+    """BUILD with a slot state on a tensor set the record's shape by setattr: inspect listed shape [1] and said
+    torch.load loads the file, which torch refuses (Tensor.set_ takes no such state). It is refused, in one line."""
+    path = tmp_path / "slot.pt"
+    torch.save({"a": torch.zeros(2)}, path)
+    state = b"N}(X\x05\x00\x00\x00shapeK\x01\x85u\x86b"  # BUILD (None, {"shape": (1,)}) on the tensor
+    _rezipped(path, lambda data: data[:-2] + state + data[-2:])
+    assert not _torch_loads(path)
+    result = run_cli("inspect", path)
+    assert result.exit_code == 2 and "loads with torch's defaults" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "BUILD on a tensor" in result.stderr

@@ -386,8 +386,9 @@ class _Reader:
                 state = stack.pop()
                 target = stack[-1]
                 if target.__class__ is not OrderedDict or state.__class__ is not dict \
-                        or any(k.__class__ is not str or k[:2] == "__" for k in state):
-                    raise _Misfit  # (a __setstate__ set so would be what CPython's next BUILD calls)
+                        or any(k.__class__ is not str or k[:2] == "__" or hasattr(OrderedDict, k) for k in state):
+                    raise _Misfit  # (a __setstate__ set so would be what CPython's next BUILD calls; an `items`,
+                    # what every `.items()` calls: the unpickler drops those)
                 self._under(target, state)
                 vars(target).update(state)
                 pos += 1

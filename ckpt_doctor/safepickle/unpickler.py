@@ -127,6 +127,9 @@ class StorageRef:
         self.view_of = view_of  # legacy storage views into a bigger storage
         self.view_offset = view_offset  # bytes into `view_of`
 
+    def __setstate__(self, state: Any) -> None:  # (a BUILD's slot state would set its fields by setattr)
+        raise TypeError("a storage cannot be given state (BUILD on a storage, which torch.load refuses)")
+
 
 class RawTensor:
     """A tensor as the pickle describes it, before it has a key path."""
@@ -140,6 +143,11 @@ class RawTensor:
         self.requires_grad, self.is_parameter = requires_grad, is_parameter
         self.device = device  # set when the tensor has no storage (meta) or was moved on rebuild
         self.note = note
+
+    def __setstate__(self, state: Any) -> None:
+        # A BUILD's slot state would set the record's fields by setattr (another shape, dtype or storage than the
+        # rebuild's), where torch.load hands the state to Tensor.set_, which refuses all but a storage and its view.
+        raise TypeError("a tensor cannot be given state (BUILD on a tensor)")
 
 
 class Token:
@@ -387,7 +395,7 @@ def _mapping(kind, pairs: bool):
         if type(items) not in (list, tuple, dict):
             raise TypeError(f"{kind.__name__} of something other than a list or dict")
         if not items:  # torch's OrderedDict() of every tensor's hooks: nothing to hash
-            return kind()
+            return work.keep(kind())
         if type(items) is dict:
             keys = list(items)
         elif pairs:
@@ -395,7 +403,7 @@ def _mapping(kind, pairs: bool):
         else:
             keys = list(items)
         work.charge(keys, f"{kind.__name__}()")
-        return kind(items)
+        return work.keep(kind(items))
 
     return build
 
@@ -484,12 +492,27 @@ class _HashWork:
     no more than limits.MAX_KEYS_OF_ONE_HASH distinct keys of one hash, which CPython inserts in quadratic time. The
     walk cannot count these: it does not know what a list holds when it is handed over, again and again."""
 
-    __slots__ = ("buckets", "left", "nodes")
+    __slots__ = ("buckets", "left", "mappings", "nodes")
 
     def __init__(self) -> None:
         self.left = limits.MAX_HASH_WORK
         self.nodes: dict[int, tuple[tuple, int]] = {}  # id -> (the tuple, kept so that its id is not reused; nodes)
         self.buckets: Any = None  # the values calls made whose hash the file chose, by hash (walker.HashBuckets)
+        self.mappings: list[Any] = []  # the OrderedDicts and Counters made (unshadowed once the load is done)
+
+    def keep(self, mapping: Any) -> Any:
+        self.mappings.append(mapping)
+        return mapping
+
+    def unshadow(self) -> None:
+        """Attributes a BUILD set on an OrderedDict or Counter (pickle.load puts its state in the instance's
+        __dict__, as torch's unpickler does) that hide a method of its class are dropped: `items` set to 1 made every
+        reader's `.items()` a TypeError. Only `_metadata` is ever read of them."""
+        for mapping in self.mappings:
+            if mapping.__dict__:
+                for name in [n for n in mapping.__dict__ if hasattr(type(mapping), n)]:
+                    del mapping.__dict__[name]
+        self.mappings.clear()
 
     def made(self, value: Any, what: str) -> None:
         """Count a value a call made whose hash the file chose (a complex): the walk cannot know a call's result,
@@ -632,10 +655,13 @@ class SafeUnpickler(_pickle.Unpickler):
     def load(self) -> Any:
         try:
             with memory_guard():
-                return super().load()
+                root = super().load()
+            self._work.unshadow()
+            return root
         finally:
             self._depths.clear()  # the tuples measured are the tree's own now, or garbage
             self._work.nodes.clear()
+            self._work.mappings.clear()
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent is not None:
