@@ -677,3 +677,23 @@ def test_a_rename_written_for_the_names_before_the_strip_is_told_why_it_renamed_
     assert done.exit_code == 0
     [note] = [n for n in json.loads(done.stdout)["notes"] if "renamed no key" in n]
     assert "--strip-module" in note and "after" in note
+
+
+def test_a_drop_of_one_item_of_a_list_is_refused_by_the_plan(tmp_path, cli):
+    """--drop '^extras\\.0$' left out the first of two tensors in a list: the one after it moved into its place (a
+    tensor under another name), which the dry run did not say and the write refused only after writing it, with
+    'verification failed: keys differ from the plan'. The plan refuses it now, dry run included, and names the
+    --drop that leaves out the whole list; the last item alone shifts nothing and is written."""
+    src = tmp_path / "train.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "extras": [torch.zeros(3), torch.arange(4)], "epoch": 3}, src)
+    before = sha(src)
+    for dry in ((), ("--dry-run",)):
+        refused = cli("fix", src, "-o", tmp_path / "out.pt", "--drop", r"^extras\.0$", *dry)
+        assert refused.exit_code == 2, refused.stderr
+        assert "extras.1 would be written as extras.0" in refused.stderr and "--drop '^extras$'" in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1 and "verification failed" not in refused.stderr
+    assert not (tmp_path / "out.pt").exists() and sha(src) == before
+    last = run_fix(cli, src, tmp_path / "last.pt", "--drop", r"^extras\.1$")
+    assert last["dropped"] == ["extras.1"]
+    loaded = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert len(loaded["extras"]) == 1 and torch.equal(loaded["extras"][0], torch.zeros(3))

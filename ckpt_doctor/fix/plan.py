@@ -521,7 +521,7 @@ def holding_findings(ckpt: Checkpoint) -> list[str]:
 def held_entries(ckpt: Checkpoint, keys: list[str]) -> list[str]:
     """The entries that leave out these tensors: a list's or tuple's item goes with its container (the outermost of
     nested ones, as fix's advice on a refused value), since leaving one item out shifts the ones after it, which
-    fix's check of the output refuses."""
+    fix refuses."""
     entries: dict[str, None] = {}
     for key in keys:
         entry = key
