@@ -697,3 +697,43 @@ def test_a_drop_of_one_item_of_a_list_is_refused_by_the_plan(tmp_path, cli):
     assert last["dropped"] == ["extras.1"]
     loaded = torch.load(tmp_path / "last.pt", weights_only=True)
     assert len(loaded["extras"]) == 1 and torch.equal(loaded["extras"][0], torch.zeros(3))
+
+
+def test_a_dry_run_of_a_dcp_output_refuses_what_the_write_refuses(tmp_path, cli):
+    """A DCP folder cannot hold a tuple of tensors: the write refused it (exit 2) while `--dry-run` of the same
+    command said the folder would be written (exit 0); the dry run now says the same line."""
+    src = tmp_path / "train.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "tup": (torch.zeros(2),), "epoch": 3}, src)
+    dry = cli("fix", src, "-o", tmp_path / "dry", "--format", "dcp", "--dry-run")
+    real = cli("fix", src, "-o", tmp_path / "real", "--format", "dcp")
+    assert real.exit_code == 2 and "tup is a tuple holding tensors" in real.stderr
+    assert dry.exit_code == 2 and dry.stderr == real.stderr
+    assert not (tmp_path / "dry").exists() and not (tmp_path / "real").exists()
+
+
+def test_a_dry_run_of_a_sharded_output_names_the_shards_and_refuses_what_the_write_refuses(tmp_path, cli):
+    """--max-shard-size: the dry run said `out.pt would hold …` (the write makes out-0000N-of-… and the index, never
+    out.pt), and said so, exit 0, of a training checkpoint the write then refused ('writes a state_dict'). With
+    --format dcp the write made folders and an index of them that inspect refused ('shard … is missing'): refused."""
+    import json
+
+    src = tmp_path / "plain.pt"
+    torch.save({"a.weight": torch.ones(40), "b.weight": torch.ones(40)}, src)
+    out = tmp_path / "out.pt"
+    dry = cli("fix", src, "-o", out, "--max-shard-size", "200B", "--dry-run", "--json")
+    real = cli("fix", src, "-o", out, "--max-shard-size", "200B", "--json")
+    assert dry.exit_code == 0 and real.exit_code == 0, real.stderr
+    said, wrote = json.loads(dry.stdout), json.loads(real.stdout)
+    assert said["output"] == wrote["output"] == str(tmp_path / "out.pt.index.json")
+    assert said["shards"] == wrote["shards"] and len(wrote["shards"]) == 2
+    assert "2 shards:" in dry.stderr and not out.exists()
+    train = tmp_path / "train.pt"
+    torch.save({"model": {"w": torch.ones(40)}, "epoch": 3}, train)
+    for dry_run in ((), ("--dry-run",)):
+        nested = cli("fix", train, "-o", tmp_path / "t.pt", "--max-shard-size", "200B", *dry_run)
+        assert nested.exit_code == 2 and "--max-shard-size writes a state_dict" in nested.stderr
+        dcp = cli("fix", src, "-o", tmp_path / "dcp", "--format", "dcp", "--max-shard-size", "200B", *dry_run)
+        assert dcp.exit_code == 2 and "a DCP folder is written whole" in dcp.stderr, dcp.stderr
+        assert len(dcp.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out-00001-of-00002.pt", "out-00002-of-00002.pt",
+                                                          "out.pt.index.json", "plain.pt", "train.pt"]
