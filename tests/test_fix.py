@@ -737,3 +737,20 @@ def test_a_dry_run_of_a_sharded_output_names_the_shards_and_refuses_what_the_wri
         assert len(dcp.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out-00001-of-00002.pt", "out-00002-of-00002.pt",
                                                           "out.pt.index.json", "plain.pt", "train.pt"]
+
+
+@pytest.mark.parametrize("out, select, drop", [("out.safetensors", (), "epoch"),
+                                              ("out.pt", ("--select", "model"), "optimizer")])
+def test_a_drop_of_what_is_left_out_anyway_keeps_it_listed(tmp_path, cli, out, select, drop):
+    """An entry beside the written state_dict is listed as dropped; a --drop naming it too took it off the list
+    (`epoch` left the safetensors output unlisted; of `optimizer` only its tensors were listed, not its
+    param_groups): nothing leaves unlisted, whatever --drop adds."""
+    src = tmp_path / "train.pt"
+    net = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}, src)
+    without = run_fix(cli, src, tmp_path / out, *select)["dropped"]
+    dropped = run_fix(cli, src, tmp_path / ("dropped" + out[3:]), *select, "--drop", f"^{drop}$")["dropped"]
+    assert drop in without and set(without) <= set(dropped), (without, dropped)

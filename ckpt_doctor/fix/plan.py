@@ -140,7 +140,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         note_odd_keys(ckpt, scope, draft)
     if opts.model is not None:
         check_against_model(ckpt, scope, state, tree, opts, draft)
-    list_left_out(ckpt, scope, drops, draft)
+    list_left_out(ckpt, scope, draft)
     written.update(scope.prefix + old for old in mapping)
     draft.dropped += unlisted_tensors(ckpt.tensors, written, draft.dropped, scope.prefix)
     list_non_persistent(ckpt, draft)
@@ -433,7 +433,7 @@ def check_against_model(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, 
     check_loads(state, opts, draft.notes, str(ckpt.path), extras, others)
 
 
-def list_left_out(ckpt: Checkpoint, scope: Scope, drops: list[Transform], draft: Draft) -> None:
+def list_left_out(ckpt: Checkpoint, scope: Scope, draft: Draft) -> None:
     """Nothing leaves without being listed: what lies beside the written part, and what a tensors-only output (or
     the state_dict's place in a nested one) cannot hold."""
     if scope.optimizer_select:  # the optimizer alone: the rest of the file is left out
@@ -445,7 +445,7 @@ def list_left_out(ckpt: Checkpoint, scope: Scope, drops: list[Transform], draft:
         listed = set(draft.dropped)
         for path in left_out(ckpt.root, part if part is not None else scope.root, beside=part is not None,
                              inside=not scope.keeps_extras(ckpt)):
-            if path not in listed and not is_dropped(path, drops):
+            if path not in listed:  # a --drop naming it too leaves it as left out (and listed) as before
                 draft.dropped.append(path)
 
 
