@@ -754,3 +754,30 @@ def test_a_drop_of_what_is_left_out_anyway_keeps_it_listed(tmp_path, cli, out, s
     without = run_fix(cli, src, tmp_path / out, *select)["dropped"]
     dropped = run_fix(cli, src, tmp_path / ("dropped" + out[3:]), *select, "--drop", f"^{drop}$")["dropped"]
     assert drop in without and set(without) <= set(dropped), (without, dropped)
+
+
+def test_a_drop_that_matches_nothing_is_said(tmp_path, cli):
+    """A --drop whose pattern matches no key or entry (a typo, a key as another tool names it) left nothing out and
+    said nothing: '0 dropped' and no note, as a rename that renamed nothing once did. Each such --drop has a note; a
+    --drop that leaves something out, even only an entry beside the tensors, has none."""
+    import json
+
+    src = tmp_path / "train.pt"
+    torch.save({"model": {"fc.weight": torch.ones(2), "fc.bias": torch.ones(2)}, "epoch": 3}, src)
+    typo = run_fix(cli, src, tmp_path / "typo.pt", "--drop", "^fc_weight", "--drop", "^epoch$")
+    assert typo["dropped"] == ["epoch"]
+    assert [n for n in typo["notes"] if "dropped nothing" in n] == \
+        ["--drop '^fc_weight' dropped nothing: the pattern matches none of the file's keys and entries"]
+    for flags in (("--drop", r"^fc\."), ("--drop", r"^model\.fc\.bias$"), ("--select", "model", "--drop", "epoch")):
+        done = cli("fix", src, "-o", tmp_path / "done.pt", *flags, "--json", "--force")
+        assert done.exit_code == 0 and not any("dropped nothing" in n for n in json.loads(done.stdout)["notes"])
+
+
+def test_a_drop_of_an_item_of_a_list_of_plain_values_leaves_it_out(tmp_path, cli):
+    """A list of plain values (a config's sizes) was written whole whatever --drop named in it: the item stayed, and
+    neither `dropped` nor a note said so."""
+    src = tmp_path / "train.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "cfg": {"sizes": [1, 2, 3]}}, src)
+    done = run_fix(cli, src, tmp_path / "out.pt", "--drop", r"^cfg\.sizes\.2$")
+    assert done["dropped"] == ["cfg.sizes.2"]
+    assert torch.load(tmp_path / "out.pt", weights_only=True)["cfg"]["sizes"] == [1, 2]

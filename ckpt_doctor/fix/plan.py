@@ -28,7 +28,7 @@ from ..records import (
     relative_to_root,
 )
 from ..safepickle.policy import Policy
-from ..safepickle.unpickler import Opaque, RawTensor
+from ..safepickle.unpickler import Opaque, RawTensor, SizeValue
 from ..transforms import Op, Transform, plan_keys
 from ..tree import join
 from .keys import device_for, map_by_order, module_versions, tie
@@ -135,6 +135,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     if extra_renamed:  # a transform that renamed only an entry of no tensor (an `_extra_state`) renamed a key
         idle = tuple(t for t in idle if t in plan_keys(list(extra_renamed), renames).idle)
     note_idle(idle, renames, len(kept), draft)
+    note_idle_drops(ckpt, scope, drops, draft)
     refuse_unwritable(draft.problems)
     if scope.flat_output:
         note_odd_keys(ckpt, scope, draft)
@@ -332,6 +333,38 @@ def note_idle(idle: tuple[Transform, ...], renames: list[Transform], count: int,
         else:
             why = f"the pattern matches none of the {count:,} names"
         draft.notes.append(f"{flags} renamed no key: {why}")
+
+
+def note_idle_drops(ckpt: Checkpoint, scope: Scope, drops: list[Transform], draft: Draft) -> None:
+    """A --drop whose pattern matches no path a drop is tried on (an entry of the file, a tensor's key from the root
+    or relative to the state_dict) left nothing out: said, as a rename that renamed nothing is."""
+    if not drops:
+        return
+    paths = {t.key for t in ckpt.tensors} | {t.key for t in relative_to_root(ckpt.tensors, scope.root)}
+    paths.update(ancestors(scope.root))
+    todo: list[tuple[str, Any, bool]] = [("", ckpt.root, False)]  # a list, not recursion: nesting can be deep
+    inside: set[int] = set()  # the containers being walked: one met again within itself is a cycle, not walked
+    while todo:
+        at, node, leaving = todo.pop()
+        if leaving:
+            inside.discard(id(node))
+            continue
+        if isinstance(node, dict):
+            entries = [(join(at, k), v) for k, v in node.items()]
+        elif isinstance(node, (list, tuple)) and type(node) is not SizeValue:
+            entries = [(join(at, i), v) for i, v in enumerate(node)]
+        else:
+            continue
+        if id(node) in inside:
+            continue
+        paths.update(path for path, _ in entries)
+        inside.add(id(node))
+        todo.append((at, node, True))
+        todo += [(path, value, False) for path, value in entries]
+    for t in drops:
+        if not any(re.search(t.arg, path) for path in paths):
+            draft.notes.append(f"{' '.join(shell_word(f) for f in t.flags())} dropped nothing: the pattern matches "
+                               "none of the file's keys and entries")
 
 
 def flat_tree(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTensor], mapping: dict[str, str],

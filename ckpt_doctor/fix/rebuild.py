@@ -160,9 +160,9 @@ def rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]"
                 problems.append((path, GlobalRef("builtins", "frozenset", Verdict.SAFE, "a frozenset value")))
             return obj
         if isinstance(obj, (list, tuple)):
-            if obj and all(o is None or isinstance(o, (bool, int, float, str)) for o in obj) or \
-                    type(obj) is SizeValue:
-                return obj
+            if type(obj) is SizeValue or obj and all(o is None or isinstance(o, (bool, int, float, str)) for o in obj) \
+                    and all(is_kept(join(path, i), drops, cut) for i in range(len(obj))):
+                return obj  # plain values, none dropped: as they are
             kept = [i for i in range(len(obj)) if is_kept(join(path, i), drops, cut)]
             refuse_shift(obj, path, kept)
             values = []
