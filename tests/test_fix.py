@@ -781,3 +781,15 @@ def test_a_drop_of_an_item_of_a_list_of_plain_values_leaves_it_out(tmp_path, cli
     done = run_fix(cli, src, tmp_path / "out.pt", "--drop", r"^cfg\.sizes\.2$")
     assert done["dropped"] == ["cfg.sizes.2"]
     assert torch.load(tmp_path / "out.pt", weights_only=True)["cfg"]["sizes"] == [1, 2]
+
+
+def test_a_map_location_that_rewrites_no_tag_is_said(tmp_path, cli):
+    """--map-location cuda:3=cuda:0 of a file saved on cpu (a rank's number guessed wrong) rewrote nothing and said
+    only 'applied: --map-location cuda:3=cuda:0': each rule that rewrote no tag has a note naming the saved tags."""
+    src = tmp_path / "cpu.pt"
+    torch.save({"w": torch.ones(2), "b": torch.zeros(2)}, src)
+    done = run_fix(cli, src, tmp_path / "out.pt", "--map-location", "cuda:3=cuda:0", "--map-location", "cpu")
+    assert [n for n in done["notes"] if "rewrote no" in n] == [
+        "--map-location cuda:3=cuda:0 rewrote no device tag: the output's tensors are saved on cpu",
+        "--map-location cpu rewrote no device tag: the output's tensors are saved on cpu"]
+    assert all(t.device.type == "cpu" for t in torch.load(tmp_path / "out.pt", weights_only=True).values())

@@ -31,7 +31,7 @@ from ..safepickle.policy import Policy
 from ..safepickle.unpickler import Opaque, RawTensor, SizeValue
 from ..transforms import Op, Transform, plan_keys
 from ..tree import join
-from .keys import device_for, map_by_order, module_versions, tie
+from .keys import device_for, map_by_order, module_versions, note_idle_devices, tie
 from .options import FixOptions, OutputFormat, output_format
 from .rebuild import (
     MISSING,
@@ -147,6 +147,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     list_non_persistent(ckpt, draft)
     tied, metadata = safetensors_sharing(ckpt, outs, draft) if fmt is OutputFormat.SAFETENSORS else ({}, {})
     refuse_unwritable_tensors(outs, fmt)
+    note_idle_devices(sorted({t.source.device for t in outs}), opts.map_location, draft.notes)
     note_devices(fmt, outs, draft)
     note_held_findings(ckpt, outs, fmt, scope.prefix, draft)
     return FixPlan(ckpt.path, output, fmt, tuple(draft.applied), {**mapping, **extra_renamed},
