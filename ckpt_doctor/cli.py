@@ -720,7 +720,7 @@ def fix(ckpt: str, output: str, as_json: bool, policy: Policy, **flags: Any) -> 
 
     gc.disable()  # as in inspect: one pass over an acyclic tree of records, nothing for the collector to free
     from .cliparse import fix_options  # fix's modules (and the next two), imported only when fix runs
-    from .fix.run import prepare_fix, write_fix
+    from .fix.run import planned_shards, prepare_fix, write_fix
     from .render.fix_out import dry_run_table, fix_json, fix_summary
 
     if hasattr(signal, "SIGXFSZ"):
@@ -729,13 +729,14 @@ def fix(ckpt: str, output: str, as_json: bool, policy: Policy, **flags: Any) -> 
     options = fix_options(policy=policy, checkpoint=ckpt, **flags)
     plan = prepare_fix(ckpt, output, options)
     if options.dry_run:
+        sharded = planned_shards(plan, options)
         if as_json:
             from .render.json_out import dumps  # only for --json
 
-            echo(dumps(fix_json(plan, None)))
+            echo(dumps(fix_json(plan, None, sharded)))
         else:
             echo(dry_run_table(plan))
-        for line in fix_summary(plan, None):
+        for line in fix_summary(plan, None, sharded):
             say(line)
         return 0
     result = write_fix(plan, options, progress_bar())

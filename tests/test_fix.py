@@ -677,3 +677,119 @@ def test_a_rename_written_for_the_names_before_the_strip_is_told_why_it_renamed_
     assert done.exit_code == 0
     [note] = [n for n in json.loads(done.stdout)["notes"] if "renamed no key" in n]
     assert "--strip-module" in note and "after" in note
+
+
+def test_a_drop_of_one_item_of_a_list_is_refused_by_the_plan(tmp_path, cli):
+    """--drop '^extras\\.0$' left out the first of two tensors in a list: the one after it moved into its place (a
+    tensor under another name), which the dry run did not say and the write refused only after writing it, with
+    'verification failed: keys differ from the plan'. The plan refuses it now, dry run included, and names the
+    --drop that leaves out the whole list; the last item alone shifts nothing and is written."""
+    src = tmp_path / "train.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "extras": [torch.zeros(3), torch.arange(4)], "epoch": 3}, src)
+    before = sha(src)
+    for dry in ((), ("--dry-run",)):
+        refused = cli("fix", src, "-o", tmp_path / "out.pt", "--drop", r"^extras\.0$", *dry)
+        assert refused.exit_code == 2, refused.stderr
+        assert "extras.1 would be written as extras.0" in refused.stderr and "--drop '^extras$'" in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1 and "verification failed" not in refused.stderr
+    assert not (tmp_path / "out.pt").exists() and sha(src) == before
+    last = run_fix(cli, src, tmp_path / "last.pt", "--drop", r"^extras\.1$")
+    assert last["dropped"] == ["extras.1"]
+    loaded = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert len(loaded["extras"]) == 1 and torch.equal(loaded["extras"][0], torch.zeros(3))
+
+
+def test_a_dry_run_of_a_dcp_output_refuses_what_the_write_refuses(tmp_path, cli):
+    """A DCP folder cannot hold a tuple of tensors: the write refused it (exit 2) while `--dry-run` of the same
+    command said the folder would be written (exit 0); the dry run now says the same line."""
+    src = tmp_path / "train.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "tup": (torch.zeros(2),), "epoch": 3}, src)
+    dry = cli("fix", src, "-o", tmp_path / "dry", "--format", "dcp", "--dry-run")
+    real = cli("fix", src, "-o", tmp_path / "real", "--format", "dcp")
+    assert real.exit_code == 2 and "tup is a tuple holding tensors" in real.stderr
+    assert dry.exit_code == 2 and dry.stderr == real.stderr
+    assert not (tmp_path / "dry").exists() and not (tmp_path / "real").exists()
+
+
+def test_a_dry_run_of_a_sharded_output_names_the_shards_and_refuses_what_the_write_refuses(tmp_path, cli):
+    """--max-shard-size: the dry run said `out.pt would hold …` (the write makes out-0000N-of-… and the index, never
+    out.pt), and said so, exit 0, of a training checkpoint the write then refused ('writes a state_dict'). With
+    --format dcp the write made folders and an index of them that inspect refused ('shard … is missing'): refused."""
+    import json
+
+    src = tmp_path / "plain.pt"
+    torch.save({"a.weight": torch.ones(40), "b.weight": torch.ones(40)}, src)
+    out = tmp_path / "out.pt"
+    dry = cli("fix", src, "-o", out, "--max-shard-size", "200B", "--dry-run", "--json")
+    real = cli("fix", src, "-o", out, "--max-shard-size", "200B", "--json")
+    assert dry.exit_code == 0 and real.exit_code == 0, real.stderr
+    said, wrote = json.loads(dry.stdout), json.loads(real.stdout)
+    assert said["output"] == wrote["output"] == str(tmp_path / "out.pt.index.json")
+    assert said["shards"] == wrote["shards"] and len(wrote["shards"]) == 2
+    assert "2 shards:" in dry.stderr and not out.exists()
+    train = tmp_path / "train.pt"
+    torch.save({"model": {"w": torch.ones(40)}, "epoch": 3}, train)
+    for dry_run in ((), ("--dry-run",)):
+        nested = cli("fix", train, "-o", tmp_path / "t.pt", "--max-shard-size", "200B", *dry_run)
+        assert nested.exit_code == 2 and "--max-shard-size writes a state_dict" in nested.stderr
+        dcp = cli("fix", src, "-o", tmp_path / "dcp", "--format", "dcp", "--max-shard-size", "200B", *dry_run)
+        assert dcp.exit_code == 2 and "a DCP folder is written whole" in dcp.stderr, dcp.stderr
+        assert len(dcp.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out-00001-of-00002.pt", "out-00002-of-00002.pt",
+                                                          "out.pt.index.json", "plain.pt", "train.pt"]
+
+
+@pytest.mark.parametrize("out, select, drop", [("out.safetensors", (), "epoch"),
+                                              ("out.pt", ("--select", "model"), "optimizer")])
+def test_a_drop_of_what_is_left_out_anyway_keeps_it_listed(tmp_path, cli, out, select, drop):
+    """An entry beside the written state_dict is listed as dropped; a --drop naming it too took it off the list
+    (`epoch` left the safetensors output unlisted; of `optimizer` only its tensors were listed, not its
+    param_groups): nothing leaves unlisted, whatever --drop adds."""
+    src = tmp_path / "train.pt"
+    net = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}, src)
+    without = run_fix(cli, src, tmp_path / out, *select)["dropped"]
+    dropped = run_fix(cli, src, tmp_path / ("dropped" + out[3:]), *select, "--drop", f"^{drop}$")["dropped"]
+    assert drop in without and set(without) <= set(dropped), (without, dropped)
+
+
+def test_a_drop_that_matches_nothing_is_said(tmp_path, cli):
+    """A --drop whose pattern matches no key or entry (a typo, a key as another tool names it) left nothing out and
+    said nothing: '0 dropped' and no note, as a rename that renamed nothing once did. Each such --drop has a note; a
+    --drop that leaves something out, even only an entry beside the tensors, has none."""
+    import json
+
+    src = tmp_path / "train.pt"
+    torch.save({"model": {"fc.weight": torch.ones(2), "fc.bias": torch.ones(2)}, "epoch": 3}, src)
+    typo = run_fix(cli, src, tmp_path / "typo.pt", "--drop", "^fc_weight", "--drop", "^epoch$")
+    assert typo["dropped"] == ["epoch"]
+    assert [n for n in typo["notes"] if "dropped nothing" in n] == \
+        ["--drop '^fc_weight' dropped nothing: the pattern matches none of the file's keys and entries"]
+    for flags in (("--drop", r"^fc\."), ("--drop", r"^model\.fc\.bias$"), ("--select", "model", "--drop", "epoch")):
+        done = cli("fix", src, "-o", tmp_path / "done.pt", *flags, "--json", "--force")
+        assert done.exit_code == 0 and not any("dropped nothing" in n for n in json.loads(done.stdout)["notes"])
+
+
+def test_a_drop_of_an_item_of_a_list_of_plain_values_leaves_it_out(tmp_path, cli):
+    """A list of plain values (a config's sizes) was written whole whatever --drop named in it: the item stayed, and
+    neither `dropped` nor a note said so."""
+    src = tmp_path / "train.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "cfg": {"sizes": [1, 2, 3]}}, src)
+    done = run_fix(cli, src, tmp_path / "out.pt", "--drop", r"^cfg\.sizes\.2$")
+    assert done["dropped"] == ["cfg.sizes.2"]
+    assert torch.load(tmp_path / "out.pt", weights_only=True)["cfg"]["sizes"] == [1, 2]
+
+
+def test_a_map_location_that_rewrites_no_tag_is_said(tmp_path, cli):
+    """--map-location cuda:3=cuda:0 of a file saved on cpu (a rank's number guessed wrong) rewrote nothing and said
+    only 'applied: --map-location cuda:3=cuda:0': each rule that rewrote no tag has a note naming the saved tags."""
+    src = tmp_path / "cpu.pt"
+    torch.save({"w": torch.ones(2), "b": torch.zeros(2)}, src)
+    done = run_fix(cli, src, tmp_path / "out.pt", "--map-location", "cuda:3=cuda:0", "--map-location", "cpu")
+    assert [n for n in done["notes"] if "rewrote no" in n] == [
+        "--map-location cuda:3=cuda:0 rewrote no device tag: the output's tensors are saved on cpu",
+        "--map-location cpu rewrote no device tag: the output's tensors are saved on cpu"]
+    assert all(t.device.type == "cpu" for t in torch.load(tmp_path / "out.pt", weights_only=True).values())

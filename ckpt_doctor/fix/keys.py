@@ -19,11 +19,27 @@ if TYPE_CHECKING:  # names for annotations only
     from ..records import Checkpoint
 
 
-def device_for(saved: str, table: tuple[tuple[str, str], ...]) -> str:
-    for old, new in table:
+def device_rule(saved: str, table: tuple[tuple[str, str], ...]) -> int | None:
+    """Which --map-location rule a saved device tag follows: the first that names it (None: kept as saved)."""
+    for i, (old, _) in enumerate(table):
         if old == "*" or old == saved or (old == "cuda" and saved.startswith("cuda")):
-            return new
-    return saved
+            return i
+    return None
+
+
+def device_for(saved: str, table: tuple[tuple[str, str], ...]) -> str:
+    rule = device_rule(saved, table)
+    return saved if rule is None else table[rule][1]
+
+
+def note_idle_devices(saved: list[str], table: tuple[tuple[str, str], ...], notes: list[str]) -> None:
+    """A --map-location rule that rewrote no tag (cuda:3=cuda:0 of a file saved on cuda:1, cpu of one saved on cpu)
+    did nothing: said, naming the tags the output's tensors are saved with."""
+    used = {device_rule(device, table) for device in saved if device_for(device, table) != device}
+    for i, (old, new) in enumerate(table):
+        if i not in used:
+            notes.append(f"--map-location {new if old == '*' else f'{old}={new}'} rewrote no device tag: the output's "
+                         f"tensors are saved on {', '.join(saved) or 'no device'}")
 
 
 def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...], fmt: OutputFormat,

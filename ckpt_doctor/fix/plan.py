@@ -28,10 +28,10 @@ from ..records import (
     relative_to_root,
 )
 from ..safepickle.policy import Policy
-from ..safepickle.unpickler import Opaque, RawTensor
+from ..safepickle.unpickler import Opaque, RawTensor, SizeValue
 from ..transforms import Op, Transform, plan_keys
 from ..tree import join
-from .keys import device_for, map_by_order, module_versions, tie
+from .keys import device_for, map_by_order, module_versions, note_idle_devices, tie
 from .options import FixOptions, OutputFormat, output_format
 from .rebuild import (
     MISSING,
@@ -135,17 +135,19 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     if extra_renamed:  # a transform that renamed only an entry of no tensor (an `_extra_state`) renamed a key
         idle = tuple(t for t in idle if t in plan_keys(list(extra_renamed), renames).idle)
     note_idle(idle, renames, len(kept), draft)
+    note_idle_drops(ckpt, scope, drops, draft)
     refuse_unwritable(draft.problems)
     if scope.flat_output:
         note_odd_keys(ckpt, scope, draft)
     if opts.model is not None:
         check_against_model(ckpt, scope, state, tree, opts, draft)
-    list_left_out(ckpt, scope, drops, draft)
+    list_left_out(ckpt, scope, draft)
     written.update(scope.prefix + old for old in mapping)
     draft.dropped += unlisted_tensors(ckpt.tensors, written, draft.dropped, scope.prefix)
     list_non_persistent(ckpt, draft)
     tied, metadata = safetensors_sharing(ckpt, outs, draft) if fmt is OutputFormat.SAFETENSORS else ({}, {})
     refuse_unwritable_tensors(outs, fmt)
+    note_idle_devices(sorted({t.source.device for t in outs}), opts.map_location, draft.notes)
     note_devices(fmt, outs, draft)
     note_held_findings(ckpt, outs, fmt, scope.prefix, draft)
     return FixPlan(ckpt.path, output, fmt, tuple(draft.applied), {**mapping, **extra_renamed},
@@ -334,6 +336,38 @@ def note_idle(idle: tuple[Transform, ...], renames: list[Transform], count: int,
         draft.notes.append(f"{flags} renamed no key: {why}")
 
 
+def note_idle_drops(ckpt: Checkpoint, scope: Scope, drops: list[Transform], draft: Draft) -> None:
+    """A --drop whose pattern matches no path a drop is tried on (an entry of the file, a tensor's key from the root
+    or relative to the state_dict) left nothing out: said, as a rename that renamed nothing is."""
+    if not drops:
+        return
+    paths = {t.key for t in ckpt.tensors} | {t.key for t in relative_to_root(ckpt.tensors, scope.root)}
+    paths.update(ancestors(scope.root))
+    todo: list[tuple[str, Any, bool]] = [("", ckpt.root, False)]  # a list, not recursion: nesting can be deep
+    inside: set[int] = set()  # the containers being walked: one met again within itself is a cycle, not walked
+    while todo:
+        at, node, leaving = todo.pop()
+        if leaving:
+            inside.discard(id(node))
+            continue
+        if isinstance(node, dict):
+            entries = [(join(at, k), v) for k, v in node.items()]
+        elif isinstance(node, (list, tuple)) and type(node) is not SizeValue:
+            entries = [(join(at, i), v) for i, v in enumerate(node)]
+        else:
+            continue
+        if id(node) in inside:
+            continue
+        paths.update(path for path, _ in entries)
+        inside.add(id(node))
+        todo.append((at, node, True))
+        todo += [(path, value, False) for path, value in entries]
+    for t in drops:
+        if not any(re.search(t.arg, path) for path in paths):
+            draft.notes.append(f"{' '.join(shell_word(f) for f in t.flags())} dropped nothing: the pattern matches "
+                               "none of the file's keys and entries")
+
+
 def flat_tree(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTensor], mapping: dict[str, str],
               drops: list[Transform], renames: list[Transform], versions: Any, reorder: bool,
               out_tensor: Callable[[str, TensorRecord], OutTensor], policy: Policy,
@@ -433,7 +467,7 @@ def check_against_model(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, 
     check_loads(state, opts, draft.notes, str(ckpt.path), extras, others)
 
 
-def list_left_out(ckpt: Checkpoint, scope: Scope, drops: list[Transform], draft: Draft) -> None:
+def list_left_out(ckpt: Checkpoint, scope: Scope, draft: Draft) -> None:
     """Nothing leaves without being listed: what lies beside the written part, and what a tensors-only output (or
     the state_dict's place in a nested one) cannot hold."""
     if scope.optimizer_select:  # the optimizer alone: the rest of the file is left out
@@ -445,7 +479,7 @@ def list_left_out(ckpt: Checkpoint, scope: Scope, drops: list[Transform], draft:
         listed = set(draft.dropped)
         for path in left_out(ckpt.root, part if part is not None else scope.root, beside=part is not None,
                              inside=not scope.keeps_extras(ckpt)):
-            if path not in listed and not is_dropped(path, drops):
+            if path not in listed:  # a --drop naming it too leaves it as left out (and listed) as before
                 draft.dropped.append(path)
 
 
@@ -521,7 +555,7 @@ def holding_findings(ckpt: Checkpoint) -> list[str]:
 def held_entries(ckpt: Checkpoint, keys: list[str]) -> list[str]:
     """The entries that leave out these tensors: a list's or tuple's item goes with its container (the outermost of
     nested ones, as fix's advice on a refused value), since leaving one item out shifts the ones after it, which
-    fix's check of the output refuses."""
+    fix refuses."""
     entries: dict[str, None] = {}
     for key in keys:
         entry = key

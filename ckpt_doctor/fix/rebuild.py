@@ -160,15 +160,16 @@ def rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]"
                 problems.append((path, GlobalRef("builtins", "frozenset", Verdict.SAFE, "a frozenset value")))
             return obj
         if isinstance(obj, (list, tuple)):
-            if obj and all(o is None or isinstance(o, (bool, int, float, str)) for o in obj) or \
-                    type(obj) is SizeValue:
-                return obj
+            if type(obj) is SizeValue or obj and all(o is None or isinstance(o, (bool, int, float, str)) for o in obj) \
+                    and all(is_kept(join(path, i), drops, cut) for i in range(len(obj))):
+                return obj  # plain values, none dropped: as they are
+            kept = [i for i in range(len(obj)) if is_kept(join(path, i), drops, cut)]
+            refuse_shift(obj, path, kept)
             values = []
             inside.add(id(obj))
             first = len(problems)
-            for i, v in enumerate(obj):
-                if is_kept(join(path, i), drops, cut):
-                    values.append((yield rebuilt(v, join(path, i))))
+            for i in kept:
+                values.append((yield rebuilt(obj[i], join(path, i))))
             inside.discard(id(obj))
             if path:  # an item's place is its meaning: leaving one out would shift the rest, so the advice is the whole
                 items = {join(path, i) for i in range(len(obj))}
@@ -187,6 +188,22 @@ def rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]"
         return obj
 
     return run_nested(rebuilt(obj, path))
+
+
+def refuse_shift(items: list | tuple, path: str, kept: list[int]) -> None:
+    """A --drop of a list's or tuple's item before others holding tensors would move them into its place: tensors
+    under other names (which the check of the written file refuses). Refused while planning, dry run included."""
+    moved = next((i for n, i in enumerate(kept) if n != i and has_tensor(items[i])), None)
+    if moved is None:
+        return
+    gone = next(i for i in range(moved) if i not in kept)
+    kind = type(items).__name__
+    what = f"--drop leaves out {join(path, gone)}, an item of the {kind} {path or 'at the root'}: " \
+           f"{join(path, moved)} would be written as {join(path, kept.index(moved))} (an item is known by its place)"
+    if not path:
+        raise PlanError(f"{what}; write the part you want with --select N")
+    raise PlanError(what + "; leave out the whole " + kind + " with {0}",
+                    reruns=(Rerun(add=("--drop", f"^{re.escape(path)}$")),))
 
 
 # What the output's pickle can hold as a plain value: what torch.load(weights_only=True) reads back.

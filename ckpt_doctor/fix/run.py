@@ -41,22 +41,38 @@ def prepare_fix(source: str | os.PathLike[str] | Checkpoint, output: str | os.Pa
     # The whole fix is planned (every option checked) before the destination is: `--force` is offered only when it
     # alone would make the command succeed, never for a command that would then fail on another option.
     plan = plan_fix(checkpoint, output, options)
+    sharded = planned_shards(plan, options)
     if not options.dry_run:
-        check_output(plan, checkpoint, options)
+        check_output(plan, checkpoint, options, sharded)
     return plan
 
 
-def check_output(plan: FixPlan, checkpoint: Checkpoint, options: FixOptions) -> None:
-    """What only the write could still refuse, checked before it: the destination (an input, an existing file
-    without --force, a folder that cannot be written), each shard's and the index's, a DCP folder's contents."""
+def planned_shards(plan: FixPlan, options: FixOptions) -> tuple[list[Path], Path] | None:
+    """What the output's layout cannot hold, refused with the plan (a dry run says what the write would): a value a
+    DCP folder cannot save, a tree --max-shard-size cannot split. Returns the shards and the index the write makes
+    (None without --max-shard-size)."""
     if plan.format is OutputFormat.DCP:
-        from .dcp_output import check_dcp_destination, check_dcp_plan, dcp_inputs  # only for --format dcp
+        from .dcp_output import check_dcp_plan  # only for --format dcp
 
         check_dcp_plan(plan)
+    if options.max_shard_size is None:
+        return None
+    if plan.format is OutputFormat.DCP:  # its index would name folders, which nothing (inspect included) reads
+        raise UsageError("--max-shard-size splits a torch or safetensors file; a DCP folder is written whole (its "
+                         "files are one per rank): leave out --max-shard-size or --format dcp")
+    return shard_paths(plan.output, len(split_plan(plan, options.max_shard_size)))
+
+
+def check_output(plan: FixPlan, checkpoint: Checkpoint, options: FixOptions,
+                 sharded: tuple[list[Path], Path] | None) -> None:
+    """What only the write could still refuse, checked before it: the destination (an input, an existing file
+    without --force, a folder that cannot be written), each shard's and the index's, a DCP folder's."""
+    if plan.format is OutputFormat.DCP:
+        from .dcp_output import check_dcp_destination, dcp_inputs  # only for --format dcp
+
         check_dcp_destination(plan.output, dcp_inputs(plan), options.force)
-    elif options.max_shard_size is not None:
-        parts = split_plan(plan, options.max_shard_size)
-        shards, index = shard_paths(plan.output, len(parts))
+    elif sharded is not None:
+        shards, index = sharded
         for path in (*shards, index):
             check_destination(path, checkpoint.files, options.force)
     else:

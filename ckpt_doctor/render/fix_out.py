@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ..analyze import human_bytes
@@ -9,12 +10,15 @@ from ..fix import FixPlan, FixResult
 from ..readers.source import usage, usage_line
 
 
-def fix_json(plan: FixPlan, result: FixResult | None) -> dict[str, Any]:
+def fix_json(plan: FixPlan, result: FixResult | None,
+             sharded: tuple[list[Path], Path] | None = None) -> dict[str, Any]:
+    """The result as JSON; a dry run's (`result` None) names the shards and index the write would make."""
+    shards = result.shards if result else sharded[0] if sharded else ()
     return {
         "ok": True,  # a fix that could not be done ends in one Error line (exit 2) and no JSON; 1 when --model refuses
         "exit_code": 0,
         "input": str(plan.input),
-        "output": str(result.plan.output if result else plan.output),
+        "output": str(result.plan.output if result else sharded[1] if sharded else plan.output),
         "format": plan.format.value,
         "applied": list(plan.applied),
         "renamed": {old: new for old, new in plan.renamed.items() if old != new},
@@ -27,7 +31,7 @@ def fix_json(plan: FixPlan, result: FixResult | None) -> dict[str, Any]:
         "notes": list(plan.notes),
         "unknown_globals": list(result.unknown_globals) if result else [],
         "safe_globals": list(result.safe_globals) if result else [],
-        **({"shards": [str(p) for p in result.shards]} if result and result.shards else {}),
+        **({"shards": [str(p) for p in shards]} if shards else {}),
         **_remote(),
     }
 
@@ -54,12 +58,14 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
-def fix_summary(plan: FixPlan, result: FixResult | None) -> list[str]:
+def fix_summary(plan: FixPlan, result: FixResult | None,
+                sharded: tuple[list[Path], Path] | None = None) -> list[str]:
     renamed = sum(1 for o, n in plan.renamed.items() if o != n)
     lines = []
     what = f"{len(plan.tensors) - len(plan.tied)} tensors, {human_bytes(plan.nbytes)}, {plan.format.value}"
     if result is None:
-        lines.append(f"dry run: {plan.output} would hold {what}; {_n(renamed, 'key')} renamed, "
+        output = sharded[1] if sharded else plan.output  # sharded: the index names the shards
+        lines.append(f"dry run: {output} would hold {what}; {_n(renamed, 'key')} renamed, "
                      f"{len(plan.dropped)} dropped; nothing written")
     else:
         check = "verified: every storage re-read and its crc32 compared with the source" if result.verified else \
@@ -68,9 +74,9 @@ def fix_summary(plan: FixPlan, result: FixResult | None) -> list[str]:
                      f"{_n(renamed, 'key')} renamed, {len(plan.dropped)} dropped; {check}")
     if plan.applied:
         lines.append("applied: " + "; ".join(plan.applied))
-    if result is not None and result.shards:
-        lines.append(f"{len(result.shards)} shards: {result.shards[0].name} … {result.shards[-1].name}, "
-                     f"index {result.plan.output.name}")
+    shards, index = (result.shards, result.plan.output) if result else sharded or ((), plan.output)
+    if shards:
+        lines.append(f"{len(shards)} shards: {shards[0].name} … {shards[-1].name}, index {index.name}")
     lines += [f"note: {n}" for n in plan.notes]
     if result and result.unknown_globals:
         names = ", ".join(result.unknown_globals)
