@@ -178,3 +178,15 @@ def test_a_distributed_checkpoint_gives_its_model_weights_and_its_own_notes():
     assert [t.key for t in plan.tensors] == ["fc.weight"]
     assert plan.notes[0] == "ZeRO-3 note" and "a distributed checkpoint" in plan.notes[1]
     assert folder.distributed.json()["zero_stage"] == 3
+
+
+def test_a_path_names_a_key_that_holds_dots_before_its_shorter_prefix():
+    """`--select a.b.c` of a tree holding both a key "a.b" and a key "a" (whose entry holds "b.c"): the longer key
+    is taken first, as the docs say, whichever the container holds first."""
+    from ckpt_doctor.fix.rebuild import MISSING, beside, subtree
+
+    tree = {"a": {"b.c": 1, "x": 0}, "a.b": {"c": 2}, "other": 3}
+    assert subtree(tree, "a.b.c") == 2
+    assert subtree(tree, "a.x") == 0
+    assert subtree(tree, "a.b.d") is MISSING
+    assert beside(tree, "a.b.c") == ["a", "other"]

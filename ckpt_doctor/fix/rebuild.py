@@ -29,10 +29,7 @@ def subtree(obj: Any, path: str) -> Any:
     """The value at a dotted key path (keys that hold dots themselves are tried first), or MISSING."""
     if path == "":
         return obj
-    items = _items(obj)
-    if items is None:
-        return MISSING
-    for name, value in items:
+    for name, value in _longest_first(obj):
         if path == name:
             return value
         if path.startswith(name + "."):
@@ -42,20 +39,10 @@ def subtree(obj: Any, path: str) -> Any:
     return MISSING
 
 
-def _items(obj: Any) -> list[tuple[str, Any]] | None:
-    """A container's entries by the names a dotted path gives them, longest first (keys that hold dots are tried
-    before their shorter prefixes); None for no container."""
-    if isinstance(obj, dict):
-        return sorted(((str(k), v) for k, v in obj.items() if isinstance(k, (str, int))), key=lambda kv: -len(kv[0]))
-    if isinstance(obj, list):
-        return [(str(i), v) for i, v in enumerate(obj)]
-    return None
-
-
 def beside(obj: Any, path: str, above: str = "") -> list[str]:
     """The dotted paths of what `obj` holds besides the value at `path` (found as subtree finds it): its siblings at
     every level above it, in the container's order."""
-    for name, value in _items(obj) or ():
+    for name, value in _longest_first(obj):
         rest = path[len(name) + 1:]
         if path == name or path.startswith(name + ".") and subtree(value, rest) is not MISSING:
             keys = obj if isinstance(obj, dict) else range(len(obj))
@@ -92,7 +79,7 @@ def left_out(tree: Any, part: str, *, beside: bool, inside: bool) -> list[str]:
     rest = part
     while rest:  # down the part's path; keys may hold dots themselves, so the longest matching name is taken
         items = _items(node)
-        step = next(((name, value) for name, value in sorted(items, key=lambda kv: -len(kv[0]))
+        step = next(((name, value) for name, value in _longest_first(node)
                      if rest == name or rest.startswith(name + ".")), None)
         if step is None:
             return out
@@ -115,11 +102,17 @@ def left_out(tree: Any, part: str, *, beside: bool, inside: bool) -> list[str]:
 
 
 def _items(node: Any) -> list[tuple[str, Any]]:
+    """A container's entries by the names a dotted path gives them, in its order; none for anything else."""
     if isinstance(node, dict):
         return [(k if isinstance(k, str) else str(k), v) for k, v in node.items()]
     if isinstance(node, (list, tuple)) and type(node) is not SizeValue:
         return [(str(i), v) for i, v in enumerate(node)]
     return []
+
+
+def _longest_first(node: Any) -> list[tuple[str, Any]]:
+    """_items, the longest names first: a key that holds dots is tried before its shorter prefixes."""
+    return sorted(_items(node), key=lambda kv: -len(kv[0]))
 
 
 def rebuild(obj: Any, path: str, root: str, state: "OrderedDict[str, OutTensor]",
