@@ -122,6 +122,16 @@ def _rerun_command(rerun: Any) -> str:
     return f"`{command_line(argv)}`" if argv is not None else rerun.describe()
 
 
+def _write_refusal(exc: Any) -> str:
+    """A dry run's WriteError, each way out the write's own command: the user's, without --dry-run."""
+    from .errors import Rerun
+
+    def command(rerun: Rerun) -> str:
+        return _rerun_command(Rerun(add=rerun.add, remove=("--dry-run",))) if not rerun.remove else rerun.describe()
+
+    return exc.render(command)
+
+
 def _quiet(*_args: Any) -> None:
     """Nothing: what failed in a destructor ends in the command's own `Error:` line or result."""
 
@@ -738,6 +748,8 @@ def fix(ckpt: str, output: str, as_json: bool, policy: Policy, **flags: Any) -> 
             echo(dry_run_table(plan))
         for line in fix_summary(plan, None, sharded):
             say(line)
+        if plan.write_refusal is not None:  # said last, where the next command is read from
+            say("note: without --dry-run the write would stop: " + _write_refusal(plan.write_refusal))
         return 0
     result = write_fix(plan, options, progress_bar())
     if as_json:

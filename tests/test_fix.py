@@ -234,6 +234,28 @@ def test_dry_run_lists_every_key_and_writes_nothing(fixtures, cli, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_dry_run_says_what_the_write_would_stop_at_and_the_command_past_it(fixtures, cli, tmp_path):
+    """A dry run onto an existing output passes (nothing is written) but says, last, that the write would stop
+    there, with the write's own command (no --dry-run, with --force); that command then writes the file."""
+    import shlex
+
+    out = tmp_path / "o.pt"
+    out.write_bytes(b"keep me")
+    dry = cli("fix", fixtures["plain"]["path"], "-o", out, "--dry-run")
+    assert dry.exit_code == 0 and out.read_bytes() == b"keep me"
+    last = dry.stderr.strip().splitlines()[-1]
+    assert last.startswith("note: without --dry-run the write would stop: ") and "already exists" in last
+    command = shlex.split(last.split("`")[1])
+    assert command[:2] == ["ckpt-doctor", "fix"] and "--force" in command and "--dry-run" not in command
+    written = cli(*command[1:])
+    assert written.exit_code == 0, written.stderr
+    assert torch.load(out, weights_only=True)
+    data = cli("fix", fixtures["plain"]["path"], "-o", tmp_path / "missing" / "o.pt", "--dry-run", "--json").json()
+    assert data["dry_run"] and "folder" in data["write_refusal"] and "does not exist" in data["write_refusal"]
+    fresh = cli("fix", fixtures["plain"]["path"], "-o", tmp_path / "new.pt", "--dry-run", "--json")
+    assert fresh.json()["write_refusal"] is None and "would stop" not in fresh.stderr
+
+
 def test_existing_output_needs_force_and_input_is_never_the_output(fixtures, cli, tmp_path):
     out = tmp_path / "o.pt"
     out.write_bytes(b"keep me")

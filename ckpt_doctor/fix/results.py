@@ -30,6 +30,9 @@ class FixPlan:
     metadata: dict[str, str] = field(default_factory=dict)  # safetensors __metadata__
     ambiguous: tuple[str, ...] = ()  # --map-by-order: the keys whose place another of their shape could take
     policy: Policy = DEFAULT_POLICY  # what the output may name (planned under it, written under it)
+    # A dry run's: what the write itself would refuse (an existing output without --force, a folder that cannot be
+    # written), so that the dry run does not pass a command that then fails
+    write_refusal: Exception | None = None
 
     @property
     def nbytes(self) -> int:

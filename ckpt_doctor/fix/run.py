@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import Rerun, UsageError
+from .._record import replace
+from ..errors import Rerun, UsageError, WriteError
 from ..readers import read_checkpoint
 from ..records import Checkpoint
 from ..writers.atomic import check_destination
@@ -42,8 +43,12 @@ def prepare_fix(source: str | os.PathLike[str] | Checkpoint, output: str | os.Pa
     # alone would make the command succeed, never for a command that would then fail on another option.
     plan = plan_fix(checkpoint, output, options)
     sharded = planned_shards(plan, options)
-    if not options.dry_run:
+    try:
         check_output(plan, checkpoint, options, sharded)
+    except WriteError as exc:
+        if not options.dry_run:
+            raise
+        plan = replace(plan, write_refusal=exc)  # the dry run says it: the write would stop there
     return plan
 
 

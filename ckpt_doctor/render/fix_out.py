@@ -24,9 +24,11 @@ def fix_json(plan: FixPlan, result: FixResult | None,
         "renamed": {old: new for old, new in plan.renamed.items() if old != new},
         "dropped": list(plan.dropped),
         "tensors": len(plan.tensors) - len(plan.tied),
-        "bytes": result.bytes if result else plan.nbytes,
+        "bytes": plan.nbytes,  # the tensors' bytes, as the dry run's "would hold" and the write's "wrote" lines say
+        "file_bytes": result.bytes if result else None,  # what the write put on disk (shards and index together)
         "verified": bool(result and result.verified),
         "dry_run": result is None,
+        "write_refusal": str(plan.write_refusal) if result is None and plan.write_refusal is not None else None,
         "tied": plan.tied,
         "notes": list(plan.notes),
         "unknown_globals": list(result.unknown_globals) if result else [],
