@@ -62,6 +62,9 @@ def parse_tie(spec: str) -> tuple[str, str]:
     alias, sep, key = spec.partition("=")
     if not sep or not alias or not key:
         raise UsageError(f"--tie {spec!r}: expected ALIAS=KEY, e.g. --tie lm_head.weight=transformer.wte.weight")
+    if alias == key:
+        raise UsageError(f"--tie {spec!r} ties a key to itself, which changes nothing: name the key that is missing "
+                         "(ALIAS) and the one it shares its tensor with (KEY)")
     return alias, key
 
 

@@ -40,7 +40,8 @@ def plain(tmp_path):
 # --- 1. the destination is checked after everything else ------------------------------------------------------------
 
 @pytest.mark.parametrize("options", [
-    ("--tie", "garbage"), ("--tie", "a=nothere"), ("--map-location", "cuda:99=foo"), ("--map-location", ""),
+    ("--tie", "garbage"), ("--tie", "a=nothere"), ("--tie", "0.weight=0.weight"), ("--map-location", "cuda:99=foo"),
+    ("--map-location", ""),
     ("--map-location", "meta"), ("--select", "nothere"), ("--select", "a..b"), ("--dtype", ""),
     ("--rename", "^=\\n"), ("--strip-prefix", "a..b"),
 ])
