@@ -58,6 +58,10 @@ def _norm(value: object) -> object:
         return tuple(_norm(v) for v in value)
     if kind is list:
         return ("list", [_norm(v) for v in value])
+    if kind is float:  # by its bytes: NaN equal to itself, -0.0 not to 0.0
+        import struct
+
+        return ("float", struct.pack(">d", value))
     return (kind.__name__, value)
 
 

@@ -298,12 +298,14 @@ class _Reader:
                 stack.append(int.from_bytes(data[pos + 2:pos + 2 + size], "little", signed=True))
                 pos += 2 + size
             elif op == 0x58:  # BINUNICODE
-                if marks and len(memo) >= 256:  # keys of a SETITEMS batch: at once, while of the template
+                size = int.from_bytes(data[pos + 1:pos + 5], "little")
+                # keys of a SETITEMS batch: at once, while of the template (a str that no tensor follows, an item
+                # of a list of names, is asked one match, not _items' few)
+                if marks and len(memo) >= 256 and _ITEM.match(data, pos + 5 + size) is not None:
                     at = self._items(pos, memo, stack)
                     if at != pos:
                         pos = at
                         continue
-                size = int.from_bytes(data[pos + 1:pos + 5], "little")
                 if pos + 5 + size > end or size > limits.MAX_PICKLE_VALUE \
                         or text_pickle(data, pos + 5, pos + 5 + size) is not None:
                     raise _Misfit  # too long for the walker, or text the walker walks as a pickle inside
