@@ -28,7 +28,7 @@ RUNS = {
     "bench_startup.py": ["--rounds", "11"],
     "bench_diff.py": ["--gb", "1.0", "--rounds", "7"],
     "bench_fix.py": ["--gb", "1.0", "--rounds", "3"],
-    "bench_dcp.py": ["--chunks", "1000000", "--fix-gb", "1.0", "--rounds", "1"],
+    "bench_dcp.py": ["--chunks", "1000000", "--fix-gb", "1.0", "--rounds", "3"],
     "bench_deepspeed.py": ["--ranks", "8,64", "--rounds", "1"],
     "safety_figures.py": [],
 }
