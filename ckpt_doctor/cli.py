@@ -15,7 +15,7 @@ import sys
 import click
 
 from ._version import __version__
-from .errors import CkptDoctorError, SeveralCheckpoints, UsageError
+from .errors import CkptDoctorError, Rerun, SeveralCheckpoints, UsageError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -124,7 +124,6 @@ def _rerun_command(rerun: Any) -> str:
 
 def _write_refusal(exc: Any) -> str:
     """A dry run's WriteError, each way out the write's own command: the user's, without --dry-run."""
-    from .errors import Rerun
 
     def command(rerun: Rerun) -> str:
         return _rerun_command(Rerun(add=rerun.add, remove=("--dry-run",))) if not rerun.remove else rerun.describe()

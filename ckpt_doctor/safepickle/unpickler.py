@@ -130,6 +130,10 @@ class StorageRef:
     def __setstate__(self, state: Any) -> None:  # (a BUILD's slot state would set its fields by setattr)
         raise TypeError("a storage cannot be given state (BUILD on a storage, which torch.load refuses)")
 
+    def __reduce__(self) -> tuple:  # a copy (pickled to a worker, copy.copy) is made anew, never given state
+        return StorageRef, (self.key, self.dtype, self.numel, self.location, self.resolved, self.view_of,
+                            self.view_offset)
+
 
 class RawTensor:
     """A tensor as the pickle describes it, before it has a key path."""
@@ -148,6 +152,10 @@ class RawTensor:
         # A BUILD's slot state would set the record's fields by setattr (another shape, dtype or storage than the
         # rebuild's), where torch.load hands the state to Tensor.set_, which refuses all but a storage and its view.
         raise TypeError("a tensor cannot be given state (BUILD on a tensor)")
+
+    def __reduce__(self) -> tuple:  # a copy (pickled to a worker, copy.copy) is made anew, never given state
+        return RawTensor, (self.storage, self.dtype, self.offset, self.shape, self.stride, self.requires_grad,
+                           self.is_parameter, self.device, self.note)
 
 
 class Token:
