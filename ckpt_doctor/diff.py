@@ -1107,10 +1107,16 @@ def _bn_drift(rows: list[TensorDiff]) -> list[str]:
 
 
 def largest_changes(rows: list[TensorDiff]) -> list[TensorDiff]:
-    """The pairs that moved, largest relative change first; those whose A was all zeros (an infinite relative
-    change: a BatchNorm's running_mean, a counter) after every finite one."""
-    moved = [r for r in rows if r.stats is not None and not r.stats.identical]
+    """The pairs whose values moved, largest relative change first; those whose A was all zeros (an infinite
+    relative change: a BatchNorm's running_mean, a counter) after every finite one. A pair cast to another dtype
+    with its values kept (cast_only) did not move."""
+    moved = [r for r in rows if r.stats is not None and not r.stats.identical and not cast_only(r)]
     return sorted(moved, key=lambda r: (r.stats.rel == float("inf"), -r.stats.rel, -r.stats.max_abs))
+
+
+def cast_only(r: TensorDiff) -> bool:
+    """A pair whose dtype changed and whose values did not (float16 → float32: every value kept exactly)."""
+    return r.dtype_a != r.dtype_b and r.stats is not None and r.stats.max_abs == 0 and r.stats.rel == 0
 
 
 SPARK = "▁▂▃▄▅▆▇█"

@@ -575,3 +575,26 @@ def test_two_optimizer_states_that_differ_are_not_called_identical(tmp_path):
     assert "state.0.exp_avg" in {t["key"] for t in data["tensors"]}
     same = run_cli("diff", paths[0], paths[0], "--json")
     assert same.exit_code == 0 and same.json()["counts"]["identical"] == len(data["tensors"])
+
+
+def test_a_cast_that_kept_every_value_is_said_as_such(tmp_path):
+    """fix --dtype float32 of a float16 file, then diff: every pair "changed" (its bytes did) with max|Δ| 0; the
+    summary says the dtype changed and every value was kept, and lists none of them as a top change."""
+    torch.manual_seed(0)
+    half = {f"layers.{i}.weight": torch.randn(4, 4, dtype=torch.float16) for i in range(4)}
+    a, b, c = tmp_path / "half.pt", tmp_path / "float.pt", tmp_path / "tuned.pt"
+    torch.save(half, a)
+    torch.save({k: v.float() for k, v in half.items()}, b)
+    tuned = {k: v.float() for k, v in half.items()}
+    tuned["layers.0.weight"] = tuned["layers.0.weight"] * 2
+    torch.save(tuned, c)
+    cast = run_cli("diff", a, b)
+    lines = dict(line.split(None, 1) for line in cast.stderr.splitlines())
+    assert cast.exit_code == 1  # the bytes differ: not the same checkpoints
+    assert lines["cast"].startswith("4: dtype changed (float16 → float32), every value kept")
+    assert "top change" not in lines and "depth" not in lines
+    assert lines["verdict"] == "the checkpoints differ in dtype only: every value kept"
+    moved = run_cli("diff", a, c).stderr.splitlines()
+    assert [line.split()[2] for line in moved if line.startswith("top change")] == ["layers.0.weight:"]
+    assert any(line.startswith("cast ") and line.split()[1] == "3:" for line in moved)
+    assert next(line for line in moved if line.startswith("verdict")).endswith("the checkpoints differ")

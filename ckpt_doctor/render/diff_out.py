@@ -6,7 +6,7 @@ from typing import Any
 
 from ..advice import command_line, shell_path, shell_word
 from ..analyze import collapse_labels
-from ..diff import DiffReport, TensorDiff, largest_changes, sparkline
+from ..diff import DiffReport, TensorDiff, cast_only, largest_changes, sparkline
 from ..readers.source import usage, usage_line
 from .columns import KEYS, draw_table
 from .lines import Line, Severity
@@ -81,6 +81,10 @@ def diff_summary(report: DiffReport) -> list[str]:
                               f"{len(counted['changed']):,} changed"))
     if counted["identical"] and (counted["changed"] or counted["close"]):
         lines.append(("identical", _labels(counted["identical"])))
+    cast = [r for r in counted["changed"] if cast_only(r)]
+    if cast:  # changed bytes, the same values: said as such, not as the top changes (max|Δ| 0)
+        kinds = ", ".join(sorted({f"{r.dtype_a} → {r.dtype_b}" for r in cast}))
+        lines.append(("cast", f"{len(cast)}: dtype changed ({kinds}), every value kept: {_labels(cast)}"))
     for r in largest_changes(rows)[:TOP]:
         s = r.stats
         lines.append(("top change", f"{r.key}: ‖Δ‖/‖A‖ {_num(s.rel)}, max|Δ| {_num(s.max_abs)}, "
@@ -94,7 +98,7 @@ def diff_summary(report: DiffReport) -> list[str]:
         lines.append(("batchnorm", f"{len(report.bn_drift)} layers whose running stats changed while their weights "
                                    f"stayed bit-identical (a frozen BatchNorm left in train mode?): {shown}"))
     paired = [r for r in rows if r.stats is not None]
-    if len(paired) > 1 and any(not r.stats.identical for r in paired):
+    if len(paired) > 1 and any(r.stats.rel != 0 for r in paired):  # (NaN, inf: drawn as "!")
         lines.append(("depth", sparkline([r.stats.rel for r in paired]) + "  (‖Δ‖/‖A‖ over A's order; ! where A was "
                                "all zeros)"))
     for side in report.unsafe_sides:
@@ -105,6 +109,8 @@ def diff_summary(report: DiffReport) -> list[str]:
                                 + f"; `{command_line(('scan', shell_path(ckpt.path)))}` says what and where"))
     values = ("identical" + (" within the tolerances" if counted["close"] else "")) if report.same else \
         "the checkpoints differ"
+    if cast and len(cast) == len(rows) - len(counted["identical"]) - len(counted["close"]):
+        values += " in dtype only: every value kept"
     if report.unsafe_sides:
         values += f"; but {' and '.join(report.unsafe_sides)} would run code when loaded as saved"
     lines.append(("verdict", values))
