@@ -1170,3 +1170,51 @@ def test_chunk_items_saved_big_endian_are_not_rewritten_as_little_endian_values(
     out = tmp_path / "w.pt"
     result = run_cli("fix", folder, "-o", out)
     assert result.exit_code == 2 and "big-endian" in result.stderr and not out.exists(), result.stderr
+
+
+def test_a_dcp_folder_fix_writes_is_scanned_and_its_shard_inspected_as_torchs_own(tmp_path):
+    """scan of a folder `fix --format dcp` wrote reads its .distcp (its archives end to end, as torch's writer lays
+    them: it said NOT READ of ckpt-doctor's own output, exit 2), and a shard opened alone makes no torch.load claim
+    (dcp.load reads it from the folder's metadata; torch.load(path) opens at most one archive of it)."""
+    torch.manual_seed(0)
+    path = tmp_path / "model.pt"
+    torch.save({"model": Net().state_dict(), "epoch": 3}, path)
+    folder = tmp_path / "out"
+    assert run_cli("fix", path, "-o", folder, "--format", "dcp").exit_code == 0
+    scanned = run_cli("scan", folder)
+    assert scanned.exit_code == 0, scanned.stderr
+    assert "NOT READ" not in scanned.stdout + scanned.stderr
+    shard = next(folder.glob("*.distcp"))
+    alone = run_cli("inspect", shard, "--json")
+    assert alone.exit_code == 0 and alone.json()["default_load"]["applies"] is False
+    assert "archives end to end" in " ".join(alone.json()["notes"])
+
+
+def test_a_shard_whose_archives_are_padded_apart_is_read(tmp_path):
+    """Archives laid on 64-byte boundaries with zeros between them (as ckpt-doctor's DCP writer once laid them) are
+    split as they are laid: each is read, where the file was 'zip central directory is corrupt'."""
+    from ckpt_doctor.readers.source import close_source, open_source
+    from ckpt_doctor.readers.survey import split_archives
+
+    torch.manual_seed(0)
+    path = tmp_path / "model.pt"
+    torch.save(Net().state_dict(), path)
+    folder = tmp_path / "out"
+    assert run_cli("fix", path, "-o", folder, "--format", "dcp").exit_code == 0
+    data = next(folder.glob("*.distcp")).read_bytes()
+    fd = open_source(next(folder.glob("*.distcp")))
+    try:
+        items = split_archives(fd, len(data))
+    finally:
+        close_source(fd)
+    assert len(items) > 2
+    padded = b""
+    for offset, length in items:
+        padded += b"\0" * (-len(padded) % 64) + data[offset:offset + length]
+    (tmp_path / "alone").mkdir()
+    shard = tmp_path / "alone" / "__0_0.distcp"
+    shard.write_bytes(padded)
+    result = run_cli("inspect", shard, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert f"{len(items)} torch.save archives end to end" in " ".join(result.json()["notes"])
+    assert "safetensors blob" not in " ".join(result.json()["notes"])

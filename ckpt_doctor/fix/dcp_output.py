@@ -31,7 +31,7 @@ from ..records import OutTensor
 from ..writers.atomic import fsync_dir as _fsync_dir
 from ..writers.pickler import Emitter, TensorOut, dumps, int_op, ints_op, str_op
 from ..writers.stream import crc_range, deflated_producer, write_bytes
-from ..writers.torch_writer import ALIGN, StorageOut, ZipOut
+from ..writers.torch_writer import StorageOut, ZipOut
 from .produce import Sources, assembly_producer, contiguous_producer, convert_producer
 
 _DCP_NAME = re.compile(r"\.metadata|__\d+\.metadata|__\d+_\d+\.distcp")
@@ -298,7 +298,8 @@ def _write_folder(plan, tree: dict, tmp: Path) -> dict[str, tuple[int, tuple, st
     written: dict[str, tuple[int, tuple, str, tuple]] = {}
     owners: dict[tuple, tuple[str, tuple]] = {}  # a source tensor -> the item that holds it (tied names share it)
     seen: set[str] = set()
-    name, end = "__0_0.distcp", 0  # every item in one file, each on a 64-byte boundary of it
+    name, end = "__0_0.distcp", 0  # every item in one file, end to end as FileSystemWriter lays them (no padding:
+    # torch.load of the file, and every reader that splits it into its archives, takes them as torch's own)
     sources = Sources()
     fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -308,7 +309,7 @@ def _write_folder(plan, tree: dict, tmp: Path) -> dict[str, tuple[int, tuple, st
                 raise PlanError(f"two entries of the checkpoint are both named {fqn} once flattened, which DCP cannot "
                                 "save (rename one with --rename)")
             seen.add(fqn)
-            base = -(-end // ALIGN) * ALIGN
+            base = end
             if isinstance(leaf, OutTensor):
                 rec = leaf.source
                 ident = (rec.storage.ident if rec.storage is not None else leaf.key, rec.storage_offset, rec.shape,

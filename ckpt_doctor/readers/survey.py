@@ -359,12 +359,39 @@ def split_archives(fd: int, size: int) -> list[tuple[int, int]]:
             if start + z64_at + 56 <= at and pread(fd, 4, start + z64_at) == b"PK\x06\x06":
                 cd_size, cd_offset = struct.unpack_from("<QQ", pread(fd, 16, start + z64_at + 40))
                 end_of_dir = start + z64_at
-        if start + cd_offset + cd_size == end_of_dir and at + 22 + comment <= size:
-            items.append((start, at + 22 + comment - start))
+        first = start
+        if start + cd_offset + cd_size != end_of_dir:  # padding before it? (a writer that aligns each archive)
+            first = _padded_start(fd, start, at, cd_size, cd_offset)
+        if first is not None and at + 22 + comment <= size:
+            items.append((first, at + 22 + comment - first))
             start = at + 22 + comment
     if start == size:
         return items if len(items) > 1 else []
     return items if items and _safetensors_tail(fd, start, size) else []
+
+
+def _padded_start(fd: int, start: int, at: int, cd_size: int, cd_offset: int) -> int | None:
+    """Where the archive whose end record is at `at` starts, when zero bytes (fewer than _MAX_PAD) lie between `start`,
+    where the one before it ended, and its first local header (ckpt-doctor's own DCP writer puts each item on a
+    64-byte boundary); None when its records do not lead to such a start."""
+    if at >= 20 + 56 and pread(fd, 4, at - 20) == b"PK\x06\x07":  # zip64: its end record just before the locator
+        record = at - 20 - 56
+        if pread(fd, 4, record) != b"PK\x06\x06":
+            return None
+        (z64_at,) = struct.unpack_from("<Q", pread(fd, 8, at - 12))
+        cd_size, cd_offset = struct.unpack_from("<QQ", pread(fd, 16, record + 40))
+        first = record - z64_at
+        if first + cd_offset + cd_size != record:
+            return None
+    else:
+        first = at - cd_size - cd_offset
+    if not start < first <= start + _MAX_PAD or pread(fd, first - start, start).strip(b"\0") \
+            or pread(fd, 4, first) != b"PK\x03\x04":
+        return None
+    return first
+
+
+_MAX_PAD = 4096  # zero bytes split_archives lets lie between two archives
 
 
 def _split_from_end(fd: Any, size: int) -> list[tuple[int, int]]:
@@ -424,7 +451,7 @@ def _survey_items(survey: Survey, fd: int) -> None:
     survey.zip_error = None  # the whole file is no archive, but each of its items is
     survey.hazards = [h for h in survey.hazards if not h.what.startswith("zip readers disagree")]
     blob = " then a safetensors blob of its tensors (torch's safetensors format)," \
-        if sum(n for _, n in items) < survey.size else ""
+        if items[-1][0] + items[-1][1] < survey.size else ""  # (zeros may pad the archives apart)
     survey.notes.append(f"{len(items)} torch.save archive{'s' if len(items) > 1 else ''} end to end (a "
                         f"torch.distributed.checkpoint shard),{blob} each archive walked")
     for offset, length in items:
