@@ -109,8 +109,10 @@ def main() -> None:
     ranks = argparse.ArgumentParser(add_help=False)
     ranks.add_argument("--ranks", default=None)
     known, rest = ranks.parse_known_args()
+    argv = list(sys.argv)
     sys.argv[1:] = rest
     args = bench_args(__doc__)
+    sys.argv[:] = argv  # (record() writes the command as it was given, --ranks included)
     args.ranks = known.ranks
     if args.ranks:
         compile_bytecode()

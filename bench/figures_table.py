@@ -83,9 +83,12 @@ def docs_with(table: str, docs: str) -> str:
 
 
 def main() -> None:
-    verb, names = (sys.argv[1] if len(sys.argv) > 1 else "write"), sys.argv[2:]
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__.strip())
+        sys.exit(0 if len(sys.argv) > 1 else 2)
+    verb, names = sys.argv[1], sys.argv[2:]
     if verb not in ("run", "write", "check"):
-        raise SystemExit(__doc__)
+        sys.exit(f"no such verb: {verb} (run, write or check; --help says what each does)")
     if verb == "run":
         unknown = [n for n in names if n not in RUNS]
         if unknown:

@@ -78,7 +78,8 @@ def fix_summary(plan: FixPlan, result: FixResult | None,
         lines.append("applied: " + "; ".join(plan.applied))
     shards, index = (result.shards, result.plan.output) if result else sharded or ((), plan.output)
     if shards:
-        lines.append(f"{len(shards)} shards: {shards[0].name} … {shards[-1].name}, index {index.name}")
+        names = shards[0].name if len(shards) == 1 else f"{shards[0].name} … {shards[-1].name}"
+        lines.append(f"{_n(len(shards), 'shard')}: {names}, index {index.name}")
     lines += [f"note: {n}" for n in plan.notes]
     if result and result.unknown_globals:
         names = ", ".join(result.unknown_globals)
