@@ -815,3 +815,24 @@ def test_a_map_location_that_rewrites_no_tag_is_said(tmp_path, cli):
         "--map-location cuda:3=cuda:0 rewrote no device tag: the output's tensors are saved on cpu",
         "--map-location cpu rewrote no device tag: the output's tensors are saved on cpu"]
     assert all(t.device.type == "cpu" for t in torch.load(tmp_path / "out.pt", weights_only=True).values())
+
+
+def test_a_sharded_write_over_a_single_file_of_its_name_is_refused_or_replaces_it(fixtures, cli, tmp_path):
+    """-o model.safetensors --max-shard-size when model.safetensors exists: the shards and the index would be written
+    beside the old file, which a loader that looks for it first (transformers) would read. Refused without --force
+    (dry run included: its note), and with --force the old file goes once the index is written; the input never."""
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"old weights")
+    source = fixtures["plain"]["path"]
+    refused = cli("fix", source, "-o", out, "--max-shard-size", "2KB")
+    assert refused.exit_code == 2 and "a loader that looks for model.safetensors first" in refused.stderr
+    assert out.read_bytes() == b"old weights" and sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    dry = cli("fix", source, "-o", out, "--max-shard-size", "2KB", "--dry-run")
+    assert dry.exit_code == 0 and "without --dry-run the write would stop: " in dry.stderr.splitlines()[-1]
+    forced = cli("fix", source, "-o", out, "--max-shard-size", "2KB", "--force")
+    assert forced.exit_code == 0, forced.stderr
+    assert not out.exists() and (tmp_path / "model.safetensors.index.json").exists()
+    copy = tmp_path / "in.pt"
+    copy.write_bytes(source.read_bytes())
+    own = cli("fix", copy, "-o", copy, "--max-shard-size", "2KB", "--force")
+    assert own.exit_code == 2 and copy.read_bytes() == source.read_bytes()

@@ -14,7 +14,7 @@ from .execute import execute
 from .options import FixOptions, OutputFormat
 from .plan import plan_fix
 from .results import FixPlan, FixResult
-from .shard import execute_sharded, shard_paths, split_plan
+from .shard import check_sharded_destination, execute_sharded, shard_paths, split_plan
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -77,9 +77,7 @@ def check_output(plan: FixPlan, checkpoint: Checkpoint, options: FixOptions,
 
         check_dcp_destination(plan.output, dcp_inputs(plan), options.force)
     elif sharded is not None:
-        shards, index = sharded
-        for path in (*shards, index):
-            check_destination(path, checkpoint.files, options.force)
+        check_sharded_destination(plan.output, *sharded, checkpoint.files, options.force)
     else:
         check_destination(plan.output, checkpoint.files, options.force)
 

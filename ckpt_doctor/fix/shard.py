@@ -8,7 +8,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from .._record import replace
-from ..errors import PlanError
+from ..errors import PlanError, Rerun, WriteError
 from ..records import OutTensor
 from ..writers.atomic import atomic_output, check_destination
 from ..writers.stream import write_bytes
@@ -58,14 +58,31 @@ def split_plan(plan: FixPlan, max_bytes: int) -> list[FixPlan]:
     return plans
 
 
+def check_sharded_destination(output: Path, shards: list[Path], index: Path, inputs: tuple[Path, ...],
+                              force: bool) -> bool:
+    """Each shard's and the index's destination (check_destination), and `output` itself: a file there from before
+    would stay beside the index, where a loader that looks for it first (transformers takes model.safetensors
+    before model.safetensors.index.json) reads the old weights. It is refused, or with --force replaced (removed
+    once the index is written): returns whether it is to be removed."""
+    for path in (*shards, index):
+        check_destination(path, inputs, force)
+    if not (output.is_file() or output.is_symlink()):
+        return False
+    check_destination(output, inputs, force=True)  # (never an input)
+    if not force:
+        raise WriteError(f"{output}: already exists, and a sharded write would leave it beside {index.name}, where a "
+                         f"loader that looks for {output.name} first reads the old file; replace it with {{0}}",
+                         reruns=(Rerun(add=("--force",)),))
+    return True
+
+
 def execute_sharded(plan: FixPlan, max_bytes: int, progress_callback: Callable[[int, int], None] | None = None,
                     verify: bool = True, force: bool = False) -> FixResult:
     """Write shards, each atomically and verified, then the index last: an index only ever names whole shards."""
     parts = split_plan(plan, max_bytes)
     shards, index_path = shard_paths(plan.output, len(parts))
     inputs = (plan.input, *{t.source.storage.file for t in plan.tensors if t.source.storage})
-    for path in (*shards, index_path):
-        check_destination(path, inputs, force)
+    stale = check_sharded_destination(plan.output, shards, index_path, inputs, force)
     results = [execute(part, progress_callback, verify) for part in parts]
     weight_map = {t.key: part.output.name for part in parts for t in part.tensors if t.key not in part.tied}
     total = sum(part.nbytes for part in parts)
@@ -73,6 +90,8 @@ def execute_sharded(plan: FixPlan, max_bytes: int, progress_callback: Callable[[
                        indent=2).encode()
     with atomic_output(index_path) as (fd, _):
         write_bytes(fd, 0, index)
+    if stale:
+        plan.output.unlink()  # --force: the old single file goes, once the index names every shard
     return FixResult(replace(plan, output=index_path), sum(r.bytes for r in results) + len(index), verify,
                      tuple(sorted({g for r in results for g in r.unknown_globals})), tuple(shards),
                      tuple(sorted({c for r in results for c in r.dtype_classes})))
