@@ -414,6 +414,41 @@ class _Reader:
             else:
                 raise _Misfit
 
+    def _checked(self, groups: tuple, memo: list) -> tuple | None:
+        """A tensor of the template from its _TENSOR groups (an _ITEM's, less its key's PUT), checked as the opcodes
+        one by one would check it: ((dtype, location), numel, offset, shape, stride, the opcodes the walk counts
+        from its GET of the rebuild on); None where it is not of the template, or is what SafeUnpickler refuses (a
+        negative offset) or notes (a negative numel), which the opcodes one by one then meet."""
+        (head_gets, skey_size, skey, _, get_location, numel, _, offset, shape, put_shape, stride, put_stride, _,
+         get_ordered, *_) = groups
+        head = (head_gets, get_location, get_ordered)
+        known = self.gets.get(head, _GONE)
+        if known is _GONE:
+            known = self.gets[head] = _template_gets(*head, memo)
+        tuples = self.tuples
+        shape_value = tuples.get(shape) or _tuple(shape, tuples)
+        stride_value = tuples.get(stride) or _tuple(stride, tuples)
+        offset_value = 0 if offset == b"K\x00" else _int(offset)
+        numel_value = numel[1] if len(numel) == 2 else _int(numel)
+        if known is None or shape_value is None or stride_value is None or offset_value < 0 or numel_value < 0 \
+                or skey_size[0] != len(skey) \
+                or (put_shape is None) is not (shape == b")") or (put_stride is None) is not (stride == b")"):
+            return None
+        # The opcodes the walk counts: 22, and a shape's and a stride's (EMPTY_TUPLE, or ints, TUPLEn, PUT).
+        ops = 22 + (1 if put_shape is None else len(shape_value) + 2) \
+            + (1 if put_stride is None else len(stride_value) + 2)
+        return known, numel_value, offset_value, shape_value, stride_value, ops
+
+    def _made(self, skey: bytes, known: tuple[str, str], numel: int, offset: int, shape: tuple, stride: tuple,
+              grad: bytes) -> tuple[str, RawTensor]:
+        """The storage key and the tensor of a checked item: persistent_load's StorageRef (one per key, made when
+        first named) and the rebuild's RawTensor."""
+        key = skey.decode()
+        ref = self.storages.get(key)
+        if ref is None:
+            ref = self.storages[key] = StorageRef(key, known[0], numel, known[1])
+        return key, RawTensor(ref, ref.dtype, offset, shape, stride, grad == b"\x88")
+
     def _tensor(self, pos: int, memo: list) -> tuple[RawTensor, int] | None:
         """The tensor of the template from `pos`, its GET of the rebuild (_TENSOR: an _ITEM without its key), as the
         opcodes one by one would make it: its memo entries stored, their PUTs' indices checked, its opcodes counted
@@ -421,38 +456,26 @@ class _Reader:
         item = _TENSOR.match(self.data, pos)
         if item is None:
             return None
-        (head_gets, skey_size, skey, put_skey, get_location, numel, put_pid, offset, shape, put_shape, stride,
-         put_stride, grad, get_ordered, put_hooks, put_args, put_tensor) = item.groups()
-        head = (head_gets, get_location, get_ordered)
-        known = self.gets.get(head, _GONE)
-        if known is _GONE:
-            known = self.gets[head] = _template_gets(*head, memo)
-        shape_value, stride_value = _tuple(shape, self.tuples), _tuple(stride, self.tuples)
-        offset_value = 0 if offset == b"K\x00" else _int(offset)
-        numel_value = numel[1] if len(numel) == 2 else _int(numel)
-        if known is None or shape_value is None or stride_value is None or offset_value < 0 or numel_value < 0 \
-                or skey_size[0] != len(skey) \
-                or (put_shape is None) is not (shape == b")") or (put_stride is None) is not (stride == b")"):
-            return None  # (as _items: a negative offset SafeUnpickler refuses; a negative numel, its note)
+        groups = item.groups()
+        checked = self._checked(groups, memo)
+        if checked is None:
+            return None
+        known, numel, offset, shape, stride, ops = checked
+        (_, _, skey, put_skey, _, _, put_pid, _, _, put_shape, _, put_stride, grad, _, put_hooks, put_args,
+         put_tensor) = groups
         puts = [put for put in (put_skey, put_pid, put_shape, put_stride, put_hooks, put_args, put_tensor)
                 if put is not None]
         first = len(memo)
-        ops = 22 + (1 if put_shape is None else len(shape_value) + 2) \
-            + (1 if put_stride is None else len(stride_value) + 2)  # as _items counts an item's, less its key's two
         if first + len(puts) > self.max_memo or self.ops + ops - 1 > self.max_ops \
                 or b"".join(puts) != _PUT_RUNS[len(puts)].pack(*range(first, first + len(puts))):
             return None  # PUTs out of turn, or past the walk's bounds: read opcode by opcode, which says so
         self.ops += ops - 1
-        skey = skey.decode()
-        ref = self.storages.get(skey)
-        if ref is None:
-            ref = self.storages[skey] = StorageRef(skey, known[0], numel_value, known[1])
-        tensor = RawTensor(ref, ref.dtype, offset_value, shape_value, stride_value, grad == b"\x88")
-        memo += skey, _GONE
+        key, tensor = self._made(skey, known, numel, offset, shape, stride, grad)
+        memo += key, _GONE
         if put_shape is not None:
-            memo.append(shape_value)
+            memo.append(shape)
         if put_stride is not None:
-            memo.append(stride_value)
+            memo.append(stride)
         memo += _GONE, _GONE, tensor
         return tensor, item.end()
 
@@ -460,7 +483,7 @@ class _Reader:
         """The keys and tensors from `pos` on, read as the opcodes one by one would read them, while they are of
         the template torch.save repeats for every tensor (_ITEM): each key and tensor pushed, their memo entries
         stored, their PUTs' indices kept for check_puts; where the first that is not of it starts."""
-        data, storages, tuples, gets = self.data, self.storages, self.tuples, self.gets
+        data = self.data
         item_match = _ITEM.match
         max_ops, max_memo, max_value = self.max_ops, self.max_memo, limits.MAX_PICKLE_VALUE
         ops = self.ops - 1  # the first key's BINUNICODE, which run() counted, is counted with its item
@@ -479,37 +502,23 @@ class _Reader:
             item = item_match(data, at)
             if item is None:
                 break
-            (put_key, head_gets, skey_size, skey, put_skey, get_location, numel, put_pid, offset, shape, put_shape,
-             stride, put_stride, grad, get_ordered, put_hooks, put_args, put_tensor) = item.groups()
-            known = gets.get((head_gets, get_location, get_ordered), _GONE)
-            if known is _GONE:
-                known = gets[(head_gets, get_location, get_ordered)] = _template_gets(head_gets, get_location,
-                                                                                      get_ordered, memo)
-            shape_value = tuples.get(shape) or _tuple(shape, tuples)
-            stride_value = tuples.get(stride) or _tuple(stride, tuples)
-            offset_value = 0 if offset == b"K\x00" else _int(offset)
-            if known is None or shape_value is None or stride_value is None or offset_value < 0 \
-                    or skey_size[0] != len(skey) \
-                    or (put_shape is None) is not (shape == b")") or (put_stride is None) is not (stride == b")"):
-                break  # a negative offset: SafeUnpickler's _tensor refuses it
-            numel_value = numel[1] if len(numel) == 2 else _int(numel)
-            # The opcodes the walk counts: 24, and a shape's and a stride's (EMPTY_TUPLE, or ints, TUPLEn, PUT).
-            item_ops = 28 + len(shape_value) + len(stride_value) if put_shape is not None and put_stride is not None \
-                else 24 + (1 if put_shape is None else len(shape_value) + 2) \
-                + (1 if put_stride is None else len(stride_value) + 2)
-            if numel_value < 0 or ops + item_ops > max_ops or len(memo) + 8 > max_memo:
-                break  # persistent_load's note, then no tensor; or past the walk's bounds: run() declines it
+            put_key, *groups = item.groups()
+            checked = self._checked(groups, memo)
+            if checked is None:
+                break  # run() reads it opcode by opcode, and declines it or meets what SafeUnpickler would
+            known, numel, offset, shape_value, stride_value, item_ops = checked
+            item_ops += 2  # its key's BINUNICODE and PUT
+            if ops + item_ops > max_ops or len(memo) + 8 > max_memo:
+                break  # past the walk's bounds: run() declines it
             ops += item_ops
             if puts is None:
                 if len(memo) != self.run_end:  # PUTs by opcode came between: a new run of indices
                     self.runs.append((len(memo), []))
                 puts = self.runs[-1][1]
-            skey = skey.decode()
-            ref = storages.get(skey)
-            if ref is None:
-                ref = storages[skey] = StorageRef(skey, known[0], numel_value, known[1])
+            (_, _, skey, put_skey, _, _, put_pid, _, _, put_shape, _, put_stride, grad, _, put_hooks, put_args,
+             put_tensor) = groups
+            skey, tensor = self._made(skey, known, numel, offset, shape_value, stride_value, grad)
             key = data[pos + 5:at].decode("utf-8", "surrogatepass")
-            tensor = RawTensor(ref, ref.dtype, offset_value, shape_value, stride_value, grad == b"\x88")
             if put_shape is not None and put_stride is not None:  # the common case, in one step
                 puts += put_key, put_skey, put_pid, put_shape, put_stride, put_hooks, put_args, put_tensor
                 memo += key, skey, _GONE, shape_value, stride_value, _GONE, _GONE, tensor
