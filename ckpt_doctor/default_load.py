@@ -104,9 +104,9 @@ def default_load(ckpt: Checkpoint) -> DefaultLoad:
     """What `torch.load(ckpt.path)` does here with torch's defaults."""
     if ckpt.format not in _OPENS and ckpt.format not in _REFUSES:
         return DefaultLoad(applies=False)
-    shard = getattr(ckpt.distributed, "family", None)
-    if shard == "torch.distributed.checkpoint":  # a .distcp file: archives end to end, which dcp.load reads one by
-        return DefaultLoad(applies=False)  # one from the folder's metadata; torch.load(path) opens at most one of them
+    if getattr(ckpt.distributed, "family", None) == "torch.distributed.checkpoint":  # a .distcp file: archives end
+        return DefaultLoad(applies=False)  # to end, which dcp.load reads one by one from the folder's metadata, and
+        # of which torch.load(path) opens at most one
     refused: dict[str, None] = {}
     inert: dict[str, None] = {}
     for g in met_by_torch(ckpt):

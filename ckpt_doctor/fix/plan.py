@@ -363,7 +363,7 @@ def note_idle_drops(ckpt: Checkpoint, scope: Scope, drops: list[Transform], draf
         todo.append((at, node, True))
         todo += [(path, value, False) for path, value in entries]
     for t in drops:
-        if not any(re.search(t.arg, path) for path in paths):
+        if not any(is_dropped(path, [t]) for path in paths):  # (the rule the drop itself is made by)
             draft.notes.append(f"{' '.join(shell_word(f) for f in t.flags())} dropped nothing: the pattern matches "
                                "none of the file's keys and entries")
 
