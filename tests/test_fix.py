@@ -452,6 +452,29 @@ def test_torch_size_values_stay_torch_size(cli, tmp_path):
     assert type(loaded["empty"]) is torch.Size
 
 
+@pytest.mark.parametrize("flags", [(), ("--strip-prefix", "zzz."), ("--select", "model")])
+def test_a_state_dict_keeps_its_container_type(cli, tmp_path, flags):
+    """torch.save of a plain dict loads back as a dict, a module's state_dict() as an OrderedDict with its
+    `_metadata`: a repaired file gives back the type its source did (code may test `type(sd) is dict`)."""
+    plain = {"w": torch.ones(2), "epoch": 3}
+    module = torch.nn.BatchNorm1d(2).state_dict()
+    for name, root in (("plain", plain), ("module", module), ("nested", {"model": plain, "step": 1}),
+                       ("listed", [plain, module])):
+        if "--select" in flags and name != "nested":
+            continue
+        src, out = tmp_path / f"{name}.pt", tmp_path / f"{name}_out.pt"
+        torch.save(root, src)
+        assert cli("fix", src, "-o", out, *flags).exit_code == 0, name
+        source, loaded = torch.load(src, weights_only=True), torch.load(out, weights_only=True)
+        if "--select" in flags:
+            source = source["model"]
+        pairs = list(zip(source, loaded)) if isinstance(source, list) else [(source, loaded)]
+        pairs += [(source[k], loaded[k]) for k in source if isinstance(source, dict) and isinstance(source[k], dict)]
+        for was, got in pairs:
+            assert type(got) is type(was), name
+            assert getattr(got, "_metadata", None) == getattr(was, "_metadata", None), name
+
+
 def test_every_unwritable_entry_is_named_at_once_and_drops_are_counted(cli, tmp_path):
     import argparse
     import datetime

@@ -22,6 +22,7 @@ from ..writers.stream import Progress, WrittenRanges, deflated_producer
 from ..writers.torch_writer import StorageOut, write_torch_zip
 from .options import OutputFormat
 from .produce import Sources, assembly_producer, contiguous_producer, convert_producer
+from .rebuild import PlainState
 from .readback import verify_safetensors_structure, verify_torch_structure
 from .results import FixPlan, FixResult, converted_nbytes
 
@@ -167,7 +168,7 @@ def _to_pickle_tree(tree: Any, expected: dict[str, TensorOut]) -> Any:
             pairs = []
             for k, v in tree.items():
                 pairs.append((k, (yield converted(v))))
-            if not isinstance(tree, OrderedDict):
+            if not isinstance(tree, OrderedDict) or isinstance(tree, PlainState):
                 return dict(pairs)
             out = OrderedDict(pairs)
             if getattr(tree, "_metadata", None) is not None:  # a state_dict keeps its module versions

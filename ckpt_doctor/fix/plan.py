@@ -35,6 +35,7 @@ from .keys import device_for, map_by_order, module_versions, note_idle_devices, 
 from .options import FixOptions, OutputFormat, output_format
 from .rebuild import (
     MISSING,
+    PlainState,
     beside,
     check_writable,
     in_source_order,
@@ -116,7 +117,9 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
 
     by_key = {t.key: t for t in kept}
     out_prefix = "" if scope.flat_output else scope.prefix  # nested output: the state_dict keeps its place
-    state = OrderedDict((new, out_tensor(out_prefix + new, by_key[old])) for old, new in mapping.items())
+    node = subtree(ckpt.root, scope.root) if scope.root else ckpt.root
+    kind = PlainState if type(node) is dict and versions is None else OrderedDict
+    state = kind((new, out_tensor(out_prefix + new, by_key[old])) for old, new in mapping.items())
     if versions is not None:
         state._metadata = versions  # type: ignore[attr-defined]
     tie(state, opts.ties, fmt, out_prefix, draft.notes, draft.applied, user_ties)

@@ -344,10 +344,15 @@ def _holds_cycle(obj: Any) -> bool:
     return False
 
 
+class PlainState(OrderedDict):
+    """A state_dict the source holds as a plain dict (torch.save of `{name: tensor}`): written back as a dict, where
+    one from a module's state_dict() (an OrderedDict, whose `_metadata` its loading reads) is written as one."""
+
+
 def in_source_order(tree: "OrderedDict[Any, Any]", source: dict, mapping: dict[str, str]) -> "OrderedDict[Any, Any]":
     """`tree`'s entries in the order their sources have in `source` (a tensor's under its new name); any other
     entry after them."""
-    ordered: OrderedDict[Any, Any] = OrderedDict()
+    ordered: OrderedDict[Any, Any] = type(tree)()
     for key in source:
         name = mapping.get(key if isinstance(key, str) else str(key), key)
         if name in tree and name not in ordered:
