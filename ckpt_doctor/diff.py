@@ -959,19 +959,19 @@ def _read_exactly(fd: int, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _compared_root(ckpt: Checkpoint) -> str:
+def compared_root(ckpt: Checkpoint) -> str:
     """Where a side's tensors are compared from: its state_dict, or the whole file when it holds none (an
     optimizer's state_dict, RNG states), whose tensors would otherwise go uncompared and the two files be called
     identical."""
     return "" if ckpt.state_dict_root is None else ckpt.state_dict_root
 
 
-def _match(a: Checkpoint, b: Checkpoint, b_path: str,
+def match_names(a: Checkpoint, b: Checkpoint, b_path: str,
            policy: Policy = DEFAULT_POLICY) -> tuple[dict[str, str], tuple[str, ...], str | None]:
     """A's state_dict names → B's: the same names when they are, else the renames `inspect A --model B` infers."""
-    a_root = _compared_root(a)
+    a_root = compared_root(a)
     a_keys = [t.key for t in relative_to_root(a.tensors, a_root)]
-    b_keys = {t.key for t in relative_to_root(b.tensors, _compared_root(b))}
+    b_keys = {t.key for t in relative_to_root(b.tensors, compared_root(b))}
     if not a_keys or set(a_keys) & b_keys == set(a_keys) or not b_keys:
         return {k: k for k in a_keys}, (), a_root
     from .compare import compare_checkpoint  # compare, modelspec: ~40 ms, only when names must be matched
@@ -1017,13 +1017,13 @@ def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, tran
         ckpt.refuse_if_unsafe("compare it", code_too=False)
         ckpt.refuse_values("compare its values")
     if transforms:
-        a_root = _compared_root(a)
+        a_root = compared_root(a)
         mapping = dict(plan_keys([t.key for t in relative_to_root(a.tensors, a_root)], list(transforms)).mapping)
         flags = tuple(f for t in transforms for f in t.flags())
     else:
-        mapping, flags, a_root = _match(a, b, str(b_path), policy)
+        mapping, flags, a_root = match_names(a, b, str(b_path), policy)
     a_tensors = {t.key: t for t in relative_to_root(a.tensors, a_root)}
-    b_tensors = {t.key: t for t in relative_to_root(b.tensors, _compared_root(b))}
+    b_tensors = {t.key: t for t in relative_to_root(b.tensors, compared_root(b))}
     rows: list[TensorDiff] = []
     done: set[str] = set()
     with one_blas_thread():
@@ -1060,7 +1060,7 @@ def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, tran
                 ahead.close()
             mapped.close()
     rows += [TensorDiff(k, None, "only-b", None, t.shape, None, t.dtype) for k, t in b_tensors.items() if k not in done]
-    return DiffReport(a, b, tuple(rows), flags, a_root, _compared_root(b), atol, rtol, tuple(_bn_drift(rows)),
+    return DiffReport(a, b, tuple(rows), flags, a_root, compared_root(b), atol, rtol, tuple(_bn_drift(rows)),
                       names_given=bool(transforms))
 
 

@@ -13,7 +13,7 @@ from .default_load import DefaultLoad, default_load
 from .devices import missing_devices
 from .errors import ReadError, SeveralCheckpoints, UsageError
 from .readers import read_checkpoint
-from .records import Checkpoint, Hazard, SharedGroup, TensorRecord, TensorTable, Verdict
+from .records import Checkpoint, Hazard, SharedGroup, TensorRecord, TensorTable, Verdict, relative_to_root
 from .safepickle.policy import DEFAULT_POLICY, Policy
 from .sniff import deep, walk_folder
 
@@ -263,20 +263,25 @@ def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
 
 
 def value_differences(ckpt: Checkpoint, reference: str, *, policy: Policy = DEFAULT_POLICY) -> dict[str, float]:
-    """max |a - b| for tensors present in both checkpoints with the same shape (read one pair at a time)."""
-    from .diff import pair_stats  # diff, modelspec, tensordata (torch): only against a reference checkpoint
+    """max |a - b| for the tensors of both checkpoints of the same shape, paired by name as `diff` pairs them (the
+    renames `--model` infers: a `module.` prefix, a nested state_dict), keyed by this checkpoint's names; read one
+    pair at a time."""
+    from .diff import compared_root, match_names, pair_stats  # diff, modelspec, tensordata (torch): only here
     from .modelspec import is_checkpoint_spec
     from .tensordata import load_tensor
 
     if not is_checkpoint_spec(reference):
         raise UsageError("--values needs a reference checkpoint as --model, not a model definition")
-    other = {t.key: t for t in read_checkpoint(reference, policy=policy).state_dict_tensors()}
+    other_ckpt = read_checkpoint(reference, policy=policy)
+    mapping, _, root = match_names(ckpt, other_ckpt, reference, policy)
+    mine = {t.key: t for t in relative_to_root(ckpt.tensors, root)}
+    other = {t.key: t for t in relative_to_root(other_ckpt.tensors, compared_root(other_ckpt))}
     diffs: dict[str, float] = {}
-    for t in ckpt.state_dict_tensors():
-        o = other.get(t.key)
-        if o is None or o.shape != t.shape or t.dtype == "bool" or o.dtype == "bool":
+    for key, other_key in mapping.items():
+        t, o = mine.get(key), other.get(other_key)
+        if t is None or o is None or o.shape != t.shape or t.dtype == "bool" or o.dtype == "bool":
             continue
-        diffs[t.key] = pair_stats(load_tensor(t), load_tensor(o)).max_abs  # the one comparison `diff` makes too
+        diffs[key] = pair_stats(load_tensor(t), load_tensor(o)).max_abs  # the one comparison `diff` makes too
     return diffs
 
 

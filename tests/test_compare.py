@@ -157,6 +157,20 @@ def test_reference_checkpoint_and_values(fixtures, cli, tmp_path):
     assert code == 1 and comp["suggested_fix"] == ["--strip-module"]
 
 
+def test_values_pair_tensors_by_the_renames_the_comparison_infers(fixtures, cli, tmp_path):
+    """A DataParallel copy against its clean reference: the table renames `module.features.0.weight` onto
+    `features.0.weight`, and --values compares those pairs (it had said "no common tensors" of the same weights)."""
+    sd = {f"module.{k}": v for k, v in make_cnn().state_dict().items()}
+    sd["module.classifier.bias"] = sd["module.classifier.bias"] + 0.25
+    torch.save({"model": sd, "epoch": 3}, tmp_path / "dp.pt")
+    result = cli("inspect", tmp_path / "dp.pt", "--model", fixtures["plain"]["path"], "--values", "--json")
+    diffs = result.json()["value_diffs"]
+    assert len(diffs) == len(sd) and diffs["module.classifier.bias"] == pytest.approx(0.25)
+    assert diffs["module.features.0.weight"] == 0.0
+    summary = cli("inspect", tmp_path / "dp.pt", "--model", fixtures["plain"]["path"], "--values").stderr
+    assert f"max |diff| over {len(sd)} common tensors: module.classifier.bias 0.25" in summary
+
+
 @pytest.mark.parametrize("spec,words", [("no_such_pkg.mod:Net", "importing no_such_pkg.mod failed"),
                                         ("fixtures.models:Nope", "has no attribute"),
                                         ("fixtures.models", "expected package.module:attr"),
