@@ -185,9 +185,12 @@ BUFFER_NAMES = frozenset({"running_mean", "running_var", "num_batches_tracked", 
 def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
     """(parameters, buffer elements) of the state_dict, as `model.parameters()` and `model.buffers()` count them (one
     tensor under two names once): told apart by the model when one is given, by the pickle when it says (a whole
-    pickled model's Parameters), else by BUFFER_NAMES and dtype."""
+    pickled model's Parameters), else by BUFFER_NAMES and dtype. None of either where the file holds no state_dict
+    (an optimizer's state alone, a lone tensor): its tensors are no model's (count_phrase says how many elements)."""
     from math import prod
 
+    if ckpt.state_dict_root is None:
+        return 0, 0
     table = TensorTable.of(ckpt.tensors)
     keys = table.keys
     chosen: Any = range(len(keys))  # positions of the state_dict's tensors (all of them when it holds none)
@@ -260,6 +263,16 @@ def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
         else:
             buffers += prod(shapes[i])
     return params, buffers
+
+
+def count_phrase(report: InspectReport) -> str:
+    """`1,262 parameters + 10 in buffers`, or, where the file holds no state_dict, `1,262 elements (no state_dict)`."""
+    if report.checkpoint.state_dict_root is None:
+        from math import prod
+
+        return f"{sum(prod(t.shape) for t in report.checkpoint.tensors):,} elements (no state_dict)"
+    buffers = f" + {report.buffer_count:,} in buffers" if report.buffer_count else ""
+    return f"{report.parameter_count:,} parameters{buffers}"
 
 
 def value_differences(ckpt: Checkpoint, reference: str, *, policy: Policy = DEFAULT_POLICY) -> dict[str, float]:

@@ -436,6 +436,10 @@ def test_an_optimizer_state_dict_is_not_taken_for_the_weights(cli, tmp_path):
     data = cli("inspect", path, "--json").json()
     assert data["state_dict_root"] is None
     assert any("optimizer's state_dict" in n for n in data["notes"])
+    # Adam's moments are no model's parameters: counted as elements, and as 0 parameters in --json and a listing
+    assert (data["parameter_count"], data["buffer_count"]) == (0, 0)
+    elements = sum(v.numel() for s in opt.state_dict()["state"].values() for v in s.values())
+    assert f"· {elements:,} elements (no state_dict) ·" in cli("inspect", path).stderr
     refused = cli("fix", path, "-o", tmp_path / "o.safetensors")
     assert refused.exit_code == 2 and "--select" in refused.stderr
     assert not (tmp_path / "o.safetensors").exists()

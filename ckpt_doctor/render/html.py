@@ -14,6 +14,7 @@ from typing import Any
 
 from ..advice import shell_word
 from ..analyze import collapse_labels, human_bytes
+from ..report import count_phrase
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
 HEAT_CELLS = 1500
@@ -96,7 +97,7 @@ def inspect_html(report: Any) -> str:
     ckpt = report.checkpoint
     unsafe = ckpt.verdict.value != "safe"
     body = [f"<h1>{_e(ckpt.path)}</h1><p class=sub>{_e(ckpt.format.value)} · {len(ckpt.tensors):,} tensors · "
-            f"{report.parameter_count:,} parameters · {_e(human_bytes(report.total_bytes))}</p>"]
+            f"{_e(count_phrase(report))} · {_e(human_bytes(report.total_bytes))}</p>"]
     if unsafe:
         names = ", ".join(ckpt.finding_names()[:6])
         body.append(f"<p id=verdict class='verdict bad'>UNSAFE: torch.load(weights_only=False) would run code "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..analyze import collapse_labels, human_bytes
 from ..readers.source import usage_line
 from ..records import DcpFolder, TensorTable, relative_to_root
-from ..report import InspectReport
+from ..report import InspectReport, count_phrase
 from .columns import KEYS, draw_table
 from .lines import Line, Severity
 
@@ -87,9 +87,8 @@ def inspect_summary(report: InspectReport, full: bool = False) -> list[str]:
     kind = "whole-model pickle of " + ckpt.model_class if ckpt.model_class else None
     lines.append(("format", ckpt.format.value + (f" ({kind})" if kind else "")))
     shown = f" ({len(report.tensors)} shown by --filter)" if report.filter else ""
-    buffers = f" + {report.buffer_count:,} in buffers" if report.buffer_count else ""
     lines.append(("tensors", f"{len(ckpt.tensors):,}{shown} in {report.storage_count:,} storages · "
-                             f"{report.parameter_count:,} parameters{buffers} · {human_bytes(report.total_bytes)}"))
+                             f"{count_phrase(report)} · {human_bytes(report.total_bytes)}"))
     chosen = report.comparison.state_dict_root if report.comparison is not None else ckpt.state_dict_root
     if chosen is not None and chosen != ckpt.state_dict_root:
         found = ckpt.state_dict_root or "(the file's root)"
