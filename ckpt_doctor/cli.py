@@ -649,7 +649,7 @@ def _inspect_folder(folder: Any, policy: Policy, as_json: bool, no_color: bool, 
     ("Tensors", ("map_location", "dtype")),
     ("Against a model", ("model_spec", "model_args", "auto", "reorder", "map_by_order", "allow_missing",
                          "allow_unexpected")),
-    ("Safety", ("allow_unsafe", "allow_global"))))
+    ("Safety", ("plain_data", "allow_unsafe", "allow_global"))))
 @click.argument("ckpt", metavar="CKPT", type=INPUT)
 @click.option("-o", "--output", required=True, type=PATH, metavar="OUT", help="Where to write. The suffix picks the "
               "format (.safetensors, or .pt/.pth/.bin for torch).")
@@ -697,6 +697,9 @@ def _inspect_folder(folder: Any, policy: Policy, as_json: bool, no_color: bool, 
               "nothing.")
 @click.option("--force", is_flag=True, help="Replace an existing output; accept an ambiguous --map-by-order.")
 @click.option("--no-verify", is_flag=True, help="Skip re-reading the output (not recommended).")
+@click.option("--plain-data", is_flag=True, help="Write the objects torch.load refuses that only hold data as that "
+              "data, so the output loads with torch's defaults and keeps them: an argparse.Namespace as a dict, a "
+              "NumPy scalar as a Python number, a pathlib path as a str. Read from the file, never run.")
 @click.option("--allow-unsafe", is_flag=True, help="Rewrite a file that names dangerous globals, keeping only its "
               "tensors and plain data (nothing from the file is ever run or written back).")
 @_allow_global_option

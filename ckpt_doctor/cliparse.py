@@ -75,8 +75,8 @@ def fix_options(*, strip_module: bool = False, add_module: bool = False, strip_p
                 reorder: bool = False, map_by_order: bool = False, allow_missing: str | None = None,
                 allow_unexpected: str | None = None, ties: tuple[str, ...] = (), format_: str | None = None,
                 max_shard_size: str | None = None, dry_run: bool = False, force: bool = False,
-                no_verify: bool = False, allow_unsafe: bool = False, policy: Policy = DEFAULT_POLICY,
-                checkpoint: str | None = None) -> FixOptions:
+                no_verify: bool = False, allow_unsafe: bool = False, plain_data: bool = False,
+                policy: Policy = DEFAULT_POLICY, checkpoint: str | None = None) -> FixOptions:
     """The flags of `ckpt-doctor fix` (as the parser names them) -> FixOptions. Transforms are listed in the order
     they apply, whatever their order on the command line; the model is built (on meta) here. `checkpoint`: the
     file fixed, beside which `--model hf:` alone finds its config.json. `policy`: the allow-list the command built
@@ -111,4 +111,4 @@ def fix_options(*, strip_module: bool = False, add_module: bool = False, strip_p
                       force=force, format=OutputFormat(format_) if format_ else None, allow_missing=allow_missing,
                       allow_unexpected=allow_unexpected, ties=tuple(parse_tie(t) for t in ties), dry_run=dry_run,
                       max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
-                      verify=not no_verify, allow_unsafe=allow_unsafe, policy=policy)
+                      verify=not no_verify, allow_unsafe=allow_unsafe, plain_data=plain_data, policy=policy)

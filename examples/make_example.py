@@ -44,7 +44,9 @@ def make_hf_folder(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "example")
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("folder", nargs="?", default="example", help="where to write them (default: example)")
+    out = Path(parser.parse_args().folder)
     made = make_all(out)
     make_runs(out / "runs")
     make_hf_folder(out / "bert_ft")

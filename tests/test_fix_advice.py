@@ -355,6 +355,56 @@ def test_one_entry_holding_several_refused_objects_is_one_entry(tmp_path):
     assert set(torch.load(tmp_path / "out.pt", weights_only=True)) == {"model"}
 
 
+def _training_script_file(path: Path, array: bool) -> dict:
+    """`torch.save({"model": …, "args": args, "best_acc": np.float64(…), …})` as training scripts write it; torch's
+    defaults refuse the Namespace, the NumPy scalars and the path. What a plain-data copy must give back."""
+    import argparse
+    import pathlib
+
+    import numpy as np
+
+    args = argparse.Namespace(lr=0.1, arch="resnet", sched=argparse.Namespace(gamma=0.5, steps=[30, 60]),
+                              out=pathlib.PurePosixPath("/runs/exp1"), seed=np.int64(7))
+    saved = {"model": {"w": torch.randn(3)}, "args": args, "best_acc": np.float64(0.8125),
+             "half": np.float16(1.5), "done": np.bool_(True), "epoch": 3}
+    if array:
+        saved["confusion"] = np.eye(2)
+    torch.save(saved, path)
+    return {"model": saved["model"], "args": {"lr": 0.1, "arch": "resnet", "sched": {"gamma": 0.5, "steps": [30, 60]},
+                                              "out": "/runs/exp1", "seed": 7},
+            "best_acc": 0.8125, "half": 1.5, "done": True, "epoch": 3}
+
+
+@pytest.mark.parametrize("array", [False, True])
+def test_plain_data_keeps_a_namespace_and_numpy_scalars_as_their_values(tmp_path, array):
+    """The refusal and inspect's rescue offer --plain-data (with a --drop of what is no plain data, a NumPy array),
+    and each command runs as printed: the output loads with torch's defaults and holds the values, where --drop
+    lost the hyper-parameters whole."""
+    path = tmp_path / "train.pt"
+    expected = _training_script_file(path, array)
+    weights = expected.pop("model")["w"]
+    refused = run_cli("fix", path, "-o", tmp_path / "out.pt")
+    assert refused.exit_code == 2, refused.stderr
+    offers = [c for c in printed(refused.stderr) if "--plain-data" in c]
+    assert offers == [f"ckpt-doctor fix {path} -o {tmp_path / 'out.pt'} --plain-data"
+                      + (" --drop '^confusion$'" if array else "")], refused.stderr
+    inspected = run_cli("inspect", path, "--json").json()
+    [rescue] = inspected["suggested_commands"]
+    assert "--plain-data" in rescue["argv"]
+    for command in (offers[0], rescue["command"]):
+        result = run_printed(command)
+        assert result.exit_code == 0, (command, result.stderr)
+        assert "args (argparse.Namespace → dict)" in result.stderr and "best_acc (numpy.float64 → float)" in \
+            result.stderr
+        out = shlex.split(command)[shlex.split(command).index("-o") + 1]
+        loaded = torch.load(out, weights_only=True)  # torch's defaults
+        assert "confusion" not in loaded
+        assert torch.equal(loaded.pop("model")["w"], weights)
+        assert loaded == expected and type(loaded["best_acc"]) is float and type(loaded["done"]) is bool
+    quiet = run_cli("fix", tmp_path / "out.pt", "-o", tmp_path / "again.pt", "--plain-data")
+    assert quiet.exit_code == 0 and "--plain-data converted nothing" in quiet.stderr
+
+
 def _body_and_head(tmp_path) -> str:
     """The SPEC of a model of a body and a head (`classes` outputs, a constructor argument), in tmp_path."""
     (tmp_path / "headnets.py").write_text(textwrap.dedent("""

@@ -248,9 +248,12 @@ def test_an_error_s_way_out_is_a_command_that_runs(scenarios, tmp_path):
     args = scenarios["args.pt"]
     refused = run_cli("fix", args["path"], "-o", tmp_path / "a.pt")
     assert refused.exit_code == 2
-    drop, keep = printed_commands(refused.stderr)
+    drop, plain, keep = printed_commands(refused.stderr)
     check_promise(drop, "writes", None, args["path"])
-    (tmp_path / "a.pt").unlink()  # the two are alternatives: each runs where the other has not
+    (tmp_path / "a.pt").unlink()  # the three are alternatives: each runs where the others have not
+    assert plain.endswith("--plain-data") and run_cli(*shlex.split(plain)[1:]).exit_code == 0
+    assert type(torch.load(tmp_path / "a.pt", weights_only=True)["args"]) is dict
+    (tmp_path / "a.pt").unlink()
     kept = run_cli(*shlex.split(keep)[1:])
     assert kept.exit_code == 0 and "safe_globals" in kept.stderr
 

@@ -60,5 +60,6 @@ class FixOptions:
     max_shard_size: int | None = None  # bytes: shards of at most this, and an index naming them
     verify: bool = True  # re-read the output and compare every tensor with its source (the default never skips it)
     allow_unsafe: bool = False  # rewrite a file that names dangerous globals (its tensors and plain data only)
+    plain_data: bool = False  # write a Namespace as a dict, a NumPy scalar as a number, a path as a str (fix/plain.py)
     policy: Policy = DEFAULT_POLICY  # the allow-list (--allow-global): the source read under it, the output naming it
 

@@ -13,7 +13,7 @@ from .._record import field, record, replace
 from ..advice import shell_word
 from ..devices import missing_devices
 from ..dtypes import FLOATING, QUANTIZED, TORCH_TO_SAFETENSORS
-from ..errors import PlanError, Rerun, UsageError
+from ..errors import CkptDoctorError, PlanError, Rerun, UsageError
 from ..readers.survey import NPY_PICKLE
 from ..records import (
     Checkpoint,
@@ -27,9 +27,9 @@ from ..records import (
     integer_keys_note,
     relative_to_root,
 )
-from ..safepickle.policy import Policy
+from ..safepickle.policy import Policy, resolve
 from ..safepickle.unpickler import Opaque, RawTensor, SizeValue
-from ..transforms import Op, Transform, plan_keys
+from ..transforms import Op, Transform, drop, plan_keys
 from ..tree import join
 from .keys import device_for, map_by_order, module_versions, note_idle_devices, tie
 from .options import FixOptions, OutputFormat, output_format
@@ -98,6 +98,16 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     check_option_needs(opts)
     policy = opts.policy
     draft = Draft()
+    if opts.plain_data:
+        from .plain import with_plain_data  # only with --plain-data
+
+        ckpt, converted = with_plain_data(ckpt)
+        if converted:
+            draft.applied.append("--plain-data: " + ", ".join(converted[:5])
+                                 + (f", … {len(converted) - 5} more" if len(converted) > 5 else ""))
+        else:
+            draft.notes.append("--plain-data converted nothing: no argparse.Namespace, NumPy scalar or pathlib path "
+                               "in the file")
     user_ties = set(opts.ties)  # --tie as given: checked strictly; those --auto infers fit by construction
     auto_select = False
     if opts.auto:
@@ -139,7 +149,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         idle = tuple(t for t in idle if t in plan_keys(list(extra_renamed), renames).idle)
     note_idle(idle, renames, len(kept), draft)
     note_idle_drops(ckpt, scope, drops, draft)
-    refuse_unwritable(draft.problems)
+    refuse_unwritable(draft.problems, plain_data_plans(ckpt, output, opts) if draft.problems else None)
     if scope.flat_output:
         note_odd_keys(ckpt, scope, draft)
     if opts.model is not None:
@@ -369,6 +379,30 @@ def note_idle_drops(ckpt: Checkpoint, scope: Scope, drops: list[Transform], draf
         if not any(is_dropped(path, [t]) for path in paths):  # (the rule the drop itself is made by)
             draft.notes.append(f"{' '.join(shell_word(f) for f in t.flags())} dropped nothing: the pattern matches "
                                "none of the file's keys and entries")
+
+
+def plain_data_plans(ckpt: Checkpoint, output: Path, opts: FixOptions) -> tuple[str, ...] | None:
+    """The flags that make the same fix plan with --plain-data: ("--plain-data",) when every object refused is data
+    it writes as such, with one --drop of what is left when some are not; None when no such command plans (then
+    the refusal does not offer it: what it prints runs)."""
+    from .plain import PLAIN_NAMES
+
+    if opts.plain_data or not any(".".join(resolve(g.module, g.name)) in PLAIN_NAMES for g in ckpt.globals):
+        return None
+    flags: tuple[str, ...] = ("--plain-data",)
+    for _ in range(2):
+        try:
+            plan_fix(ckpt, output, replace(opts, plain_data=True,
+                                           transforms=opts.transforms + tuple(drop(flags[i + 1])
+                                                                              for i in range(1, len(flags), 2))))
+        except CkptDoctorError as exc:
+            pattern = getattr(exc, "drop", None)
+            if pattern is None or len(flags) > 1:
+                return None
+            flags += ("--drop", pattern)
+            continue
+        return flags
+    return None
 
 
 def flat_tree(ckpt: Checkpoint, scope: Scope, state: OrderedDict[str, OutTensor], mapping: dict[str, str],

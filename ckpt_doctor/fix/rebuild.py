@@ -237,9 +237,10 @@ def _allowable(name: str) -> bool:
     return True
 
 
-def refuse_unwritable(problems: list) -> None:
+def refuse_unwritable(problems: list, plain_data: tuple[str, ...] | None = None) -> None:
     """Exit 2 naming every object fix would have to leave out, with the one --drop that leaves them all out (as a
-    command to paste; `.drop` holds its pattern for callers that plan a rescue)."""
+    command to paste; `.drop` holds its pattern for callers that plan a rescue), and `plain_data`'s flags where
+    given (--plain-data, and a --drop of what it leaves: the same fix with them plans, plan.plain_data_plans)."""
     if not problems:
         return
     keepable = all(len(p) < 3 or p[2] for p in problems)  # a value the writer cannot hold is not kept by a flag
@@ -261,12 +262,17 @@ def refuse_unwritable(problems: list) -> None:
             reruns.append(Rerun(add=("--drop", f"^{re.escape(tops[0])}$")))
             drop += " (or the whole entry: {1})"
     keep = ""
+    if plain_data:
+        what = "it" if len(paths) == 1 else "them" if len(plain_data) == 1 else "what is data"
+        keep = (f", or write {what} as plain data (a Namespace as a dict, a NumPy scalar as a number, a path as a "
+                f"str){' and leave out the rest' if len(plain_data) > 1 else ''} with {{{len(reruns)}}}")
+        reruns.append(Rerun(add=plain_data))
     if not dangerous and keepable and all(_allowable(n) for n in names):
         at = len(reruns)
         reruns.append(Rerun(add=tuple(a for n in names for a in ("--allow-global", n))))
         classes = ", and for the classes of the NumPy dtypes it builds, which fix's note names" \
             if "numpy.dtype" in names else ""
-        keep = (f", or keep {'it' if len(paths) == 1 else 'them'} with {{{at}}} (then torch.load needs "
+        keep += (f", or keep {'it' if len(paths) == 1 else 'them'} with {{{at}}} (then torch.load needs "
                 f"torch.serialization.add_safe_globals for {'it' if len(names) == 1 else 'them'}{classes})")
     refused = "which torch.load(weights_only=True) refuses and ckpt-doctor does not write"
     if len(pairs) == 1:

@@ -38,6 +38,11 @@ def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None =
     flags += [*extra, *allow_flags(allowed)]
     if ckpt.state_dict_root is None and isinstance(ckpt.root, dict):  # fix refuses to guess the part: all of it
         flags += ["--select", ""]
+    from .plain import with_plain_data  # (a walk of the tree: only for a file that needs a rescue)
+
+    converted = with_plain_data(ckpt)[1]
+    if converted:  # a Namespace, a NumPy scalar, a path: kept as the data they hold rather than dropped
+        flags.append("--plain-data")
     held = holding_findings(ckpt)
     entries = held_entries(ckpt, held)
     if held:
@@ -58,6 +63,9 @@ def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None =
                 left += f", without {', '.join(held[:3])}{more} (" + ("a tensor whose bytes hold" if len(held) == 1
                                                                        else "tensors whose bytes hold") + \
                     f" a pickle np.load would unpickle){with_whole([e for e in entries if e not in held])}"
+            if converted:
+                names = ", ".join(dict.fromkeys(c.split(" (", 1)[1].split(" → ")[0] for c in converted))
+                left = f" ({names} kept as plain data){left}"
             return Suggestion(argv, Promise.WRITES,
                               f"writes its tensors and plain data as a file torch.load loads with its defaults{left}; "
                               "nothing it names is run or written")
@@ -72,7 +80,8 @@ def _planned(ckpt: Checkpoint, path: str, flags: list[str], taken: set[str] | No
     for _ in range(2):
         try:
             plan_fix(ckpt, Path(out), FixOptions(transforms=tuple(_drops(flags)), policy=writes,
-                                                 select="" if "--select" in flags else None))
+                                                 select="" if "--select" in flags else None,
+                                                 plain_data="--plain-data" in flags))
         except CkptDoctorError as exc:
             pattern = getattr(exc, "drop", None)
             if not pattern or flags.count("--drop") > given:
