@@ -386,6 +386,8 @@ def pair_stats(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0) -> PairStat
     import torch
 
     def flat(t: Any) -> Any:
+        if t.is_complex():  # its real and imaginary parts, each an element: ‖Δ‖ and the cosine are the complex ones
+            t = torch.view_as_real(t.resolve_conj())
         t = t.detach().reshape(-1).contiguous()
         try:
             return t.numpy()
@@ -1024,6 +1026,7 @@ def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, tran
         mapping, flags, a_root = match_names(a, b, str(b_path), policy)
     a_tensors = {t.key: t for t in relative_to_root(a.tensors, a_root)}
     b_tensors = {t.key: t for t in relative_to_root(b.tensors, compared_root(b))}
+    bits = (_bits_under(a, a_root), _bits_under(b, compared_root(b)))
     rows: list[TensorDiff] = []
     done: set[str] = set()
     with one_blas_thread():
@@ -1042,7 +1045,8 @@ def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, tran
                     rows.append(TensorDiff(a_key, a_key, "only-a", ta.shape, None, ta.dtype, None))
                     continue
                 done.add(b_key)
-                row, pieces = _pair(b_key, a_key, ta, tb, atol, rtol, load_tensor, mapped, figures)
+                row, pieces = _pair(b_key, a_key, ta, tb, atol, rtol, load_tensor, mapped, figures,
+                                    (bits[0].get(a_key, ""), bits[1].get(b_key, "")))
                 figures.to_compare -= ta.nbytes + tb.nbytes
                 if pieces is not None:
                     pending[len(rows)] = pieces
@@ -1064,15 +1068,34 @@ def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, tran
                       names_given=bool(transforms))
 
 
+def _bits_under(ckpt: Checkpoint, root: str | None) -> dict[str, str]:
+    """Checkpoint.value_bits keyed as relative_to_root keys the tensors under `root`."""
+    if not ckpt.value_bits:
+        return {}
+    prefix = root + "." if root else ""
+    return {k[len(prefix):]: v for k, v in ckpt.value_bits.items() if k.startswith(prefix)}
+
+
+def _valued(t: Any, bits: str) -> Any:
+    """A tensor read from its bytes, given the conjugate and negative bits torch.load would set: its values."""
+    if "conj" in bits:
+        t = t.conj().resolve_conj()
+    if "neg" in bits:
+        t = -t
+    return t
+
+
 def _pair(key: str, a_key: str, ta: TensorRecord, tb: TensorRecord, atol: float, rtol: float, load,
-          mapped: _Mapped, figures: _Figures) -> tuple[TensorDiff, range | None]:
+          mapped: _Mapped, figures: _Figures, bits: tuple[str, str] = ("", "")) -> tuple[TensorDiff, range | None]:
     """One pair, read from the page cache when both are plain runs of bytes (the bytes first: most pairs stop at
-    that compare), else through torch (a strided view, pieces of a sharded folder, a dtype NumPy lacks). A changed
-    pair with pieces queued for the worker comes back without its figures, and the numbers of the pieces that will
-    give them (figures.stats, once figures.finish has run)."""
+    that compare), else through torch (a strided view, pieces of a sharded folder, a dtype NumPy lacks, a lazy
+    conjugate view: `bits`, each side's). A changed pair with pieces queued for the worker comes back without its
+    figures, and the numbers of the pieces that will give them (figures.stats, once figures.finish has run)."""
     if ta.shape != tb.shape:
         return TensorDiff(key, a_key, "shape", ta.shape, tb.shape, ta.dtype, tb.dtype), None
-    if _mappable(ta) and _mappable(tb):
+    if any(bits):
+        stats = pair_stats(_valued(load(ta), bits[0]), _valued(load(tb), bits[1]), atol, rtol)
+    elif _mappable(ta) and _mappable(tb):
         mapped.check(ta)
         mapped.check(tb)
         if mapped.same_bytes(ta, tb):

@@ -575,6 +575,7 @@ class Checkpoint:
     non_persistent: tuple[str, ...] = field(default=())  # buffers a whole-model pickle marks non-persistent
     hazards: tuple[Hazard, ...] = ()
     layouts: dict[str, str] = field(default_factory=dict)  # key -> how a distributed checkpoint holds it
+    value_bits: dict[str, str] = field(default_factory=dict)  # key -> "conj", "neg": its values are not its bytes
     distributed: DcpFolder | DeepSpeedFolder | DistributedShard | None = None  # what a distributed checkpoint is
     longer_storages: tuple[str, ...] = ()  # zip members longer than their storage, whose size torch.load refuses
     advice: tuple[tuple[str, Any], ...] = ()  # (what for, advice.Suggestion): the commands its notes print

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import stat
 
 import pytest
@@ -336,6 +337,49 @@ def test_max_shard_size_writes_shards_and_an_index(fixtures, cli, tmp_path):
         sd.update(torch.load(shard, weights_only=True))
     assert sd["embed.weight"].data_ptr() == sd["lm_head.weight"].data_ptr()  # tied tensors share one shard
     assert cli("fix", fixtures["plain"]["path"], "-o", tmp_path / "x.pt", "--max-shard-size", "lots").exit_code == 2
+
+
+def _lazy_views(path):
+    """A lazy conjugate view and a lazy negative one (`z.conj().imag`), as torch.save records them: the bytes of
+    the plain tensors, and the bits torch.load sets again."""
+    z, w = (torch.complex(torch.randn(3), torch.randn(3)) for _ in range(2))
+    torch.save({"w": torch.ones(2), "conj": z.conj(), "neg": w.conj().imag}, path)
+    return torch.load(path, weights_only=True)
+
+
+def test_a_lazy_conjugate_or_negative_view_is_refused_not_written_with_other_values(cli, tmp_path):
+    """fix copies bytes: a `z.conj()` saved as such came back as z (and `-x` as x), verified by crc. It is named
+    and refused, with the --drop that leaves them out; inspect says what torch.load makes of them."""
+    path = tmp_path / "lazy.pt"
+    source = _lazy_views(path)
+    assert source["conj"].is_conj() and source["neg"].is_neg()
+    notes = cli("inspect", path, "--json").json()["notes"]
+    assert "conj: conjugate bit set (a lazy view): torch.load gives the conjugate of its bytes" in notes
+    assert "neg: negative bit set (a lazy view): torch.load gives the negation of its bytes" in notes
+    refused = cli("fix", path, "-o", tmp_path / "out.pt")
+    assert refused.exit_code == 2 and not (tmp_path / "out.pt").exists()
+    assert "2 tensors saved as lazy conjugate or negative views (conj, neg)" in refused.stderr
+    drop = refused.stderr.split("leave them out with `", 1)[1].split("`", 1)[0]
+    assert cli(*shlex.split(drop)[1:]).exit_code == 0
+    assert list(torch.load(tmp_path / "out.pt", weights_only=True)) == ["w"]
+
+
+def test_diff_compares_what_torch_load_gives_of_a_lazy_view(cli, tmp_path):
+    path = tmp_path / "lazy.pt"
+    source = _lazy_views(path)
+    resolved, raw = tmp_path / "resolved.pt", tmp_path / "raw.pt"
+    torch.save({k: v.resolve_conj().resolve_neg() for k, v in source.items()}, resolved)
+    torch.save({k: (v.conj() if k == "conj" else -v if k == "neg" else v).resolve_conj().resolve_neg()
+                for k, v in source.items()}, raw)  # the stored bytes, read as plain tensors
+    assert cli("diff", path, resolved).exit_code == 0  # the same values, whatever the bits
+    rows = {r["key"]: r for r in cli("diff", path, raw, "--json").json()["tensors"]}
+    for key in ("conj", "neg"):
+        a = source[key].resolve_conj().resolve_neg()
+        b = torch.load(raw, weights_only=True)[key]
+        d = torch.view_as_real(b - a) if a.is_complex() else b - a
+        assert rows[key]["status"] == "changed"
+        assert rows[key]["rel"] == pytest.approx(float(torch.linalg.vector_norm(b - a) / torch.linalg.vector_norm(a)))
+        assert rows[key]["max_abs"] == pytest.approx(float(d.abs().max()))
 
 
 def test_metadata_dtypes_and_devices_survive(cli, tmp_path):

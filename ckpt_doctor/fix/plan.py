@@ -159,7 +159,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     draft.dropped += unlisted_tensors(ckpt.tensors, written, draft.dropped, scope.prefix)
     list_non_persistent(ckpt, draft)
     tied, metadata = safetensors_sharing(ckpt, outs, draft) if fmt is OutputFormat.SAFETENSORS else ({}, {})
-    refuse_unwritable_tensors(outs, fmt)
+    refuse_unwritable_tensors(outs, fmt, ckpt.value_bits)
     note_idle_devices(sorted({t.source.device for t in outs}), opts.map_location, draft.notes)
     note_devices(fmt, outs, draft)
     note_held_findings(ckpt, outs, fmt, scope.prefix, draft)
@@ -549,9 +549,11 @@ def safetensors_sharing(ckpt: Checkpoint, outs: list[OutTensor], draft: Draft) -
     return tied, metadata
 
 
-def refuse_unwritable_tensors(outs: list[OutTensor], fmt: OutputFormat | None = None) -> None:
+def refuse_unwritable_tensors(outs: list[OutTensor], fmt: OutputFormat | None = None,
+                              value_bits: dict[str, str] | None = None) -> None:
     """Tensors whose data the output could not hold as they are: meta tensors, quantized ones, a dtype safetensors
-    has no code for (complex128) in a .safetensors output."""
+    has no code for (complex128) in a .safetensors output, lazy conjugate or negative views (`value_bits`: fix
+    copies bytes, torch.load of the source gives their conjugate or negation)."""
     for t in outs:
         if t.source.storage is None:
             raise PlanError(f"{t.source.key}: has no data in the file (a meta tensor); drop it with --drop")
@@ -564,6 +566,14 @@ def refuse_unwritable_tensors(outs: list[OutTensor], fmt: OutputFormat | None = 
                         f"{', …' if len(quantized) > 3 else ''}): ckpt-doctor does not read their scale and zero "
                         "point, so it would write them without; nothing written"
                         + ("; leave them out with {0}" if pattern else ""),
+                        reruns=(Rerun(add=("--drop", pattern)),) if pattern else ())
+    lazy = [t.source.key for t in outs if value_bits and t.source.key in value_bits]
+    if lazy:
+        pattern = "^(" + "|".join(re.escape(k) for k in lazy[:50]) + ")$" if len(lazy) <= 50 else None
+        raise PlanError(f"{len(lazy)} tensors saved as lazy conjugate or negative views ({', '.join(lazy[:3])}"
+                        f"{', …' if len(lazy) > 3 else ''}): torch.load gives the conjugate (or negation) of their "
+                        "bytes, and fix copies bytes, so the output would hold other values; nothing written. Save "
+                        "them with .resolve_conj().resolve_neg()" + ("; or leave them out with {0}" if pattern else ""),
                         reruns=(Rerun(add=("--drop", pattern)),) if pattern else ())
 
 

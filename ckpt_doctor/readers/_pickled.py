@@ -234,8 +234,9 @@ def build_checkpoint(path: Path, fmt: Format, root: Any, unpicklers: list[SafeUn
     model_class = flat.module_classes.get(sd_root) if sd_root is not None else None
     all_notes = list(notes)
     raws = list(map(itemgetter(1), flat.tensors))
-    tensor_notes = [f"{key}: {raw.note}" for key, raw in flat.tensors if raw.note] \
-        if any(map(attrgetter("note"), raws)) else []
+    noted = any(map(attrgetter("note"), raws))
+    tensor_notes = [f"{key}: {raw.note}" for key, raw in flat.tensors if raw.note] if noted else []
+    value_bits = {key: raw.bits for key, raw in flat.tensors if raw.bits} if noted else {}
     for up in unpicklers:
         all_notes.extend(up.notes)
         all_notes.extend(tensor_notes)
@@ -249,7 +250,8 @@ def build_checkpoint(path: Path, fmt: Format, root: Any, unpicklers: list[SafeUn
     return Checkpoint(path=path, format=fmt, tensors=tensors, metadata=dict(flat.metadata),
                       globals=_dedupe(loaded + list(extra_globals)), state_dict_root=sd_root, other_state_dicts=others,
                       root=root, model_class=model_class, notes=tuple(dict.fromkeys(all_notes)), files=(path,),
-                      non_persistent=tuple(flat.non_persistent), loaded_globals=_dedupe(loaded))
+                      non_persistent=tuple(flat.non_persistent), loaded_globals=_dedupe(loaded),
+                      value_bits=value_bits)
 
 
 def _dedupe(refs: list[GlobalRef]) -> tuple[GlobalRef, ...]:

@@ -138,15 +138,17 @@ class StorageRef:
 class RawTensor:
     """A tensor as the pickle describes it, before it has a key path."""
 
-    __slots__ = ("storage", "dtype", "offset", "shape", "stride", "requires_grad", "is_parameter", "device", "note")
+    __slots__ = ("storage", "dtype", "offset", "shape", "stride", "requires_grad", "is_parameter", "device", "note",
+                 "bits")
 
     def __init__(self, storage: StorageRef | None, dtype: str, offset: int, shape: tuple[int, ...],
                  stride: tuple[int, ...], requires_grad: bool = False, is_parameter: bool = False,
-                 device: str | None = None, note: str = "") -> None:
+                 device: str | None = None, note: str = "", bits: str = "") -> None:
         self.storage, self.dtype, self.offset, self.shape, self.stride = storage, dtype, offset, shape, stride
         self.requires_grad, self.is_parameter = requires_grad, is_parameter
         self.device = device  # set when the tensor has no storage (meta) or was moved on rebuild
         self.note = note
+        self.bits = bits  # "conj", "neg", "conj,neg": torch.load sets these bits, so its values are not its bytes
 
     def __setstate__(self, state: Any) -> None:
         # A BUILD's slot state would set the record's fields by setattr (another shape, dtype or storage than the
@@ -155,7 +157,7 @@ class RawTensor:
 
     def __reduce__(self) -> tuple:  # a copy (pickled to a worker, copy.copy) is made anew, never given state
         return RawTensor, (self.storage, self.dtype, self.offset, self.shape, self.stride, self.requires_grad,
-                           self.is_parameter, self.device, self.note)
+                           self.is_parameter, self.device, self.note, self.bits)
 
 
 class Token:
@@ -265,13 +267,27 @@ def _rebuild_tensor(storage, offset, size, stride, *rest):
 
 
 def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad=False, hooks=None, metadata=None):
-    return rebuilt_tensor(storage, offset, size, stride, requires_grad)
+    return _with_bits(rebuilt_tensor(storage, offset, size, stride, requires_grad), metadata)
 
 
 def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
     if not isinstance(dtype, DType):
         raise TypeError("dtype is not a torch dtype")
-    return rebuilt_tensor(storage, offset, size, stride, requires_grad, dtype.name)
+    return _with_bits(rebuilt_tensor(storage, offset, size, stride, requires_grad, dtype.name), metadata)
+
+
+def _with_bits(tensor: RawTensor, metadata: Any) -> RawTensor:
+    """The conjugate and negative bits torch.save records of a lazy view (`x.conj()`, `x.conj().imag`), which
+    torch.load sets again (torch._utils.set_tensor_metadata): its values are then the conjugate, or the negation,
+    of its bytes."""
+    if isinstance(metadata, dict):
+        bits = [name for name in ("conj", "neg") if metadata.get(name) is True]
+        if bits:
+            tensor.bits = ",".join(bits)
+            tensor.note = " and ".join({"conj": "conjugate", "neg": "negative"}[b] for b in bits) + \
+                " bit set (a lazy view): torch.load gives the " + \
+                " of the ".join({"conj": "conjugate", "neg": "negation"}[b] for b in bits) + " of its bytes"
+    return tensor
 
 
 def _rebuild_parameter(data, requires_grad=True, hooks=None, state=None):
