@@ -442,6 +442,40 @@ def test_a_file_that_only_lacks_the_model_s_head_is_accepted_not_rewritten(tmp_p
     assert fix["label"] == "fix" and "--strip-module" in fix["argv"]
 
 
+def test_auto_refused_for_a_new_head_prints_the_command_that_accepts_it(tmp_path):
+    """--auto never accepts missing keys itself; its refusal listed the closest fix as bare flags. It now prints the
+    user's command with the --allow-missing of inspect's line, which runs as printed; a tie --auto infers is listed
+    once."""
+    spec = _body_and_head(tmp_path)
+    path, out = tmp_path / "dp.pt", tmp_path / "out.pt"
+    torch.save({"module.body.weight": torch.ones(4, 4), "module.body.bias": torch.zeros(4),
+                "module.head.weight": torch.ones(5, 4), "module.head.bias": torch.zeros(5)}, path)
+    refused = run_cli("fix", path, "-o", out, "--model", spec, "--auto")
+    assert refused.exit_code == 1 and not out.exists()
+    [command] = printed(refused.stderr)
+    assert command.endswith(r"--auto --allow-missing '^(head\.weight|head\.bias)$'"), command
+    done = run_printed(command)
+    assert done.exit_code == 0, done.stderr
+    assert sorted(torch.load(out, weights_only=True)) == ["body.bias", "body.weight"]
+
+
+def test_a_tie_auto_infers_is_listed_once(tmp_path):
+    (tmp_path / "lm.py").write_text(textwrap.dedent("""
+        import torch.nn as nn
+        class LM(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(10, 4)
+                self.lm_head = nn.Linear(4, 10, bias=False)
+                self.lm_head.weight = self.embed.weight
+    """))
+    path = tmp_path / "lm.pt"
+    torch.save({"embed.weight": torch.ones(10, 4)}, path)
+    data = run_cli("fix", path, "-o", tmp_path / "out.pt", "--model", f"{tmp_path / 'lm.py'}:LM", "--auto",
+                   "--json").json()
+    assert data["applied"] == ["--auto → --tie lm_head.weight=embed.weight"], data["applied"]
+
+
 def test_a_model_with_constructor_arguments_gets_the_accept_line_too(tmp_path):
     """The model's --model-arg is part of naming the model: a file that only lacks its head got the fix line that
     wrote it again unchanged, not the accept line, whenever the model took a constructor argument."""

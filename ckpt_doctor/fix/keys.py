@@ -63,9 +63,11 @@ def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...],
                              "first (--drop) to write the tie")
         source = state[key]
         state[alias] = OutTensor(out_prefix + alias, source.source, source.dtype, source.device)
-        done.append(f"{alias}={key}")
+        done.append((alias, key))
+    listed = [f"{alias}={key}" for alias, key in done if given is None or (alias, key) in given]
+    if listed:  # (the ties --auto inferred are listed in its own line)
+        applied.append("--tie " + " --tie ".join(listed))
     if done:
-        applied.append("--tie " + " --tie ".join(done))
         if fmt is OutputFormat.SAFETENSORS:
             notes.append("safetensors stores a tied tensor once: load it with the model's tie_weights(), or "
                          "write torch output (.pt) where both names share one storage")

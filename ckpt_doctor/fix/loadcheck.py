@@ -8,7 +8,7 @@ import shlex
 from .._record import replace
 from ..advice import command_line, shell_path
 from ..compare import allowances, check_entries, short_of_required, with_extras
-from ..errors import CheckFailed, one_line
+from ..errors import CheckFailed, Rerun, one_line
 from ..records import OutTensor
 from .options import FixOptions
 
@@ -52,10 +52,25 @@ def check_loads(state: "OrderedDict[str, OutTensor]", opts: FixOptions, notes: l
             parts.append(f"the model's loading code: {one_line(check.errors[0], 160)}")
         closest = (f"the closest fix: {' '.join(shlex.quote(f) for f in opts.closest)}" if opts.closest else
                    f"`{command_line(('inspect', shell_path(path), *opts.model.flags))}` shows the closest fix")
+        accept = _acceptances(opts)
+        if accept:  # --auto's line as inspect prints it: its --allow-missing too, which --auto never takes itself
+            closest = "the line inspect prints accepts them (a new head?) with {0}"
         raise CheckFailed(f"the output would still not load strictly into {opts.model.source}: {'; '.join(parts)}. "
                           f"Nothing was written; {closest} (--allow-missing/--allow-unexpected accept intended "
-                          "differences)")
+                          "differences)", reruns=(Rerun(add=accept),) if accept else ())
     if allowed_m or allowed_u:
         notes.append(f"accepted: {len(allowed_m)} model keys left missing (--allow-missing), {len(allowed_u)} extra "
                      "keys (--allow-unexpected)")
 
+
+
+def _acceptances(opts: FixOptions) -> tuple[str, ...]:
+    """With --auto: the --allow-missing/--allow-unexpected of the line `inspect --model` prints that the command
+    lacks (a new head is accepted only where the user asks: --auto alone refuses it)."""
+    if not opts.auto:
+        return ()
+    flags: list[str] = []
+    for flag, given in (("--allow-missing", opts.allow_missing), ("--allow-unexpected", opts.allow_unexpected)):
+        if flag in opts.closest and not given:
+            flags += [flag, opts.closest[opts.closest.index(flag) + 1]]
+    return tuple(flags)
