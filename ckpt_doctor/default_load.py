@@ -107,6 +107,9 @@ def default_load(ckpt: Checkpoint) -> DefaultLoad:
     if getattr(ckpt.distributed, "family", None) == "torch.distributed.checkpoint":  # a .distcp file: archives end
         return DefaultLoad(applies=False)  # to end, which dcp.load reads one by one from the folder's metadata, and
         # of which torch.load(path) opens at most one
+    if ckpt.format is Format.PICKLE and any(g.module.startswith("torch.distributed.checkpoint.") for g in
+                                            ckpt.globals):  # a DCP folder's .metadata: dcp's reader unpickles it
+        return DefaultLoad(applies=False)
     refused: dict[str, None] = {}
     inert: dict[str, None] = {}
     for g in met_by_torch(ckpt):
