@@ -863,3 +863,37 @@ def test_a_sharded_write_over_a_single_file_of_its_name_is_refused_or_replaces_i
     copy.write_bytes(source.read_bytes())
     own = cli("fix", copy, "-o", copy, "--max-shard-size", "2KB", "--force")
     assert own.exit_code == 2 and copy.read_bytes() == source.read_bytes()
+
+
+def _with_last_storage_flipped(src, dst):
+    """A copy of `src` whose last storage has one byte flipped: the storages before it copy and verify, it fails."""
+    from ckpt_doctor import read_checkpoint
+
+    raw = bytearray(src.read_bytes())
+    raw[max(t.storage.offset for t in read_checkpoint(src).tensors)] ^= 0xFF
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_a_sharded_write_that_fails_partway_leaves_nothing_it_wrote(tmp_path, cli, suffix):
+    """The last shard's storage does not match its crc: the shards before it were left in the folder, without an
+    index, under 'nothing written'; with --force over an earlier output of the same shard names, those were
+    replaced by the new shards before the failure. Nothing is left, and what --force would replace stays as it was
+    until the whole output is verified."""
+    torch.manual_seed(0)
+    src = tmp_path / "sd.pt"
+    torch.save(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]).state_dict(), src)
+    bad = _with_last_storage_flipped(src, tmp_path / "bad.pt")
+    out = tmp_path / "out" / f"x{suffix}"
+    out.parent.mkdir()
+    failed = cli("fix", bad, "-o", out, "--max-shard-size", "100B")
+    assert failed.exit_code == 2 and "verification failed" in failed.stderr
+    assert len(failed.stderr.strip().splitlines()) == 1 and list(out.parent.iterdir()) == []
+    other = tmp_path / "other.pt"  # the same shapes, other values: an earlier output of the same shard names
+    torch.save(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]).state_dict(), other)
+    assert run_fix(cli, other, out, "--max-shard-size", "100B")["shards"]
+    before = {p.name: (p.read_bytes(), p.stat().st_ino) for p in out.parent.iterdir()}
+    forced = cli("fix", bad, "-o", out, "--max-shard-size", "100B", "--force")
+    assert forced.exit_code == 2 and "verification failed" in forced.stderr
+    assert {p.name: (p.read_bytes(), p.stat().st_ino) for p in out.parent.iterdir()} == before

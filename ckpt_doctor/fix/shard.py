@@ -10,7 +10,7 @@ from pathlib import Path
 from .._record import replace
 from ..errors import PlanError, Rerun, WriteError
 from ..records import OutTensor
-from ..writers.atomic import atomic_output, check_destination
+from ..writers.atomic import atomic_output, check_destination, staged_outputs
 from ..writers.stream import write_bytes
 from .execute import execute
 from .results import FixPlan, FixResult, converted_nbytes
@@ -78,18 +78,21 @@ def check_sharded_destination(output: Path, shards: list[Path], index: Path, inp
 
 def execute_sharded(plan: FixPlan, max_bytes: int, progress_callback: Callable[[int, int], None] | None = None,
                     verify: bool = True, force: bool = False) -> FixResult:
-    """Write shards, each atomically and verified, then the index last: an index only ever names whole shards."""
+    """Write shards, each verified, then the index, all renamed into place once every one is written (the index
+    last, so an index only ever names whole shards): a failure leaves none of them, and what --force would have
+    replaced as it was."""
     parts = split_plan(plan, max_bytes)
     shards, index_path = shard_paths(plan.output, len(parts))
     inputs = (plan.input, *{t.source.storage.file for t in plan.tensors if t.source.storage})
     stale = check_sharded_destination(plan.output, shards, index_path, inputs, force)
-    results = [execute(part, progress_callback, verify) for part in parts]
-    weight_map = {t.key: part.output.name for part in parts for t in part.tensors if t.key not in part.tied}
-    total = sum(part.nbytes for part in parts)
-    index = json.dumps({"metadata": {"total_size": total, "written_by": "ckpt-doctor"}, "weight_map": weight_map},
-                       indent=2).encode()
-    with atomic_output(index_path) as (fd, _):
-        write_bytes(fd, 0, index)
+    with staged_outputs() as staged:
+        results = [execute(part, progress_callback, verify, staged=staged) for part in parts]
+        weight_map = {t.key: part.output.name for part in parts for t in part.tensors if t.key not in part.tied}
+        total = sum(part.nbytes for part in parts)
+        index = json.dumps({"metadata": {"total_size": total, "written_by": "ckpt-doctor"},
+                            "weight_map": weight_map}, indent=2).encode()
+        with atomic_output(index_path, staged=staged) as (fd, _):
+            write_bytes(fd, 0, index)
     if stale:
         plan.output.unlink()  # --force: the old single file goes, once the index names every shard
     return FixResult(replace(plan, output=index_path), sum(r.bytes for r in results) + len(index), verify,
