@@ -13,18 +13,25 @@ from ..readers.source import is_url
 from ..units import human_bytes
 
 
+def is_input(path: Path, inputs: tuple[Path, ...]) -> bool:
+    """Whether `path` is one of the local `inputs` (a remote input is never a local file)."""
+    for source in inputs:
+        if is_url(source):
+            continue
+        try:
+            if path.exists() and os.path.samefile(path, source):
+                return True
+        except FileNotFoundError:
+            pass
+    return False
+
+
 def check_destination(output: Path, inputs: tuple[Path, ...], force: bool) -> None:
     """Refuse to overwrite an input (ever) or an existing output (without --force)."""
     if is_url(output):
         raise WriteError(f"{output}: ckpt-doctor writes local files only; give a path on this machine")
-    for source in inputs:
-        if is_url(source):  # a remote input is never the local output
-            continue
-        try:
-            if output.exists() and os.path.samefile(output, source):
-                raise WriteError(f"{output}: is the input file; the input is never modified — write elsewhere")
-        except FileNotFoundError:
-            pass
+    if is_input(output, inputs):
+        raise WriteError(f"{output}: is the input file; the input is never modified — write elsewhere")
     if output.is_dir():
         raise WriteError(f"{output}: is a directory; give a file name such as {output / 'model.safetensors'}")
     if (output.exists() or output.is_symlink()) and not force:
