@@ -907,3 +907,107 @@ def test_a_sharded_write_over_a_single_file_of_its_name_is_refused_or_replaces_i
     copy.write_bytes(source.read_bytes())
     own = cli("fix", copy, "-o", copy, "--max-shard-size", "2KB", "--force")
     assert own.exit_code == 2 and copy.read_bytes() == source.read_bytes()
+
+
+def _with_last_storage_flipped(src, dst):
+    """A copy of `src` whose last storage has one byte flipped: the storages before it copy and verify, it fails."""
+    from ckpt_doctor import read_checkpoint
+
+    raw = bytearray(src.read_bytes())
+    raw[max(t.storage.offset for t in read_checkpoint(src).tensors)] ^= 0xFF
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_a_sharded_write_that_fails_partway_leaves_nothing_it_wrote(tmp_path, cli, suffix):
+    """The last shard's storage does not match its crc: the shards before it were left in the folder, without an
+    index, under 'nothing written'; with --force over an earlier output of the same shard names, those were
+    replaced by the new shards before the failure. Nothing is left, and what --force would replace stays as it was
+    until the whole output is verified."""
+    torch.manual_seed(0)
+    src = tmp_path / "sd.pt"
+    torch.save(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]).state_dict(), src)
+    bad = _with_last_storage_flipped(src, tmp_path / "bad.pt")
+    out = tmp_path / "out" / f"x{suffix}"
+    out.parent.mkdir()
+    failed = cli("fix", bad, "-o", out, "--max-shard-size", "100B")
+    assert failed.exit_code == 2 and "verification failed" in failed.stderr
+    assert len(failed.stderr.strip().splitlines()) == 1 and list(out.parent.iterdir()) == []
+    other = tmp_path / "other.pt"  # the same shapes, other values: an earlier output of the same shard names
+    torch.save(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]).state_dict(), other)
+    assert run_fix(cli, other, out, "--max-shard-size", "100B")["shards"]
+    before = {p.name: (p.read_bytes(), p.stat().st_ino) for p in out.parent.iterdir()}
+    forced = cli("fix", bad, "-o", out, "--max-shard-size", "100B", "--force")
+    assert forced.exit_code == 2 and "verification failed" in forced.stderr
+    assert {p.name: (p.read_bytes(), p.stat().st_ino) for p in out.parent.iterdir()} == before
+
+
+def _linear_stack(path, dtype=torch.float32):
+    torch.save(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]).to(dtype).state_dict(), path)
+    return path
+
+
+def test_an_earlier_sharded_output_of_its_name_is_refused_or_replaced_whole(tmp_path, cli):
+    """An index of the output's name counts as an existing output, as a single file does under a sharded write.
+    Re-sharding with --force left the 8 old shards beside the 2 new ones; a single file was written, without
+    --force, beside the old index and its shards, which inspect of the folder (and any loader that follows the
+    index) read instead: the old float32 weights. Refused without --force (dry run included: its note, whose
+    command runs), and with --force the old index and the shards it names go once the new output is written."""
+    import shlex
+
+    src = _linear_stack(tmp_path / "sd.pt")
+    out = tmp_path / "resharded" / "m.safetensors"
+    out.parent.mkdir()
+    run_fix(cli, src, out, "--max-shard-size", "100B")
+    again = run_fix(cli, src, out, "--max-shard-size", "1KB", "--force")
+    assert len(again["shards"]) == 2 and sorted(p.name for p in out.parent.iterdir()) == \
+        sorted([*(os.path.basename(s) for s in again["shards"]), "m.safetensors.index.json"])
+    out = tmp_path / "single" / "m.safetensors"
+    out.parent.mkdir()
+    run_fix(cli, src, out, "--max-shard-size", "100B")
+    before = {p.name: p.read_bytes() for p in out.parent.iterdir()}
+    refused = cli("fix", src, "-o", out, "--dtype", "float16")
+    assert refused.exit_code == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "m.safetensors.index.json already exists beside it" in refused.stderr, refused.stderr
+    assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == before
+    dry = cli("fix", src, "-o", out, "--dtype", "float16", "--dry-run")
+    last = dry.stderr.strip().splitlines()[-1]
+    assert dry.exit_code == 0 and last.startswith("note: without --dry-run the write would stop: ")
+    command = shlex.split(last.split("`")[1])
+    assert "--force" in command and "--dry-run" not in command
+    written = cli(*command[1:])
+    assert written.exit_code == 0, written.stderr
+    assert [p.name for p in out.parent.iterdir()] == ["m.safetensors"]
+    assert cli("inspect", out.parent, "--json").json()["tensors"][0]["dtype"] == "float16"
+
+
+def test_a_forced_write_over_an_earlier_index_removes_only_its_own_shards(tmp_path, cli):
+    """What an old index names is removed only when it is a shard of the output in its folder (NAME-0000k-of-0000N):
+    a hostile index naming ../victim.txt, an absolute path, another file of the folder, a shard-like name in a
+    subfolder, or the input itself leaves each alone; a symlink named as a shard goes, never its target."""
+    import json
+
+    src = _linear_stack(tmp_path / "sd.pt")
+    folder = tmp_path / "out"
+    (folder / "sub").mkdir(parents=True)
+    out = folder / "m.safetensors"
+    shards = run_fix(cli, src, out, "--max-shard-size", "1KB")["shards"]
+    own = cli("fix", folder / "m.safetensors.index.json", "-o", out, "--force")  # the input: never removed
+    assert own.exit_code == 2 and "m.safetensors.index.json beside it is the input" in own.stderr, own.stderr
+    kept = {tmp_path / "victim.txt": b"victim", folder / "notes.txt": b"notes",
+            folder / "sub" / "m-00001-of-00002.safetensors": b"sub"}
+    for path, data in kept.items():
+        path.write_bytes(data)
+    (folder / "m-00003-of-00009.safetensors").symlink_to(tmp_path / "victim.txt")
+    index = json.loads((folder / "m.safetensors.index.json").read_text())
+    index["weight_map"].update({"a": "../victim.txt", "b": str(tmp_path / "victim.txt"), "c": "notes.txt",
+                                "d": "sub/m-00001-of-00002.safetensors", "e": "m-00003-of-00009.safetensors",
+                                "f": 7})
+    (folder / "m.safetensors.index.json").write_text(json.dumps(index))
+    forced = cli("fix", shards[0], "-o", out, "--force")
+    assert forced.exit_code == 0, forced.stderr
+    assert all(path.read_bytes() == data for path, data in kept.items())
+    assert sorted(p.name for p in folder.iterdir()) == [os.path.basename(shards[0]), "m.safetensors", "notes.txt",
+                                                        "sub"]
+    assert set(load_file(out)) == set(load_file(shards[0]))

@@ -14,7 +14,7 @@ from ..readers.source import is_remote
 from ..records import Assembly, OutTensor, span_elements
 from ..safepickle.unpickler import SizeValue
 from ..tree import run_nested
-from ..writers.atomic import atomic_output, check_destination
+from ..writers.atomic import StagedFiles, atomic_output, check_destination
 from .dcp_output import write_dcp
 from ..writers.pickler import TensorOut, dumps
 from ..writers.safetensors_writer import TensorBytes, write_safetensors
@@ -32,8 +32,9 @@ if TYPE_CHECKING:  # names for annotations only
 
 
 def execute(plan: FixPlan, progress_callback: Callable[[int, int], None] | None = None,
-            verify: bool = True, force: bool = False) -> FixResult:
-    """Write the planned output atomically and, unless told not to, re-read it and compare every tensor."""
+            verify: bool = True, force: bool = False, staged: StagedFiles | None = None) -> FixResult:
+    """Write the planned output atomically and, unless told not to, re-read it and compare every tensor. With
+    `staged` (one shard of several), it is renamed into place with the others, once all are written."""
     if plan.format is OutputFormat.DCP:
         size = write_dcp(plan, verify, force)
         return FixResult(plan, size, verify)
@@ -45,7 +46,7 @@ def execute(plan: FixPlan, progress_callback: Callable[[int, int], None] | None 
     classes: list[str] = []
     reads: list[tuple[Any, int, int]] = []  # (source, offset, nbytes) of tensor data, in the order it is read
     try:
-        with atomic_output(plan.output, plan.nbytes) as (fd, tmp):
+        with atomic_output(plan.output, plan.nbytes, staged) as (fd, tmp):
             written = WrittenRanges(fd, str(tmp), verify, progress)
             try:
                 if plan.format is OutputFormat.TORCH:

@@ -14,7 +14,8 @@ from .execute import execute
 from .options import FixOptions, OutputFormat
 from .plan import plan_fix
 from .results import FixPlan, FixResult
-from .shard import check_sharded_destination, execute_sharded, shard_paths, split_plan
+from .shard import (check_index_beside, check_sharded_destination, execute_sharded, remove_stale, shard_paths,
+                    split_plan)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -80,6 +81,7 @@ def check_output(plan: FixPlan, checkpoint: Checkpoint, options: FixOptions,
         check_sharded_destination(plan.output, *sharded, checkpoint.files, options.force)
     else:
         check_destination(plan.output, checkpoint.files, options.force)
+        check_index_beside(plan.output, checkpoint.files, options.force)
 
 
 def write_fix(plan: FixPlan, options: FixOptions = FixOptions(),
@@ -89,7 +91,12 @@ def write_fix(plan: FixPlan, options: FixOptions = FixOptions(),
         raise UsageError("a dry run writes nothing: prepare_fix returns its plan")
     if options.max_shard_size is not None:
         return execute_sharded(plan, options.max_shard_size, progress_callback, options.verify, options.force)
-    return execute(plan, progress_callback=progress_callback, verify=options.verify, force=options.force)
+    stale = [] if plan.format is OutputFormat.DCP else \
+        check_index_beside(plan.output, (plan.input, *{t.source.storage.file for t in plan.tensors
+                                                      if t.source.storage}), options.force)
+    result = execute(plan, progress_callback=progress_callback, verify=options.verify, force=options.force)
+    remove_stale(stale)  # --force: an earlier sharded output of this name goes, once the file is written
+    return result
 
 
 def fix_checkpoint(source: str | os.PathLike[str] | Checkpoint, output: str | os.PathLike[str],

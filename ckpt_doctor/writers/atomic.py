@@ -13,18 +13,25 @@ from ..readers.source import is_url
 from ..units import human_bytes
 
 
+def is_input(path: Path, inputs: tuple[Path, ...]) -> bool:
+    """Whether `path` is one of the local `inputs` (a remote input is never a local file)."""
+    for source in inputs:
+        if is_url(source):
+            continue
+        try:
+            if path.exists() and os.path.samefile(path, source):
+                return True
+        except FileNotFoundError:
+            pass
+    return False
+
+
 def check_destination(output: Path, inputs: tuple[Path, ...], force: bool) -> None:
     """Refuse to overwrite an input (ever) or an existing output (without --force)."""
     if is_url(output):
         raise WriteError(f"{output}: ckpt-doctor writes local files only; give a path on this machine")
-    for source in inputs:
-        if is_url(source):  # a remote input is never the local output
-            continue
-        try:
-            if output.exists() and os.path.samefile(output, source):
-                raise WriteError(f"{output}: is the input file; the input is never modified — write elsewhere")
-        except FileNotFoundError:
-            pass
+    if is_input(output, inputs):
+        raise WriteError(f"{output}: is the input file; the input is never modified — write elsewhere")
     if output.is_dir():
         raise WriteError(f"{output}: is a directory; give a file name such as {output / 'model.safetensors'}")
     if (output.exists() or output.is_symlink()) and not force:
@@ -37,9 +44,49 @@ def check_destination(output: Path, inputs: tuple[Path, ...], force: bool) -> No
         raise WriteError(f"{output}: folder {parent} is not writable (permission denied)")
 
 
+class StagedFiles:
+    """Files written whole (each fsynced in its temporary file) and renamed into place together, in the order they
+    were written, once all are: a failure before then leaves none of them, and the files they would replace as they
+    were. What several files make one output of (shards and their index) needs it."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Path, Path]] = []  # (temporary file, destination)
+        self.placed: list[Path] = []
+
+    def commit(self) -> None:
+        for tmp, output in self.pending:
+            try:
+                os.replace(tmp, output)
+            except OSError as exc:
+                raise WriteError(f"{output}: write failed ({exc.strerror}); nothing was written") from None
+            self.placed.append(output)
+        for folder in {output.parent if str(output.parent) else Path(".") for _, output in self.pending}:
+            fsync_dir(folder)
+
+    def discard(self) -> None:
+        """Removes every temporary file, and what a commit that failed partway had renamed into place."""
+        for path in (*(tmp for tmp, _ in self.pending), *self.placed):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
 @contextlib.contextmanager
-def atomic_output(output: Path, size_hint: int = 0) -> Iterator[tuple[int, Path]]:
-    """(fd, temp path) of a new file beside `output`; renamed onto `output` only if the block succeeds.
+def staged_outputs() -> Iterator[StagedFiles]:
+    """The StagedFiles that atomic_output(…, staged=) calls in the block write: renamed into place when the block
+    ends, removed when it fails (an interrupted run too)."""
+    staged = StagedFiles()
+    try:
+        yield staged
+        staged.commit()
+    except BaseException:
+        staged.discard()
+        raise
+
+
+@contextlib.contextmanager
+def atomic_output(output: Path, size_hint: int = 0, staged: StagedFiles | None = None) -> Iterator[tuple[int, Path]]:
+    """(fd, temp path) of a new file beside `output`; renamed onto `output` only if the block succeeds (with
+    `staged`, once every file of the staged_outputs block is written).
 
     A symlink at `output` is replaced by the new file, never written through. On any failure (a full disk,
     an interrupted run) the temporary file is removed and `output` is left as it was. `size_hint` (about what
@@ -53,6 +100,9 @@ def atomic_output(output: Path, size_hint: int = 0) -> Iterator[tuple[int, Path]
         os.fsync(fd)
         os.close(fd)
         fd = -1
+        if staged is not None:
+            staged.pending.append((tmp_path, output))  # (the temporary file is the staged one's to rename or remove)
+            return
         os.replace(tmp_path, output)
         fsync_dir(parent)
     except OSError as exc:
@@ -65,8 +115,9 @@ def atomic_output(output: Path, size_hint: int = 0) -> Iterator[tuple[int, Path]
     finally:
         if fd >= 0:
             os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            tmp_path.unlink()
+        if staged is None or (tmp_path, output) not in staged.pending:
+            with contextlib.suppress(FileNotFoundError):
+                tmp_path.unlink()
 
 
 TEMP_SUFFIX = ".ckpt-doctor-tmp"
