@@ -345,9 +345,8 @@ def _write_folder(plan, tree: dict, tmp: Path) -> dict[str, tuple[int, tuple, st
 
 def dcp_inputs(plan) -> tuple[Path, ...]:
     """Every file the plan reads: none of them may lie inside the folder written."""
-    return (plan.input, *{t.source.storage.file for t in plan.tensors if t.source.storage},
-            *{p.file for t in plan.tensors if t.source.storage and t.source.storage.assembly
-              for p in t.source.storage.assembly.pieces})
+    return (*plan.inputs, *{p.file for t in plan.tensors if t.source.storage and t.source.storage.assembly
+                             for p in t.source.storage.assembly.pieces})
 
 
 def check_dcp_plan(plan) -> None:

@@ -38,8 +38,7 @@ def execute(plan: FixPlan, progress_callback: Callable[[int, int], None] | None 
     if plan.format is OutputFormat.DCP:
         size = write_dcp(plan, verify, force)
         return FixResult(plan, size, verify)
-    check_destination(plan.output, (plan.input, *{t.source.storage.file for t in plan.tensors if t.source.storage}),
-                      force=True)
+    check_destination(plan.output, plan.inputs, force=True)
     sources = Sources()
     progress = Progress(plan.nbytes * (2 if verify else 1), progress_callback)
     unknown: list[str] = []

@@ -35,6 +35,11 @@ class FixPlan:
     write_refusal: Exception | None = None
 
     @property
+    def inputs(self) -> tuple[Path, ...]:
+        """The input and every file its tensors are read from (a sharded input's shards): none is ever written."""
+        return (self.input, *{t.source.storage.file for t in self.tensors if t.source.storage})
+
+    @property
     def nbytes(self) -> int:
         seen, total = set(), 0
         for t in self.tensors:

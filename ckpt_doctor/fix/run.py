@@ -91,9 +91,7 @@ def write_fix(plan: FixPlan, options: FixOptions = FixOptions(),
         raise UsageError("a dry run writes nothing: prepare_fix returns its plan")
     if options.max_shard_size is not None:
         return execute_sharded(plan, options.max_shard_size, progress_callback, options.verify, options.force)
-    stale = [] if plan.format is OutputFormat.DCP else \
-        check_index_beside(plan.output, (plan.input, *{t.source.storage.file for t in plan.tensors
-                                                      if t.source.storage}), options.force)
+    stale = [] if plan.format is OutputFormat.DCP else check_index_beside(plan.output, plan.inputs, options.force)
     result = execute(plan, progress_callback=progress_callback, verify=options.verify, force=options.force)
     remove_stale(stale)  # --force: an earlier sharded output of this name goes, once the file is written
     return result

@@ -150,7 +150,7 @@ def execute_sharded(plan: FixPlan, max_bytes: int, progress_callback: Callable[[
     replaced as it was."""
     parts = split_plan(plan, max_bytes)
     shards, index_path = shard_paths(plan.output, len(parts))
-    inputs = (plan.input, *{t.source.storage.file for t in plan.tensors if t.source.storage})
+    inputs = plan.inputs
     stale = check_sharded_destination(plan.output, shards, index_path, inputs, force)
     with staged_outputs() as staged:
         results = [execute(part, progress_callback, verify, staged=staged) for part in parts]
