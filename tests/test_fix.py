@@ -339,6 +339,20 @@ def test_max_shard_size_writes_shards_and_an_index(fixtures, cli, tmp_path):
     assert cli("fix", fixtures["plain"]["path"], "-o", tmp_path / "x.pt", "--max-shard-size", "lots").exit_code == 2
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_keys_of_a_state_dict_that_are_no_strings_are_said_to_become_text(cli, tmp_path, nested):
+    """A state_dict keyed by ints is written keyed by their text (as its tensors are named): said of the root's,
+    and of a nested one's, which went without a word."""
+    state = {0: torch.ones(1), 1: torch.zeros(1)}
+    torch.save({"model": state, "epoch": 1} if nested else state, tmp_path / "ints.pt")
+    result = cli("fix", tmp_path / "ints.pt", "-o", tmp_path / "out.pt")
+    assert result.exit_code == 0
+    assert "2 keys of the state_dict are no strings (0, 1): written as the text they are listed by ('0', '1')" \
+        in result.stderr
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert list(out["model"] if nested else out) == ["0", "1"]
+
+
 def _lazy_views(path):
     """A lazy conjugate view and a lazy negative one (`z.conj().imag`), as torch.save records them: the bytes of
     the plain tensors, and the bits torch.load sets again."""

@@ -150,7 +150,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     note_idle(idle, renames, len(kept), draft)
     note_idle_drops(ckpt, scope, drops, draft)
     refuse_unwritable(draft.problems, plain_data_plans(ckpt, output, opts) if draft.problems else None)
-    if scope.flat_output:
+    if not scope.whole_tree:  # the state_dict's keys are written as text, nested in place or not
         note_odd_keys(ckpt, scope, draft)
     if opts.model is not None:
         check_against_model(ckpt, scope, state, tree, opts, draft)
