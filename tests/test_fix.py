@@ -120,6 +120,10 @@ def test_training_checkpoint_select_drop_and_metadata(fixtures, cli, tmp_path):
     assert "state_dict" not in nosd and nosd["epoch"] == 7 and len(data["dropped"]) == 16
     run_fix(cli, src, tmp_path / "sd.pt", "--select", "state_dict")
     SmallCNN().load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True), strict=True)
+    # the summary names what is left out where a count alone would hide it: a few keys, or the entries they were in
+    summary = cli("fix", src, "-o", tmp_path / "sd2.pt", "--select", "state_dict").stderr
+    named = summary.split(" dropped (", 1)[1].split(")", 1)[0].removeprefix("under ")
+    assert set(named.split(", ")) == set(whole) - {"state_dict"}, summary
 
 
 def test_map_location_and_dtype(fixtures, cli, tmp_path):

@@ -60,6 +60,15 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
+def _dropped(plan: FixPlan) -> str:
+    """`3 dropped (optimizer, epoch, args)`: what the output lost, named where it is a few entries (a --select or an
+    --auto leaves a training checkpoint's optimizer out; a count alone hid which)."""
+    tops = list(dict.fromkeys(key.split(".", 1)[0] for key in plan.dropped))
+    named = f" ({', '.join(plan.dropped)})" if 0 < len(plan.dropped) <= 6 else \
+        f" (under {', '.join(tops)})" if plan.dropped and len(tops) <= 6 else ""
+    return f"{len(plan.dropped)} dropped{named}"
+
+
 def fix_summary(plan: FixPlan, result: FixResult | None,
                 sharded: tuple[list[Path], Path] | None = None) -> list[str]:
     renamed = sum(1 for o, n in plan.renamed.items() if o != n)
@@ -68,12 +77,12 @@ def fix_summary(plan: FixPlan, result: FixResult | None,
     if result is None:
         output = sharded[1] if sharded else plan.output  # sharded: the index names the shards
         lines.append(f"dry run: {output} would hold {what}; {_n(renamed, 'key')} renamed, "
-                     f"{len(plan.dropped)} dropped; nothing written")
+                     f"{_dropped(plan)}; nothing written")
     else:
         check = "verified: every storage re-read and its crc32 compared with the source" if result.verified else \
             "NOT verified (--no-verify)"
         lines.append(f"wrote {result.plan.output}: {what} ({human_bytes(result.bytes)} on disk); "
-                     f"{_n(renamed, 'key')} renamed, {len(plan.dropped)} dropped; {check}")
+                     f"{_n(renamed, 'key')} renamed, {_dropped(plan)}; {check}")
     if plan.applied:
         lines.append("applied: " + "; ".join(plan.applied))
     shards, index = (result.shards, result.plan.output) if result else sharded or ((), plan.output)
