@@ -357,6 +357,18 @@ def test_keys_of_a_state_dict_that_are_no_strings_are_said_to_become_text(cli, t
     assert list(out["model"] if nested else out) == ["0", "1"]
 
 
+def test_a_safetensors_header_s_metadata_is_said_to_be_left_out_of_a_torch_output(cli, tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "m.safetensors", metadata={"author": "me", "step": "1000"})
+    result = cli("fix", tmp_path / "m.safetensors", "-o", tmp_path / "m.pt")
+    assert result.exit_code == 0
+    assert "the safetensors header's __metadata__ (author, step) is not kept: a torch output has no place for it" \
+        in result.stderr
+    kept = cli("fix", tmp_path / "m.safetensors", "-o", tmp_path / "m2.safetensors")
+    assert "__metadata__" not in kept.stderr
+
+
 def _lazy_views(path):
     """A lazy conjugate view and a lazy negative one (`z.conj().imag`), as torch.save records them: the bytes of
     the plain tensors, and the bits torch.load sets again."""

@@ -159,6 +159,10 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     draft.dropped += unlisted_tensors(ckpt.tensors, written, draft.dropped, scope.prefix)
     list_non_persistent(ckpt, draft)
     tied, metadata = safetensors_sharing(ckpt, outs, draft) if fmt is OutputFormat.SAFETENSORS else ({}, {})
+    if ckpt.format is Format.SAFETENSORS and ckpt.metadata and fmt is not OutputFormat.SAFETENSORS:
+        draft.notes.append(f"the safetensors header's __metadata__ ({', '.join(sorted(ckpt.metadata)[:4])}"
+                           f"{', …' if len(ckpt.metadata) > 4 else ''}) is not kept: a {fmt.value} output has no "
+                           "place for it")
     refuse_unwritable_tensors(outs, fmt, ckpt.value_bits)
     note_idle_devices(sorted({t.source.device for t in outs}), opts.map_location, draft.notes)
     note_devices(fmt, outs, draft)
