@@ -753,7 +753,13 @@ def fix(ckpt: str, output: str, as_json: bool, policy: Policy, **flags: Any) -> 
         if plan.write_refusal is not None:  # said last, where the next command is read from
             say("note: without --dry-run the write would stop: " + _write_refusal(plan.write_refusal))
         return 0
-    result = write_fix(plan, options, progress_bar())
+    try:
+        result = write_fix(plan, options, progress_bar())
+    except CkptDoctorError as exc:  # a way out that changes --dtype takes out the flag as the user spelled it (fp16)
+        if flags.get("dtype") is not None:
+            exc.reruns = tuple(Rerun(r.add, ("--dtype", flags["dtype"])) if r.remove[:1] == ("--dtype",) else r
+                               for r in exc.reruns)
+        raise
     if as_json:
         from .render.json_out import dumps  # only for --json
 
