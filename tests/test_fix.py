@@ -1107,3 +1107,46 @@ def test_a_dtype_that_holds_no_value_beyond_its_range_says_how_to_keep_it(cli, t
         "would be written as inf; nothing written; only float64 holds it; without --dtype: `" in refused.stderr
     assert "--dtype" not in refused.stderr.split("`")[1]
 
+
+def test_dtype_casts_the_model_weights_not_the_optimizer_beside_them(cli, tmp_path):
+    """--dtype cast every floating tensor of the file: Adam's moments, and its step, which as float16 stops counting at
+    2048 once training resumes. It casts the state_dict (the model's weights); the rest is written as saved, said in
+    a note and counted in --json; integer buffers are untouched. --select '' asks for all of the file."""
+    ckpt = _training_checkpoint(tmp_path / "train.pt", step=70001.0)
+    data = run_fix(cli, tmp_path / "train.pt", tmp_path / "half.pt", "--dtype", "float16")
+    out = torch.load(tmp_path / "half.pt", weights_only=True)
+    model = ckpt["model"]
+    for key, value in model.items():
+        want = value.half() if value.is_floating_point() else value
+        assert bitwise_equal(out["model"][key], want), key
+    for index, state in ckpt["optimizer"]["state"].items():
+        for name, value in state.items():
+            assert bitwise_equal(out["optimizer"]["state"][index][name], value), (index, name)
+    assert out["optimizer"]["state"][0]["step"] == 70001.0
+    floating = sum(v.is_floating_point() for v in model.values())
+    assert data["dtype"] == {"to": "float16", "cast": floating, "left": 18}
+    assert f"--dtype float16 ({floating} tensors)" in data["applied"]
+    assert "--dtype casts the model's weights, the state_dict: 18 floating tensors beside it keep their dtype " \
+        "(optimizer); --select '' casts all of the file" in data["notes"]
+    # all of the file, when asked: the step of 70001 would be inf, and is refused
+    refused = run_fix(cli, tmp_path / "train.pt", tmp_path / "all.pt", "--dtype", "float16", "--select", "", code=2)
+    assert "optimizer.state.0.step: 1 finite value beyond float16's range (largest |x| 70001;" in refused.stderr
+    _training_checkpoint(tmp_path / "train.pt", step=12.0)
+    everything = run_fix(cli, tmp_path / "train.pt", tmp_path / "all.pt", "--dtype", "float16", "--select", "")
+    out = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert out["optimizer"]["state"][0]["exp_avg"].dtype == torch.float16
+    assert out["model"]["1.num_batches_tracked"].dtype == torch.int64
+    assert everything["dtype"] == {"to": "float16", "cast": floating + 18, "left": 0}
+    assert any(n.startswith("optimizer.state.0.step, optimizer.state.1.step, …: an optimizer's step cast to float16 "
+                            "stops counting at 2048") for n in everything["notes"])
+
+
+def test_dtype_of_a_flat_state_dict_casts_all_of_it(cli, tmp_path):
+    """A file that is the state_dict: every floating tensor is the model's, cast; nothing is left, no note."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    torch.save(net.state_dict(), tmp_path / "sd.pt")
+    data = run_fix(cli, tmp_path / "sd.pt", tmp_path / "out.safetensors", "--dtype", "bf16")
+    assert data["dtype"] == {"to": "bfloat16", "cast": 6, "left": 0} and data["notes"] == []
+    out = load_file(tmp_path / "out.safetensors")
+    assert {k: str(v.dtype) for k, v in out.items()} == {
+        k: "torch.int64" if k.endswith("num_batches_tracked") else "torch.bfloat16" for k in net.state_dict()}
