@@ -109,8 +109,14 @@ class Cast:
     def tensor(self, tensor: "torch.Tensor") -> "torch.Tensor":
         import torch  # torch: ~1 s, only when a dtype is converted
 
-        out = tensor.to(getattr(torch, self.dst))
-        if out.numel() and not bool(torch.isfinite(out).all()):  # rare (a source's own inf, nan): then counted
+        dst = getattr(torch, self.dst)
+        out = tensor.to(dst)
+        if not out.numel() or torch.finfo(dst).max >= torch.finfo(tensor.dtype).max:
+            return out  # a dtype of a range as wide holds every value
+        # aminmax of the output: a pass as cheap as the conversion (isfinite of float16 costs ten); an inf or nan
+        # there (rare: the source's own, or the cast's) is then counted exactly
+        low, high = torch.aminmax(out)
+        if not (bool(low.isfinite()) and bool(high.isfinite())):
             lost = torch.isfinite(tensor) & ~torch.isfinite(out)
             count = int(lost.sum())
             if count:
