@@ -1,5 +1,5 @@
 """Dtype names and sizes, without importing torch: torch's names, storage classes and safetensors codes; and a
-tensor's elements as bytes (torch imported then)."""
+tensor's elements as bytes, and a cast that refuses to make values inf (torch imported then)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def tensor_bytes(tensor: "torch.Tensor") -> bytes:
 class Cast:
     """One storage converted to another dtype, a block at a time, counting the finite values the cast makes
     infinite (float16 holds |x| up to 65504): `done` refuses the write when it made any, as an inf written for a
-    weight is data lost that nothing else would notice. The count costs one pass over each block converted."""
+    weight is data lost that nothing else would notice. Looking costs one aminmax of each block converted."""
 
     def __init__(self, src: str, dst: str, key: str) -> None:
         self.src, self.dst, self.key = src, dst, key  # key: the output's name of the storage's (first) tensor
@@ -113,8 +113,8 @@ class Cast:
         out = tensor.to(dst)
         if not out.numel() or torch.finfo(dst).max >= torch.finfo(tensor.dtype).max:
             return out  # a dtype of a range as wide holds every value
-        # aminmax of the output: a pass as cheap as the conversion (isfinite of float16 costs ten); an inf or nan
-        # there (rare: the source's own, or the cast's) is then counted exactly
+        # aminmax of the output: a pass cheaper than the conversion (isfinite of float16 costs several times it); an
+        # inf or nan there (rare: the source's own, or the cast's) is then counted exactly
         low, high = torch.aminmax(out)
         if not (bool(low.isfinite()) and bool(high.isfinite())):
             lost = torch.isfinite(tensor) & ~torch.isfinite(out)
