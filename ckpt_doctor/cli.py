@@ -665,12 +665,15 @@ def _inspect_folder(folder: Any, policy: Policy, as_json: bool, no_color: bool, 
               "--drop '^optimizer'). Repeatable.")
 @click.option("--select", metavar="PATH", help="Write only the tensors under PATH, keyed relative to it: the "
               "state_dict of a training checkpoint (state_dict, model, ema) or a sub-module of a whole-model pickle. "
-              "--select '' is all of the file: nested as saved in a torch output (exactly as without --select), every "
-              "tensor in a safetensors one. What is left out is listed as dropped.")
+              "--select '' is all of the file: nested as saved in a torch output (as without --select, but --dtype "
+              "then casts all of it), every tensor in a safetensors one. What is left out is listed as dropped.")
 @click.option("--map-location", multiple=True, metavar="DEV|FROM=TO", help="Rewrite saved device tags for good: "
               "`cpu` (all tensors) or `cuda:3=cuda:0`. Repeatable.")
-@click.option("--dtype", metavar="DT", help="Cast floating tensors to float16 (half, fp16), bfloat16 (bf16), float32 "
-              "(float, fp32) or float64 (double, fp64); integer buffers such as num_batches_tracked are untouched.")
+@click.option("--dtype", metavar="DT", help="Cast the model's weights (the state_dict written: the one found, or the "
+              "part --select names) to float16 (half, fp16), bfloat16 (bf16), float32 (float, fp32) or float64 "
+              "(double, fp64). The rest of the file (optimizer state, schedulers, RNG) is written as saved; "
+              "--select '' casts all of it. Integer buffers such as num_batches_tracked are untouched. A value the "
+              "cast would make inf (float16 holds up to 65504) refuses the write: nothing is written.")
 @click.option("--model", "model_spec", metavar="SPEC", help="The model the output must load into "
               "(package.module:attr, file.py:attr, hf:PATH for a Hugging Face config.json or hf://org/name for a "
               "cached model's, or a reference checkpoint): the output is checked with torch's loading code before "
@@ -753,7 +756,13 @@ def fix(ckpt: str, output: str, as_json: bool, policy: Policy, **flags: Any) -> 
         if plan.write_refusal is not None:  # said last, where the next command is read from
             say("note: without --dry-run the write would stop: " + _write_refusal(plan.write_refusal))
         return 0
-    result = write_fix(plan, options, progress_bar())
+    try:
+        result = write_fix(plan, options, progress_bar())
+    except CkptDoctorError as exc:  # a way out that changes --dtype takes out the flag as the user spelled it (fp16)
+        if flags.get("dtype") is not None:
+            exc.reruns = tuple(Rerun(r.add, ("--dtype", flags["dtype"])) if r.remove[:1] == ("--dtype",) else r
+                               for r in exc.reruns)
+        raise
     if as_json:
         from .render.json_out import dumps  # only for --json
 

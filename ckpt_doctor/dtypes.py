@@ -1,5 +1,5 @@
 """Dtype names and sizes, without importing torch: torch's names, storage classes and safetensors codes; and a
-tensor's elements as bytes (torch imported then)."""
+tensor's elements as bytes, and a cast that refuses to make values inf (torch imported then)."""
 
 from __future__ import annotations
 
@@ -88,6 +88,59 @@ def tensor_bytes(tensor: "torch.Tensor") -> bytes:
     if buf:
         torch.frombuffer(buf, dtype=tensor.dtype).copy_(tensor.reshape(-1))
     return bytes(buf)
+
+
+class Cast:
+    """One storage converted to another dtype, a block at a time, counting the finite values the cast makes
+    infinite (float16 holds |x| up to 65504): `done` refuses the write when it made any, as an inf written for a
+    weight is data lost that nothing else would notice. Looking costs one aminmax of each block converted."""
+
+    def __init__(self, src: str, dst: str, key: str) -> None:
+        self.src, self.dst, self.key = src, dst, key  # key: the output's name of the storage's (first) tensor
+        self.lost = 0
+        self.largest = 0.0  # the largest |x| of the values lost
+
+    def block(self, data: bytes | bytearray) -> bytes:
+        """The bytes of `data` (elements of `src`) as `dst`."""
+        import torch  # torch: ~1 s, only when a dtype is converted
+
+        return tensor_bytes(self.tensor(torch.frombuffer(bytearray(data), dtype=getattr(torch, self.src))))
+
+    def tensor(self, tensor: "torch.Tensor") -> "torch.Tensor":
+        import torch  # torch: ~1 s, only when a dtype is converted
+
+        dst = getattr(torch, self.dst)
+        out = tensor.to(dst)
+        if not out.numel() or torch.finfo(dst).max >= torch.finfo(tensor.dtype).max:
+            return out  # a dtype of a range as wide holds every value
+        # aminmax of the output: a pass cheaper than the conversion (isfinite of float16 costs several times it); an
+        # inf or nan there (rare: the source's own, or the cast's) is then counted exactly
+        low, high = torch.aminmax(out)
+        if not (bool(low.isfinite()) and bool(high.isfinite())):
+            lost = torch.isfinite(tensor) & ~torch.isfinite(out)
+            count = int(lost.sum())
+            if count:
+                self.lost += count
+                self.largest = max(self.largest, float(tensor[lost].abs().max()))
+        return out
+
+    def done(self) -> None:
+        """Refuses the write (WriteError) when the cast made finite values infinite, with the dtype that holds them."""
+        if not self.lost:
+            return
+        import torch  # (imported by the cast already)
+
+        from .errors import Rerun, WriteError
+
+        top = torch.finfo(getattr(torch, self.dst)).max
+        wider = [d for d in ("bfloat16", "float32") if torch.finfo(getattr(torch, d)).max > max(top, self.largest)]
+        them = "it" if self.lost == 1 else "them"
+        way = "bfloat16 keeps float32's range: {0}" if wider[:1] == ["bfloat16"] else \
+            f"{wider[0]} holds {them}: {{0}}" if wider else f"only {self.src} holds {them}; without --dtype: {{0}}"
+        values = "1 finite value" if self.lost == 1 else f"{self.lost:,} finite values"
+        raise WriteError(f"{self.key}: {values} beyond {self.dst}'s range (largest |x| {self.largest:.6g}; {self.dst} "
+                         f"holds up to {top:.6g}) would be written as inf; nothing written; {way}",
+                         reruns=(Rerun(add=("--dtype", wider[0]) if wider else (), remove=("--dtype", self.dst)),))
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

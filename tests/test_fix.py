@@ -1041,3 +1041,128 @@ def test_a_forced_write_over_an_earlier_index_removes_only_its_own_shards(tmp_pa
     assert sorted(p.name for p in folder.iterdir()) == [os.path.basename(shards[0]), "m.safetensors", "notes.txt",
                                                         "sub"]
     assert set(load_file(out)) == set(load_file(shards[0]))
+
+
+def _training_checkpoint(path, weight: float = 0.5, step: float = 3.0) -> dict:
+    """{"model", "optimizer" (Adam: moments and a float step per parameter), "epoch"}, one weight set to `weight`."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 64))
+    with torch.no_grad():
+        net[2].weight[3, 4] = weight
+        net[2].weight[0, 0] = -weight
+    opt = torch.optim.Adam(net.parameters())
+    net(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    for state in sd["state"].values():
+        state["step"].fill_(step)
+    ckpt = {"model": net.state_dict(), "optimizer": sd, "epoch": 3}
+    torch.save(ckpt, path)
+    return ckpt
+
+
+def _deflated(src, dst):
+    """The same torch file with every member deflated (a re-zipped upload): its storages are inflated as read."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info))
+    return dst
+
+
+def _dcp_folder(ckpt, folder):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": ckpt["model"]}, checkpoint_id=str(folder), no_dist=True)
+    return folder
+
+
+@pytest.mark.parametrize("source, flags", [
+    ("plain", ("-o", "out.pt")),  # converted in chunks as read
+    ("plain", ("-o", "out.safetensors")),  # loaded whole
+    ("plain", ("-o", "out.safetensors", "--max-shard-size", "9KB")),  # a later shard: the earlier one removed
+    ("plain", ("-o", "out_dcp", "--format", "dcp")),
+    ("deflated", ("-o", "out.pt")),  # inflated, then converted
+    ("dcp", ("-o", "out.safetensors")),  # assembled from a DCP folder's pieces
+])
+def test_a_cast_that_would_write_inf_is_refused_with_nothing_written(cli, tmp_path, monkeypatch, source, flags):
+    """--dtype float16 of a weight of 1e6 (float16 holds up to 65504) wrote inf with exit 0 and "ok": true. Every way
+    a storage is converted refuses it: one line naming the tensor, how many values, the largest |x|, and the command
+    that keeps them (bfloat16, float32's range); nothing written, no temporary file left."""
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    ckpt = _training_checkpoint(tmp_path / "plain.pt", weight=1e6)
+    src = {"plain": "plain.pt", "deflated": _deflated(tmp_path / "plain.pt", tmp_path / "deflated.pt").name,
+           "dcp": _dcp_folder(ckpt, tmp_path / "dcp").name}[source]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    refused = cli("fix", src, *flags, "--dtype", "fp16")
+    assert refused.exit_code == 2 and refused.stdout == ""
+    line, = refused.stderr.splitlines()
+    assert line.startswith("Error: ") and "2.weight: 2 finite values beyond float16's range (largest |x| 1e+06; " \
+        "float16 holds up to 65504) would be written as inf; nothing written; bfloat16 keeps float32's range: `" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    way_out = shlex.split(line.split("`")[1])
+    assert way_out == ["ckpt-doctor", "fix", src, *flags, "--dtype", "bfloat16"]
+    done = cli(*way_out[1:])
+    assert done.exit_code == 0, done.stderr
+    assert "--max-shard-size" not in flags or (tmp_path / "out-00002-of-00002.safetensors").exists()
+    if flags[1] == "out.pt":
+        written = torch.load(tmp_path / "out.pt", weights_only=True)["model"]["2.weight"]
+        assert bitwise_equal(written, ckpt["model"]["2.weight"].to(torch.bfloat16)) and written.isfinite().all()
+
+
+def test_a_dtype_that_holds_no_value_beyond_its_range_says_how_to_keep_it(cli, tmp_path):
+    """float64 values past float32's range: no narrower dtype holds them; the way out is the command without
+    --dtype. The refusal names the key the output would hold."""
+    torch.save({"w": torch.tensor([1e39, 1.0], dtype=torch.float64), "n": torch.tensor(3)}, tmp_path / "d.pt")
+    refused = cli("fix", tmp_path / "d.pt", "-o", tmp_path / "out.pt", "--dtype", "float32")
+    assert refused.exit_code == 2 and not (tmp_path / "out.pt").exists()
+    assert "Error: w: 1 finite value beyond float32's range (largest |x| 1e+39; float32 holds up to 3.40282e+38) " \
+        "would be written as inf; nothing written; only float64 holds it; without --dtype: `" in refused.stderr
+    assert "--dtype" not in refused.stderr.split("`")[1]
+
+
+def test_dtype_casts_the_model_weights_not_the_optimizer_beside_them(cli, tmp_path):
+    """--dtype cast every floating tensor of the file: Adam's moments, and its step, which as float16 stops counting at
+    2048 once training resumes. It casts the state_dict (the model's weights); the rest is written as saved, said in
+    a note and counted in --json; integer buffers are untouched. --select '' asks for all of the file."""
+    ckpt = _training_checkpoint(tmp_path / "train.pt", step=70001.0)
+    data = run_fix(cli, tmp_path / "train.pt", tmp_path / "half.pt", "--dtype", "float16")
+    out = torch.load(tmp_path / "half.pt", weights_only=True)
+    model = ckpt["model"]
+    for key, value in model.items():
+        want = value.half() if value.is_floating_point() else value
+        assert bitwise_equal(out["model"][key], want), key
+    for index, state in ckpt["optimizer"]["state"].items():
+        for name, value in state.items():
+            assert bitwise_equal(out["optimizer"]["state"][index][name], value), (index, name)
+    assert out["optimizer"]["state"][0]["step"] == 70001.0
+    floating = sum(v.is_floating_point() for v in model.values())
+    assert data["dtype"] == {"to": "float16", "cast": floating, "left": 18}
+    assert f"--dtype float16 ({floating} tensors)" in data["applied"]
+    assert "--dtype casts the model's weights, the state_dict: 18 floating tensors beside it keep their dtype " \
+        "(optimizer); --select '' casts all of the file" in data["notes"]
+    # all of the file, when asked: the step of 70001 would be inf, and is refused
+    refused = run_fix(cli, tmp_path / "train.pt", tmp_path / "all.pt", "--dtype", "float16", "--select", "", code=2)
+    assert "optimizer.state.0.step: 1 finite value beyond float16's range (largest |x| 70001;" in refused.stderr
+    _training_checkpoint(tmp_path / "train.pt", step=12.0)
+    everything = run_fix(cli, tmp_path / "train.pt", tmp_path / "all.pt", "--dtype", "float16", "--select", "")
+    out = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert out["optimizer"]["state"][0]["exp_avg"].dtype == torch.float16
+    assert out["model"]["1.num_batches_tracked"].dtype == torch.int64
+    assert everything["dtype"] == {"to": "float16", "cast": floating + 18, "left": 0}
+    assert any(n.startswith("optimizer.state.0.step, optimizer.state.1.step, …: an optimizer's step cast to float16 "
+                            "stops counting at 2048") for n in everything["notes"])
+
+
+def test_dtype_of_a_flat_state_dict_casts_all_of_it(cli, tmp_path):
+    """A file that is the state_dict: every floating tensor is the model's, cast; nothing is left, no note."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    torch.save(net.state_dict(), tmp_path / "sd.pt")
+    data = run_fix(cli, tmp_path / "sd.pt", tmp_path / "out.safetensors", "--dtype", "bf16")
+    assert data["dtype"] == {"to": "bfloat16", "cast": 6, "left": 0} and data["notes"] == []
+    out = load_file(tmp_path / "out.safetensors")
+    assert {k: str(v.dtype) for k, v in out.items()} == {
+        k: "torch.int64" if k.endswith("num_batches_tracked") else "torch.bfloat16" for k in net.state_dict()}

@@ -102,7 +102,31 @@ def test_dtype_casts_floating_tensors_only_and_map_location_retags():
     assert by_key["module.conv.weight"].dtype == "float16"
     assert by_key["module.bn.num_batches_tracked"].dtype == "int64"
     assert {t.device for t in plan.tensors} == {"cpu"}
-    assert "--dtype float16" in plan.applied and "--map-location cpu" in plan.applied
+    assert "--dtype float16 (3 tensors)" in plan.applied and "--map-location cpu" in plan.applied
+
+
+TRAIN = {"model": NET, "optimizer": {"state": {"0": {"step": (), "exp_avg": (4,)}}, "param_groups": [{"lr": 0.1}]},
+         "ema": {"conv.weight": (4, 3, 3, 3)}}
+
+
+@pytest.mark.parametrize("select, cast", [
+    (None, {"model.module.conv.weight", "model.module.conv.bias", "model.module.bn.running_mean"}),
+    ("", {"model.module.conv.weight", "model.module.conv.bias", "model.module.bn.running_mean",
+          "optimizer.state.0.step", "optimizer.state.0.exp_avg", "ema.conv.weight"}),
+    ("optimizer", {"state.0.step", "state.0.exp_avg"}),  # the part named: an optimizer's state_dict, whole
+    ("ema", {"conv.weight"}),
+])
+def test_dtype_casts_the_part_written_as_the_state_dict(select, cast):
+    """--dtype casts the state_dict found, or the part --select names ('' all of the file); the floating tensors
+    beside it are written as saved, counted, and said with the way to cast them."""
+    ckpt = checkpoint(TRAIN, "model", dtypes={"model.module.bn.num_batches_tracked": "int64"})
+    plan = plan_fix(ckpt, Path("o.pt"), FixOptions(dtype="float16", select=select))
+    assert {t.key for t in plan.tensors if t.dtype == "float16"} == cast
+    assert plan.cast == (sorted(cast, key=[t.key for t in plan.tensors].index),
+                         [t.key for t in plan.tensors if t.key not in cast and t.dtype == "float32"])
+    note = [n for n in plan.notes if n.startswith("--dtype casts the model's weights")]
+    assert note == (["--dtype casts the model's weights, the state_dict: 3 floating tensors beside it keep their dtype "
+                     "(ema, optimizer); --select '' casts all of the file"] if select is None else [])
 
 
 def test_tied_tensors_are_written_once_in_safetensors_and_shared_in_torch():

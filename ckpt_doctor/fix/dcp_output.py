@@ -236,19 +236,19 @@ def _tensor_item(t, sources) -> tuple[bytes, Any]:
     elif st is None:
         raise PlanError(f"{rec.key} has no stored bytes to write")
     elif not rec.is_contiguous:
-        out = StorageOut("0", nbytes, produce=contiguous_producer(rec, t.dtype))
+        out = StorageOut("0", nbytes, produce=contiguous_producer(rec, t.dtype, t.key))
     elif st.assembly is not None:
         if rec.storage_offset == 0 and rec.numel * es == st.nbytes:
-            out = StorageOut("0", nbytes, produce=assembly_producer(st.assembly, rec.key, t.dtype, sources))
+            out = StorageOut("0", nbytes, produce=assembly_producer(st.assembly, rec.key, t.dtype, sources, t.key))
         else:
-            out = StorageOut("0", nbytes, produce=contiguous_producer(rec, t.dtype))
+            out = StorageOut("0", nbytes, produce=contiguous_producer(rec, t.dtype, t.key))
     elif st.deflated:
-        convert = (rec.dtype, t.dtype) if not same else None
+        convert = (rec.dtype, t.dtype, t.key) if not same else None
         out = StorageOut("0", nbytes, produce=deflated_producer(sources.fd(st.file), st, rec.storage_offset * es,
                                                                  rec.numel * es, rec.key, convert))
     elif not same:
         out = StorageOut("0", nbytes, produce=convert_producer(sources.fd(st.file), rec.file_offset, rec.numel * es,
-                                                                rec.dtype, t.dtype))
+                                                                rec.dtype, t.dtype, t.key))
     else:
         whole = rec.storage_offset == 0 and nbytes == st.nbytes
         out = StorageOut("0", nbytes, sources.fd(st.file), rec.file_offset, st.crc if whole else None)

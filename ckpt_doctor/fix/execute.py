@@ -141,17 +141,18 @@ def _torch_layout(plan: FixPlan, sources: Sources, archive: str | None,
             key = st.entry.rsplit("/", 1)[1] if archive is not None else str(len(storages))
             if st.assembly is not None:
                 _assembly_reads(st.assembly, sources, reads)
-                produce = assembly_producer(st.assembly, rec.key, t.dtype, sources)
+                produce = assembly_producer(st.assembly, rec.key, t.dtype, sources, t.key)
                 storages[ident] = out = StorageOut(key, nbytes, produce=produce)
                 expected[t.key] = TensorOut(rec, out.key, t.device, t.dtype, out.nbytes // element_size(t.dtype))
                 continue
             fd = sources.fd(st.file)
             reads.append((fd, st.offset, st.deflated or st.nbytes))  # (a deflated member: its compressed bytes)
             if st.deflated:  # a deflated member (a re-zipped file): inflated into the output as it is written
-                convert = (rec.dtype, t.dtype) if t.dtype != rec.dtype else None
+                convert = (rec.dtype, t.dtype, t.key) if t.dtype != rec.dtype else None
                 out = StorageOut(key, nbytes, produce=deflated_producer(fd, st, 0, st.nbytes, rec.key, convert))
             elif t.dtype != rec.dtype:
-                out = StorageOut(key, nbytes, produce=convert_producer(fd, st.offset, st.nbytes, rec.dtype, t.dtype))
+                produce = convert_producer(fd, st.offset, st.nbytes, rec.dtype, t.dtype, t.key)
+                out = StorageOut(key, nbytes, produce=produce)
             else:
                 out = StorageOut(key, nbytes, fd, st.offset, st.crc)
             storages[ident] = out
@@ -200,9 +201,9 @@ def _safetensors_layout(plan: FixPlan, sources: Sources, reads: list[tuple[Any, 
                          (sources.fd(st.file), rec.file_offset or 0, rec.span_bytes))
         if st.assembly is not None:
             entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes,
-                                       produce=assembly_producer(st.assembly, rec.key, t.dtype, sources)))
+                                       produce=assembly_producer(st.assembly, rec.key, t.dtype, sources, t.key)))
         elif st.deflated and rec.is_contiguous:
-            convert = (rec.dtype, t.dtype) if t.dtype != rec.dtype else None
+            convert = (rec.dtype, t.dtype, t.key) if t.dtype != rec.dtype else None
             entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes, produce=deflated_producer(
                 sources.fd(st.file), st, rec.storage_offset * element_size(rec.dtype), rec.nbytes, rec.key, convert)))
         elif rec.is_contiguous and t.dtype == rec.dtype:
@@ -210,6 +211,7 @@ def _safetensors_layout(plan: FixPlan, sources: Sources, reads: list[tuple[Any, 
             entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes, sources.fd(st.file), rec.file_offset or 0,
                                        st.crc if whole else None))
         else:
-            entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes, produce=contiguous_producer(rec, t.dtype)))
+            entries.append(TensorBytes(t.key, t.dtype, rec.shape, nbytes,
+                                       produce=contiguous_producer(rec, t.dtype, t.key)))
     return entries
 

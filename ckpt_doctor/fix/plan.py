@@ -50,7 +50,7 @@ from .rebuild import (
     tied_duplicates,
     unlisted_tensors,
 )
-from .results import FixPlan
+from .results import FixPlan, cast_keys
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -121,9 +121,18 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     versions = None if opts.map_by_order or fmt is not OutputFormat.TORCH else module_versions(ckpt, scope.root,
                                                                                                 renames)
 
+    # --dtype casts the model's weights, the state_dict written; what lies beside it (an optimizer's moments and
+    # step, a scheduler, RNG state) is written as saved, unless --select '' asks for all of the file (or --select
+    # names an optimizer: the part written is then that)
+    cast_all = opts.select == "" or scope.whole_tree
+
     def out_tensor(key: str, record: TensorRecord) -> OutTensor:
         dtype = opts.dtype if opts.dtype and record.dtype in FLOATING else record.dtype
         return OutTensor(key, record, dtype, device_for(record.device, opts.map_location))
+
+    def beside_tensor(key: str, record: TensorRecord) -> OutTensor:
+        return out_tensor(key, record) if cast_all else \
+            OutTensor(key, record, record.dtype, device_for(record.device, opts.map_location))
 
     by_key = {t.key: t for t in kept}
     out_prefix = "" if scope.flat_output else scope.prefix  # nested output: the state_dict keeps its place
@@ -144,7 +153,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
                                 "and --model apply to a model's state_dict: name it with --select PATH")
             state.clear()
             mapping = {}
-        tree, outs, written = nested_tree(ckpt, scope, state, drops, out_tensor, policy, draft)
+        tree, outs, written = nested_tree(ckpt, scope, state, drops, beside_tensor, policy, draft)
     if extra_renamed:  # a transform that renamed only an entry of no tensor (an `_extra_state`) renamed a key
         idle = tuple(t for t in idle if t in plan_keys(list(extra_renamed), renames).idle)
     note_idle(idle, renames, len(kept), draft)
@@ -167,9 +176,11 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     note_idle_devices(sorted({t.source.device for t in outs}), opts.map_location, draft.notes)
     note_devices(fmt, outs, draft)
     note_held_findings(ckpt, outs, fmt, scope.prefix, draft)
+    if opts.dtype:
+        note_dtype(opts.dtype, [t for t in outs if t.key not in tied], draft)
     return FixPlan(ckpt.path, output, fmt, tuple(draft.applied), {**mapping, **extra_renamed},
                    tuple(draft.dropped), tuple(outs), tree, tuple(draft.notes), tied, metadata,
-                   tuple(draft.ambiguous), policy)
+                   tuple(draft.ambiguous), policy, dtype=opts.dtype)
 
 
 def refuse_unplannable(ckpt: Checkpoint, output: Path) -> None:
@@ -579,6 +590,31 @@ def refuse_unwritable_tensors(outs: list[OutTensor], fmt: OutputFormat | None = 
                         "bytes, and fix copies bytes, so the output would hold other values; nothing written. Save "
                         "them with .resolve_conj().resolve_neg()" + ("; or leave them out with {0}" if pattern else ""),
                         reruns=(Rerun(add=("--drop", pattern)),) if pattern else ())
+
+
+def note_dtype(dtype: str, outs: list[OutTensor], draft: Draft) -> None:
+    """How many tensors --dtype casts (`outs`: those the output holds, a tied name written once counted once), in its
+    `applied` line; the floating tensors beside the state_dict it leaves as saved, said with the way to cast them
+    too; an optimizer's step it casts to a 16-bit dtype."""
+    cast, left = cast_keys(outs, dtype)
+    at = draft.applied.index(f"--dtype {dtype}")
+    draft.applied[at] += f" ({len(cast)} tensor{'' if len(cast) == 1 else 's'})"
+    if left:
+        entries = sorted({k.split(".", 1)[0] for k in left})
+        shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+        which = "1 floating tensor beside it keeps its dtype" if len(left) == 1 else \
+            f"{len(left)} floating tensors beside it keep their dtype"
+        draft.notes.append(f"--dtype casts the model's weights, the state_dict: {which} ({shown}); --select '' casts "
+                           "all of the file")
+    steps = [t.key for t in outs if t.dtype != t.source.dtype and t.source.numel == 1 and STEP.search(t.key)]
+    if steps and dtype in ("float16", "bfloat16"):  # float32 counts exactly to 2**24, float64 to 2**53
+        draft.notes.append(f"{', '.join(steps[:2])}{', …' if len(steps) > 2 else ''}: an optimizer's step cast to "
+                           f"{dtype} stops counting at {2048 if dtype == 'float16' else 256} (step + 1 rounds back), "
+                           "and Optimizer.load_state_dict keeps its dtype: to resume training, write the optimizer "
+                           "without --dtype")
+
+
+STEP = re.compile(r"(^|\.)state\..+\.step$")  # an optimizer's per-parameter step (Adam's, AdamW's: a tensor)
 
 
 def note_devices(fmt: OutputFormat, outs: list[OutTensor], draft: Draft) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..assemble import stream, whole_piece_runs
-from ..dtypes import element_size
+from ..dtypes import Cast, element_size
 from ..errors import WriteError
 from ..readers.source import close_source, open_source, read_data
 from ..records import Assembly, TensorRecord
@@ -51,34 +51,36 @@ class Sources:
             close_source(fd)
 
 
-def convert_producer(src_fd: Any, offset: int, nbytes: int, src: str, dst: str) -> Callable:
-    """Converted bytes of a storage, chunk by chunk (floating storages only); returns their crc."""
+def convert_producer(src_fd: Any, offset: int, nbytes: int, src: str, dst: str, key: str) -> Callable:
+    """Converted bytes of a storage, chunk by chunk (floating storages only); returns their crc. A value the cast
+    makes infinite refuses the write (Cast.done), named by `key`, the output's name of its tensor."""
 
     def produce(fd: int, at: int, progress: Progress | None) -> int:
-        import torch  # torch: ~1 s, only when a dtype is converted
-
+        cast = Cast(src, dst, key)
         elsize = element_size(src)
         step = CHUNK // elsize * elsize
         crc, done, written = 0, 0, 0
         while done < nbytes:
-            chunk = bytearray(read_data(src_fd, min(step, nbytes - done), offset + done))
+            chunk = read_data(src_fd, min(step, nbytes - done), offset + done)
             if not chunk:
                 raise WriteError("input ended early while converting")
-            data = tensor_bytes(torch.frombuffer(chunk, dtype=getattr(torch, src)).to(getattr(torch, dst)))
+            data = cast.block(chunk)
             write_bytes(fd, at + written, data)
             crc = crc32(data, crc)
             done += len(chunk)
             written += len(data)
             if progress:
                 progress.advance(len(chunk))
+        cast.done()
         return crc
 
     return produce
 
 
-def assembly_producer(assembly: Assembly, what: str, dtype: str, sources: Sources) -> Callable:
+def assembly_producer(assembly: Assembly, what: str, dtype: str, sources: Sources, key: str) -> Callable:
     """A tensor of several files' pieces (DCP, ZeRO), assembled straight into the output in CHUNK-sized blocks and
-    converted on the way when asked; the tiling of its pieces is checked as it goes (a gap: nothing written)."""
+    converted on the way when asked (as convert_producer: `key` names it in a refusal); the tiling of its pieces is
+    checked as it goes (a gap: nothing written)."""
 
     def produce(fd: int, at: int, progress: Progress | None) -> int:
         whole = whole_piece_runs(assembly, what) if dtype == assembly.dtype and crc32_combine is not None else None
@@ -91,13 +93,11 @@ def assembly_producer(assembly: Assembly, what: str, dtype: str, sources: Source
                 crc = crc32_combine(crc, piece.crc, nbytes)
             return crc
         state = [0, at]  # crc, where the next block goes
+        cast = Cast(assembly.dtype, dtype, key) if dtype != assembly.dtype else None
 
         def sink(block: bytes) -> None:
-            if dtype != assembly.dtype:
-                import torch  # torch: ~1 s, only when a dtype is converted
-
-                block = tensor_bytes(torch.frombuffer(bytearray(block), dtype=getattr(torch, assembly.dtype))
-                                     .to(getattr(torch, dtype)))
+            if cast is not None:
+                block = cast.block(block)
             write_bytes(fd, state[1], block)
             state[0] = crc32(block, state[0])
             state[1] += len(block)
@@ -105,18 +105,22 @@ def assembly_producer(assembly: Assembly, what: str, dtype: str, sources: Source
                 progress.advance(len(block))
 
         stream(assembly, what, sources.fd, sink, CHUNK)
+        if cast is not None:
+            cast.done()
         return state[0]
 
     return produce
 
 
-def contiguous_producer(record: TensorRecord, dtype: str) -> Callable:
-    def produce(fd: int, at: int, progress: Progress | None) -> int:
-        import torch  # torch: ~1 s, only for a tensor that is not copied as it lies
+def contiguous_producer(record: TensorRecord, dtype: str, key: str) -> Callable:
+    """A tensor loaded whole and written contiguous (a view, a strided tensor), converted as convert_producer."""
 
+    def produce(fd: int, at: int, progress: Progress | None) -> int:
         tensor = load_tensor(record)
         if dtype != record.dtype:
-            tensor = tensor.to(getattr(torch, dtype))
+            cast = Cast(record.dtype, dtype, key)
+            tensor = cast.tensor(tensor)
+            cast.done()
         data = tensor_bytes(tensor.contiguous()) if tensor.numel() else b""
         write_bytes(fd, at, data)
         if progress:

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from .._record import field, record
-from ..dtypes import element_size
+from ..dtypes import FLOATING, element_size
 from ..records import OutTensor
 from ..safepickle.policy import DEFAULT_POLICY, Policy
 from .options import OutputFormat
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
-    from typing import Any
+    from typing import Any, Iterable
 
 
 @record
@@ -33,6 +33,13 @@ class FixPlan:
     # A dry run's: what the write itself would refuse (an existing output without --force, a folder that cannot be
     # written), so that the dry run does not pass a command that then fails
     write_refusal: Exception | None = None
+    dtype: str | None = None  # --dtype: what the state_dict's floating tensors are cast to
+
+    @property
+    def cast(self) -> tuple[list[str], list[str]]:
+        """--dtype: the keys of the tensors cast, and of the floating ones written as saved (cast_keys); a tied name
+        written once (safetensors) is counted once, as in `tensors`."""
+        return cast_keys([t for t in self.tensors if t.key not in self.tied], self.dtype) if self.dtype else ([], [])
 
     @property
     def inputs(self) -> tuple[Path, ...]:
@@ -68,6 +75,14 @@ class FixResult:
         """What torch.serialization.safe_globals needs to hold for torch.load(weights_only=True) of the output."""
         return tuple(sorted({*self.unknown_globals, *self.dtype_classes}))
 
+
+
+def cast_keys(tensors: Iterable[OutTensor], dtype: str) -> tuple[list[str], list[str]]:
+    """The keys of the tensors cast to `dtype`, and of the floating ones --dtype leaves as saved (beside the
+    state_dict; those already of `dtype` are neither)."""
+    cast = [t.key for t in tensors if t.dtype != t.source.dtype]
+    left = [t.key for t in tensors if t.source.dtype in FLOATING and t.dtype == t.source.dtype != dtype]
+    return cast, left
 
 
 def converted_nbytes(nbytes: int, src: str, dst: str) -> int:

@@ -14,6 +14,7 @@ def fix_json(plan: FixPlan, result: FixResult | None,
              sharded: tuple[list[Path], Path] | None = None) -> dict[str, Any]:
     """The result as JSON; a dry run's (`result` None) names the shards and index the write would make."""
     shards = result.shards if result else sharded[0] if sharded else ()
+    cast, left = plan.cast
     return {
         "ok": True,  # a fix that could not be done ends in one Error line (exit 2) and no JSON; 1 when --model refuses
         "exit_code": 0,
@@ -30,6 +31,8 @@ def fix_json(plan: FixPlan, result: FixResult | None,
         "dry_run": result is None,
         "write_refusal": str(plan.write_refusal) if result is None and plan.write_refusal is not None else None,
         "tied": plan.tied,
+        # --dtype: the tensors cast, and the floating ones written as saved (beside the state_dict); null without it
+        "dtype": {"to": plan.dtype, "cast": len(cast), "left": len(left)} if plan.dtype else None,
         "notes": list(plan.notes),
         "unknown_globals": list(result.unknown_globals) if result else [],
         "safe_globals": list(result.safe_globals) if result else [],

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any, Callable, Iterator
 
-from ..dtypes import element_size
+from ..dtypes import Cast, element_size
 from ..errors import WriteError
 from ..readers.zipindex import inflated_range
 
@@ -129,10 +129,11 @@ def write_bytes(dst_fd: int, offset: int, data: bytes | memoryview) -> None:
 
 
 def deflated_producer(src_fd: int, storage: Any, skip: int, nbytes: int, what: str,
-                      convert: tuple[str, str] | None = None) -> Callable[[int, int, Progress | None], int]:
+                      convert: tuple[str, str, str] | None = None) -> Callable[[int, int, Progress | None], int]:
     """Bytes [skip, skip + nbytes) of a storage that is a deflated zip member (a re-zipped torch file), inflated
     straight into the output a CHUNK at a time, so memory stays one chunk whatever the storage's size; `convert`:
-    (from dtype, to dtype), converted on the way. The whole member is inflated and checked against the crc32 its
+    (from dtype, to dtype, the output's name of the tensor), converted on the way (a value the cast makes infinite
+    refuses the write: dtypes.Cast). The whole member is inflated and checked against the crc32 its
     archive records, when it records one (a corrupt member: ReadError, nothing written). Returns a producer for the
     writers: (fd, offset, progress) -> the crc32 of what it wrote."""
 
@@ -140,25 +141,24 @@ def deflated_producer(src_fd: int, storage: Any, skip: int, nbytes: int, what: s
         whole = (storage.nbytes, storage.crc) if storage.crc is not None else None
         crc, written, carry = 0, 0, b""
         elsize = 1
+        cast = None
         if convert is not None:
             elsize = element_size(convert[0])
+            cast = Cast(*convert)
         for block in inflated_range(src_fd, storage.offset, storage.deflated, skip, nbytes,
                                     f"{storage.file}: {what} (storage {storage.entry or storage.key})", whole):
             if progress:
                 progress.advance(len(block))
-            if convert is not None:
-                import torch
-
-                from ..tensordata import tensor_bytes
-
+            if cast is not None:
                 block = carry + block
                 cut = len(block) - len(block) % elsize
                 block, carry = block[:cut], block[cut:]
-                block = tensor_bytes(torch.frombuffer(bytearray(block), dtype=getattr(torch, convert[0]))
-                                     .to(getattr(torch, convert[1]))) if block else b""
+                block = cast.block(block) if block else b""
             write_bytes(fd, at + written, block)
             crc = crc32(block, crc)
             written += len(block)
+        if cast is not None:
+            cast.done()
         return crc
 
     return produce
