@@ -576,6 +576,7 @@ class Checkpoint:
     hazards: tuple[Hazard, ...] = ()
     layouts: dict[str, str] = field(default_factory=dict)  # key -> how a distributed checkpoint holds it
     value_bits: dict[str, str] = field(default_factory=dict)  # key -> "conj", "neg": its values are not its bytes
+    tensor_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> its Python attributes' names
     distributed: DcpFolder | DeepSpeedFolder | DistributedShard | None = None  # what a distributed checkpoint is
     longer_storages: tuple[str, ...] = ()  # zip members longer than their storage, whose size torch.load refuses
     advice: tuple[tuple[str, Any], ...] = ()  # (what for, advice.Suggestion): the commands its notes print

@@ -369,6 +369,25 @@ def test_a_safetensors_header_s_metadata_is_said_to_be_left_out_of_a_torch_outpu
     assert "__metadata__" not in kept.stderr
 
 
+def test_python_attributes_of_a_tensor_are_named_where_fix_leaves_them_out(cli, tmp_path):
+    """torch.save keeps a tensor's __dict__ (Megatron's `partition_dim` on a Parameter) and torch.load sets it
+    again; fix writes the values without them: inspect names them, and fix says it leaves them out."""
+    t = torch.ones(3)
+    t.my_attr = 5
+    p = torch.nn.Parameter(torch.ones(2))
+    p.partition_dim, p.tensor_model_parallel = 1, True
+    torch.save({"t": t, "p": p, "d": torch.zeros(1)}, tmp_path / "attrs.pt")
+    notes = cli("inspect", tmp_path / "attrs.pt", "--json").json()["notes"]
+    assert "t: Python attributes set on it (my_attr), which torch.load sets again and fix does not write" in notes
+    assert not any("tensor subclass torch.Tensor" in n for n in notes)  # a plain tensor given attributes
+    result = cli("fix", tmp_path / "attrs.pt", "-o", tmp_path / "out.pt")
+    assert result.exit_code == 0
+    assert "2 tensors carry Python attributes (my_attr, partition_dim, tensor_model_parallel: on t, p), which are " \
+        "not written" in result.stderr
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert torch.equal(out["p"], p.detach()) and isinstance(out["p"], torch.nn.Parameter)
+
+
 def _lazy_views(path):
     """A lazy conjugate view and a lazy negative one (`z.conj().imag`), as torch.save records them: the bytes of
     the plain tensors, and the bits torch.load sets again."""

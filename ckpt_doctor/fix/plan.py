@@ -168,6 +168,13 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     draft.dropped += unlisted_tensors(ckpt.tensors, written, draft.dropped, scope.prefix)
     list_non_persistent(ckpt, draft)
     tied, metadata = safetensors_sharing(ckpt, outs, draft) if fmt is OutputFormat.SAFETENSORS else ({}, {})
+    with_attributes = [t.source.key for t in outs if t.source.key in ckpt.tensor_attrs] if ckpt.tensor_attrs else []
+    if with_attributes:
+        names = sorted({a for k in with_attributes for a in ckpt.tensor_attrs[k]})
+        draft.notes.append(f"{len(with_attributes)} tensors carry Python attributes ({', '.join(names[:4])}"
+                           f"{', …' if len(names) > 4 else ''}: on {', '.join(with_attributes[:2])}"
+                           f"{', …' if len(with_attributes) > 2 else ''}), which are not written: the output holds "
+                           "their values, and code that reads the attributes must set them again")
     if ckpt.format is Format.SAFETENSORS and ckpt.metadata and fmt is not OutputFormat.SAFETENSORS:
         draft.notes.append(f"the safetensors header's __metadata__ ({', '.join(sorted(ckpt.metadata)[:4])}"
                            f"{', …' if len(ckpt.metadata) > 4 else ''}) is not kept: a {fmt.value} output has no "

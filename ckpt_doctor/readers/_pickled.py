@@ -237,6 +237,7 @@ def build_checkpoint(path: Path, fmt: Format, root: Any, unpicklers: list[SafeUn
     noted = any(map(attrgetter("note"), raws))
     tensor_notes = [f"{key}: {raw.note}" for key, raw in flat.tensors if raw.note] if noted else []
     value_bits = {key: raw.bits for key, raw in flat.tensors if raw.bits} if noted else {}
+    attributes = {key: raw.attrs for key, raw in flat.tensors if raw.attrs} if noted else {}
     for up in unpicklers:
         all_notes.extend(up.notes)
         all_notes.extend(tensor_notes)
@@ -251,7 +252,7 @@ def build_checkpoint(path: Path, fmt: Format, root: Any, unpicklers: list[SafeUn
                       globals=_dedupe(loaded + list(extra_globals)), state_dict_root=sd_root, other_state_dicts=others,
                       root=root, model_class=model_class, notes=tuple(dict.fromkeys(all_notes)), files=(path,),
                       non_persistent=tuple(flat.non_persistent), loaded_globals=_dedupe(loaded),
-                      value_bits=value_bits)
+                      value_bits=value_bits, tensor_attrs=attributes)
 
 
 def _dedupe(refs: list[GlobalRef]) -> tuple[GlobalRef, ...]:

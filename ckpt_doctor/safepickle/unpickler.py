@@ -139,16 +139,17 @@ class RawTensor:
     """A tensor as the pickle describes it, before it has a key path."""
 
     __slots__ = ("storage", "dtype", "offset", "shape", "stride", "requires_grad", "is_parameter", "device", "note",
-                 "bits")
+                 "bits", "attrs")
 
     def __init__(self, storage: StorageRef | None, dtype: str, offset: int, shape: tuple[int, ...],
                  stride: tuple[int, ...], requires_grad: bool = False, is_parameter: bool = False,
-                 device: str | None = None, note: str = "", bits: str = "") -> None:
+                 device: str | None = None, note: str = "", bits: str = "", attrs: tuple[str, ...] = ()) -> None:
         self.storage, self.dtype, self.offset, self.shape, self.stride = storage, dtype, offset, shape, stride
         self.requires_grad, self.is_parameter = requires_grad, is_parameter
         self.device = device  # set when the tensor has no storage (meta) or was moved on rebuild
         self.note = note
         self.bits = bits  # "conj", "neg", "conj,neg": torch.load sets these bits, so its values are not its bytes
+        self.attrs = attrs  # the names of the Python attributes torch.save kept of it (fix does not write them)
 
     def __setstate__(self, state: Any) -> None:
         # A BUILD's slot state would set the record's fields by setattr (another shape, dtype or storage than the
@@ -157,7 +158,7 @@ class RawTensor:
 
     def __reduce__(self) -> tuple:  # a copy (pickled to a worker, copy.copy) is made anew, never given state
         return RawTensor, (self.storage, self.dtype, self.offset, self.shape, self.stride, self.requires_grad,
-                           self.is_parameter, self.device, self.note, self.bits)
+                           self.is_parameter, self.device, self.note, self.bits, self.attrs)
 
 
 class Token:
@@ -295,7 +296,7 @@ def _rebuild_parameter(data, requires_grad=True, hooks=None, state=None):
         raise TypeError("parameter data is not a tensor")
     data.is_parameter = True
     data.requires_grad = bool(requires_grad)
-    return data
+    return _with_attributes(data, state)
 
 
 def _rebuild_qtensor(storage, offset, size, stride, quantizer_params, requires_grad, hooks):
@@ -322,9 +323,23 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         ref = new_type.__ref__
         if ref is not None and ref.qualname == "torch.nn.parameter.Parameter":
             result.is_parameter = True
-        elif ref is not None:
+        elif ref is not None and ref.qualname != "torch.Tensor":  # (a plain tensor given attributes comes so too)
             result.note = f"tensor subclass {ref.qualname}"
-    return result
+    return _with_attributes(result, state)
+
+
+def _with_attributes(tensor: Any, state: Any) -> Any:
+    """The Python attributes torch.save kept of a tensor (`t.partition_dim = 1`: its __dict__, the state
+    torch.load sets again), by name: ckpt-doctor reads the tensor, and fix writes it, without them."""
+    attributes = state.get("__dict__", state) if isinstance(state, dict) else \
+        state[0] if isinstance(state, tuple) and state and isinstance(state[0], dict) else None
+    if isinstance(tensor, RawTensor) and attributes:
+        names = [str(k) for k in list(attributes)[:4]]
+        tensor.attrs = tuple(str(k) for k in attributes)
+        said = f"Python attributes set on it ({', '.join(names)}{', …' if len(attributes) > 4 else ''}), which " \
+            "torch.load sets again and fix does not write"
+        tensor.note = f"{tensor.note}; {said}" if tensor.note else said
+    return tensor
 
 
 def _parameter(data=None, requires_grad=True):
