@@ -147,6 +147,8 @@ def output_beside(source: str | os.PathLike[str], tag: str = "fixed", suffix: st
     else:
         text = os.fspath(source).rstrip("/") or "."
         folder, name = os.path.split(text)
+        if name.endswith(".index.json") and folder.strip("./"):  # a model folder's shard index: beside the folder,
+            folder, name = os.path.split(folder.rstrip("/"))  # where a file inside would be one more of its files
     if os.path.isdir(folder or ".") and not os.access(folder or ".", os.W_OK) and os.access(".", os.W_OK):
         folder = ""
     stem = name.removesuffix(".index.json")  # a shard index (a remote sharded checkpoint): named as its model

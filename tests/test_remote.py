@@ -651,6 +651,11 @@ def test_a_fix_suggested_for_a_shard_index_url_is_named_after_its_model(tmp_path
     assert output_beside("https://host/org/model.safetensors.index.json") == "model_fixed.pt"
     assert output_beside("s3://bucket/run/pytorch_model.bin.index.json", "fixed", ".safetensors") == \
         "pytorch_model_fixed.safetensors"
+    # a local model folder's index: beside the folder, not one more file in it (which inspect of the folder would
+    # then find beside the index)
+    (tmp_path / "bert").mkdir()
+    assert output_beside("bert/model.safetensors.index.json") == "bert_fixed.pt"
+    assert output_beside("model.safetensors.index.json") == "model_fixed.pt"
 
 
 # --- remote torch.distributed.checkpoint folders: by the URL of their .metadata (https://), an s3:// prefix ----------
