@@ -1076,15 +1076,6 @@ def _bits_under(ckpt: Checkpoint, root: str | None) -> dict[str, str]:
     return {k[len(prefix):]: v for k, v in ckpt.value_bits.items() if k.startswith(prefix)}
 
 
-def _valued(t: Any, bits: str) -> Any:
-    """A tensor read from its bytes, given the conjugate and negative bits torch.load would set: its values."""
-    if "conj" in bits:
-        t = t.conj().resolve_conj()
-    if "neg" in bits:
-        t = -t
-    return t
-
-
 def _pair(key: str, a_key: str, ta: TensorRecord, tb: TensorRecord, atol: float, rtol: float, load,
           mapped: _Mapped, figures: _Figures, bits: tuple[str, str] = ("", "")) -> tuple[TensorDiff, range | None]:
     """One pair, read from the page cache when both are plain runs of bytes (the bytes first: most pairs stop at
@@ -1094,7 +1085,9 @@ def _pair(key: str, a_key: str, ta: TensorRecord, tb: TensorRecord, atol: float,
     if ta.shape != tb.shape:
         return TensorDiff(key, a_key, "shape", ta.shape, tb.shape, ta.dtype, tb.dtype), None
     if any(bits):
-        stats = pair_stats(_valued(load(ta), bits[0]), _valued(load(tb), bits[1]), atol, rtol)
+        from .tensordata import with_bits  # torch: loaded with load_tensor already, only for a lazy view
+
+        stats = pair_stats(with_bits(load(ta), bits[0]), with_bits(load(tb), bits[1]), atol, rtol)
     elif _mappable(ta) and _mappable(tb):
         mapped.check(ta)
         mapped.check(tb)

@@ -9,12 +9,12 @@ when such a spec is used: its import costs seconds.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import CkptDoctorError, ModelSpecError, UsageError, one_line
+from .errors import CkptDoctorError, ModelSpecError, ReadError, UsageError, one_line
+from .readers.jsonfile import read_json  # a regular file, read up to its limit (never a link to /dev/zero)
 
 PREFIX = "hf:"
 CONFIG = "config.json"
@@ -87,14 +87,10 @@ def read_config(spec: str, overrides: dict[str, Any] | None = None) -> tuple[Any
     class it names."""
     path = config_path(spec)
     try:
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ModelSpecError(f"--model {spec}: {path} is {path.stat().st_size} bytes, no model config")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise ModelSpecError(f"--model {spec}: {path} is not a config.json (not text; a Hugging Face model's config is "
-                             "the config.json beside its weights)") from None
-    except (OSError, ValueError) as exc:
-        raise ModelSpecError(f"--model {spec}: {path} is no JSON config: {one_line(exc, 160)}") from None
+        data = read_json(path, "model config", MAX_CONFIG_BYTES)
+    except ReadError as exc:
+        raise ModelSpecError(f"--model {spec}: {path} is no JSON config: "
+                             f"{one_line(str(exc).removeprefix(f'{path}: '), 160)}") from None
     if not isinstance(data, dict):
         raise ModelSpecError(f"--model {spec}: {path} holds {type(data).__name__}, not a config object")
     transformers = transformers_module()

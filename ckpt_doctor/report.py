@@ -137,7 +137,7 @@ def inspect_checkpoint(path: str | Path, *, stats: bool = False, filter: str | N
 
         ckpt.refuse_values("compute --stats")
 
-        table_stats = {t.key: tensor_stats(t) for t in tensors}
+        table_stats = {t.key: tensor_stats(t, ckpt.value_bits.get(t.key, "")) for t in tensors}
         bn = batchnorm_at_init(list(tensors), table_stats)
     table = TensorTable.of(ckpt.tensors)
     total_bytes, storage_count = table.storage_totals()

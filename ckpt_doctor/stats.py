@@ -6,7 +6,7 @@ import math
 from ._record import record
 
 from .records import TensorRecord
-from .tensordata import load_tensor
+from .tensordata import load_tensor, with_bits
 
 CHUNK = 1 << 24
 HIST_BINS = 16
@@ -28,13 +28,14 @@ class TensorStats:
         return self.min is not None and self.min == self.max
 
 
-def tensor_stats(record: TensorRecord) -> TensorStats | None:
-    """None for dtypes without an order (bool, complex, quantized)."""
+def tensor_stats(record: TensorRecord, bits: str = "") -> TensorStats | None:
+    """None for dtypes without an order (bool, complex, quantized). `bits`: the conjugate and negative bits torch.load
+    sets on it (Checkpoint.value_bits): the figures are of its values."""
     import torch
 
     if record.dtype == "bool" or record.dtype.startswith(("complex", "q", "bits", "float4")):
         return None
-    tensor = load_tensor(record).reshape(-1)
+    tensor = with_bits(load_tensor(record), bits).reshape(-1)
     if tensor.numel() == 0:
         return TensorStats(None, None, None, None, 0, 0)
     total = total_sq = 0.0

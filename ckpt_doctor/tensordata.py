@@ -101,5 +101,20 @@ def load_tensor(record: TensorRecord) -> "torch.Tensor":
     return flat.as_strided(record.shape, record.stride)
 
 
+def with_bits(tensor: "torch.Tensor", bits: str) -> "torch.Tensor":
+    """A tensor read from its bytes, given the conjugate and negative bits torch.load sets (Checkpoint.value_bits):
+    its values, as torch.load gives them."""
+    import torch
+
+    if "conj" in bits:
+        tensor = tensor.conj().resolve_conj()
+    if "neg" in bits:
+        if tensor.dtype == torch.bool:
+            raise ReadError("a bool tensor saved with its negative bit: torch.load reads it, and fails wherever its "
+                            "values are read (no bool can be negated)")
+        tensor = -tensor
+    return tensor
+
+
 def storage_nbytes(record: TensorRecord) -> int:
     return record.numel * element_size(record.dtype)

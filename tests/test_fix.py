@@ -6,6 +6,7 @@ import hashlib
 import os
 import shlex
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -357,6 +358,20 @@ def test_keys_of_a_state_dict_that_are_no_strings_are_said_to_become_text(cli, t
     assert list(out["model"] if nested else out) == ["0", "1"]
 
 
+@pytest.mark.parametrize("kind", ["zero", "fifo"])
+def test_an_index_beside_the_output_that_is_no_file_is_not_read(cli, tmp_path, kind):
+    """NAME.EXT.index.json as a link to /dev/zero (no end, and a size of 0) or a FIFO (a read waits for a writer):
+    reading it to find its shards took memory without limit, or hung. It names no shards, and is replaced."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "src.pt")
+    index = tmp_path / "model.safetensors.index.json"
+    index.symlink_to("/dev/zero") if kind == "zero" else os.mkfifo(index)
+    for flags in (("--dry-run",), ()):
+        result = cli("fix", tmp_path / "src.pt", "-o", tmp_path / "model.safetensors", "--force", *flags)
+        assert result.exit_code == 0, result.stderr
+    assert not os.path.lexists(index) and (tmp_path / "model.safetensors").is_file()
+    assert cli("inspect", tmp_path).exit_code == 0
+
+
 def test_a_safetensors_header_s_metadata_is_said_to_be_left_out_of_a_torch_output(cli, tmp_path):
     from safetensors.torch import save_file
 
@@ -411,6 +426,54 @@ def test_a_lazy_conjugate_or_negative_view_is_refused_not_written_with_other_val
     drop = refused.stderr.split("leave them out with `", 1)[1].split("`", 1)[0]
     assert cli(*shlex.split(drop)[1:]).exit_code == 0
     assert list(torch.load(tmp_path / "out.pt", weights_only=True)) == ["w"]
+
+
+def _saved_with_metadata(path, tensor, metadata):
+    """torch.save of `tensor` as if it carried `metadata` (the conjugate and negative bits torch.load sets again)."""
+    import torch._utils as U
+
+    real = U.get_tensor_metadata
+    U.get_tensor_metadata = lambda t: metadata if t.data_ptr() == tensor.data_ptr() else real(t)
+    try:
+        torch.save({"model": {"w": tensor, "ok": torch.ones(2)}}, path)
+    finally:
+        U.get_tensor_metadata = real
+
+
+def test_a_lazy_view_inside_a_nested_state_dict_is_refused_and_read_as_torch_does(cli, tmp_path):
+    """The state_dict's keys are relative to it: a neg view at model.w was missed (written un-negated, exit 0).
+    torch sets a bit wherever its key is there ({'neg': False} too); where it cannot (a conjugate bit on a real
+    tensor, a negative one on a bool tensor) torch.load fails, and so does reading here: one line, exit 2."""
+    for name, tensor, metadata in (("view", torch.tensor([1.0, -2.0])._neg_view(), None),
+                                   ("false", torch.tensor([1.0, -2.0]), {"neg": False})):
+        path = tmp_path / f"{name}.pt"
+        if metadata is None:
+            torch.save({"model": {"w": tensor, "ok": torch.ones(2)}}, path)
+        else:
+            _saved_with_metadata(path, tensor, metadata)
+        assert torch.load(path, weights_only=True)["model"]["w"].tolist() == [-1.0, 2.0]
+        for flags in ((), ("--select", "model")):
+            refused = cli("fix", path, "-o", tmp_path / "out.pt", *flags)
+            assert refused.exit_code == 2 and "1 tensor saved as lazy conjugate or negative views (model.w)" in \
+                refused.stderr, (name, flags, refused.stderr)
+        stats = cli("inspect", path, "--stats", "--json").json()["tensors"]
+        assert [t["stats"]["min"] for t in stats if t["key"] == "model.w"] == [-1.0]
+    for name, tensor, metadata in (("conj_real", torch.ones(2), {"conj": True}),
+                                   ("not_bool", torch.ones(2), {"neg": "yes"})):
+        path = tmp_path / f"{name}.pt"
+        _saved_with_metadata(path, tensor, metadata)
+        with pytest.raises(Exception):
+            torch.load(path, weights_only=True)
+        result = cli("inspect", path)
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "Error:" in result.stderr, name
+    # a negative bit on a bool tensor: torch.load reads it, and fails on its values: diff says so in one line
+    path = tmp_path / "neg_bool.pt"
+    _saved_with_metadata(path, torch.tensor([True, False]), {"neg": True})
+    assert torch.load(path, weights_only=True)["model"]["w"].is_neg()
+    assert cli("inspect", path).exit_code == 0
+    torch.save({"model": {"w": torch.tensor([True, False]), "ok": torch.ones(2)}}, tmp_path / "plain_bool.pt")
+    result = cli("diff", path, tmp_path / "plain_bool.pt")
+    assert result.exit_code == 2 and "no bool can be negated" in result.stderr and "internal" not in result.stderr
 
 
 def test_diff_compares_what_torch_load_gives_of_a_lazy_view(cli, tmp_path):
@@ -997,6 +1060,33 @@ def _linear_stack(path, dtype=torch.float32):
     return path
 
 
+def test_a_sharded_write_stopped_between_its_renames_leaves_no_old_index_over_new_shards(tmp_path, monkeypatch):
+    """Shards are renamed into place one by one: stopped after the first, the old index named one new shard and
+    the rest old (a mix of two models that loads). The old index goes first: the folder is left with none."""
+    import ckpt_doctor.writers.atomic as atomic
+    from ckpt_doctor import FixOptions, fix_checkpoint
+    from ckpt_doctor.errors import WriteError
+
+    out = tmp_path / "o" / "m.safetensors"
+    out.parent.mkdir()
+    fix_checkpoint(_linear_stack(tmp_path / "a.pt"), out, FixOptions(max_shard_size=1000))
+    index = out.with_name("m.safetensors.index.json")
+    assert index.exists()
+    real, calls = os.replace, []
+
+    def stop_after_one(src, dst):
+        calls.append(dst)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", stop_after_one)
+    with pytest.raises(WriteError):
+        fix_checkpoint(_linear_stack(tmp_path / "b.pt"), out, FixOptions(max_shard_size=1000, force=True))
+    assert len(calls) == 2 and not index.exists()  # no index names a mix of the two models
+    assert not [p for p in out.parent.iterdir() if p.name.endswith(".ckpt-doctor-tmp")]
+
+
 def test_an_earlier_sharded_output_of_its_name_is_refused_or_replaced_whole(tmp_path, cli):
     """An index of the output's name counts as an existing output, as a single file does under a sharded write.
     Re-sharding with --force left the 8 old shards beside the 2 new ones; a single file was written, without
@@ -1054,12 +1144,17 @@ def test_a_forced_write_over_an_earlier_index_removes_only_its_own_shards(tmp_pa
                                 "d": "sub/m-00001-of-00002.safetensors", "e": "m-00003-of-00009.safetensors",
                                 "f": 7})
     (folder / "m.safetensors.index.json").write_text(json.dumps(index))
-    forced = cli("fix", shards[0], "-o", out, "--force")
+    # a shard of the model as the input: the index is that model's, not an earlier output; --force would take the
+    # model apart around the input (its index and every other shard removed), so it is refused
+    within = cli("fix", shards[0], "-o", out, "--force")
+    assert within.exit_code == 2 and "names the input as one of its shards" in within.stderr, within.stderr
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(Path(shards[0]).read_bytes())
+    forced = cli("fix", copy, "-o", out, "--force")
     assert forced.exit_code == 0, forced.stderr
     assert all(path.read_bytes() == data for path, data in kept.items())
-    assert sorted(p.name for p in folder.iterdir()) == [os.path.basename(shards[0]), "m.safetensors", "notes.txt",
-                                                        "sub"]
-    assert set(load_file(out)) == set(load_file(shards[0]))
+    assert sorted(p.name for p in folder.iterdir()) == ["m.safetensors", "notes.txt", "sub"]
+    assert set(load_file(out)) == set(load_file(copy))
 
 
 def _training_checkpoint(path, weight: float = 0.5, step: float = 3.0) -> dict:

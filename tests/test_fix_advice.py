@@ -8,6 +8,7 @@ import re
 import shlex
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -353,6 +354,78 @@ def test_one_entry_holding_several_refused_objects_is_one_entry(tmp_path):
     leave = refused.stderr.split("Leave it out with `", 1)[1].split("`", 1)[0]
     assert run_cli(*shlex.split(leave)[1:]).exit_code == 0
     assert set(torch.load(tmp_path / "out.pt", weights_only=True)) == {"model"}
+
+
+def test_plain_data_of_a_shared_or_self_holding_namespace_and_what_it_leaves_as_it_is(tmp_path):
+    """A Namespace at two places is converted at both; one that holds itself is converted once (it had been
+    unrolled until the key length limit, which made inspect fail), its cycle left for the --drop the rescue prints;
+    a Namespace given two BUILDs (pickle updates one __dict__ with both) and a scalar of a dtype state numpy
+    refuses are left as they are, never converted to something torch.load of the source would not give."""
+    import argparse
+
+    from tests.payloads import global_op, torch_zip
+
+    shared = argparse.Namespace(a=1)
+    path = tmp_path / "shared.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "x": shared, "y": [shared, shared]}, path)
+    assert run_cli("fix", path, "-o", tmp_path / "s.pt", "--plain-data").exit_code == 0
+    assert torch.load(tmp_path / "s.pt", weights_only=True)["y"] == [{"a": 1}, {"a": 1}]
+
+    class Again:  # pickles as Namespace() given a state that holds the Namespace itself
+        def __reduce__(self):
+            return argparse.Namespace, (), {"me": self, "lr": 0.1}
+
+    path = tmp_path / "cycle.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "args": Again()}, path)
+    inspected = run_cli("inspect", path, "--json")
+    assert inspected.exit_code == 0, inspected.stderr
+    [rescue] = inspected.json()["suggested_commands"]
+    assert "--plain-data" in rescue["argv"] and run_printed(rescue["command"]).exit_code == 0
+    out = rescue["argv"][rescue["argv"].index("-o") + 1]
+    assert torch.load(out, weights_only=True)["args"] == {"lr": 0.1}
+
+    def text(s: str) -> bytes:
+        return b"X" + len(s.encode()).to_bytes(4, "little") + s.encode()
+
+    two_builds = global_op("argparse", "Namespace") + b")R}" + text("a") + b"K\x01sb}" + text("b") + b"K\x02sb"
+    dtype = global_op("numpy", "dtype") + b"(" + text("f8") + b"\x89\x88tR(K\x63" + text("<") + b"NNNJ\xff\xff\xff" \
+        b"\xffJ\xff\xff\xff\xffK\x00tb"
+    scalar = global_op("numpy._core.multiarray", "scalar") + dtype + b"C\x08" + bytes(8) + b"\x86R"
+    weight = global_op("torch._utils", "_rebuild_tensor_v2") + b"((" + text("storage") + \
+        global_op("torch", "FloatStorage") + text("0") + text("cpu") + b"K\x02tQK\x00K\x02\x85K\x01\x85\x89" + \
+        global_op("collections", "OrderedDict") + b")RtR"
+    for name, value, what in (("two_builds", two_builds, "v holds an argparse.Namespace"),
+                              ("dtype_version_99", scalar, "v (numpy._core.multiarray.scalar")):
+        path = tmp_path / f"{name}.pt"
+        path.write_bytes(torch_zip(b"\x80\x02}(" + text("w") + weight + text("v") + value + b"u.", {"0": bytes(8)}))
+        result = run_cli("fix", path, "-o", tmp_path / f"{name}_out.pt", "--plain-data")
+        assert result.exit_code == 2 and what in result.stderr and "converted" not in result.stderr, \
+            (name, result.stderr)
+
+
+def test_the_consent_line_of_a_dangerous_file_does_not_repeat_the_user_s_plain_data(tmp_path):
+    import argparse
+
+    from tests.payloads import call
+
+    marker = "MARKER_OF_THE_PAYLOAD"
+    canary = tmp_path / "canary"
+    path = tmp_path / "danger.pt"
+    torch.save({"w": torch.ones(2), "args": argparse.Namespace(a=1), "p": marker}, path)
+    with zipfile.ZipFile(path) as z:  # the string `marker` made into os.system('touch canary')
+        members = {i.filename: z.read(i) for i in z.infolist()}
+    name = next(n for n in members if n.endswith("data.pkl"))
+    text = b"X" + len(marker).to_bytes(4, "little") + marker.encode()
+    members[name] = members[name].replace(text, call("os", "system", f"touch {canary}"))
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for member, data in members.items():
+            z.writestr(member, data)
+    refused = run_cli("fix", path, "-o", tmp_path / "out.pt", "--plain-data")
+    assert refused.exit_code == 1, refused.stderr
+    [command] = printed(refused.stderr)
+    assert command.count("--plain-data") == 1 and "--allow-unsafe" in command, command
+    assert run_printed(command).exit_code == 0 and not canary.exists()
+    assert torch.load(tmp_path / "out.pt", weights_only=True)["args"] == {"a": 1}
 
 
 def _training_script_file(path: Path, array: bool) -> dict:

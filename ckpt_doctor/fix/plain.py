@@ -45,8 +45,8 @@ def plain_value(obj: Any) -> Any:
     name = resolve(data.ref.module, data.ref.name)
     if name == NAMESPACE:
         state = {} if data.state is None else data.state
-        if data.args or type(state) is not dict or not all(isinstance(k, str) for k in state):
-            return _NOT
+        if data.args or type(state) is not dict or not all(isinstance(k, str) for k in state) or data.builds > 1:
+            return _NOT  # (two BUILDs: pickle's would update one __dict__ with both; only the last is kept here)
         return dict(state)
     if name in POSIX_PATHS or name in WINDOWS_PATHS:
         if data.state is not None or not all(isinstance(a, str) for a in data.args):
@@ -66,7 +66,8 @@ def _scalar(dtype: Any, raw: Any) -> Any:
     data = dtype.ckd
     args, state = data.args, data.state
     if data.ref is None or resolve(data.ref.module, data.ref.name) != ("numpy", "dtype") or not args \
-            or not isinstance(args[0], str) or type(state) is not tuple or len(state) < 2:
+            or not isinstance(args[0], str) or type(state) is not tuple or len(state) not in (8, 9) \
+            or state[0] not in (3, 4):  # numpy's own dtype pickles, which np.dtype.__setstate__ takes
         return _NOT
     fmt = _FORMATS.get(args[0])
     order = {"<": "<", "|": "<", ">": ">"}.get(state[1])
@@ -92,13 +93,17 @@ def with_plain_data(ckpt: Checkpoint) -> tuple[Checkpoint, list[str]]:
     inside: set[int] = set()  # the containers being walked: one met within itself is left for the planner to refuse
 
     def walk(obj: Any, path: str) -> Generator:  # yields the walk of each child, sent its result
+        if id(obj) in inside:  # met within itself: as it is (the planner refuses the cycle)
+            return obj
         value = plain_value(obj)
+        walking = [id(obj)]  # a Namespace that holds itself: its new dict is made once, not once a level
         if value is not _NOT:
             converted.append(f"{path or 'the root'} ({_kind(obj)} → {type(value).__name__})")
             obj = value
-        if id(obj) in inside or not (isinstance(obj, dict) or type(obj) in (list, tuple)):
+            walking.append(id(obj))
+        if not (isinstance(obj, dict) or type(obj) in (list, tuple)):
             return obj
-        inside.add(id(obj))
+        inside.update(walking)
         if isinstance(obj, dict):
             pairs = []
             for k, v in obj.items():
@@ -108,7 +113,7 @@ def with_plain_data(ckpt: Checkpoint) -> tuple[Checkpoint, list[str]]:
             items = []
             for i, v in enumerate(obj):
                 items.append((yield walk(v, join(path, i))))
-        inside.discard(id(obj))
+        inside.difference_update(walking)
         if all(new is old for new, old in zip(items, obj.values() if isinstance(obj, dict) else obj)):
             return obj
         if not isinstance(obj, dict):

@@ -168,7 +168,9 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     draft.dropped += unlisted_tensors(ckpt.tensors, written, draft.dropped, scope.prefix)
     list_non_persistent(ckpt, draft)
     tied, metadata = safetensors_sharing(ckpt, outs, draft) if fmt is OutputFormat.SAFETENSORS else ({}, {})
-    with_attributes = [t.source.key for t in outs if t.source.key in ckpt.tensor_attrs] if ckpt.tensor_attrs else []
+    in_state = {id(o) for o in state.values()}  # keyed relative to the part (kept_tensors); the rest by full path
+    paths = [scope.prefix + o.source.key if id(o) in in_state else o.source.key for o in outs]
+    with_attributes = [k for k in paths if k in ckpt.tensor_attrs] if ckpt.tensor_attrs else []
     if with_attributes:
         names = sorted({a for k in with_attributes for a in ckpt.tensor_attrs[k]})
         draft.notes.append(f"{len(with_attributes)} tensors carry Python attributes ({', '.join(names[:4])}"
@@ -179,7 +181,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         draft.notes.append(f"the safetensors header's __metadata__ ({', '.join(sorted(ckpt.metadata)[:4])}"
                            f"{', …' if len(ckpt.metadata) > 4 else ''}) is not kept: a {fmt.value} output has no "
                            "place for it")
-    refuse_unwritable_tensors(outs, fmt, ckpt.value_bits)
+    refuse_unwritable_tensors(outs, fmt, [k for k in paths if k in ckpt.value_bits] if ckpt.value_bits else [])
     note_idle_devices(sorted({t.source.device for t in outs}), opts.map_location, draft.notes)
     note_devices(fmt, outs, draft)
     note_held_findings(ckpt, outs, fmt, scope.prefix, draft)
@@ -572,10 +574,10 @@ def safetensors_sharing(ckpt: Checkpoint, outs: list[OutTensor], draft: Draft) -
 
 
 def refuse_unwritable_tensors(outs: list[OutTensor], fmt: OutputFormat | None = None,
-                              value_bits: dict[str, str] | None = None) -> None:
+                              lazy: list[str] | tuple[str, ...] = ()) -> None:
     """Tensors whose data the output could not hold as they are: meta tensors, quantized ones, a dtype safetensors
-    has no code for (complex128) in a .safetensors output, lazy conjugate or negative views (`value_bits`: fix
-    copies bytes, torch.load of the source gives their conjugate or negation)."""
+    has no code for (complex128) in a .safetensors output, lazy conjugate or negative views (`lazy`, by their paths
+    in the file: fix copies bytes, torch.load of the source gives their conjugate or negation)."""
     for t in outs:
         if t.source.storage is None:
             raise PlanError(f"{t.source.key}: has no data in the file (a meta tensor); drop it with --drop")
@@ -589,10 +591,10 @@ def refuse_unwritable_tensors(outs: list[OutTensor], fmt: OutputFormat | None = 
                         "point, so it would write them without; nothing written"
                         + ("; leave them out with {0}" if pattern else ""),
                         reruns=(Rerun(add=("--drop", pattern)),) if pattern else ())
-    lazy = [t.source.key for t in outs if value_bits and t.source.key in value_bits]
     if lazy:
         pattern = "^(" + "|".join(re.escape(k) for k in lazy[:50]) + ")$" if len(lazy) <= 50 else None
-        raise PlanError(f"{len(lazy)} tensors saved as lazy conjugate or negative views ({', '.join(lazy[:3])}"
+        raise PlanError(f"{len(lazy)} tensor{'s' if len(lazy) > 1 else ''} saved as lazy conjugate or negative views "
+                        f"({', '.join(lazy[:3])}"
                         f"{', …' if len(lazy) > 3 else ''}): torch.load gives the conjugate (or negation) of their "
                         "bytes, and fix copies bytes, so the output would hold other values; nothing written. Save "
                         "them with .resolve_conj().resolve_neg()" + ("; or leave them out with {0}" if pattern else ""),

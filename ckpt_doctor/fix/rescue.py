@@ -40,7 +40,10 @@ def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None =
         flags += ["--select", ""]
     from .plain import with_plain_data  # (a walk of the tree: only for a file that needs a rescue)
 
-    converted = with_plain_data(ckpt)[1]
+    try:
+        converted = with_plain_data(ckpt)[1]
+    except CkptDoctorError:  # (a key path past its limit): no --plain-data in the command, which plans without it
+        converted = []
     if converted:  # a Namespace, a NumPy scalar, a path: kept as the data they hold rather than dropped
         flags.append("--plain-data")
     held = holding_findings(ckpt)

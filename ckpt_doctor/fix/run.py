@@ -37,6 +37,8 @@ def prepare_fix(source: str | os.PathLike[str] | Checkpoint, output: str | os.Pa
         for i in reversed(range(len(added) - 1)):  # the user's command names its --allow-global already
             if added[i] == "--allow-global":
                 del added[i:i + 2]
+        if options.plain_data and "--plain-data" in added:  # and its --plain-data
+            added.remove("--plain-data")
         extra = tuple(added)
         checkpoint.refuse_if_unsafe("rewrite it", "To keep only its tensors and plain data (nothing it names is ever "
                                     "run or written): {0}", code_too=False, reruns=(Rerun(add=extra),))

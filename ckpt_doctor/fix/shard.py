@@ -47,6 +47,10 @@ def named_shards(output: Path, index: Path, inputs: tuple[Path, ...]) -> list[Pa
     """The files an existing index of `output`'s name names that are shards of it: in its folder, named as
     shard_paths names them (NAME-0000k-of-0000N.EXT), not an input. Anything else it names (another folder,
     `../../etc/passwd`, another name) is left alone; an index that cannot be read names none."""
+    return [p for p in _index_shards(output, index) if not is_input(p, inputs)]
+
+
+def _index_shards(output: Path, index: Path) -> list[Path]:
     stem, dot = _stem_and_dot(output)
     pattern = re.compile(re.escape(stem) + r"-\d{5,}-of-\d{5,}" + re.escape(dot))
     try:
@@ -56,7 +60,7 @@ def named_shards(output: Path, index: Path, inputs: tuple[Path, ...]) -> list[Pa
     weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
     names = {n for n in weight_map.values() if isinstance(n, str)} if isinstance(weight_map, dict) else set()
     paths = [output.with_name(n) for n in sorted(names) if pattern.fullmatch(n)]
-    return [p for p in paths if _file_or_link(p) and not is_input(p, inputs)]
+    return [p for p in paths if _file_or_link(p)]
 
 
 def _file_or_link(path: Path) -> bool:
@@ -74,11 +78,15 @@ def check_index_beside(output: Path, inputs: tuple[Path, ...], force: bool) -> l
     refused, or with --force replaced: returns the index and its shards (named_shards), to be removed once the file
     is written, the index first."""
     index = index_path_of(output)
-    if not (index.is_file() or index.is_symlink()):
+    if not _file_or_link(index):  # anything there but a folder (a FIFO, a link to /dev/zero): named, never read
         return []
     if is_input(index, inputs):
         raise WriteError(f"{output}: {index.name} beside it is the input, which a loader that follows it would read "
                          "instead of the new file; the input is never modified — write elsewhere")
+    if any(is_input(p, inputs) for p in _index_shards(output, index)):  # the input's own model, not an old output
+        raise WriteError(f"{output}: {index.name} beside it names the input as one of its shards: it is the model the "
+                         "input belongs to, which --force would take apart; the input is never modified — write "
+                         "elsewhere")
     if not force:
         raise WriteError(f"{output}: {index.name} already exists beside it (an earlier sharded output), and a loader "
                          f"that follows the index reads its shards, not {output.name}; replace them with {{0}}",

@@ -14,13 +14,33 @@ from ..safepickle import limits
 
 def read_json(path: Path, what: str, max_bytes: int) -> object:
     """A JSON file, every failure a ReadError: too big, not UTF-8, not JSON, nested too deep, numbers too long."""
-    try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise ReadError(f"{path}: {what} of {size:,} bytes, over the {max_bytes >> 20} MB limit")
-        return parse_json(path.read_bytes(), path, what)
+    import os
+    import stat
+
+    try:  # opened without blocking (a FIFO named as the index would wait for a writer), then read only if a file
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise ReadError(f"{path}: cannot be read ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a link to /dev/zero has no end, and says it holds 0 bytes
+            raise ReadError(f"{path}: {what} is not a regular file")
+        if st.st_size > max_bytes:
+            raise ReadError(f"{path}: {what} of {st.st_size:,} bytes, over the {max_bytes >> 20} MB limit")
+        chunks, left = [], max_bytes + 1  # at most the limit: a file may grow after its size was read
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            raise ReadError(f"{path}: {what} grew past the {max_bytes >> 20} MB limit while it was read")
+        return parse_json(b"".join(chunks), path, what)
+    except OSError as exc:
+        raise ReadError(f"{path}: cannot be read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
 
 
 class _NotJson(ValueError):

@@ -60,6 +60,7 @@ class Opaque(metaclass=_SealedClass):
         elif type(state) is tuple and len(state) == 2 and all(s is None or type(s) is dict for s in state):
             state = tuple(None if s is None else dict(s) for s in state)
         self._ckd.state = state
+        self._ckd.builds += 1
 
     def append(self, item: Any) -> None:
         self._ckd.items.append(item)
@@ -91,7 +92,7 @@ class Opaque(metaclass=_SealedClass):
 class _OpaqueData:
     """What a pickle did to an Opaque: constructor arguments, BUILD state, appended and set items."""
 
-    __slots__ = ("ref", "args", "kwargs", "state", "items", "dictitems", "via_reduce")
+    __slots__ = ("ref", "args", "kwargs", "state", "items", "dictitems", "via_reduce", "builds")
 
     def __init__(self, ref: GlobalRef | None, args: tuple, kwargs: dict) -> None:
         self.ref, self.args, self.kwargs = ref, args, kwargs
@@ -99,6 +100,7 @@ class _OpaqueData:
         self.items: list = []
         self.dictitems: list = []
         self.via_reduce = False
+        self.builds = 0  # BUILDs given: `state` is the last one's (a class's own __setstate__ decides what a second does)
 
 
 _OPAQUE_CLASSES: dict[GlobalRef | None, type] = {}
@@ -280,14 +282,22 @@ def _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtyp
 def _with_bits(tensor: RawTensor, metadata: Any) -> RawTensor:
     """The conjugate and negative bits torch.save records of a lazy view (`x.conj()`, `x.conj().imag`), which
     torch.load sets again (torch._utils.set_tensor_metadata): its values are then the conjugate, or the negation,
-    of its bytes."""
-    if isinstance(metadata, dict):
-        bits = [name for name in ("conj", "neg") if metadata.get(name) is True]
-        if bits:
-            tensor.bits = ",".join(bits)
-            tensor.note = " and ".join({"conj": "conjugate", "neg": "negative"}[b] for b in bits) + \
-                " bit set (a lazy view): torch.load gives the " + \
-                " of the ".join({"conj": "conjugate", "neg": "negation"}[b] for b in bits) + " of its bytes"
+    of its bytes. torch sets a bit wherever its key is there, whatever bool it is given, and fails where it cannot
+    (TypeError here too: a conjugate bit on a real tensor, a value of no bool). A negative bit on a bool tensor it
+    sets, and the tensor then fails wherever its values are read (tensordata.with_bits says so)."""
+    if not isinstance(metadata, dict) or not metadata:
+        return tensor
+    bits = [name for name in ("conj", "neg") if name in metadata]
+    if not bits:
+        return tensor
+    if any(not (metadata[b] is None or type(metadata[b]) in (bool, int)) for b in bits):
+        raise TypeError("a tensor's metadata bit is no bool")
+    if "conj" in bits and not tensor.dtype.startswith("complex"):
+        raise TypeError(f"a conjugate bit on a {tensor.dtype} tensor (torch.load fails on it)")
+    tensor.bits = ",".join(bits)
+    tensor.note = " and ".join({"conj": "conjugate", "neg": "negative"}[b] for b in bits) + \
+        " bit set (a lazy view): torch.load gives the " + \
+        " of the ".join({"conj": "conjugate", "neg": "negation"}[b] for b in bits) + " of its bytes"
     return tensor
 
 

@@ -54,6 +54,12 @@ class StagedFiles:
         self.placed: list[Path] = []
 
     def commit(self) -> None:
+        """Each file renamed into place, in order. The last (an index naming the others), where one is there from
+        before, is removed first: killed between two renames, the folder holds no index, never an old one naming
+        some new files and some old."""
+        if len(self.pending) > 1:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.pending[-1][1])
         for tmp, output in self.pending:
             try:
                 os.replace(tmp, output)
