@@ -185,8 +185,8 @@ BUFFER_NAMES = frozenset({"running_mean", "running_var", "num_batches_tracked", 
 def parameter_counts(ckpt: Checkpoint, model: Any = None) -> tuple[int, int]:
     """(parameters, buffer elements) of the state_dict, as `model.parameters()` and `model.buffers()` count them (one
     tensor under two names once): told apart by the model when one is given, by the pickle when it says (a whole
-    pickled model's Parameters), else by BUFFER_NAMES and dtype. None of either where the file holds no state_dict
-    (an optimizer's state alone, a lone tensor): its tensors are no model's (count_phrase says how many elements)."""
+    pickled model's Parameters), else by BUFFER_NAMES and dtype. Both 0 where the file holds no state_dict (an
+    optimizer's state alone, a lone tensor): its tensors are no model's (count_phrase says how many elements)."""
     from math import prod
 
     if ckpt.state_dict_root is None:

@@ -170,17 +170,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     tied, metadata = safetensors_sharing(ckpt, outs, draft) if fmt is OutputFormat.SAFETENSORS else ({}, {})
     in_state = {id(o) for o in state.values()}  # keyed relative to the part (kept_tensors); the rest by full path
     paths = [scope.prefix + o.source.key if id(o) in in_state else o.source.key for o in outs]
-    with_attributes = [k for k in paths if k in ckpt.tensor_attrs] if ckpt.tensor_attrs else []
-    if with_attributes:
-        names = sorted({a for k in with_attributes for a in ckpt.tensor_attrs[k]})
-        draft.notes.append(f"{len(with_attributes)} tensors carry Python attributes ({', '.join(names[:4])}"
-                           f"{', …' if len(names) > 4 else ''}: on {', '.join(with_attributes[:2])}"
-                           f"{', …' if len(with_attributes) > 2 else ''}), which are not written: the output holds "
-                           "their values, and code that reads the attributes must set them again")
-    if ckpt.format is Format.SAFETENSORS and ckpt.metadata and fmt is not OutputFormat.SAFETENSORS:
-        draft.notes.append(f"the safetensors header's __metadata__ ({', '.join(sorted(ckpt.metadata)[:4])}"
-                           f"{', …' if len(ckpt.metadata) > 4 else ''}) is not kept: a {fmt.value} output has no "
-                           "place for it")
+    note_unwritten(ckpt, fmt, paths, draft)
     refuse_unwritable_tensors(outs, fmt, [k for k in paths if k in ckpt.value_bits] if ckpt.value_bits else [])
     note_idle_devices(sorted({t.source.device for t in outs}), opts.map_location, draft.notes)
     note_devices(fmt, outs, draft)
@@ -599,6 +589,22 @@ def refuse_unwritable_tensors(outs: list[OutTensor], fmt: OutputFormat | None = 
                         "bytes, and fix copies bytes, so the output would hold other values; nothing written. Save "
                         "them with .resolve_conj().resolve_neg()" + ("; or leave them out with {0}" if pattern else ""),
                         reruns=(Rerun(add=("--drop", pattern)),) if pattern else ())
+
+
+def note_unwritten(ckpt: Checkpoint, fmt: OutputFormat, paths: list[str], draft: Draft) -> None:
+    """What the output cannot hold of what it is written from, said: the Python attributes of its tensors (`paths`,
+    theirs in the file), a safetensors header's __metadata__ in a torch or DCP output."""
+    with_attributes = [k for k in paths if k in ckpt.tensor_attrs] if ckpt.tensor_attrs else []
+    if with_attributes:
+        names = sorted({a for k in with_attributes for a in ckpt.tensor_attrs[k]})
+        draft.notes.append(f"{len(with_attributes)} tensors carry Python attributes ({', '.join(names[:4])}"
+                           f"{', …' if len(names) > 4 else ''}: on {', '.join(with_attributes[:2])}"
+                           f"{', …' if len(with_attributes) > 2 else ''}), which are not written: the output holds "
+                           "their values, and code that reads the attributes must set them again")
+    if ckpt.format is Format.SAFETENSORS and ckpt.metadata and fmt is not OutputFormat.SAFETENSORS:
+        draft.notes.append(f"the safetensors header's __metadata__ ({', '.join(sorted(ckpt.metadata)[:4])}"
+                           f"{', …' if len(ckpt.metadata) > 4 else ''}) is not kept: a {fmt.value} output has no "
+                           "place for it")
 
 
 def note_dtype(dtype: str, outs: list[OutTensor], draft: Draft) -> None:
