@@ -341,8 +341,8 @@ def _rebuild_from_type_v2(func, new_type, args, state):
 def _with_attributes(tensor: Any, state: Any) -> Any:
     """The Python attributes torch.save kept of a tensor (`t.partition_dim = 1`: its __dict__, the state
     torch.load sets again), by name: ckpt-doctor reads the tensor, and fix writes it, without them."""
-    attributes = state.get("__dict__", state) if isinstance(state, dict) else \
-        state[0] if isinstance(state, tuple) and state and isinstance(state[0], dict) else None
+    attributes = state if isinstance(state, dict) else \
+        state[0] if isinstance(state, tuple) and state and isinstance(state[0], dict) else None  # (dict, slots)
     if isinstance(tensor, RawTensor) and attributes:
         names = [str(k) for k in list(attributes)[:4]]
         tensor.attrs = tuple(str(k) for k in attributes)
