@@ -16,6 +16,7 @@ from typing import Any, Callable
 from ._ddp_worker import RankJob, RankResult, run_rank, user_frame, write_job
 from ._record import asdict, field, record, replace
 from .compare import compare_checkpoint
+from .default_load import default_load
 from .errors import ModelSpecError, ReadError, UsageError, VerifyError, one_line, percent
 from .loader import load_into
 from .modelspec import example_inputs, library_names, model_keys, resolve_attr, resolve_spec, spec_flags
@@ -76,6 +77,7 @@ class VerifyReport:
     tolerance: Tolerance = Tolerance()
     compare_model: str | None = None  # the model compared_to ran in; None: this model
     lazy: tuple[str, ...] = ()  # lazy modules whose parameters a first forward on the inputs created
+    torch_load: str = ""  # why torch.load(path) with its defaults refuses the file here ("" where it loads it)
 
     @property
     def refused(self) -> bool:
@@ -513,6 +515,7 @@ class _Prepared:
     model: Any
     inputs: tuple[Any, ...]
     lazy: tuple[str, ...]
+    torch_load: str = ""  # VerifyReport's
 
 
 def _prepare(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: InputSpec, select: str | None,
@@ -521,6 +524,7 @@ def _prepare(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec
     """The inputs, the model built on the CPU (lazy modules created by a forward on them), the load's verdict,
     and, when that verdict lets anything run, the model loaded: the same in every process that verifies."""
     checkpoint = _read_safe(ckpt, policy)  # judged before torch loads: code is refused in a moment
+    loads = default_load(checkpoint)
     import torch
 
     torch.manual_seed(SEED)  # an --input function drawing from torch's generator draws the same batch every time
@@ -535,7 +539,7 @@ def _prepare(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec
     if comparison.ok:  # the file as it is: tied names filled, what the allowances accept kept from the model
         load_into(model, ckpt, fix=None, device="cpu", select=select, allow_missing=allow_missing,
                   allow_unexpected=allow_unexpected, policy=policy)
-    return _Prepared(comparison, model, inputs, lazy)
+    return _Prepared(comparison, model, inputs, lazy, "" if loads.ok else "; ".join(loads.reasons()))
 
 
 def _read_safe(ckpt: str, policy: Policy = DEFAULT_POLICY) -> Any:
@@ -586,7 +590,8 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
 
     comparison, model, inputs = prepared.comparison, prepared.model, prepared.inputs
     if not comparison.ok:
-        return VerifyReport(ckpt, model_spec, (), comparison, allow_skip=allow_skip, lazy=prepared.lazy)
+        return VerifyReport(ckpt, model_spec, (), comparison, allow_skip=allow_skip, lazy=prepared.lazy,
+                            torch_load=prepared.torch_load)
     device = "cuda:0" if cuda_count() else "cpu"
     runs: list[RunResult] = []
     if progress:
@@ -620,7 +625,7 @@ def verify(ckpt: str, model_spec: str, model_args: dict[str, Any], inputs_spec: 
                           tolerance.atol, SEED)
             runs.append(run_ddp(job, inputs, reference, timeout, progress))
     return VerifyReport(ckpt, model_spec, tuple(runs), comparison, rows, diff_at, allow_skip, compare_to, tolerance,
-                        compare_model, prepared.lazy)
+                        compare_model, prepared.lazy, prepared.torch_load)
 
 
 def _check_compare_flags(compare_to: str | None, compare_model: str | None,
@@ -707,7 +712,7 @@ def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any]
                         policy)
     if not prepared.comparison.ok:
         return VerifyReport(ckpt, model_spec, (), prepared.comparison, allow_skip=allow_skip,
-                            lazy=prepared.lazy) if rank == 0 else None
+                            lazy=prepared.lazy, torch_load=prepared.torch_load) if rank == 0 else None
     model, inputs = prepared.model, prepared.inputs
     if not dist.is_initialized():
         if backend == "nccl":
@@ -742,7 +747,7 @@ def verify_under_torchrun(ckpt: str, model_spec: str, model_args: dict[str, Any]
                                allow_unexpected=allow_unexpected, policy=policy)
         diff_at = first_difference(model, other, inputs, tolerance)
     return VerifyReport(ckpt, model_spec, (single, run), prepared.comparison, rows, diff_at, allow_skip, compare_to,
-                        tolerance, compare_model, prepared.lazy)
+                        tolerance, compare_model, prepared.lazy, prepared.torch_load)
 
 
 def _job_path(ckpt: Any) -> str:

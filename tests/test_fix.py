@@ -1087,6 +1087,21 @@ def test_a_sharded_write_stopped_between_its_renames_leaves_no_old_index_over_ne
     assert not [p for p in out.parent.iterdir() if p.name.endswith(".ckpt-doctor-tmp")]
 
 
+def test_sharding_a_training_checkpoint_prints_the_select_that_shards_its_state_dict(tmp_path, cli):
+    """--max-shard-size into a torch file writes a state_dict in shards: a training checkpoint was refused with
+    'add --select (e.g. --select state_dict)' where its state_dict is at `model`; the line now runs as printed."""
+    _training_checkpoint(tmp_path / "train.pt")
+    (tmp_path / "hub").mkdir()
+    for flags in ((), ("--select", "")):
+        refused = cli("fix", tmp_path / "train.pt", "-o", tmp_path / "hub" / "pytorch_model.bin", "--max-shard-size",
+                      "4KB", *flags)
+        assert refused.exit_code == 2, refused.stderr
+        command = refused.stderr.split("`", 2)[1]
+        assert command.endswith("--max-shard-size 4KB --select model"), command
+    assert cli(*shlex.split(command)[1:]).exit_code == 0
+    assert (tmp_path / "hub" / "pytorch_model.bin.index.json").is_file()
+
+
 def test_an_earlier_sharded_output_of_its_name_is_refused_or_replaced_whole(tmp_path, cli):
     """An index of the output's name counts as an existing output, as a single file does under a sharded write.
     Re-sharding with --force left the 8 old shards beside the 2 new ones; a single file was written, without

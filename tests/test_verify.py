@@ -308,6 +308,29 @@ def test_a_fine_tuning_file_is_verified_with_the_allowances_of_inspect(cli, tmp_
     assert result.exit_code == 0, result.stderr
 
 
+def test_a_pass_of_a_file_torch_load_refuses_says_so(cli, tmp_path):
+    """verify reads the tensors itself: a training file with an argparse.Namespace passed in silence, and the user
+    shipped a file torch.load(path) refuses. The pass stands, and says torch.load's verdict, with the way to it."""
+    import argparse
+
+    path = tmp_path / "train.pt"
+    torch.save({"model": make_cnn().state_dict(), "args": argparse.Namespace(lr=0.1)}, path)
+    with pytest.raises(Exception):
+        torch.load(path, weights_only=True)
+    result = cli("verify", path, "--model", CNN, *IMG, "--mode", "single", "--json")
+    assert result.exit_code == 0 and result.json()["ok"]
+    assert "argparse.Namespace" in result.json()["torch_load_refuses"]
+    assert f"torch.load  FAILS with torch's defaults here (its weights_only unpickler refuses argparse.Namespace); " \
+        f"verify read the tensors itself: `ckpt-doctor inspect {path}`" in result.stderr
+    clean = cli("verify", _plain_cnn_file(tmp_path), "--model", CNN, *IMG, "--mode", "single", "--json")
+    assert clean.json()["torch_load_refuses"] is None and "torch.load" not in clean.stderr
+
+
+def _plain_cnn_file(tmp_path):
+    torch.save(make_cnn().state_dict(), tmp_path / "plain.pt")
+    return tmp_path / "plain.pt"
+
+
 def test_allow_skip_is_not_asked_for_when_given(fixtures, cli):
     result = cli("verify", fixtures["plain"]["path"], "--model", CNN, *IMG, "--mode", "single,dp", "--allow-skip")
     assert result.exit_code == 0 and "pass --allow-skip" not in result.stderr

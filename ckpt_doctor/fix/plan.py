@@ -103,8 +103,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
 
         ckpt, converted = with_plain_data(ckpt)
         if converted:
-            draft.applied.append("--plain-data: " + ", ".join(converted[:5])
-                                 + (f", … {len(converted) - 5} more" if len(converted) > 5 else ""))
+            draft.applied.append("--plain-data: " + ", ".join(converted))  # (fix_summary shortens it for stderr)
         else:
             draft.notes.append("--plain-data converted nothing: no argparse.Namespace, NumPy scalar or pathlib path "
                                "in the file")
@@ -113,6 +112,11 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     if opts.auto:
         opts, auto_select = resolve_auto(ckpt, opts, draft)
     scope = choose_scope(ckpt, fmt, opts, auto_select, draft)
+    if opts.max_shard_size is not None and fmt is OutputFormat.TORCH and not scope.flat_output and scope.root \
+            and not scope.whole_tree:  # shards of a state_dict (as Hugging Face writes them), not of a whole file
+        raise PlanError(f"--max-shard-size writes a state_dict in shards, not a whole training checkpoint: write the "
+                        f"one at {scope.root} with {{0}}", reruns=(Rerun(add=("--select", scope.root), remove=(
+                            ("--select", opts.select) if opts.select is not None else ())),))
     drops = [t for t in opts.transforms if t.op is Op.DROP]
     renames = [t for t in opts.transforms if t.op is not Op.DROP]
     kept = kept_tensors(ckpt, scope, drops, draft)
@@ -601,10 +605,10 @@ def note_unwritten(ckpt: Checkpoint, fmt: OutputFormat, paths: list[str], draft:
                            f"{', …' if len(names) > 4 else ''}: on {', '.join(with_attributes[:2])}"
                            f"{', …' if len(with_attributes) > 2 else ''}), which are not written: the output holds "
                            "their values, and code that reads the attributes must set them again")
-    if ckpt.format is Format.SAFETENSORS and ckpt.metadata and fmt is not OutputFormat.SAFETENSORS:
-        draft.notes.append(f"the safetensors header's __metadata__ ({', '.join(sorted(ckpt.metadata)[:4])}"
-                           f"{', …' if len(ckpt.metadata) > 4 else ''}) is not kept: a {fmt.value} output has no "
-                           "place for it")
+    told = sorted(k for k in ckpt.metadata if k != "format") if ckpt.format is Format.SAFETENSORS else []
+    if told and fmt is not OutputFormat.SAFETENSORS:  # ("format": "pt" is safetensors.torch's own mark on every file)
+        draft.notes.append(f"the safetensors header's __metadata__ ({', '.join(told[:4])}"
+                           f"{', …' if len(told) > 4 else ''}) is not kept: a {fmt.value} output has no place for it")
 
 
 def note_dtype(dtype: str, outs: list[OutTensor], draft: Draft) -> None:

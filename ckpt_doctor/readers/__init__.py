@@ -424,7 +424,7 @@ def read_sharded(index_path: Path, *, policy: Policy = DEFAULT_POLICY) -> Checkp
         tensors.append(replace(record, key=key))
     formats = sorted({c.format.value for c in shards.values()})
     metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
-    notes = [f"{len(shards)} shards ({', '.join(formats)})"] + [n for c in shards.values() for n in c.notes]
+    notes = [f"{len(shards)} shard{'s' if len(shards) != 1 else ''} ({', '.join(formats)})"] + [n for c in shards.values() for n in c.notes]
     return Checkpoint(path=index_path, format=Format.SHARDED, tensors=tuple(tensors), metadata=dict(metadata),
                       globals=tuple(g for c in shards.values() for g in c.globals), state_dict_root="",
                       notes=tuple(dict.fromkeys(notes)), files=(index_path, *(c.path for c in shards.values())),

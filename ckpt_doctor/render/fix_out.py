@@ -63,12 +63,22 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
+def _shortened(step: str) -> str:
+    """An applied step for a person: `--plain-data: a (…), b (…), … 7 more` (--json lists every one)."""
+    head, colon, items = step.partition(": ")
+    parts = items.split("), ")
+    if not colon or len(parts) <= 5:
+        return step
+    return f"{head}: {'), '.join(parts[:5])}), … {len(parts) - 5} more"
+
+
 def _dropped(plan: FixPlan) -> str:
     """`3 dropped (optimizer, epoch, args)`: what the output lost, named where it is a few entries (a --select or an
     --auto leaves a training checkpoint's optimizer out; a count alone hid which)."""
     tops = list(dict.fromkeys(key.split(".", 1)[0] for key in plan.dropped))
     named = f" ({', '.join(plan.dropped)})" if 0 < len(plan.dropped) <= 6 else \
-        f" (under {', '.join(tops)})" if plan.dropped and len(tops) <= 6 else ""
+        f" (under {', '.join(tops)})" if plan.dropped and len(tops) <= 6 else \
+        " (--dry-run lists them)" if plan.dropped else ""
     return f"{len(plan.dropped)} dropped{named}"
 
 
@@ -76,7 +86,7 @@ def fix_summary(plan: FixPlan, result: FixResult | None,
                 sharded: tuple[list[Path], Path] | None = None) -> list[str]:
     renamed = sum(1 for o, n in plan.renamed.items() if o != n)
     lines = []
-    what = f"{len(plan.tensors) - len(plan.tied)} tensors, {human_bytes(plan.nbytes)}, {plan.format.value}"
+    what = f"{_n(len(plan.tensors) - len(plan.tied), 'tensor')}, {human_bytes(plan.nbytes)}, {plan.format.value}"
     if result is None:
         output = sharded[1] if sharded else plan.output  # sharded: the index names the shards
         lines.append(f"dry run: {output} would hold {what}; {_n(renamed, 'key')} renamed, "
@@ -87,7 +97,7 @@ def fix_summary(plan: FixPlan, result: FixResult | None,
         lines.append(f"wrote {result.plan.output}: {what} ({human_bytes(result.bytes)} on disk); "
                      f"{_n(renamed, 'key')} renamed, {_dropped(plan)}; {check}")
     if plan.applied:
-        lines.append("applied: " + "; ".join(plan.applied))
+        lines.append("applied: " + "; ".join(_shortened(step) for step in plan.applied))
     shards, index = (result.shards, result.plan.output) if result else sharded or ((), plan.output)
     if shards:
         names = shards[0].name if len(shards) == 1 else f"{shards[0].name} … {shards[-1].name}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..advice import Promise, Suggestion, fix_suggestions
+from ..advice import Promise, Suggestion, fix_suggestions, shell_path
 from ..analyze import human_bytes
 from ..compare import exact_keys_regex
 from ..errors import percent
@@ -39,6 +39,7 @@ def verify_json(report: VerifyReport, advice: list[tuple[str, Any]] | None = Non
         "loaded_fraction": report.loaded_fraction,
         "required_fraction": report.required_fraction,
         "lazy_modules": list(report.lazy),
+        "torch_load_refuses": report.torch_load or None,
         "tolerance": {"rtol": report.tolerance.rtol, "atol": report.tolerance.atol,
                       "default": "torch.testing.assert_close's for each output's dtype, x16 where the batch was "
                                  "split" if report.tolerance.rtol is None or report.tolerance.atol is None else None},
@@ -104,6 +105,10 @@ def verify_lines(report: VerifyReport, advice: list[tuple[str, Any]] | None = No
     """The lines for stderr, each with whether it tells of a problem (shown red): the share loaded, the load's
     verdict when it stopped verify, the comparison with --compare-to, and the verdict, from `report.problems`."""
     lines: list[tuple[str, bool]] = []
+    if report.torch_load:  # verify reads the tensors itself: a pass says nothing of torch.load(path)
+        lines.append((f"torch.load  FAILS with torch's defaults here ({report.torch_load}); verify read the tensors "
+                      f"itself: `ckpt-doctor inspect {shell_path(report.checkpoint)}` prints the fix that writes a "
+                      "file it loads", False))
     if report.lazy:
         lines.append((f"lazy        {', '.join(report.lazy)}: parameters created by one forward on the inputs "
                       "before the load, as torch creates them", False))
