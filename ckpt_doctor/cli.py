@@ -695,7 +695,8 @@ def _inspect_folder(folder: Any, policy: Policy, as_json: bool, no_color: bool, 
               "dcp: a torch.distributed.checkpoint folder (OUT is a folder) that dcp.load reads into an FSDP2/DTensor "
               "model, to resume distributed training.")
 @click.option("--max-shard-size", metavar="SIZE", help="Split the output into shards of at most SIZE (5GB, 500MB, "
-              "2GiB) with an OUT.index.json naming them, as Hugging Face does.")
+              "2GiB; a bare number is bytes) with an OUT.index.json naming them, as Hugging Face does: a tensor "
+              "larger than SIZE gets a shard of its own.")
 @click.option("--dry-run", is_flag=True, help="Print old → new for every key and what the output would hold; write "
               "nothing.")
 @click.option("--force", is_flag=True, help="Replace an existing output; accept an ambiguous --map-by-order.")

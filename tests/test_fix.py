@@ -342,6 +342,11 @@ def test_max_shard_size_writes_shards_and_an_index(fixtures, cli, tmp_path):
         sd.update(torch.load(shard, weights_only=True))
     assert sd["embed.weight"].data_ptr() == sd["lm_head.weight"].data_ptr()  # tied tensors share one shard
     assert cli("fix", fixtures["plain"]["path"], "-o", tmp_path / "x.pt", "--max-shard-size", "lots").exit_code == 2
+    # a missing folder is said of the OUT given, not of the first shard's name (which the user never typed)
+    missing = cli("fix", fixtures["plain"]["path"], "-o", tmp_path / "nowhere" / "m.safetensors", "--max-shard-size",
+                  "1KB")
+    assert missing.exit_code == 2 and missing.stderr.startswith(f"Error: {tmp_path / 'nowhere' / 'm.safetensors'}: "
+                                                                 "folder"), missing.stderr
 
 
 @pytest.mark.parametrize("nested", [False, True])

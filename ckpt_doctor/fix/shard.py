@@ -138,6 +138,10 @@ def check_sharded_destination(output: Path, shards: list[Path], index: Path, inp
     before model.safetensors.index.json) reads the old weights. It is refused, or with --force replaced. Returns
     what is to be removed once the index is written: that file, and the shards an earlier index of this name names
     (named_shards) that the new ones do not replace."""
+    parent = output.parent if str(output.parent) else Path(".")
+    if not parent.is_dir():  # said of the OUT given, not of a shard name it never typed
+        raise WriteError(f"{output}: {parent} is a file, not a folder" if parent.exists() else
+                         f"{output}: folder {parent} does not exist")
     for path in (*shards, index):
         check_destination(path, inputs, force)
     stale = [p for p in named_shards(output, index, inputs) if p not in shards] if index.is_file() else []
