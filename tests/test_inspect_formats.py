@@ -167,6 +167,26 @@ def test_torchscript_matches_its_state_dict_and_is_not_run(fixtures, cli):
     assert [t["key"] for t in data["tensors"]] == list(fixtures["torchscript"]["expected"])
 
 
+def test_a_traced_torchscript_example_reads_as_the_scripted_one(tmp_path, cli, monkeypatch):
+    """The example generator traces where torch's TorchScript frontend fails: the archive it writes is read alike."""
+    from fixtures.make_fixtures import _scripted
+    from fixtures.models import TwoInputNet
+
+    def refuse(model):
+        raise RuntimeError("builtin cannot be used as a value")
+
+    model = TwoInputNet().eval()
+    scripted = _scripted(model)
+    monkeypatch.setattr(torch.jit, "script", refuse)
+    traced = _scripted(model)
+    assert isinstance(traced, torch.jit.ScriptModule) and not isinstance(scripted, torch.jit.TracedModule)
+    for name, module in (("scripted", scripted), ("traced", traced)):
+        module.save(str(tmp_path / f"{name}.pt"))
+    keys = [[t["key"] for t in cli("inspect", tmp_path / f"{name}.pt", "--json").json()["tensors"]]
+            for name in ("scripted", "traced")]
+    assert keys[0] == keys[1] == list(model.state_dict())
+
+
 def test_training_checkpoint_metadata(fixtures, cli):
     data = cli("inspect", fixtures["training"]["path"], "--json").json()
     assert data["metadata"]["epoch"] == 7
