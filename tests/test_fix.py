@@ -1119,9 +1119,13 @@ def test_an_earlier_sharded_output_of_its_name_is_refused_or_replaced_whole(tmp_
     out = tmp_path / "resharded" / "m.safetensors"
     out.parent.mkdir()
     run_fix(cli, src, out, "--max-shard-size", "100B")
+    old = sorted(p.name for p in out.parent.iterdir())
     again = run_fix(cli, src, out, "--max-shard-size", "1KB", "--force")
     assert len(again["shards"]) == 2 and sorted(p.name for p in out.parent.iterdir()) == \
         sorted([*(os.path.basename(s) for s in again["shards"]), "m.safetensors.index.json"])
+    # what went is said: the old shards the new ones did not overwrite (--json "removed", and the summary)
+    gone = sorted(set(old) - {os.path.basename(s) for s in again["shards"]} - {"m.safetensors.index.json"})
+    assert sorted(os.path.basename(p) for p in again["removed"]) == gone and len(gone) == 8
     out = tmp_path / "single" / "m.safetensors"
     out.parent.mkdir()
     run_fix(cli, src, out, "--max-shard-size", "100B")

@@ -69,6 +69,7 @@ class FixResult:
     unknown_globals: tuple[str, ...] = ()
     shards: tuple[Path, ...] = ()  # with --max-shard-size: the shard files; plan.output is then the index
     dtype_classes: tuple[str, ...] = ()  # the NumPy dtype classes the output builds (numpy.dtypes.UInt32DType)
+    removed: tuple[Path, ...] = ()  # --force: what an earlier output of this name left beside it, now removed
 
     @property
     def safe_globals(self) -> tuple[str, ...]:

@@ -95,8 +95,7 @@ def write_fix(plan: FixPlan, options: FixOptions = FixOptions(),
         return execute_sharded(plan, options.max_shard_size, progress_callback, options.verify, options.force)
     stale = [] if plan.format is OutputFormat.DCP else check_index_beside(plan.output, plan.inputs, options.force)
     result = execute(plan, progress_callback=progress_callback, verify=options.verify, force=options.force)
-    remove_stale(stale)  # --force: an earlier sharded output of this name goes, once the file is written
-    return result
+    return replace(result, removed=remove_stale(stale))  # --force: an earlier sharded output, once this is written
 
 
 def fix_checkpoint(source: str | os.PathLike[str] | Checkpoint, output: str | os.PathLike[str],

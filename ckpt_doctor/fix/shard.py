@@ -94,11 +94,15 @@ def check_index_beside(output: Path, inputs: tuple[Path, ...], force: bool) -> l
     return [index, *named_shards(output, index, inputs)]
 
 
-def remove_stale(paths: list[Path]) -> None:
-    """--force: what an earlier output left that the new one, now written, replaces (in the order given)."""
+def remove_stale(paths: list[Path]) -> tuple[Path, ...]:
+    """--force: what an earlier output left that the new one, now written, replaces (in the order given); what was
+    there to remove, for the summary to name."""
+    removed = []
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+            removed.append(path)
+    return tuple(removed)
 
 
 def split_plan(plan: FixPlan, max_bytes: int) -> list[FixPlan]:
@@ -172,8 +176,8 @@ def execute_sharded(plan: FixPlan, max_bytes: int, progress_callback: Callable[[
                             "weight_map": weight_map}, indent=2).encode()
         with atomic_output(index_path, staged=staged) as (fd, _):
             write_bytes(fd, 0, index)
-    remove_stale(stale)  # --force: the old single file and old shards go, once the index names every new shard
+    removed = remove_stale(stale)  # --force: the old single file and old shards go, once the index names the new
     return FixResult(replace(plan, output=index_path), sum(r.bytes for r in results) + len(index), verify,
                      tuple(sorted({g for r in results for g in r.unknown_globals})), tuple(shards),
-                     tuple(sorted({c for r in results for c in r.dtype_classes})))
+                     tuple(sorted({c for r in results for c in r.dtype_classes})), removed)
 

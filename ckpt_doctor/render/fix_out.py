@@ -37,6 +37,7 @@ def fix_json(plan: FixPlan, result: FixResult | None,
         "unknown_globals": list(result.unknown_globals) if result else [],
         "safe_globals": list(result.safe_globals) if result else [],
         **({"shards": [str(p) for p in shards]} if shards else {}),
+        "removed": [str(p) for p in result.removed] if result else [],
         **_remote(),
     }
 
@@ -103,6 +104,11 @@ def fix_summary(plan: FixPlan, result: FixResult | None,
         names = shards[0].name if len(shards) == 1 else f"{shards[0].name} … {shards[-1].name}"
         lines.append(f"{_n(len(shards), 'shard')}: {names}, index {index.name}")
     lines += [f"note: {n}" for n in plan.notes]
+    if result and result.removed:  # --force replaced an earlier output of this name: what of it went, said
+        names = [p.name for p in result.removed]
+        more = f", … {len(names) - 4} more" if len(names) > 4 else ""
+        lines.append(f"removed (--force): {', '.join(names[:4])}{more} — what an earlier output of this name left "
+                     "beside it")
     if result and result.unknown_globals:
         names = ", ".join(result.unknown_globals)
         classes = f", and builds NumPy dtypes of class {', '.join(result.dtype_classes)}" if result.dtype_classes else ""
