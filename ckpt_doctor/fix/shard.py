@@ -16,7 +16,7 @@ from ..errors import PlanError, ReadError, Rerun, WriteError
 from ..readers.jsonfile import read_json
 from ..records import OutTensor
 from ..safepickle import limits
-from ..writers.atomic import atomic_output, check_destination, is_input, staged_outputs
+from ..writers.atomic import atomic_output, check_destination, check_folder, is_input, staged_outputs
 from ..writers.stream import write_bytes
 from .execute import execute
 from .results import FixPlan, FixResult, converted_nbytes
@@ -83,7 +83,8 @@ def check_index_beside(output: Path, inputs: tuple[Path, ...], force: bool) -> l
     if is_input(index, inputs):
         raise WriteError(f"{output}: {index.name} beside it is the input, which a loader that follows it would read "
                          "instead of the new file; the input is never modified — write elsewhere")
-    if any(is_input(p, inputs) for p in _index_shards(output, index)):  # the input's own model, not an old output
+    shards = _index_shards(output, index)
+    if any(is_input(p, inputs) for p in shards):  # the input's own model, not an earlier output
         raise WriteError(f"{output}: {index.name} beside it names the input as one of its shards: it is the model the "
                          "input belongs to, which --force would take apart; the input is never modified — write "
                          "elsewhere")
@@ -91,7 +92,7 @@ def check_index_beside(output: Path, inputs: tuple[Path, ...], force: bool) -> l
         raise WriteError(f"{output}: {index.name} already exists beside it (an earlier sharded output), and a loader "
                          f"that follows the index reads its shards, not {output.name}; replace them with {{0}}",
                          reruns=(Rerun(add=("--force",)),))
-    return [index, *named_shards(output, index, inputs)]
+    return [index, *shards]  # (none of them an input: named_shards's, read once)
 
 
 def remove_stale(paths: list[Path]) -> tuple[Path, ...]:
@@ -142,10 +143,7 @@ def check_sharded_destination(output: Path, shards: list[Path], index: Path, inp
     before model.safetensors.index.json) reads the old weights. It is refused, or with --force replaced. Returns
     what is to be removed once the index is written: that file, and the shards an earlier index of this name names
     (named_shards) that the new ones do not replace."""
-    parent = output.parent if str(output.parent) else Path(".")
-    if not parent.is_dir():  # said of the OUT given, not of a shard name it never typed
-        raise WriteError(f"{output}: {parent} is a file, not a folder" if parent.exists() else
-                         f"{output}: folder {parent} does not exist")
+    check_folder(output)  # said of the OUT given, not of a shard name the user never typed
     for path in (*shards, index):
         check_destination(path, inputs, force)
     stale = [p for p in named_shards(output, index, inputs) if p not in shards] if index.is_file() else []

@@ -36,6 +36,11 @@ def check_destination(output: Path, inputs: tuple[Path, ...], force: bool) -> No
         raise WriteError(f"{output}: is a directory; give a file name such as {output / 'model.safetensors'}")
     if (output.exists() or output.is_symlink()) and not force:
         raise WriteError(f"{output}: already exists; replace it with {{0}}", reruns=(Rerun(add=("--force",)),))
+    check_folder(output)
+
+
+def check_folder(output: Path) -> None:
+    """The folder `output` is to be written in: there, a folder, writable."""
     parent = output.parent if str(output.parent) else Path(".")
     if not parent.is_dir():
         raise WriteError(f"{output}: {parent} is a file, not a folder" if parent.exists() else
