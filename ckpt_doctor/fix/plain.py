@@ -85,11 +85,11 @@ def _kind(obj: Opaque) -> str:
     return f"{ref.module}.{ref.name}"
 
 
-def with_plain_data(ckpt: Checkpoint) -> tuple[Checkpoint, list[str]]:
+def with_plain_data(ckpt: Checkpoint) -> tuple[Checkpoint, list[tuple[str, str, str]]]:
     """`ckpt` with every object plain_value reads written as its value (the containers above it copied, nothing
-    else), and what was converted, as `path (what → what)`. Tensors keep their paths: a Namespace's attribute is
-    under the same path as the dict's key that replaces it."""
-    converted: list[str] = []
+    else), and what was converted: (path, what it was, what it is now: `argparse.Namespace`, `dict`). Tensors keep
+    their paths: a Namespace's attribute is under the same path as the dict's key that replaces it."""
+    converted: list[tuple[str, str, str]] = []
     inside: set[int] = set()  # the containers being walked: one met within itself is left for the planner to refuse
 
     def walk(obj: Any, path: str) -> Generator:  # yields the walk of each child, sent its result
@@ -98,7 +98,7 @@ def with_plain_data(ckpt: Checkpoint) -> tuple[Checkpoint, list[str]]:
         value = plain_value(obj)
         walking = [id(obj)]  # a Namespace that holds itself: its new dict is made once, not once a level
         if value is not _NOT:
-            converted.append(f"{path or 'the root'} ({_kind(obj)} → {type(value).__name__})")
+            converted.append((path or "the root", _kind(obj), type(value).__name__))
             obj = value
             walking.append(id(obj))
         if not (isinstance(obj, dict) or type(obj) in (list, tuple)):

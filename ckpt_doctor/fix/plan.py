@@ -103,7 +103,8 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
 
         ckpt, converted = with_plain_data(ckpt)
         if converted:
-            draft.applied.append("--plain-data: " + ", ".join(converted))  # (fix_summary shortens it for stderr)
+            steps = ", ".join(f"{path} ({was} → {now})" for path, was, now in converted)
+            draft.applied.append(f"--plain-data: {steps}")  # (fix_summary shortens it for stderr)
         else:
             draft.notes.append("--plain-data converted nothing: no argparse.Namespace, NumPy scalar or pathlib path "
                                "in the file")
@@ -178,7 +179,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     refuse_unwritable_tensors(outs, fmt, [k for k in paths if k in ckpt.value_bits] if ckpt.value_bits else [])
     note_idle_devices(sorted({t.source.device for t in outs}), opts.map_location, draft.notes)
     note_devices(fmt, outs, draft)
-    note_held_findings(ckpt, outs, fmt, scope.prefix, draft)
+    note_held_findings(ckpt, paths, fmt, draft)
     if opts.dtype:
         note_dtype(opts.dtype, [t for t in outs if t.key not in tied], draft)
     return FixPlan(ckpt.path, output, fmt, tuple(draft.applied), {**mapping, **extra_renamed},
@@ -407,19 +408,25 @@ def plain_data_plans(ckpt: Checkpoint, output: Path, opts: FixOptions) -> tuple[
 
     if opts.plain_data or not any(".".join(resolve(g.module, g.name)) in PLAIN_NAMES for g in ckpt.globals):
         return None
-    flags: tuple[str, ...] = ("--plain-data",)
+    added = with_a_drop(lambda more: plan_fix(ckpt, output, replace(opts, plain_data=True,
+                                                                    transforms=opts.transforms + tuple(more))))
+    return None if added is None else ("--plain-data", *added)
+
+
+def with_a_drop(attempt: Callable[[list[Transform]], object]) -> list[str] | None:
+    """The flags that make `attempt` (a planning, given transforms to add) plan: none, or the one --drop its refusal
+    names (the `drop` of refuse_unwritable's PlanError); None when neither does."""
+    added: list[str] = []
     for _ in range(2):
         try:
-            plan_fix(ckpt, output, replace(opts, plain_data=True,
-                                           transforms=opts.transforms + tuple(drop(flags[i + 1])
-                                                                              for i in range(1, len(flags), 2))))
+            attempt([drop(pattern) for pattern in added[1::2]])
         except CkptDoctorError as exc:
             pattern = getattr(exc, "drop", None)
-            if pattern is None or len(flags) > 1:
+            if not pattern or added:
                 return None
-            flags += ("--drop", pattern)
+            added = ["--drop", pattern]
             continue
-        return flags
+        return added
     return None
 
 
@@ -579,20 +586,22 @@ def refuse_unwritable_tensors(outs: list[OutTensor], fmt: OutputFormat | None = 
             raise PlanError(f"{t.key}: dtype {t.dtype} has no safetensors code; write a .pt file instead")
     quantized = [t.key for t in outs if t.source.dtype in QUANTIZED]
     if quantized:
-        pattern = "^(" + "|".join(re.escape(k) for k in quantized[:50]) + ")$" if len(quantized) <= 50 else None
-        raise PlanError(f"{len(quantized)} quantized tensors ({', '.join(quantized[:3])}"
-                        f"{', …' if len(quantized) > 3 else ''}): ckpt-doctor does not read their scale and zero "
-                        "point, so it would write them without; nothing written"
-                        + ("; leave them out with {0}" if pattern else ""),
-                        reruns=(Rerun(add=("--drop", pattern)),) if pattern else ())
+        _refuse_tensors(quantized, "quantized tensors", "ckpt-doctor does not read their scale and zero point, so it "
+                        "would write them without; nothing written", "; leave them out with")
     if lazy:
-        pattern = "^(" + "|".join(re.escape(k) for k in lazy[:50]) + ")$" if len(lazy) <= 50 else None
-        raise PlanError(f"{len(lazy)} tensor{'s' if len(lazy) > 1 else ''} saved as lazy conjugate or negative views "
-                        f"({', '.join(lazy[:3])}"
-                        f"{', …' if len(lazy) > 3 else ''}): torch.load gives the conjugate (or negation) of their "
-                        "bytes, and fix copies bytes, so the output would hold other values; nothing written. Save "
-                        "them with .resolve_conj().resolve_neg()" + ("; or leave them out with {0}" if pattern else ""),
-                        reruns=(Rerun(add=("--drop", pattern)),) if pattern else ())
+        _refuse_tensors(lazy, f"tensor{'s' if len(lazy) > 1 else ''} saved as lazy conjugate or negative views",
+                        "torch.load gives the conjugate (or negation) of their bytes, and fix copies bytes, so the "
+                        "output would hold other values; nothing written. Save them with .resolve_conj().resolve_neg()",
+                        "; or leave them out with")
+
+
+def _refuse_tensors(keys: list[str], what: str, why: str, leave: str) -> None:
+    """PlanError `N what (k1, k2, k3, …): why`, and `leave` the --drop of them all where it is short enough to print
+    (50 keys at most)."""
+    pattern = "^(" + "|".join(re.escape(k) for k in keys) + ")$" if len(keys) <= 50 else None
+    raise PlanError(f"{len(keys)} {what} ({', '.join(keys[:3])}{', …' if len(keys) > 3 else ''}): {why}"
+                    + (f"{leave} {{0}}" if pattern else ""),
+                    reruns=(Rerun(add=("--drop", pattern)),) if pattern else ())
 
 
 def note_unwritten(ckpt: Checkpoint, fmt: OutputFormat, paths: list[str], draft: Draft) -> None:
@@ -684,16 +693,15 @@ def with_whole(whole: list[str]) -> str:
         if whole else ""
 
 
-def note_held_findings(ckpt: Checkpoint, outs: list[OutTensor], fmt: OutputFormat, prefix: str,
-                       draft: Draft) -> None:
+def note_held_findings(ckpt: Checkpoint, paths: list[str], fmt: OutputFormat, draft: Draft) -> None:
     """Said when the output keeps such a tensor (fix --allow-unsafe without --drop): its bytes, copied as they are
     into a torch zip's member, hold the same pickle, and scan flags the output as it flagged the input ("verified"
-    is of the bytes). A safetensors file or DCP folder holds them where no loader unpickles them. `prefix`: the
-    part's, which a flat output's keys are relative to (--select model)."""
+    is of the bytes). A safetensors file or DCP folder holds them where no loader unpickles them. `paths`: the
+    output's tensors' paths in the file."""
     held = set(holding_findings(ckpt))
     if not held or fmt is not OutputFormat.TORCH:
         return
-    kept = [k for k in (o.source.key if o.source.key in held else prefix + o.source.key for o in outs) if k in held]
+    kept = [k for k in paths if k in held]
     if kept:
         entries = held_entries(ckpt, kept)
         whole = [e for e in entries if e not in kept]

@@ -11,7 +11,7 @@ from ..records import Checkpoint
 from ..safepickle.policy import DEFAULT_POLICY, Policy
 from ..transforms import drop
 from .options import FixOptions
-from .plan import drop_pattern, held_entries, holding_findings, plan_fix, with_whole
+from .plan import drop_pattern, held_entries, holding_findings, plan_fix, with_a_drop, with_whole
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -67,7 +67,7 @@ def rescue(ckpt: Checkpoint, extra: Sequence[str] = (), taken: set[str] | None =
                                                                        else "tensors whose bytes hold") + \
                     f" a pickle np.load would unpickle){with_whole([e for e in entries if e not in held])}"
             if converted:
-                names = ", ".join(dict.fromkeys(c.split(" (", 1)[1].split(" → ")[0] for c in converted))
+                names = ", ".join(dict.fromkeys(was for _, was, _ in converted))
                 left = f" ({names} kept as plain data){left}"
             return Suggestion(argv, Promise.WRITES,
                               f"writes its tensors and plain data as a file torch.load loads with its defaults{left}; "
@@ -79,22 +79,14 @@ def _planned(ckpt: Checkpoint, path: str, flags: list[str], taken: set[str] | No
              writes: Policy) -> tuple[tuple[str, ...], str] | None:
     """The argv of the fix that plans (with one --drop of what `writes` does not allow), and its output; None."""
     out = output_beside(path, taken=set(taken or ()))
-    given = flags.count("--drop")
-    for _ in range(2):
-        try:
-            plan_fix(ckpt, Path(out), FixOptions(transforms=tuple(_drops(flags)), policy=writes,
-                                                 select="" if "--select" in flags else None,
-                                                 plain_data="--plain-data" in flags))
-        except CkptDoctorError as exc:
-            pattern = getattr(exc, "drop", None)
-            if not pattern or flags.count("--drop") > given:
-                return None
-            flags += ["--drop", pattern]
-            continue
-        if taken is not None:
-            taken.add(out)
-        return ("fix", shell_path(path), "-o", out, *flags), out
-    return None
+    added = with_a_drop(lambda more: plan_fix(ckpt, Path(out), FixOptions(
+        transforms=(*_drops(flags), *more), policy=writes, select="" if "--select" in flags else None,
+        plain_data="--plain-data" in flags)))
+    if added is None:
+        return None
+    if taken is not None:
+        taken.add(out)
+    return ("fix", shell_path(path), "-o", out, *flags, *added), out
 
 
 def _drops(flags: Sequence[str]) -> list:
