@@ -549,6 +549,30 @@ def test_a_tie_auto_infers_is_listed_once(tmp_path):
     assert data["applied"] == ["--auto → --tie lm_head.weight=embed.weight"], data["applied"]
 
 
+def test_a_tie_over_a_copy_prints_the_drop_that_writes_it_and_says_what_it_wrote(tmp_path):
+    """--tie onto a name the output already holds (an untied copy, a DataParallel file's) is refused with the user's
+    command and the --drop of the file's own name for it (before --strip-module renames it), which runs; the
+    summary, the dry run's table and --json then name the tie (--json `tied` was empty for torch output)."""
+    torch.manual_seed(0)
+    embed = torch.randn(10, 4)
+    path, out = tmp_path / "dp.pt", tmp_path / "out.pt"
+    torch.save({"model": {"module.embed.weight": embed, "module.lm_head.weight": embed.clone()}, "epoch": 3}, path)
+    refused = run_cli("fix", path, "-o", out, "--select", "model", "--strip-module", "--tie",
+                      "lm_head.weight=embed.weight")
+    assert refused.exit_code == 2 and "module.lm_head.weight" in refused.stderr, refused.stderr
+    (command,) = printed(refused.stderr)
+    assert command.endswith("--drop '^module\\.lm_head\\.weight$'"), command
+    dry = run_printed(command + " --dry-run")
+    assert "1 tied (lm_head.weight = embed.weight)" in dry.stderr, dry.stderr
+    assert re.search(r"embed\.weight\s+\+\s+lm_head\.weight \(tied: the tensor of embed\.weight\)", dry.stdout), dry.stdout
+    done = run_printed(command + " --json")
+    assert done.exit_code == 0, done.stderr
+    assert done.json()["tied"] == {"lm_head.weight": "embed.weight"}
+    loaded = torch.load(out, weights_only=True)
+    assert loaded["lm_head.weight"].data_ptr() == loaded["embed.weight"].data_ptr()
+    assert torch.equal(loaded["embed.weight"], embed)
+
+
 def test_a_model_with_constructor_arguments_gets_the_accept_line_too(tmp_path):
     """The model's --model-arg is part of naming the model: a file that only lacks its head got the fix line that
     wrote it again unchanged, not the accept line, whenever the model took a constructor argument."""

@@ -3,6 +3,7 @@ over the renames, and device tags rewritten (--map-location)."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter, OrderedDict
 
 from ..errors import PlanError, Rerun, UsageError
@@ -43,9 +44,9 @@ def note_idle_devices(saved: list[str], table: tuple[tuple[str, str], ...], note
 
 
 def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...], fmt: OutputFormat,
-         out_prefix: str, notes: list[str], applied: list[str], given: set | None = None) -> None:
+         out_prefix: str, notes: list[str], applied: list[str], given: set | None = None) -> list[tuple[str, str]]:
     """Write each tied alias as the same tensor as the key it shares a Parameter with (one storage in a torch
-    file), so that load_state_dict(strict=True) finds both names."""
+    file), so that load_state_dict(strict=True) finds both names. The (alias, key) pairs written."""
     done = []
     for alias, key in ties:
         if (alias, key) not in (given or ()):
@@ -59,8 +60,10 @@ def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...],
         elif alias in state:
             if state[alias].source == state[key].source:
                 continue  # already one tensor under both names
-            raise UsageError(f"--tie {alias}={key}: the output already holds another tensor named {alias!r}; drop it "
-                             "first (--drop) to write the tie")
+            own = state[alias].source.key  # as --drop matches it: before the renames
+            raise UsageError(f"--tie {alias}={key}: the output already holds another tensor named {alias!r} (the "
+                             f"file's {own}, with values of its own); to write the tie in its place, leave that one "
+                             "out: {0}", reruns=(Rerun(add=("--drop", "^" + re.escape(own) + "$")),))
         source = state[key]
         state[alias] = OutTensor(out_prefix + alias, source.source, source.dtype, source.device)
         done.append((alias, key))
@@ -71,6 +74,7 @@ def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...],
         if fmt is OutputFormat.SAFETENSORS:
             notes.append("safetensors stores a tied tensor once: load it with the model's tie_weights(), or "
                          "write torch output (.pt) where both names share one storage")
+    return done
 
 
 def module_versions(ckpt: Checkpoint, root: str | None, renames: list[Transform]) -> Any:

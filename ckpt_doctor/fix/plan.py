@@ -47,10 +47,9 @@ from .rebuild import (
     refuse_unwritable,
     subtree,
     tensors_under,
-    tied_duplicates,
     unlisted_tensors,
 )
-from .results import FixPlan, cast_keys
+from .results import FixPlan, cast_keys, tied_duplicates
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -146,7 +145,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     state = kind((new, out_tensor(out_prefix + new, by_key[old])) for old, new in mapping.items())
     if versions is not None:
         state._metadata = versions  # type: ignore[attr-defined]
-    tie(state, opts.ties, fmt, out_prefix, draft.notes, draft.applied, user_ties)
+    ties = tie(state, opts.ties, fmt, out_prefix, draft.notes, draft.applied, user_ties)
     extra_renamed: dict[str, str] = {}  # state_dict entries that are no tensors, renamed with the tensors
     if scope.flat_output:
         tree, outs, mapping, extra_renamed, written = flat_tree(ckpt, scope, state, mapping, drops, renames,
@@ -184,7 +183,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
         note_dtype(opts.dtype, [t for t in outs if t.key not in tied], draft)
     return FixPlan(ckpt.path, output, fmt, tuple(draft.applied), {**mapping, **extra_renamed},
                    tuple(draft.dropped), tuple(outs), tree, tuple(draft.notes), tied, metadata,
-                   tuple(draft.ambiguous), policy, dtype=opts.dtype)
+                   tuple(draft.ambiguous), policy, dtype=opts.dtype, ties=tuple(ties))
 
 
 def refuse_unplannable(ckpt: Checkpoint, output: Path) -> None:

@@ -407,18 +407,3 @@ def tensors_under(cut: set[str], records: dict[str, TensorRecord], state_prefix:
             found.append(key)
     return found
 
-
-def tied_duplicates(outs: list[OutTensor]) -> dict[str, str]:
-    seen: dict[tuple, str] = {}
-    tied = {}
-    for t in outs:
-        r = t.source
-        ident = (*r.storage.ident, r.storage_offset, r.shape, r.stride, r.dtype) if r.storage else None
-        if ident is None:
-            continue
-        if ident in seen:
-            tied[t.key] = seen[ident]
-        else:
-            seen[ident] = t.key
-    return tied
-

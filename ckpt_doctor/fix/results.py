@@ -34,6 +34,13 @@ class FixPlan:
     # written), so that the dry run does not pass a command that then fails
     write_refusal: Exception | None = None
     dtype: str | None = None  # --dtype: what the state_dict's floating tensors are cast to
+    ties: tuple[tuple[str, str], ...] = ()  # (alias, key): the names --tie (or --auto) wrote as another's tensor
+
+    @property
+    def shared(self) -> dict[str, str]:
+        """Each name the output holds as the tensor of another → that other (a tie --tie wrote, or one the file
+        had): in safetensors written once (`tied`), in a torch file or DCP folder one storage for both."""
+        return dict(self.tied) if self.format is OutputFormat.SAFETENSORS else tied_duplicates(self.tensors)
 
     @property
     def cast(self) -> tuple[list[str], list[str]]:
@@ -89,3 +96,18 @@ def cast_keys(tensors: Iterable[OutTensor], dtype: str) -> tuple[list[str], list
 def converted_nbytes(nbytes: int, src: str, dst: str) -> int:
     return nbytes // element_size(src) * element_size(dst)
 
+
+def tied_duplicates(outs: Iterable[OutTensor]) -> dict[str, str]:
+    """Each name whose tensor an earlier name holds (one storage, offset, shape, stride and dtype) → that name."""
+    seen: dict[tuple, str] = {}
+    tied = {}
+    for t in outs:
+        r = t.source
+        ident = (*r.storage.ident, r.storage_offset, r.shape, r.stride, r.dtype) if r.storage else None
+        if ident is None:
+            continue
+        if ident in seen:
+            tied[t.key] = seen[ident]
+        else:
+            seen[ident] = t.key
+    return tied

@@ -30,7 +30,7 @@ def fix_json(plan: FixPlan, result: FixResult | None,
         "verified": bool(result and result.verified),
         "dry_run": result is None,
         "write_refusal": str(plan.write_refusal) if result is None and plan.write_refusal is not None else None,
-        "tied": plan.tied,
+        "tied": plan.shared,  # alias -> key: in safetensors written once, in a torch file or DCP folder one storage
         # --dtype: the tensors cast, and the floating ones written as saved (beside the state_dict); null without it
         "dtype": {"to": plan.dtype, "cast": len(cast), "left": len(left)} if plan.dtype else None,
         "notes": list(plan.notes),
@@ -55,6 +55,8 @@ def dry_run_table(plan: FixPlan) -> str:
         rows.append([old, "≈" if old in marked else "→" if old != new else "=", new])
     for key in plan.dropped:
         rows.append([key, "✗", "(dropped)"])
+    for alias, key in plan.ties:
+        rows.append([key, "+", f"{alias} (tied: the tensor of {key})"])
     from .columns import KEYS, draw_table  # only when a table is drawn: --json does not import the table code
 
     return draw_table(["key", "", "output key"], rows, max_width=KEYS)
@@ -83,6 +85,14 @@ def _dropped(plan: FixPlan) -> str:
     return f"{len(plan.dropped)} dropped{named}"
 
 
+def _tied(plan: FixPlan) -> str:
+    """`, 1 tied (lm_head.weight = embed.weight)`: the names --tie (or --auto) wrote as another's tensor."""
+    if not plan.ties:
+        return ""
+    shown = ", ".join(f"{alias} = {key}" for alias, key in plan.ties[:4])
+    return f", {len(plan.ties)} tied ({shown}{', …' if len(plan.ties) > 4 else ''})"
+
+
 def fix_summary(plan: FixPlan, result: FixResult | None,
                 sharded: tuple[list[Path], Path] | None = None) -> list[str]:
     renamed = sum(1 for o, n in plan.renamed.items() if o != n)
@@ -91,12 +101,12 @@ def fix_summary(plan: FixPlan, result: FixResult | None,
     if result is None:
         output = sharded[1] if sharded else plan.output  # sharded: the index names the shards
         lines.append(f"dry run: {output} would hold {what}; {_n(renamed, 'key')} renamed, "
-                     f"{_dropped(plan)}; nothing written")
+                     f"{_dropped(plan)}{_tied(plan)}; nothing written")
     else:
         check = "verified: every storage re-read and its crc32 compared with the source" if result.verified else \
             "NOT verified (--no-verify)"
         lines.append(f"wrote {result.plan.output}: {what} ({human_bytes(result.bytes)} on disk); "
-                     f"{_n(renamed, 'key')} renamed, {_dropped(plan)}; {check}")
+                     f"{_n(renamed, 'key')} renamed, {_dropped(plan)}{_tied(plan)}; {check}")
     if plan.applied:
         lines.append("applied: " + "; ".join(_shortened(step) for step in plan.applied))
     shards, index = (result.shards, result.plan.output) if result else sharded or ((), plan.output)
