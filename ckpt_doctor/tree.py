@@ -9,6 +9,7 @@ from ._record import field, record
 
 from .errors import ReadError
 from .safepickle import limits
+from .safepickle.plain import plain_text
 from .safepickle.unpickler import Opaque, RawTensor, Token
 
 TYPE_CHECKING = False
@@ -72,7 +73,10 @@ def _leaf_value(value: Any) -> Any:
     if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
         items = [_leaf_value(v) for v in value[:16]]
         return items + [f"… {len(value) - 16} more"] if len(value) > 16 else items
-    if isinstance(value, (Opaque, Token)):
+    if isinstance(value, Opaque):  # a NumPy scalar, a path: its value shown, `<numpy.float64 0.81>`
+        text = plain_text(value)
+        return repr(value) if text is None else text if len(text) <= 200 else text[:199] + "…>"
+    if isinstance(value, Token):
         return repr(value)
     return f"<{type(value).__name__}>"
 

@@ -401,6 +401,7 @@ def test_plain_data_of_a_shared_or_self_holding_namespace_and_what_it_leaves_as_
         result = run_cli("fix", path, "-o", tmp_path / f"{name}_out.pt", "--plain-data")
         assert result.exit_code == 2 and what in result.stderr and "converted" not in result.stderr, \
             (name, result.stderr)
+    assert run_cli("inspect", path, "--json").json()["metadata"]["v"] == "<numpy._core.multiarray.scalar>"
 
 
 def test_the_consent_line_of_a_dangerous_file_does_not_repeat_the_user_s_plain_data(tmp_path):
@@ -464,6 +465,9 @@ def test_plain_data_keeps_a_namespace_and_numpy_scalars_as_their_values(tmp_path
     inspected = run_cli("inspect", path, "--json").json()
     [rescue] = inspected["suggested_commands"]
     assert "--plain-data" in rescue["argv"]
+    shown = inspected["metadata"]  # the values, read as --plain-data reads them (they were `<…scalar>`)
+    assert (shown["best_acc"], shown["done"], shown["args.seed"], shown["args.out"]) == (
+        "<numpy.float64 0.8125>", "<numpy.bool True>", "<numpy.int64 7>", "<pathlib.PurePosixPath /runs/exp1>")
     for command in (offers[0], rescue["command"]):
         result = run_printed(command)
         assert result.exit_code == 0, (command, result.stderr)

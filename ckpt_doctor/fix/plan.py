@@ -27,6 +27,7 @@ from ..records import (
     integer_keys_note,
     relative_to_root,
 )
+from ..safepickle.plain import PLAIN_NAMES
 from ..safepickle.policy import Policy, resolve
 from ..safepickle.unpickler import Opaque, RawTensor, SizeValue
 from ..transforms import Op, Transform, drop, plan_keys
@@ -403,8 +404,6 @@ def plain_data_plans(ckpt: Checkpoint, output: Path, opts: FixOptions) -> tuple[
     """The flags that make the same fix plan with --plain-data: ("--plain-data",) when every object refused is data
     it writes as such, with one --drop of what is left when some are not; None when no such command plans (then
     the refusal does not offer it: what it prints runs)."""
-    from .plain import PLAIN_NAMES
-
     if opts.plain_data or not any(".".join(resolve(g.module, g.name)) in PLAIN_NAMES for g in ckpt.globals):
         return None
     added = with_a_drop(lambda more: plan_fix(ckpt, output, replace(opts, plain_data=True,
