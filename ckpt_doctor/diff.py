@@ -550,6 +550,8 @@ def _stats(parts: list[tuple]) -> PairStats:
     if rel != rel:
         rel = inf
     cosine = dot / (norm_a * b_sq ** 0.5) if norm_a and b_sq and dot == dot else None
+    if cosine is not None:  # the same values in two dtypes gave 1.0000000000000002: a cosine is within ±1
+        cosine = min(1.0, max(-1.0, cosine))
     return PairStats(max_abs, rel, cosine, False, close and max_abs != inf)
 
 

@@ -532,6 +532,17 @@ def test_cosine_and_change_match_float64_whatever_the_norms(tmp_path):
     assert rows["negated"].cosine == pytest.approx(-1, abs=1e-14)
 
 
+def test_a_cosine_is_never_past_one():
+    """The same values in float16 and float32 summed to a cosine of 1.0000000000000002 in a third of the seeds."""
+    import ckpt_doctor.diff as D
+
+    for seed in range(20):
+        torch.manual_seed(seed)
+        half = torch.randn(1000).half()
+        same, negated = D.pair_stats(half, half.float()).cosine, D.pair_stats(half, -half.float()).cosine
+        assert 1 - 1e-15 <= same <= 1 and -1 <= negated <= -1 + 1e-15, (seed, same, negated)
+
+
 def test_cosine_of_a_nearly_orthogonal_or_huge_pair_keeps_float64s_digits(tmp_path):
     """Σxy taken as (Σx² + Σy² − Σ(y − x)²) / 2 cancels away a cosine near 0 (1e-9 came out 9.9999997e-10), and
     Σx² + Σy² past float64's range made it inf (a cosine of inf for a float64 pair of norm 1e154): such blocks
