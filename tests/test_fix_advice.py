@@ -553,28 +553,45 @@ def test_a_tie_auto_infers_is_listed_once(tmp_path):
     assert data["applied"] == ["--auto → --tie lm_head.weight=embed.weight"], data["applied"]
 
 
-def test_a_tie_over_a_copy_prints_the_drop_that_writes_it_and_says_what_it_wrote(tmp_path):
-    """--tie onto a name the output already holds (an untied copy, a DataParallel file's) is refused with the user's
-    command and the --drop of the file's own name for it (before --strip-module renames it), which runs; the
-    summary, the dry run's table and --json then name the tie (--json `tied` was empty for torch output)."""
+def test_a_tie_over_a_copy_of_the_same_bytes_is_written_and_said(tmp_path):
+    """--tie onto a name the output already holds as a copy of the same bytes (an untied export) writes the tie,
+    which loses nothing (it was refused with 'drop it first (--drop)'); the summary, the dry run's table and --json
+    name it (--json `tied` was empty for torch output)."""
     torch.manual_seed(0)
     embed = torch.randn(10, 4)
-    path, out = tmp_path / "dp.pt", tmp_path / "out.pt"
-    torch.save({"model": {"module.embed.weight": embed, "module.lm_head.weight": embed.clone()}, "epoch": 3}, path)
-    refused = run_cli("fix", path, "-o", out, "--select", "model", "--strip-module", "--tie",
-                      "lm_head.weight=embed.weight")
-    assert refused.exit_code == 2 and "module.lm_head.weight" in refused.stderr, refused.stderr
-    (command,) = printed(refused.stderr)
-    assert command.endswith("--drop '^module\\.lm_head\\.weight$'"), command
-    dry = run_printed(command + " --dry-run")
-    assert "1 tied (lm_head.weight = embed.weight)" in dry.stderr, dry.stderr
+    path, out = tmp_path / "untied.pt", tmp_path / "out.pt"
+    torch.save({"embed.weight": embed, "lm_head.weight": embed.clone()}, path)
+    flags = ("fix", path, "-o", out, "--tie", "lm_head.weight=embed.weight")
+    dry = run_cli(*flags, "--dry-run")
+    assert "1 tied (lm_head.weight = embed.weight)" in dry.stderr and "the same bytes" in dry.stderr, dry.stderr
     assert re.search(r"embed\.weight\s+\+\s+lm_head\.weight \(tied: the tensor of embed\.weight\)", dry.stdout), dry.stdout
-    done = run_printed(command + " --json")
-    assert done.exit_code == 0, done.stderr
-    assert done.json()["tied"] == {"lm_head.weight": "embed.weight"}
+    done = run_cli(*flags, "--json")
+    assert done.exit_code == 0 and done.json()["tied"] == {"lm_head.weight": "embed.weight"}, done.stderr
+    assert done.json()["dropped"] == []
     loaded = torch.load(out, weights_only=True)
     assert loaded["lm_head.weight"].data_ptr() == loaded["embed.weight"].data_ptr()
     assert torch.equal(loaded["embed.weight"], embed)
+
+
+def test_a_tie_over_values_of_its_own_offers_to_keep_either(tmp_path):
+    """Where the alias holds other values, a tie keeps one of the two: the refusal prints both commands (each the
+    user's, with the --drop of the file's own name, before --strip-module renames it), and each keeps what it says."""
+    torch.manual_seed(0)
+    embed = torch.randn(10, 4)
+    path, out = tmp_path / "dp.pt", tmp_path / "out.pt"
+    torch.save({"model": {"module.embed.weight": embed, "module.lm_head.weight": embed + 0.5}, "epoch": 3}, path)
+    refused = run_cli("fix", path, "-o", out, "--select", "model", "--strip-module", "--tie",
+                      "lm_head.weight=embed.weight")
+    assert refused.exit_code == 2 and "values differ" in refused.stderr, refused.stderr
+    keep_embed, keep_head = printed(refused.stderr)
+    assert keep_embed.endswith("--drop '^module\\.lm_head\\.weight$'"), keep_embed
+    assert "--tie embed.weight=lm_head.weight --drop '^module\\.embed\\.weight$'" in keep_head, keep_head
+    for command, kept in ((keep_embed, embed), (keep_head, embed + 0.5)):
+        out.unlink(missing_ok=True)
+        assert run_printed(command).exit_code == 0, command
+        loaded = torch.load(out, weights_only=True)
+        assert loaded["lm_head.weight"].data_ptr() == loaded["embed.weight"].data_ptr()
+        assert torch.equal(loaded["lm_head.weight"], kept), command
 
 
 def test_a_model_with_constructor_arguments_gets_the_accept_line_too(tmp_path):

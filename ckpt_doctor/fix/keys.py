@@ -8,6 +8,7 @@ from collections import Counter, OrderedDict
 
 from ..errors import PlanError, Rerun, UsageError
 from ..records import OutTensor, TensorRecord
+from ..tensordata import same_values
 from ..transforms import Transform, key_problem, ordered, well_formed
 from ..tree import state_dict_metadata
 from .options import OutputFormat
@@ -60,10 +61,16 @@ def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...],
         elif alias in state:
             if state[alias].source == state[key].source:
                 continue  # already one tensor under both names
-            own = state[alias].source.key  # as --drop matches it: before the renames
-            raise UsageError(f"--tie {alias}={key}: the output already holds another tensor named {alias!r} (the "
-                             f"file's {own}, with values of its own); to write the tie in its place, leave that one "
-                             "out: {0}", reruns=(Rerun(add=("--drop", "^" + re.escape(own) + "$")),))
+            own, kept = state[alias].source, state[key].source
+            if not same_values(own, kept):  # a tie keeps one of the two: which one is the user's to say
+                mine, theirs = "^" + re.escape(own.key) + "$", "^" + re.escape(kept.key) + "$"  # as --drop takes them
+                raise UsageError(
+                    f"--tie {alias}={key}: the output already holds a tensor named {alias!r} (the file's {own.key}), "
+                    f"whose values differ from {key}'s, and a tie keeps one of them: {key}'s with {{0}}, or "
+                    f"{alias}'s with {{1}}",
+                    reruns=(Rerun(add=("--drop", mine)),
+                            Rerun(add=("--tie", f"{key}={alias}", "--drop", theirs), remove=("--tie", f"{alias}={key}"))))
+            notes.append(f"{alias} held a copy of {key} (the same bytes): written as that tensor, the tie losing nothing")
         source = state[key]
         state[alias] = OutTensor(out_prefix + alias, source.source, source.dtype, source.device)
         done.append((alias, key))
