@@ -14,13 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 from sys import intern
 
-from ._record import field, record
+from ._record import field, record, replace
 from .dtypes import element_size
 from .errors import ReadError
 from .pool import can_fork, one_blas_thread, openblas_libraries, workers
 from .readers import read_checkpoint
 from .readers.held import Holder
-from .records import Checkpoint, TensorRecord, relative_to_root
+from .records import Checkpoint, TensorRecord, relative_to_root, tied_names
 from .safepickle.policy import DEFAULT_POLICY, Policy
 from .transforms import Op, flags_for, plan_keys
 
@@ -45,12 +45,13 @@ IDENTICAL = PairStats(0.0, 0.0, None, True, True)  # the same bytes: nothing com
 class TensorDiff:
     key: str  # the name in B (in A when only A has it)
     a_key: str | None
-    status: str  # identical, close, changed, shape, only-a, only-b
+    status: str  # identical, close, changed, shape, only-a, only-b, tied
     shape_a: tuple[int, ...] | None = None
     shape_b: tuple[int, ...] | None = None
     dtype_a: str | None = None
     dtype_b: str | None = None
     stats: PairStats | None = None
+    tied_to: str | None = None  # tied: the name whose tensor this one is, on the side that has both
 
 
 @record
@@ -70,7 +71,7 @@ class DiffReport:
     @property
     def same(self) -> bool:
         """The values: every pair identical, or within the tolerances."""
-        return all(r.status in ("identical", "close") for r in self.rows)
+        return all(r.status in ("identical", "close", "tied") for r in self.rows)
 
     @property
     def unsafe_sides(self) -> tuple[str, ...]:
@@ -1066,6 +1067,7 @@ def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, tran
                 ahead.close()
             mapped.close()
     rows += [TensorDiff(k, None, "only-b", None, t.shape, None, t.dtype) for k, t in b_tensors.items() if k not in done]
+    rows = _stored_once(rows, a_tensors, b_tensors)
     return DiffReport(a, b, tuple(rows), flags, a_root, compared_root(b), atol, rtol, tuple(_bn_drift(rows)),
                       names_given=bool(transforms))
 
@@ -1076,6 +1078,36 @@ def _bits_under(ckpt: Checkpoint, root: str | None) -> dict[str, str]:
         return {}
     prefix = root + "." if root else ""
     return {k[len(prefix):]: v for k, v in ckpt.value_bits.items() if k.startswith(prefix)}
+
+
+def _stored_once(rows: list[TensorDiff], a_tensors: dict[str, TensorRecord],
+                 b_tensors: dict[str, TensorRecord]) -> list[TensorDiff]:
+    """A name one side holds as the tensor of another (tied weights: lm_head.weight, embed.weight) and the other side
+    lacks, where that tensor was compared under the other name: `tied`, not a difference. safetensors stores a
+    tied tensor once (fix, save_pretrained), so a tied model and its safetensors copy are the same weights."""
+    if not any(r.status in ("only-a", "only-b") for r in rows):
+        return rows
+    compared = [r for r in rows if r.stats is not None]
+    sides = {"only-a": (_tie_groups(a_tensors), {r.a_key for r in compared}),
+             "only-b": (_tie_groups(b_tensors), {r.key for r in compared})}
+    out = []
+    for r in rows:
+        if r.status in sides:
+            groups, seen = sides[r.status]
+            name = r.a_key if r.status == "only-a" else r.key
+            partner = next((k for k in groups.get(name, ()) if k != name and k in seen), None)
+            if partner is not None:
+                r = replace(r, status="tied", tied_to=partner)
+        out.append(r)
+    return out
+
+
+def _tie_groups(tensors: dict[str, TensorRecord]) -> dict[str, tuple[str, ...]]:
+    """Each name of a tied group (the names of one tensor) → the group's names."""
+    names: dict[str, list[str]] = {}
+    for alias, key in tied_names(tensors.items()).items():
+        names.setdefault(key, [key]).append(alias)
+    return {k: tuple(group) for group in names.values() for k in group}
 
 
 def _pair(key: str, a_key: str, ta: TensorRecord, tb: TensorRecord, atol: float, rtol: float, load,

@@ -15,7 +15,7 @@ from .safepickle.policy import GlobalRef, Verdict  # noqa: F401  (re-exported: p
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only: importing typing costs every start ~2.5 ms
-    from typing import Any
+    from typing import Any, Iterable
 
 
 class OpenEnum(str, enum.Enum):
@@ -665,6 +665,22 @@ def ancestors(path: str) -> list[str]:
     """`a.b.c` -> [`a`, `a.b`, `a.b.c`]: a dotted path (a key, a module) and every path above it; none for ""."""
     parts = path.split(".") if path else []
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def tied_names(named: Iterable[tuple[str, TensorRecord]]) -> dict[str, str]:
+    """Each name whose tensor an earlier name holds (one storage, offset, shape, stride and dtype: tied weights) →
+    that earlier name."""
+    seen: dict[tuple, str] = {}
+    tied = {}
+    for key, r in named:
+        if r.storage is None:
+            continue
+        ident = (*r.storage.ident, r.storage_offset, r.shape, r.stride, r.dtype)
+        if ident in seen:
+            tied[key] = seen[ident]
+        else:
+            seen[ident] = key
+    return tied
 
 
 def relative_to_root(tensors, root: str | None):

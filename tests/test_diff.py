@@ -609,3 +609,36 @@ def test_a_cast_that_kept_every_value_is_said_as_such(tmp_path):
     assert [line.split()[2] for line in moved if line.startswith("top change")] == ["layers.0.weight:"]
     assert any(line.startswith("cast ") and line.split()[1] == "3:" for line in moved)
     assert next(line for line in moved if line.startswith("verdict")).endswith("the checkpoints differ")
+
+
+def test_a_tied_model_and_its_safetensors_copy_are_the_same_weights(tmp_path):
+    """safetensors stores a tied tensor once (fix, save_pretrained): the name the .pt holds as embed.weight's tensor
+    is `tied`, not `only in A`, and the two files are the same weights (exit 0, as the docs say of `diff model.pt
+    model.safetensors`), either way round; a name the copy lacks that is no tie still makes them differ."""
+    from torch import nn
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.norm = nn.LayerNorm(4)
+            self.lm_head = nn.Linear(4, 10, bias=False)
+            self.lm_head.weight = self.embed.weight
+
+    torch.manual_seed(0)
+    pt, st = tmp_path / "lm.pt", tmp_path / "lm.safetensors"
+    torch.save(LM().state_dict(), pt)
+    assert run_cli("fix", pt, "-o", st).exit_code == 0
+    for a, b, holder in ((pt, st, "A"), (st, pt, "B")):
+        result = run_cli("diff", a, b, "--json")
+        assert result.exit_code == 0, result.stderr
+        data = result.json()
+        assert data["counts"]["tied"] == 1 and data["counts"]["only-a"] == data["counts"]["only-b"] == 0
+        [tied] = [t for t in data["tensors"] if t["status"] == "tied"]
+        assert (tied["key"], tied["tied_to"]) == ("lm_head.weight", "embed.weight")
+        assert f"lm_head.weight (embed.weight's tensor in {holder}, stored once in" in result.stderr
+    state = LM().state_dict()
+    state.pop("norm.bias")
+    torch.save(state, tmp_path / "less.pt")
+    lacking = run_cli("diff", pt, tmp_path / "less.pt", "--json")
+    assert lacking.exit_code == 1 and lacking.json()["counts"]["only-a"] == 1

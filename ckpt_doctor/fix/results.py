@@ -6,7 +6,7 @@ from pathlib import Path
 
 from .._record import field, record
 from ..dtypes import FLOATING, element_size
-from ..records import OutTensor
+from ..records import OutTensor, tied_names
 from ..safepickle.policy import DEFAULT_POLICY, Policy
 from .options import OutputFormat
 
@@ -98,16 +98,5 @@ def converted_nbytes(nbytes: int, src: str, dst: str) -> int:
 
 
 def tied_duplicates(outs: Iterable[OutTensor]) -> dict[str, str]:
-    """Each name whose tensor an earlier name holds (one storage, offset, shape, stride and dtype) → that name."""
-    seen: dict[tuple, str] = {}
-    tied = {}
-    for t in outs:
-        r = t.source
-        ident = (*r.storage.ident, r.storage_offset, r.shape, r.stride, r.dtype) if r.storage else None
-        if ident is None:
-            continue
-        if ident in seen:
-            tied[t.key] = seen[ident]
-        else:
-            seen[ident] = t.key
-    return tied
+    """Each output name whose tensor an earlier one holds → that name (records.tied_names)."""
+    return tied_names((t.key, t.source) for t in outs)

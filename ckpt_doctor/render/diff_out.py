@@ -74,7 +74,7 @@ def diff_summary(report: DiffReport) -> list[str]:
                                + " ".join(shell_word(f) for f in report.renamed_by)))
     rows = list(report.rows)
     counted = {s: [r for r in rows if r.status == s] for s in ("identical", "close", "changed", "shape", "only-a",
-                                                                "only-b")}
+                                                                "only-b", "tied")}
     tol = f" (within --atol {report.atol:g} --rtol {report.rtol:g})" if report.atol or report.rtol else ""
     lines.append(("compared", f"{sum(1 for r in rows if r.stats is not None):,} pairs: "
                               f"{len(counted['identical']):,} bit-identical, {len(counted['close']):,} close{tol}, "
@@ -92,6 +92,11 @@ def diff_summary(report: DiffReport) -> list[str]:
     for status, label in (("shape", "shape changed"), ("only-a", "only in A"), ("only-b", "only in B")):
         if counted[status]:
             lines.append((label, f"{len(counted[status])}: {_labels(counted[status])}"))
+    if counted["tied"]:  # the side that has the name holds it as another's tensor; the other stores that one once
+        where = [f"{r.key} ({r.tied_to}'s tensor in {'A' if r.shape_a is not None else 'B'}, stored once in "
+                 f"{'B' if r.shape_a is not None else 'A'})" for r in counted["tied"]]
+        lines.append(("tied", f"{len(where)}: " + ", ".join(where[:4]) + (f", … {len(where) - 4} more"
+                                                                            if len(where) > 4 else "")))
     if report.bn_drift:
         shown = ", ".join(report.bn_drift[:8]) + (f", … {len(report.bn_drift) - 8} more" if len(report.bn_drift) > 8
                                                    else "")
@@ -128,7 +133,7 @@ def diff_json(report: DiffReport) -> dict[str, Any]:
         out: dict[str, Any] = {"key": r.key, "a_key": r.a_key, "status": r.status,
                                "shape_a": list(r.shape_a) if r.shape_a is not None else None,
                                "shape_b": list(r.shape_b) if r.shape_b is not None else None,
-                               "dtype_a": r.dtype_a, "dtype_b": r.dtype_b}
+                               "dtype_a": r.dtype_a, "dtype_b": r.dtype_b, "tied_to": r.tied_to}
         out.update({"max_abs": _finite(s.max_abs), "rel": _finite(s.rel), "cosine": s.cosine} if s is not None else
                    {"max_abs": None, "rel": None, "cosine": None})
         return out
@@ -137,7 +142,8 @@ def diff_json(report: DiffReport) -> dict[str, Any]:
         "ok": report.exit_code == 0, "exit_code": report.exit_code, "unsafe": list(report.unsafe_sides),
         "a": str(report.a.path), "b": str(report.b.path), "identical": report.same,
         "atol": report.atol, "rtol": report.rtol, "renamed_by": list(report.renamed_by),
-        "counts": {s: report.count(s) for s in ("identical", "close", "changed", "shape", "only-a", "only-b")},
+        "counts": {s: report.count(s) for s in ("identical", "close", "changed", "shape", "only-a", "only-b",
+                                                "tied")},
         "bn_drift": list(report.bn_drift),
         "tensors": [stat(r) for r in report.rows],
         **_remote(),
