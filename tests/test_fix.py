@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from fixtures.models import RenamedCNN, SmallCNN, TinyTransformer, make_cnn
@@ -149,6 +150,27 @@ def test_tied_weights_in_safetensors_are_written_once(fixtures, cli, tmp_path):
     missing, unexpected = model.load_state_dict(st, strict=False)
     assert missing == ["lm_head.weight"] and unexpected == []
     assert model.lm_head.weight is model.embed.weight  # the tie survives: it is the same parameter
+
+
+def test_a_tie_safetensors_stored_once_is_one_storage_again_back_in_torch_format(fixtures, cli, tmp_path):
+    """fix writes a tied name once in safetensors and records it (ckpt_doctor.tied); fix of that file back to .pt
+    wrote the other name alone (a strict load then failed), saying the header's metadata had no place in a torch
+    file. The tie is written again, under the output's names, and a drop of the alias keeps it out."""
+    run_fix(cli, fixtures["tied"]["path"], tmp_path / "lm.safetensors")
+    data = run_fix(cli, tmp_path / "lm.safetensors", tmp_path / "back.pt", "--add-prefix", "model.")
+    assert data["tied"] == {"model.lm_head.weight": "model.embed.weight"}
+    sd = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert sd["model.embed.weight"].data_ptr() == sd["model.lm_head.weight"].data_ptr()
+    plain = run_fix(cli, tmp_path / "lm.safetensors", tmp_path / "plain.pt")
+    assert not any("__metadata__" in n for n in plain["notes"]), plain["notes"]
+    TinyTransformer().load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True), strict=True)
+    assert cli("diff", fixtures["tied"]["path"], tmp_path / "plain.pt").exit_code == 0
+    again = run_fix(cli, tmp_path / "lm.safetensors", tmp_path / "renamed.safetensors", "--add-prefix", "m.")
+    assert again["tied"] == {"m.lm_head.weight": "m.embed.weight"}
+    with safe_open(str(tmp_path / "renamed.safetensors"), "pt") as f:
+        assert f.metadata()["ckpt_doctor.tied"] == "m.lm_head.weight=m.embed.weight"
+    dropped = run_fix(cli, tmp_path / "lm.safetensors", tmp_path / "headless.pt", "--drop", "^lm_head")
+    assert "lm_head.weight" not in torch.load(tmp_path / "headless.pt", weights_only=True) and not dropped["tied"]
 
 
 def test_tied_weights_stay_shared_in_torch_format(fixtures, cli, tmp_path):

@@ -146,7 +146,12 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     state = kind((new, out_tensor(out_prefix + new, by_key[old])) for old, new in mapping.items())
     if versions is not None:
         state._metadata = versions  # type: ignore[attr-defined]
-    ties = tie(state, opts.ties, fmt, out_prefix, draft.notes, draft.applied, user_ties)
+    recorded = recorded_ties(ckpt, mapping, renames, drops, opts)
+    ties = tie(state, opts.ties + recorded, fmt, out_prefix, draft.notes, draft.applied, user_ties)
+    restored = [f"{alias} = {key}" for alias, key in ties if (alias, key) in recorded]
+    if restored and fmt is not OutputFormat.SAFETENSORS:
+        draft.notes.append("the ties the safetensors header records (ckpt_doctor.tied, written by fix) are written "
+                           f"as one storage again: {', '.join(restored)}")
     extra_renamed: dict[str, str] = {}  # state_dict entries that are no tensors, renamed with the tensors
     if scope.flat_output:
         tree, outs, mapping, extra_renamed, written = flat_tree(ckpt, scope, state, mapping, drops, renames,
@@ -185,6 +190,28 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     return FixPlan(ckpt.path, output, fmt, tuple(draft.applied), {**mapping, **extra_renamed},
                    tuple(draft.dropped), tuple(outs), tree, tuple(draft.notes), tied, metadata,
                    tuple(draft.ambiguous), policy, dtype=opts.dtype, ties=tuple(ties))
+
+
+def recorded_ties(ckpt: Checkpoint, mapping: dict[str, str], renames: list[Transform], drops: list[Transform],
+                  opts: FixOptions) -> tuple[tuple[str, str], ...]:
+    """The ties a safetensors header fix wrote records (`ckpt_doctor.tied`: alias=key, the alias stored once as
+    key), under the output's names, to be written as ties again: a round trip through safetensors keeps both names.
+    None of an alias the drops leave out, or where names are placed by position (--map-by-order)."""
+    text = ckpt.metadata.get("ckpt_doctor.tied") if ckpt.format is Format.SAFETENSORS else None
+    if not isinstance(text, str) or opts.map_by_order:
+        return ()
+    found = []
+    for entry in text.split(","):
+        alias, sep, key = entry.partition("=")
+        if not sep or key not in mapping or alias in mapping or is_dropped(alias, drops):
+            continue
+        try:
+            new = plan_keys([alias], renames).mapping.get(alias)
+        except CkptDoctorError:  # a name the renames would make malformed: left as the header records it
+            continue
+        if new is not None:
+            found.append((new, mapping[key]))
+    return tuple(found)
 
 
 def refuse_unplannable(ckpt: Checkpoint, output: Path) -> None:
@@ -559,6 +586,8 @@ def safetensors_sharing(ckpt: Checkpoint, outs: list[OutTensor], draft: Draft) -
                                                                                           dict[str, str]]:
     """safetensors cannot share storage: each tied duplicate → the key written once; and the header's metadata."""
     metadata: dict[str, str] = {}
+    if ckpt.format is Format.SAFETENSORS:  # (its own ckpt_doctor.tied is made again below, under the output's names)
+        metadata.update({k: v for k, v in ckpt.metadata.items() if isinstance(v, str) and k != "ckpt_doctor.tied"})
     tied = tied_duplicates(outs)
     if tied:
         draft.notes.append("safetensors cannot share storage: " + ", ".join(f"{d} is written once as {k}"
@@ -566,8 +595,6 @@ def safetensors_sharing(ckpt: Checkpoint, outs: list[OutTensor], draft: Draft) -
                            + "; re-tie after loading (e.g. model.tie_weights()), and load with strict=False or "
                              "copy the kept tensor into the tied name")
         metadata["ckpt_doctor.tied"] = ",".join(f"{d}={k}" for d, k in tied.items())
-    if ckpt.format is Format.SAFETENSORS:
-        metadata.update({k: v for k, v in ckpt.metadata.items() if isinstance(v, str)})
     metadata.setdefault("format", "pt")
     return tied, metadata
 
@@ -612,7 +639,8 @@ def note_unwritten(ckpt: Checkpoint, fmt: OutputFormat, paths: list[str], draft:
                            f"{', …' if len(names) > 4 else ''}: on {', '.join(with_attributes[:2])}"
                            f"{', …' if len(with_attributes) > 2 else ''}), which are not written: the output holds "
                            "their values, and code that reads the attributes must set them again")
-    told = sorted(k for k in ckpt.metadata if k != "format") if ckpt.format is Format.SAFETENSORS else []
+    told = sorted(k for k in ckpt.metadata if k not in ("format", "ckpt_doctor.tied")) \
+        if ckpt.format is Format.SAFETENSORS else []  # (ckpt_doctor.tied: written as ties, recorded_ties)
     if told and fmt is not OutputFormat.SAFETENSORS:  # ("format": "pt" is safetensors.torch's own mark on every file)
         draft.notes.append(f"the safetensors header's __metadata__ ({', '.join(told[:4])}"
                            f"{', …' if len(told) > 4 else ''}) is not kept: a {fmt.value} output has no place for it")
