@@ -144,6 +144,9 @@ def test_map_location_and_dtype(fixtures, cli, tmp_path):
 def test_tied_weights_in_safetensors_are_written_once(fixtures, cli, tmp_path):
     data = run_fix(cli, fixtures["tied"]["path"], tmp_path / "lm.safetensors")
     assert data["tied"] == {"lm_head.weight": "embed.weight"}
+    dry = cli("fix", fixtures["tied"]["path"], "-o", tmp_path / "again.safetensors", "--dry-run")
+    assert "1 tied, stored once (lm_head.weight = embed.weight)" in dry.stderr, dry.stderr  # (the table said
+    assert "lm_head.weight (stored once, as embed.weight)" in dry.stdout, dry.stdout  # `lm_head.weight = lm_head.weight`)
     st = load_file(str(tmp_path / "lm.safetensors"))
     assert "lm_head.weight" not in st
     model = TinyTransformer()

@@ -11,7 +11,6 @@ from ..records import OutTensor, TensorRecord
 from ..tensordata import same_values
 from ..transforms import Transform, key_problem, ordered, well_formed
 from ..tree import state_dict_metadata
-from .options import OutputFormat
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
@@ -44,8 +43,8 @@ def note_idle_devices(saved: list[str], table: tuple[tuple[str, str], ...], note
                          f"tensors are saved on {', '.join(saved) or 'no device'}")
 
 
-def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...], fmt: OutputFormat,
-         out_prefix: str, notes: list[str], applied: list[str], given: set | None = None) -> list[tuple[str, str]]:
+def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...], out_prefix: str, notes: list[str],
+        applied: list[str], given: set | None = None) -> list[tuple[str, str]]:
     """Write each tied alias as the same tensor as the key it shares a Parameter with (one storage in a torch
     file), so that load_state_dict(strict=True) finds both names. The (alias, key) pairs written."""
     done = []
@@ -77,11 +76,7 @@ def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...],
     listed = [f"{alias}={key}" for alias, key in done if given is None or (alias, key) in given]
     if listed:  # (the ties --auto inferred are listed in its own line)
         applied.append("--tie " + " --tie ".join(listed))
-    if done:
-        if fmt is OutputFormat.SAFETENSORS:
-            notes.append("safetensors stores a tied tensor once: load it with the model's tie_weights(), or "
-                         "write torch output (.pt) where both names share one storage")
-    return done
+    return done  # (in safetensors each is stored once: said with the output's other ties, safetensors_sharing)
 
 
 def module_versions(ckpt: Checkpoint, root: str | None, renames: list[Transform]) -> Any:

@@ -147,7 +147,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     if versions is not None:
         state._metadata = versions  # type: ignore[attr-defined]
     recorded = recorded_ties(ckpt, mapping, renames, drops, opts)
-    ties = tie(state, opts.ties + recorded, fmt, out_prefix, draft.notes, draft.applied, user_ties)
+    ties = tie(state, opts.ties + recorded, out_prefix, draft.notes, draft.applied, user_ties)
     restored = [f"{alias} = {key}" for alias, key in ties if (alias, key) in recorded]
     if restored and fmt is not OutputFormat.SAFETENSORS:
         draft.notes.append("the ties the safetensors header records (ckpt_doctor.tied, written by fix) are written "

@@ -51,12 +51,20 @@ def _remote() -> dict[str, Any]:
 def dry_run_table(plan: FixPlan) -> str:
     rows = []
     marked = set(plan.ambiguous)
+    shared = plan.shared  # a tied name → the one it shares a tensor with (safetensors: stored once, as that one)
+    how = "stored once, as" if plan.tied else "tied: the tensor of"
+
+    def written(new: str) -> str:
+        return f"{new} ({how} {shared[new]})" if new in shared else new
+
     for old, new in plan.renamed.items():
-        rows.append([old, "≈" if old in marked else "→" if old != new else "=", new])
+        rows.append([old, "≈" if old in marked else "→" if old != new else "=", written(new)])
     for key in plan.dropped:
         rows.append([key, "✗", "(dropped)"])
-    for alias, key in plan.ties:
-        rows.append([key, "+", f"{alias} (tied: the tensor of {key})"])
+    names = set(plan.renamed.values())
+    for alias, key in plan.ties:  # a name --tie added (one it replaced, a copy of the same bytes, has its row)
+        if alias not in names:
+            rows.append([key, "+", written(alias)])
     from .columns import KEYS, draw_table  # only when a table is drawn: --json does not import the table code
 
     return draw_table(["key", "", "output key"], rows, max_width=KEYS)
@@ -86,11 +94,13 @@ def _dropped(plan: FixPlan) -> str:
 
 
 def _tied(plan: FixPlan) -> str:
-    """`, 1 tied (lm_head.weight = embed.weight)`: the names --tie (or --auto) wrote as another's tensor."""
-    if not plan.ties:
+    """`, 1 tied (lm_head.weight = embed.weight)`: the names --tie (or --auto) wrote as another's tensor; in
+    safetensors every tied name, stored once."""
+    ties, how = (list(plan.tied.items()), "tied, stored once") if plan.tied else (list(plan.ties), "tied")
+    if not ties:
         return ""
-    shown = ", ".join(f"{alias} = {key}" for alias, key in plan.ties[:4])
-    return f", {len(plan.ties)} tied ({shown}{', …' if len(plan.ties) > 4 else ''})"
+    shown = ", ".join(f"{alias} = {key}" for alias, key in ties[:4])
+    return f", {len(ties)} {how} ({shown}{', …' if len(ties) > 4 else ''})"
 
 
 def fix_summary(plan: FixPlan, result: FixResult | None,
