@@ -115,9 +115,10 @@ class Comparison:
 
     @property
     def plain_strict_ok(self) -> bool:
-        """A plain load_state_dict(strict=True) of the file succeeds, nothing accepted by --allow-* (tied names
-        aside: they are filled by the Parameter they share, as from_pretrained and tie_weights do)."""
-        return self.strict_ok and not (self.allowed_missing or self.allowed_unexpected)
+        """A plain load_state_dict(strict=True) of the file succeeds: nothing accepted by --allow-*, and no tied
+        name left out (torch calls it missing, though the Parameter it shares fills it: `ok` accepts that, as
+        from_pretrained and tie_weights do)."""
+        return self.strict_ok and not (self.allowed_missing or self.allowed_unexpected or self.tied)
 
     @property
     def ok(self) -> bool:
