@@ -642,3 +642,56 @@ def test_extra_keys_accepted_by_allow_unexpected_need_no_rewrite(tmp_path):
     # not accepted: the extra key is still dropped by the fix line
     [fix] = run_cli("inspect", path, "--model", spec, "--json").json()["suggested_commands"]
     assert fix["label"] == "fix" and "--drop" in fix["argv"]
+
+
+def test_a_numpy_scalar_or_path_is_shown_and_converted_only_as_numpy_and_pathlib_would_read_it(tmp_path):
+    """inspect shows (and --plain-data writes) a NumPy scalar's value only for numpy's own pickle of it: a dtype
+    made with copy=False (numpy then ignores its BUILD: 0.81's big-endian bytes read as -5.97e+213), one with
+    flags set, one BUILT after the scalar was made (numpy decodes at the scalar's REDUCE), a scalar made by NEWOBJ
+    (numpy refuses it) were shown and written as 0.81. A path the memo repeats into gigabytes is not joined (1 MB
+    made inspect take 22 s and 7.8 GB); Python 3.13's pathlib._local paths are read; a float32 shows NumPy's
+    digits."""
+    import struct
+
+    from tests.payloads import global_op, torch_zip
+
+    def text(s: str) -> bytes:
+        return b"X" + len(s.encode()).to_bytes(4, "little") + s.encode()
+
+    def state(order: str = ">", flags: int = 0) -> bytes:
+        return b"(K\x03" + text(order) + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK" + bytes([flags]) + b"t"
+
+    def dtype(copy: bytes = b"\x88", build: bytes = b"b") -> bytes:
+        return global_op("numpy", "dtype") + b"(" + text("f8") + b"\x89" + copy + b"tR" + (state() + build if build
+                                                                                             else b"")
+    value = b"C\x08" + struct.pack(">d", 0.81)
+    scalar = global_op("numpy._core.multiarray", "scalar")
+    weight = global_op("torch._utils", "_rebuild_tensor_v2") + b"((" + text("storage") + \
+        global_op("torch", "FloatStorage") + text("0") + text("cpu") + b"K\x02tQK\x00K\x02\x85K\x01\x85\x89" + \
+        global_op("collections", "OrderedDict") + b")RtR"
+    big = "d" * 100_000
+    cases = {
+        "numpy's own": (scalar + dtype() + value + b"\x86R", "<numpy.float64 0.81>"),
+        "copy False": (scalar + dtype(copy=b"\x89") + value + b"\x86R", None),
+        "flags": (scalar + global_op("numpy", "dtype") + b"(" + text("f8") + b"\x89\x88tR" + state(flags=4) + b"b"
+                  + value + b"\x86R", None),
+        "built after": (scalar + dtype(build=b"") + b"q\x07" + value + b"\x86R" + b"h\x07" + state() + b"b0", None),
+        "newobj": (scalar + b"(" + dtype() + value + b"t\x81", None),
+        "float32": (scalar + global_op("numpy", "dtype") + b"(" + text("f4") + b"\x89\x88tR" + state() + b"b"
+                    + b"C\x04" + struct.pack(">f", 0.81) + b"\x86R", "<numpy.float32 0.81>"),
+        "3.13 path": (global_op("pathlib._local", "PosixPath") + b"(" + text("runs") + text("exp1") + b"tR",
+                      "<pathlib._local.PosixPath runs/exp1>"),
+        "repeated": (global_op("pathlib", "PosixPath") + b"(" + text(big) + b"q\x08" + b"h\x08" * 99 + b"tR", None),
+    }
+    for name, (value_ops, shown) in cases.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.pt"
+        path.write_bytes(torch_zip(b"\x80\x02}(" + text("w") + weight + text("v") + value_ops + b"u.",
+                                   {"0": bytes(8)}))
+        inspected = run_cli("inspect", path, "--json")
+        assert inspected.exit_code == 0, (name, inspected.stderr)
+        got = inspected.json()["metadata"]["v"]
+        assert got == shown if shown else got.startswith("<") and "0.81" not in got and len(got) < 300, (name, got)
+        fixed = run_cli("fix", path, "-o", tmp_path / f"{path.stem}_out.pt", "--plain-data")
+        assert fixed.exit_code == (0 if shown else 2), (name, fixed.stderr)
+    assert torch.load(tmp_path / "numpy's_own_out.pt", weights_only=True)["v"] == 0.81
+    assert torch.load(tmp_path / "float32_out.pt", weights_only=True)["v"] == struct.unpack(">f", struct.pack(">f", 0.81))[0]

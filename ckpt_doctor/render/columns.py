@@ -15,20 +15,14 @@ if TYPE_CHECKING:  # names for annotations only: importing typing costs every st
     from typing import Sequence
 
 
-_CONTROL = None
-
 
 def printable(text: str) -> str:
-    """Control characters (an escape sequence, a newline) shown escaped, as repr shows them: a key or a file name
-    from a hostile file must not recolour or hide a table's rows, or fake one, on a terminal."""
-    global _CONTROL
+    """Control and format characters (an escape sequence, a newline, a right-to-left override) shown escaped, as
+    repr shows them: a key or a file name from a hostile file must not recolour, reorder or hide a table's rows, or
+    fake one, on a terminal."""
     if text.isprintable():
         return text
-    if _CONTROL is None:
-        import re
-
-        _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
 
 
 MAX_WIDTH = 120  # a table wider than this wraps its last column

@@ -7,16 +7,18 @@ from __future__ import annotations
 import struct
 
 from .policy import resolve
-from .unpickler import Opaque
+from .unpickler import SNAPSHOT, Opaque
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # names for annotations only
     from typing import Any
 
 NAMESPACE = ("argparse", "Namespace")
-SCALARS = {("numpy._core.multiarray", "scalar"), ("numpy.core.multiarray", "scalar")}
-POSIX_PATHS = {("pathlib", n) for n in ("Path", "PosixPath", "PurePath", "PurePosixPath")}
-WINDOWS_PATHS = {("pathlib", n) for n in ("WindowsPath", "PureWindowsPath")}
+SCALARS = SNAPSHOT  # numpy's scalar(dtype, bytes), as numpy 2 and numpy 1 name it
+# the pathlib classes the allow-list names (Python 3.13 pickles them from pathlib._local)
+POSIX_PATHS = {(m, n) for n in ("Path", "PosixPath", "PurePosixPath") for m in ("pathlib", "pathlib._local")}
+WINDOWS_PATHS = {(m, n) for n in ("WindowsPath", "PureWindowsPath") for m in ("pathlib", "pathlib._local")}
+MAX_PATH = 1 << 16  # characters of a path's parts together: one string the memo repeats could make gigabytes
 # A NumPy dtype's code (as its pickle gives it) -> struct's format for one value of it
 _FORMATS = {"b1": "?", "i1": "b", "u1": "B", "i2": "h", "u2": "H", "i4": "i", "u4": "I", "i8": "q", "u8": "Q",
             "f2": "e", "f4": "f", "f8": "d", "c8": "2f", "c16": "2d"}
@@ -44,12 +46,14 @@ def plain_value(obj: Any) -> Any:
             return NOT_PLAIN  # (two BUILDs: pickle's would update one __dict__ with both; only the last is kept here)
         return dict(state)
     if name in POSIX_PATHS or name in WINDOWS_PATHS:
-        if data.state is not None or not all(isinstance(a, str) for a in data.args):
+        if data.state is not None or not all(isinstance(a, str) for a in data.args) \
+                or sum(map(len, data.args)) > MAX_PATH:
             return NOT_PLAIN
         from pathlib import PurePosixPath, PureWindowsPath  # joins the parts as text: no file is looked at
 
         return str((PurePosixPath if name in POSIX_PATHS else PureWindowsPath)(*data.args))
-    if name in SCALARS and data.state is None and len(data.args) == 2:
+    if name in SCALARS and data.state is None and len(data.args) == 2 and data.via_reduce \
+            and data.args_built is not None and data.args_built[0] == 1:  # its dtype given its one BUILD before the scalar was made, none after
         return _scalar(*data.args)
     return NOT_PLAIN
 
@@ -60,9 +64,12 @@ def _scalar(dtype: Any, raw: Any) -> Any:
         return NOT_PLAIN
     data = dtype.ckd
     args, state = data.args, data.state
-    if data.ref is None or resolve(data.ref.module, data.ref.name) != ("numpy", "dtype") or not args \
-            or not isinstance(args[0], str) or type(state) is not tuple or len(state) not in (8, 9) \
-            or state[0] not in (3, 4):  # numpy's own dtype pickles, which np.dtype.__setstate__ takes
+    # numpy's own pickle of a plain dtype, dtype(code, False, True) and one BUILD of (3, order, None, None, None, -1,
+    # -1, 0): with copy False numpy ignores the BUILD; other fields, flags or a second BUILD make another dtype
+    if data.ref is None or resolve(data.ref.module, data.ref.name) != ("numpy", "dtype") or len(args) != 3 \
+            or type(args[0]) is not str or args[1] is not False or args[2] is not True or data.kwargs \
+            or not data.via_reduce or data.builds != 1 or type(state) is not tuple or len(state) not in (8, 9) \
+            or state[0] not in (3, 4) or state[2:8] != (None, None, None, -1, -1, 0) or state[8:] not in ((), (None,)):
         return NOT_PLAIN
     fmt = _FORMATS.get(args[0])
     order = {"<": "<", "|": "<", ">": ">"}.get(state[1])
@@ -86,4 +93,21 @@ def plain_text(obj: Any) -> str | None:
     value = plain_value(obj)
     if value is NOT_PLAIN or isinstance(value, dict):
         return None
-    return f"<{plain_kind(obj)} {value}>"
+    narrow = _NARROW.get(obj.ckd.args[0].ckd.args[0]) if type(value) is float and obj.ckd.args else None
+    return f"<{plain_kind(obj)} {value if narrow is None else _shortest(value, narrow)}>"
+
+
+_NARROW = {"f4": "<f", "f2": "<e"}  # float32, float16: shown with the digits that read back as the same value
+
+
+def _shortest(value: float, fmt: str) -> str:
+    """The fewest digits that read back as the same float32 or float16, as NumPy prints it (0.81, not the float64
+    0.8100000023841858 its bits are)."""
+    for digits in range(1, 10):
+        text = f"{value:.{digits}g}"
+        try:
+            if struct.unpack(fmt, struct.pack(fmt, float(text)))[0] == value:
+                return text
+        except OverflowError:  # rounded past the dtype's largest (65504 of float16 to 7e+04)
+            continue
+    return repr(value)

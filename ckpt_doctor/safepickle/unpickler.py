@@ -41,10 +41,14 @@ class Opaque(metaclass=_SealedClass):
     """
 
     __ref__: GlobalRef | None = None
+    __snapshot__ = False  # SNAPSHOT's classes: their arguments' BUILDs are recorded as they are when one is made
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Opaque":
         self = object.__new__(cls)
-        object.__setattr__(self, "_ckd", _OpaqueData(cls.__ref__, args, kwargs))
+        data = _OpaqueData(cls.__ref__, args, kwargs)
+        if cls.__snapshot__:  # the BUILDs each Opaque argument had been given by now
+            data.args_built = tuple(a._ckd.builds if isinstance(a, Opaque) else None for a in args)
+        object.__setattr__(self, "_ckd", data)
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -92,10 +96,11 @@ class Opaque(metaclass=_SealedClass):
 class _OpaqueData:
     """What a pickle did to an Opaque: constructor arguments, BUILD state, appended and set items."""
 
-    __slots__ = ("ref", "args", "kwargs", "state", "items", "dictitems", "via_reduce", "builds")
+    __slots__ = ("ref", "args", "kwargs", "state", "items", "dictitems", "via_reduce", "builds", "args_built")
 
     def __init__(self, ref: GlobalRef | None, args: tuple, kwargs: dict) -> None:
         self.ref, self.args, self.kwargs = ref, args, kwargs
+        self.args_built: tuple | None = None  # (SNAPSHOT's classes) each Opaque argument's BUILDs when this was made
         self.state: Any = None
         self.items: list = []
         self.dictitems: list = []
@@ -106,10 +111,16 @@ class _OpaqueData:
 _OPAQUE_CLASSES: dict[GlobalRef | None, type] = {}
 
 
+# Globals whose constructor reads its arguments' state at once: a NumPy scalar decodes its bytes by its dtype as the
+# dtype is then (a BUILD given to the dtype later does not change the scalar), so what the dtype had is recorded
+SNAPSHOT = frozenset({("numpy._core.multiarray", "scalar"), ("numpy.core.multiarray", "scalar")})
+
+
 def _opaque_class(ref: GlobalRef | None) -> type:
     cls = _OPAQUE_CLASSES.get(ref)
     if cls is None:
-        cls = type("Opaque", (Opaque,), {"__ref__": ref})
+        snapshot = ref is not None and (ref.module, ref.name) in SNAPSHOT
+        cls = type("Opaque", (Opaque,), {"__ref__": ref, "__snapshot__": snapshot})
         _OPAQUE_CLASSES[ref] = cls
     return cls
 
