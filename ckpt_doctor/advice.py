@@ -168,7 +168,8 @@ def output_beside(source: str | os.PathLike[str], tag: str = "fixed", suffix: st
 
 def rerun_argv(argv: Sequence[str], add: Sequence[str] = (), remove: Sequence[str] = ()) -> list[str] | None:
     """The user's argv with `remove` taken out (a flag with its value, as `--rename X` or `--rename=X`) and `add`
-    appended (a switch already there is not added twice); None when `remove` is not in it as written."""
+    appended, before a `--` (a switch already there is not added twice); None when `remove` is not in it as
+    written."""
     out = list(argv)
     if remove:
         flag, values = remove[0], list(remove[1:])
@@ -188,7 +189,8 @@ def rerun_argv(argv: Sequence[str], add: Sequence[str] = (), remove: Sequence[st
             return None
     if len(add) == 1 and add[0] in out:
         return out  # a switch already given
-    return out + list(add)
+    end = out.index("--") if "--" in out else len(out)  # after `--` every word is an argument, none an option
+    return out[:end] + list(add) + out[end:]
 
 
 def consolidate(folder: str | os.PathLike[str]) -> Suggestion:

@@ -24,7 +24,7 @@ from .errors import PlanError, percent
 from .modelspec import ModelKeys, tied_names  # noqa: F401  (tied_names: re-exported)
 from .records import Checkpoint, TensorRecord, relative_to_root
 from .safepickle.unpickler import RawTensor
-from .transforms import Op, Transform, add_prefix, flags_for, plan_keys, rename, strip_prefix
+from .transforms import Op, Transform, add_prefix, exact_keys_regex, flags_for, plan_keys, rename, strip_prefix
 from .tree import join, node_at, state_dict_metadata
 
 BN_STATS = ("running_mean", "running_var")  # without them a BatchNorm normalizes with its initial statistics
@@ -585,13 +585,6 @@ def short_of_required(model: ModelKeys, check: LoadCheck, allow_missing: str | N
         return None
     return (f"only {percent(filled)} of the model's parameters would come from the checkpoint (required: "
             f"{percent(required)}: {reason})")
-
-
-def exact_keys_regex(keys: list[str] | tuple[str, ...]) -> str:
-    """One anchored regex naming exactly these keys: `^(fc\\.weight|fc\\.bias)$`."""
-    if len(keys) == 1:
-        return f"^{re.escape(keys[0])}$"
-    return "^(" + "|".join(re.escape(k) for k in keys) + ")$"
 
 
 # --- the fix --------------------------------------------------------------------------------------------------------

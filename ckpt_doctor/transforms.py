@@ -216,3 +216,20 @@ def _malformed(key: str, steps: list[Transform], keys: list[str], suggest: bool 
 
 def flags_for(transforms: list[Transform]) -> list[str]:
     return [flag for t in ordered(transforms) for flag in t.flags()]
+
+
+def literal_regex(text: str) -> str:
+    """A regex for exactly `text`, each character that is not printable written as its escape (\\x00, \\u202e):
+    the command that holds it can be pasted whole, and a NUL, which no argument can carry, passes as four
+    characters."""
+    if text.isprintable():
+        return re.escape(text)
+    return "".join(re.escape(c) if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 0x100 else
+                   f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}" for c in text)
+
+
+def exact_keys_regex(keys: list[str] | tuple[str, ...]) -> str:
+    """One anchored regex naming exactly these keys, as --drop and --allow-missing take them:
+    `^(fc\\.weight|fc\\.bias)$`."""
+    parts = [literal_regex(k) for k in keys]
+    return f"^{parts[0]}$" if len(parts) == 1 else "^(" + "|".join(parts) + ")$"

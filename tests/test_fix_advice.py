@@ -576,7 +576,8 @@ def test_a_tie_over_a_copy_of_the_same_bytes_is_written_and_said(tmp_path):
 
 def test_a_tie_over_values_of_its_own_offers_to_keep_either(tmp_path):
     """Where the alias holds other values, a tie keeps one of the two: the refusal prints both commands (each the
-    user's, with the --drop of the file's own name, before --strip-module renames it), and each keeps what it says."""
+    user's, with the --drop of the tensor's path in the file, before --strip-module renames it), and each keeps what
+    it says."""
     torch.manual_seed(0)
     embed = torch.randn(10, 4)
     path, out = tmp_path / "dp.pt", tmp_path / "out.pt"
@@ -585,8 +586,8 @@ def test_a_tie_over_values_of_its_own_offers_to_keep_either(tmp_path):
                       "lm_head.weight=embed.weight")
     assert refused.exit_code == 2 and "values differ" in refused.stderr, refused.stderr
     keep_embed, keep_head = printed(refused.stderr)
-    assert keep_embed.endswith("--drop '^module\\.lm_head\\.weight$'"), keep_embed
-    assert "--tie embed.weight=lm_head.weight --drop '^module\\.embed\\.weight$'" in keep_head, keep_head
+    assert keep_embed.endswith("--drop '^model\\.module\\.lm_head\\.weight$'"), keep_embed
+    assert "--tie embed.weight=lm_head.weight --drop '^model\\.module\\.embed\\.weight$'" in keep_head, keep_head
     for command, kept in ((keep_embed, embed), (keep_head, embed + 0.5)):
         out.unlink(missing_ok=True)
         assert run_printed(command).exit_code == 0, command
@@ -695,3 +696,45 @@ def test_a_numpy_scalar_or_path_is_shown_and_converted_only_as_numpy_and_pathlib
         assert fixed.exit_code == (0 if shown else 2), (name, fixed.stderr)
     assert torch.load(tmp_path / "numpy's_own_out.pt", weights_only=True)["v"] == 0.81
     assert torch.load(tmp_path / "float32_out.pt", weights_only=True)["v"] == struct.unpack(">f", struct.pack(">f", 0.81))[0]
+
+
+def test_the_tie_refusals_commands_name_the_files_own_paths_and_keep_the_users_argument_order(tmp_path):
+    """The --drop a tie refusal prints names the tensor's path in the file (a relative name also dropped a top-level
+    entry of that name: `lm_head.weight: 5` beside `model`); flags go before the user's `--` (after it they were
+    arguments, and the command failed); the reversed tie is offered only where no other --tie names either tensor
+    (it broke `--tie c=a` beside `--tie b=a`); a key the file lists first stays the tie's KEY in --json."""
+    torch.manual_seed(0)
+    embed, head = torch.randn(4, 3), torch.randn(4, 3)
+    nested, out = tmp_path / "nested.pt", tmp_path / "out.pt"
+    torch.save({"model": {"embed.weight": embed, "lm_head.weight": head}, "lm_head.weight": 5}, nested)
+    refused = run_cli("fix", "-o", out, "--tie", "lm_head.weight=embed.weight", "--", nested)
+    keep_embed, keep_head = printed(refused.stderr)
+    assert keep_embed.endswith(f"--drop '^model\\.lm_head\\.weight$' -- {nested}"), keep_embed
+    for command, kept in ((keep_embed, embed), (keep_head, head)):
+        out.unlink(missing_ok=True)
+        assert run_printed(command).exit_code == 0, command
+        loaded = torch.load(out, weights_only=True)
+        assert loaded["lm_head.weight"] == 5 and torch.equal(loaded["model"]["embed.weight"], kept)
+        assert loaded["model"]["lm_head.weight"].data_ptr() == loaded["model"]["embed.weight"].data_ptr()
+    several = tmp_path / "several.pt"
+    torch.save({"a": embed, "b": head, "c": torch.zeros(1)}, several)
+    [only] = printed(run_cli("fix", several, "-o", out, "--tie", "b=a", "--tie", "d=a").stderr)
+    assert only.endswith("--drop '^b$'")
+    first = tmp_path / "first.pt"
+    torch.save({"lm_head.weight": embed, "embed.weight": embed.clone()}, first)
+    data = run_cli("fix", first, "-o", tmp_path / "first_out.pt", "--tie", "lm_head.weight=embed.weight", "--json")
+    assert data.json()["tied"] == {"lm_head.weight": "embed.weight"}, data.stderr
+
+
+def test_a_printed_drop_holds_no_character_a_shell_cannot_carry():
+    """An exact-key regex writes what is not printable as its escape: a NUL, which no argument can hold, cut the
+    printed --drop at `^lm` (and dropped every key starting so); a newline or a right-to-left override hid."""
+    import re
+
+    from ckpt_doctor.transforms import exact_keys_regex
+
+    keys = ["lm\x00head", "a\nb", "x\u202ey", "fc.weight"]
+    pattern = exact_keys_regex(keys)
+    assert pattern.isprintable() and "\\x00" in pattern
+    assert all(re.search(pattern, k) for k in keys) and not re.search(pattern, "lm")
+    assert exact_keys_regex(["fc.weight"]) == "^fc\\.weight$"

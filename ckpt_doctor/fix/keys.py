@@ -3,13 +3,12 @@ over the renames, and device tags rewritten (--map-location)."""
 
 from __future__ import annotations
 
-import re
 from collections import Counter, OrderedDict
 
 from ..errors import PlanError, Rerun, UsageError
-from ..records import OutTensor, TensorRecord
+from ..records import OutTensor, TensorRecord, tied_names
 from ..tensordata import same_values
-from ..transforms import Transform, key_problem, ordered, well_formed
+from ..transforms import Transform, exact_keys_regex, key_problem, ordered, well_formed
 from ..tree import state_dict_metadata
 
 TYPE_CHECKING = False
@@ -44,9 +43,10 @@ def note_idle_devices(saved: list[str], table: tuple[tuple[str, str], ...], note
 
 
 def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...], out_prefix: str, notes: list[str],
-        applied: list[str], given: set | None = None) -> list[tuple[str, str]]:
+        applied: list[str], given: set | None = None, source_prefix: str = "") -> list[tuple[str, str]]:
     """Write each tied alias as the same tensor as the key it shares a Parameter with (one storage in a torch
-    file), so that load_state_dict(strict=True) finds both names. The (alias, key) pairs written."""
+    file), so that load_state_dict(strict=True) finds both names. The (alias, key) pairs written. `source_prefix`:
+    where the state_dict's keys are in the file (`model.`), which a --drop printed here names them by."""
     done = []
     for alias, key in ties:
         if (alias, key) not in (given or ()):
@@ -58,17 +58,11 @@ def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...],
             raise UsageError(f"--tie {alias}={key}: the output has no tensor {key!r} to share (its keys after the "
                              "renames are the ones --dry-run lists)")
         elif alias in state:
-            if state[alias].source == state[key].source:
-                continue  # already one tensor under both names
             own, kept = state[alias].source, state[key].source
+            if own == kept or tied_names([(alias, own), (key, kept)]):
+                continue  # already one tensor under both names
             if not same_values(own, kept):  # a tie keeps one of the two: which one is the user's to say
-                mine, theirs = "^" + re.escape(own.key) + "$", "^" + re.escape(kept.key) + "$"  # as --drop takes them
-                raise UsageError(
-                    f"--tie {alias}={key}: the output already holds a tensor named {alias!r} (the file's {own.key}), "
-                    f"whose values differ from {key}'s, and a tie keeps one of them: {key}'s with {{0}}, or "
-                    f"{alias}'s with {{1}}",
-                    reruns=(Rerun(add=("--drop", mine)),
-                            Rerun(add=("--tie", f"{key}={alias}", "--drop", theirs), remove=("--tie", f"{alias}={key}"))))
+                raise _keep_which(alias, key, source_prefix + own.key, source_prefix + kept.key, ties)
             notes.append(f"{alias} held a copy of {key} (the same bytes): written as that tensor, the tie losing nothing")
         source = state[key]
         state[alias] = OutTensor(out_prefix + alias, source.source, source.dtype, source.device)
@@ -77,6 +71,21 @@ def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...],
     if listed:  # (the ties --auto inferred are listed in its own line)
         applied.append("--tie " + " --tie ".join(listed))
     return done  # (in safetensors each is stored once: said with the output's other ties, safetensors_sharing)
+
+
+def _keep_which(alias: str, key: str, own: str, kept: str, ties: tuple[tuple[str, str], ...]) -> UsageError:
+    """--tie ALIAS=KEY where the output holds other values under ALIAS (the file's `own`; KEY's are the file's
+    `kept`): the user's command with the --drop that keeps KEY's, and the reversed tie that keeps ALIAS's, where no
+    other --tie names either of the two (it would lose its tensor)."""
+    ways = [Rerun(add=("--drop", exact_keys_regex([own])))]
+    if not any(t != (alias, key) and (alias in t or key in t) for t in ties):
+        value = f"{key}={alias}"  # (a value that starts with a dash is joined to its flag: it is no option)
+        reversed_tie = (f"--tie={value}",) if value.startswith("-") else ("--tie", value)
+        ways.append(Rerun(add=(*reversed_tie, "--drop", exact_keys_regex([kept])), remove=("--tie", f"{alias}={key}")))
+    also = f", or {alias}'s with {{1}}" if len(ways) > 1 else ""
+    return UsageError(f"--tie {alias}={key}: the output already holds a tensor named {alias!r} (the file's {own}), "
+                      f"whose values differ from {key}'s, and a tie keeps one of them: {key}'s with {{0}}{also}",
+                      reruns=tuple(ways))
 
 
 def module_versions(ckpt: Checkpoint, root: str | None, renames: list[Transform]) -> Any:

@@ -30,7 +30,7 @@ from ..records import (
 from ..safepickle.plain import PLAIN_NAMES
 from ..safepickle.policy import Policy, resolve
 from ..safepickle.unpickler import Opaque, RawTensor, SizeValue
-from ..transforms import Op, Transform, drop, plan_keys
+from ..transforms import Op, Transform, drop, exact_keys_regex, plan_keys
 from ..tree import join
 from .keys import device_for, map_by_order, module_versions, note_idle_devices, tie
 from .options import FixOptions, OutputFormat, output_format
@@ -147,7 +147,7 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     if versions is not None:
         state._metadata = versions  # type: ignore[attr-defined]
     recorded = recorded_ties(ckpt, mapping, renames, drops, opts)
-    ties = tie(state, opts.ties + recorded, out_prefix, draft.notes, draft.applied, user_ties)
+    ties = tie(state, opts.ties + recorded, out_prefix, draft.notes, draft.applied, user_ties, scope.prefix)
     restored = [f"{alias} = {key}" for alias, key in ties if (alias, key) in recorded]
     if restored and fmt is not OutputFormat.SAFETENSORS:
         draft.notes.append("the ties the safetensors header records (ckpt_doctor.tied, written by fix) are written "
@@ -623,7 +623,7 @@ def refuse_unwritable_tensors(outs: list[OutTensor], fmt: OutputFormat | None = 
 def _refuse_tensors(keys: list[str], what: str, why: str, leave: str) -> None:
     """PlanError `N what (k1, k2, k3, …): why`, and `leave` the --drop of them all where it is short enough to print
     (50 keys at most)."""
-    pattern = "^(" + "|".join(re.escape(k) for k in keys) + ")$" if len(keys) <= 50 else None
+    pattern = exact_keys_regex(keys) if len(keys) <= 50 else None
     raise PlanError(f"{len(keys)} {what} ({', '.join(keys[:3])}{', …' if len(keys) > 3 else ''}): {why}"
                     + (f"{leave} {{0}}" if pattern else ""),
                     reruns=(Rerun(add=("--drop", pattern)),) if pattern else ())

@@ -10,7 +10,7 @@ from ..errors import PlanError, Rerun, UsageError
 from ..records import Checkpoint, GlobalRef, OutTensor, TensorRecord, Verdict, ancestors
 from ..safepickle.policy import Policy, check_user_allowance, resolve
 from ..safepickle.unpickler import Device, DType, Opaque, RawTensor, SizeValue
-from ..transforms import Transform
+from ..transforms import Transform, exact_keys_regex
 from ..tree import has_tensor, join, run_nested
 
 TYPE_CHECKING = False
@@ -196,7 +196,7 @@ def refuse_shift(items: list | tuple, path: str, kept: list[int]) -> None:
     if not path:
         raise PlanError(f"{what}; write the part you want with --select N")
     raise PlanError(what + "; leave out the whole " + kind + " with {0}",
-                    reruns=(Rerun(add=("--drop", f"^{re.escape(path)}$")),))
+                    reruns=(Rerun(add=("--drop", exact_keys_regex([path]))),))
 
 
 # What the output's pickle can hold as a plain value: what torch.load(weights_only=True) reads back.
@@ -253,13 +253,12 @@ def refuse_unwritable(problems: list, plain_data: tuple[str, ...] | None = None)
     if not all(paths):
         drop = "--select with the part that holds the tensors (the file's root itself is such an object)"
     else:
-        pattern = f"^{re.escape(paths[0])}$" if len(paths) == 1 else \
-            "^(" + "|".join(re.escape(p) for p in paths) + ")$"
+        pattern = exact_keys_regex(paths)
         reruns.append(Rerun(add=("--drop", pattern)))
         drop = "{0}"
         tops = list(dict.fromkeys(p.split(".")[0] for p in paths))
         if len(paths) > 1 and len(tops) == 1:
-            reruns.append(Rerun(add=("--drop", f"^{re.escape(tops[0])}$")))
+            reruns.append(Rerun(add=("--drop", exact_keys_regex(tops[:1]))))
             drop += " (or the whole entry: {1})"
     keep = ""
     if plain_data:

@@ -40,7 +40,14 @@ class FixPlan:
     def shared(self) -> dict[str, str]:
         """Each name the output holds as the tensor of another → that other (a tie --tie wrote, or one the file
         had): in safetensors written once (`tied`), in a torch file or DCP folder one storage for both."""
-        return dict(self.tied) if self.format is OutputFormat.SAFETENSORS else tied_duplicates(self.tensors)
+        if self.format is OutputFormat.SAFETENSORS:
+            return dict(self.tied)
+        shared = tied_duplicates(self.tensors)  # later name → earlier; a --tie as the user wrote it, alias → key
+        for alias, key in self.ties:
+            if shared.get(key) == alias:
+                del shared[key]
+                shared[alias] = key
+        return shared
 
     @property
     def cast(self) -> tuple[list[str], list[str]]:

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..advice import Promise, Suggestion, fix_suggestions, shell_path
 from ..analyze import human_bytes
-from ..compare import exact_keys_regex
+from ..transforms import exact_keys_regex
 from ..errors import percent
 from ..verify import RunResult, Status, VerifyReport
 from .columns import draw_table
