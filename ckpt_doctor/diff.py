@@ -1029,6 +1029,15 @@ def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, tran
         mapping, flags, a_root = match_names(a, b, str(b_path), policy)
     a_tensors = {t.key: t for t in relative_to_root(a.tensors, a_root)}
     b_tensors = {t.key: t for t in relative_to_root(b.tensors, compared_root(b))}
+    # a name a safetensors side holds once (fix's ckpt_doctor.tied) is compared as the tensor it is: an untied copy
+    # against its tied export is the same weights
+    for alias, key in b.recorded_ties:
+        if alias not in b_tensors and key in b_tensors and alias in mapping.values():
+            b_tensors[alias] = b_tensors[key]
+    for alias, key in a.recorded_ties:
+        if alias not in a_tensors and key in a_tensors and alias in b_tensors and alias not in mapping:
+            a_tensors[alias] = a_tensors[key]
+            mapping[alias] = alias
     bits = (_bits_under(a, a_root), _bits_under(b, compared_root(b)))
     rows: list[TensorDiff] = []
     done: set[str] = set()

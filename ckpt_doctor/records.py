@@ -627,6 +627,16 @@ class Checkpoint:
                         f"{action}" + (f". {way_out}" if way_out else ""), names, reruns=reruns)
 
     @property
+    def recorded_ties(self) -> tuple[tuple[str, str], ...]:
+        """(alias, key) for each tied name a safetensors file holds once, as `fix` records them in its header
+        (`ckpt_doctor.tied`: alias=key,…): the alias is the tensor of key."""
+        text = self.metadata.get("ckpt_doctor.tied") if self.format is Format.SAFETENSORS else None
+        if not isinstance(text, str):
+            return ()
+        pairs = (entry.partition("=") for entry in text.split(","))
+        return tuple((alias, key) for alias, sep, key in pairs if sep and alias and key)
+
+    @property
     def big_endian(self) -> bool:
         """Saved on a big-endian machine (its `byteorder` record): its tensor bytes are not little-endian ones."""
         return any(n.startswith("saved on a big-endian machine") for n in self.notes)

@@ -612,9 +612,10 @@ def test_a_cast_that_kept_every_value_is_said_as_such(tmp_path):
 
 
 def test_a_tied_model_and_its_safetensors_copy_are_the_same_weights(tmp_path):
-    """safetensors stores a tied tensor once (fix, save_pretrained): the name the .pt holds as embed.weight's tensor
+    """safetensors stores a tied tensor once (save_pretrained, fix): the name the .pt holds as embed.weight's tensor
     is `tied`, not `only in A`, and the two files are the same weights (exit 0, as the docs say of `diff model.pt
-    model.safetensors`), either way round; a name the copy lacks that is no tie still makes them differ."""
+    model.safetensors`), either way round; an untied copy against fix's export, whose header records the tie, too;
+    a name the copy lacks that is no tie still makes them differ."""
     from torch import nn
 
     class LM(nn.Module):
@@ -625,10 +626,13 @@ def test_a_tied_model_and_its_safetensors_copy_are_the_same_weights(tmp_path):
             self.lm_head = nn.Linear(4, 10, bias=False)
             self.lm_head.weight = self.embed.weight
 
+    from safetensors.torch import save_file
+
     torch.manual_seed(0)
     pt, st = tmp_path / "lm.pt", tmp_path / "lm.safetensors"
     torch.save(LM().state_dict(), pt)
-    assert run_cli("fix", pt, "-o", st).exit_code == 0
+    # as save_pretrained writes it: the tied name left out, nothing in the header says so
+    save_file({k: v for k, v in torch.load(pt, weights_only=True).items() if k != "lm_head.weight"}, str(st))
     for a, b, holder in ((pt, st, "A"), (st, pt, "B")):
         result = run_cli("diff", a, b, "--json")
         assert result.exit_code == 0, result.stderr
@@ -637,6 +641,13 @@ def test_a_tied_model_and_its_safetensors_copy_are_the_same_weights(tmp_path):
         [tied] = [t for t in data["tensors"] if t["status"] == "tied"]
         assert (tied["key"], tied["tied_to"]) == ("lm_head.weight", "embed.weight")
         assert f"lm_head.weight (embed.weight's tensor in {holder}, stored once in" in result.stderr
+    untied = tmp_path / "untied.pt"  # two storages, the same bytes; its export stores lm_head.weight once
+    torch.save({k: v.clone() for k, v in torch.load(pt, weights_only=True).items()}, untied)
+    assert run_cli("fix", untied, "-o", tmp_path / "export.safetensors", "--tie", "lm_head.weight=embed.weight"
+                   ).exit_code == 0
+    for a, b in ((untied, tmp_path / "export.safetensors"), (tmp_path / "export.safetensors", untied)):
+        result = run_cli("diff", a, b, "--json")  # the header's record of the tie (ckpt_doctor.tied) is read
+        assert result.exit_code == 0 and result.json()["counts"]["identical"] == 4, result.stderr
     state = LM().state_dict()
     state.pop("norm.bias")
     torch.save(state, tmp_path / "less.pt")

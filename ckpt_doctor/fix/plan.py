@@ -197,13 +197,11 @@ def recorded_ties(ckpt: Checkpoint, mapping: dict[str, str], renames: list[Trans
     """The ties a safetensors header fix wrote records (`ckpt_doctor.tied`: alias=key, the alias stored once as
     key), under the output's names, to be written as ties again: a round trip through safetensors keeps both names.
     None of an alias the drops leave out, or where names are placed by position (--map-by-order)."""
-    text = ckpt.metadata.get("ckpt_doctor.tied") if ckpt.format is Format.SAFETENSORS else None
-    if not isinstance(text, str) or opts.map_by_order:
+    if opts.map_by_order:
         return ()
     found = []
-    for entry in text.split(","):
-        alias, sep, key = entry.partition("=")
-        if not sep or key not in mapping or alias in mapping or is_dropped(alias, drops):
+    for alias, key in ckpt.recorded_ties:
+        if key not in mapping or alias in mapping or is_dropped(alias, drops):
             continue
         try:
             new = plan_keys([alias], renames).mapping.get(alias)
