@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from fixtures.models import RenamedCNN, SmallCNN, TinyTransformer, make_cnn
 
@@ -172,6 +172,12 @@ def test_a_tie_safetensors_stored_once_is_one_storage_again_back_in_torch_format
     assert again["tied"] == {"m.lm_head.weight": "m.embed.weight"}
     with safe_open(str(tmp_path / "renamed.safetensors"), "pt") as f:
         assert f.metadata()["ckpt_doctor.tied"] == "m.lm_head.weight=m.embed.weight"
+    with safe_open(str(tmp_path / "lm.safetensors"), "pt") as f:  # a header naming a key no module could have
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(tmp_path / "odd.safetensors"),
+              metadata={"ckpt_doctor.tied": "a..b=embed.weight,lm_head.weight=embed.weight"})
+    odd = run_fix(cli, tmp_path / "odd.safetensors", tmp_path / "odd.pt")
+    assert odd["tied"] == {"lm_head.weight": "embed.weight"}  # written as a tie; `a..b` is not written
     dropped = run_fix(cli, tmp_path / "lm.safetensors", tmp_path / "headless.pt", "--drop", "^lm_head")
     assert "lm_head.weight" not in torch.load(tmp_path / "headless.pt", weights_only=True) and not dropped["tied"]
 

@@ -30,7 +30,7 @@ from ..records import (
 from ..safepickle.plain import PLAIN_NAMES
 from ..safepickle.policy import Policy, resolve
 from ..safepickle.unpickler import Opaque, RawTensor, SizeValue
-from ..transforms import Op, Transform, drop, exact_keys_regex, plan_keys
+from ..transforms import Op, Transform, drop, exact_keys_regex, plan_keys, well_formed
 from ..tree import join
 from .keys import device_for, map_by_order, module_versions, note_idle_devices, tie
 from .options import FixOptions, OutputFormat, output_format
@@ -201,8 +201,8 @@ def recorded_ties(ckpt: Checkpoint, mapping: dict[str, str], renames: list[Trans
         return ()
     found = []
     for alias, key in ckpt.recorded_ties:
-        if key not in mapping or alias in mapping or is_dropped(alias, drops):
-            continue
+        if key not in mapping or alias in mapping or not well_formed(alias) or is_dropped(alias, drops):
+            continue  # (a header is the file's word: a name no module could have is not written)
         try:
             new = plan_keys([alias], renames).mapping.get(alias)
         except CkptDoctorError:  # a name the renames would make malformed: left as the header records it
