@@ -626,15 +626,18 @@ class Checkpoint:
         raise ReadError(f"{self.path}: would run code under torch.load(weights_only=False) ({shown}); refusing to "
                         f"{action}" + (f". {way_out}" if way_out else ""), names, reruns=reruns)
 
-    @property
-    def recorded_ties(self) -> tuple[tuple[str, str], ...]:
+    def recorded_ties(self, root: str | None = "") -> tuple[tuple[str, str], ...]:
         """(alias, key) for each tied name a safetensors file holds once, as `fix` records them in its header
-        (`ckpt_doctor.tied`: alias=key,…): the alias is the tensor of key."""
+        (`ckpt_doctor.tied`: alias=key,…, the alias the tensor of key): those of both names under `root`, named
+        relative to it (as the state_dict there is keyed)."""
         text = self.metadata.get("ckpt_doctor.tied") if self.format is Format.SAFETENSORS else None
-        if not isinstance(text, str):
+        if not isinstance(text, str) or root is None:
             return ()
+        prefix = root + "." if root else ""
         pairs = (entry.partition("=") for entry in text.split(","))
-        return tuple((alias, key) for alias, sep, key in pairs if sep and alias and key)
+        return tuple((alias[len(prefix):], key[len(prefix):]) for alias, sep, key in pairs
+                     if sep and alias.startswith(prefix) and key.startswith(prefix)
+                     and len(alias) > len(prefix) and len(key) > len(prefix))
 
     @property
     def big_endian(self) -> bool:

@@ -653,3 +653,16 @@ def test_a_tied_model_and_its_safetensors_copy_are_the_same_weights(tmp_path):
     torch.save(state, tmp_path / "less.pt")
     lacking = run_cli("diff", pt, tmp_path / "less.pt", "--json")
     assert lacking.exit_code == 1 and lacking.json()["counts"]["only-a"] == 1
+
+
+def test_a_header_alone_makes_no_tie(tmp_path):
+    """A safetensors header's ckpt_doctor.tied names the alias as the key's tensor, compared where the other side has
+    that name; it never makes the other side's names one tensor: {x} against {y} with the header x=y differ (they
+    were called identical, `y` 'tied' to a name B only had in its header)."""
+    from safetensors.torch import save_file
+
+    torch.save({"x": torch.arange(4.0)}, tmp_path / "a.pt")
+    save_file({"y": torch.arange(4.0)}, str(tmp_path / "b.safetensors"), metadata={"ckpt_doctor.tied": "x=y"})
+    for a, b in (("a.pt", "b.safetensors"), ("b.safetensors", "a.pt")):
+        result = run_cli("diff", tmp_path / a, tmp_path / b, "--json")
+        assert result.exit_code == 1 and result.json()["counts"]["tied"] == 0, result.stderr

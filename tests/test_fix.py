@@ -178,6 +178,15 @@ def test_a_tie_safetensors_stored_once_is_one_storage_again_back_in_torch_format
               metadata={"ckpt_doctor.tied": "a..b=embed.weight,lm_head.weight=embed.weight"})
     odd = run_fix(cli, tmp_path / "odd.safetensors", tmp_path / "odd.pt")
     assert odd["tied"] == {"lm_head.weight": "embed.weight"}  # written as a tie; `a..b` is not written
+    # under --select the header's names are the file's paths: those under the part written, relative to it; a chain
+    # b=a, a=y is followed
+    save_file({"y": torch.zeros(2), "model.y": torch.ones(2)}, str(tmp_path / "sel.safetensors"),
+              metadata={"ckpt_doctor.tied": "x=y,model.a=model.y,model.b=model.a"})
+    sel = run_fix(cli, tmp_path / "sel.safetensors", tmp_path / "sel.pt", "--select", "model")
+    assert sel["tied"] == {"a": "y", "b": "y"} or sel["tied"] == {"a": "y", "b": "a"}, sel["tied"]
+    loaded = torch.load(tmp_path / "sel.pt", weights_only=True)
+    assert sorted(loaded) == ["a", "b", "y"] and torch.equal(loaded["b"], torch.ones(2))
+    assert loaded["a"].data_ptr() == loaded["b"].data_ptr() == loaded["y"].data_ptr()
     dropped = run_fix(cli, tmp_path / "lm.safetensors", tmp_path / "headless.pt", "--drop", "^lm_head")
     assert "lm_head.weight" not in torch.load(tmp_path / "headless.pt", weights_only=True) and not dropped["tied"]
 

@@ -146,12 +146,14 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
     state = kind((new, out_tensor(out_prefix + new, by_key[old])) for old, new in mapping.items())
     if versions is not None:
         state._metadata = versions  # type: ignore[attr-defined]
-    recorded = recorded_ties(ckpt, mapping, renames, drops, opts)
+    recorded = recorded_ties(ckpt, scope.root, mapping, renames, drops, opts)
     ties = tie(state, opts.ties + recorded, out_prefix, draft.notes, draft.applied, user_ties, scope.prefix)
-    restored = [f"{alias} = {key}" for alias, key in ties if (alias, key) in recorded]
-    if restored and fmt is not OutputFormat.SAFETENSORS:
+    if recorded and fmt is not OutputFormat.SAFETENSORS:
+        header = set(recorded)
+        restored = [f"{alias} = {key}" for alias, key in ties if (alias, key) in header]
+        more = f", … {len(restored) - 4} more" if len(restored) > 4 else ""
         draft.notes.append("the ties the safetensors header records (ckpt_doctor.tied, written by fix) are written "
-                           f"as one storage again: {', '.join(restored)}")
+                           f"as one storage again: {', '.join(restored[:4])}{more}")
     extra_renamed: dict[str, str] = {}  # state_dict entries that are no tensors, renamed with the tensors
     if scope.flat_output:
         tree, outs, mapping, extra_renamed, written = flat_tree(ckpt, scope, state, mapping, drops, renames,
@@ -192,23 +194,27 @@ def plan_fix(ckpt: Checkpoint, output: Path, opts: FixOptions) -> FixPlan:
                    tuple(draft.ambiguous), policy, dtype=opts.dtype, ties=tuple(ties))
 
 
-def recorded_ties(ckpt: Checkpoint, mapping: dict[str, str], renames: list[Transform], drops: list[Transform],
-                  opts: FixOptions) -> tuple[tuple[str, str], ...]:
+def recorded_ties(ckpt: Checkpoint, root: str, mapping: dict[str, str], renames: list[Transform],
+                  drops: list[Transform], opts: FixOptions) -> tuple[tuple[str, str], ...]:
     """The ties a safetensors header fix wrote records (`ckpt_doctor.tied`: alias=key, the alias stored once as
-    key), under the output's names, to be written as ties again: a round trip through safetensors keeps both names.
-    None of an alias the drops leave out, or where names are placed by position (--map-by-order)."""
+    key) under the state_dict written (`root`), under the output's names, to be written as ties again: a round trip
+    through safetensors keeps both names. A chain (b=a, a=y) is followed; none of an alias the drops leave out, of
+    a name no module could have (a header is the file's word), or where names are placed by position."""
     if opts.map_by_order:
         return ()
     found = []
-    for alias, key in ckpt.recorded_ties:
-        if key not in mapping or alias in mapping or not well_formed(alias) or is_dropped(alias, drops):
-            continue  # (a header is the file's word: a name no module could have is not written)
+    names = dict(mapping)  # the file's names → the output's, the aliases written so far among them
+    for alias, key in ckpt.recorded_ties(root):
+        if key not in names or alias in names or not well_formed(alias) or is_dropped(alias, drops) \
+                or root and is_dropped(f"{root}.{alias}", drops):
+            continue
         try:
             new = plan_keys([alias], renames).mapping.get(alias)
         except CkptDoctorError:  # a name the renames would make malformed: left as the header records it
             continue
         if new is not None:
-            found.append((new, mapping[key]))
+            found.append((new, names[key]))
+            names[alias] = new
     return tuple(found)
 
 
