@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from .assemble import assembled_bytes
 from .dtypes import QUANTIZED, element_size, tensor_bytes  # noqa: F401  (tensor_bytes: re-exported)
 from .errors import ReadError
-from .readers.source import close_source, is_url, open_source
+from .readers.source import close_source, is_url, open_source, same_bytes
 from .readers.zipindex import inflated_range
 from .records import StorageRecord, TensorRecord
 
@@ -47,24 +47,15 @@ def read_bytes(record: TensorRecord) -> bytes | bytearray:
     return data
 
 
-def same_values(a: TensorRecord, b: TensorRecord, window: int = 1 << 24) -> bool:
+def same_values(a: TensorRecord, b: TensorRecord) -> bool:
     """Whether two tensors hold the same elements: one dtype, shape and layout, and the same bytes, compared a
-    window at a time where both are plain bytes of a local file (memory stays flat whatever their size)."""
+    megabyte at a time where both are stored as they are (memory stays flat whatever their size)."""
     if (a.dtype, a.shape, a.stride) != (b.dtype, b.shape, b.stride) or a.storage is None or b.storage is None:
         return False
-    size = a.span_bytes
-    plain = [r.storage.assembly is None and not r.storage.deflated and not is_url(r.storage.file) for r in (a, b)]
-    if not all(plain):
+    if any(r.storage.assembly is not None or r.storage.deflated for r in (a, b)):
         return read_bytes(a) == read_bytes(b)
-    with open(a.storage.file, "rb") as fa, open(b.storage.file, "rb") as fb:
-        for done in range(0, size, window):
-            n = min(window, size - done)
-            left, right = os.pread(fa.fileno(), n, a.file_offset + done), os.pread(fb.fileno(), n, b.file_offset + done)
-            if len(left) < n or len(right) < n:
-                raise ReadError(f"{a.storage.file}: {a.key} or {b.key} is cut short")
-            if left != right:
-                return False
-    return True
+    return same_bytes(a.storage.file, a.file_offset, b.storage.file, b.file_offset, a.span_bytes,
+                      cut_short=f"{a.storage.file}: {a.key} or {b.key}")
 
 
 def remote_bytes(src: Any, start: int, size: int, what: str) -> bytearray:

@@ -1137,26 +1137,7 @@ def _same_range(folder: Path, a: tuple, b: tuple) -> bool:
         return True
     if a[2] != b[2] or a[3] != b[3]:
         return False
-    return _same_bytes(folder / a[0], a[1], folder / b[0], b[1], a[2])
-
-
-def _same_bytes(path_a: Path, at_a: int, path_b: Path, at_b: int, n: int) -> bool:
-    fa = open_source(path_a)
-    try:
-        fb = open_source(path_b)
-        try:
-            done = 0
-            while done < n:
-                step = min(1 << 20, n - done)
-                x, y = read_data(fa, step, at_a + done), read_data(fb, step, at_b + done)
-                if x != y or len(x) != step:
-                    return False
-                done += step
-        finally:
-            close_source(fb)
-    finally:
-        close_source(fa)
-    return True
+    return source.same_bytes(folder / a[0], a[1], folder / b[0], b[1], a[2])
 
 
 def _same_piece(a: Piece, b: Piece, dtype: str) -> bool:
@@ -1166,7 +1147,7 @@ def _same_piece(a: Piece, b: Piece, dtype: str) -> bool:
 
     nbytes = prod(a.sizes) * element_size(dtype)
     if is_contiguous(a) and is_contiguous(b):
-        return (a.file, a.offset) == (b.file, b.offset) or _same_bytes(a.file, a.offset, b.file, b.offset, nbytes)
+        return (a.file, a.offset) == (b.file, b.offset) or source.same_bytes(a.file, a.offset, b.file, b.offset, nbytes)
     fds = [open_source(p.file) for p in (a, b)]
     try:
         return read_piece(a, dtype, fds[0]) == read_piece(b, dtype, fds[1])

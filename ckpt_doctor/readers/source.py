@@ -213,6 +213,29 @@ def close_source(src: Any) -> None:
         os.close(src)
 
 
+def same_bytes(path_a: Any, at_a: int, path_b: Any, at_b: int, n: int, cut_short: str = "") -> bool:
+    """Whether `n` bytes at `at_a` of one file (or URL) are those at `at_b` of another, read a megabyte at a time.
+    A read cut short is a difference, or, given `cut_short` (what is read, for the message), a ReadError."""
+    fa = open_source(path_a)
+    try:
+        fb = open_source(path_b)
+        try:
+            done = 0
+            while done < n:
+                step = min(1 << 20, n - done)
+                x, y = read_data(fa, step, at_a + done), read_data(fb, step, at_b + done)
+                if (len(x) != step or len(y) != step) and cut_short:
+                    raise ReadError(f"{cut_short} is cut short")
+                if x != y or len(x) != step:
+                    return False
+                done += step
+        finally:
+            close_source(fb)
+    finally:
+        close_source(fa)
+    return True
+
+
 def usage() -> dict[str, int] | None:
     """Bytes and requests of every remote read this process made, and the objects' sizes; None when none."""
     if not _OPEN and not _LISTED:
