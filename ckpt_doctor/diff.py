@@ -387,7 +387,7 @@ def pair_stats(a: Any, b: Any, atol: float = 0.0, rtol: float = 0.0) -> PairStat
     import torch
 
     def flat(t: Any) -> Any:
-        if t.is_complex():  # its real and imaginary parts, each an element: ‖Δ‖ and the cosine are the complex ones
+        if t.is_complex():  # real and imaginary parts, each an element: ‖Δ‖ and the cosine are the complex ones
             t = torch.view_as_real(t.resolve_conj())
         t = t.detach().reshape(-1).contiguous()
         try:
@@ -1029,17 +1029,22 @@ def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, tran
         mapping, flags, a_root = match_names(a, b, str(b_path), policy)
     a_tensors = {t.key: t for t in relative_to_root(a.tensors, a_root)}
     b_tensors = {t.key: t for t in relative_to_root(b.tensors, compared_root(b))}
-    groups = (_tie_groups(a_tensors), _tie_groups(b_tensors))  # the names each file itself holds as one tensor
+    real = (a_tensors, b_tensors)  # each file's own names: a header's record of a tie makes no tie (_stored_once)
     # a name a safetensors side holds once (fix's ckpt_doctor.tied) is compared as the tensor it is, where the other
     # side has that name: an untied copy against its tied export is the same weights
-    targets = set(mapping.values())
-    for alias, key in b.recorded_ties(compared_root(b)):
-        if alias not in b_tensors and key in b_tensors and alias in targets:
-            b_tensors[alias] = b_tensors[key]
-    for alias, key in a.recorded_ties(a_root):
-        if alias not in a_tensors and key in a_tensors and alias in b_tensors and alias not in mapping:
-            a_tensors[alias] = a_tensors[key]
-            mapping[alias] = alias
+    recorded = b.recorded_ties(compared_root(b))
+    if recorded:
+        b_tensors, targets = dict(b_tensors), set(mapping.values())
+        for alias, key in recorded:
+            if alias not in b_tensors and key in b_tensors and alias in targets:
+                b_tensors[alias] = b_tensors[key]
+    recorded = a.recorded_ties(a_root)
+    if recorded:
+        a_tensors = dict(a_tensors)
+        for alias, key in recorded:
+            if alias not in a_tensors and key in a_tensors and alias in b_tensors and alias not in mapping:
+                a_tensors[alias] = a_tensors[key]
+                mapping[alias] = alias
     bits = (_bits_under(a, a_root), _bits_under(b, compared_root(b)))
     rows: list[TensorDiff] = []
     done: set[str] = set()
@@ -1078,7 +1083,7 @@ def _diff(a_path: str | Path, b_path: str | Path, atol: float, rtol: float, tran
                 ahead.close()
             mapped.close()
     rows += [TensorDiff(k, None, "only-b", None, t.shape, None, t.dtype) for k, t in b_tensors.items() if k not in done]
-    rows = _stored_once(rows, *groups)
+    rows = _stored_once(rows, *real)
     return DiffReport(a, b, tuple(rows), flags, a_root, compared_root(b), atol, rtol, tuple(_bn_drift(rows)),
                       names_given=bool(transforms))
 
@@ -1091,16 +1096,17 @@ def _bits_under(ckpt: Checkpoint, root: str | None) -> dict[str, str]:
     return {k[len(prefix):]: v for k, v in ckpt.value_bits.items() if k.startswith(prefix)}
 
 
-def _stored_once(rows: list[TensorDiff], a_groups: dict[str, tuple[str, ...]],
-                 b_groups: dict[str, tuple[str, ...]]) -> list[TensorDiff]:
+def _stored_once(rows: list[TensorDiff], a_tensors: dict[str, TensorRecord],
+                 b_tensors: dict[str, TensorRecord]) -> list[TensorDiff]:
     """A name one side holds as the tensor of another (tied weights: lm_head.weight, embed.weight) and the other side
     lacks, where that tensor was compared under the other name: `tied`, not a difference. safetensors stores a
     tied tensor once (fix, save_pretrained), so a tied model and its safetensors copy are the same weights. The
-    groups are each file's own (_tie_groups), never a header's record of a tie (a header alone makes no tie)."""
+    tensors are each file's own, never a header's record of a tie (a header alone makes no tie)."""
     if not any(r.status in ("only-a", "only-b") for r in rows):
         return rows
     compared = [r for r in rows if r.stats is not None]
-    sides = {"only-a": (a_groups, {r.a_key for r in compared}), "only-b": (b_groups, {r.key for r in compared})}
+    sides = {"only-a": (_tie_groups(a_tensors), {r.a_key for r in compared}),
+             "only-b": (_tie_groups(b_tensors), {r.key for r in compared})}
     out = []
     for r in rows:
         if r.status in sides:

@@ -63,7 +63,8 @@ def tie(state: "OrderedDict[str, OutTensor]", ties: tuple[tuple[str, str], ...],
                 continue  # already one tensor under both names
             if not same_values(own, kept):  # a tie keeps one of the two: which one is the user's to say
                 raise _keep_which(alias, key, source_prefix + own.key, source_prefix + kept.key, ties)
-            notes.append(f"{alias} held a copy of {key} (the same bytes): written as that tensor, the tie losing nothing")
+            notes.append(f"{alias} held a copy of {key} (the same bytes): written as that tensor, the tie losing "
+                         "nothing")
         source = state[key]
         state[alias] = OutTensor(out_prefix + alias, source.source, source.dtype, source.device)
         done.append((alias, key))

@@ -53,7 +53,7 @@ def plain_value(obj: Any) -> Any:
 
         return str((PurePosixPath if name in POSIX_PATHS else PureWindowsPath)(*data.args))
     if name in SCALARS and data.state is None and len(data.args) == 2 and data.via_reduce \
-            and data.args_built is not None and data.args_built[0] == 1:  # its dtype given its one BUILD before the scalar was made, none after
+            and data.args_built is not None and data.args_built[0] == 1:  # its dtype's one BUILD came before it
         return _scalar(*data.args)
     return NOT_PLAIN
 
@@ -93,11 +93,11 @@ def plain_text(obj: Any) -> str | None:
     value = plain_value(obj)
     if value is NOT_PLAIN or isinstance(value, dict):
         return None
-    narrow = _NARROW.get(obj.ckd.args[0].ckd.args[0]) if type(value) is float and obj.ckd.args else None
-    return f"<{plain_kind(obj)} {value if narrow is None else _shortest(value, narrow)}>"
+    code = obj.ckd.args[0].ckd.args[0] if type(value) is float else None  # (a float comes of a scalar only)
+    return f"<{plain_kind(obj)} {_shortest(value, '<' + _FORMATS[code]) if code in _NARROW else value}>"
 
 
-_NARROW = {"f4": "<f", "f2": "<e"}  # float32, float16: shown with the digits that read back as the same value
+_NARROW = ("f4", "f2")  # float32, float16: shown with the digits that read back as the same value
 
 
 def _shortest(value: float, fmt: str) -> str:
