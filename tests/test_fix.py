@@ -192,7 +192,10 @@ def test_a_tie_safetensors_stored_once_is_one_storage_again_back_in_torch_format
 
 
 def test_tied_weights_stay_shared_in_torch_format(fixtures, cli, tmp_path):
-    run_fix(cli, fixtures["tied"]["path"], tmp_path / "lm.pt", "--add-prefix", "model.")
+    data = run_fix(cli, fixtures["tied"]["path"], tmp_path / "lm.pt", "--add-prefix", "model.")
+    assert data["tied"] == {"model.lm_head.weight": "model.embed.weight"}
+    said = cli("fix", fixtures["tied"]["path"], "-o", tmp_path / "again.pt", "--add-prefix", "model.").stderr
+    assert "1 tied (model.lm_head.weight = model.embed.weight)" in said, said  # the summary names what --json does
     sd = torch.load(tmp_path / "lm.pt", weights_only=True)
     assert sd["model.embed.weight"].data_ptr() == sd["model.lm_head.weight"].data_ptr()
     data = cli("inspect", tmp_path / "lm.pt", "--json").json()

@@ -94,9 +94,9 @@ def _dropped(plan: FixPlan) -> str:
 
 
 def _tied(plan: FixPlan) -> str:
-    """`, 1 tied (lm_head.weight = embed.weight)`: the names --tie (or --auto) wrote as another's tensor; in
-    safetensors every tied name, stored once."""
-    ties, how = (list(plan.tied.items()), "tied, stored once") if plan.tied else (list(plan.ties), "tied")
+    """`, 1 tied (lm_head.weight = embed.weight)`: the names the output holds as another's tensor, as --json `tied`
+    lists them (written by --tie or as the file had them; in safetensors stored once)."""
+    ties, how = list(plan.shared.items()), "tied, stored once" if plan.tied else "tied"
     if not ties:
         return ""
     shown = ", ".join(f"{alias} = {key}" for alias, key in ties[:4])
